@@ -1,0 +1,167 @@
+"""Thin boto3 adapter for an S3 (or S3-compatible) prefix: fail-fast probe, transfers, listing."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlparse
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from boto3.exceptions import Boto3Error
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+_MISSING = ("404", "NoSuchKey", "NotFound")
+
+
+@dataclass(frozen=True)
+class S3Location:
+    """`s3://bucket/prefix` split into its parts."""
+
+    bucket: str
+    prefix: str
+
+    @classmethod
+    def parse(cls, uri: str) -> S3Location:
+        parsed = urlparse(uri)
+        if parsed.scheme != "s3" or not parsed.netloc:
+            raise ValueError(f"not an s3://bucket/prefix URI: {uri!r}")
+        return cls(parsed.netloc, parsed.path.strip("/"))
+
+    @property
+    def uri(self) -> str:
+        return f"s3://{self.bucket}/{self.prefix}" if self.prefix else f"s3://{self.bucket}"
+
+
+def resolve_endpoint(endpoint_url: str | None) -> str | None:
+    """Explicit endpoint > AWS_ENDPOINT_URL_S3 > MLFLOW_S3_ENDPOINT_URL > None (AWS)."""
+    return endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("MLFLOW_S3_ENDPOINT_URL") or None
+
+
+def _config(endpoint_url: str | None, *, attempts: int, connect_timeout: float, read_timeout: float) -> Config:
+    return Config(
+        retries={"mode": "standard", "max_attempts": attempts},
+        connect_timeout=connect_timeout,
+        read_timeout=read_timeout,
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        s3={"addressing_style": "path"} if endpoint_url else {},
+    )
+
+
+class S3Store:
+    """Objects under one bucket/prefix; keys passed in and out are relative to the prefix."""
+
+    def __init__(
+        self,
+        location: S3Location,
+        *,
+        endpoint_url: str | None = None,
+        region: str | None = None,
+        multipart_threshold: int = 64 * 1024 * 1024,
+        multipart_chunksize: int = 16 * 1024 * 1024,
+        error: type[Exception] = RuntimeError,
+    ) -> None:
+        self.location = location
+        self.endpoint_url = resolve_endpoint(endpoint_url)
+        self.region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
+        self._error = error
+        self._session = boto3.session.Session(region_name=self.region)
+        self.client = self._client(attempts=5, connect_timeout=10, read_timeout=120)
+        self.transfer = TransferConfig(
+            multipart_threshold=multipart_threshold, multipart_chunksize=multipart_chunksize, max_concurrency=4
+        )
+
+    def _client(self, *, attempts: int, connect_timeout: float, read_timeout: float):
+        config = _config(self.endpoint_url, attempts=attempts, connect_timeout=connect_timeout, read_timeout=read_timeout)
+        return self._session.client("s3", endpoint_url=self.endpoint_url, config=config)
+
+    @property
+    def endpoint(self) -> str:
+        return self.client.meta.endpoint_url
+
+    def _key(self, key: str) -> str:
+        return f"{self.location.prefix}/{key}" if self.location.prefix else key
+
+    @contextlib.contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except NoCredentialsError as exc:
+            raise self._error(f"no AWS credentials to {what} at S3 endpoint {self.endpoint}: {exc}") from exc
+        except (BotoCoreError, ClientError, Boto3Error) as exc:
+            raise self._error(f"cannot {what} at S3 endpoint {self.endpoint}: {exc}") from exc
+
+    def probe(self) -> None:
+        """HEAD the bucket with one short attempt: unreachable endpoint or missing bucket fails in seconds."""
+        bucket = self.location.bucket
+        client = self._client(attempts=1, connect_timeout=3, read_timeout=10)
+        try:
+            client.head_bucket(Bucket=bucket)
+        except ClientError as exc:
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            if code in ("404", "NoSuchBucket", "NotFound"):
+                raise self._error(f"bucket '{bucket}' does not exist at {self.endpoint}") from exc
+            if code in ("403", "AccessDenied"):
+                raise self._error(f"access to bucket '{bucket}' at {self.endpoint} is denied") from exc
+            raise self._error(f"cannot access bucket '{bucket}' at {self.endpoint}: {exc}") from exc
+        except NoCredentialsError as exc:
+            raise self._error(f"no AWS credentials for S3 endpoint {self.endpoint}: {exc}") from exc
+        except BotoCoreError as exc:
+            raise self._error(f"cannot reach S3 endpoint {self.endpoint}: {exc}") from exc
+
+    def upload_file(self, local: Path, key: str) -> None:
+        """Upload through the transfer manager (multipart above the threshold)."""
+        with self._errors(f"upload {local} to s3://{self.location.bucket}/{self._key(key)}"):
+            self.client.upload_file(str(local), self.location.bucket, self._key(key), Config=self.transfer)
+
+    def download_file(self, key: str, local: Path) -> bool:
+        """Download `key` to `local`; False if it does not exist."""
+        local.parent.mkdir(parents=True, exist_ok=True)
+        with self._errors(f"download s3://{self.location.bucket}/{self._key(key)}"):
+            try:
+                self.client.download_file(self.location.bucket, self._key(key), str(local), Config=self.transfer)
+            except ClientError as exc:
+                if str(exc.response.get("Error", {}).get("Code", "")) in _MISSING:
+                    return False
+                raise
+        return True
+
+    def put_bytes(self, key: str, data: bytes) -> None:
+        with self._errors(f"write s3://{self.location.bucket}/{self._key(key)}"):
+            self.client.put_object(Bucket=self.location.bucket, Key=self._key(key), Body=data)
+
+    def get_bytes(self, key: str) -> bytes | None:
+        """Object body, or None if it does not exist."""
+        with self._errors(f"read s3://{self.location.bucket}/{self._key(key)}"):
+            try:
+                response = self.client.get_object(Bucket=self.location.bucket, Key=self._key(key))
+            except ClientError as exc:
+                if str(exc.response.get("Error", {}).get("Code", "")) in _MISSING:
+                    return None
+                raise
+            return response["Body"].read()
+
+    def list_keys(self, prefix: str = "") -> list[str]:
+        """Keys (relative to the store prefix) that start with `prefix`, sorted."""
+        base = self._key("") if self.location.prefix else ""
+        keys = []
+        with self._errors(f"list s3://{self.location.bucket}/{base}{prefix}"):
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.location.bucket, Prefix=base + prefix
+            )
+            for page in pages:
+                keys.extend(obj["Key"][len(base) :] for obj in page.get("Contents", []))
+        return sorted(keys)
+
+    def delete_keys(self, keys: list[str]) -> None:
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": self._key(k)} for k in keys[start : start + 1000]]
+            with self._errors(f"delete objects in s3://{self.location.bucket}/{self.location.prefix}"):
+                response = self.client.delete_objects(Bucket=self.location.bucket, Delete={"Objects": batch})
+            if response.get("Errors"):
+                raise self._error(f"cannot delete objects at {self.endpoint}: {response['Errors'][:3]}")

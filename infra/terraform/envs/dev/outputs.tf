@@ -1,0 +1,79 @@
+output "region" {
+  description = "AWS region of the environment."
+  value       = var.region
+}
+
+output "cluster_name" {
+  description = "EKS cluster name (aws eks update-kubeconfig --name <this>)."
+  value       = module.cluster.name
+}
+
+output "kubeconfig_command" {
+  description = "Command that writes a kubeconfig entry for the cluster."
+  value       = "aws eks update-kubeconfig --region ${var.region} --name ${module.cluster.name}"
+}
+
+output "bucket_name" {
+  description = "Artifacts bucket (checkpoints, MLflow artifacts)."
+  value       = module.artifacts.bucket_name
+}
+
+output "s3_prefix" {
+  description = "Key prefix in the bucket that the pod roles may use."
+  value       = module.iam.s3_prefix
+}
+
+output "actor_work_pool_name" {
+  description = "prefect.yaml work_pool.name of ppo/default and reinforce/default."
+  value       = module.prefect.actor_work_pool_name
+}
+
+output "critic_work_pool_name" {
+  description = "prefect.yaml work_pool.name of critic-server/default and reward-server/default."
+  value       = module.prefect.critic_work_pool_name
+}
+
+output "work_pool_job_variables" {
+  description = "Job variables each work pool accepts (keys allowed in prefect.yaml job_variables)."
+  value       = module.prefect.job_variables
+}
+
+output "namespace" {
+  description = "Kubernetes namespace of the flow-run jobs (job_variables.namespace)."
+  value       = var.namespace
+}
+
+output "actor_service_account_name" {
+  description = "job_variables.service_account_name of actor deployments."
+  value       = var.actor_service_account_name
+}
+
+output "critic_service_account_name" {
+  description = "job_variables.service_account_name of critic/reward deployments."
+  value       = var.critic_service_account_name
+}
+
+output "actor_role_arn" {
+  description = "IRSA role ARN of the actor service account."
+  value       = module.iam.actor_role_arn
+}
+
+output "critic_role_arn" {
+  description = "IRSA role ARN of the critic service account."
+  value       = module.iam.critic_role_arn
+}
+
+output "cluster_autoscaler_role_arn" {
+  description = "IRSA role ARN for the cluster autoscaler (helm value rbac.serviceAccount.annotations.eks\\.amazonaws\\.com/role-arn)."
+  value       = module.iam.cluster_autoscaler_role_arn
+}
+
+output "gpu_node_groups" {
+  description = "Map role -> GPU node group name."
+  value       = { for role, pool in module.gpu_pool : role => pool.node_group_name }
+}
+
+output "gpu_node_taint" {
+  description = "Taint carried by every GPU node (the job templates tolerate it)."
+  value       = module.gpu_pool["actor"].node_taint
+}

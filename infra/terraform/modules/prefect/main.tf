@@ -1,0 +1,54 @@
+locals {
+  pools = {
+    (var.actor_pool_name) = {
+      role                 = "actor"
+      service_account_name = var.actor_service_account_name
+      resources            = var.actor_resources
+      description          = "RLHF actor flows (PPO / REINFORCE policy rollouts and updates) on the actor GPU node group."
+    }
+    (var.critic_pool_name) = {
+      role                 = "critic"
+      service_account_name = var.critic_service_account_name
+      resources            = var.critic_resources
+      description          = "RLHF critic and reward model servers (PyTriton) on the critic GPU node group."
+    }
+  }
+
+  base_job_templates = {
+    for name, pool in local.pools : name => templatefile("${path.module}/templates/base_job_template.json.tftpl", {
+      pool_name                 = name
+      role                      = pool.role
+      image                     = var.image
+      namespace                 = var.namespace
+      service_account_name      = pool.service_account_name
+      gpu_count                 = pool.resources.gpu_count
+      cpu                       = pool.resources.cpu
+      memory                    = pool.resources.memory
+      shm_size                  = pool.resources.shm_size
+      env                       = var.env
+      pod_watch_timeout_seconds = var.pod_watch_timeout_seconds
+    })
+  }
+}
+
+resource "prefect_work_pool" "this" {
+  for_each = local.pools
+
+  name         = each.key
+  type         = "kubernetes"
+  description  = each.value.description
+  paused       = var.paused
+  workspace_id = var.workspace_id
+
+  concurrency_limit = lookup(var.concurrency_limits, each.key, null)
+
+  # Normalised through jsondecode/jsonencode so whitespace never shows up as a diff.
+  base_job_template = jsonencode(jsondecode(local.base_job_templates[each.key]))
+
+  lifecycle {
+    precondition {
+      condition     = var.actor_pool_name != var.critic_pool_name
+      error_message = "actor_pool_name and critic_pool_name must differ."
+    }
+  }
+}

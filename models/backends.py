@@ -1,0 +1,88 @@
+"""Critic and reward *backends*: what the training step talks to, in process or over HTTP.
+
+Both are asynchronous (every call returns a `concurrent.futures.Future`), so the PPO step can fire critic inference per
+rollout micro-batch while the actor computes logprobs, and run critic training while the actor trains. The HTTP
+implementations (components/clients.py) satisfy the same protocols against the PyTriton servers.
+Tensors use the wire layout: right-padded `tokens` [B, L] int64 with `lengths` [B] (prompt + response).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from models.critic import CriticTrainer
+from models.reward import RewardFn, reward_model_scores
+
+
+class CriticBackend(Protocol):
+    combined_reward: bool  # critic_infer also returns the reward model's score
+
+    def infer_async(self, tokens: Tensor, lengths: Tensor) -> "Future[tuple[Tensor, Tensor | None]]": ...
+
+    def train_async(self, tokens: Tensor, returns: Tensor, prev_values: Tensor, mask: Tensor) -> "Future[dict]": ...
+
+    def save(self) -> dict: ...
+
+
+class RewardBackend(Protocol):
+    def score_async(self, tokens: Tensor, lengths: Tensor, prompt_lengths: Tensor, prompts: list[str],
+                    responses: list[str]) -> "Future[Tensor]": ...
+
+
+class LocalCritic:
+    """The critic in this process, on one worker thread (ordered like the server's single lock)."""
+
+    def __init__(self, trainer: CriticTrainer):
+        self.trainer = trainer
+        self.combined_reward = trainer.reward_model is not None
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="critic")
+
+    def infer_async(self, tokens, lengths):
+        return self._pool.submit(self.trainer.infer, tokens, lengths)
+
+    def train_async(self, tokens, returns, prev_values, mask):
+        return self._pool.submit(self.trainer.train, tokens, returns.float(), prev_values.float(), mask.float())
+
+    def save(self) -> dict:
+        path = self._pool.submit(self.trainer.save).result()
+        return {"step": self.trainer.step, "path": str(path)}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class LocalRewardModel:
+    """A frozen sequence-classification reward model in this process."""
+
+    def __init__(self, model):
+        self.model = model
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="reward")
+
+    def score_async(self, tokens, lengths, prompt_lengths, prompts, responses):
+        device = next(self.model.parameters()).device
+        return self._pool.submit(lambda: reward_model_scores(self.model, tokens.to(device), lengths.to(device)).cpu())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class FunctionReward:
+    """A Python reward function over decoded text (verifiable rewards); computed at once, returned as a done future."""
+
+    def __init__(self, fn: RewardFn):
+        self.fn = fn
+
+    def score_async(self, tokens, lengths, prompt_lengths, prompts, responses):
+        future: Future = Future()
+        try:
+            future.set_result(torch.tensor(self.fn(prompts, responses), dtype=torch.float32))
+        except Exception as exc:  # noqa: BLE001 - delivered through the future like a remote error
+            future.set_exception(exc)
+        return future
+
+    def close(self) -> None:
+        pass

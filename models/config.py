@@ -1,0 +1,233 @@
+"""One pydantic config tree for every flow, server and script.
+
+Every field carries its default and a one-line description (shown in the Prefect UI form and by `rlhf config --show`).
+Defaults follow NeMo-Aligner where it has one (ratio_eps 0.2, gae_lambda 0.95, discount 1.0, initial KL 0.01,
+critic loss_clip_val 0.2, 4 rollouts per prompt for RLOO, grad clip 1.0). `preset("tiny")` is the embedded default that
+runs end to end on a 2-core CPU in minutes.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+
+STATE_DIR_ENV = "RLHF_STATE_DIR"
+
+
+def default_state_dir() -> Path:
+    """Where local state lives (models, checkpoints, Prefect/MLflow databases): $RLHF_STATE_DIR or ./.rlhf."""
+    return Path(os.environ.get(STATE_DIR_ENV, ".rlhf")).absolute()
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(_Section):
+    enabled: bool = Field(False, description="Train LoRA adapters instead of all weights; the reference is the actor with adapters disabled (no copy).")
+    r: PositiveInt = Field(8, description="LoRA rank.")
+    alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha.")
+    dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
+    target_modules: Optional[list[str]] = Field(None, description="Module names to adapt; None lets peft pick the architecture's default.")
+
+
+class ModelConfig(_Section):
+    policy: str = Field("tiny/policy", description="Actor checkpoint: a local directory or hub id loaded with from_pretrained. Relative paths resolve against <state_dir>/models.")
+    reward: str = Field("tiny/reward", description="Sequence-classification reward model (num_labels=1) for reward.source='model'.")
+    critic: Optional[str] = Field(None, description="Critic checkpoint (token-classification, num_labels=1); None initialises the critic from the reward model, as NeMo-Aligner does.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA settings for the actor.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of actor and critic.")
+    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'.")
+
+
+class GenerationConfig(_Section):
+    max_new_tokens: PositiveInt = Field(16, description="Longest response in tokens; a response without EOS by then is truncated (is_end=False).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; logprobs for training use the same temperature.")
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens (0 disables).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1.0 disables).")
+    recompute_logprobs: Optional[bool] = Field(None, description="Recompute behaviour logprobs with a full forward pass after sampling; None = only when dtype is not float32 (in float32 without dropout they equal the sampling-time logprobs).")
+    micro_batch_size: PositiveInt = Field(64, description="Sequences per forward pass for logprobs, critic requests and training micro-batches.")
+
+
+class KLConfig(_Section):
+    init: float = Field(0.01, ge=0, description="Initial KL penalty coefficient beta (NeMo-Aligner initial_policy_kl_penalty).")
+    estimator: Literal["k1", "abs", "k2", "k3"] = Field("k1", description="Per-token KL estimator used in the reward shaping.")
+    adaptive: bool = Field(False, description="Adapt beta towards `target` (Ziegler et al. 2019).")
+    target: float = Field(6.0, gt=0, description="Target KL (nats per sequence) for the adaptive controller.")
+    horizon: PositiveInt = Field(10000, description="Horizon (in samples) of the adaptive controller.")
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warm-up.")
+    total_steps: Optional[PositiveInt] = Field(None, description="Steps for cosine/linear decay; None derives it from iterations.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
+
+
+class PPOConfig(_Section):
+    rollout_batch_size: PositiveInt = Field(64, description="Prompts (= rollouts) per iteration.")
+    minibatch_size: PositiveInt = Field(32, description="Rollouts per actor optimizer step.")
+    epochs: PositiveInt = Field(1, description="PPO epochs over each rollout batch.")
+    ratio_eps: float = Field(0.2, gt=0, description="Clip range of the policy ratio.")
+    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
+    discount: float = Field(1.0, ge=0, le=1, description="Discount factor gamma.")
+    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
+    whiten_advantages: bool = Field(True, description="Normalise advantages over the response tokens of the batch.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Actor optimiser.")
+
+
+class ReinforceConfig(_Section):
+    rollout_batch_size: PositiveInt = Field(16, description="Prompts per iteration; each gets `num_rollouts_per_prompt` samples.")
+    num_rollouts_per_prompt: int = Field(4, description="k samples per prompt for the leave-one-out baseline (>= 2).")
+    minibatch_size: PositiveInt = Field(64, description="Rollouts per actor optimizer step.")
+    epochs: PositiveInt = Field(1, description="Passes over each rollout batch.")
+    advantage_estimator: Literal["rloo", "grpo", "reinforce++"] = Field("rloo", description="Baseline/normalisation of sequence rewards.")
+    whiten_advantages: bool = Field(False, description="Additionally normalise advantages over the batch.")
+    missing_eos_penalty: Optional[float] = Field(None, description="Subtract this from the score of responses that hit max_new_tokens without EOS.")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="Actor optimiser.")
+
+    @field_validator("num_rollouts_per_prompt")
+    @classmethod
+    def _k_at_least_two(cls, v: int) -> int:
+        if v < 2:
+            raise ValueError(f"must be >= 2 for a leave-one-out baseline, got {v}")
+        return v
+
+
+class CriticConfig(_Section):
+    launch: Literal["in_process", "local", "deployment"] = Field("local", description="Where the critic runs: in this process, as a local PyTriton child process, or as the critic-server/default Prefect deployment.")
+    combine_reward: bool = Field(True, description="Serve the reward model in the critic server: critic_infer returns values and rewards in one call.")
+    host: str = Field("127.0.0.1", description="Interface the critic server binds (and the client connects to for launch=local).")
+    http_port: int = Field(8400, ge=1, le=65535, description="HTTP port of the critic server (gRPC = +1, metrics = +2).")
+    max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic-batching queue delay of critic_infer.")
+    loss_clip_val: float = Field(0.2, gt=0, description="Clip range of the value loss.")
+    train_batch_size: PositiveInt = Field(32, description="Sequences per critic optimizer step (global batch).")
+    epochs: PositiveInt = Field(1, description="Critic epochs per critic_train call.")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-5), description="Critic optimiser.")
+    ready_timeout_s: float = Field(180.0, gt=0, description="How long to wait for the critic server to become ready.")
+    request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one critic request.")
+
+
+class RewardConfig(_Section):
+    source: Literal["model", "function"] = Field("model", description="Score responses with the reward model or a Python function.")
+    function: Optional[str] = Field(None, description="'package.module:function(prompts, responses) -> list[float]' for source='function'.")
+    gold: Optional[str] = Field("models.tasks.sentiment:gold_reward", description="Gold reward function logged as objective/gold_reward (None to skip).")
+    launch: Literal["in_process", "local", "deployment"] = Field("local", description="Where the REINFORCE reward server runs.")
+    host: str = Field("127.0.0.1", description="Interface of the reward server.")
+    http_port: int = Field(8500, ge=1, le=65535, description="HTTP port of the reward server (gRPC = +1, metrics = +2).")
+    ready_timeout_s: float = Field(180.0, gt=0, description="How long to wait for the reward server to become ready.")
+
+    @model_validator(mode="after")
+    def _function_given(self) -> "RewardConfig":
+        if self.source == "function" and not self.function:
+            raise ValueError("reward.function is required when reward.source='function' (format 'package.module:function')")
+        for name in ("function", "gold"):
+            value = getattr(self, name)
+            if value is not None and not re.fullmatch(r"[\w.]+:\w+", value):
+                raise ValueError(f"reward.{name} must look like 'package.module:function', got {value!r}")
+        return self
+
+
+class DataConfig(_Section):
+    prompts: str = Field("builtin:sentiment", description="'builtin:<task>' or a .txt (one prompt a line) / .jsonl ({'prompt': ...}) file.")
+    chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template.")
+
+
+class TrackingConfig(_Section):
+    uri: Optional[str] = Field(None, description="MLflow tracking URI; None uses $MLFLOW_TRACKING_URI, else the local stack's server, else sqlite in state_dir.")
+    experiment: str = Field("rlhf-flows", description="MLflow experiment name.")
+    system_metrics: bool = Field(True, description="Log CPU/GPU/memory system metrics with the run.")
+    table_every: PositiveInt = Field(5, description="Log a table of sample prompts/responses/rewards every N iterations.")
+
+
+class CheckpointConfig(_Section):
+    uri: Optional[str] = Field(None, description="file:///dir, a path, or s3://bucket/prefix; None uses <state_dir>/checkpoints. The run name is appended.")
+    every: PositiveInt = Field(5, description="Checkpoint every N iterations (and at the end).")
+    keep_last: PositiveInt = Field(2, description="Keep this many newest checkpoints.")
+    s3_endpoint_url: Optional[str] = Field(None, description="Endpoint of an S3-compatible store (None = AWS or $AWS_ENDPOINT_URL_S3).")
+
+
+class RLHFConfig(_Section):
+    """Root of the config tree (one per run)."""
+
+    algorithm: Literal["ppo", "rloo"] = Field("ppo", description="ppo (actor + critic server) or rloo (REINFORCE with leave-one-out baseline).")
+    run_name: Optional[str] = Field(None, description="Name of the run; re-running with the same name resumes it. None = '<algorithm>-<timestamp>'.")
+    iterations: PositiveInt = Field(20, description="Training iterations (rollout + update).")
+    seed: int = Field(0, description="Seed of prompts order, sampling and initialisation.")
+    state_dir: Optional[str] = Field(None, description="Local state directory; None = $RLHF_STATE_DIR or ./.rlhf.")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="Models.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Prompts.")
+    generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Rollout sampling.")
+    kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty against the frozen reference policy.")
+    ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO actor settings.")
+    reinforce: ReinforceConfig = Field(default_factory=ReinforceConfig, description="REINFORCE/RLOO settings.")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="Critic (value model) settings and server.")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward source and server.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resume.")
+
+    def resolved_state_dir(self) -> Path:
+        return Path(self.state_dir).absolute() if self.state_dir else default_state_dir()
+
+    def resolve_model_path(self, value: str) -> str:
+        """A relative path that exists under <state_dir>/models wins; otherwise the value is returned as given."""
+        candidate = self.resolved_state_dir() / "models" / value
+        return str(candidate) if not Path(value).is_absolute() and candidate.exists() else value
+
+
+def preset(name: str = "tiny", **overrides) -> RLHFConfig:
+    """Named presets. 'tiny' = the embedded default: tiny local models, a few minutes on a 2-core CPU."""
+    if name == "tiny":
+        base = RLHFConfig(
+            iterations=12,
+            generation=GenerationConfig(max_new_tokens=16, micro_batch_size=64),
+            ppo=PPOConfig(rollout_batch_size=64, minibatch_size=32, epochs=2, optim=OptimConfig(lr=3e-4)),
+            reinforce=ReinforceConfig(rollout_batch_size=16, num_rollouts_per_prompt=4, minibatch_size=32, epochs=2,
+                                      optim=OptimConfig(lr=3e-4)),
+            critic=CriticConfig(optim=OptimConfig(lr=1e-3), train_batch_size=32, epochs=2),
+            kl=KLConfig(init=0.05),
+        )
+    else:
+        raise ValueError(f"unknown preset {name!r}; known: tiny")
+    return merge(base, overrides) if overrides else base
+
+
+def merge(config: RLHFConfig, overrides: dict) -> RLHFConfig:
+    """Deep-merge a (possibly dotted-key) dict into a config and re-validate."""
+    data = config.model_dump()
+    for key, value in overrides.items():
+        target = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            target = target.setdefault(part, {})
+        if isinstance(value, dict) and isinstance(target.get(parts[-1]), dict):
+            target[parts[-1]] = _deep_update(target[parts[-1]], value)
+        else:
+            target[parts[-1]] = value
+    return RLHFConfig.model_validate(data)
+
+
+def _deep_update(base: dict, new: dict) -> dict:
+    out = dict(base)
+    for k, v in new.items():
+        out[k] = _deep_update(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(path: str | Path | None = None, preset_name: str = "tiny", overrides: dict | None = None) -> RLHFConfig:
+    """Preset, then a YAML file (any subset of the tree), then dotted-key overrides."""
+    config = preset(preset_name)
+    if path is not None:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
+        config = merge(config, data)
+    return merge(config, overrides) if overrides else config

@@ -1,0 +1,190 @@
+"""The critic: a transformer backbone with a per-token value head, plus (optionally) a resident frozen reward model.
+
+The value model is an `AutoModelForTokenClassification` with one label, so any architecture transformers supports
+loads through the same `from_pretrained` path. It can be initialised from a reward-model checkpoint (backbone and the
+reward head copied into the value head), as NeMo-Aligner does. `CriticTrainer` owns model, optimizer, schedule and
+step; the in-process backend and the PyTriton server are thin adapters around it. All inputs use the wire layout of
+the critic server: right-padded `tokens` [B, L] with `sequence_lengths` [B]; `returns`/`prev_values`/`mask` [B, L]
+where position t holds the value of the prefix tokens[:t+1].
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+from models.advantages import last_token_index
+from models.config import CriticConfig
+from models.loading import DTYPES, disable_dropout, from_pretrained, make_optimizer
+from models.losses import explained_variance, value_loss
+from models.reward import _head, load_reward_model, reward_model_scores
+
+
+class CriticInputError(ValueError):
+    """A request that breaks the critic/reward wire contract; the message names the tensor and the expectation."""
+
+
+def init_critic(critic_path: str | None, reward_path: str | None, dtype: str = "float32", field: str = "model.critic"):
+    """Load a saved critic, or build one from a reward model (backbone + reward head copied into the value head)."""
+    if critic_path:
+        model = from_pretrained(AutoModelForTokenClassification, critic_path, field, dtype=DTYPES[dtype], num_labels=1)
+    elif reward_path:
+        rm = from_pretrained(AutoModelForSequenceClassification, reward_path, "model.reward", dtype=DTYPES[dtype])
+        model = from_pretrained(AutoModelForTokenClassification, reward_path, "model.reward", dtype=DTYPES[dtype], num_labels=1)
+        value_head, reward_head = _head(model), _head(rm)
+        with torch.no_grad():
+            value_head.weight.copy_(reward_head.weight)
+            if getattr(value_head, "bias", None) is not None:
+                value_head.bias.copy_(reward_head.bias if getattr(reward_head, "bias", None) is not None else 0.0)
+        del rm
+    else:
+        raise ValueError(f"{field}: give a critic checkpoint or a reward model to initialise the critic from")
+    return disable_dropout(model)
+
+
+def token_values(model, tokens: Tensor, lengths: Tensor) -> Tensor:
+    """Per-position values [B, L] (float32); positions at or beyond the length are 0."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
+    attention_mask = (positions < lengths.unsqueeze(1)).long()
+    values = model(input_ids=tokens, attention_mask=attention_mask).logits.squeeze(-1).float()
+    return values * attention_mask
+
+
+def validate_tokens(tokens: np.ndarray, sequence_lengths: np.ndarray, vocab_size: int | None = None) -> None:
+    """Check `tokens` int64 [B,L] and `sequence_lengths` int64 [B,1] (or [B]) against the wire contract."""
+    if tokens.dtype != np.int64:
+        raise CriticInputError(f"tokens: expected dtype int64, got {tokens.dtype}")
+    if tokens.ndim != 2:
+        raise CriticInputError(f"tokens: expected rank 2 [B, L], got shape {list(tokens.shape)}")
+    if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        raise CriticInputError(f"tokens: expected a non-empty batch [B>0, L>0], got shape {list(tokens.shape)}")
+    if sequence_lengths.dtype != np.int64:
+        raise CriticInputError(f"sequence_lengths: expected dtype int64, got {sequence_lengths.dtype}")
+    lengths = sequence_lengths.reshape(-1) if sequence_lengths.ndim == 2 and sequence_lengths.shape[1] == 1 else sequence_lengths
+    if lengths.ndim != 1:
+        raise CriticInputError(f"sequence_lengths: expected shape [B, 1], got {list(sequence_lengths.shape)}")
+    if lengths.shape[0] != tokens.shape[0]:
+        raise CriticInputError(f"sequence_lengths: batch size {lengths.shape[0]} does not match tokens batch size {tokens.shape[0]}")
+    if (lengths < 1).any() or (lengths > tokens.shape[1]).any():
+        raise CriticInputError(f"sequence_lengths: every length must be in [1, L={tokens.shape[1]}], got min {lengths.min()} max {lengths.max()}")
+    if vocab_size is not None and ((tokens < 0).any() or (tokens >= vocab_size).any()):
+        raise CriticInputError(f"tokens: ids must be in [0, {vocab_size}), got min {tokens.min()} max {tokens.max()}")
+
+
+def validate_train(tokens: np.ndarray, returns: np.ndarray, prev_values: np.ndarray, mask: np.ndarray) -> None:
+    """Check the `critic_train` inputs: float32 [B, L] like tokens, finite, mask in {0, 1}."""
+    if tokens.dtype != np.int64 or tokens.ndim != 2 or tokens.size == 0:
+        raise CriticInputError(f"tokens: expected non-empty int64 [B, L], got {tokens.dtype} {list(tokens.shape)}")
+    for name, array in (("returns", returns), ("prev_values", prev_values), ("mask", mask)):
+        if array.dtype != np.float32:
+            raise CriticInputError(f"{name}: expected dtype float32, got {array.dtype}")
+        if array.shape != tokens.shape:
+            raise CriticInputError(f"{name}: expected shape {list(tokens.shape)} (same as tokens), got {list(array.shape)}")
+        if not np.isfinite(array).all():
+            raise CriticInputError(f"{name}: contains NaN or Inf")
+    if not np.isin(mask, (0.0, 1.0)).all():
+        raise CriticInputError("mask: values must be 0 or 1")
+    if mask.sum() == 0:
+        raise CriticInputError("mask: no position is 1, nothing to train on")
+
+
+class CriticTrainer:
+    """Critic weights + optimizer + schedule + step, and (optionally) the resident frozen reward model.
+
+    One lock serialises infer/train/save, so a request never sees half-updated weights.
+    """
+
+    def __init__(self, cfg: CriticConfig, critic_path: str | None, reward_path: str | None, combine_reward: bool,
+                 dtype: str = "float32", device: str | torch.device = "cpu", checkpoint_dir: str | Path | None = None):
+        self.cfg, self.device = cfg, torch.device(device)
+        self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
+        self.lock = threading.Lock()
+        self.step = 0
+        resume = self.checkpoint_dir is not None and (self.checkpoint_dir / "critic_state.pt").exists()
+        source = str(self.checkpoint_dir / "model") if resume else critic_path
+        self.model = init_critic(source, reward_path, dtype).to(self.device)
+        self.model.train()
+        self.reward_model = load_reward_model(reward_path, dtype, self.device) if combine_reward else None
+        self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg.optim)
+        if resume:
+            state = torch.load(self.checkpoint_dir / "critic_state.pt", map_location=self.device, weights_only=False)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.step = int(state["step"])
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @torch.no_grad()
+    def infer(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor | None]:
+        """values [B, L] and, when a reward model is resident, rewards [B]."""
+        with self.lock:
+            tokens, lengths = tokens.to(self.device), lengths.to(self.device)
+            self.model.eval()
+            values = token_values(self.model, tokens, lengths)
+            self.model.train()
+            rewards = reward_model_scores(self.reward_model, tokens, lengths) if self.reward_model is not None else None
+        return values.cpu(), None if rewards is None else rewards.cpu()
+
+    def train(self, tokens: Tensor, returns: Tensor, prev_values: Tensor, mask: Tensor) -> dict[str, float]:
+        """Epochs over global batches of `train_batch_size`: clipped value loss, grad clipping, optimizer + schedule."""
+        B = tokens.shape[0]
+        # causal model: the values up to the last masked position do not depend on later tokens
+        lengths = last_token_index(mask) + 1
+        losses, grad_norms, clipfracs = [], [], []
+        with self.lock:
+            data = [t.to(self.device) for t in (tokens, returns, prev_values, mask, lengths)]
+            generator = torch.Generator().manual_seed(self.step)
+            for _ in range(self.cfg.epochs):
+                order = torch.randperm(B, generator=generator)
+                for start in range(0, B, self.cfg.train_batch_size):
+                    idx = order[start:start + self.cfg.train_batch_size].to(self.device)
+                    tok, ret, old, m, ln = (t[idx] for t in data)
+                    values = token_values(self.model, tok, ln)
+                    loss, stats = value_loss(values, old, ret, m, self.cfg.loss_clip_val)
+                    self.optimizer.zero_grad(set_to_none=True)
+                    loss.backward()
+                    grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)))
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.step += 1
+                    losses.append(float(loss.detach()))
+                    clipfracs.append(float(stats["clipfrac"]))
+            with torch.no_grad():
+                self.model.eval()
+                ev = float(explained_variance(token_values(self.model, data[0], data[4]), data[1], data[3]))
+                self.model.train()
+        return {"loss_mean": float(np.mean(losses)), "grad_norm": float(np.mean(grad_norms)),
+                "clipfrac": float(np.mean(clipfracs)), "explained_variance": ev, "step": self.step,
+                "lr": self.scheduler.get_last_lr()[0]}
+
+    def save(self, directory: str | Path | None = None) -> Path:
+        """Write weights + optimizer + scheduler + step atomically (temporary directory, then rename)."""
+        target = Path(directory) if directory else self.checkpoint_dir
+        if target is None:
+            raise ValueError("critic_save: no checkpoint directory configured (--checkpoint-dir)")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with self.lock:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+            self.model.save_pretrained(tmp / "model")
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                        "step": self.step}, tmp / "critic_state.pt")
+            (tmp / "critic.json").write_text(json.dumps({"step": self.step}))
+            old = None
+            if target.exists():
+                old = target.with_name(f".{target.name}.old-{os.getpid()}")
+                os.replace(target, old)
+            os.replace(tmp, target)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        return target

@@ -1,0 +1,55 @@
+"""Pure loss functions. Each returns the scalar loss and a dict of detached statistics (TRL/CleanRL names)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from models.advantages import masked_mean, masked_var
+
+
+def ppo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ratio_eps: float = 0.2) -> tuple[Tensor, dict]:
+    """PPO clipped surrogate: mean over response tokens of max(-A*r, -A*clip(r, 1-eps, 1+eps))."""
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1.0 - ratio_eps, 1.0 + ratio_eps)
+    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean((clipped > unclipped).float(), mask),
+            # approx KL(old || new), the low-variance k3 estimator (CleanRL's approx_kl)
+            "approx_kl": masked_mean((ratio - 1.0) - log_ratio, mask),
+            "ratio": masked_mean(ratio, mask),
+        }
+    return loss, stats
+
+
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None = 0.2) -> tuple[Tensor, dict]:
+    """Clipped value loss: 0.5 * mean(max((v - R)^2, (clip(v, v_old +- c) - R)^2)); unclipped when clip is None."""
+    unclipped = (values - returns) ** 2
+    if clip is None:
+        loss = 0.5 * masked_mean(unclipped, mask)
+        clipfrac = torch.zeros((), device=values.device)
+    else:
+        clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+        clipped = (clipped_values - returns) ** 2
+        loss = 0.5 * masked_mean(torch.maximum(unclipped, clipped), mask)
+        clipfrac = masked_mean((clipped > unclipped).float(), mask).detach()
+    return loss, {"clipfrac": clipfrac}
+
+
+def entropy_bonus(entropy: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """-coef * mean entropy over response tokens (add to the loss to encourage exploration)."""
+    return -coef * masked_mean(entropy, mask)
+
+
+def reinforce_loss(logp: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
+    """REINFORCE with a baseline: mean over response tokens of -logp_t * (r_kl - b), one advantage per sequence [B]."""
+    return masked_mean(-logp * advantages.unsqueeze(1), mask)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var(R - V) / Var(R) over the mask (CleanRL's explained_variance)."""
+    var_returns = masked_var(returns, mask)
+    return 1.0 - masked_var(returns - values, mask) / var_returns.clamp(min=1e-12)

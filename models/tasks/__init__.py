@@ -1,0 +1,1 @@
+"""Tasks shipped with the project: prompts plus a gold (verifiable) reward function."""

@@ -1,0 +1,80 @@
+"""The shipped task: review a thing positively.
+
+A policy pretrained (by `rlhf models tiny`) on a balanced corpus of positive, negative and neutral reviews starts with a
+mean gold reward near 0; RLHF against the reward model (trained on the gold function) should move it towards +1.
+The gold reward is the sentiment polarity of the response: (#positive - #negative) / (#positive + #negative), in [-1, 1],
+0 for a response with no sentiment word. Everything is generated from a seed: no data set is downloaded.
+"""
+
+from __future__ import annotations
+
+import random
+
+NOUNS = ["cat", "dog", "movie", "food", "song", "book", "city", "game", "park", "team"]
+POSITIVE = ["good", "great", "happy", "lovely", "nice", "wonderful", "love", "like"]
+NEGATIVE = ["bad", "awful", "sad", "terrible", "boring", "ugly", "hate", "dislike"]
+NEUTRAL_ADJ = ["big", "small", "red", "old", "new", "blue"]
+NEUTRAL_VERB = ["see", "know"]
+ADVERBS = ["very", "really", "so", "quite"]
+FUNCTION_WORDS = ["the", "a", "is", "was", "and", "but", "i", "it", "this", "tell", "me", "about", "what", "do",
+                  "you", "think", "of", "describe", "review", ":", "."]
+PROMPT_TEMPLATES = ["tell me about the {n} :", "what do you think of the {n} :", "describe the {n} :", "review the {n} :"]
+POS_ADJ, NEG_ADJ = POSITIVE[:6], NEGATIVE[:6]
+POS_VERB, NEG_VERB = POSITIVE[6:], NEGATIVE[6:]
+
+
+def vocabulary() -> list[str]:
+    words = NOUNS + POSITIVE + NEGATIVE + NEUTRAL_ADJ + NEUTRAL_VERB + ADVERBS + FUNCTION_WORDS
+    return list(dict.fromkeys(words))
+
+
+def prompts(n: int = 200, seed: int = 0) -> list[str]:
+    """All template x noun prompts, shuffled deterministically and cycled to n."""
+    rng = random.Random(seed)
+    base = [t.format(n=noun) for t in PROMPT_TEMPLATES for noun in NOUNS]
+    rng.shuffle(base)
+    return [base[i % len(base)] for i in range(n)]
+
+
+def _clause(rng: random.Random, noun: str, mood: str) -> str:
+    adj = {"pos": POS_ADJ, "neg": NEG_ADJ, "neu": NEUTRAL_ADJ}[mood]
+    verb = {"pos": POS_VERB, "neg": NEG_VERB, "neu": NEUTRAL_VERB}[mood]
+    form = rng.randrange(4)
+    if form == 0:
+        adv = f"{rng.choice(ADVERBS)} " if rng.random() < 0.4 else ""
+        return f"the {noun} is {adv}{rng.choice(adj)}"
+    if form == 1:
+        return f"i {rng.choice(verb)} the {noun}"
+    if form == 2:
+        return f"it was {rng.choice(adj)}"
+    return f"this {noun} is {rng.choice(adj)}"
+
+
+def sample_response(rng: random.Random, noun: str) -> str:
+    """A review of 1-3 clauses; each clause's mood is drawn uniformly from positive/negative/neutral."""
+    clauses = [_clause(rng, noun, rng.choice(["pos", "neg", "neu"])) for _ in range(rng.choice([1, 1, 2, 2, 3]))]
+    joined = clauses[0]
+    for clause in clauses[1:]:
+        joined += f" {rng.choice(['and', 'but'])} {clause}"
+    return joined + " ."
+
+
+def corpus(n: int, seed: int = 0) -> list[tuple[str, str]]:
+    """(prompt, response) pairs for pretraining the tiny policy and the reward model."""
+    rng = random.Random(seed)
+    pairs = []
+    for _ in range(n):
+        noun = rng.choice(NOUNS)
+        pairs.append((rng.choice(PROMPT_TEMPLATES).format(n=noun), sample_response(rng, noun)))
+    return pairs
+
+
+def gold_reward(prompts: list[str], responses: list[str]) -> list[float]:
+    """Sentiment polarity of each response in [-1, 1]."""
+    pos, neg = set(POSITIVE), set(NEGATIVE)
+    scores = []
+    for response in responses:
+        words = response.split()
+        p, q = sum(w in pos for w in words), sum(w in neg for w in words)
+        scores.append((p - q) / (p + q) if p + q else 0.0)
+    return scores
