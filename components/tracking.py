@@ -163,13 +163,13 @@ class Tracker:
         check_reachable(self.tracking_uri)
         self._client = MlflowClient(tracking_uri=self.tracking_uri)
         tags = dict(self.tags)
-        commit = _git_commit()
-        if commit:
-            tags.setdefault("mlflow.source.git.commit", commit)
         try:
             if self.run_id:
                 self._resume()
             else:
+                commit = _git_commit()  # a resumed run keeps the commit it started from
+                if commit:
+                    tags.setdefault("mlflow.source.git.commit", commit)
                 experiment_id = get_or_create_experiment(self._client, self.experiment, self.tracking_uri)
                 run = self._client.create_run(experiment_id, run_name=self.run_name, tags={"mlflow.runName": self.run_name})
                 self.run_id = run.info.run_id

@@ -44,8 +44,11 @@ def reward_model_scores(model, tokens: Tensor, lengths: Tensor) -> Tensor:
     return _head(model)(last).squeeze(-1).float()
 
 
-def load_reward_function(spec: str, field: str = "reward.function") -> RewardFn:
-    """Import 'package.module:function' and wrap it so a wrong length or non-finite value fails loudly."""
+def load_reward_function(spec: str, field: str = "reward.function", probe: bool = True) -> RewardFn:
+    """Import 'package.module:function' and wrap it so a wrong length or non-finite value fails loudly.
+
+    With `probe`, the function is called once on two dummy samples so a broken function fails before training starts.
+    """
     module_name, _, attr = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
@@ -64,4 +67,6 @@ def load_reward_function(spec: str, field: str = "reward.function") -> RewardFn:
         return [float(s) for s in scores]
 
     checked.__name__ = attr
+    if probe:  # fail before training starts, not at the first rollout
+        checked(["probe prompt", "probe prompt"], ["probe response", "another response"])
     return checked

@@ -94,8 +94,16 @@ module "gpu_pool" {
 module "artifacts" {
   source = "../../modules/artifacts"
 
-  bucket_name   = local.bucket_name
-  force_destroy = var.bucket_force_destroy
+  bucket_name       = local.bucket_name
+  checkpoint_prefix = var.checkpoint_prefix
+  force_destroy     = var.bucket_force_destroy
+}
+
+check "checkpoints_under_pod_prefix" {
+  assert {
+    condition     = startswith(var.checkpoint_prefix, var.s3_prefix)
+    error_message = "checkpoint_prefix must start with s3_prefix, or the pod roles cannot write checkpoints."
+  }
 }
 
 module "iam" {

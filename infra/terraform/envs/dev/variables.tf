@@ -119,6 +119,12 @@ variable "s3_prefix" {
   default     = "rlhf/"
 }
 
+variable "checkpoint_prefix" {
+  type        = string
+  description = "Key prefix of training checkpoints (lifecycle rules expire their old versions); keep it under s3_prefix."
+  default     = "rlhf/checkpoints/"
+}
+
 variable "namespace" {
   type        = string
   description = "Kubernetes namespace of the flow-run jobs and service accounts."

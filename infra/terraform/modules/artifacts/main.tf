@@ -78,6 +78,7 @@ resource "aws_s3_bucket_server_side_encryption_configuration" "this" {
 resource "aws_s3_bucket_lifecycle_configuration" "this" {
   bucket = aws_s3_bucket.this.id
 
+  # Whole bucket: interrupted checkpoint uploads and orphaned delete markers.
   rule {
     id     = "abort-incomplete-multipart-uploads"
     status = "Enabled"
@@ -87,8 +88,14 @@ resource "aws_s3_bucket_lifecycle_configuration" "this" {
     abort_incomplete_multipart_upload {
       days_after_initiation = var.abort_incomplete_multipart_upload_days
     }
+
+    expiration {
+      expired_object_delete_marker = true
+    }
   }
 
+  # Checkpoints only: overwritten/deleted versions go after N days, keeping the newest few.
+  # (Versions outside checkpoint_prefix, e.g. MLflow artifacts, are kept.)
   rule {
     id     = "expire-old-checkpoints"
     status = "Enabled"
@@ -107,21 +114,6 @@ resource "aws_s3_bucket_lifecycle_configuration" "this" {
       content {
         days = expiration.value
       }
-    }
-  }
-
-  rule {
-    id     = "expire-other-noncurrent-versions"
-    status = "Enabled"
-
-    filter {}
-
-    noncurrent_version_expiration {
-      noncurrent_days = var.noncurrent_version_expiration_days
-    }
-
-    expiration {
-      expired_object_delete_marker = true
     }
   }
 

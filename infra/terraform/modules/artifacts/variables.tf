@@ -21,7 +21,7 @@ variable "checkpoint_prefix" {
 
 variable "noncurrent_version_expiration_days" {
   type        = number
-  description = "Days after which overwritten/deleted (noncurrent) object versions are removed."
+  description = "Days after which overwritten/deleted (noncurrent) versions of checkpoints under checkpoint_prefix are removed."
   default     = 30
 
   validation {

@@ -180,7 +180,7 @@ data "aws_iam_policy_document" "flow_logs_assume" {
 }
 
 resource "aws_iam_role" "flow_logs" {
-  name_prefix        = "${var.name}-flow-logs-"
+  name_prefix        = "${substr(var.name, 0, 26)}-flow-logs-"
   assume_role_policy = data.aws_iam_policy_document.flow_logs_assume.json
   tags               = var.tags
 }

@@ -1,0 +1,91 @@
+"""Loss functions: float64 references, textbook gradient signs, clipping engagement."""
+
+import pytest
+import torch
+
+from models.losses import entropy_bonus, explained_variance, ppo_policy_loss, reinforce_loss, value_loss
+
+
+def test_ppo_loss_matches_reference():
+    gen = torch.Generator().manual_seed(1)
+    logp = -torch.rand(3, 5, generator=gen, dtype=torch.float64)
+    old = logp + 0.3 * torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    adv = torch.randn(3, 5, generator=gen, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [0, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.float64)
+    loss, stats = ppo_policy_loss(logp, old, adv, mask, 0.2)
+    terms, clipped, kls = [], [], []
+    for b in range(3):
+        for t in range(5):
+            if mask[b, t] == 0:
+                continue
+            r = torch.exp(logp[b, t] - old[b, t]).item()
+            a = adv[b, t].item()
+            u, c = -a * r, -a * min(max(r, 0.8), 1.2)
+            terms.append(max(u, c))
+            clipped.append(1.0 if c > u else 0.0)
+            kls.append((r - 1) - (logp[b, t] - old[b, t]).item())
+    assert loss.item() == pytest.approx(sum(terms) / len(terms), rel=1e-12)
+    assert stats["clipfrac"].item() == pytest.approx(sum(clipped) / len(clipped))
+    assert stats["approx_kl"].item() == pytest.approx(sum(kls) / len(kls), rel=1e-10)
+
+
+@pytest.mark.parametrize("log_ratio,adv,expect_grad", [
+    (0.0, 1.0, "negative"),    # inside the clip range, A>0: raise logp (d loss / d logp < 0)
+    (0.0, -1.0, "positive"),   # inside, A<0: lower logp
+    (0.5, 1.0, "zero"),        # ratio 1.65 > 1.2 with A>0: clipped, no gradient
+    (-0.5, -1.0, "zero"),      # ratio 0.61 < 0.8 with A<0: clipped, no gradient
+    (0.5, -1.0, "positive"),   # ratio above range but A<0: unclipped branch is the max, gradient flows
+    (-0.5, 1.0, "negative"),   # ratio below range but A>0: gradient flows
+])
+def test_ppo_gradient_sign(log_ratio, adv, expect_grad):
+    old = torch.tensor([[-1.0]], dtype=torch.float64)
+    logp = (old + log_ratio).clone().requires_grad_(True)
+    loss, stats = ppo_policy_loss(logp, old, torch.tensor([[adv]], dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64))
+    loss.backward()
+    g = logp.grad.item()
+    if expect_grad == "zero":
+        assert g == 0.0 and stats["clipfrac"].item() == 1.0
+    elif expect_grad == "negative":
+        assert g < 0
+    else:
+        assert g > 0
+
+
+def test_value_loss_clipping():
+    old = torch.tensor([[0.0, 0.0, 0.0]], dtype=torch.float64)
+    returns = torch.tensor([[1.0, 1.0, -1.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 2.0, 0.5]], dtype=torch.float64, requires_grad=True)
+    mask = torch.ones(1, 3, dtype=torch.float64)
+    loss, stats = value_loss(values, old, returns, mask, clip=0.2)
+    expected = []
+    for v, o, r in zip([0.5, 2.0, 0.5], [0.0] * 3, [1.0, 1.0, -1.0]):
+        vc = o + min(max(v - o, -0.2), 0.2)
+        expected.append(0.5 * max((v - r) ** 2, (vc - r) ** 2))
+    assert loss.item() == pytest.approx(sum(expected) / 3, rel=1e-12)
+    # position 0: clipped value (0.2) is further from the return (1.0) than 0.5 -> clipped branch, no gradient
+    loss.backward()
+    assert values.grad[0, 0].item() == 0.0
+    assert values.grad[0, 1].item() != 0.0  # unclipped branch larger: gradient flows
+    assert stats["clipfrac"].item() == pytest.approx(1 / 3)  # only position 0 takes the clipped branch
+    unclipped, _ = value_loss(values.detach(), old, returns, mask, clip=None)
+    assert unclipped.item() == pytest.approx(0.5 * (0.25 + 1.0 + 2.25) / 3)
+
+
+def test_reinforce_loss_and_entropy():
+    logp = torch.tensor([[-1.0, -2.0, 0.0], [-0.5, -0.5, -0.5]], dtype=torch.float64, requires_grad=True)
+    adv = torch.tensor([2.0, -1.0], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.float64)
+    loss = reinforce_loss(logp, adv, mask)
+    assert loss.item() == pytest.approx((2 * 1 + 2 * 2 - 0.5 * 3) / 5)
+    loss.backward()
+    assert logp.grad[0, 0] < 0 and logp.grad[1, 0] > 0 and logp.grad[0, 2] == 0
+    ent = torch.tensor([[1.0, 3.0, 9.0]], dtype=torch.float64)
+    assert entropy_bonus(ent, torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64), 0.1).item() == pytest.approx(-0.2)
+
+
+def test_explained_variance():
+    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0]], dtype=torch.float64)
+    mask = torch.ones(1, 4, dtype=torch.float64)
+    assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    assert explained_variance(torch.zeros_like(returns) + 2.5, returns, mask).item() == pytest.approx(0.0, abs=1e-12)
+    assert explained_variance(0.5 * returns, returns, mask).item() == pytest.approx(0.75)
