@@ -121,3 +121,25 @@ def log_comparison(tracking_uri: str, experiment: str, png: Path, md: Path) -> s
     client.log_artifact(run.info.run_id, str(md))
     client.set_terminated(run.info.run_id, "FINISHED")
     return run.info.run_id
+
+
+def add_compare_parser(sub) -> None:
+    """`rlhf compare [--experiment E] [--runs ID ...] [--out DIR]`."""
+
+    def run(args) -> int:
+        from components.run import default_tracking_uri
+        from models.config import RLHFConfig
+
+        uri = args.tracking_uri or default_tracking_uri(RLHFConfig())
+        png, md = compare_runs(uri, args.experiment, args.runs or None, Path(args.out))
+        run_id = log_comparison(uri, args.experiment, png, md)
+        print(Path(md).read_text())
+        print(f"wrote {png} and {md}; logged to MLflow run {run_id} at {uri}")
+        return 0
+
+    p = sub.add_parser("compare", help="compare runs (default: latest PPO vs latest RLOO) as a PNG and a table")
+    p.add_argument("--experiment", default="rlhf-flows")
+    p.add_argument("--runs", nargs="*", help="MLflow run ids (default: latest finished run per algorithm)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: local stack, $MLFLOW_TRACKING_URI or sqlite)")
+    p.add_argument("--out", default=".rlhf/compare", help="output directory")
+    p.set_defaults(func=run)

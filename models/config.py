@@ -1,9 +1,11 @@
 """One pydantic config tree for every flow, server and script.
 
-Every field carries its default and a one-line description (shown in the Prefect UI form and by `rlhf config --show`).
-Defaults follow NeMo-Aligner where it has one (ratio_eps 0.2, gae_lambda 0.95, discount 1.0, initial KL 0.01,
-critic loss_clip_val 0.2, 4 rollouts per prompt for RLOO, grad clip 1.0). `preset("tiny")` is the embedded default that
-runs end to end on a 2-core CPU in minutes.
+Every field carries its default and a one-line description (shown in the Prefect UI form and by `rlhf config`).
+The defaults ARE the embedded default: tiny local models and batch sizes that run end to end on a 2-core CPU in
+minutes (so a partial `--param config=...` fills the rest with something that runs). Algorithm hyperparameters follow
+NeMo-Aligner where it has one (ratio_eps 0.2, gae_lambda 0.95, discount 1.0, initial KL 0.01, critic loss_clip_val
+0.2, 4 rollouts per prompt for RLOO, grad clip 1.0). For a real (1B+) model set the model paths and lower the
+learning rates (e.g. actor 1e-6, critic 1e-5) and raise batch sizes.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ class KLConfig(_Section):
 
 
 class OptimConfig(_Section):
-    lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW).")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate (AdamW); 3e-4 suits the tiny models, use ~1e-6 for a 1B actor.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
@@ -75,7 +77,7 @@ class OptimConfig(_Section):
 class PPOConfig(_Section):
     rollout_batch_size: PositiveInt = Field(64, description="Prompts (= rollouts) per iteration.")
     minibatch_size: PositiveInt = Field(32, description="Rollouts per actor optimizer step.")
-    epochs: PositiveInt = Field(1, description="PPO epochs over each rollout batch.")
+    epochs: PositiveInt = Field(2, description="PPO epochs over each rollout batch.")
     ratio_eps: float = Field(0.2, gt=0, description="Clip range of the policy ratio.")
     gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
     discount: float = Field(1.0, ge=0, le=1, description="Discount factor gamma.")
@@ -87,8 +89,8 @@ class PPOConfig(_Section):
 class ReinforceConfig(_Section):
     rollout_batch_size: PositiveInt = Field(16, description="Prompts per iteration; each gets `num_rollouts_per_prompt` samples.")
     num_rollouts_per_prompt: int = Field(4, description="k samples per prompt for the leave-one-out baseline (>= 2).")
-    minibatch_size: PositiveInt = Field(64, description="Rollouts per actor optimizer step.")
-    epochs: PositiveInt = Field(1, description="Passes over each rollout batch.")
+    minibatch_size: PositiveInt = Field(32, description="Rollouts per actor optimizer step.")
+    epochs: PositiveInt = Field(2, description="Passes over each rollout batch.")
     advantage_estimator: Literal["rloo", "grpo", "reinforce++"] = Field("rloo", description="Baseline/normalisation of sequence rewards.")
     whiten_advantages: bool = Field(False, description="Additionally normalise advantages over the batch.")
     missing_eos_penalty: Optional[float] = Field(None, description="Subtract this from the score of responses that hit max_new_tokens without EOS.")
@@ -110,8 +112,8 @@ class CriticConfig(_Section):
     max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic-batching queue delay of critic_infer.")
     loss_clip_val: float = Field(0.2, gt=0, description="Clip range of the value loss.")
     train_batch_size: PositiveInt = Field(32, description="Sequences per critic optimizer step (global batch).")
-    epochs: PositiveInt = Field(1, description="Critic epochs per critic_train call.")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=5e-5), description="Critic optimiser.")
+    epochs: PositiveInt = Field(2, description="Critic epochs per critic_train call.")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3), description="Critic optimiser (1e-3 suits the tiny critic; ~1e-5 for a 1B critic).")
     ready_timeout_s: float = Field(180.0, gt=0, description="How long to wait for the critic server to become ready.")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one critic request.")
 
@@ -160,7 +162,7 @@ class RLHFConfig(_Section):
 
     algorithm: Literal["ppo", "rloo"] = Field("ppo", description="ppo (actor + critic server) or rloo (REINFORCE with leave-one-out baseline).")
     run_name: Optional[str] = Field(None, description="Name of the run; re-running with the same name resumes it. None = '<algorithm>-<timestamp>'.")
-    iterations: PositiveInt = Field(20, description="Training iterations (rollout + update).")
+    iterations: PositiveInt = Field(12, description="Training iterations (rollout + update).")
     seed: int = Field(0, description="Seed of prompts order, sampling and initialisation.")
     state_dir: Optional[str] = Field(None, description="Local state directory; None = $RLHF_STATE_DIR or ./.rlhf.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Models.")
@@ -184,19 +186,10 @@ class RLHFConfig(_Section):
 
 
 def preset(name: str = "tiny", **overrides) -> RLHFConfig:
-    """Named presets. 'tiny' = the embedded default: tiny local models, a few minutes on a 2-core CPU."""
-    if name == "tiny":
-        base = RLHFConfig(
-            iterations=12,
-            generation=GenerationConfig(max_new_tokens=16, micro_batch_size=64),
-            ppo=PPOConfig(rollout_batch_size=64, minibatch_size=32, epochs=2, optim=OptimConfig(lr=3e-4)),
-            reinforce=ReinforceConfig(rollout_batch_size=16, num_rollouts_per_prompt=4, minibatch_size=32, epochs=2,
-                                      optim=OptimConfig(lr=3e-4)),
-            critic=CriticConfig(optim=OptimConfig(lr=1e-3), train_batch_size=32, epochs=2),
-            kl=KLConfig(init=0.05),
-        )
-    else:
+    """Named presets; 'tiny' is the embedded default (the field defaults themselves)."""
+    if name != "tiny":
         raise ValueError(f"unknown preset {name!r}; known: tiny")
+    base = RLHFConfig()
     return merge(base, overrides) if overrides else base
 
 

@@ -1,0 +1,128 @@
+"""What every benchmark shares: quiet offline environment, machine/version facts, min/median/max, result files.
+
+Every result file (benchmarks/results/<name>.json) carries the machine (CPU model, cores, GPU), the library versions,
+the settings, the repetitions and min/median/max of each measured series, so a number is never read without them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+# Offline and quiet: no telemetry, no hub look-ups, no progress bars from transformers.
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine() -> dict:
+    import torch
+
+    info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "platform": platform.platform(), "python": platform.python_version()}
+    try:
+        import psutil
+
+        info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
+    except ImportError:
+        pass
+    info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return info
+
+
+def versions() -> dict:
+    out = {}
+    for dist in ("torch", "transformers", "trl", "nvidia-pytriton", "tritonclient", "accelerate", "numpy"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def stats(values) -> dict:
+    """n, min, median, max (and mean) of a series; None entries are not allowed."""
+    values = [float(v) for v in values]
+    if not values:
+        return {"n": 0, "min": None, "median": None, "max": None, "mean": None}
+    return {"n": len(values), "min": min(values), "median": statistics.median(values), "max": max(values),
+            "mean": statistics.fmean(values)}
+
+
+def write_result(name: str, data: dict) -> Path:
+    """benchmarks/results/<name>.json with machine and versions added."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
+               "versions": versions(), **data}
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
+    log(f"wrote {path.relative_to(ROOT)}")
+    return path
+
+
+def _jsonable(value):
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get("RLHF_STATE_DIR", ROOT / ".rlhf")).absolute()
+
+
+def ensure_tiny_models() -> Path:
+    """The tiny policy/reward/critic under <state_dir>/models/tiny, built once (~40 s) if missing."""
+    out = state_dir() / "models" / "tiny"
+    if not (out / "tiny.json").exists():
+        from models.tiny import build_tiny
+
+        log(f"building tiny models into {out} (once, ~40 s)")
+        build_tiny(out, seed=0, log=log)
+    return out
+
+
+def tiny_config(**overrides):
+    """The embedded default config ('tiny' preset) pointing at this checkout's state dir."""
+    from models.config import preset
+
+    ensure_tiny_models()
+    return preset("tiny", state_dir=str(state_dir()), **overrides)
+
+
+def median_ratio(numerators, denominators) -> float:
+    return statistics.median(numerators) / statistics.median(denominators)
+
+
+def quick_flag(argv=None) -> bool:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a ~3 minute check, not for reporting)")
+    return parser.parse_args(argv).quick

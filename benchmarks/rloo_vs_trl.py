@@ -1,0 +1,272 @@
+"""RLOO iteration: ours (models.rloo.rloo_step) vs TRL 1.16 `RLOOTrainer`, same model, prompts, reward and settings.
+
+Both sides: the tiny policy, the built-in sentiment prompts, k rollouts per prompt, the same response length and
+sampling (temperature, no top-k/top-p), the gold reward function `models.tasks.sentiment:gold_reward` as a Python
+reward, the same KL coefficient beta (k1 sequence KL in the reward), AdamW with the same lr/betas/clip, and the same
+number of optimizer steps per iteration (TRL: steps_per_generation x num_iterations; ours: epochs x minibatches).
+
+One "iteration" = one generation batch of B prompts x k rollouts plus its optimizer steps. TRL's trainer runs
+unchanged; a TrainerCallback stamps on_step_begin/on_step_end, and an iteration is the wall time between the step ends
+that bracket its optimizer steps. A subclass only wraps TRL's `_generate` / `_generate_and_score_completions` with
+timers to split the time into phases. Rounds alternate A/B (ABBA order); the first iteration of every run is a
+warm-up and is discarded. Target: ours <= 0.7x TRL's seconds per iteration.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager
+
+from benchmarks.common import log, quick_flag, stats, tiny_config, write_result
+
+GOLD = "models.tasks.sentiment:gold_reward"
+TARGET = 0.7
+
+
+def bench_config():
+    return tiny_config(algorithm="rloo", **{"reward.source": "function", "reward.function": GOLD, "reward.gold": None})
+
+
+def optimizer_steps_per_iteration(cfg) -> int:
+    rf = cfg.reinforce
+    rollouts = rf.rollout_batch_size * rf.num_rollouts_per_prompt
+    return rf.epochs * -(-rollouts // rf.minibatch_size)
+
+
+# ---------------------------------------------------------------------------------------------------------------- ours
+def run_ours(cfg, iterations: int) -> list[dict]:
+    """`iterations` + 1 warm-up calls of rloo_step; returns one record per timed iteration."""
+    import torch
+
+    from models.loop import build_actor, build_local_reward, load_prompts, prompt_batches
+    from models.rloo import rloo_step
+
+    torch.manual_seed(cfg.seed)
+    state = build_actor(cfg)
+    reward = build_local_reward(cfg)
+    batches = prompt_batches(load_prompts(cfg), cfg.reinforce.rollout_batch_size, cfg.seed)
+    records = []
+    for i in range(iterations + 1):
+        prompts = next(batches)
+        start = time.perf_counter()
+        metrics, _ = rloo_step(state, prompts, reward, cfg)
+        seconds = time.perf_counter() - start
+        if i == 0:
+            continue  # warm-up
+        phases = {"generate": metrics["time/generate"],
+                  "logprobs+reference": metrics.get("time/logprobs", 0.0) + metrics.get("time/reference", 0.0),
+                  "reward": metrics.get("time/reward_wait", 0.0), "train": metrics["time/train"]}
+        phases["other"] = seconds - sum(phases.values())
+        records.append({"seconds": seconds, "tokens": metrics["tokens/generated"], "phases": phases,
+                        "reward_mean": metrics["objective/scores"]})
+    reward.close() if hasattr(reward, "close") else None
+    return records
+
+
+# ----------------------------------------------------------------------------------------------------------------- TRL
+def trl_args(cfg, output_dir: str, iterations: int):
+    """RLOOConfig matching our config; `iterations` generation batches (+1 warm-up)."""
+    from trl import RLOOConfig
+
+    rf, gen, optim = cfg.reinforce, cfg.generation, cfg.reinforce.optim
+    rollouts = rf.rollout_batch_size * rf.num_rollouts_per_prompt
+    if rollouts % rf.minibatch_size:
+        raise ValueError(f"rollouts per iteration ({rollouts}) must be a multiple of the minibatch ({rf.minibatch_size})")
+    return RLOOConfig(
+        output_dir=output_dir,
+        # batch geometry: one generation batch of B*k rollouts, minibatches of `minibatch_size`, `epochs` passes
+        per_device_train_batch_size=rf.minibatch_size,
+        gradient_accumulation_steps=1,
+        steps_per_generation=rollouts // rf.minibatch_size,
+        num_iterations=rf.epochs,
+        num_generations=rf.num_rollouts_per_prompt,
+        max_steps=optimizer_steps_per_iteration(cfg) * (iterations + 1),
+        # sampling
+        max_completion_length=gen.max_new_tokens,
+        temperature=gen.temperature,
+        top_k=gen.top_k,
+        top_p=gen.top_p,
+        use_vllm=False,
+        # objective
+        beta=cfg.kl.init,
+        # optimiser (AdamW, constant schedule, grad clip)
+        learning_rate=optim.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=optim.warmup_steps,
+        adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1],
+        weight_decay=optim.weight_decay,
+        max_grad_norm=optim.grad_clip,
+        # precision / device / memory: like ours (float32, CPU, no activation checkpointing, no dropout)
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_checkpointing=False,
+        disable_dropout=True,
+        # no eval, no logging, no checkpoints
+        eval_strategy="no",
+        save_strategy="no",
+        report_to="none",
+        logging_steps=10**9,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=cfg.seed,
+    )
+
+
+def run_trl(cfg, iterations: int) -> tuple[list[dict], dict]:
+    """TRL's RLOOTrainer for `iterations` + 1 warm-up generation batches; one record per timed iteration."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import RLOOTrainer
+
+    from models.loop import load_prompts
+    from models.reward import load_reward_function
+
+    gold = load_reward_function(GOLD)
+    steps = optimizer_steps_per_iteration(cfg)
+    tokens: list[int] = []
+    phase_log: list[tuple[int, str, float]] = []  # (iteration, phase, seconds)
+
+    def gold_reward(prompts, completions, completion_ids, **kwargs):
+        tokens.append(sum(len(ids) for ids in completion_ids))  # completion tokens up to and including EOS
+        return gold(prompts, completions)
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.begin, self.end = [], []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.begin.append(time.perf_counter())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.end.append(time.perf_counter())
+
+    class TimedRLOOTrainer(RLOOTrainer):
+        """TRL's trainer, unchanged; timers around generation and generation+scoring only."""
+
+        @contextmanager
+        def _phase(self, name):
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                phase_log.append((self.state.global_step // steps, name, time.perf_counter() - start))
+
+        def _generate(self, prompts):
+            with self._phase("generate"):
+                return super()._generate(prompts)
+
+        def _generate_and_score_completions(self, inputs):
+            with self._phase("rollout"):
+                return super()._generate_and_score_completions(inputs)
+
+    policy_path = cfg.resolve_model_path(cfg.model.policy)
+    clock = StepClock()
+    with tempfile.TemporaryDirectory(prefix="trl-rloo-") as out:
+        args = trl_args(cfg, out, iterations)
+        trainer = TimedRLOOTrainer(model=policy_path, reward_funcs=gold_reward, args=args,
+                                   train_dataset=Dataset.from_dict({"prompt": load_prompts(cfg)}),
+                                   processing_class=AutoTokenizer.from_pretrained(policy_path), callbacks=[clock])
+        facts = {"gradient_checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False)),
+                 "generation_batch_size": args.generation_batch_size, "steps_per_generation": args.steps_per_generation,
+                 "model_dtype": str(trainer.model.dtype), "device": str(trainer.accelerator.device)}
+        trainer.train()
+    if len(clock.end) != steps * (iterations + 1) or len(tokens) != iterations + 1:
+        raise RuntimeError(f"TRL ran {len(clock.end)} optimizer steps and {len(tokens)} generations; expected "
+                           f"{steps * (iterations + 1)} and {iterations + 1}")
+    records = []
+    for it in range(1, iterations + 1):  # iteration 0 is the warm-up
+        seconds = clock.end[(it + 1) * steps - 1] - clock.end[it * steps - 1]
+        phase = {name: sum(s for i, n, s in phase_log if i == it and n == name) for name in ("generate", "rollout")}
+        phases = {"generate": phase["generate"], "logprobs+reference+reward": phase["rollout"] - phase["generate"],
+                  "train+other": seconds - phase["rollout"]}
+        records.append({"seconds": seconds, "tokens": tokens[it], "phases": phases})
+    del trainer
+    return records, facts
+
+
+# ---------------------------------------------------------------------------------------------------------------- main
+def settings_side_by_side(cfg, trl_facts: dict) -> dict:
+    rf, gen = cfg.reinforce, cfg.generation
+    k, B = rf.num_rollouts_per_prompt, rf.rollout_batch_size
+    steps = optimizer_steps_per_iteration(cfg)
+    return {
+        "prompts per iteration": [B, trl_facts["generation_batch_size"] // k],
+        "rollouts per prompt (k / num_generations)": [k, k],
+        "rollouts per iteration": [B * k, trl_facts["generation_batch_size"]],
+        "rollouts per optimizer step": [rf.minibatch_size, rf.minibatch_size],
+        "optimizer steps per iteration": [f"{steps} (epochs={rf.epochs} x {B * k // rf.minibatch_size} minibatches)",
+                                          f"{steps} (num_iterations={rf.epochs} x steps_per_generation="
+                                          f"{trl_facts['steps_per_generation']})"],
+        "max new tokens / max_completion_length": [gen.max_new_tokens, gen.max_new_tokens],
+        "temperature, top_k, top_p": [[gen.temperature, gen.top_k, gen.top_p]] * 2,
+        "reward": [GOLD + " (FunctionReward)", GOLD + " (reward_funcs callable)"],
+        "KL coefficient beta (k1, in the sequence reward)": [cfg.kl.init, cfg.kl.init],
+        "optimizer": [f"AdamW lr={rf.optim.lr} betas={tuple(rf.optim.betas)} clip={rf.optim.grad_clip}"] * 2,
+        "dtype / device": ["float32 / cpu", f"{trl_facts['model_dtype']} / {trl_facts['device']}"],
+        "activation checkpointing": [False, trl_facts["gradient_checkpointing"]],
+        "loss": ["REINFORCE -logp*(r-b), token-mean", "clipped sequence-ratio surrogate (TRL RLOO)"],
+        "behaviour logprobs": ["kept from sampling (float32)", "recomputed with a forward pass"],
+        "logprob forward micro-batch": [gen.micro_batch_size, rf.minibatch_size],
+        "generation": ["models.policy.Policy.generate (own KV-cache loop)", "transformers model.generate"],
+    }
+
+
+def summarize(records: list[dict]) -> dict:
+    phases = {name: stats([r["phases"][name] for r in records]) for name in records[0]["phases"]}
+    return {"seconds_per_iteration": stats([r["seconds"] for r in records]),
+            "generated_tokens_per_iteration": stats([r["tokens"] for r in records]),
+            "generated_tokens_per_second": stats([r["tokens"] / r["seconds"] for r in records]),
+            "phases_seconds": phases}
+
+
+def main(argv=None) -> dict:
+    quick = quick_flag(argv)
+    rounds, iterations = (2, 4) if quick else (6, 12)
+    cfg = bench_config()
+    ours_all, trl_all, per_round = [], [], []
+    trl_facts = {}
+    for r in range(rounds):
+        order = ("ours", "trl") if r % 2 == 0 else ("trl", "ours")  # ABBA: neither side always runs first
+        got = {}
+        for side in order:
+            gc.collect()
+            if side == "ours":
+                got[side] = run_ours(cfg, iterations)
+            else:
+                got[side], trl_facts = run_trl(cfg, iterations)
+        ours_s = statistics.median(x["seconds"] for x in got["ours"])
+        trl_s = statistics.median(x["seconds"] for x in got["trl"])
+        ours_tps = statistics.median(x["tokens"] / x["seconds"] for x in got["ours"])
+        trl_tps = statistics.median(x["tokens"] / x["seconds"] for x in got["trl"])
+        per_round.append({"ours_s": ours_s, "trl_s": trl_s, "time_ratio": ours_s / trl_s,
+                          "tokens_per_s_ratio": ours_tps / trl_tps})
+        log(f"rloo_vs_trl round {r + 1}/{rounds}: ours {ours_s:.3f} s/it, TRL {trl_s:.3f} s/it, "
+            f"ratio {ours_s / trl_s:.2f}")
+        ours_all += got["ours"]
+        trl_all += got["trl"]
+    time_ratio = stats([p["time_ratio"] for p in per_round])
+    result = {
+        "quick": quick,
+        "what": "seconds per RLOO iteration (generation batch + its optimizer steps), ours / TRL RLOOTrainer",
+        "repetitions": {"rounds": rounds, "timed_iterations_per_round_per_side": iterations,
+                        "warmup_iterations_discarded_per_run": 1, "order": "ABBA alternation"},
+        "settings_ours_vs_trl": settings_side_by_side(cfg, trl_facts),
+        "ours": summarize(ours_all),
+        "trl": summarize(trl_all),
+        "per_round": per_round,
+        "time_ratio_ours_over_trl": time_ratio,
+        "tokens_per_second_ratio_ours_over_trl": stats([p["tokens_per_s_ratio"] for p in per_round]),
+        "target": f"time ratio <= {TARGET}",
+        "target_met": time_ratio["median"] <= TARGET,
+    }
+    write_result("rloo_vs_trl", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""A run's durable state: its name, local directory, checkpoint store, MLflow run, and the resume manifest.
+
+A checkpoint holds `actor/` (save_pretrained or the LoRA adapter, plus actor_state.pt: optimizer, scheduler, sampling
+RNG, KL controller, iteration, consumed rollouts), `critic/` (the critic server's critic_save output) and state.json
+(the manifest: iteration, critic step, tracking run id, global RNG states, config). Re-running with the same run name
+resumes from the last complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from components.checkpoints import CheckpointStore
+from components.tracking import Tracker, resolve_tracking_uri
+from models.actor import ActorState
+from models.config import RLHFConfig
+from models.policy import Policy
+
+
+def run_name_for(cfg: RLHFConfig) -> str:
+    return cfg.run_name or f"{cfg.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def checkpoint_uri(cfg: RLHFConfig, run_name: str) -> str:
+    base = cfg.checkpoint.uri or (cfg.resolved_state_dir() / "checkpoints").as_uri()
+    return f"{base.rstrip('/')}/{run_name}"
+
+
+def default_tracking_uri(cfg: RLHFConfig) -> str:
+    """Config > $MLFLOW_TRACKING_URI > the local stack's MLflow server (if `rlhf up` runs) > sqlite in state_dir."""
+    if cfg.tracking.uri:
+        return cfg.tracking.uri
+    from components.stack import running_mlflow_uri
+
+    local = running_mlflow_uri(cfg.resolved_state_dir())
+    if not os.environ.get("MLFLOW_TRACKING_URI") and local:
+        return local
+    return resolve_tracking_uri(None, cfg.resolved_state_dir())
+
+
+@dataclass
+class RunSession:
+    cfg: RLHFConfig
+    name: str
+    local_dir: Path
+    store: CheckpointStore
+    tracker: Tracker
+    resumed_from: int | None = None
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def critic_dir(self) -> Path:
+        return self.local_dir / "critic"
+
+    @classmethod
+    def open(cls, cfg: RLHFConfig, tags: dict[str, str] | None = None) -> "RunSession":
+        """Resolve the run; if its store has a complete checkpoint, download it and remember the manifest."""
+        name = run_name_for(cfg)
+        local_dir = cfg.resolved_state_dir() / "runs" / name
+        local_dir.mkdir(parents=True, exist_ok=True)
+        store = CheckpointStore.from_uri(checkpoint_uri(cfg, name), s3_endpoint_url=cfg.checkpoint.s3_endpoint_url)
+        manifest, resumed_from = {}, store.latest()
+        restore_dir = local_dir / "restore"
+        if resumed_from is not None:
+            shutil.rmtree(restore_dir, ignore_errors=True)
+            manifest = from_jsonable(store.load(restore_dir, resumed_from))
+            shutil.rmtree(local_dir / "critic", ignore_errors=True)
+            if (restore_dir / "critic").exists():
+                shutil.copytree(restore_dir / "critic", local_dir / "critic")
+        tracker = Tracker(default_tracking_uri(cfg), cfg.tracking.experiment, name, run_id=manifest.get("tracking_run_id"),
+                          tags={"algorithm": cfg.algorithm, "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
+                                **(tags or {})},
+                          system_metrics=cfg.tracking.system_metrics)
+        tracker.start(cfg.model_dump(mode="json"))
+        return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest)
+
+    @property
+    def start_iteration(self) -> int:
+        return int(self.manifest.get("iteration", 0))
+
+    def restore_actor(self, state: ActorState) -> None:
+        """Load actor weights/optimizer/RNG from the downloaded checkpoint into a freshly built ActorState."""
+        if self.resumed_from is None:
+            return
+        actor_dir = self.local_dir / "restore" / "actor"
+        load_actor_weights(state.policy, actor_dir)
+        state.load_state_dict(torch.load(actor_dir / "actor_state.pt", weights_only=False))
+        torch.set_rng_state(self.manifest["rng"]["torch"])
+        random.setstate(_tuple_state(self.manifest["rng"]["python"]))
+
+    def save(self, state: ActorState, critic_info: dict | None) -> str:
+        """Checkpoint the actor (+ the critic directory when it is local) and the manifest; prune; record in MLflow."""
+        stage = self.local_dir / "staging"
+        shutil.rmtree(stage, ignore_errors=True)
+        actor_dir = stage / "actor"
+        state.policy.save(actor_dir)
+        torch.save(state.state_dict(), actor_dir / "actor_state.pt")
+        parts = {"actor": actor_dir}
+        if critic_info and Path(critic_info.get("path", "")).is_dir():
+            parts["critic"] = Path(critic_info["path"])
+        manifest = {"iteration": state.iteration, "episode": state.episode, "run_name": self.name,
+                    "tracking_run_id": self.tracker.run_id, "critic_step": (critic_info or {}).get("step"),
+                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                    "config": self.cfg.model_dump(mode="json")}
+        uri = self.store.save(state.iteration, parts, _jsonable(manifest))
+        self.store.prune(self.cfg.checkpoint.keep_last)
+        self.tracker.log_checkpoint(uri, state.iteration)
+        shutil.rmtree(stage, ignore_errors=True)
+        return uri
+
+    def log(self, iteration: int, metrics: dict, samples: list[dict]) -> None:
+        """Metrics at step=iteration; a step already logged by an earlier attempt (recomputed after resume) is skipped."""
+        if self.tracker.last_step is not None and iteration <= self.tracker.last_step:
+            return
+        self.tracker.log_metrics(metrics, step=iteration)
+        if iteration % self.cfg.tracking.table_every == 0 or iteration == 1:
+            self.tracker.log_table(samples, step=iteration)
+
+    def close(self, status: str) -> None:
+        self.tracker.end(status)
+
+
+def load_actor_weights(policy: Policy, actor_dir: Path) -> None:
+    if policy.lora:
+        from peft import set_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        set_peft_model_state_dict(policy.model, load_file(str(actor_dir / "adapter_model.safetensors")))
+    else:
+        from transformers import AutoModelForCausalLM
+
+        loaded = AutoModelForCausalLM.from_pretrained(actor_dir)
+        policy.model.load_state_dict(loaded.state_dict())
+
+
+def _jsonable(value):
+    """RNG states (tensors, tuples) in a JSON manifest."""
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.tolist()}
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _tuple_state(value):
+    return tuple(_tuple_state(v) if isinstance(v, list) else v for v in value)
+
+
+def from_jsonable(value):
+    if isinstance(value, dict) and "__tensor__" in value:
+        return torch.tensor(value["__tensor__"], dtype=torch.uint8)
+    if isinstance(value, dict):
+        return {k: from_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_jsonable(v) for v in value]
+    return value

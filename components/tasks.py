@@ -1,0 +1,64 @@
+"""Prefect tasks the flows are made of. Retries only where I/O can fail transiently (tracking, checkpoint upload)."""
+
+from __future__ import annotations
+
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from components.run import RunSession
+from models.actor import ActorState
+from models.config import RLHFConfig
+from models.loop import build_actor, gold_function
+from models.ppo import ppo_step
+from models.rloo import rloo_step
+
+
+@task(name="open-run", cache_policy=NONE, retries=2, retry_delay_seconds=5)
+def open_run(cfg: RLHFConfig, tags: dict[str, str]) -> RunSession:
+    """Resolve the run name, download the last complete checkpoint if there is one, start/continue the MLflow run."""
+    session = RunSession.open(cfg, tags)
+    logger = get_run_logger()
+    if session.resumed_from is not None:
+        logger.info(f"run {session.name}: resuming from checkpoint iteration {session.resumed_from} ({session.store.uri})")
+    else:
+        logger.info(f"run {session.name}: new run, checkpoints in {session.store.uri}")
+    logger.info(f"MLflow run {session.tracker.run_id} at {session.tracker.tracking_uri}")
+    return session
+
+
+@task(name="load-actor", cache_policy=NONE)
+def load_actor(cfg: RLHFConfig, session: RunSession) -> ActorState:
+    """Actor + frozen reference (CPU copy, or the adapters disabled for LoRA) + optimizer, restored when resuming."""
+    state = build_actor(cfg)
+    session.restore_actor(state)
+    return state
+
+
+@task(name="ppo-iteration", cache_policy=NONE)
+def ppo_iteration(state: ActorState, prompts: list[str], critic, reward, cfg: RLHFConfig):
+    """rollout -> logprobs + reference -> critic_infer (async) -> KL-shaped rewards -> GAE -> actor + critic updates."""
+    return ppo_step(state, prompts, critic, reward, cfg, gold_function(cfg))
+
+
+@task(name="rloo-iteration", cache_policy=NONE)
+def rloo_iteration(state: ActorState, prompts: list[str], reward, cfg: RLHFConfig):
+    """k rollouts per prompt -> logprobs + reference -> rewards (async) -> leave-one-out baseline -> REINFORCE update."""
+    return rloo_step(state, prompts, reward, cfg, gold_function(cfg))
+
+
+@task(name="log-metrics", cache_policy=NONE, retries=2, retry_delay_seconds=2)
+def log_metrics(session: RunSession, iteration: int, metrics: dict, samples: list[dict]) -> None:
+    session.log(iteration, metrics, samples)
+    m = metrics
+    get_run_logger().info(
+        f"iteration {iteration}/{session.cfg.iterations}: gold {m.get('objective/gold_reward', float('nan')):+.3f} "
+        f"score {m['objective/scores']:+.3f} KL {m['objective/kl']:.3f} step {m['time/step']:.2f}s")
+
+
+@task(name="checkpoint", cache_policy=NONE, retries=2, retry_delay_seconds=5)
+def save_checkpoint(session: RunSession, state: ActorState, critic=None) -> str:
+    """critic_save on the critic server, then actor + critic + manifest into the store; `latest` written last."""
+    critic_info = critic.save() if critic is not None else None
+    uri = session.save(state, critic_info)
+    get_run_logger().info(f"checkpoint iteration {state.iteration}: {uri}")
+    return uri

@@ -1,0 +1,40 @@
+"""PPO as a Prefect flow: deploy the critic server, wait until ready, iterate, checkpoint, tear down."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+from prefect.runtime import deployment, flow_run
+
+from components.services import critic_service, reward_service
+from components.tasks import load_actor, log_metrics, open_run, ppo_iteration, save_checkpoint
+from models.config import RLHFConfig
+from models.loop import load_prompts, prompt_batches
+
+
+@flow(name="ppo", log_prints=True)
+def ppo(config: RLHFConfig = RLHFConfig(algorithm="ppo")) -> dict:
+    """Train the actor with PPO against a critic server (values, and rewards when the reward model is combined)."""
+    cfg = config.model_copy(update={"algorithm": "ppo"})
+    session = open_run(cfg, run_tags())
+    status = "FAILED"
+    try:
+        state = load_actor(cfg, session)
+        with critic_service(cfg, session) as critic, reward_service(cfg, session, needed=not cfg.critic.combine_reward) as reward:
+            batches = prompt_batches(load_prompts(cfg), cfg.ppo.rollout_batch_size, cfg.seed, start_batch=state.iteration)
+            metrics = {}
+            while state.iteration < cfg.iterations:
+                metrics, samples = critic.guard(ppo_iteration, state, next(batches), critic.backend,
+                                                reward.backend if reward else None, cfg)
+                log_metrics(session, state.iteration, metrics, samples)
+                if state.iteration % cfg.checkpoint.every == 0 or state.iteration == cfg.iterations:
+                    critic.guard(save_checkpoint, session, state, critic.backend)
+        status = "FINISHED"
+        get_run_logger().info(f"run {session.name} finished: {cfg.iterations} iterations")
+        return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": state.iteration,
+                "final": {k: v for k, v in metrics.items() if k.startswith("objective/")}}
+    finally:
+        session.close(status)
+
+
+def run_tags() -> dict[str, str]:
+    return {"prefect.flow_run_id": str(flow_run.get_id() or ""), "prefect.deployment": str(deployment.get_name() or "")}

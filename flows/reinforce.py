@@ -1,0 +1,35 @@
+"""REINFORCE/RLOO as a Prefect flow: deploy the reward server, wait until ready, iterate; no critic stage."""
+
+from __future__ import annotations
+
+from prefect import flow, get_run_logger
+
+from components.services import reward_service
+from components.tasks import load_actor, log_metrics, open_run, rloo_iteration, save_checkpoint
+from flows.ppo import run_tags
+from models.config import RLHFConfig
+from models.loop import load_prompts, prompt_batches
+
+
+@flow(name="reinforce", log_prints=True)
+def reinforce(config: RLHFConfig = RLHFConfig(algorithm="rloo")) -> dict:
+    """Train the actor with RLOO: k rollouts per prompt scored by the reward server, leave-one-out baseline."""
+    cfg = config.model_copy(update={"algorithm": "rloo"})
+    session = open_run(cfg, run_tags())
+    status = "FAILED"
+    try:
+        state = load_actor(cfg, session)
+        with reward_service(cfg, session) as reward:
+            batches = prompt_batches(load_prompts(cfg), cfg.reinforce.rollout_batch_size, cfg.seed, start_batch=state.iteration)
+            metrics = {}
+            while state.iteration < cfg.iterations:
+                metrics, samples = reward.guard(rloo_iteration, state, next(batches), reward.backend, cfg)
+                log_metrics(session, state.iteration, metrics, samples)
+                if state.iteration % cfg.checkpoint.every == 0 or state.iteration == cfg.iterations:
+                    save_checkpoint(session, state)
+        status = "FINISHED"
+        get_run_logger().info(f"run {session.name} finished: {cfg.iterations} iterations")
+        return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": state.iteration,
+                "final": {k: v for k, v in metrics.items() if k.startswith("objective/")}}
+    finally:
+        session.close(status)

@@ -1,0 +1,30 @@
+"""Serve every deployment from one process (what `rlhf up` starts): `python -m flows.serve`."""
+
+from __future__ import annotations
+
+from prefect import serve
+
+from flows.compare import compare
+from flows.ppo import ppo
+from flows.reinforce import reinforce
+from flows.servers import critic_server, reward_server
+from models.config import RLHFConfig
+
+
+def deployments():
+    return [
+        ppo.to_deployment(name="default", parameters={"config": RLHFConfig(algorithm="ppo").model_dump(mode="json")},
+                          description="PPO on the embedded default (tiny local models); override any field with --param config=..."),
+        reinforce.to_deployment(name="default", parameters={"config": RLHFConfig(algorithm="rloo").model_dump(mode="json")},
+                                description="REINFORCE/RLOO on the embedded default"),
+        critic_server.to_deployment(name="default", description="PyTriton critic server (critic_infer/train/save)"),
+        reward_server.to_deployment(name="default", description="PyTriton reward server (reward_model)"),
+        compare.to_deployment(name="default", description="PPO vs RLOO curves and table"),
+    ]
+
+
+if __name__ == "__main__":
+    from components.cli import quiet
+
+    quiet()
+    serve(*deployments(), limit=4)
