@@ -55,6 +55,13 @@ def machine() -> dict:
     return info
 
 
+def load_average() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
 def versions() -> dict:
     out = {}
     for dist in ("torch", "transformers", "trl", "nvidia-pytriton", "tritonclient", "accelerate", "numpy"):
@@ -74,12 +81,18 @@ def stats(values) -> dict:
             "mean": statistics.fmean(values)}
 
 
+def results_dir(quick: bool = False) -> Path:
+    """benchmarks/results/, or benchmarks/results/tmp/quick/ (git-ignored) for --quick runs."""
+    return RESULTS / "tmp" / "quick" if quick else RESULTS
+
+
 def write_result(name: str, data: dict) -> Path:
-    """benchmarks/results/<name>.json with machine and versions added."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    """<results_dir>/<name>.json with machine, versions and the load average (other work on the machine) added."""
+    directory = results_dir(bool(data.get("quick")))
+    directory.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": name, "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "machine": machine(),
-               "versions": versions(), **data}
-    path = RESULTS / f"{name}.json"
+               "versions": versions(), "load_average_1_5_15_min_at_end": load_average(), **data}
+    path = directory / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2, default=_jsonable) + "\n")
     log(f"wrote {path.relative_to(ROOT)}")
     return path

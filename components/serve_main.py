@@ -68,7 +68,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     source = reward.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help="Sequence-classification reward model (1 label).")
     source.add_argument("--function", default=None, help="'package.module:function(prompts, responses) -> list[float]'.")
-    reward.add_argument("--tokenizer", default=None, help="Tokenizer to decode tokens for --function (default: the config's policy).")
+    reward.add_argument("--tokenizer", default=None, help="Tokenizer to decode tokens for --function (default: the config's policy). "
+                        "Clients that send no prompt_lengths (NeMo-Aligner's) get the whole sequence scored as the response.")
     _common(reward, "default: config reward.http_port, 8500")
     reward.set_defaults(func=run_reward_args)
     return serve
@@ -126,7 +127,7 @@ def run_critic_args(args) -> int:
     rl = _load_config(args.config)
     cfg = critic_config_from_args(args, rl.critic)
     model = args.model or (rl.resolve_model_path(rl.model.critic) if rl.model.critic else None)
-    reward = args.reward or (rl.resolve_model_path(rl.model.reward) if args.config else None)
+    reward = args.reward or rl.resolve_model_path(rl.model.reward)
     return serve_critic(cfg, model, reward, combine_reward=not args.no_combine and cfg.combine_reward,
                         checkpoint_dir=args.checkpoint_dir, checkpoint_uri=args.checkpoint_uri,
                         checkpoint_key=args.checkpoint_key, s3_endpoint_url=args.s3_endpoint_url,
@@ -141,11 +142,9 @@ def run_reward_args(args) -> int:
     if model is None and function is None:  # fall back to the config's reward source
         if rl.reward.source == "function":
             function = rl.reward.function
-        elif args.config:
+        else:
             model = rl.resolve_model_path(rl.model.reward)
-    if model is None and function is None:
-        raise SystemExit("rlhf serve reward: give --model PATH or --function module:fn (or --config)")
-    tokenizer = args.tokenizer or (rl.resolve_model_path(rl.model.policy) if function and args.config else None)
+    tokenizer = args.tokenizer or (rl.resolve_model_path(rl.model.policy) if function else None)
     return serve_reward(model, function, tokenizer, dtype=args.dtype or rl.model.dtype,
                         device=args.device or rl.model.device, host=args.host or rl.reward.host,
                         port=args.port or rl.reward.http_port, max_batch_size=args.max_batch_size,

@@ -32,6 +32,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import sys
 import sysconfig
 import threading
@@ -281,6 +282,16 @@ class ServeOptions:
                             **self.extra)
 
 
+def _can_bind(host: str, port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 class _Stop(BaseException):
     """Raised in the main thread by SIGTERM/SIGINT."""
 
@@ -320,6 +331,11 @@ def serve(kind: str, specs: list[ModelSpec], load: Callable[[], dict[str, Callab
     Returns the process exit code: 0 after a requested stop, 1 when the weights failed to load or Triton died.
     """
     prepare_environment()
+    busy = [port for port in (options.port, options.port + 1, options.port + 2) if not _can_bind(options.host, port)]
+    if busy:  # tritonserver would exit, but PyTriton would keep waiting for it for minutes
+        LOG.error("%s server: port(s) %s on %s already in use (HTTP %d, gRPC +1, metrics +2); choose another --port",
+                  kind, busy, options.host, options.port)
+        return 1
     from pytriton.triton import Triton, TritonSecurityConfig
     from pytriton.utils.workspace import Workspace
 
@@ -460,3 +476,10 @@ def model_state_summary(index: list[dict], name: str) -> str | None:
 def dumps_config(cfg) -> str:
     """A CriticConfig as compact JSON for the command line of a child server."""
     return json.dumps(cfg.model_dump(mode="json"), separators=(",", ":"))
+
+
+def add_serve_parser(subparsers):
+    """`rlhf serve critic|reward` (defined in components/serve_main.py, next to the functions it calls)."""
+    from components.serve_main import add_serve_parser as add
+
+    return add(subparsers)

@@ -71,8 +71,10 @@ def _port_free(port: int) -> bool:
     import socket
 
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server would: TIME_WAIT leftovers do not count
         try:
             s.bind(("127.0.0.1", port))
+            s.listen(1)
             return True
         except OSError:
             return False

@@ -1,0 +1,128 @@
+"""PPO iteration with the critic behind PyTriton (HTTP) vs in process.
+
+The same `models.ppo.ppo_step` on the tiny models, once with `models.backends.LocalCritic` (critic + combined reward
+model on a thread of this process) and once with `components.clients.CriticClient` talking to a critic server that
+`components.launcher.launch_critic` starts as a child process (own process group, stopped at the end). Each side has
+its own actor, seeded alike, and the same prompt sequence. Blocks of iterations alternate A/B (ABBA); the first
+iteration of every block is discarded. Target: HTTP <= 1.10x in-process seconds per iteration.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+
+from benchmarks.common import RESULTS, log, quick_flag, stats, tiny_config, write_result
+
+TARGET = 1.10
+PHASES = ("generate", "logprobs", "reference", "critic_wait", "train", "critic_train_wait")
+
+
+def bench_config():
+    return tiny_config(algorithm="ppo")
+
+
+@contextmanager
+def http_critic(cfg):
+    """A critic server child process for `cfg` on free ports, and a CriticClient to it; both closed on exit."""
+    from components.clients import critic_backend
+    from components.launcher import find_free_ports, launch_critic
+
+    started = time.perf_counter()
+    port = find_free_ports(cfg.critic.host)
+    (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
+    server = launch_critic(cfg, RESULTS / "tmp" / "critic-server.log", port=port)
+    log(f"critic server ready at {server.url} in {time.perf_counter() - started:.1f} s")
+    client = critic_backend(cfg, url=server.url)
+    try:
+        yield client
+    finally:
+        client.close()
+        server.stop()
+
+
+@contextmanager
+def local_critic(cfg):
+    from models.backends import LocalCritic
+    from models.loop import build_critic_trainer
+
+    critic = LocalCritic(build_critic_trainer(cfg))
+    try:
+        yield critic
+    finally:
+        critic.close()
+
+
+class PPORunner:
+    """One actor + one critic backend + its own prompt stream; `run(n)` times n iterations of ppo_step."""
+
+    def __init__(self, cfg, critic):
+        from models.loop import build_actor, load_prompts, prompt_batches
+
+        self.cfg, self.critic = cfg, critic
+        self.state = build_actor(cfg)
+        self.batches = prompt_batches(load_prompts(cfg), cfg.ppo.rollout_batch_size, cfg.seed)
+
+    def run(self, iterations: int, warmup: int = 1) -> list[dict]:
+        from models.ppo import ppo_step
+
+        records = []
+        for i in range(warmup + iterations):
+            prompts = next(self.batches)
+            start = time.perf_counter()
+            metrics, _ = ppo_step(self.state, prompts, self.critic, None, self.cfg, None)
+            seconds = time.perf_counter() - start
+            if i >= warmup:
+                records.append({"seconds": seconds, "tokens": metrics["tokens/generated"],
+                                "phases": {p: metrics.get(f"time/{p}", 0.0) for p in PHASES}})
+        return records
+
+
+def summarize(records: list[dict]) -> dict:
+    return {"seconds_per_iteration": stats([r["seconds"] for r in records]),
+            "phases_seconds": {p: stats([r["phases"][p] for r in records]) for p in PHASES}}
+
+
+def main(argv=None) -> dict:
+    quick = quick_flag(argv)
+    rounds, iterations = (2, 3) if quick else (6, 6)
+    cfg = bench_config()
+    per_round = []
+    got = {"in_process": [], "http": []}
+    with local_critic(cfg) as local, http_critic(cfg) as remote:
+        runners = {"in_process": PPORunner(cfg, local), "http": PPORunner(cfg, remote)}
+        for r in range(rounds):
+            medians = {}
+            for side in (("in_process", "http") if r % 2 == 0 else ("http", "in_process")):
+                records = runners[side].run(iterations)
+                got[side] += records
+                medians[side] = statistics.median(x["seconds"] for x in records)
+            per_round.append({"in_process_s": medians["in_process"], "http_s": medians["http"],
+                              "ratio": medians["http"] / medians["in_process"]})
+            log(f"critic_http round {r + 1}/{rounds}: in-process {medians['in_process']:.3f} s/it, "
+                f"HTTP {medians['http']:.3f} s/it, ratio {per_round[-1]['ratio']:.2f}")
+    ratio = stats([p["ratio"] for p in per_round])
+    result = {
+        "quick": quick,
+        "what": "seconds per PPO iteration (ppo_step), critic over HTTP (PyTriton child process) / in process",
+        "repetitions": {"rounds": rounds, "timed_iterations_per_block": iterations,
+                        "warmup_iterations_discarded_per_block": 1, "order": "ABBA alternation"},
+        "settings": {"rollout_batch_size": cfg.ppo.rollout_batch_size, "minibatch_size": cfg.ppo.minibatch_size,
+                     "epochs": cfg.ppo.epochs, "max_new_tokens": cfg.generation.max_new_tokens,
+                     "micro_batch_size": cfg.generation.micro_batch_size, "critic_epochs": cfg.critic.epochs,
+                     "critic_train_batch_size": cfg.critic.train_batch_size,
+                     "combine_reward": cfg.critic.combine_reward, "max_queue_delay_us": cfg.critic.max_queue_delay_us},
+        "in_process": summarize(got["in_process"]),
+        "http": summarize(got["http"]),
+        "per_round": per_round,
+        "time_ratio_http_over_in_process": ratio,
+        "target": f"ratio <= {TARGET}",
+        "target_met": ratio["median"] <= TARGET,
+    }
+    write_result("critic_http", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""GPU: decode tokens/s against the weight-bandwidth roofline, and training MFU, on a ~0.5B model with random weights.
+
+The model is built from a config (Qwen2-0.5B shape: 24 layers, hidden 896, GQA 14/2 heads, vocab 151,936, tied
+embeddings; bfloat16), so nothing is downloaded. Decoding uses the project's `Policy.generate` (KV cache, sampling);
+training uses the project's `Policy.logprobs` + backward + AdamW, the actor's inner loop.
+
+- Decode roofline: every decode step reads all weights once plus the KV cache so far, so
+  tokens/s <= batch x bandwidth / (weight bytes + KV bytes). Bandwidth = measured device-to-device copy bandwidth
+  (reported with the nominal figure when the GPU is known).
+- MFU = model FLOPs / s / peak dense bf16 FLOPs, with model FLOPs = 6 x matmul params x tokens + attention
+  (12 x layers x hidden x sequence per token, causal halves it: 6 x ...).
+
+Without CUDA the result records "skipped: no CUDA device". `--cpu-smoke` runs the same code on a tiny config on the
+CPU (checks the script; its numbers are meaningless and are written to results/tmp/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from types import SimpleNamespace
+
+import torch
+
+from benchmarks.common import RESULTS, log, stats, write_result
+
+# name fragment -> (peak dense bf16 FLOP/s, nominal memory bandwidth B/s)
+KNOWN_GPUS = {
+    "H200": (989e12, 4.8e12), "H100 SXM": (989e12, 3.35e12), "H100 80GB HBM3": (989e12, 3.35e12),
+    "H100 PCIe": (756e12, 2.0e12), "H100 NVL": (835e12, 3.9e12), "A100-SXM4-80GB": (312e12, 2.04e12),
+    "A100-SXM4-40GB": (312e12, 1.56e12), "A100 80GB PCIe": (312e12, 1.94e12), "A100-PCIE-40GB": (312e12, 1.56e12),
+    "L40S": (362e12, 0.864e12), "L4": (121e12, 0.3e12), "A10G": (125e12, 0.6e12),
+}
+
+
+def known_gpu(name: str):
+    for fragment, spec in KNOWN_GPUS.items():
+        if fragment.lower() in name.lower():
+            return fragment, spec
+    return None, (None, None)
+
+
+def model_config(smoke: bool):
+    from transformers import Qwen2Config
+
+    if smoke:
+        return Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                           tie_word_embeddings=True)
+    return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                       num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096,
+                       tie_word_embeddings=True)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device, gib: float) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted), best of 5."""
+    n = int(gib * 2**30) // 4
+    src, dst = torch.empty(n, dtype=torch.float32, device=device), torch.empty(n, dtype=torch.float32, device=device)
+    best = float("inf")
+    for _ in range(6):
+        sync(device)
+        start = time.perf_counter()
+        dst.copy_(src)
+        sync(device)
+        best = min(best, time.perf_counter() - start)
+    del src, dst
+    return 2 * n * 4 / best
+
+
+def matmul_params(cfg) -> int:
+    """Parameters that take part in matmuls per token: all layers + the LM head (embedding lookup excluded)."""
+    h, i, L = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers
+    kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    per_layer = h * h * 2 + h * kv * 2 + 3 * h * i  # q, o, k, v, gate/up/down
+    return L * per_layer + cfg.vocab_size * h
+
+
+def decode_bench(policy, cfg, device, batches, prompt_len, new_tokens, reps, weight_bytes, bandwidth):
+    from models.config import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=new_tokens, temperature=1.0, micro_batch_size=max(batches))
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2  # K and V, bf16
+    out = []
+    for batch in batches:
+        prompts = torch.randint(2, cfg.vocab_size, (batch, prompt_len)).tolist()
+        for label, generator in (("device sampling (generator=None)", None),
+                                 ("CPU generator (as ActorState passes)", torch.Generator().manual_seed(0))):
+            policy.generate(prompts, gen.model_copy(update={"max_new_tokens": 4}), generator)  # warm-up
+            rates = []
+            for _ in range(reps):
+                sync(device)
+                start = time.perf_counter()
+                rollout = policy.generate(prompts, gen, generator)
+                sync(device)
+                rates.append(int(rollout.response_lengths.sum()) / (time.perf_counter() - start))
+            avg_context = prompt_len + new_tokens / 2
+            roofline = batch * bandwidth / (weight_bytes + batch * avg_context * kv_bytes_per_token)
+            s = stats(rates)
+            out.append({"batch": batch, "sampling": label, "prompt_len": prompt_len, "new_tokens": new_tokens,
+                        "tokens_per_s": s, "roofline_tokens_per_s": roofline,
+                        "fraction_of_roofline": s["median"] / roofline})
+            log(f"gpu decode B={batch} {label}: {s['median']:.0f} tok/s = {s['median'] / roofline:.0%} of roofline")
+    return out
+
+
+def train_bench(policy, cfg, device, batch, seq_len, reps, peak_flops):
+    from models.loading import make_optimizer
+    from models.config import OptimConfig
+
+    optimizer, _ = make_optimizer(policy.trainable_parameters(), OptimConfig(lr=1e-6))
+    tokens = torch.randint(2, cfg.vocab_size, (batch, seq_len), device=device)
+    lengths = torch.full((batch,), seq_len, device=device)
+    policy.model.train()
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        logp, _ = policy.logprobs(tokens, lengths, 1.0, with_entropy=False)
+        (-logp.mean()).backward()
+        optimizer.step()
+
+    step()
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        step()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    n = matmul_params(cfg)
+    flops = 6 * n * batch * seq_len + 6 * cfg.num_hidden_layers * cfg.hidden_size * seq_len * batch * seq_len
+    s = stats(times)
+    achieved = flops / s["median"]
+    result = {"batch": batch, "seq_len": seq_len, "seconds_per_step": s, "model_flops_per_step": flops,
+              "achieved_tflops": achieved / 1e12, "mfu": achieved / peak_flops if peak_flops else None}
+    log(f"gpu train B={batch} L={seq_len}: {s['median'] * 1e3:.0f} ms/step, {achieved / 1e12:.1f} TFLOP/s"
+        + (f", MFU {achieved / peak_flops:.0%}" if peak_flops else ""))
+    return result
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny config on CPU: checks the script only")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() and not args.cpu_smoke:
+        log("gpu: skipped (no CUDA device)")
+        result = {"quick": args.quick, "skipped": "no CUDA device", "what": "decode tokens/s vs roofline, training MFU (~0.5B model)"}
+        write_result("gpu", result)
+        return result
+
+    from transformers import AutoModelForCausalLM
+
+    from models.policy import Policy
+
+    device = torch.device("cpu" if args.cpu_smoke else "cuda")
+    cfg = model_config(args.cpu_smoke)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(device)
+    params = sum(p.numel() for p in model.parameters())
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    log(f"gpu: {params / 1e6:.0f}M-parameter {cfg.model_type} (random weights, bf16) on {device}")
+    policy = Policy(model, SimpleNamespace(pad_token_id=0, eos_token_id=1), lora=False, reference=None)
+
+    name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke)"
+    matched, (peak_flops, nominal_bw) = known_gpu(name)
+    bandwidth = copy_bandwidth(device, 0.01 if args.cpu_smoke else 2.0)
+    reps = 2 if (args.quick or args.cpu_smoke) else 5
+    small = args.cpu_smoke
+    decode = decode_bench(policy, cfg, device, [1, 4] if small else [1, 16, 64, 256], 16 if small else 128,
+                          8 if small else 256, reps, weight_bytes, bandwidth)
+    train = [train_bench(policy, cfg, device, b, L, reps, peak_flops)
+             for b, L in ([(2, 32)] if small else [(8, 512), (16, 512)])]
+    result = {
+        "quick": args.quick,
+        "what": "decode tokens/s vs weight-bandwidth roofline, training MFU (~0.5B model, random weights, bf16)",
+        "device": name, "known_gpu_entry": matched, "peak_bf16_flops": peak_flops,
+        "nominal_bandwidth_bytes_per_s": nominal_bw, "measured_copy_bandwidth_bytes_per_s": bandwidth,
+        "model": {"config": cfg.to_dict(), "parameters": params, "weight_bytes": weight_bytes,
+                  "matmul_parameters": matmul_params(cfg)},
+        "repetitions": {"reps": reps, "warmup": 1},
+        "decode": decode, "train": train,
+        "notes": ["roofline uses the measured copy bandwidth; tokens/s counts every generated token",
+                  "Policy.logprobs computes full-vocabulary float32 log-softmax: its memory traffic is part of the "
+                  "measured step"],
+    }
+    if args.cpu_smoke:
+        path = RESULTS / "tmp"
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "gpu-cpu-smoke.json").write_text(__import__("json").dumps(result, indent=2, default=str))
+        log(f"gpu: cpu smoke written to {path / 'gpu-cpu-smoke.json'} (not a result)")
+        return result
+    write_result("gpu", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,152 @@
+"""Run every benchmark, write benchmarks/results/*.json and the results table in BENCHMARKS.md.
+
+    python -m benchmarks.run_all            # full run (~10 min on a 2-core CPU), updates BENCHMARKS.md
+    python -m benchmarks.run_all --quick    # fewer repetitions (~3 min); results go to benchmarks/results/tmp/quick/
+    python -m benchmarks.run_all --only rloo_vs_trl critic_http
+
+Exits non-zero when a benchmark fails to run, never because a target was missed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import time
+import traceback
+
+from benchmarks.common import ROOT, load_average, log, machine, results_dir, versions
+
+BENCHMARKS = ("generate", "rloo_vs_trl", "critic_http", "overlap", "gpu")
+MARK_START, MARK_END = "<!-- results:start (written by python -m benchmarks.run_all) -->", "<!-- results:end -->"
+
+
+def fmt(s: dict, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:
+    """'median [min–max] unit' of a stats dict."""
+    return (f"{s['median'] * scale:.{digits}f} [{s['min'] * scale:.{digits}f}–{s['max'] * scale:.{digits}f}]{unit}")
+
+
+def table(results: dict, summary: dict) -> str:
+    rows = []
+    r = results.get("rloo_vs_trl")
+    if r:
+        reps = r["repetitions"]
+        n = f"{reps['rounds']} rounds x {reps['timed_iterations_per_round_per_side']} it/side"
+        rows.append(["RLOO iteration vs TRL 1.16 RLOOTrainer", "time ours / TRL (per-round medians)",
+                     fmt(r["time_ratio_ours_over_trl"]), n, "<= 0.70", _met(r)])
+        rows.append(["", "s/iteration: ours | TRL", f"{fmt(r['ours']['seconds_per_iteration'], digits=3)} | "
+                     f"{fmt(r['trl']['seconds_per_iteration'], digits=3)}", n, "", ""])
+        rows.append(["", "generated tokens/s ratio ours / TRL", fmt(r["tokens_per_second_ratio_ours_over_trl"]), n,
+                     "", ""])
+    r = results.get("critic_http")
+    if r:
+        reps = r["repetitions"]
+        n = f"{reps['rounds']} rounds x {reps['timed_iterations_per_block']} it/side"
+        rows.append(["PPO iteration, critic over HTTP vs in process", "time HTTP / in-process (per-round medians)",
+                     fmt(r["time_ratio_http_over_in_process"]), n, "<= 1.10", _met(r)])
+        rows.append(["", "s/iteration: in-process | HTTP", f"{fmt(r['in_process']['seconds_per_iteration'], digits=3)}"
+                     f" | {fmt(r['http']['seconds_per_iteration'], digits=3)}", n, "", ""])
+    r = results.get("overlap")
+    if r:
+        n = f"{r['repetitions']['iterations_per_side']} it/side"
+        rows.append(["Overlap: critic_infer hidden behind actor logprob/reference", "fraction (HTTP critic)",
+                     fmt(r["infer_hidden_fraction_http"], 100, 0, " %"), n, ">= 80 %", _met(r)])
+        rows.append(["", "fraction (in-process critic)",
+                     fmt(r["in_process"]["per_iteration_stats"]["infer_hidden_fraction"], 100, 0, " %"), n, "", ""])
+        rows.append(["Overlap: critic_train hidden behind actor train", "fraction: HTTP | in-process",
+                     f"{fmt(r['train_hidden_fraction_http'], 100, 0, ' %')} | "
+                     f"{fmt(r['in_process']['per_iteration_stats']['train_hidden_fraction'], 100, 0, ' %')}", n, "—",
+                     ""])
+    r = results.get("generate")
+    if r:
+        for case in r["cases"]:
+            rows.append([f"Rollout B={case['batch']}, {case['max_new_tokens']} new tokens",
+                         "tokens/s: Policy.generate | HF generate",
+                         f"{fmt(case['ours_tokens_per_s'], digits=0)} | {fmt(case['hf_tokens_per_s'], digits=0)} "
+                         f"(x{case['speedup_tokens_per_s']:.2f})",
+                         f"{r['repetitions']['reps_per_side_per_case']} reps/side", "—", ""])
+    r = results.get("gpu")
+    if r:
+        if r.get("skipped"):
+            rows.append(["GPU decode roofline / training MFU", "—", f"skipped: {r['skipped']}", "—", "—", ""])
+        else:
+            for d in r["decode"]:
+                rows.append([f"GPU decode B={d['batch']} ({d['sampling']})", "tokens/s (fraction of roofline)",
+                             f"{d['tokens_per_s']['median']:.0f} ({d['fraction_of_roofline']:.0%})",
+                             f"{d['tokens_per_s']['n']} reps", "—", ""])
+            for t in r["train"]:
+                mfu = f"{t['mfu']:.0%}" if t["mfu"] is not None else "n/a"
+                rows.append([f"GPU train B={t['batch']} L={t['seq_len']}", "TFLOP/s (MFU)",
+                             f"{t['achieved_tflops']:.1f} ({mfu})", f"{t['seconds_per_step']['n']} reps", "—", ""])
+    m, v = summary["machine"], summary["versions"]
+    lines = [MARK_START, "",
+             f"Measured {summary['finished']} on {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
+             f"{m.get('memory_gib', '?')} GiB, GPU: {m['gpu'] or 'none'}; torch {v['torch']}, transformers "
+             f"{v['transformers']}, trl {v['trl']}, nvidia-pytriton {v['nvidia-pytriton']}, Python {m['python']}. "
+             f"`python -m benchmarks.run_all` took {summary['total_seconds'] / 60:.1f} min. Values: median [min–max].",
+             "", "| Benchmark | Measure | Result | Repetitions | Target | Met |", "|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    lines += ["", "Per-benchmark wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in summary["seconds"].items())
+              + ". Load average (1 min) before each: " + ", ".join(
+                  f"{k} {v[0] if v else '?'}" for k, v in summary["load_before"].items()) + ".", "", MARK_END]
+    return "\n".join(lines)
+
+
+def _met(r: dict) -> str:
+    return "yes" if r.get("target_met") else "**no**"
+
+
+def update_markdown(text: str) -> None:
+    path = ROOT / "BENCHMARKS.md"
+    current = path.read_text() if path.exists() else "# Benchmarks\n\n" + MARK_START + "\n" + MARK_END + "\n"
+    if MARK_START in current and MARK_END in current:
+        before, rest = current.split(MARK_START, 1)
+        after = rest.split(MARK_END, 1)[1]
+        current = before + text + after
+    else:
+        current = current.rstrip() + "\n\n" + text + "\n"
+    path.write_text(current)
+    log(f"updated {path.relative_to(ROOT)}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions; results to results/tmp/quick/")
+    parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these benchmarks")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    results, seconds, load_before, failed = {}, {}, {}, []
+    for name in args.only or BENCHMARKS:
+        load_before[name] = load_average()
+        log(f"=== {name} (load average {load_before[name]})")
+        t0 = time.perf_counter()
+        try:
+            module = importlib.import_module(f"benchmarks.{name}")
+            results[name] = module.main(["--quick"] if args.quick else [])
+        except Exception:  # noqa: BLE001 - report, run the others, exit non-zero at the end
+            traceback.print_exc()
+            failed.append(name)
+        seconds[name] = time.perf_counter() - t0
+        log(f"=== {name} done in {seconds[name]:.0f} s" + (" (FAILED)" if name in failed else ""))
+    summary = {"quick": args.quick, "finished": time.strftime("%Y-%m-%d %H:%M %Z"),
+               "total_seconds": time.perf_counter() - started, "seconds": seconds, "load_before": load_before,
+               "failed": failed, "machine": machine(), "versions": versions()}
+    directory = results_dir(args.quick)
+    directory.mkdir(parents=True, exist_ok=True)
+    # a partial run (--only) keeps the other benchmarks' previous results in the table
+    for name in BENCHMARKS:
+        if name not in results and (directory / f"{name}.json").exists() and name not in failed:
+            results[name] = json.loads((directory / f"{name}.json").read_text())
+    (directory / "run_all.json").write_text(json.dumps(summary, indent=2) + "\n")
+    text = table(results, summary)
+    if args.quick:
+        print(text)
+    else:
+        update_markdown(text)
+    log(f"all done in {summary['total_seconds'] / 60:.1f} min" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

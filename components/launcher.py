@@ -1,0 +1,314 @@
+"""Start a critic/reward server as a child process, wait until it is ready, and stop it without leaving anything behind.
+
+The child runs `python -m components.serve_main critic|reward ...` in its own session (process group), logging to a
+file. `stop()` sends SIGTERM to the whole group (the server, tritonserver and the python-backend stubs), then SIGKILL
+after a grace period, and waits until no process of the group is left. The launcher also handles the environment traps:
+- LD_LIBRARY_PATH: this interpreter's LIBDIR first, so the Triton stub loads the right libpython (pyenv vs Debian).
+- PyTriton's "one script per machine" known issue: two PyTriton servers on one machine collide on the default ports
+  8000-8002, and could share python-backend shared-memory names and workspaces. Each child gets its own ports
+  (HTTP P, gRPC P+1, metrics P+2), its own PYTRITON_HOME (a fresh temp dir, removed on stop); PyTriton 0.7 already
+  makes the shared-memory prefix unique per process.
+- Security: PyTriton 0.7 protects the repository/statistics/trace/logging/shared-memory endpoints with an access token
+  (health, metadata, model config and inference stay open). The launcher chooses the token and hands it to the child
+  in the environment, so readiness checks can read the repository index (a model's state and failure reason).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+from urllib.parse import urlparse
+
+import psutil
+
+from components.servers import ACCESS_HEADER, CRITIC_MODELS, REWARD_MODELS, TOKEN_ENV, dumps_config, model_state_summary
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class ServerNotReady(RuntimeError):
+    """The server did not become ready; `reason` is one of not_listening, model_not_ready, process_exited, timeout."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+def child_env(pytriton_home: Path, access_token: str, extra: Optional[dict] = None) -> dict[str, str]:
+    """Environment of a server child: libpython first on LD_LIBRARY_PATH, own PYTRITON_HOME, token, project importable."""
+    env = dict(os.environ)
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    env["PYTHONPATH"] = ":".join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update({"PYTRITON_HOME": str(pytriton_home), TOKEN_ENV: access_token, "PYTHONUNBUFFERED": "1",
+                "DO_NOT_TRACK": env.get("DO_NOT_TRACK", "1")})
+    env.update(extra or {})
+    return env
+
+
+def port_block_free(host: str, port: int, count: int = 3) -> bool:
+    """Whether ports port..port+count-1 can all be bound on host right now."""
+    for p in range(port, port + count):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((host, p))
+            except OSError:
+                return False
+    return True
+
+
+def find_free_ports(host: str = "127.0.0.1", count: int = 3, start: int = 20000, stop: int = 32000) -> int:
+    """A base port P with P..P+count-1 free, outside the ephemeral range and away from 5000/8000-8002."""
+    rng = secrets.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(start, stop - count)
+        if port_block_free(host, port, count):
+            return port
+    raise RuntimeError(f"no block of {count} free ports found on {host} in [{start}, {stop})")
+
+
+class ServerProcess:
+    """A server child process in its own process group; a context manager that stops it on exit.
+
+    Attributes: url, pid, log_path, models (names to wait for), access_token.
+    """
+
+    def __init__(self, argv: Sequence[str], host: str, port: int, models: Iterable[str], log_path: str | Path,
+                 env: Optional[dict] = None, name: str = "server"):
+        self.name, self.host, self.port, self.models = name, host, port, tuple(models)
+        self.url = f"http://{host}:{port}"
+        self.log_path = Path(log_path)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.access_token = secrets.token_urlsafe(32)
+        self._home = Path(tempfile.mkdtemp(prefix=f"rlhf-{name}-"))  # short: unix socket paths live in here
+        self._log = open(self.log_path, "ab")
+        self._log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
+        self._log.flush()
+        self._proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
+                                      env=child_env(self._home, self.access_token, env), start_new_session=True,
+                                      cwd=str(PROJECT_ROOT))
+        self.pid = self._proc.pid
+        self.pgid = self.pid  # start_new_session: the child leads its own group
+
+    # -- lifecycle
+    def poll(self) -> Optional[int]:
+        """The exit code, or None while the server process runs."""
+        return self._proc.poll()
+
+    def wait_until_ready(self, timeout: float = 180.0) -> "ServerProcess":
+        wait_until_ready(self.url, self.models, timeout, process=self)
+        return self
+
+    def group_members(self) -> list[psutil.Process]:
+        """Processes (not yet reaped) of this server's process group: server, tritonserver, stubs."""
+        members = []
+        for proc in psutil.process_iter(["pid"]):
+            try:
+                if os.getpgid(proc.pid) == self.pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                    members.append(proc)
+            except (ProcessLookupError, psutil.Error, OSError):
+                continue
+        return members
+
+    def stop(self, grace_s: float = 20.0) -> Optional[int]:
+        """SIGTERM to the group, SIGKILL after `grace_s`; returns the server's exit code. Safe to call twice."""
+        if self._proc.poll() is None or self.group_members():
+            self._signal_group(signal.SIGTERM)
+            try:
+                self._proc.wait(timeout=grace_s)
+            except subprocess.TimeoutExpired:
+                self._signal_group(signal.SIGKILL)
+                self._proc.wait()
+            # tritonserver or a stub that outlived the server process
+            deadline = time.monotonic() + grace_s
+            while (members := self.group_members()) and time.monotonic() < deadline:
+                psutil.wait_procs(members, timeout=0.5)
+            if self.group_members():
+                self._signal_group(signal.SIGKILL)
+                psutil.wait_procs(self.group_members(), timeout=5)
+        if not self._log.closed:
+            self._log.write(f"--- stopped with code {self._proc.returncode}\n".encode())
+            self._log.close()
+        shutil.rmtree(self._home, ignore_errors=True)
+        return self._proc.returncode
+
+    def _signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ServerProcess({self.name}, url={self.url}, pid={self.pid}, log={self.log_path})"
+
+
+# ---------------------------------------------------------------- readiness
+
+def _http(url: str, method: str = "GET", headers: Optional[dict] = None, timeout: float = 2.0) -> tuple[int, bytes]:
+    """(status, body) of a request; HTTP errors are returned, network errors raised."""
+    request = urllib.request.Request(url, data=b"{}" if method == "POST" else None, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def _model_state(url: str, name: str, access_token: Optional[str]) -> tuple[str, bool]:
+    """(description, failed) of a model that is not ready.
+
+    With the access token, the repository index names a model whose load failed (state UNAVAILABLE + reason: our
+    servers register a model that cannot load its weights there). PyTriton loads healthy models from outside the
+    repository, so they never appear in the index; the model config endpoint then tells 'not found' (not bound yet,
+    weights loading) from 'no available versions' (Triton is loading it, or its load failed).
+    """
+    if access_token:
+        status, body = _http(f"{url}/v2/repository/index", "POST", {ACCESS_HEADER: access_token})
+        if status == 200:
+            summary = model_state_summary(json.loads(body or b"[]"), name)
+            if summary is not None:
+                return f"state {summary}", summary.startswith("UNAVAILABLE") and "unloaded" not in summary
+    status, body = _http(f"{url}/v2/models/{name}/config")
+    try:
+        error = json.loads(body).get("error", "")
+    except (ValueError, AttributeError):
+        error = body.decode(errors="replace")
+    if "no available versions" in error:
+        return "state UNAVAILABLE: loading, or its load failed (see the server log)", False
+    if "not found" in error:
+        return "state not loaded: the server is still loading weights", False
+    return f"state unknown: HTTP {status} {error}".strip(), False
+
+
+def wait_until_ready(url: str, models: Iterable[str], timeout: float, process: Optional[ServerProcess] = None,
+                     access_token: Optional[str] = None, poll_s: float = 0.25) -> None:
+    """Poll /v2/health/ready and /v2/models/<name>/ready until all `models` are ready, else raise ServerNotReady.
+
+    The error tells apart: nothing listening at host:port; server up but model X not ready (state ...); server process
+    exited with code N (+ log tail); a server that accepts connections but does not answer (timeout). A model whose load
+    failed raises at once instead of waiting out the timeout.
+    """
+    parsed = urlparse(url if "://" in url else f"http://{url}")
+    base = f"{parsed.scheme}://{parsed.netloc}"
+    where = parsed.netloc
+    token = access_token or (process.access_token if process is not None else None)
+    models = tuple(models)
+    deadline = time.monotonic() + timeout
+    last, reason = f"nothing listening at {where}", "not_listening"
+    while True:
+        if process is not None and (code := process.poll()) is not None:
+            raise ServerNotReady(f"server process exited with code {code} before {base} was ready; "
+                                 f"last lines of {process.log_path}:\n{process.log_tail()}", "process_exited")
+        try:
+            live, _ = _http(f"{base}/v2/health/live", timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+            pending = [m for m in models if _http(f"{base}/v2/models/{m}/ready")[0] != 200]
+            if live == 200 and not pending and _http(f"{base}/v2/health/ready")[0] == 200:
+                return
+            if pending:
+                state, failed = _model_state(base, pending[0], token)
+                last, reason = f"server up at {where} but model {pending[0]} not ready ({state})", "model_not_ready"
+                if failed:
+                    tail = f"; last lines of {process.log_path}:\n{process.log_tail()}" if process is not None else ""
+                    raise ServerNotReady(last + tail, reason)
+            else:
+                last, reason = f"server up at {where} but not ready (live={live})", "model_not_ready"
+        except (ConnectionRefusedError, ConnectionResetError) as exc:
+            last, reason = f"nothing listening at {where} ({exc.strerror or exc})", "not_listening"
+        except (TimeoutError, socket.timeout) as exc:
+            last, reason = f"server at {where} accepted the connection but did not answer ({exc})", "timeout"
+        except urllib.error.URLError as exc:
+            inner = exc.reason
+            if isinstance(inner, ConnectionRefusedError):
+                last, reason = f"nothing listening at {where} ({inner.strerror})", "not_listening"
+            elif isinstance(inner, (TimeoutError, socket.timeout)):
+                last, reason = f"server at {where} accepted the connection but did not answer ({inner})", "timeout"
+            else:
+                last, reason = f"cannot reach {where}: {inner}", "not_listening"
+        if time.monotonic() >= deadline:
+            raise ServerNotReady(f"timed out after {timeout:.0f}s waiting for {base} ({', '.join(models)}): {last}",
+                                 reason)
+        time.sleep(poll_s)
+
+
+# ---------------------------------------------------------------- the servers of a run
+
+def critic_argv(cfg, port: int, checkpoint_dir: Optional[str | Path] = None, checkpoint_uri: Optional[str] = None,
+                max_batch_size: int = 256) -> list[str]:
+    """Command line of a critic server child for an RLHFConfig (the CriticConfig travels whole, as JSON)."""
+    argv = [sys.executable, "-m", "components.serve_main", "critic", "--host", cfg.critic.host, "--port", str(port),
+            "--critic-config-json", dumps_config(cfg.critic), "--dtype", cfg.model.dtype, "--device", cfg.model.device,
+            "--max-batch-size", str(max_batch_size), "--reward", cfg.resolve_model_path(cfg.model.reward)]
+    if cfg.model.critic:
+        argv += ["--model", cfg.resolve_model_path(cfg.model.critic)]
+    if not cfg.critic.combine_reward:
+        argv.append("--no-combine")
+    if checkpoint_dir:
+        argv += ["--checkpoint-dir", str(checkpoint_dir)]
+    if checkpoint_uri:
+        argv += ["--checkpoint-uri", checkpoint_uri]
+        if cfg.checkpoint.s3_endpoint_url:
+            argv += ["--s3-endpoint-url", cfg.checkpoint.s3_endpoint_url]
+    return argv
+
+
+def reward_argv(cfg, port: int, max_batch_size: int = 256) -> list[str]:
+    """Command line of a reward server child: the reward model, or the reward function decoded with the policy tokenizer."""
+    argv = [sys.executable, "-m", "components.serve_main", "reward", "--host", cfg.reward.host, "--port", str(port),
+            "--dtype", cfg.model.dtype, "--device", cfg.model.device, "--max-batch-size", str(max_batch_size),
+            "--max-queue-delay-us", str(cfg.critic.max_queue_delay_us)]
+    if cfg.reward.source == "function":
+        return argv + ["--function", cfg.reward.function, "--tokenizer", cfg.resolve_model_path(cfg.model.policy)]
+    return argv + ["--model", cfg.resolve_model_path(cfg.model.reward)]
+
+
+def launch_critic(cfg, log_path: str | Path, checkpoint_dir: Optional[str | Path] = None, port: Optional[int] = None,
+                  checkpoint_uri: Optional[str] = None, wait: bool = True) -> ServerProcess:
+    """Start the critic server for `cfg` (port: cfg.critic.http_port unless given) and, by default, wait until ready."""
+    port = port or cfg.critic.http_port
+    proc = ServerProcess(critic_argv(cfg, port, checkpoint_dir, checkpoint_uri), cfg.critic.host, port, CRITIC_MODELS,
+                         log_path, name="critic")
+    return _ready_or_stopped(proc, cfg.critic.ready_timeout_s if wait else None)
+
+
+def launch_reward(cfg, log_path: str | Path, port: Optional[int] = None, wait: bool = True) -> ServerProcess:
+    """Start the reward server for `cfg` (port: cfg.reward.http_port unless given) and, by default, wait until ready."""
+    port = port or cfg.reward.http_port
+    proc = ServerProcess(reward_argv(cfg, port), cfg.reward.host, port, REWARD_MODELS, log_path, name="reward")
+    return _ready_or_stopped(proc, cfg.reward.ready_timeout_s if wait else None)
+
+
+def _ready_or_stopped(proc: ServerProcess, timeout: Optional[float]) -> ServerProcess:
+    if timeout is None:
+        return proc
+    try:
+        return proc.wait_until_ready(timeout)
+    except BaseException:
+        proc.stop()
+        raise

@@ -1,0 +1,134 @@
+"""Launching, readiness diagnostics and stopping of server child processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from components.launcher import (ServerNotReady, ServerProcess, child_env, critic_argv, find_free_ports,
+                                 port_block_free, reward_argv, wait_until_ready)
+from components.servers import CRITIC_MODELS, REWARD_MODELS
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def serve_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "components.serve_main", *args]
+
+
+def test_child_env_puts_this_libpython_first_and_isolates_pytriton_home(tmp_path):
+    env = child_env(tmp_path / "home", "tok", {"EXTRA": "1"})
+    assert env["LD_LIBRARY_PATH"].split(":")[0] == sysconfig.get_config_var("LIBDIR")
+    assert env["PYTRITON_HOME"] == str(tmp_path / "home")
+    assert env["RLHF_TRITON_ACCESS_TOKEN"] == "tok" and env["EXTRA"] == "1"
+    assert str(Path(__file__).resolve().parents[2]) in env["PYTHONPATH"].split(":")
+
+
+def test_ports_are_explicit_blocks_away_from_the_defaults():
+    port = find_free_ports()
+    assert not ({port, port + 1, port + 2} & {5000, 8000, 8001, 8002})
+    assert port_block_free("127.0.0.1", port)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port + 2))
+        s.listen()
+        assert not port_block_free("127.0.0.1", port)
+
+
+def test_argv_for_a_config(tiny_models, tmp_path):
+    from models.config import preset
+
+    cfg = preset("tiny", **{"model.reward": tiny_models["reward"], "critic.combine_reward": False,
+                            "critic.optim.lr": 0.002, "reward.source": "function",
+                            "reward.function": "models.tasks.sentiment:gold_reward", "model.policy": tiny_models["policy"]})
+    argv = critic_argv(cfg, 23456, checkpoint_dir=tmp_path / "c")
+    assert argv[:4] == [sys.executable, "-m", "components.serve_main", "critic"]
+    assert "--no-combine" in argv and argv[argv.index("--port") + 1] == "23456"
+    assert '"lr":0.002' in argv[argv.index("--critic-config-json") + 1]
+    assert argv[argv.index("--checkpoint-dir") + 1] == str(tmp_path / "c")
+    rargv = reward_argv(cfg, 23460)
+    assert rargv[rargv.index("--function") + 1] == "models.tasks.sentiment:gold_reward"
+    assert rargv[rargv.index("--tokenizer") + 1] == tiny_models["policy"]
+
+
+def test_wrong_port_says_nothing_is_listening():
+    port = find_free_ports()
+    started = time.monotonic()
+    with pytest.raises(ServerNotReady) as err:
+        wait_until_ready(f"http://127.0.0.1:{port}", CRITIC_MODELS, timeout=1.5)
+    assert err.value.reason == "not_listening"
+    assert f"nothing listening at 127.0.0.1:{port}" in str(err.value) and "timed out after" in str(err.value)
+    assert time.monotonic() - started < 5
+
+
+def test_a_model_that_fails_to_load_is_reported_with_its_state_and_reason(tiny_models, tmp_path):
+    not_a_model = tmp_path / "not-a-model"
+    not_a_model.mkdir()
+    (not_a_model / "README").write_text("no config.json here")
+    port = find_free_ports()
+    argv = serve_argv("critic", "--model", str(not_a_model), "--reward", tiny_models["reward"], "--port", str(port))
+    with ServerProcess(argv, "127.0.0.1", port, CRITIC_MODELS, tmp_path / "critic.log", name="critic") as proc:
+        started = time.monotonic()
+        with pytest.raises(ServerNotReady) as err:
+            proc.wait_until_ready(timeout=150)
+        message = str(err.value)
+        assert err.value.reason == "model_not_ready"
+        assert message.startswith(f"server up at 127.0.0.1:{port} but model critic_infer not ready (state UNAVAILABLE")
+        assert str(not_a_model) in message  # the reason travels through Triton's repository index
+        assert time.monotonic() - started < 140  # failed loads are reported at once, not at the timeout
+        assert proc.poll() is None  # the server keeps answering with the reason
+    assert proc.poll() is not None and not proc.group_members()
+
+
+def test_a_server_that_dies_at_start_reports_its_exit_code_and_log(tiny_models, tmp_path):
+    port = find_free_ports()
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", port + 1))  # its gRPC port is taken
+    blocker.listen()
+    try:
+        argv = serve_argv("reward", "--model", tiny_models["reward"], "--port", str(port))
+        with ServerProcess(argv, "127.0.0.1", port, REWARD_MODELS, tmp_path / "reward.log", name="reward") as proc:
+            with pytest.raises(ServerNotReady) as err:
+                proc.wait_until_ready(timeout=120)
+        assert err.value.reason == "process_exited"
+        assert "server process exited with code 1" in str(err.value)
+        assert f"[{port + 1}]" in str(err.value) and "already in use" in str(err.value)  # the log tail says why
+    finally:
+        blocker.close()
+
+
+def test_stop_leaves_no_process_and_frees_the_ports(tiny_models, tmp_path):
+    port = find_free_ports()
+    argv = serve_argv("reward", "--model", tiny_models["reward"], "--port", str(port))
+    with ServerProcess(argv, "127.0.0.1", port, REWARD_MODELS, tmp_path / "reward.log", name="reward") as proc:
+        proc.wait_until_ready(timeout=120)
+        members = proc.group_members()
+        names = " ".join(" ".join(p.cmdline()) for p in members)
+        assert "tritonserver" in names and "triton_python_backend_stub" in names
+        home = Path(psutil.Process(proc.pid).environ()["PYTRITON_HOME"])
+        assert home.is_dir() and any(home.iterdir())  # this server's own PyTriton workspace
+        code = proc.stop()
+    assert code == 0 and proc.poll() == 0
+    assert not proc.group_members()
+    for member in members:
+        assert not member.is_running() or member.status() == psutil.STATUS_ZOMBIE
+    assert not home.exists()
+    assert port_block_free("127.0.0.1", port)
+    assert proc.stop() == 0  # idempotent
+    assert "stopped with code 0" in proc.log_path.read_text()
+
+
+def test_child_process_group_is_its_own(tiny_models, tmp_path):
+    argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with ServerProcess(argv, "127.0.0.1", find_free_ports(), [], tmp_path / "sleep.log", name="sleep") as proc:
+        assert os.getpgid(proc.pid) == proc.pid != os.getpgid(0)
+        with pytest.raises(ServerNotReady) as err:
+            wait_until_ready(proc.url, ["x"], timeout=0.5, process=proc)
+        assert err.value.reason == "not_listening"
+    assert proc.poll() == -15  # SIGTERM ended it within the grace period

@@ -1,0 +1,216 @@
+"""End to end through a real local stack: Prefect server, MLflow server and the served deployments (what `rlhf up`
+starts), driven with `prefect deployment run` exactly as a user does."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from components import stack
+from tests.conftest import free_port_block
+
+pytestmark = pytest.mark.slow
+PREFECT = str(Path(sys.executable).parent / "prefect")
+
+
+@pytest.fixture(scope="module")
+def local_stack(tmp_path_factory, tiny_models):
+    state_dir = tmp_path_factory.mktemp("state")
+    (state_dir / "models").mkdir()
+    os.symlink(Path(tiny_models["policy"]).parent, state_dir / "models" / "tiny")
+    prefect_port, mlflow_port = free_port_block(1), free_port_block(1)
+    urls = stack.up(state_dir, prefect_port, mlflow_port, set_profile=False, log=lambda *_: None)
+    env = stack.base_env(state_dir, prefect_port, mlflow_port)
+    yield {"state_dir": state_dir, "urls": urls, "env": env, "api": env["PREFECT_API_URL"],
+           "ports": (prefect_port, mlflow_port)}
+    stack.down(state_dir, log=lambda *_: None)
+
+
+def deployment_run(s, name: str, config: dict, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([PREFECT, "deployment", "run", name, "--param", f"config={json.dumps(config)}"],
+                          env=s["env"], capture_output=True, text=True, timeout=120, check=check)
+
+
+def flow_run_id(proc: subprocess.CompletedProcess) -> str:
+    return re.search(r"UUID: ([0-9a-f-]{36})", proc.stdout).group(1)
+
+
+def read_flow_run(s, run_id: str) -> dict:
+    return httpx.get(f"{s['api']}/flow_runs/{run_id}", timeout=10).json()
+
+
+def wait_final(s, run_id: str, timeout: float = 300) -> dict:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        run = read_flow_run(s, run_id)
+        if run["state"]["type"] in ("COMPLETED", "FAILED", "CANCELLED", "CRASHED"):
+            return run
+        time.sleep(1)
+    raise TimeoutError(f"flow run {run_id} not final after {timeout}s: {run['state']}")
+
+
+def task_names(s, run_id: str) -> list[str]:
+    body = {"flow_runs": {"id": {"any_": [run_id]}}, "limit": 200}
+    runs = httpx.post(f"{s['api']}/task_runs/filter", json=body, timeout=10).json()
+    return [r["name"] for r in sorted(runs, key=lambda r: r["expected_start_time"] or "")]
+
+
+def server_processes(marker: str) -> list[psutil.Process]:
+    """Live critic/reward server processes whose command line mentions `marker` (e.g. the run's directory)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            cmd = " ".join(p.info["cmdline"] or [])
+        except psutil.Error:
+            continue
+        if "components.serve_main" in cmd and marker in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(p)
+    return found
+
+
+def mlflow_run(s, run_name: str):
+    client = MlflowClient(s["urls"]["mlflow"])
+    exp = client.get_experiment_by_name("rlhf-flows")
+    runs = client.search_runs([exp.experiment_id], filter_string=f"attributes.run_name = '{run_name}'")
+    assert len(runs) == 1, f"expected one MLflow run named {run_name}, got {len(runs)}"
+    return client, runs[0]
+
+
+def test_ppo_deployment_completes_with_metrics_and_no_leftover_server(local_stack):
+    s = local_stack
+    proc = deployment_run(s, "ppo/default", {"iterations": 3, "run_name": "e2e-ppo", "checkpoint": {"every": 2}})
+    run = wait_final(s, flow_run_id(proc))
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    names = task_names(s, run["id"])
+    assert any(n.startswith("deploy-critic-server") for n in names) and any(n.startswith("wait-until-ready") for n in names)
+    assert sum(n.startswith("ppo-iteration") for n in names) == 3
+    client, mrun = mlflow_run(s, "e2e-ppo")
+    history = client.get_metric_history(mrun.info.run_id, "objective/gold_reward")
+    assert [m.step for m in history] == [1, 2, 3]
+    assert "loss/value_avg" in mrun.data.metrics and mrun.data.tags["algorithm"] == "ppo"
+    assert mrun.data.tags["prefect.flow_run_id"] == run["id"]
+    assert server_processes(str(s["state_dir"] / "runs" / "e2e-ppo")) == []
+
+
+def test_reinforce_deployment_starts_no_critic(local_stack):
+    s = local_stack
+    proc = deployment_run(s, "reinforce/default", {"iterations": 2, "run_name": "e2e-rloo"})
+    run = wait_final(s, flow_run_id(proc))
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    names = task_names(s, run["id"])
+    assert not any("critic" in n for n in names), names
+    assert any(n.startswith("deploy-reward-server") for n in names)
+    logs = s["state_dir"] / "runs" / "e2e-rloo" / "logs"
+    assert (logs / "reward-server.log").exists() and not (logs / "critic-server.log").exists()
+    client, mrun = mlflow_run(s, "e2e-rloo")
+    assert mrun.data.tags["algorithm"] == "rloo" and "objective/kl" in mrun.data.metrics
+    assert server_processes(str(s["state_dir"])) == []
+
+
+def test_invalid_parameter_is_refused_before_any_run(local_stack):
+    s = local_stack
+    before = httpx.post(f"{s['api']}/flow_runs/count", json={}, timeout=10).json()
+    proc = deployment_run(s, "ppo/default", {"ppo": {"ratio_eps": -1}}, check=False)
+    assert proc.returncode != 0
+    assert "ratio_eps" in proc.stdout + proc.stderr
+    proc = deployment_run(s, "reinforce/default", {"reinforce": {"num_rollouts_per_prompt": "four"}}, check=False)
+    assert proc.returncode != 0 and "num_rollouts_per_prompt" in proc.stdout + proc.stderr
+    assert httpx.post(f"{s['api']}/flow_runs/count", json={}, timeout=10).json() == before
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise TimeoutError(what)
+
+
+def test_killed_critic_fails_the_run_and_a_rerun_resumes(local_stack):
+    s = local_stack
+    run_dir = s["state_dir"] / "runs" / "e2e-kill"
+    latest = s["state_dir"] / "checkpoints" / "e2e-kill" / "latest.json"
+    config = {"iterations": 6, "run_name": "e2e-kill", "checkpoint": {"every": 2}}
+    first = flow_run_id(deployment_run(s, "ppo/default", config))
+    _wait_for(lambda: latest.exists() and json.loads(latest.read_text())["iteration"] >= 2, 240, "first checkpoint")
+    servers = _wait_for(lambda: server_processes(str(run_dir)), 30, "critic server process")
+    os.killpg(os.getpgid(servers[0].pid), signal.SIGKILL)
+    run = wait_final(s, first)
+    assert run["state"]["type"] == "FAILED"
+    assert re.search(r"critic server .*exited with code", run["state"]["message"] or ""), run["state"]["message"]
+    checkpointed = json.loads(latest.read_text())["iteration"]
+    assert checkpointed in (2, 4)
+
+    second = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", config)))
+    assert second["state"]["type"] == "COMPLETED", second["state"]
+    names = task_names(s, second["id"])
+    assert sum(n.startswith("ppo-iteration") for n in names) == 6 - checkpointed  # nothing before the checkpoint redone
+    client, mrun = mlflow_run(s, "e2e-kill")  # the same MLflow run continued
+    steps = [m.step for m in client.get_metric_history(mrun.info.run_id, "objective/kl")]
+    assert steps == sorted(set(steps)) and steps[-1] == 6
+    assert mrun.info.status == "FINISHED"
+    assert server_processes(str(run_dir)) == []
+
+
+def test_cancelled_run_leaves_no_critic_server(local_stack):
+    s = local_stack
+    run_dir = s["state_dir"] / "runs" / "e2e-cancel"
+    run_id = flow_run_id(deployment_run(s, "ppo/default", {"iterations": 200, "run_name": "e2e-cancel"}))
+    _wait_for(lambda: server_processes(str(run_dir)), 120, "critic server process")
+    _wait_for(lambda: any(n.startswith("ppo-iteration") for n in task_names(s, run_id)), 120, "first iteration")
+    subprocess.run([PREFECT, "flow-run", "cancel", run_id], env=s["env"], check=True, capture_output=True, timeout=60)
+    run = wait_final(s, run_id, timeout=120)
+    assert run["state"]["type"] == "CANCELLED"
+    _wait_for(lambda: not server_processes(str(run_dir)), 60, "critic server gone after cancel")
+
+
+def test_critic_as_a_deployment(local_stack):
+    """critic.launch=deployment: the PPO flow starts critic-server/default, finds its address, cancels it at the end."""
+    s = local_stack
+    proc = deployment_run(s, "ppo/default", {"iterations": 2, "run_name": "e2e-dep", "critic": {"launch": "deployment"}})
+    run = wait_final(s, flow_run_id(proc))
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    body = {"flow_runs": {"start_time": {"after_": run["start_time"]}}, "deployments": {}, "limit": 50}
+    runs = httpx.post(f"{s['api']}/flow_runs/filter", json=body, timeout=10).json()
+    critic_runs = [r for r in runs if (r.get("parameters") or {}).get("checkpoint_dir", "").endswith("e2e-dep/critic")]
+    assert len(critic_runs) == 1
+    final = wait_final(s, critic_runs[0]["id"], timeout=60)
+    assert final["state"]["type"] == "CANCELLED"
+    assert server_processes(str(s["state_dir"] / "runs" / "e2e-dep")) == []
+
+
+def test_up_is_idempotent_and_down_frees_ports(local_stack, tmp_path):
+    s = local_stack
+    state = stack.stack_dir(s["state_dir"])
+    pids = {n: (state / f"{n}.pid").read_text() for n in stack.SERVICES}
+    lines = []
+    stack.up(s["state_dir"], *s["ports"], set_profile=False, log=lines.append)
+    assert any("already running" in line for line in lines)
+    assert pids == {n: (state / f"{n}.pid").read_text() for n in stack.SERVICES}
+    status = stack.status(s["state_dir"], log=lambda *_: None)
+    assert all(v["running"] for v in status.values())
+
+
+def test_down_stops_everything_and_frees_ports(local_stack):
+    """Runs last in this module: `down` stops exactly what `up` started and the ports can be bound again."""
+    s = local_stack
+    state = stack.stack_dir(s["state_dir"])
+    pids = [int((state / f"{n}.pid").read_text()) for n in stack.SERVICES]
+    stopped = stack.down(s["state_dir"], log=lambda *_: None)
+    assert sorted(stopped) == sorted(stack.SERVICES)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    for port in s["ports"]:
+        assert port not in listening and stack._port_free(port), f"port {port} still bound"
+    assert stack.down(s["state_dir"], log=lambda *_: None) == []
