@@ -94,21 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--metrics-out", help="write the per-iteration metrics as JSON")
     train.set_defaults(func=cmd_train)
 
-    for register in _optional_registrars():
-        register(sub)
+    from components.compare import add_compare_parser
+    from components.serve_main import add_serve_parser
+    from components.stack import add_stack_parsers
+
+    add_serve_parser(sub)
+    add_stack_parsers(sub)
+    add_compare_parser(sub)
     return parser
-
-
-def _optional_registrars():
-    """Sub-commands that live with their components (servers, local stack, flows, comparison)."""
-    import importlib
-
-    for module, name in (("components.servers", "add_serve_parser"), ("components.stack", "add_stack_parsers"),
-                         ("components.compare", "add_compare_parser")):
-        try:
-            yield getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,127 @@
+"""A run's checkpoints on S3 (moto server) and tracking in MLflow (sqlite): resume gives the identical model and continues
+the same MLflow run, and the next iteration after resume equals the one the uninterrupted run computes."""
+
+import json
+
+import pytest
+import torch
+
+from components.run import RunSession
+from models.backends import LocalCritic
+from models.config import preset
+from models.loop import build_actor, build_critic_trainer, load_prompts, prompt_batches, step_fn
+
+NON_DETERMINISTIC = ("time/", "throughput/")
+
+
+@pytest.fixture
+def cfg(tiny_models, tmp_path, s3_bucket, mlflow_uri):
+    endpoint, bucket = s3_bucket
+    return preset("tiny", **{"state_dir": str(tmp_path / "state"), "model.policy": tiny_models["policy"],
+                             "model.reward": tiny_models["reward"], "run_name": "resume-me", "algorithm": "ppo",
+                             "checkpoint.uri": f"s3://{bucket}/ckpt", "checkpoint.s3_endpoint_url": endpoint,
+                             "tracking.uri": mlflow_uri, "tracking.system_metrics": False,
+                             "ppo.rollout_batch_size": 16, "ppo.minibatch_size": 8})
+
+
+def fixed_input(policy):
+    ids = policy.encode_prompts(["review the cat : the cat is very good and i love the cat ."])[0]
+    return torch.tensor([ids]), torch.tensor([len(ids)])
+
+
+def run_iterations(cfg, session, state, critic, n):
+    step = step_fn(cfg, critic.backend if hasattr(critic, "backend") else critic)
+    batches = prompt_batches(load_prompts(cfg), cfg.ppo.rollout_batch_size, cfg.seed, start_batch=state.iteration)
+    out = []
+    for _ in range(n):
+        metrics, samples = step(state, next(batches))
+        session.log(state.iteration, metrics, samples)
+        out.append(metrics)
+    return out
+
+
+def test_s3_checkpoint_resume_is_exact_and_continues_the_mlflow_run(cfg):
+    session = RunSession.open(cfg)
+    assert session.resumed_from is None and session.store.uri.startswith("s3://")
+    state = build_actor(cfg)
+    critic = LocalCritic(build_critic_trainer(cfg, checkpoint_dir=session.critic_dir))
+    run_iterations(cfg, session, state, critic, 2)
+    uri = session.save(state, critic.save())
+    saved_step = critic.trainer.step
+    assert saved_step > 0
+    assert uri.endswith("iter_2") or "iter_2" in uri
+    assert session.store.list() == [2] and session.store.latest() == 2
+    tokens, lengths = fixed_input(state.policy)
+    with torch.no_grad():
+        expected_logp = state.policy.logprobs(tokens, lengths)[0]
+        expected_values, _ = critic.trainer.infer(tokens, lengths)
+    # the uninterrupted run goes on for one more iteration ...
+    continued = run_iterations(cfg, session, state, critic, 1)[0]
+    critic.close()
+    session.close("KILLED")
+
+    # ... while a new process resumes from the store's latest checkpoint
+    resumed = RunSession.open(cfg)
+    assert resumed.resumed_from == 2 and resumed.start_iteration == 2
+    assert resumed.tracker.run_id == session.tracker.run_id
+    state2 = build_actor(cfg)
+    resumed.restore_actor(state2)
+    critic2 = LocalCritic(build_critic_trainer(cfg, checkpoint_dir=resumed.critic_dir))
+    assert critic2.trainer.step == saved_step
+    with torch.no_grad():
+        torch.testing.assert_close(state2.policy.logprobs(tokens, lengths)[0], expected_logp, rtol=0, atol=0)
+        torch.testing.assert_close(critic2.trainer.infer(tokens, lengths)[0], expected_values, rtol=0, atol=0)
+    assert state2.iteration == 2 and state2.kl_ctl.value == pytest.approx(state.kl_ctl.value)
+    again = run_iterations(cfg, resumed, state2, critic2, 1)[0]  # step 3 was logged by the first attempt: skipped
+    keys = [k for k in continued if not k.startswith(NON_DETERMINISTIC)]
+    assert {k: again[k] for k in keys} == pytest.approx({k: continued[k] for k in keys}, rel=1e-6, abs=1e-7)
+    run_iterations(cfg, resumed, state2, critic2, 1)
+    critic2.close()
+    resumed.close("FINISHED")
+    history = resumed.tracker.client.get_metric_history(resumed.tracker.run_id, "objective/kl")
+    steps = [m.step for m in history]
+    assert steps == [1, 2, 3, 4]  # strictly increasing, no duplicate for the recomputed iteration 3
+
+
+def test_shared_metric_names_in_mlflow(cfg):
+    """A PPO run and an RLOO run log the same names for the same quantities."""
+    names = {}
+    for algorithm in ("ppo", "rloo"):
+        c = cfg.model_copy(update={"algorithm": algorithm, "run_name": f"names-{algorithm}"})
+        session = RunSession.open(c)
+        state = build_actor(c)
+        if algorithm == "ppo":
+            critic = LocalCritic(build_critic_trainer(c, checkpoint_dir=session.critic_dir))
+            metrics, samples = step_fn(c, critic)(state, load_prompts(c)[:8])
+            critic.close()
+        else:
+            from models.loop import build_local_reward
+
+            metrics, samples = step_fn(c, None, build_local_reward(c))(state, load_prompts(c)[:4])
+        session.log(1, metrics, samples)
+        session.close("FINISHED")
+        run = session.tracker.client.get_run(session.tracker.run_id)
+        names[algorithm] = set(run.data.metrics)
+        assert run.data.tags["algorithm"] == algorithm
+        assert run.data.params["ppo.ratio_eps"] == "0.2"
+        artifacts = {a.path for a in session.tracker.client.list_artifacts(run.info.run_id)}
+        assert "config.yaml" in artifacts and "tables" in artifacts
+    shared = names["ppo"] & names["rloo"]
+    assert {"objective/kl", "objective/scores", "objective/gold_reward", "objective/entropy", "policy/approxkl_avg",
+            "loss/policy_avg", "time/step", "time/generate"} <= shared
+
+
+def test_corrupted_checkpoint_is_refused(cfg, s3_bucket):
+    import boto3
+
+    session = RunSession.open(cfg.model_copy(update={"run_name": "corrupt"}))
+    state = build_actor(cfg)
+    session.save(state, None)
+    session.close("FINISHED")
+    endpoint, bucket = s3_bucket
+    s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+    key = next(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="ckpt/corrupt/iter_0/actor/")["Contents"]
+               if o["Key"].endswith("config.json"))
+    s3.put_object(Bucket=bucket, Key=key, Body=json.dumps({"tampered": True}).encode())
+    with pytest.raises(Exception, match="config.json"):
+        RunSession.open(cfg.model_copy(update={"run_name": "corrupt"}))
