@@ -1,8 +1,11 @@
 """GPU: decode tokens/s against the weight-bandwidth roofline, and training MFU, on a ~0.5B model with random weights.
 
 The model is built from a config (Qwen2-0.5B shape: 24 layers, hidden 896, GQA 14/2 heads, vocab 151,936, tied
-embeddings; bfloat16), so nothing is downloaded. Decoding uses the project's `Policy.generate` (KV cache, sampling);
-training uses the project's `Policy.logprobs` + backward + AdamW, the actor's inner loop.
+embeddings; bfloat16), saved to a temporary directory and loaded back with the project's `Policy.load`, so nothing is
+downloaded and the actor and its frozen reference sit where the library puts them. Decoding uses `Policy.generate`
+(KV cache, sampling), with device-side sampling and with the CPU generator the actor state passes; the reference
+forward is timed where `Policy.load` placed the reference; training uses `Policy.logprobs` + backward + AdamW (the
+actor's inner loop).
 
 - Decode roofline: every decode step reads all weights once plus the KV cache so far, so
   tokens/s <= batch x bandwidth / (weight bytes + KV bytes). Bandwidth = measured device-to-device copy bandwidth
@@ -18,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from types import SimpleNamespace
+import tempfile
 
 import torch
 
@@ -109,6 +112,27 @@ def decode_bench(policy, cfg, device, batches, prompt_len, new_tokens, reps, wei
     return out
 
 
+def reference_bench(policy, cfg, device, batch, seq_len, reps):
+    """Reference logprobs where Policy.load puts the reference vs the same forward with the actor on the device."""
+    tokens = torch.randint(2, cfg.vocab_size, (batch, seq_len), device=device)
+    lengths = torch.full((batch,), seq_len, device=device)
+    out = {"batch": batch, "seq_len": seq_len,
+           "reference_device": str(next(policy.reference.parameters()).device) if policy.reference is not None else None}
+    for label, kwargs in (("reference (as loaded)", {"reference": True}), ("actor on device, no grad", {})):
+        times = []
+        for rep in range(reps + 1):
+            sync(device)
+            start = time.perf_counter()
+            with torch.no_grad():
+                policy.logprobs(tokens, lengths, 1.0, **kwargs)
+            sync(device)
+            if rep:
+                times.append(time.perf_counter() - start)
+        out[label] = stats(times)
+        log(f"gpu logprobs B={batch} L={seq_len} {label}: {out[label]['median'] * 1e3:.0f} ms")
+    return out
+
+
 def train_bench(policy, cfg, device, batch, seq_len, reps, peak_flops):
     from models.loading import make_optimizer
     from models.config import OptimConfig
@@ -157,15 +181,20 @@ def main(argv=None) -> dict:
     from transformers import AutoModelForCausalLM
 
     from models.policy import Policy
+    from models.tiny import build_tokenizer
 
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     cfg = model_config(args.cpu_smoke)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).to(device)
+    with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
+        # saved and loaded back through Policy.load, so the actor and its reference sit where the library puts them
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp)
+        build_tokenizer().save_pretrained(tmp)
+        policy = Policy.load(tmp, dtype="bfloat16", device=device)
+    model = policy.model
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     log(f"gpu: {params / 1e6:.0f}M-parameter {cfg.model_type} (random weights, bf16) on {device}")
-    policy = Policy(model, SimpleNamespace(pad_token_id=0, eos_token_id=1), lora=False, reference=None)
 
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke)"
     matched, (peak_flops, nominal_bw) = known_gpu(name)
@@ -174,6 +203,7 @@ def main(argv=None) -> dict:
     small = args.cpu_smoke
     decode = decode_bench(policy, cfg, device, [1, 4] if small else [1, 16, 64, 256], 16 if small else 128,
                           8 if small else 256, reps, weight_bytes, bandwidth)
+    reference = reference_bench(policy, cfg, device, 4 if small else 8, 32 if small else 256, 2)  # CPU: slow
     train = [train_bench(policy, cfg, device, b, L, reps, peak_flops)
              for b, L in ([(2, 32)] if small else [(8, 512), (16, 512)])]
     result = {
@@ -184,7 +214,7 @@ def main(argv=None) -> dict:
         "model": {"config": cfg.to_dict(), "parameters": params, "weight_bytes": weight_bytes,
                   "matmul_parameters": matmul_params(cfg)},
         "repetitions": {"reps": reps, "warmup": 1},
-        "decode": decode, "train": train,
+        "decode": decode, "reference_logprobs": reference, "train": train,
         "notes": ["roofline uses the measured copy bandwidth; tokens/s counts every generated token",
                   "Policy.logprobs computes full-vocabulary float32 log-softmax: its memory traffic is part of the "
                   "measured step"],

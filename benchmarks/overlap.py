@@ -101,52 +101,64 @@ def intersection(a, b) -> float:
     return total
 
 
-def run_side(cfg, critic, iterations: int) -> dict:
-    proxy = TimedCritic(critic)
-    runner = PPORunner(cfg, proxy)
-    forwards: list[tuple[float, float, str]] = []
-    stamp_logprobs(runner.state.policy, forwards)
-    runner.run(0, warmup=1)  # warm-up iteration, not measured
-    per_iteration = []
-    for _ in range(iterations):
-        proxy.events.clear()
-        forwards.clear()
-        records = runner.run(1, warmup=0)
-        infer = [e for e in proxy.events if e["kind"] == "infer"]
-        train = [e for e in proxy.events if e["kind"] == "train"]
+class OverlapSide:
+    """A PPO runner whose critic and actor forwards are stamped; `step()` runs and analyses one iteration."""
+
+    def __init__(self, cfg, critic):
+        self.proxy = TimedCritic(critic)
+        self.runner = PPORunner(cfg, self.proxy)
+        self.forwards: list[tuple[float, float, str]] = []
+        stamp_logprobs(self.runner.state.policy, self.forwards)
+        self.iterations: list[dict] = []
+
+    def step(self, record: bool = True) -> None:
+        self.proxy.events.clear()
+        self.forwards.clear()
+        iteration = self.runner.run(1, warmup=0)[0]
+        if not record:
+            return
+        infer = [e for e in self.proxy.events if e["kind"] == "infer"]
+        train = [e for e in self.proxy.events if e["kind"] == "train"]
         infer_busy = [(e["made"], e["done"]) for e in infer]
-        actor_rollout = [(s, e) for s, e, phase in forwards if phase in ("logprobs", "reference")]
+        actor_rollout = [(s, e) for s, e, phase in self.forwards if phase in ("logprobs", "reference")]
         train_busy = [(e["made"], e["done"]) for e in train]
         actor_train = [(e["returned"], e["waited"]) for e in train]
         infer_s, train_s = measure(infer_busy), measure(train_busy)
-        per_iteration.append({
-            "iteration_s": records[0]["seconds"],
+        hidden = intersection(infer_busy, actor_rollout)
+        self.iterations.append({
+            "iteration_s": iteration["seconds"],
             "critic_infer_requests": len(infer),
             "critic_infer_busy_s": infer_s,
             "actor_logprob_reference_s": measure(actor_rollout),
-            "infer_hidden_s": intersection(infer_busy, actor_rollout),
-            "infer_hidden_fraction": intersection(infer_busy, actor_rollout) / infer_s if infer_s else 1.0,
-            "critic_wait_s": records[0]["phases"]["critic_wait"],
+            "infer_hidden_s": hidden,
+            "infer_hidden_fraction": hidden / infer_s if infer_s else 1.0,
+            "critic_wait_s": iteration["phases"]["critic_wait"],
             "client_submit_s": sum(e["returned"] - e["made"] for e in infer),
             "critic_train_busy_s": train_s,
             "actor_train_s": measure(actor_train),
             "train_hidden_fraction": intersection(train_busy, actor_train) / train_s if train_s else 1.0,
-            "critic_train_wait_s": records[0]["phases"]["critic_train_wait"],
+            "critic_train_wait_s": iteration["phases"]["critic_train_wait"],
         })
-    return {"per_iteration_stats": {k: stats([it[k] for it in per_iteration]) for k in per_iteration[0]},
-            "infer_hidden_fraction_pooled": sum(i["infer_hidden_s"] for i in per_iteration)
-            / max(1e-12, sum(i["critic_infer_busy_s"] for i in per_iteration))}
+
+    def summary(self) -> dict:
+        its = self.iterations
+        return {"per_iteration_stats": {k: stats([it[k] for it in its]) for k in its[0]},
+                "infer_hidden_fraction_pooled": sum(i["infer_hidden_s"] for i in its)
+                / max(1e-12, sum(i["critic_infer_busy_s"] for i in its))}
 
 
 def main(argv=None) -> dict:
     quick = quick_flag(argv)
-    iterations = 4 if quick else 12
+    iterations = 4 if quick else 16
     cfg = bench_config()
-    sides = {}
-    with http_critic(cfg) as remote:
-        sides["http"] = run_side(cfg, remote, iterations)
-    with local_critic(cfg) as local:
-        sides["in_process"] = run_side(cfg, local, iterations)
+    with local_critic(cfg) as local, http_critic(cfg) as remote:
+        runs = {"http": OverlapSide(cfg, remote), "in_process": OverlapSide(cfg, local)}
+        for run in runs.values():
+            run.step(record=False)  # warm-up
+        for i in range(iterations):
+            for name in (("http", "in_process") if i % 2 == 0 else ("in_process", "http")):
+                runs[name].step()
+    sides = {name: run.summary() for name, run in runs.items()}
     for name, side in sides.items():
         s = side["per_iteration_stats"]
         log(f"overlap {name}: critic_infer hidden {s['infer_hidden_fraction']['median']:.0%} "
@@ -158,7 +170,8 @@ def main(argv=None) -> dict:
         "quick": quick,
         "what": "fraction of critic busy time overlapped with actor work in one PPO iteration (ppo_step)",
         "definition": __doc__.strip().split("\n\n")[1],
-        "repetitions": {"iterations_per_side": iterations, "warmup_iterations_discarded": 1},
+        "repetitions": {"iterations_per_side": iterations, "warmup_iterations_discarded": 1,
+                        "order": "interleaved per iteration, ABBA"},
         "settings": {"rollout_batch_size": cfg.ppo.rollout_batch_size,
                      "micro_batch_size": cfg.generation.micro_batch_size,
                      "critic_infer_requests_per_iteration": -(-cfg.ppo.rollout_batch_size // cfg.generation.micro_batch_size),

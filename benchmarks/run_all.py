@@ -32,21 +32,20 @@ def table(results: dict, summary: dict) -> str:
     r = results.get("rloo_vs_trl")
     if r:
         reps = r["repetitions"]
-        n = f"{reps['rounds']} rounds x {reps['timed_iterations_per_round_per_side']} it/side"
-        rows.append(["RLOO iteration vs TRL 1.16 RLOOTrainer", "time ours / TRL (per-round medians)",
+        n = f"{reps['rounds']} rounds x {reps['timed_iterations_per_round_per_side']} pairs"
+        rows.append(["RLOO iteration vs TRL 1.16 RLOOTrainer", "time ours / TRL (per pair)",
                      fmt(r["time_ratio_ours_over_trl"]), n, "<= 0.70", _met(r)])
-        rows.append(["", "s/iteration: ours | TRL", f"{fmt(r['ours']['seconds_per_iteration'], digits=3)} | "
+        rows.append(["", "s/iteration: ours vs TRL", f"{fmt(r['ours']['seconds_per_iteration'], digits=3)} vs "
                      f"{fmt(r['trl']['seconds_per_iteration'], digits=3)}", n, "", ""])
         rows.append(["", "generated tokens/s ratio ours / TRL", fmt(r["tokens_per_second_ratio_ours_over_trl"]), n,
                      "", ""])
     r = results.get("critic_http")
     if r:
-        reps = r["repetitions"]
-        n = f"{reps['rounds']} rounds x {reps['timed_iterations_per_block']} it/side"
-        rows.append(["PPO iteration, critic over HTTP vs in process", "time HTTP / in-process (per-round medians)",
+        n = f"{r['repetitions']['pairs']} pairs"
+        rows.append(["PPO iteration, critic over HTTP vs in process", "time HTTP / in-process (per pair)",
                      fmt(r["time_ratio_http_over_in_process"]), n, "<= 1.10", _met(r)])
-        rows.append(["", "s/iteration: in-process | HTTP", f"{fmt(r['in_process']['seconds_per_iteration'], digits=3)}"
-                     f" | {fmt(r['http']['seconds_per_iteration'], digits=3)}", n, "", ""])
+        rows.append(["", "s/iteration: in-process vs HTTP", f"{fmt(r['in_process']['seconds_per_iteration'], digits=3)}"
+                     f" vs {fmt(r['http']['seconds_per_iteration'], digits=3)}", n, "", ""])
     r = results.get("overlap")
     if r:
         n = f"{r['repetitions']['iterations_per_side']} it/side"
@@ -54,16 +53,16 @@ def table(results: dict, summary: dict) -> str:
                      fmt(r["infer_hidden_fraction_http"], 100, 0, " %"), n, ">= 80 %", _met(r)])
         rows.append(["", "fraction (in-process critic)",
                      fmt(r["in_process"]["per_iteration_stats"]["infer_hidden_fraction"], 100, 0, " %"), n, "", ""])
-        rows.append(["Overlap: critic_train hidden behind actor train", "fraction: HTTP | in-process",
-                     f"{fmt(r['train_hidden_fraction_http'], 100, 0, ' %')} | "
+        rows.append(["Overlap: critic_train hidden behind actor train", "fraction: HTTP vs in-process",
+                     f"{fmt(r['train_hidden_fraction_http'], 100, 0, ' %')} vs "
                      f"{fmt(r['in_process']['per_iteration_stats']['train_hidden_fraction'], 100, 0, ' %')}", n, "—",
                      ""])
     r = results.get("generate")
     if r:
         for case in r["cases"]:
             rows.append([f"Rollout B={case['batch']}, {case['max_new_tokens']} new tokens",
-                         "tokens/s: Policy.generate | HF generate",
-                         f"{fmt(case['ours_tokens_per_s'], digits=0)} | {fmt(case['hf_tokens_per_s'], digits=0)} "
+                         "tokens/s: Policy.generate vs HF generate",
+                         f"{fmt(case['ours_tokens_per_s'], digits=0)} vs {fmt(case['hf_tokens_per_s'], digits=0)} "
                          f"(x{case['speedup_tokens_per_s']:.2f})",
                          f"{r['repetitions']['reps_per_side_per_case']} reps/side", "—", ""])
     r = results.get("gpu")
@@ -87,10 +86,37 @@ def table(results: dict, summary: dict) -> str:
              f"`python -m benchmarks.run_all` took {summary['total_seconds'] / 60:.1f} min. Values: median [min–max].",
              "", "| Benchmark | Measure | Result | Repetitions | Target | Met |", "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    lines += phase_tables(results)
     lines += ["", "Per-benchmark wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in summary["seconds"].items())
               + ". Load average (1 min) before each: " + ", ".join(
                   f"{k} {v[0] if v else '?'}" for k, v in summary["load_before"].items()) + ".", "", MARK_END]
     return "\n".join(lines)
+
+
+def phase_tables(results: dict) -> list[str]:
+    """Median seconds per phase (the time/* metrics of our steps, TRL's timed methods) and the RLOO settings."""
+    lines = []
+    r = results.get("rloo_vs_trl")
+    if r:
+        lines += ["", "RLOO phases, median s/iteration (ours: time/* metrics; TRL: `_generate`, "
+                  "`_generate_and_score_completions` minus generation, the rest of the iteration):", "",
+                  "| Side | " + " | ".join(["Phase"] * 4) + " |", "|---|---|---|---|---|"]
+        for side, label in (("ours", "ours"), ("trl", "TRL")):
+            phases = r[side]["phases_seconds"]
+            lines.append(f"| {label} | " + " | ".join(f"{name} {s['median']:.3f}" for name, s in phases.items())
+                         + " |" * (1 + 4 - len(phases)))
+        lines += ["", "RLOO settings, ours vs TRL:", "", "| Setting | Ours | TRL RLOOTrainer |", "|---|---|---|"]
+        for name, (ours, trl) in r["settings_ours_vs_trl"].items():
+            lines.append(f"| {name} | {ours} | {trl} |")
+    r = results.get("critic_http")
+    if r:
+        names = list(r["in_process"]["phases_seconds"])
+        lines += ["", "PPO phases, median s/iteration (time/* metrics of ppo_step):", "",
+                  "| Critic | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for side in ("in_process", "http"):
+            lines.append(f"| {side} | " + " | ".join(f"{r[side]['phases_seconds'][n]['median']:.3f}" for n in names)
+                         + " |")
+    return lines
 
 
 def _met(r: dict) -> str:

@@ -180,10 +180,10 @@ def _set_profile(api_url: str, log) -> None:
     """Create/activate the Prefect profile `rlhf-local` in the user's Prefect home, pointing at the local server."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     prefect = bin_path("prefect")
-    subprocess.run([prefect, "profile", "create", PROFILE], env=env, capture_output=True)
+    subprocess.run([prefect, "profile", "create", PROFILE], env=env, capture_output=True)  # fails if it exists: fine
+    subprocess.run([prefect, "-p", PROFILE, "config", "set", f"PREFECT_API_URL={api_url}",
+                    "PREFECT_SERVER_ANALYTICS_ENABLED=false"], env=env, capture_output=True, check=True)
     subprocess.run([prefect, "profile", "use", PROFILE], env=env, capture_output=True, check=True)
-    subprocess.run([prefect, "config", "set", f"PREFECT_API_URL={api_url}", "PREFECT_SERVER_ANALYTICS_ENABLED=false"],
-                   env=env, capture_output=True, check=True)
     log(f"Prefect profile '{PROFILE}' is active and points at {api_url}: `prefect deployment run ppo/default` "
         f"works from any shell")
 
@@ -247,6 +247,9 @@ def demo(state_dir: Path | None = None, log=print) -> int:
         results[deployment] = proc.returncode
     log("\n$ prefect deployment run compare/default --watch")
     subprocess.run([bin_path("prefect"), "deployment", "run", "compare/default", "--watch"], env=env)
+    table = state_dir / "compare" / "comparison.md"
+    if table.exists():
+        log("\n" + "\n".join(line for line in table.read_text().splitlines() if line.startswith("|")))
     log(f"\nDemo finished in {time.time() - started:.0f}s: "
         + ", ".join(f"{d} {'Completed' if rc == 0 else 'FAILED'}" for d, rc in results.items()))
     log(f"  Prefect UI (flow runs, logs, comparison artifact): {urls['prefect']}")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -44,8 +45,8 @@ def servers(tiny_models, tmp_path_factory):
         reward.wait_until_ready(120)
         yield state
     finally:
-        for proc in (state["critic"], reward):
-            proc.stop()
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda p: p.stop(), (state["critic"], reward)))
 
 
 def infer_input(name, array, dtype=None):
