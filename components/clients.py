@@ -15,7 +15,7 @@ import re
 import socket
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, Optional
 
 import numpy as np
@@ -65,6 +65,8 @@ class TritonHTTP:
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.retries, self.retry_wait_s = retries, retry_wait_s
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix=name)
+        self._pending: set[Future] = set()
+        self._pending_lock = threading.Lock()
         self._closed = False
 
     def _client(self):
@@ -115,7 +117,21 @@ class TritonHTTP:
     def submit(self, fn: Callable, *args) -> Future:
         if self._closed:
             raise RuntimeError(f"client of {self.url} is closed")
-        return self._pool.submit(fn, *args)
+        future = self._pool.submit(fn, *args)
+        with self._pending_lock:
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: Future) -> None:
+        with self._pending_lock:
+            self._pending.discard(future)
+
+    def drain(self) -> None:
+        """Wait until every call submitted so far has finished (successfully or not)."""
+        with self._pending_lock:
+            pending = list(self._pending)
+        wait(pending)
 
     def close(self) -> None:
         self._closed = True
@@ -181,6 +197,8 @@ class CriticClient:
         return self._http.submit(self.train, tokens, returns, prev_values, mask)
 
     def save(self) -> dict:
+        """critic_save after every call submitted before it (like the in-process backend's single queue)."""
+        self._http.drain()
         out = self._http.infer(CRITIC_SAVE, {"dummy_var": np.zeros(1, dtype=np.int64)})
         path = out["path"].reshape(-1)[0]
         return {"status": int(out["status"].reshape(-1)[0]), "step": int(out["step"].reshape(-1)[0]),

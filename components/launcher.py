@@ -98,9 +98,14 @@ class ServerProcess:
         self._log = open(self.log_path, "ab")
         self._log.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} starting: {' '.join(argv)}\n".encode())
         self._log.flush()
-        self._proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT,
-                                      env=child_env(self._home, self.access_token, env), start_new_session=True,
-                                      cwd=str(PROJECT_ROOT))
+        try:
+            self._proc = subprocess.Popen(list(argv), stdin=subprocess.DEVNULL, stdout=self._log,
+                                          stderr=subprocess.STDOUT, env=child_env(self._home, self.access_token, env),
+                                          start_new_session=True)  # same cwd: relative model paths keep working
+        except BaseException:
+            self._log.close()
+            shutil.rmtree(self._home, ignore_errors=True)
+            raise
         self.pid = self._proc.pid
         self.pgid = self.pid  # start_new_session: the child leads its own group
 
@@ -144,6 +149,9 @@ class ServerProcess:
             self._log.write(f"--- stopped with code {self._proc.returncode}\n".encode())
             self._log.close()
         shutil.rmtree(self._home, ignore_errors=True)
+        # python-backend shared memory is named after the server's pid; a killed Triton cannot remove it itself
+        for leftover in Path("/dev/shm").glob(f"pytrtion{self.pid}-*"):
+            leftover.unlink(missing_ok=True)
         return self._proc.returncode
 
     def _signal_group(self, sig: int) -> None:
@@ -260,7 +268,7 @@ def wait_until_ready(url: str, models: Iterable[str], timeout: float, process: O
 # ---------------------------------------------------------------- the servers of a run
 
 def critic_argv(cfg, port: int, checkpoint_dir: Optional[str | Path] = None, checkpoint_uri: Optional[str] = None,
-                max_batch_size: int = 256) -> list[str]:
+                max_batch_size: int = 256, torch_threads: Optional[int] = None) -> list[str]:
     """Command line of a critic server child for an RLHFConfig (the CriticConfig travels whole, as JSON)."""
     argv = [sys.executable, "-m", "components.serve_main", "critic", "--host", cfg.critic.host, "--port", str(port),
             "--critic-config-json", dumps_config(cfg.critic), "--dtype", cfg.model.dtype, "--device", cfg.model.device,
@@ -275,32 +283,37 @@ def critic_argv(cfg, port: int, checkpoint_dir: Optional[str | Path] = None, che
         argv += ["--checkpoint-uri", checkpoint_uri]
         if cfg.checkpoint.s3_endpoint_url:
             argv += ["--s3-endpoint-url", cfg.checkpoint.s3_endpoint_url]
-    return argv
+    return argv + (["--torch-threads", str(torch_threads)] if torch_threads else [])
 
 
-def reward_argv(cfg, port: int, max_batch_size: int = 256) -> list[str]:
+def reward_argv(cfg, port: int, max_batch_size: int = 256, torch_threads: Optional[int] = None) -> list[str]:
     """Command line of a reward server child: the reward model, or the reward function decoded with the policy tokenizer."""
     argv = [sys.executable, "-m", "components.serve_main", "reward", "--host", cfg.reward.host, "--port", str(port),
             "--dtype", cfg.model.dtype, "--device", cfg.model.device, "--max-batch-size", str(max_batch_size),
             "--max-queue-delay-us", str(cfg.critic.max_queue_delay_us)]
+    if torch_threads:
+        argv += ["--torch-threads", str(torch_threads)]
     if cfg.reward.source == "function":
         return argv + ["--function", cfg.reward.function, "--tokenizer", cfg.resolve_model_path(cfg.model.policy)]
     return argv + ["--model", cfg.resolve_model_path(cfg.model.reward)]
 
 
 def launch_critic(cfg, log_path: str | Path, checkpoint_dir: Optional[str | Path] = None, port: Optional[int] = None,
-                  checkpoint_uri: Optional[str] = None, wait: bool = True) -> ServerProcess:
+                  checkpoint_uri: Optional[str] = None, wait: bool = True, max_batch_size: int = 256,
+                  torch_threads: Optional[int] = None) -> ServerProcess:
     """Start the critic server for `cfg` (port: cfg.critic.http_port unless given) and, by default, wait until ready."""
     port = port or cfg.critic.http_port
-    proc = ServerProcess(critic_argv(cfg, port, checkpoint_dir, checkpoint_uri), cfg.critic.host, port, CRITIC_MODELS,
-                         log_path, name="critic")
+    argv = critic_argv(cfg, port, checkpoint_dir, checkpoint_uri, max_batch_size, torch_threads)
+    proc = ServerProcess(argv, cfg.critic.host, port, CRITIC_MODELS, log_path, name="critic")
     return _ready_or_stopped(proc, cfg.critic.ready_timeout_s if wait else None)
 
 
-def launch_reward(cfg, log_path: str | Path, port: Optional[int] = None, wait: bool = True) -> ServerProcess:
+def launch_reward(cfg, log_path: str | Path, port: Optional[int] = None, wait: bool = True, max_batch_size: int = 256,
+                  torch_threads: Optional[int] = None) -> ServerProcess:
     """Start the reward server for `cfg` (port: cfg.reward.http_port unless given) and, by default, wait until ready."""
     port = port or cfg.reward.http_port
-    proc = ServerProcess(reward_argv(cfg, port), cfg.reward.host, port, REWARD_MODELS, log_path, name="reward")
+    argv = reward_argv(cfg, port, max_batch_size, torch_threads)
+    proc = ServerProcess(argv, cfg.reward.host, port, REWARD_MODELS, log_path, name="reward")
     return _ready_or_stopped(proc, cfg.reward.ready_timeout_s if wait else None)
 
 

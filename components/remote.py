@@ -33,6 +33,15 @@ def _port(host: str, preferred: int) -> int:
     return preferred if port_block_free(bind, preferred) else find_free_ports(bind)
 
 
+def _threads(section, launch: str) -> int | None:
+    """One torch thread for a local server on a CPU-only host: it shares the cores with the actor."""
+    import torch
+
+    if section.torch_threads:
+        return section.torch_threads
+    return 1 if launch == "local" and not torch.cuda.is_available() else None
+
+
 def _death(name: str, proc: ServerProcess):
     def describe() -> str | None:
         code = proc.poll()
@@ -48,10 +57,11 @@ def start_local_server(kind: str, cfg: RLHFConfig, session: RunSession) -> Serve
     section = cfg.critic if kind == "critic" else cfg.reward
     port = _port(section.host, section.http_port)
     log_path = session.local_dir / "logs" / f"{kind}-server.log"
+    threads = _threads(section, section.launch)
     if kind == "critic":
-        proc = launch_critic(cfg, log_path, checkpoint_dir=session.critic_dir, port=port, wait=False)
+        proc = launch_critic(cfg, log_path, checkpoint_dir=session.critic_dir, port=port, wait=False, torch_threads=threads)
     else:
-        proc = launch_reward(cfg, log_path, port=port, wait=False)
+        proc = launch_reward(cfg, log_path, port=port, wait=False, torch_threads=threads)
     get_run_logger().info(f"{kind} server starting: pid {proc.pid}, {proc.url}, log {log_path}")
     return proc
 
@@ -178,8 +188,9 @@ def host_server(kind: str, cfg: RLHFConfig, checkpoint_dir: str | None) -> int:
     port = _port(section.host, section.http_port)
     log_dir = cfg.resolved_state_dir() / "servers"
     log_path = log_dir / f"{kind}-{flow_run.get_id()}.log"
-    proc = (launch_critic(cfg, log_path, checkpoint_dir=checkpoint_dir, port=port, wait=False) if kind == "critic"
-            else launch_reward(cfg, log_path, port=port, wait=False))
+    threads = _threads(section, "deployment")
+    proc = (launch_critic(cfg, log_path, checkpoint_dir=checkpoint_dir, port=port, wait=False, torch_threads=threads)
+            if kind == "critic" else launch_reward(cfg, log_path, port=port, wait=False, torch_threads=threads))
     name = address_variable(flow_run.get_id())
     try:
         proc.wait_until_ready(section.ready_timeout_s)

@@ -35,6 +35,8 @@ def _common(parser: argparse.ArgumentParser, default_port_help: str) -> None:
     parser.add_argument("--device", default=None, help="'auto', 'cpu' or 'cuda[:N]'.")
     parser.add_argument("--max-batch-size", type=int, default=256, help="Largest batch Triton accepts and forms by dynamic batching.")
     parser.add_argument("--max-queue-delay-us", type=int, default=None, help="Dynamic-batching queue delay in microseconds.")
+    parser.add_argument("--torch-threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's choice); 1 avoids oversubscription on small CPU hosts.")
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -102,24 +104,27 @@ def critic_config_from_args(args, base=None):
 def serve_critic(cfg, model: Optional[str], reward: Optional[str], combine_reward: bool = True,
                  checkpoint_dir: Optional[str] = None, checkpoint_uri: Optional[str] = None,
                  checkpoint_key: str = "critic-server", s3_endpoint_url: Optional[str] = None, dtype: str = "float32",
-                 device: str = "auto", host: str = "127.0.0.1", port: int = 8400, max_batch_size: int = 256) -> int:
+                 device: str = "auto", host: str = "127.0.0.1", port: int = 8400, max_batch_size: int = 256,
+                 torch_threads: Optional[int] = None) -> int:
     """Run the critic server until SIGTERM/SIGINT (blocking); `cfg` is a CriticConfig. Returns the exit code."""
     if not model and not reward:
         raise ValueError("critic server: give a critic checkpoint (--model) or a reward model to initialise it from (--reward)")
     if combine_reward and not reward:
         raise ValueError("critic server: combining rewards needs a reward model (--reward), or pass --no-combine")
     configure_logging()
-    options = ServeOptions(host=host, port=port, max_batch_size=max_batch_size, max_queue_delay_us=cfg.max_queue_delay_us)
+    options = ServeOptions(host=host, port=port, max_batch_size=max_batch_size, max_queue_delay_us=cfg.max_queue_delay_us,
+                           torch_threads=torch_threads)
     return CriticServer(cfg, model, reward, combine_reward, checkpoint_dir, checkpoint_uri, checkpoint_key,
                         s3_endpoint_url, dtype, device, options).run()
 
 
 def serve_reward(model: Optional[str] = None, function: Optional[str] = None, tokenizer: Optional[str] = None,
                  dtype: str = "float32", device: str = "auto", host: str = "127.0.0.1", port: int = 8500,
-                 max_batch_size: int = 256, max_queue_delay_us: int = 2000) -> int:
+                 max_batch_size: int = 256, max_queue_delay_us: int = 2000, torch_threads: Optional[int] = None) -> int:
     """Run the reward server until SIGTERM/SIGINT (blocking). Returns the exit code."""
     configure_logging()
-    options = ServeOptions(host=host, port=port, max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us)
+    options = ServeOptions(host=host, port=port, max_batch_size=max_batch_size, max_queue_delay_us=max_queue_delay_us,
+                           torch_threads=torch_threads)
     return RewardServer(model, function, tokenizer, dtype, device, options).run()
 
 
@@ -133,7 +138,7 @@ def run_critic_args(args) -> int:
                         checkpoint_key=args.checkpoint_key, s3_endpoint_url=args.s3_endpoint_url,
                         dtype=args.dtype or rl.model.dtype, device=args.device or rl.model.device,
                         host=args.host or rl.critic.host, port=args.port or rl.critic.http_port,
-                        max_batch_size=args.max_batch_size)
+                        max_batch_size=args.max_batch_size, torch_threads=args.torch_threads)
 
 
 def run_reward_args(args) -> int:
@@ -149,7 +154,7 @@ def run_reward_args(args) -> int:
                         device=args.device or rl.model.device, host=args.host or rl.reward.host,
                         port=args.port or rl.reward.http_port, max_batch_size=args.max_batch_size,
                         max_queue_delay_us=args.max_queue_delay_us if args.max_queue_delay_us is not None
-                        else rl.critic.max_queue_delay_us)
+                        else rl.critic.max_queue_delay_us, torch_threads=args.torch_threads)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -41,12 +41,12 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import torch
 
-from models.critic import CriticInputError, CriticTrainer, validate_tokens, validate_train
+if TYPE_CHECKING:  # torch and transformers load lazily: `rlhf --help` imports this module for its parser
+    from models.critic import CriticTrainer
 
 LOG = logging.getLogger("rlhf.server")
 
@@ -75,6 +75,8 @@ def _array(request, name: str) -> np.ndarray:
 
 def check_positions(tokens: np.ndarray, model) -> None:
     """A sequence longer than the model's position table would fail deep inside torch; say so up front."""
+    from models.critic import CriticInputError
+
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None and tokens.shape[1] > limit:
         raise CriticInputError(f"tokens: sequence length L={tokens.shape[1]} exceeds the model's "
@@ -82,11 +84,15 @@ def check_positions(tokens: np.ndarray, model) -> None:
 
 
 def check_vocab(tokens: np.ndarray, vocab_size: int) -> None:
+    from models.critic import CriticInputError
+
     if tokens.size and ((tokens < 0).any() or (tokens >= vocab_size).any()):
         raise CriticInputError(f"tokens: ids must be in [0, {vocab_size}), got min {tokens.min()} max {tokens.max()}")
 
 
 def check_prompt_lengths(prompt_lengths: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    from models.critic import CriticInputError
+
     if prompt_lengths.dtype != np.int64:
         raise CriticInputError(f"prompt_lengths: expected dtype int64, got {prompt_lengths.dtype}")
     flat = prompt_lengths.reshape(-1)
@@ -97,8 +103,10 @@ def check_prompt_lengths(prompt_lengths: np.ndarray, lengths: np.ndarray) -> np.
     return flat
 
 
-def _stack(parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def _stack(parts: list[tuple[np.ndarray, np.ndarray]]):
     """Concatenate the requests of one dynamic batch, right-padding to the longest L (values there are masked)."""
+    import torch
+
     width = max(t.shape[1] for t, _ in parts)
     tokens = np.concatenate([np.pad(t, ((0, 0), (0, width - t.shape[1]))) for t, _ in parts])
     lengths = np.concatenate([ln for _, ln in parts])
@@ -161,6 +169,8 @@ class CriticCallables:
         self._save_lock = threading.Lock()
 
     def infer(self, requests):
+        from models.critic import validate_tokens
+
         parts = []
         for request in requests:
             tokens, lengths = _array(request, "tokens"), _array(request, "sequence_lengths")
@@ -179,6 +189,10 @@ class CriticCallables:
         return responses
 
     def train(self, requests):
+        import torch
+
+        from models.critic import validate_train
+
         responses = []
         for request in requests:  # batching is off: one request per call
             tokens, returns, prev_values, mask = (_array(request, n) for n in ("tokens", "returns", "prev_values", "mask"))
@@ -222,6 +236,8 @@ class RewardCallables:
         self.lock = threading.Lock()
 
     def infer(self, requests):
+        from models.critic import validate_tokens
+
         parts, prompt_parts = [], []
         for request in requests:
             tokens, lengths = _array(request, "tokens"), _array(request, "sequence_lengths")
@@ -271,9 +287,11 @@ class ServeOptions:
     max_queue_delay_us: int = 2000
     access_token: str | None = None  # None: $RLHF_TRITON_ACCESS_TOKEN, else PyTriton generates one
     exit_timeout_s: int = 10
+    torch_threads: int | None = None  # torch intra-op threads; None keeps torch's default
     extra: dict = field(default_factory=dict)  # further TritonConfig fields
 
     def triton_config(self):
+        import torch
         from pytriton.triton import TritonConfig
 
         return TritonConfig(http_address=self.host, http_port=self.port, grpc_address=self.host,
@@ -346,6 +364,10 @@ def serve(kind: str, specs: list[ModelSpec], load: Callable[[], dict[str, Callab
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if options.torch_threads:
+        import torch
+
+        torch.set_num_threads(options.torch_threads)
     token = options.access_token or os.environ.get(TOKEN_ENV) or None
     workspace = Workspace()  # a fresh directory under $PYTRITON_HOME: servers on one machine never share one
     triton = Triton(config=options.triton_config(), workspace=workspace,
@@ -412,6 +434,7 @@ class CriticServer:
         return critic_specs(self.combine_reward, self.options.max_batch_size, self.options.max_queue_delay_us)
 
     def load(self) -> dict[str, Callable]:
+        from models.critic import CriticTrainer
         from models.loading import resolve_device
 
         if self.combine_reward and not self.reward:

@@ -114,6 +114,7 @@ class CriticConfig(_Section):
     train_batch_size: PositiveInt = Field(32, description="Sequences per critic optimizer step (global batch).")
     epochs: PositiveInt = Field(2, description="Critic epochs per critic_train call.")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3), description="Critic optimiser (1e-3 suits the tiny critic; ~1e-5 for a 1B critic).")
+    torch_threads: Optional[PositiveInt] = Field(None, description="torch intra-op threads of the server process; None = 1 for a local server on a CPU-only host (it shares the cores with the actor; 2+2 threads on 2 cores ran ~4x slower), torch's default otherwise.")
     ready_timeout_s: float = Field(180.0, gt=0, description="How long to wait for the critic server to become ready.")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one critic request.")
 
@@ -125,6 +126,7 @@ class RewardConfig(_Section):
     launch: Literal["in_process", "local", "deployment"] = Field("local", description="Where the REINFORCE reward server runs.")
     host: str = Field("127.0.0.1", description="Interface of the reward server.")
     http_port: int = Field(8500, ge=1, le=65535, description="HTTP port of the reward server (gRPC = +1, metrics = +2).")
+    torch_threads: Optional[PositiveInt] = Field(None, description="torch intra-op threads of the reward server process (None: as for the critic).")
     ready_timeout_s: float = Field(180.0, gt=0, description="How long to wait for the reward server to become ready.")
 
     @model_validator(mode="after")

@@ -8,22 +8,19 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
+import tritonclient.http as http
+from tritonclient.utils import InferenceServerException
 
 from components.launcher import ServerProcess, find_free_ports
-from components.servers import CRITIC_MODELS, REWARD_MODELS, RewardCallables
-
-pytestmark = pytest.mark.timeout(300)
-
-http = pytest.importorskip("tritonclient.http")
-from tritonclient.utils import InferenceServerException  # noqa: E402
+from components.servers import CRITIC_MODELS, REWARD_MODELS, CriticCallables, RewardCallables, critic_specs
 
 TRAIN_FLAGS = ["--lr", "1e-3", "--train-batch-size", "16", "--epochs", "2"]
 
 
-def critic_argv(tiny, port, checkpoint_dir):
+def critic_argv(tiny, port, checkpoint_dir, store):
     return [sys.executable, "-m", "components.serve_main", "critic", "--model", tiny["critic"], "--reward",
             tiny["reward"], "--port", str(port), "--checkpoint-dir", str(checkpoint_dir), "--max-queue-delay-us", "500",
-            *TRAIN_FLAGS]
+            "--checkpoint-uri", store.as_uri(), *TRAIN_FLAGS]
 
 
 @pytest.fixture(scope="module")
@@ -34,12 +31,13 @@ def servers(tiny_models, tmp_path_factory):
     while abs(reward_port - critic_port) < 3:
         reward_port = find_free_ports()
     ckpt = tmp_path_factory.mktemp("critic-ckpt") / "critic"
-    critic = ServerProcess(critic_argv(tiny_models, critic_port, ckpt), "127.0.0.1", critic_port, CRITIC_MODELS,
+    store = tmp_path_factory.mktemp("store")
+    critic = ServerProcess(critic_argv(tiny_models, critic_port, ckpt, store), "127.0.0.1", critic_port, CRITIC_MODELS,
                            logs / "critic.log", name="critic")
     reward = ServerProcess([sys.executable, "-m", "components.serve_main", "reward", "--model", tiny_models["reward"],
                             "--port", str(reward_port)], "127.0.0.1", reward_port, REWARD_MODELS, logs / "reward.log",
                            name="reward")
-    state = {"critic": critic, "reward": reward, "ckpt": ckpt, "logs": logs}
+    state = {"critic": critic, "reward": reward, "ckpt": ckpt, "store": store, "logs": logs}
     try:
         critic.wait_until_ready(120)
         reward.wait_until_ready(120)
@@ -187,12 +185,19 @@ def test_save_stop_restart_restores_step_and_weights(servers, tiny_models):
     saved = raw(critic.url, "critic_save", dummy_var=np.zeros(1, np.int64))
     assert saved["status"].tolist() == [0] and saved["status"].dtype == np.int64
     assert saved["step"].tolist() == trained["step"].tolist()
-    assert saved["path"][0].decode() == str(servers["ckpt"]) and (servers["ckpt"] / "critic_state.pt").exists()
+    assert (servers["ckpt"] / "critic_state.pt").exists() and (servers["ckpt"] / "model").is_dir()
+    # --checkpoint-uri: the save is also uploaded to the checkpoint store, and its location returned
+    assert saved["path"][0].decode() == f"{servers['store'].as_uri()}/critic-server"
+    assert (servers["store"] / "critic-server" / "critic_state.pt").exists()
     before = raw(critic.url, "critic_infer", tokens=tokens, sequence_lengths=lengths)
 
-    assert critic.stop() == 0
-    restarted = ServerProcess(critic_argv(tiny_models, critic.port, servers["ckpt"]), "127.0.0.1", critic.port,
-                              CRITIC_MODELS, servers["logs"] / "critic-restarted.log", name="critic")
+    members = critic.group_members()
+    assert critic.stop() == 0  # graceful: SIGTERM, PyTriton unloads the models and stops tritonserver
+    assert len(members) >= 5 and not critic.group_members()  # server, tritonserver, 3 stubs: all gone
+    assert all(not m.is_running() or m.status() == "zombie" for m in members)
+    argv = critic_argv(tiny_models, critic.port, servers["ckpt"], servers["store"])
+    restarted = ServerProcess(argv, "127.0.0.1", critic.port, CRITIC_MODELS, servers["logs"] / "critic-restarted.log",
+                              name="critic")
     servers["critic"] = restarted  # the fixture stops it
     restarted.wait_until_ready(120)  # same port: the old server freed it
     after = raw(restarted.url, "critic_infer", tokens=tokens, sequence_lengths=lengths)
@@ -234,3 +239,21 @@ def test_function_reward_decodes_prompt_and_response_from_tokens():
     with pytest.raises(ValueError, match="prompt_lengths"):
         callables.infer([{"tokens": tokens, "sequence_lengths": lengths,
                           "prompt_lengths": np.array([[2], [9]], dtype=np.int64)}])
+
+
+def test_critic_without_reward_model_serves_values_only_and_pads_mixed_lengths(tiny_models):
+    """--no-combine: no `rewards` output; requests of different L in one batch are padded, then cut back."""
+    from models.config import CriticConfig
+    from models.critic import CriticTrainer
+
+    infer_spec = critic_specs(False, 8, 0)[0]
+    assert [t.name for t in infer_spec.outputs] == ["values"] and infer_spec.max_batch_size == 8
+    callables = CriticCallables(CriticTrainer(CriticConfig(), tiny_models["critic"], None, False))
+    assert callables.trainer.reward_model is None
+    (t1, l1), (t2, l2) = batch(seed=6, B=3, L=7), batch(seed=7, B=2, L=12)
+    together = callables.infer([{"tokens": t1, "sequence_lengths": l1}, {"tokens": t2, "sequence_lengths": l2}])
+    alone = [callables.infer([{"tokens": t, "sequence_lengths": n}])[0] for t, n in ((t1, l1), (t2, l2))]
+    assert [set(r) for r in together] == [{"values"}, {"values"}]
+    assert together[0]["values"].shape == (3, 7) and together[1]["values"].shape == (2, 12)
+    for joint, single in zip(together, alone):
+        np.testing.assert_allclose(joint["values"], single["values"], rtol=1e-5, atol=1e-6)
