@@ -129,8 +129,16 @@ def tiny_config(**overrides):
     return preset("tiny", state_dir=str(state_dir()), **overrides)
 
 
-def median_ratio(numerators, denominators) -> float:
-    return statistics.median(numerators) / statistics.median(denominators)
+def top_ops(fn, repeat: int = 5, top: int = 12) -> list[dict]:
+    """torch.profiler: the ops with the most self CPU time over `repeat` calls of fn(), in ms per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(repeat):
+            fn()
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [{"op": e.key, "self_cpu_ms_per_call": e.self_cpu_time_total / 1e3 / repeat, "calls_per_call": e.count / repeat}
+            for e in rows]
 
 
 def quick_flag(argv=None) -> bool:

@@ -87,7 +87,7 @@ def summarize(records: list[dict]) -> dict:
 
 def main(argv=None) -> dict:
     quick = quick_flag(argv)
-    pairs = 6 if quick else 30
+    pairs = 8 if quick else 80
     cfg = bench_config()
     got = {"in_process": [], "http": []}
     with local_critic(cfg) as local, http_critic(cfg) as remote:

@@ -37,7 +37,7 @@ def response_tokens(new: torch.Tensor, eos_id: int) -> int:
 
 def main(argv=None) -> dict:
     quick = quick_flag(argv)
-    reps = 3 if quick else 9
+    reps = 3 if quick else 15
     cfg = tiny_config()
     from models.loop import load_prompts
     from models.policy import Policy

@@ -149,7 +149,7 @@ class OverlapSide:
 
 def main(argv=None) -> dict:
     quick = quick_flag(argv)
-    iterations = 4 if quick else 16
+    iterations = 6 if quick else 40
     cfg = bench_config()
     with local_critic(cfg) as local, http_critic(cfg) as remote:
         runs = {"http": OverlapSide(cfg, remote), "in_process": OverlapSide(cfg, local)}

@@ -22,7 +22,7 @@ import tempfile
 import time
 from contextlib import contextmanager
 
-from benchmarks.common import log, quick_flag, stats, tiny_config, write_result
+from benchmarks.common import log, quick_flag, stats, tiny_config, top_ops, write_result
 
 GOLD = "models.tasks.sentiment:gold_reward"
 TARGET = 0.7
@@ -240,7 +240,7 @@ def summarize(records: list[dict]) -> dict:
 
 def main(argv=None) -> dict:
     quick = quick_flag(argv)
-    rounds, iterations = (1, 6) if quick else (3, 15)
+    rounds, iterations = (1, 8) if quick else (5, 30)
     cfg = bench_config()
     ours, trl, per_round = [], [], []
     trl_facts = {}
@@ -254,6 +254,9 @@ def main(argv=None) -> dict:
         per_round[-1]["time_ratio"] = per_round[-1]["ours_s"] / per_round[-1]["trl_s"]
         log(f"rloo_vs_trl round {r + 1}/{rounds}: ours {per_round[-1]['ours_s']:.3f} s/it, "
             f"TRL {per_round[-1]['trl_s']:.3f} s/it, ratio {per_round[-1]['time_ratio']:.2f}")
+    profiled = OurRLOO(cfg)
+    profiled.iteration()
+    ops = top_ops(profiled.iteration, repeat=3 if quick else 10)
     time_ratio = stats([o["seconds"] / t["seconds"] for o, t in zip(ours, trl)])
     tps_ratio = stats([(o["tokens"] / o["seconds"]) / (t["tokens"] / t["seconds"]) for o, t in zip(ours, trl)])
     result = {
@@ -271,6 +274,7 @@ def main(argv=None) -> dict:
         "time_ratio_of_medians": statistics.median(o["seconds"] for o in ours)
         / statistics.median(t["seconds"] for t in trl),
         "tokens_per_second_ratio_ours_over_trl": tps_ratio,
+        "ours_top_ops_torch_profiler": ops,
         "target": f"median per-pair time ratio <= {TARGET}",
         "target_met": time_ratio["median"] <= TARGET,
     }

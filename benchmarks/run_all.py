@@ -98,13 +98,17 @@ def phase_tables(results: dict) -> list[str]:
     lines = []
     r = results.get("rloo_vs_trl")
     if r:
-        lines += ["", "RLOO phases, median s/iteration (ours: time/* metrics; TRL: `_generate`, "
-                  "`_generate_and_score_completions` minus generation, the rest of the iteration):", "",
-                  "| Side | " + " | ".join(["Phase"] * 4) + " |", "|---|---|---|---|---|"]
-        for side, label in (("ours", "ours"), ("trl", "TRL")):
-            phases = r[side]["phases_seconds"]
-            lines.append(f"| {label} | " + " | ".join(f"{name} {s['median']:.3f}" for name, s in phases.items())
-                         + " |" * (1 + 4 - len(phases)))
+        ours, trl = r["ours"]["phases_seconds"], r["trl"]["phases_seconds"]
+        lines += ["", "RLOO phases, median seconds per iteration (ours: the step's time/* metrics; TRL: its `_generate`, "
+                  "its `_generate_and_score_completions` minus generation, and the rest of the iteration):", "",
+                  "| Side | generate | old/ref logprobs + reward | train | other |", "|---|---|---|---|---|",
+                  f"| ours | {ours['generate']['median']:.3f} | {ours['logprobs+reference+reward']['median']:.3f} | "
+                  f"{ours['train']['median']:.3f} | {ours['other']['median']:.3f} |",
+                  f"| TRL | {trl['generate']['median']:.3f} | {trl['logprobs+reference+reward']['median']:.3f} | "
+                  f"{trl['train+other']['median']:.3f} (train + trainer loop) | (in train) |"]
+        if r.get("ours_top_ops_torch_profiler"):
+            lines += ["", "Our RLOO iteration, top ops by self CPU time (torch.profiler, ms per iteration): " + ", ".join(
+                f"`{o['op']}` {o['self_cpu_ms_per_call']:.1f}" for o in r["ours_top_ops_torch_profiler"][:8]) + "."]
         lines += ["", "RLOO settings, ours vs TRL:", "", "| Setting | Ours | TRL RLOOTrainer |", "|---|---|---|"]
         for name, (ours, trl) in r["settings_ours_vs_trl"].items():
             lines.append(f"| {name} | {ours} | {trl} |")

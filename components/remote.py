@@ -33,13 +33,13 @@ def _port(host: str, preferred: int) -> int:
     return preferred if port_block_free(bind, preferred) else find_free_ports(bind)
 
 
-def _threads(section, launch: str) -> int | None:
-    """One torch thread for a local server on a CPU-only host: it shares the cores with the actor."""
+def _threads(section) -> int | None:
+    """One torch thread for a server on a CPU-only host unless configured: it usually shares the cores with the actor."""
     import torch
 
     if section.torch_threads:
         return section.torch_threads
-    return 1 if launch == "local" and not torch.cuda.is_available() else None
+    return 1 if not torch.cuda.is_available() else None
 
 
 def _death(name: str, proc: ServerProcess):
@@ -57,7 +57,7 @@ def start_local_server(kind: str, cfg: RLHFConfig, session: RunSession) -> Serve
     section = cfg.critic if kind == "critic" else cfg.reward
     port = _port(section.host, section.http_port)
     log_path = session.local_dir / "logs" / f"{kind}-server.log"
-    threads = _threads(section, section.launch)
+    threads = _threads(section)
     if kind == "critic":
         proc = launch_critic(cfg, log_path, checkpoint_dir=session.critic_dir, port=port, wait=False, torch_threads=threads)
     else:
@@ -188,7 +188,7 @@ def host_server(kind: str, cfg: RLHFConfig, checkpoint_dir: str | None) -> int:
     port = _port(section.host, section.http_port)
     log_dir = cfg.resolved_state_dir() / "servers"
     log_path = log_dir / f"{kind}-{flow_run.get_id()}.log"
-    threads = _threads(section, "deployment")
+    threads = _threads(section)
     proc = (launch_critic(cfg, log_path, checkpoint_dir=checkpoint_dir, port=port, wait=False, torch_threads=threads)
             if kind == "critic" else launch_reward(cfg, log_path, port=port, wait=False, torch_threads=threads))
     name = address_variable(flow_run.get_id())

@@ -7,13 +7,9 @@ failure and cancellation (SIGTERM in the flow process raises, so the `finally` r
 
 from __future__ import annotations
 
-import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator
-
-from prefect import get_run_logger, task
-from prefect.cache_policies import NONE
 
 from components.run import RunSession
 from models.config import RLHFConfig
@@ -30,7 +26,6 @@ class Service:
     name: str
     backend: object
     describe_death: Callable[[], str | None] = lambda: None  # message if the server is gone, else None
-    closers: list[Callable[[], None]] = field(default_factory=list)
 
     def guard(self, fn, *args, **kwargs):
         """Call a step; if it fails and the server is gone, fail with a message that names the server and its exit."""
@@ -81,12 +76,3 @@ def reward_service(cfg: RLHFConfig, session: RunSession, needed: bool = True) ->
 
     with remote_reward(cfg, session) as service:
         yield service
-
-
-@task(name="wait-until-ready", cache_policy=NONE)
-def log_ready(name: str, url: str, seconds: float) -> None:
-    get_run_logger().info(f"{name} ready at {url} after {seconds:.1f}s")
-
-
-def elapsed(start: float) -> float:
-    return time.monotonic() - start

@@ -15,10 +15,6 @@ from torch import Tensor
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 
 
-def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
-
-
 def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     """Mean of x over positions where mask == 1 (0 where the mask is empty)."""
     if dim is None:

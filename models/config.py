@@ -114,7 +114,7 @@ class CriticConfig(_Section):
     train_batch_size: PositiveInt = Field(32, description="Sequences per critic optimizer step (global batch).")
     epochs: PositiveInt = Field(2, description="Critic epochs per critic_train call.")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3), description="Critic optimiser (1e-3 suits the tiny critic; ~1e-5 for a 1B critic).")
-    torch_threads: Optional[PositiveInt] = Field(None, description="torch intra-op threads of the server process; None = 1 for a local server on a CPU-only host (it shares the cores with the actor; 2+2 threads on 2 cores ran ~4x slower), torch's default otherwise.")
+    torch_threads: Optional[PositiveInt] = Field(None, description="torch intra-op threads of the server process; None = 1 on a CPU-only host (it usually shares the cores with the actor; 2+2 threads on 2 cores ran ~4x slower), torch's default with CUDA.")
     ready_timeout_s: float = Field(180.0, gt=0, description="How long to wait for the critic server to become ready.")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one critic request.")
 

@@ -7,7 +7,7 @@ is also the critic server's wire layout. Per-token tensors are [B, L-1] over act
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,9 +40,6 @@ class Rollout:
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
-
-    def select(self, index) -> "Rollout":
-        return Rollout(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
 
 class Policy:
@@ -199,13 +196,3 @@ def _right_pad(prompt_ids: list[list[int]], new_tokens: Tensor, new_logps: Tenso
         tokens[i, p:p + r] = new_tokens[i, :r]
         sample_logprobs[i, p - 1:p - 1 + r] = new_logps[i, :r]
     return Rollout(tokens, prompt_lengths, lengths, is_end, sample_logprobs)
-
-
-def pad_sequences(rows: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Right-pad token lists into [B, L] with their lengths."""
-    lengths = torch.tensor([len(r) for r in rows])
-    tokens = torch.full((len(rows), int(lengths.max())), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        tokens[i, :len(r)] = torch.tensor(r)
-    return tokens, lengths
-
