@@ -42,11 +42,19 @@ def optimizer_steps_per_iteration(cfg) -> int:
 class OurRLOO:
     """Our side: actor, in-process function reward and prompt stream; `iteration()` runs and times one rloo_step."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, fused_adamw: bool = False):
         from models.loop import build_actor, build_local_reward, load_prompts, prompt_batches
 
         self.cfg = cfg
         self.state = build_actor(cfg)
+        if fused_adamw:  # what-if only (benchmarks/what_if.py): the library's AdamW settings, fused implementation
+            import torch
+
+            old = self.state.optimizer
+            self.state.optimizer = torch.optim.AdamW(old.param_groups[0]["params"], **{
+                k: old.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}, fused=True)
+            self.state.scheduler = torch.optim.lr_scheduler.LambdaLR(self.state.optimizer,
+                                                                     self.state.scheduler.lr_lambdas[0])
         self.reward = build_local_reward(cfg)
         self.batches = prompt_batches(load_prompts(cfg), cfg.reinforce.rollout_batch_size, cfg.seed)
 
@@ -116,10 +124,11 @@ def trl_args(cfg, output_dir: str, iterations: int):
     )
 
 
-def run_round(cfg, iterations: int) -> tuple[list[dict], list[dict], dict]:
-    """TRL's RLOOTrainer for `iterations` + 1 generation batches; after each of TRL's iterations, one of ours.
+def run_round(cfg, iterations: int, sides: dict | None = None) -> tuple[list[dict], dict[str, list[dict]], dict]:
+    """TRL's RLOOTrainer for `iterations` + 1 generation batches; after each of TRL's iterations, one iteration of
+    each of our sides (default: {"ours": OurRLOO(cfg)}).
 
-    Returns (trl records, our records, facts); the first iteration of each side is a warm-up and is dropped.
+    Returns (TRL records, {side: records}, facts); the first iteration of every side is a warm-up and is dropped.
     """
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
@@ -131,10 +140,10 @@ def run_round(cfg, iterations: int) -> tuple[list[dict], list[dict], dict]:
 
     gold = load_reward_function(GOLD)
     steps = optimizer_steps_per_iteration(cfg)
-    ours = OurRLOO(cfg)
+    sides = sides or {"ours": OurRLOO(cfg)}
     tokens: list[int] = []
     trl_seconds: list[float] = []
-    our_records: list[dict] = []
+    our_records: dict[str, list[dict]] = {name: [] for name in sides}
     phase_log: list[tuple[int, str, float]] = []  # (TRL iteration, phase, seconds)
 
     def gold_reward(prompts, completions, completion_ids, **kwargs):
@@ -155,7 +164,8 @@ def run_round(cfg, iterations: int) -> tuple[list[dict], list[dict], dict]:
         def on_step_end(self, args, state, control, **kwargs):
             if state.global_step % steps == 0:
                 trl_seconds.append(time.perf_counter() - self.start)
-                our_records.append(ours.iteration())
+                for name, side in sides.items():
+                    our_records[name].append(side.iteration())
                 self.start = time.perf_counter()
 
     class TimedRLOOTrainer(RLOOTrainer):
@@ -199,7 +209,7 @@ def run_round(cfg, iterations: int) -> tuple[list[dict], list[dict], dict]:
         phases = {"generate": phase["generate"], "logprobs+reference+reward": phase["rollout"] - phase["generate"],
                   "train+other": trl_seconds[it] - phase["rollout"]}
         trl_records.append({"seconds": trl_seconds[it], "tokens": tokens[it], "phases": phases})
-    return trl_records, our_records[1:], facts
+    return trl_records, {name: records[1:] for name, records in our_records.items()}, facts
 
 
 # ---------------------------------------------------------------------------------------------------------------- main
@@ -246,7 +256,8 @@ def main(argv=None) -> dict:
     trl_facts = {}
     for r in range(rounds):
         gc.collect()
-        trl_records, our_records, trl_facts = run_round(cfg, iterations)
+        trl_records, by_side, trl_facts = run_round(cfg, iterations)
+        our_records = by_side["ours"]
         ours += our_records
         trl += trl_records
         per_round.append({"ours_s": statistics.median(x["seconds"] for x in our_records),
@@ -256,7 +267,7 @@ def main(argv=None) -> dict:
             f"TRL {per_round[-1]['trl_s']:.3f} s/it, ratio {per_round[-1]['time_ratio']:.2f}")
     profiled = OurRLOO(cfg)
     profiled.iteration()
-    ops = top_ops(profiled.iteration, repeat=3 if quick else 10)
+    ops = top_ops(profiled.iteration, repeat=3)
     time_ratio = stats([o["seconds"] / t["seconds"] for o, t in zip(ours, trl)])
     tps_ratio = stats([(o["tokens"] / o["seconds"]) / (t["tokens"] / t["seconds"]) for o, t in zip(ours, trl)])
     result = {

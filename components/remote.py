@@ -12,6 +12,7 @@ import os
 import socket
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 from prefect import get_run_logger, task
@@ -25,6 +26,7 @@ from components.services import Service
 from models.config import RLHFConfig
 
 ADVERTISE_ENV = "RLHF_ADVERTISE_HOST"
+CRITIC_STORE_KEY = "critic-server"  # the server's --checkpoint-key default
 
 
 def _port(host: str, preferred: int) -> int:
@@ -82,9 +84,9 @@ def _local(kind: str, cfg: RLHFConfig, session: RunSession) -> Iterator[Service]
         client = critic_backend(cfg, proc.url) if kind == "critic" else reward_backend(cfg, proc.url)
         yield Service(f"{kind} server", client, _death(kind, proc))
     finally:
+        code = proc.stop()  # first: a cancelled flow must not wait on an in-flight request before stopping the server
         if client is not None:
             client.close()
-        code = proc.stop()
         get_run_logger().info(f"{kind} server stopped (pid {proc.pid}, exit code {code})")
 
 
@@ -100,6 +102,7 @@ def start_deployment(kind: str, cfg: RLHFConfig, session: RunSession):
     parameters = {"config": cfg.model_dump(mode="json")}
     if kind == "critic":
         parameters["checkpoint_dir"] = str(session.critic_dir)
+        parameters["checkpoint_uri"] = session.store.uri
     run = run_deployment(f"{kind}-server/default", parameters=parameters, timeout=0, as_subflow=False)
     get_run_logger().info(f"{kind} server: started deployment {kind}-server/default as flow run {run.id}")
     return run.id
@@ -157,9 +160,9 @@ def _deployment(kind: str, cfg: RLHFConfig, session: RunSession) -> Iterator[Ser
         client = critic_backend(cfg, url) if kind == "critic" else reward_backend(cfg, url)
         yield Service(f"{kind} server", client, _flow_run_death(kind, flow_run_id))
     finally:
+        cancel_flow_run(flow_run_id)
         if client is not None:
             client.close()
-        cancel_flow_run(flow_run_id)
         get_run_logger().info(f"{kind} server: cancelled flow run {flow_run_id}")
 
 
@@ -176,8 +179,12 @@ def remote_reward(cfg: RLHFConfig, session: RunSession) -> Iterator[Service]:
 
 
 # ------------------------------------------------------------------------------------------------ the server flow side
-def host_server(kind: str, cfg: RLHFConfig, checkpoint_dir: str | None) -> int:
-    """Body of critic-server/default and reward-server/default: serve until cancelled, publish the address."""
+def host_server(kind: str, cfg: RLHFConfig, checkpoint_dir: str | None, checkpoint_uri: str | None = None) -> int:
+    """Body of critic-server/default and reward-server/default: serve until cancelled, publish the address.
+
+    With `checkpoint_uri` (the run's store), the critic restores `critic-server/` from the store when its local
+    directory holds no checkpoint (a fresh node), and uploads every critic_save there.
+    """
     from prefect.runtime import flow_run
     from prefect.variables import Variable
 
@@ -189,8 +196,11 @@ def host_server(kind: str, cfg: RLHFConfig, checkpoint_dir: str | None) -> int:
     log_dir = cfg.resolved_state_dir() / "servers"
     log_path = log_dir / f"{kind}-{flow_run.get_id()}.log"
     threads = _threads(section)
-    proc = (launch_critic(cfg, log_path, checkpoint_dir=checkpoint_dir, port=port, wait=False, torch_threads=threads)
-            if kind == "critic" else launch_reward(cfg, log_path, port=port, wait=False, torch_threads=threads))
+    if kind == "critic" and checkpoint_uri and checkpoint_dir:
+        _restore_critic(checkpoint_uri, cfg.checkpoint.s3_endpoint_url, Path(checkpoint_dir))
+    proc = (launch_critic(cfg, log_path, checkpoint_dir=checkpoint_dir, port=port, wait=False, torch_threads=threads,
+                          checkpoint_uri=checkpoint_uri) if kind == "critic"
+            else launch_reward(cfg, log_path, port=port, wait=False, torch_threads=threads))
     name = address_variable(flow_run.get_id())
     try:
         proc.wait_until_ready(section.ready_timeout_s)
@@ -209,3 +219,16 @@ def host_server(kind: str, cfg: RLHFConfig, checkpoint_dir: str | None) -> int:
         except Exception:  # noqa: BLE001 - best effort: the API may be going away with us
             pass
         logger.info(f"{kind} server stopped")
+
+
+def _restore_critic(store_uri: str, endpoint: str | None, directory: Path) -> None:
+    from components.checkpoints import CheckpointStore
+
+    if (directory / "critic_state.pt").exists():
+        return
+    store = CheckpointStore.from_uri(store_uri, s3_endpoint_url=endpoint)
+    try:
+        store.get_dir(CRITIC_STORE_KEY, directory)
+        get_run_logger().info(f"critic restored from {store_uri}/{CRITIC_STORE_KEY}")
+    except Exception as exc:  # noqa: BLE001 - nothing stored yet: a new run
+        get_run_logger().info(f"no critic checkpoint in {store_uri}/{CRITIC_STORE_KEY} ({exc}); starting fresh")

@@ -68,10 +68,10 @@ class RunSession:
         store = CheckpointStore.from_uri(checkpoint_uri(cfg, name), s3_endpoint_url=cfg.checkpoint.s3_endpoint_url)
         manifest, resumed_from = {}, store.latest()
         restore_dir = local_dir / "restore"
+        shutil.rmtree(local_dir / "critic", ignore_errors=True)  # never resume a critic newer/older than the actor
         if resumed_from is not None:
             shutil.rmtree(restore_dir, ignore_errors=True)
             manifest = from_jsonable(store.load(restore_dir, resumed_from))
-            shutil.rmtree(local_dir / "critic", ignore_errors=True)
             if (restore_dir / "critic").exists():
                 shutil.copytree(restore_dir / "critic", local_dir / "critic")
         tracker = Tracker(default_tracking_uri(cfg), cfg.tracking.experiment, name, run_id=manifest.get("tracking_run_id"),
@@ -103,8 +103,9 @@ class RunSession:
         state.policy.save(actor_dir)
         torch.save(state.state_dict(), actor_dir / "actor_state.pt")
         parts = {"actor": actor_dir}
-        if critic_info and Path(critic_info.get("path", "")).is_dir():
-            parts["critic"] = Path(critic_info["path"])
+        if critic_info and self.cfg.critic.launch != "deployment":
+            parts["critic"] = Path(critic_info["path"])  # local child or in process: the directory is on this machine
+        # launch=deployment: the critic server (maybe on another node) uploads its own save to <store>/critic-server
         manifest = {"iteration": state.iteration, "episode": state.episode, "run_name": self.name,
                     "tracking_run_id": self.tracker.run_id, "critic_step": (critic_info or {}).get("step"),
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},

@@ -7,14 +7,14 @@ from prefect.runtime import deployment, flow_run
 
 from components.services import critic_service, reward_service
 from components.tasks import load_actor, log_metrics, open_run, ppo_iteration, save_checkpoint
-from models.config import RLHFConfig
+from models.config import RLHFConfig, with_schedule_lengths
 from models.loop import load_prompts, prompt_batches
 
 
 @flow(name="ppo", log_prints=True)
 def ppo(config: RLHFConfig = RLHFConfig(algorithm="ppo")) -> dict:
     """Train the actor with PPO against a critic server (values, and rewards when the reward model is combined)."""
-    cfg = config.model_copy(update={"algorithm": "ppo"})
+    cfg = with_schedule_lengths(config.model_copy(update={"algorithm": "ppo"}))
     session = open_run(cfg, run_tags())
     status = "FAILED"
     try:

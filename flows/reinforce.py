@@ -7,14 +7,14 @@ from prefect import flow, get_run_logger
 from components.services import reward_service
 from components.tasks import load_actor, log_metrics, open_run, rloo_iteration, save_checkpoint
 from flows.ppo import run_tags
-from models.config import RLHFConfig
+from models.config import RLHFConfig, with_schedule_lengths
 from models.loop import load_prompts, prompt_batches
 
 
 @flow(name="reinforce", log_prints=True)
 def reinforce(config: RLHFConfig = RLHFConfig(algorithm="rloo")) -> dict:
     """Train the actor with RLOO: k rollouts per prompt scored by the reward server, leave-one-out baseline."""
-    cfg = config.model_copy(update={"algorithm": "rloo"})
+    cfg = with_schedule_lengths(config.model_copy(update={"algorithm": "rloo"}))
     session = open_run(cfg, run_tags())
     status = "FAILED"
     try:

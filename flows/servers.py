@@ -14,11 +14,13 @@ from models.config import RLHFConfig
 
 
 @flow(name="critic-server", log_prints=True)
-def critic_server(config: RLHFConfig = RLHFConfig(), checkpoint_dir: Optional[str] = None) -> int:
-    """Serve critic_infer / critic_train / critic_save for one training run until cancelled."""
+def critic_server(config: RLHFConfig = RLHFConfig(), checkpoint_dir: Optional[str] = None,
+                  checkpoint_uri: Optional[str] = None) -> int:
+    """Serve critic_infer / critic_train / critic_save for one training run until cancelled (saves also go to the
+    run's checkpoint store at `checkpoint_uri`/critic-server, where a fresh node restores from)."""
     from components.remote import host_server
 
-    return host_server("critic", config, checkpoint_dir)
+    return host_server("critic", config, checkpoint_dir, checkpoint_uri)
 
 
 @flow(name="reward-server", log_prints=True)

@@ -87,8 +87,11 @@ def rollout_logprobs(policy: Policy, rollout: Rollout, cfg: RLHFConfig, timers: 
         tokens, lengths = rollout.tokens[mb], rollout.lengths[mb]
         with timers("logprobs"):
             if recompute:
+                was_training = policy.model.training
+                policy.model.eval()  # behaviour logprobs without (LoRA) dropout noise
                 with torch.no_grad():
                     old.append(policy.logprobs(tokens, lengths, temperature)[0].cpu())
+                policy.model.train(was_training)
             else:
                 old.append(rollout.sample_logprobs[mb])
         with timers("reference"):
@@ -106,12 +109,15 @@ LossFn = Callable[[Tensor, Tensor | None, Tensor], tuple[Tensor, dict]]
 
 
 def actor_update(state: ActorState, rollout: Rollout, loss_fn: LossFn, minibatch_size: int, epochs: int,
-                 micro_batch_size: int, grad_clip: float, temperature: float, want_entropy: bool) -> dict[str, float]:
+                 micro_batch_size: int, grad_clip: float, temperature: float, entropy_grad: bool = False) -> dict[str, float]:
     """Epochs x shuffled minibatches; each minibatch is one optimizer step over gradient-accumulated micro-batches.
 
-    `loss_fn(new_logp, entropy, index)` returns the minibatch-mean loss of the rows `index` and detached stats.
+    `loss_fn(new_logp, entropy, index)` returns the token-mean loss of the rows `index` and detached stats; each
+    micro-batch is weighted by its share of the minibatch's response tokens, so the step does not depend on how the
+    minibatch is split. The entropy carries a graph only when `entropy_grad` (an entropy bonus is in the loss).
     """
     policy, B = state.policy, len(rollout)
+    mask = rollout.response_mask
     policy.model.train()
     sums: dict[str, float] = {}
     counts = 0
@@ -119,15 +125,17 @@ def actor_update(state: ActorState, rollout: Rollout, loss_fn: LossFn, minibatch
         order = torch.randperm(B, generator=state.generator)
         for start in range(0, B, minibatch_size):
             rows = order[start:start + minibatch_size]
+            total_tokens = mask[rows].sum().clamp(min=1)
             state.optimizer.zero_grad(set_to_none=True)
             for mb in micro_batches(len(rows), micro_batch_size):
                 idx = rows[mb]
-                logp, entropy = policy.logprobs(rollout.tokens[idx], rollout.lengths[idx], temperature, with_entropy=want_entropy)
-                loss, stats = loss_fn(logp.cpu() if logp.device.type != "cpu" else logp,
-                                      None if entropy is None else entropy.cpu(), idx)
-                (loss * len(idx) / len(rows)).backward()
+                logp, entropy = policy.logprobs(rollout.tokens[idx], rollout.lengths[idx], temperature, with_entropy=True,
+                                                entropy_grad=entropy_grad)
+                loss, stats = loss_fn(logp.cpu(), entropy.cpu(), idx)
+                share = float(mask[idx].sum() / total_tokens)
+                (loss * share).backward()
                 for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * len(idx) / len(rows)
+                    sums[k] = sums.get(k, 0.0) + float(v) * share
             grad_norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), grad_clip)
             state.optimizer.step()
             state.scheduler.step()

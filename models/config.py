@@ -93,6 +93,7 @@ class ReinforceConfig(_Section):
     epochs: PositiveInt = Field(2, description="Passes over each rollout batch.")
     advantage_estimator: Literal["rloo", "grpo", "reinforce++"] = Field("rloo", description="Baseline/normalisation of sequence rewards.")
     whiten_advantages: bool = Field(False, description="Additionally normalise advantages over the batch.")
+    clip_eps: Optional[float] = Field(0.2, gt=0, description="Clip the ratio to the behaviour policy on reused samples (PPO-style, as TRL's RLOO); the first step is plain -logp*A. None: REINFORCE on every step.")
     missing_eos_penalty: Optional[float] = Field(None, description="Subtract this from the score of responses that hit max_new_tokens without EOS.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Actor optimiser.")
 
@@ -112,6 +113,7 @@ class CriticConfig(_Section):
     max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic-batching queue delay of critic_infer.")
     loss_clip_val: float = Field(0.2, gt=0, description="Clip range of the value loss.")
     train_batch_size: PositiveInt = Field(32, description="Sequences per critic optimizer step (global batch).")
+    micro_batch_size: PositiveInt = Field(32, description="Sequences per critic forward pass (inference chunks and gradient accumulation).")
     epochs: PositiveInt = Field(2, description="Critic epochs per critic_train call.")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3), description="Critic optimiser (1e-3 suits the tiny critic; ~1e-5 for a 1B critic).")
     torch_threads: Optional[PositiveInt] = Field(None, description="torch intra-op threads of the server process; None = 1 on a CPU-only host (it usually shares the cores with the actor; 2+2 threads on 2 cores ran ~4x slower), torch's default with CUDA.")
@@ -185,6 +187,24 @@ class RLHFConfig(_Section):
         """A relative path that exists under <state_dir>/models wins; otherwise the value is returned as given."""
         candidate = self.resolved_state_dir() / "models" / value
         return str(candidate) if not Path(value).is_absolute() and candidate.exists() else value
+
+
+def with_schedule_lengths(cfg: RLHFConfig) -> RLHFConfig:
+    """Fill `total_steps` of every LR schedule left at None with the optimizer steps the run will take."""
+    import math
+
+    rollouts = cfg.ppo.rollout_batch_size if cfg.algorithm == "ppo" else (
+        cfg.reinforce.rollout_batch_size * cfg.reinforce.num_rollouts_per_prompt)
+    actor = cfg.ppo if cfg.algorithm == "ppo" else cfg.reinforce
+    steps = {
+        f"{'ppo' if cfg.algorithm == 'ppo' else 'reinforce'}.optim.total_steps":
+            cfg.iterations * actor.epochs * math.ceil(rollouts / actor.minibatch_size),
+        "critic.optim.total_steps": cfg.iterations * cfg.critic.epochs * math.ceil(rollouts / cfg.critic.train_batch_size),
+    }
+    current = {"ppo.optim.total_steps": cfg.ppo.optim.total_steps, "reinforce.optim.total_steps": cfg.reinforce.optim.total_steps,
+               "critic.optim.total_steps": cfg.critic.optim.total_steps}
+    updates = {k: v for k, v in steps.items() if current[k] is None}
+    return merge(cfg, updates) if updates else cfg
 
 
 def preset(name: str = "tiny", **overrides) -> RLHFConfig:

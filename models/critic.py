@@ -24,7 +24,7 @@ from transformers import AutoModelForSequenceClassification, AutoModelForTokenCl
 
 from models.advantages import last_token_index
 from models.config import CriticConfig
-from models.loading import DTYPES, disable_dropout, from_pretrained, make_optimizer
+from models.loading import DTYPES, autocast, disable_dropout, from_pretrained, make_optimizer
 from models.losses import explained_variance, value_loss
 from models.reward import _head, load_reward_model, reward_model_scores
 
@@ -34,7 +34,10 @@ class CriticInputError(ValueError):
 
 
 def init_critic(critic_path: str | None, reward_path: str | None, dtype: str = "float32", field: str = "model.critic"):
-    """Load a saved critic, or build one from a reward model (backbone + reward head copied into the value head)."""
+    """Load a saved critic, or build one from a reward model (backbone + reward head copied into the value head).
+
+    `dtype` is the dtype of the weights as loaded; the trainer keeps trainable weights in float32 (see CriticTrainer).
+    """
     if critic_path:
         model = from_pretrained(AutoModelForTokenClassification, critic_path, field, dtype=DTYPES[dtype], num_labels=1)
     elif reward_path:
@@ -111,7 +114,8 @@ class CriticTrainer:
         self.step = 0
         resume = self.checkpoint_dir is not None and (self.checkpoint_dir / "critic_state.pt").exists()
         source = str(self.checkpoint_dir / "model") if resume else critic_path
-        self.model = init_critic(source, reward_path, dtype).to(self.device)
+        self.dtype = dtype  # compute dtype (autocast); the trainable weights and AdamW states stay float32
+        self.model = init_critic(source, reward_path, "float32").to(self.device)
         self.model.train()
         self.reward_model = load_reward_model(reward_path, dtype, self.device) if combine_reward else None
         self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg.optim)
@@ -130,11 +134,26 @@ class CriticTrainer:
         """values [B, L] and, when a reward model is resident, rewards [B]."""
         with self.lock:
             tokens, lengths = tokens.to(self.device), lengths.to(self.device)
-            self.model.eval()
-            values = token_values(self.model, tokens, lengths)
-            self.model.train()
-            rewards = reward_model_scores(self.reward_model, tokens, lengths) if self.reward_model is not None else None
+            values = self._values_no_grad(tokens, lengths)
+            rewards = None
+            if self.reward_model is not None:
+                with autocast(self.device, self.dtype):
+                    rewards = torch.cat([reward_model_scores(self.reward_model, tokens[mb], lengths[mb])
+                                         for mb in self._chunks(len(tokens))])
         return values.cpu(), None if rewards is None else rewards.cpu()
+
+    def _chunks(self, n: int) -> list[slice]:
+        size = self.cfg.micro_batch_size
+        return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+    @torch.no_grad()
+    def _values_no_grad(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+        """Values in micro-batches (a 1B critic does not take a whole rollout batch in one forward)."""
+        self.model.eval()
+        with autocast(self.device, self.dtype):
+            values = torch.cat([token_values(self.model, tokens[mb], lengths[mb]) for mb in self._chunks(len(tokens))])
+        self.model.train()
+        return values
 
     def train(self, tokens: Tensor, returns: Tensor, prev_values: Tensor, mask: Tensor) -> dict[str, float]:
         """Epochs over global batches of `train_batch_size`: clipped value loss, grad clipping, optimizer + schedule."""
@@ -148,22 +167,26 @@ class CriticTrainer:
             for _ in range(self.cfg.epochs):
                 order = torch.randperm(B, generator=generator)
                 for start in range(0, B, self.cfg.train_batch_size):
-                    idx = order[start:start + self.cfg.train_batch_size].to(self.device)
-                    tok, ret, old, m, ln = (t[idx] for t in data)
-                    values = token_values(self.model, tok, ln)
-                    loss, stats = value_loss(values, old, ret, m, self.cfg.loss_clip_val)
+                    rows = order[start:start + self.cfg.train_batch_size].to(self.device)
+                    total_tokens = data[3][rows].sum().clamp(min=1)
                     self.optimizer.zero_grad(set_to_none=True)
-                    loss.backward()
+                    loss_sum, clipped = 0.0, 0.0
+                    for mb in self._chunks(len(rows)):  # gradient accumulation, each token weighted equally
+                        tok, ret, old, m, ln = (t[rows[mb]] for t in data)
+                        with autocast(self.device, self.dtype):
+                            values = token_values(self.model, tok, ln)
+                        loss, stats = value_loss(values, old, ret, m, self.cfg.loss_clip_val)
+                        share = m.sum() / total_tokens
+                        (loss * share).backward()
+                        loss_sum += float(loss.detach() * share)
+                        clipped += float(stats["clipfrac"] * share)
                     grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)))
                     self.optimizer.step()
                     self.scheduler.step()
                     self.step += 1
-                    losses.append(float(loss.detach()))
-                    clipfracs.append(float(stats["clipfrac"]))
-            with torch.no_grad():
-                self.model.eval()
-                ev = float(explained_variance(token_values(self.model, data[0], data[4]), data[1], data[3]))
-                self.model.train()
+                    losses.append(loss_sum)
+                    clipfracs.append(clipped)
+            ev = float(explained_variance(self._values_no_grad(data[0], data[4]), data[1], data[3]))
         return {"loss_mean": float(np.mean(losses)), "grad_norm": float(np.mean(grad_norms)),
                 "clipfrac": float(np.mean(clipfracs)), "explained_variance": ev, "step": self.step,
                 "lr": self.scheduler.get_last_lr()[0]}

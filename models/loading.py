@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from pathlib import Path
@@ -10,6 +11,14 @@ import torch
 from torch import nn
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def autocast(device: torch.device, dtype: str):
+    """Compute in `dtype` while trainable weights and optimizer states stay float32 (AdamW in bf16 loses updates
+    below the weight's precision; in fp16 its eps underflows)."""
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
 
 
 def resolve_device(device: str = "auto") -> torch.device:

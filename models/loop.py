@@ -15,7 +15,7 @@ import torch
 
 from models.actor import ActorState
 from models.backends import FunctionReward, LocalCritic, LocalRewardModel
-from models.config import RLHFConfig
+from models.config import RLHFConfig, with_schedule_lengths
 from models.critic import CriticTrainer
 from models.loading import resolve_device
 from models.policy import Policy
@@ -99,6 +99,7 @@ def step_fn(cfg: RLHFConfig, critic=None, reward=None) -> Callable[[ActorState, 
 
 def train_in_process(cfg: RLHFConfig, on_iteration: Callable[[int, dict], None] | None = None) -> list[dict]:
     """The whole run in this process: in-process critic/reward backends, no checkpoints. Returns metrics per iteration."""
+    cfg = with_schedule_lengths(cfg)
     state = build_actor(cfg)
     critic = reward = None
     if cfg.algorithm == "ppo":

@@ -15,7 +15,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models.config import GenerationConfig, LoraConfig
-from models.loading import DTYPES, disable_dropout, freeze, from_pretrained
+from models.loading import DTYPES, autocast, disable_dropout, freeze, from_pretrained
 
 
 @dataclass
@@ -45,12 +45,16 @@ class Rollout:
 class Policy:
     """Actor model + tokenizer + reference policy, with the few operations RLHF needs."""
 
-    def __init__(self, model, tokenizer, lora: bool, reference=None):
-        self.model, self.tokenizer, self.lora = model, tokenizer, lora
+    def __init__(self, model, tokenizer, lora: bool, reference=None, dtype: str = "float32"):
+        self.model, self.tokenizer, self.lora, self.dtype = model, tokenizer, lora, dtype
         self.reference = reference  # CPU copy for full fine-tuning; None for LoRA (adapters disabled instead)
         self.device = next(model.parameters()).device
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
+        # every end-of-turn id the model declares (e.g. Llama-3's <|eot_id|>) stops a response, not only eos_token
+        declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        declared = declared if isinstance(declared, (list, tuple)) else [declared]
+        self.stop_ids = torch.tensor(sorted({self.eos_id, *[i for i in declared if i is not None]}))
 
     @classmethod
     def load(cls, path: str, lora: LoraConfig | None = None, dtype: str = "float32", device: str | torch.device = "cpu",
@@ -60,22 +64,23 @@ class Policy:
             raise ValueError(f"{field}: tokenizer of '{path}' has no eos_token")
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        model = disable_dropout(from_pretrained(AutoModelForCausalLM, path, field, dtype=DTYPES[dtype])).to(device)
+        # trainable weights stay float32; `dtype` is the compute dtype (autocast) and the frozen reference's dtype
+        model = disable_dropout(from_pretrained(AutoModelForCausalLM, path, field, dtype=torch.float32)).to(device)
         if lora is not None and lora.enabled:
             from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
             model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                          target_modules=lora.target_modules, task_type="CAUSAL_LM"))
-            return cls(model, tokenizer, lora=True)
-        reference = freeze(copy.deepcopy(model).to("cpu"))
-        return cls(model, tokenizer, lora=False, reference=reference)
+            return cls(model, tokenizer, lora=True, dtype=dtype)
+        reference = freeze(copy.deepcopy(model).to("cpu", DTYPES[dtype]))
+        return cls(model, tokenizer, lora=False, reference=reference, dtype=dtype)
 
     # ----------------------------------------------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str], chat_template: bool = False) -> list[list[int]]:
         if chat_template:
-            return [self.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True)
-                    for p in prompts]
-        return [self.tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts]
+            return [list(self.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                                            tokenize=True, return_dict=False)) for p in prompts]
+        return [self.tokenizer(p)["input_ids"] for p in prompts]  # special tokens as the model expects (e.g. BOS)
 
     def decode_responses(self, rollout: Rollout) -> list[str]:
         out = []
@@ -102,8 +107,9 @@ class Policy:
         new_tokens, new_logps = [], []
         past, step_input, position = None, input_ids, (attention.cumsum(1) - 1).clamp(min=0)
         for _ in range(gen.max_new_tokens):
-            out = model(input_ids=step_input, attention_mask=attention, position_ids=position, past_key_values=past,
-                        use_cache=True)
+            with autocast(self.device, self.dtype):
+                out = model(input_ids=step_input, attention_mask=attention, position_ids=position,
+                            past_key_values=past, use_cache=True)
             past = out.past_key_values
             logits = out.logits[:, -1, :].float() / gen.temperature
             logps = torch.log_softmax(logits, dim=-1)
@@ -112,7 +118,7 @@ class Policy:
             next_token = torch.where(finished, torch.full_like(next_token, self.pad_id), next_token)
             new_tokens.append(next_token)
             new_logps.append(torch.where(finished, torch.zeros_like(token_logp), token_logp))
-            finished |= next_token == self.eos_id
+            finished |= torch.isin(next_token, self.stop_ids.to(next_token.device))
             if finished.all():
                 break
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)  # finished rows: ignored
@@ -120,24 +126,27 @@ class Policy:
             position = position[:, -1:] + 1
         model.train(was_training)
         return _right_pad(prompt_ids, torch.stack(new_tokens, 1).cpu(), torch.stack(new_logps, 1).cpu(),
-                          self.eos_id, self.pad_id)
+                          self.stop_ids, self.pad_id)
 
     # ----------------------------------------------------------------------------------------------------------------
     def logprobs(self, tokens: Tensor, lengths: Tensor, temperature: float = 1.0, with_entropy: bool = False,
-                 reference: bool = False) -> tuple[Tensor, Tensor | None]:
+                 reference: bool = False, entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
         """Per-token logprobs [B, L-1] of tokens[:, 1:] (and entropies) under the actor or the frozen reference.
 
-        Gradients flow for the actor unless called under torch.no_grad(); the reference never has gradients.
+        Gradients flow for the actor unless called under torch.no_grad(); the reference never has gradients. The
+        entropy is computed without a graph (it holds a [B, L, V] tensor) unless `entropy_grad` asks for one.
         """
         if reference:
             with torch.no_grad():
                 if self.lora:
-                    with self.model.disable_adapter():
+                    with self.model.disable_adapter(), autocast(self.device, self.dtype):
                         return _token_logprobs(self.model, tokens.to(self.device), lengths.to(self.device), temperature, with_entropy)
                 ref_device = next(self.reference.parameters()).device
-                logp, ent = _token_logprobs(self.reference, tokens.to(ref_device), lengths.to(ref_device), temperature, with_entropy)
-                return logp, ent
-        return _token_logprobs(self.model, tokens.to(self.device), lengths.to(self.device), temperature, with_entropy)
+                with autocast(ref_device, self.dtype):
+                    return _token_logprobs(self.reference, tokens.to(ref_device), lengths.to(ref_device), temperature, with_entropy)
+        with autocast(self.device, self.dtype):
+            return _token_logprobs(self.model, tokens.to(self.device), lengths.to(self.device), temperature, with_entropy,
+                                   entropy_grad)
 
     def trainable_parameters(self):
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -148,7 +157,8 @@ class Policy:
         self.tokenizer.save_pretrained(directory)
 
 
-def _token_logprobs(model, tokens: Tensor, lengths: Tensor, temperature: float, with_entropy: bool):
+def _token_logprobs(model, tokens: Tensor, lengths: Tensor, temperature: float, with_entropy: bool,
+                    entropy_grad: bool = False):
     positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
     attention_mask = (positions < lengths.unsqueeze(1)).long()
     logits = model(input_ids=tokens, attention_mask=attention_mask).logits[:, :-1].float() / temperature
@@ -156,8 +166,9 @@ def _token_logprobs(model, tokens: Tensor, lengths: Tensor, temperature: float, 
     logp = logits.gather(2, tokens[:, 1:].unsqueeze(2)).squeeze(2) - log_norm
     entropy = None
     if with_entropy:
-        probs = torch.softmax(logits, dim=-1)
-        entropy = log_norm - (probs * logits).sum(-1)
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            source = logits if entropy_grad else logits.detach()
+            entropy = torch.logsumexp(source, dim=-1) - (torch.softmax(source, dim=-1) * source).sum(-1)
     return logp, entropy
 
 
@@ -178,10 +189,10 @@ def sample(logits: Tensor, top_k: int = 0, top_p: float = 1.0, generator: torch.
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
-def _right_pad(prompt_ids: list[list[int]], new_tokens: Tensor, new_logps: Tensor, eos_id: int, pad_id: int) -> Rollout:
-    """Assemble right-padded [prompt, response, pad] rows; the response ends at (and includes) the first EOS."""
+def _right_pad(prompt_ids: list[list[int]], new_tokens: Tensor, new_logps: Tensor, stop_ids: Tensor, pad_id: int) -> Rollout:
+    """Assemble right-padded [prompt, response, pad] rows; the response ends at (and includes) the first stop token."""
     B, N = new_tokens.shape
-    is_eos = new_tokens == eos_id
+    is_eos = torch.isin(new_tokens, stop_ids)
     is_end = is_eos.any(1)
     first_eos = torch.where(is_end, is_eos.float().argmax(1), torch.full((B,), N - 1))
     response_lengths = first_eos + 1

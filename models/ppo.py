@@ -63,14 +63,13 @@ def ppo_step(state: ActorState, prompts: list[str], critic: CriticBackend, rewar
             if ppo.entropy_coef > 0:
                 loss = loss + entropy_bonus(entropy, m, ppo.entropy_coef)
             stats["loss"] = loss.detach()
-            if entropy is not None:
-                stats["entropy"] = masked_mean(entropy.detach(), m)
+            stats["entropy"] = masked_mean(entropy.detach(), m)
             return loss, stats
 
         with timers("train"):
             train_stats = actor_update(state, rollout, loss_fn, ppo.minibatch_size, ppo.epochs,
                                        cfg.generation.micro_batch_size, ppo.optim.grad_clip, cfg.generation.temperature,
-                                       want_entropy=True)
+                                       entropy_grad=ppo.entropy_coef > 0)
         with timers("critic_train_wait"):
             critic_stats = critic_future.result()
 

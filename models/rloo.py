@@ -12,7 +12,7 @@ from models.actor import ActorState, Timers, actor_update, common_metrics, rollo
 from models.advantages import grpo_advantages, masked_mean, reinforce_plus_plus_advantages, rloo_baseline
 from models.backends import RewardBackend
 from models.config import RLHFConfig
-from models.losses import reinforce_loss
+from models.losses import ppo_policy_loss, reinforce_loss
 from models.ppo import sample_rows
 from models.reward import RewardFn
 
@@ -59,27 +59,31 @@ def rloo_step(state: ActorState, prompts: list[str], reward: RewardBackend, cfg:
         if rf.whiten_advantages and len(advantages) > 1:
             advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
 
-        # 4. actor update: REINFORCE loss -logp * (r_kl - b)
+        # 4. actor update: REINFORCE loss -logp * (r_kl - b). The first optimizer step is on-policy (ratio = 1, the
+        #    gradient is exactly that of -logp * A); later minibatches/epochs reuse the samples, so the ratio to the
+        #    behaviour policy is kept and clipped, as TRL's RLOO does (clip_eps=None: plain REINFORCE throughout).
         def loss_fn(logp, entropy, idx):
-            m = mask[idx]
-            loss = reinforce_loss(logp, advantages[idx], m)
-            log_ratio = (logp.detach() - old_logp[idx])
-            stats = {"loss": loss.detach(), "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, m),
-                     "ratio": masked_mean(log_ratio.exp(), m)}
-            if entropy is not None:
-                stats["entropy"] = masked_mean(entropy.detach(), m)
+            m, adv = mask[idx], advantages[idx].unsqueeze(1).expand_as(logp)
+            if rf.clip_eps is None:
+                loss = reinforce_loss(logp, advantages[idx], m)
+                log_ratio = logp.detach() - old_logp[idx]
+                stats = {"approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, m), "ratio": masked_mean(log_ratio.exp(), m),
+                         "clipfrac": torch.zeros(())}
+            else:
+                loss, stats = ppo_policy_loss(logp, old_logp[idx], adv, m, rf.clip_eps)
+            stats.update(loss=loss.detach(), entropy=masked_mean(entropy.detach(), m))
             return loss, stats
 
         with timers("train"):
             train_stats = actor_update(state, rollout, loss_fn, rf.minibatch_size, rf.epochs,
-                                       cfg.generation.micro_batch_size, rf.optim.grad_clip, cfg.generation.temperature,
-                                       want_entropy=True)
+                                       cfg.generation.micro_batch_size, rf.optim.grad_clip, cfg.generation.temperature)
 
     state.iteration += 1
     state.episode += len(expanded)
     metrics = common_metrics(state, rollout, scores, gold, kl_seq, non_score, old_logp, timers)
     metrics.update({
         "policy/approxkl_avg": train_stats["approx_kl"],
+        "policy/clipfrac_avg": train_stats["clipfrac"],
         "policy/entropy_avg": train_stats["entropy"],
         "policy/grad_norm": train_stats["grad_norm"],
         "loss/policy_avg": train_stats["loss"],

@@ -102,3 +102,23 @@ def test_missing_model_path_fails_before_training(tiny_models, tmp_path):
     cfg = tiny_cfg(tiny_models, tmp_path, **{"model.policy": str(tmp_path / "nope")})
     with pytest.raises(FileNotFoundError, match="model.policy"):
         build_actor(cfg)
+
+
+def test_bfloat16_compute_keeps_float32_master_weights(tiny_models, tmp_path):
+    """dtype=bfloat16 is the compute dtype (autocast): trainable weights and AdamW states stay float32."""
+    cfg = tiny_cfg(tiny_models, tmp_path, algorithm="rloo", iterations=2, **{"model.dtype": "bfloat16"})
+    state = build_actor(cfg)
+    assert all(p.dtype == torch.float32 for p in state.policy.model.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in state.policy.reference.parameters())
+    history = train_in_process(cfg)
+    assert all(torch.isfinite(torch.tensor(m["loss/policy_avg"])) for m in history)
+    assert history[1]["objective/kl"] != 0.0  # the float32 weights moved
+
+
+def test_chat_template_prompts(tiny_models):
+    from models.policy import Policy
+
+    policy = Policy.load(tiny_models["policy"])
+    policy.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    ids = policy.encode_prompts(["review the cat :"], chat_template=True)
+    assert ids == policy.encode_prompts(["review the cat :"]) and all(isinstance(i, int) for i in ids[0])

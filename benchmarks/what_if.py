@@ -1,0 +1,100 @@
+"""What-if experiments behind the recommendations in BENCHMARKS.md. The library is unchanged; each change is applied
+here, in the benchmark process only, and measured against the default in the same interleaved way as the benchmarks.
+
+1. Fused AdamW for the actor (TRL's default optimizer is `adamw_torch_fused`; ours is torch.optim.AdamW, which on the
+   CPU runs the single-tensor loop): after each TRL iteration, one iteration of ours with the default optimizer and
+   one with the fused one; ratios to the same TRL iteration.
+2. CPU threads for PPO with a co-located critic: by default the actor and the critic (a thread of this process, or
+   the PyTriton child process) each use every core, so while they overlap the cores are oversubscribed. "split"
+   gives the actor half the cores (torch.set_num_threads) and the critic the rest (OMP_NUM_THREADS for the server
+   child; in process the thread count is process-wide, so both get half). Default and split alternate per iteration.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from contextlib import ExitStack
+
+import torch
+
+from benchmarks.common import log, quick_flag, stats, write_result
+from benchmarks import critic_http, rloo_vs_trl
+
+
+def fused_adamw(quick: bool) -> dict:
+    rounds, iterations = (1, 6) if quick else (3, 20)
+    cfg = rloo_vs_trl.bench_config()
+    trl, by_side = [], {"default": [], "fused_adamw": []}
+    for _ in range(rounds):
+        sides = {"default": rloo_vs_trl.OurRLOO(cfg), "fused_adamw": rloo_vs_trl.OurRLOO(cfg, fused_adamw=True)}
+        trl_records, records, _ = rloo_vs_trl.run_round(cfg, iterations, sides)
+        trl += trl_records
+        for name in by_side:
+            by_side[name] += records[name]
+    out = {"repetitions": {"rounds": rounds, "iterations_per_round": iterations}}
+    for name, records in by_side.items():
+        out[name] = {"seconds_per_iteration": stats([r["seconds"] for r in records]),
+                     "train_seconds": stats([r["phases"]["train"] for r in records]),
+                     "time_ratio_over_trl": stats([r["seconds"] / t["seconds"] for r, t in zip(records, trl)])}
+    out["trl_seconds_per_iteration"] = stats([t["seconds"] for t in trl])
+    out["fused_over_default"] = stats([f["seconds"] / d["seconds"]
+                                       for f, d in zip(by_side["fused_adamw"], by_side["default"])])
+    log(f"what_if fused AdamW: ratio to TRL {out['default']['time_ratio_over_trl']['median']:.3f} (default) -> "
+        f"{out['fused_adamw']['time_ratio_over_trl']['median']:.3f} (fused)")
+    return out
+
+
+def thread_split(quick: bool) -> dict:
+    pairs = 6 if quick else 30
+    cores = os.cpu_count() or 1
+    actor_threads, critic_threads = max(1, cores // 2), max(1, cores - cores // 2)
+    default_threads = torch.get_num_threads()
+    cfg = critic_http.bench_config()
+    out = {"cores": cores, "default_threads": default_threads, "split": {"actor": actor_threads,
+                                                                        "critic": critic_threads},
+           "repetitions": {"pairs": pairs, "warmup_per_side": 1}}
+    with ExitStack() as stack:
+        default_http = stack.enter_context(critic_http.http_critic(cfg))
+        os.environ["OMP_NUM_THREADS"] = str(critic_threads)  # inherited by the second server child only
+        try:
+            split_http = stack.enter_context(critic_http.http_critic(cfg))
+        finally:
+            del os.environ["OMP_NUM_THREADS"]
+        default_local = stack.enter_context(critic_http.local_critic(cfg))
+        split_local = stack.enter_context(critic_http.local_critic(cfg))
+        cases = {"http": {"default": (critic_http.PPORunner(cfg, default_http), default_threads),
+                          "split": (critic_http.PPORunner(cfg, split_http), actor_threads)},
+                 "in_process": {"default": (critic_http.PPORunner(cfg, default_local), default_threads),
+                                "split": (critic_http.PPORunner(cfg, split_local), actor_threads)}}
+        try:
+            for case, runners in cases.items():
+                got = {"default": [], "split": []}
+                for i in range(pairs + 1):
+                    for name in (("default", "split") if i % 2 == 0 else ("split", "default")):
+                        runner, threads = runners[name]
+                        torch.set_num_threads(threads)
+                        records = runner.run(1, warmup=0)
+                        if i:  # the first pair is the warm-up
+                            got[name] += records
+                out[case] = {name: critic_http.summarize(records) for name, records in got.items()}
+                out[case]["split_over_default"] = stats([s["seconds"] / d["seconds"]
+                                                         for s, d in zip(got["split"], got["default"])])
+                log(f"what_if threads, critic {case}: default {out[case]['default']['seconds_per_iteration']['median']:.3f}"
+                    f" s/it, split {out[case]['split']['seconds_per_iteration']['median']:.3f} s/it "
+                    f"(pair ratio {out[case]['split_over_default']['median']:.2f})")
+        finally:
+            torch.set_num_threads(default_threads)
+    return out
+
+
+def main(argv=None) -> dict:
+    quick = quick_flag(argv)
+    result = {"quick": quick, "what": "library changes applied in the benchmark process only, measured against the default",
+              "fused_adamw_rloo_vs_trl": fused_adamw(quick), "thread_split_ppo": thread_split(quick)}
+    write_result("what_if", result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
