@@ -2,7 +2,8 @@
 
 The same `models.ppo.ppo_step` on the tiny models, once with `models.backends.LocalCritic` (critic + combined reward
 model on a thread of this process) and once with `components.clients.CriticClient` talking to a critic server that
-`components.launcher.launch_critic` starts as a child process (own process group, stopped at the end). Each side has
+`components.launcher.launch_critic` starts as a child process (own process group, stopped at the end; torch threads as
+the flows choose them: 1 on a CPU-only host unless `critic.torch_threads` says otherwise). Each side has
 its own actor, seeded alike, and the same prompt sequence. The two sides alternate every iteration (ABBA), so they
 see the same background load; one warm-up iteration per side is discarded.
 Target: HTTP <= 1.10x in-process seconds per iteration (median of the per-pair ratios).
@@ -14,6 +15,8 @@ import statistics
 import time
 from contextlib import contextmanager
 
+import torch
+
 from benchmarks.common import RESULTS, log, quick_flag, stats, tiny_config, write_result
 
 TARGET = 1.10
@@ -22,6 +25,12 @@ PHASES = ("generate", "logprobs", "reference", "critic_wait", "train", "critic_t
 
 def bench_config():
     return tiny_config(algorithm="ppo")
+
+
+def server_threads(cfg) -> int | None:
+    """The flows' default for a local critic server (CriticConfig.torch_threads): as configured, else 1 on a
+    CPU-only host (it shares the cores with the actor), else torch's default."""
+    return cfg.critic.torch_threads or (None if torch.cuda.is_available() else 1)
 
 
 @contextmanager
@@ -33,7 +42,7 @@ def http_critic(cfg):
     started = time.perf_counter()
     port = find_free_ports(cfg.critic.host)
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
-    server = launch_critic(cfg, RESULTS / "tmp" / "critic-server.log", port=port)
+    server = launch_critic(cfg, RESULTS / "tmp" / "critic-server.log", port=port, torch_threads=server_threads(cfg))
     log(f"critic server ready at {server.url} in {time.perf_counter() - started:.1f} s")
     client = critic_backend(cfg, url=server.url)
     try:
@@ -109,7 +118,9 @@ def main(argv=None) -> dict:
                      "epochs": cfg.ppo.epochs, "max_new_tokens": cfg.generation.max_new_tokens,
                      "micro_batch_size": cfg.generation.micro_batch_size, "critic_epochs": cfg.critic.epochs,
                      "critic_train_batch_size": cfg.critic.train_batch_size,
-                     "combine_reward": cfg.critic.combine_reward, "max_queue_delay_us": cfg.critic.max_queue_delay_us},
+                     "combine_reward": cfg.critic.combine_reward, "max_queue_delay_us": cfg.critic.max_queue_delay_us,
+                     "critic_micro_batch_size": cfg.critic.micro_batch_size,
+                     "server_torch_threads": server_threads(cfg), "actor_torch_threads": torch.get_num_threads()},
         "in_process": summarize(got["in_process"]),
         "http": summarize(got["http"]),
         "time_ratio_http_over_in_process": ratio,

@@ -7,7 +7,8 @@ downloaded and the actor and its frozen reference sit where the library puts the
 forward is timed where `Policy.load` placed the reference; training uses `Policy.logprobs` + backward + AdamW (the
 actor's inner loop).
 
-- Decode roofline: every decode step reads all weights once plus the KV cache so far, so
+- Decode roofline: every decode step reads all weights once (as stored: Policy.load keeps float32 master weights and
+  computes under bf16 autocast) plus the KV cache so far, so
   tokens/s <= batch x bandwidth / (weight bytes + KV bytes). Bandwidth = measured device-to-device copy bandwidth
   (reported with the nominal figure when the GPU is known).
 - MFU = model FLOPs / s / peak dense bf16 FLOPs, with model FLOPs = 6 x matmul params x tokens + attention
@@ -194,7 +195,9 @@ def main(argv=None) -> dict:
     model = policy.model
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    log(f"gpu: {params / 1e6:.0f}M-parameter {cfg.model_type} (random weights, bf16) on {device}")
+    weight_dtype = str(next(model.parameters()).dtype)
+    log(f"gpu: {params / 1e6:.1f}M-parameter {cfg.model_type} (random weights stored {weight_dtype}, compute "
+        f"{policy.dtype}) on {device}")
 
     name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu (smoke)"
     matched, (peak_flops, nominal_bw) = known_gpu(name)
@@ -212,10 +215,13 @@ def main(argv=None) -> dict:
         "device": name, "known_gpu_entry": matched, "peak_bf16_flops": peak_flops,
         "nominal_bandwidth_bytes_per_s": nominal_bw, "measured_copy_bandwidth_bytes_per_s": bandwidth,
         "model": {"config": cfg.to_dict(), "parameters": params, "weight_bytes": weight_bytes,
+                  "weight_dtype": weight_dtype, "compute_dtype": policy.dtype,
                   "matmul_parameters": matmul_params(cfg)},
         "repetitions": {"reps": reps, "warmup": 1},
         "decode": decode, "reference_logprobs": reference, "train": train,
-        "notes": ["roofline uses the measured copy bandwidth; tokens/s counts every generated token",
+        "notes": ["roofline uses the measured copy bandwidth and the weights as Policy.load stores them (float32 "
+                  "master weights, bf16 autocast compute: each step reads the float32 weights); tokens/s counts every "
+                  "generated token",
                   "Policy.logprobs computes full-vocabulary float32 log-softmax: its memory traffic is part of the "
                   "measured step"],
     }

@@ -99,6 +99,7 @@ def trl_args(cfg, output_dir: str, iterations: int):
         use_vllm=False,
         # objective
         beta=cfg.kl.init,
+        epsilon=rf.clip_eps if rf.clip_eps is not None else 0.2,  # TRL always clips; ours only when clip_eps is set
         # optimiser (AdamW, constant schedule, grad clip)
         learning_rate=optim.lr,
         lr_scheduler_type="constant",
@@ -233,7 +234,10 @@ def settings_side_by_side(cfg, trl_facts: dict) -> dict:
         "dtype / device": ["float32 / cpu", f"{trl_facts['model_dtype']} / {trl_facts['device']}"],
         "AdamW implementation": ["torch.optim.AdamW (default: single-tensor on CPU)", trl_facts["optim"]],
         "activation checkpointing": [False, trl_facts["gradient_checkpointing"]],
-        "loss": ["REINFORCE -logp*(r-b), token-mean", "clipped sequence-ratio surrogate (TRL RLOO)"],
+        "loss": [("-logp*A on the first (on-policy) step, PPO-clipped per-token ratio on reused samples, "
+                  f"clip_eps={rf.clip_eps}, token-mean") if rf.clip_eps is not None else "REINFORCE -logp*A, token-mean",
+                 f"clipped sequence-level ratio, epsilon={rf.clip_eps if rf.clip_eps is not None else 0.2}, "
+                 "sequence-mean"],
         "behaviour logprobs": ["kept from sampling (float32)", "recomputed with a forward pass"],
         "logprob forward micro-batch": [gen.micro_batch_size, rf.minibatch_size],
         "generation": ["models.policy.Policy.generate (own KV-cache loop)", "transformers model.generate"],

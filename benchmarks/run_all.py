@@ -1,7 +1,7 @@
 """Run every benchmark, write benchmarks/results/*.json and the results table in BENCHMARKS.md.
 
-    python -m benchmarks.run_all            # full run (~10 min on a 2-core CPU), updates BENCHMARKS.md
-    python -m benchmarks.run_all --quick    # fewer repetitions (~3 min); results go to benchmarks/results/tmp/quick/
+    python -m benchmarks.run_all            # full run (~5 min on a 2-core CPU), updates BENCHMARKS.md
+    python -m benchmarks.run_all --quick    # fewer repetitions (~2 min); results go to benchmarks/results/tmp/quick/
     python -m benchmarks.run_all --only rloo_vs_trl critic_http
 
 Exits non-zero when a benchmark fails to run, never because a target was missed.
@@ -18,7 +18,7 @@ import traceback
 
 from benchmarks.common import ROOT, load_average, log, machine, results_dir, versions
 
-BENCHMARKS = ("generate", "rloo_vs_trl", "critic_http", "overlap", "gpu")
+BENCHMARKS = ("generate", "rloo_vs_trl", "critic_http", "overlap", "what_if", "gpu")
 MARK_START, MARK_END = "<!-- results:start (written by python -m benchmarks.run_all) -->", "<!-- results:end -->"
 
 
@@ -65,6 +65,21 @@ def table(results: dict, summary: dict) -> str:
                          f"{fmt(case['ours_tokens_per_s'], digits=0)} vs {fmt(case['hf_tokens_per_s'], digits=0)} "
                          f"(x{case['speedup_tokens_per_s']:.2f})",
                          f"{r['repetitions']['reps_per_side_per_case']} reps/side", "—", ""])
+    r = results.get("what_if")
+    if r:
+        f = r["fused_adamw_rloo_vs_trl"]
+        n = f"{f['repetitions']['rounds']} rounds x {f['repetitions']['iterations_per_round']} triples"
+        rows.append(["What-if: fused AdamW for the actor", "RLOO time ours / TRL: default vs fused",
+                     f"{fmt(f['default']['time_ratio_over_trl'])} vs {fmt(f['fused_adamw']['time_ratio_over_trl'])}",
+                     n, "(<= 0.70)", ""])
+        t = r["thread_split_ppo"]
+        for case in ("http", "in_process"):
+            c = t[case]
+            rows.append([f"What-if: actor torch threads {t['actor_threads']['default']} -> {t['actor_threads']['split']}"
+                         f" ({case.replace('_', '-')} critic)", "PPO s/iteration: default vs fewer (pair ratio)",
+                         f"{fmt(c['default']['seconds_per_iteration'], digits=3)} vs "
+                         f"{fmt(c['split']['seconds_per_iteration'], digits=3)} (x{c['split_over_default']['median']:.2f})",
+                         f"{t['repetitions']['pairs']} pairs", "—", ""])
     r = results.get("gpu")
     if r:
         if r.get("skipped"):

@@ -4,10 +4,10 @@ here, in the benchmark process only, and measured against the default in the sam
 1. Fused AdamW for the actor (TRL's default optimizer is `adamw_torch_fused`; ours is torch.optim.AdamW, which on the
    CPU runs the single-tensor loop): after each TRL iteration, one iteration of ours with the default optimizer and
    one with the fused one; ratios to the same TRL iteration.
-2. CPU threads for PPO with a co-located critic: by default the actor and the critic (a thread of this process, or
-   the PyTriton child process) each use every core, so while they overlap the cores are oversubscribed. "split"
-   gives the actor half the cores (torch.set_num_threads) and the critic the rest (OMP_NUM_THREADS for the server
-   child; in process the thread count is process-wide, so both get half). Default and split alternate per iteration.
+2. Actor threads for PPO with a co-located critic. The actor uses torch's default (every core); the critic server
+   child gets the flows' default (1 thread on a CPU-only host); an in-process critic thread shares the actor's
+   process-wide thread count. While actor and critic overlap, the cores are oversubscribed. "split" gives the actor
+   half the cores (torch.set_num_threads, process-wide). Default and split alternate per iteration.
 """
 
 from __future__ import annotations
@@ -48,40 +48,33 @@ def fused_adamw(quick: bool) -> dict:
 def thread_split(quick: bool) -> dict:
     pairs = 6 if quick else 30
     cores = os.cpu_count() or 1
-    actor_threads, critic_threads = max(1, cores // 2), max(1, cores - cores // 2)
     default_threads = torch.get_num_threads()
+    split_threads = max(1, cores // 2)
     cfg = critic_http.bench_config()
-    out = {"cores": cores, "default_threads": default_threads, "split": {"actor": actor_threads,
-                                                                        "critic": critic_threads},
+    out = {"cores": cores, "actor_threads": {"default": default_threads, "split": split_threads},
+           "http_server_threads": critic_http.server_threads(cfg),
            "repetitions": {"pairs": pairs, "warmup_per_side": 1}}
     with ExitStack() as stack:
-        default_http = stack.enter_context(critic_http.http_critic(cfg))
-        os.environ["OMP_NUM_THREADS"] = str(critic_threads)  # inherited by the second server child only
-        try:
-            split_http = stack.enter_context(critic_http.http_critic(cfg))
-        finally:
-            del os.environ["OMP_NUM_THREADS"]
-        default_local = stack.enter_context(critic_http.local_critic(cfg))
-        split_local = stack.enter_context(critic_http.local_critic(cfg))
-        cases = {"http": {"default": (critic_http.PPORunner(cfg, default_http), default_threads),
-                          "split": (critic_http.PPORunner(cfg, split_http), actor_threads)},
-                 "in_process": {"default": (critic_http.PPORunner(cfg, default_local), default_threads),
-                                "split": (critic_http.PPORunner(cfg, split_local), actor_threads)}}
+        server = stack.enter_context(critic_http.http_critic(cfg))  # both HTTP runners use this one server
+        cases = {"http": {"default": critic_http.PPORunner(cfg, server), "split": critic_http.PPORunner(cfg, server)},
+                 "in_process": {"default": critic_http.PPORunner(cfg, stack.enter_context(critic_http.local_critic(cfg))),
+                                "split": critic_http.PPORunner(cfg, stack.enter_context(critic_http.local_critic(cfg)))}}
+        threads = {"default": default_threads, "split": split_threads}
         try:
             for case, runners in cases.items():
                 got = {"default": [], "split": []}
                 for i in range(pairs + 1):
                     for name in (("default", "split") if i % 2 == 0 else ("split", "default")):
-                        runner, threads = runners[name]
-                        torch.set_num_threads(threads)
-                        records = runner.run(1, warmup=0)
+                        torch.set_num_threads(threads[name])
+                        records = runners[name].run(1, warmup=0)
                         if i:  # the first pair is the warm-up
                             got[name] += records
                 out[case] = {name: critic_http.summarize(records) for name, records in got.items()}
                 out[case]["split_over_default"] = stats([s["seconds"] / d["seconds"]
                                                          for s, d in zip(got["split"], got["default"])])
-                log(f"what_if threads, critic {case}: default {out[case]['default']['seconds_per_iteration']['median']:.3f}"
-                    f" s/it, split {out[case]['split']['seconds_per_iteration']['median']:.3f} s/it "
+                log(f"what_if actor threads, critic {case}: {default_threads} threads "
+                    f"{out[case]['default']['seconds_per_iteration']['median']:.3f} s/it, {split_threads} "
+                    f"{out[case]['split']['seconds_per_iteration']['median']:.3f} s/it "
                     f"(pair ratio {out[case]['split_over_default']['median']:.2f})")
         finally:
             torch.set_num_threads(default_threads)
