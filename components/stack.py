@@ -68,16 +68,9 @@ def _healthy(url: str) -> bool:
 
 
 def _port_free(port: int) -> bool:
-    import socket
+    from components.launcher import port_block_free
 
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as a server would: TIME_WAIT leftovers do not count
-        try:
-            s.bind(("127.0.0.1", port))
-            s.listen(1)
-            return True
-        except OSError:
-            return False
+    return port_block_free("127.0.0.1", port, 1)
 
 
 def _spawn(state: Path, name: str, cmd: list[str], env: dict) -> int:

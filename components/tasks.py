@@ -62,3 +62,10 @@ def save_checkpoint(session: RunSession, state: ActorState, critic=None) -> str:
     uri = session.save(state, critic_info)
     get_run_logger().info(f"checkpoint iteration {state.iteration}: {uri}")
     return uri
+
+
+def run_summary(session: RunSession, state: ActorState, metrics: dict) -> dict:
+    """What a training flow returns (shown as the flow run's result)."""
+    get_run_logger().info(f"run {session.name} finished: {state.iteration} iterations")
+    return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": state.iteration,
+            "final": {k: v for k, v in metrics.items() if k.startswith("objective/")}}

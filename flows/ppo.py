@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from prefect import flow
 from prefect.runtime import deployment, flow_run
 
 from components.services import critic_service, reward_service
-from components.tasks import load_actor, log_metrics, open_run, ppo_iteration, save_checkpoint
+from components.tasks import load_actor, log_metrics, open_run, run_summary, ppo_iteration, save_checkpoint
 from models.config import RLHFConfig, with_schedule_lengths
 from models.loop import load_prompts, prompt_batches
 
@@ -29,9 +29,7 @@ def ppo(config: RLHFConfig = RLHFConfig(algorithm="ppo")) -> dict:
                 if state.iteration % cfg.checkpoint.every == 0 or state.iteration == cfg.iterations:
                     critic.guard(save_checkpoint, session, state, critic.backend)
         status = "FINISHED"
-        get_run_logger().info(f"run {session.name} finished: {cfg.iterations} iterations")
-        return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": state.iteration,
-                "final": {k: v for k, v in metrics.items() if k.startswith("objective/")}}
+        return run_summary(session, state, metrics)
     finally:
         session.close(status)
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from prefect import flow, get_run_logger
+from prefect import flow
 
 from components.services import reward_service
-from components.tasks import load_actor, log_metrics, open_run, rloo_iteration, save_checkpoint
+from components.tasks import load_actor, log_metrics, open_run, run_summary, rloo_iteration, save_checkpoint
 from flows.ppo import run_tags
 from models.config import RLHFConfig, with_schedule_lengths
 from models.loop import load_prompts, prompt_batches
@@ -28,8 +28,6 @@ def reinforce(config: RLHFConfig = RLHFConfig(algorithm="rloo")) -> dict:
                 if state.iteration % cfg.checkpoint.every == 0 or state.iteration == cfg.iterations:
                     save_checkpoint(session, state)
         status = "FINISHED"
-        get_run_logger().info(f"run {session.name} finished: {cfg.iterations} iterations")
-        return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": state.iteration,
-                "final": {k: v for k, v in metrics.items() if k.startswith("objective/")}}
+        return run_summary(session, state, metrics)
     finally:
         session.close(status)
