@@ -44,9 +44,12 @@ def _threads(section) -> int | None:
     return 1 if not torch.cuda.is_available() else None
 
 
-def _death(name: str, proc: ServerProcess):
+def _death(name: str, proc: ServerProcess, settle_s: float = 5.0):
     def describe() -> str | None:
-        code = proc.poll()
+        # called after a request failed: a killed server may drop its connections a moment before its exit is seen
+        deadline = time.monotonic() + settle_s
+        while (code := proc.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
         if code is None:
             return None
         return f"{name} server (pid {proc.pid}, {proc.url}) exited with code {code}; last lines of {proc.log_path}:\n{proc.log_tail()}"
