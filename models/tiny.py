@@ -89,7 +89,7 @@ def build_tiny(out: str | Path, seed: int = 0, policy_steps: int = 600, reward_s
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-                step, lm_loss = step + 1, float(loss)
+                step, lm_loss = step + 1, float(loss.detach())
                 if step >= policy_steps:
                     break
         log(f"policy: {sum(p.numel() for p in policy.parameters()):,} params, LM loss {lm_loss:.3f} after {step} steps")
@@ -110,7 +110,7 @@ def build_tiny(out: str | Path, seed: int = 0, policy_steps: int = 600, reward_s
                 optimizer.zero_grad()
                 loss.backward()
                 optimizer.step()
-                step, rm_loss = step + 1, float(loss)
+                step, rm_loss = step + 1, float(loss.detach())
                 if step >= reward_steps:
                     break
         log(f"reward: MSE {rm_loss:.4f} to the gold reward after {step} steps")
