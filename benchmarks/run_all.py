@@ -33,12 +33,19 @@ def table(results: dict, summary: dict) -> str:
     if r:
         reps = r["repetitions"]
         n = f"{reps['rounds']} rounds x {reps['timed_iterations_per_round_per_side']} pairs"
-        rows.append(["RLOO iteration vs TRL 1.16 RLOOTrainer", "time ours / TRL (per pair)",
+        rows.append(["RLOO iteration vs TRL 1.16 RLOOTrainer", "time ours / TRL (per pair), fixed policy",
                      fmt(r["time_ratio_ours_over_trl"]), n, "<= 0.70", _met(r)])
         rows.append(["", "s/iteration: ours vs TRL", f"{fmt(r['ours']['seconds_per_iteration'], digits=3)} vs "
                      f"{fmt(r['trl']['seconds_per_iteration'], digits=3)}", n, "", ""])
         rows.append(["", "generated tokens/s ratio ours / TRL", fmt(r["tokens_per_second_ratio_ours_over_trl"]), n,
                      "", ""])
+        if r.get("learning"):
+            lr = r["learning"]
+            n = f"{reps.get('learning_rounds', '?')} rounds x {reps['timed_iterations_per_round_per_side']} pairs"
+            rows.append(["", "learning (configured lr): time ours / TRL", fmt(lr["time_ratio_ours_over_trl"]), n, "", ""])
+            rows.append(["", "learning: generated tokens/iteration ours vs TRL",
+                         f"{fmt(lr['ours']['generated_tokens_per_iteration'], digits=0)} vs "
+                         f"{fmt(lr['trl']['generated_tokens_per_iteration'], digits=0)}", n, "", ""])
     r = results.get("critic_http")
     if r:
         n = f"{r['repetitions']['pairs']} pairs"
@@ -113,14 +120,18 @@ def phase_tables(results: dict) -> list[str]:
     lines = []
     r = results.get("rloo_vs_trl")
     if r:
-        ours, trl = r["ours"]["phases_seconds"], r["trl"]["phases_seconds"]
-        lines += ["", "RLOO phases, median seconds per iteration (ours: the step's time/* metrics; TRL: its `_generate`, "
-                  "its `_generate_and_score_completions` minus generation, and the rest of the iteration):", "",
-                  "| Side | generate | old/ref logprobs + reward | train | other |", "|---|---|---|---|---|",
-                  f"| ours | {ours['generate']['median']:.3f} | {ours['logprobs+reference+reward']['median']:.3f} | "
-                  f"{ours['train']['median']:.3f} | {ours['other']['median']:.3f} |",
-                  f"| TRL | {trl['generate']['median']:.3f} | {trl['logprobs+reference+reward']['median']:.3f} | "
-                  f"{trl['train+other']['median']:.3f} (train + trainer loop) | (in train) |"]
+        names = list(r["ours"]["phases_seconds"])
+        lines += ["", "RLOO phases (fixed policy), median seconds per iteration. Ours: the step's time/* metrics, the "
+                  "optimizer step timed by wrapping `optimizer.step`; TRL: its `_generate`, `_generate_and_score_"
+                  "completions` minus generation, `training_step` minus the rollout, the optimizer step between "
+                  "`on_pre_optimizer_step` and `on_optimizer_step`; other = the rest of the iteration (grad clipping, "
+                  "LR schedule, the trainer loop; ours has grad clipping and the LR schedule inside its time/train, i.e. in the "
+                  "forward+backward column).", "",
+                  "| Side | " + " | ".join(names) + " | total |", "|---" * (len(names) + 2) + "|"]
+        for side, label in (("ours", "ours"), ("trl", "TRL")):
+            phases = r[side]["phases_seconds"]
+            lines.append(f"| {label} | " + " | ".join(f"{phases[n]['median']:.3f}" if n in phases else "—" for n in names)
+                         + f" | {r[side]['seconds_per_iteration']['median']:.3f} |")
         if r.get("ours_top_ops_torch_profiler"):
             lines += ["", "Our RLOO iteration, top ops by self CPU time (torch.profiler, ms per iteration): " + ", ".join(
                 f"`{o['op']}` {o['self_cpu_ms_per_call']:.1f}" for o in r["ours_top_ops_torch_profiler"][:8]) + "."]

@@ -3,7 +3,7 @@ here, in the benchmark process only, and measured against the default in the sam
 
 1. Fused AdamW for the actor (TRL's default optimizer is `adamw_torch_fused`; ours is torch.optim.AdamW, which on the
    CPU runs the single-tensor loop): after each TRL iteration, one iteration of ours with the default optimizer and
-   one with the fused one; ratios to the same TRL iteration.
+   one with the fused one; ratios to the same TRL iteration (fixed policy, as the rloo_vs_trl headline).
 2. Actor threads for PPO with a co-located critic. The actor uses torch's default (every core); the critic server
    child gets the flows' default (1 thread on a CPU-only host); an in-process critic thread shares the actor's
    process-wide thread count. While actor and critic overlap, the cores are oversubscribed. "split" gives the actor
@@ -24,7 +24,7 @@ from benchmarks import critic_http, rloo_vs_trl
 
 def fused_adamw(quick: bool) -> dict:
     rounds, iterations = (1, 6) if quick else (3, 20)
-    cfg = rloo_vs_trl.bench_config()
+    cfg = rloo_vs_trl.bench_config(lr=rloo_vs_trl.FIXED_POLICY_LR)
     trl, by_side = [], {"default": [], "fused_adamw": []}
     for _ in range(rounds):
         sides = {"default": rloo_vs_trl.OurRLOO(cfg), "fused_adamw": rloo_vs_trl.OurRLOO(cfg, fused_adamw=True)}
