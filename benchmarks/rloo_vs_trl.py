@@ -64,17 +64,11 @@ class OurRLOO:
                                                                      self.state.scheduler.lr_lambdas[0])
         self.reward = build_local_reward(cfg)
         self.batches = prompt_batches(load_prompts(cfg), cfg.reinforce.rollout_batch_size, cfg.seed)
-        self.optimizer_s = 0.0
-        step = self.state.optimizer.step
-
-        def timed_step(*args, **kwargs):  # splits the train phase into forward+backward and optimizer step
-            start = time.perf_counter()
-            try:
-                return step(*args, **kwargs)
-            finally:
-                self.optimizer_s += time.perf_counter() - start
-
-        self.state.optimizer.step = timed_step
+        # optimizer hooks split the train phase into forward+backward and the optimizer step
+        self.optimizer_s, self._step_start = 0.0, 0.0
+        self.state.optimizer.register_step_pre_hook(lambda *_: setattr(self, "_step_start", time.perf_counter()))
+        self.state.optimizer.register_step_post_hook(lambda *_: setattr(
+            self, "optimizer_s", self.optimizer_s + time.perf_counter() - self._step_start))
 
     def iteration(self) -> dict:
         from models.rloo import rloo_step

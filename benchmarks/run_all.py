@@ -122,7 +122,7 @@ def phase_tables(results: dict) -> list[str]:
     if r:
         names = list(r["ours"]["phases_seconds"])
         lines += ["", "RLOO phases (fixed policy), median seconds per iteration. Ours: the step's time/* metrics, the "
-                  "optimizer step timed by wrapping `optimizer.step`; TRL: its `_generate`, `_generate_and_score_"
+                  "optimizer step timed with optimizer step hooks; TRL: its `_generate`, `_generate_and_score_"
                   "completions` minus generation, `training_step` minus the rollout, the optimizer step between "
                   "`on_pre_optimizer_step` and `on_optimizer_step`; other = the rest of the iteration (grad clipping, "
                   "LR schedule, the trainer loop; ours has grad clipping and the LR schedule inside its time/train, i.e. in the "

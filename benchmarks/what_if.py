@@ -35,7 +35,7 @@ def fused_adamw(quick: bool) -> dict:
     out = {"repetitions": {"rounds": rounds, "iterations_per_round": iterations}}
     for name, records in by_side.items():
         out[name] = {"seconds_per_iteration": stats([r["seconds"] for r in records]),
-                     "train_seconds": stats([r["phases"]["train"] for r in records]),
+                     "optimizer_step_seconds": stats([r["phases"]["optimizer step"] for r in records]),
                      "time_ratio_over_trl": stats([r["seconds"] / t["seconds"] for r, t in zip(records, trl)])}
     out["trl_seconds_per_iteration"] = stats([t["seconds"] for t in trl])
     out["fused_over_default"] = stats([f["seconds"] / d["seconds"]
