@@ -80,10 +80,13 @@ def table(results: dict, summary: dict) -> str:
                      f"{fmt(f['default']['time_ratio_over_trl'])} vs {fmt(f['fused_adamw']['time_ratio_over_trl'])}",
                      n, "(<= 0.70)", ""])
         t = r["thread_split_ppo"]
-        for case in ("http", "in_process"):
+        for case, label in (("http", "PPO, HTTP critic"), ("in_process", "PPO, in-process critic"),
+                            ("rloo_no_critic", "RLOO, no critic (control)")):
+            if case not in t:
+                continue
             c = t[case]
             rows.append([f"What-if: actor torch threads {t['actor_threads']['default']} -> {t['actor_threads']['split']}"
-                         f" ({case.replace('_', '-')} critic)", "PPO s/iteration: default vs fewer (pair ratio)",
+                         f" ({label})", "s/iteration: default vs fewer (pair ratio)",
                          f"{fmt(c['default']['seconds_per_iteration'], digits=3)} vs "
                          f"{fmt(c['split']['seconds_per_iteration'], digits=3)} (x{c['split_over_default']['median']:.2f})",
                          f"{t['repetitions']['pairs']} pairs", "—", ""])
