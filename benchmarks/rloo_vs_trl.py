@@ -8,9 +8,10 @@ number of optimizer steps per iteration (TRL: steps_per_generation x num_iterati
 One "iteration" = one generation batch of B prompts x k rollouts plus its optimizer steps. TRL's trainer runs
 unchanged (`trainer.train()`); a TrainerCallback marks the end of each of TRL's iterations (on_step_end of its last
 optimizer step) and there runs one of our iterations, outside TRL's clock. So the two sides alternate A/B every
-iteration and see the same background load. A subclass only wraps TRL's `_generate` /
-`_generate_and_score_completions` with timers to split its time into phases. Each round builds a fresh trainer and
-actor; the first iteration of each side per round is a warm-up and is discarded.
+iteration and see the same background load. To split TRL's time into phases, a subclass only wraps `_generate`,
+`_generate_and_score_completions` and `training_step` with timers, and the callback stamps the optimizer step. Each
+round builds a fresh trainer and actor; the first iteration of each side per round is a warm-up and is discarded.
+
 Two modes: "fixed policy" (lr 1e-9 on both sides, the headline) keeps both sides sampling the initial policy, so they
 generate the same lengths and do the same work per iteration; "learning" uses the configured lr, where the two
 objectives move the response lengths apart (ours shortens them on this task, TRL's lengthens them).

@@ -14,7 +14,6 @@ here, in the benchmark process only, and measured against the default in the sam
 from __future__ import annotations
 
 import os
-import statistics
 from contextlib import ExitStack
 
 import torch
