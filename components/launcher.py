@@ -34,7 +34,8 @@ from urllib.parse import urlparse
 
 import psutil
 
-from components.servers import ACCESS_HEADER, CRITIC_MODELS, REWARD_MODELS, TOKEN_ENV, dumps_config, model_state_summary
+from components.servers import (ACCESS_HEADER, CRITIC_MODELS, REWARD_MODELS, TOKEN_ENV, can_bind, dumps_config,
+                                model_state_summary)
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -61,14 +62,7 @@ def child_env(pytriton_home: Path, access_token: str, extra: Optional[dict] = No
 
 def port_block_free(host: str, port: int, count: int = 3) -> bool:
     """Whether ports port..port+count-1 can all be bound on host right now."""
-    for p in range(port, port + count):
-        with socket.socket() as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, p))
-            except OSError:
-                return False
-    return True
+    return all(can_bind(host, p) for p in range(port, port + count))
 
 
 def find_free_ports(host: str = "127.0.0.1", count: int = 3, start: int = 20000, stop: int = 32000) -> int:

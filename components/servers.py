@@ -300,7 +300,8 @@ class ServeOptions:
                             **self.extra)
 
 
-def _can_bind(host: str, port: int) -> bool:
+def can_bind(host: str, port: int) -> bool:
+    """Whether a server could bind host:port now (SO_REUSEADDR, as servers do: TIME_WAIT leftovers do not count)."""
     with socket.socket() as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -349,7 +350,7 @@ def serve(kind: str, specs: list[ModelSpec], load: Callable[[], dict[str, Callab
     Returns the process exit code: 0 after a requested stop, 1 when the weights failed to load or Triton died.
     """
     prepare_environment()
-    busy = [port for port in (options.port, options.port + 1, options.port + 2) if not _can_bind(options.host, port)]
+    busy = [port for port in (options.port, options.port + 1, options.port + 2) if not can_bind(options.host, port)]
     if busy:  # tritonserver would exit, but PyTriton would keep waiting for it for minutes
         LOG.error("%s server: port(s) %s on %s already in use (HTTP %d, gRPC +1, metrics +2); choose another --port",
                   kind, busy, options.host, options.port)
