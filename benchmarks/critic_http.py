@@ -2,7 +2,7 @@
 
 The same `models.ppo.ppo_step` on the tiny models, once with `models.backends.LocalCritic` (critic + combined reward
 model on a thread of this process) and once with `components.clients.CriticClient` talking to a critic server that
-`components.launcher.launch_critic` starts as a child process (own process group, stopped at the end; torch threads as
+`components.launcher.launch` starts as a child process (own process group, stopped at the end; torch threads as
 the flows choose them: 1 on a CPU-only host unless `critic.torch_threads` says otherwise). Each side has
 its own actor, seeded alike, and the same prompt sequence. The two sides alternate every iteration (ABBA), so they
 see the same background load; one warm-up iteration per side is discarded.
@@ -37,12 +37,14 @@ def server_threads(cfg) -> int | None:
 def http_critic(cfg):
     """A critic server child process for `cfg` on free ports, and a CriticClient to it; both closed on exit."""
     from components.clients import critic_backend
-    from components.launcher import find_free_ports, launch_critic
+    from components.launcher import find_free_ports, launch
+    from components.servers import ServerSpec
 
     started = time.perf_counter()
     port = find_free_ports(cfg.critic.host)
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
-    server = launch_critic(cfg, RESULTS / "tmp" / "critic-server.log", port=port, torch_threads=server_threads(cfg))
+    spec = ServerSpec(kind="critic", config=cfg, host=cfg.critic.host, port=port, torch_threads=server_threads(cfg))
+    server = launch(spec, RESULTS / "tmp" / "critic-server.log")
     log(f"critic server ready at {server.url} in {time.perf_counter() - started:.1f} s")
     client = critic_backend(cfg, url=server.url)
     try:

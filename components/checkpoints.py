@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
@@ -27,6 +28,7 @@ from components.s3 import S3Location, S3Store
 _ITER_RE = re.compile(r"^iter_(\d+)$")
 _STAGING_RE = re.compile(r"^\.tmp-iter_(\d+)-[0-9a-f]+$")
 _PART_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
+_DIGESTS = ".sha256.json"  # beside a put_dir key: {relpath: sha256}
 
 
 class CheckpointError(RuntimeError):
@@ -38,6 +40,7 @@ class _Backend(Protocol):
 
     def put_file(self, local: Path, key: str) -> None: ...
     def get_file(self, key: str, local: Path) -> bool: ...
+    def copy_file(self, source: str, target: str) -> None: ...
     def put_bytes(self, key: str, data: bytes) -> None: ...
     def get_bytes(self, key: str) -> bytes | None: ...
     def list_keys(self, prefix: str) -> list[str]: ...
@@ -66,6 +69,9 @@ class _LocalBackend:
         local.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, local)
         return True
+
+    def copy_file(self, source: str, target: str) -> None:
+        self.put_file(self.root / source, target)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         target = self.root / key
@@ -122,6 +128,9 @@ class _S3Backend:
 
     def get_file(self, key: str, local: Path) -> bool:
         return self.s3.download_file(key, local)
+
+    def copy_file(self, source: str, target: str) -> None:
+        self.s3.copy_key(source, target)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self.s3.put_bytes(key, data)
@@ -215,15 +224,20 @@ class CheckpointStore:
         parts: dict[str, Path],
         state: dict,
         *,
+        stored: dict[str, str] | None = None,
         _after_file: Callable[[str], None] | None = None,
     ) -> str:
         """Upload `parts` to iter_<N>/<name>/, then state.json, then latest.json; return the checkpoint URI.
 
+        `stored` names parts already in this store (written by `put_dir`, e.g. by a critic server on another node):
+        name -> key. They are copied inside the store (server-side on S3) with the digests `put_dir` recorded, so
+        the checkpoint is complete, and `latest` moves, only once every part is in place.
         `_after_file(relpath)` is called after each uploaded file (tests use it to simulate a crash).
         """
+        stored = stored or {}
         if iteration < 0:
             raise CheckpointError(f"iteration must be >= 0, got {iteration}")
-        for name in parts:
+        for name in [*parts, *stored]:
             if not _PART_RE.match(name) or name in (".", "..", "state.json"):
                 raise CheckpointError(f"invalid part name {name!r}")
         files = {name: _files_of(Path(local)) for name, local in parts.items()}
@@ -234,6 +248,8 @@ class CheckpointStore:
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint state is not JSON-serialisable: {exc}") from exc
 
+        manifest["parts"] = sorted([*parts, *stored])
+        adopted = {name: self._stored_digests(source) for name, source in stored.items()}
         staging = self._backend.staging(key)
         for name, entries in files.items():
             for path, rel in entries:
@@ -242,6 +258,10 @@ class CheckpointStore:
                 self._backend.put_file(path, f"{staging}/{relpath}")
                 if _after_file is not None:
                     _after_file(relpath)
+        for name, source in stored.items():
+            for rel, digest in adopted[name].items():
+                self._backend.copy_file(f"{source}/{rel}", f"{staging}/{name}/{rel}")
+                manifest["files"][f"{name}/{rel}"] = digest
         manifest["created"] = datetime.now(timezone.utc).isoformat()
         self._backend.put_bytes(f"{staging}/state.json", json.dumps(manifest, indent=1).encode())
         self._backend.commit(staging, key)
@@ -279,8 +299,10 @@ class CheckpointStore:
         """Iterations of complete checkpoints (those with a state.json), ascending."""
         return sorted(self._scan()[0])
 
-    def load(self, dest: Path, iteration: int | None = None) -> dict:
-        """Download iter_<N> (latest by default) into dest/<part>/..., verify sha256s, return its state."""
+    def load(self, dest: Path, iteration: int | None = None, parts: tuple[str, ...] | None = None) -> dict:
+        """Download iter_<N> (latest by default) into dest/<part>/..., verify sha256s, return its state.
+
+        `parts` limits the download to those parts (None: all)."""
         if iteration is None:
             iteration = self.latest()
             if iteration is None:
@@ -292,15 +314,32 @@ class CheckpointStore:
             raise CheckpointError(f"checkpoint {where} is missing or incomplete (no state.json)")
         manifest = json.loads(raw)
         dest = Path(dest)
-        for name in manifest.get("parts", []):
+        wanted = [n for n in manifest.get("parts", []) if parts is None or n in parts]
+        for name in wanted:
             (dest / name).mkdir(parents=True, exist_ok=True)
         for relpath, digest in manifest["files"].items():
+            if relpath.split("/", 1)[0] not in wanted:
+                continue
             local = dest / relpath
             if not self._backend.get_file(f"{key}/{relpath}", local):
                 raise CheckpointError(f"file {relpath} is missing from checkpoint {where}")
             if _sha256(local) != digest:
                 raise CheckpointError(f"file {relpath} of checkpoint {where} fails its sha256 check")
         return manifest["state"]
+
+    def load_part(self, iteration: int, name: str, dest: Path) -> Path:
+        """Replace directory `dest` with part `name` of iter_<N> (sha256-checked); the checkpoint must hold it."""
+        scratch = Path(tempfile.mkdtemp(prefix=".restore-", dir=Path(dest).parent if Path(dest).parent.exists() else None))
+        try:
+            self.load(scratch, iteration, parts=(name,))
+            if not (scratch / name).is_dir():
+                raise CheckpointError(f"checkpoint {self._checkpoint_uri(f'iter_{iteration}')} has no part '{name}'")
+            shutil.rmtree(dest, ignore_errors=True)
+            Path(dest).parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(scratch / name), str(dest))
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
+        return Path(dest)
 
     def prune(self, keep_last: int) -> list[int]:
         """Delete all but the newest `keep_last` complete checkpoints and older incomplete ones.
@@ -327,18 +366,38 @@ class CheckpointStore:
         return deleted
 
     def put_dir(self, local: Path, key: str) -> str:
-        """Store directory `local` under `key/` (replacing what was there); return its URI."""
+        """Store directory `local` under `key/` (replacing what was there), its sha256s in `key.sha256.json`
+        (written last: a key without it is incomplete); return its URI."""
         key = self._check_key(key)
         entries = _files_of(Path(local))
         staging = self._backend.staging(key)
-        written = set()
+        written, digests = set(), {}
         for path, rel in entries:
+            digests[rel] = _sha256(path)
             self._backend.put_file(path, f"{staging}/{rel}")
             written.add(f"{key}/{rel}")
         self._backend.commit(staging, key)
         # S3 writes in place: drop objects left from an earlier version of this key
         self._backend.delete_keys([k for k in self._backend.list_keys(key) if k not in written])
+        self._backend.put_bytes(f"{key}{_DIGESTS}", json.dumps(digests, indent=1).encode())
         return self._checkpoint_uri(key)
+
+    def key_of(self, uri: str) -> str | None:
+        """The key of a URI inside this store (as `put_dir` returns it), None for anything else (a local path)."""
+        root = self.uri.rstrip("/") + "/"
+        return uri[len(root):] if uri.startswith(root) else None
+
+    def _stored_digests(self, key: str) -> dict[str, str]:
+        raw = self._backend.get_bytes(f"{self._check_key(key)}{_DIGESTS}")
+        if raw is None:
+            raise CheckpointError(f"{self._checkpoint_uri(key)} is missing or incomplete (no {key}{_DIGESTS})")
+        return json.loads(raw)
+
+    def delete_dir(self, key: str) -> None:
+        """Delete everything under `key/` and its digests."""
+        key = self._check_key(key)
+        self._backend.delete_prefix(key)
+        self._backend.delete_keys([f"{key}{_DIGESTS}"])
 
     def get_dir(self, key: str, dest: Path) -> None:
         """Download everything under `key/` into `dest`."""

@@ -38,11 +38,12 @@ def cmd_models_tiny(args) -> int:
     return 0
 
 
-def load_cli_config(args):
+def load_cli_config(args, overrides: dict | None = None):
+    """The config of `--config`, `--preset` and `--set` (or already parsed `overrides`); exits naming a bad field."""
     from models.config import load_config
 
     try:
-        return load_config(args.config, args.preset, parse_overrides(args.set))
+        return load_config(args.config, args.preset, overrides if overrides is not None else parse_overrides(args.set))
     except Exception as exc:  # pydantic ValidationError names the field
         raise SystemExit(f"invalid config: {exc}") from None
 
@@ -105,9 +106,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run a command; a failure prints its traceback, then one last line saying why (what a user reads first)."""
+    import traceback
+
     quiet()
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"rlhf {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # noqa: BLE001 - reported, exit code 1
+        from components.tasks import first_line
+
+        traceback.print_exc()
+        print(f"\nrlhf {args.command} failed: {first_line(exc)}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

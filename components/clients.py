@@ -68,6 +68,7 @@ class TritonHTTP:
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
         self._closed = False
+        self._sleep = time.sleep  # the wait between attempts (tests record it instead of timing it)
 
     def _client(self):
         import tritonclient.http as http
@@ -95,7 +96,7 @@ class TritonHTTP:
             finally:
                 client.close()
             attempt += 1
-            time.sleep(self.retry_wait_s * attempt)
+            self._sleep(self.retry_wait_s * attempt)
 
     def infer(self, model: str, inputs: dict[str, np.ndarray], idempotent: bool = True) -> dict[str, np.ndarray]:
         import tritonclient.http as http
@@ -267,4 +268,4 @@ def critic_backend(cfg, url: Optional[str] = None, **kwargs) -> CriticClient:
 def reward_backend(cfg, url: Optional[str] = None, **kwargs) -> RewardClient:
     """A RewardClient for an RLHFConfig: the local reward server's address unless `url` is given."""
     url = url or f"http://{cfg.reward.host}:{cfg.reward.http_port}"
-    return RewardClient(url, timeout_s=cfg.critic.request_timeout_s, **kwargs)
+    return RewardClient(url, timeout_s=cfg.reward.request_timeout_s, **kwargs)

@@ -1,9 +1,8 @@
 """Start a critic/reward server as a child process, wait until it is ready, and stop it without leaving anything behind.
 
-The child runs `python -m components.serve_main critic|reward ...` in its own session (process group), logging to a
+The child runs `python -m components.serve_main --spec <ServerSpec JSON>` in its own session (process group), logging to a
 file. `stop()` sends SIGTERM to the whole group (the server, tritonserver and the python-backend stubs), then SIGKILL
 after a grace period, and waits until no process of the group is left. The launcher also handles the environment traps:
-- LD_LIBRARY_PATH: this interpreter's LIBDIR first, so the Triton stub loads the right libpython (pyenv vs Debian).
 - PyTriton's "one script per machine" known issue: two PyTriton servers on one machine collide on the default ports
   8000-8002, and could share python-backend shared-memory names and workspaces. Each child gets its own ports
   (HTTP P, gRPC P+1, metrics P+2), its own PYTRITON_HOME (a fresh temp dir, removed on stop); PyTriton 0.7 already
@@ -15,7 +14,6 @@ after a grace period, and waits until no process of the group is left. The launc
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -23,19 +21,15 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 from urllib.parse import urlparse
 
 import psutil
 
-from components.servers import (ACCESS_HEADER, CRITIC_MODELS, REWARD_MODELS, TOKEN_ENV, can_bind, dumps_config,
-                                model_state_summary)
+from components.servers import ACCESS_HEADER, TOKEN_ENV, ServerSpec, can_bind, model_state_summary, triton_client
 
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 
@@ -49,10 +43,9 @@ class ServerNotReady(RuntimeError):
 
 
 def child_env(pytriton_home: Path, access_token: str, extra: Optional[dict] = None) -> dict[str, str]:
-    """Environment of a server child: libpython first on LD_LIBRARY_PATH, own PYTRITON_HOME, token, project importable."""
+    """Environment of a server child: own PYTRITON_HOME, token, project importable (the child itself puts this
+    interpreter's libpython first on LD_LIBRARY_PATH for Triton: servers.prepare_environment)."""
     env = dict(os.environ)
-    libdir = sysconfig.get_config_var("LIBDIR") or ""
-    env["LD_LIBRARY_PATH"] = ":".join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
     env["PYTHONPATH"] = ":".join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
     env.update({"PYTRITON_HOME": str(pytriton_home), TOKEN_ENV: access_token, "PYTHONUNBUFFERED": "1",
                 "DO_NOT_TRACK": env.get("DO_NOT_TRACK", "1")})
@@ -173,17 +166,7 @@ class ServerProcess:
 
 # ---------------------------------------------------------------- readiness
 
-def _http(url: str, method: str = "GET", headers: Optional[dict] = None, timeout: float = 2.0) -> tuple[int, bytes]:
-    """(status, body) of a request; HTTP errors are returned, network errors raised."""
-    request = urllib.request.Request(url, data=b"{}" if method == "POST" else None, method=method, headers=headers or {})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
-
-
-def _model_state(url: str, name: str, access_token: Optional[str]) -> tuple[str, bool]:
+def _model_state(client, name: str, access_token: Optional[str]) -> tuple[str, bool]:
     """(description, failed) of a model that is not ready.
 
     With the access token, the repository index names a model whose load failed (state UNAVAILABLE + reason: our
@@ -191,27 +174,32 @@ def _model_state(url: str, name: str, access_token: Optional[str]) -> tuple[str,
     repository, so they never appear in the index; the model config endpoint then tells 'not found' (not bound yet,
     weights loading) from 'no available versions' (Triton is loading it, or its load failed).
     """
+    from tritonclient.utils import InferenceServerException
+
     if access_token:
-        status, body = _http(f"{url}/v2/repository/index", "POST", {ACCESS_HEADER: access_token})
-        if status == 200:
-            summary = model_state_summary(json.loads(body or b"[]"), name)
-            if summary is not None:
-                return f"state {summary}", summary.startswith("UNAVAILABLE") and "unloaded" not in summary
-    status, body = _http(f"{url}/v2/models/{name}/config")
+        try:
+            index = client.get_model_repository_index(headers={ACCESS_HEADER: access_token})
+        except InferenceServerException:
+            index = []
+        summary = model_state_summary(index, name)
+        if summary is not None:
+            return f"state {summary}", summary.startswith("UNAVAILABLE") and "unloaded" not in summary
     try:
-        error = json.loads(body).get("error", "")
-    except (ValueError, AttributeError):
-        error = body.decode(errors="replace")
+        client.get_model_config(name)
+        return "state unknown: its config is served but it is not ready", False
+    except InferenceServerException as exc:
+        error = exc.message() or str(exc)
     if "no available versions" in error:
         return "state UNAVAILABLE: loading, or its load failed (see the server log)", False
     if "not found" in error:
         return "state not loaded: the server is still loading weights", False
-    return f"state unknown: HTTP {status} {error}".strip(), False
+    return f"state unknown: {error}".strip(), False
 
 
 def wait_until_ready(url: str, models: Iterable[str], timeout: float, process: Optional[ServerProcess] = None,
                      access_token: Optional[str] = None, poll_s: float = 0.25) -> None:
-    """Poll /v2/health/ready and /v2/models/<name>/ready until all `models` are ready, else raise ServerNotReady.
+    """Poll server liveness, each model's readiness and server readiness (tritonclient) until all `models` are ready,
+    else raise ServerNotReady.
 
     The error tells apart: nothing listening at host:port; server up but model X not ready (state ...); server process
     exited with code N (+ log tail); a server that accepts connections but does not answer (timeout). A model whose load
@@ -228,31 +216,28 @@ def wait_until_ready(url: str, models: Iterable[str], timeout: float, process: O
         if process is not None and (code := process.poll()) is not None:
             raise ServerNotReady(f"server process exited with code {code} before {base} was ready; "
                                  f"last lines of {process.log_path}:\n{process.log_tail()}", "process_exited")
+        client = triton_client(base, timeout_s=min(2.0, max(0.1, deadline - time.monotonic())))
         try:
-            live, _ = _http(f"{base}/v2/health/live", timeout=min(2.0, max(0.1, deadline - time.monotonic())))
-            pending = [m for m in models if _http(f"{base}/v2/models/{m}/ready")[0] != 200]
-            if live == 200 and not pending and _http(f"{base}/v2/health/ready")[0] == 200:
+            live = client.is_server_live()
+            pending = [m for m in models if not client.is_model_ready(m)]
+            if live and not pending and client.is_server_ready():
                 return
             if pending:
-                state, failed = _model_state(base, pending[0], token)
+                state, failed = _model_state(client, pending[0], token)
                 last, reason = f"server up at {where} but model {pending[0]} not ready ({state})", "model_not_ready"
                 if failed:
                     tail = f"; last lines of {process.log_path}:\n{process.log_tail()}" if process is not None else ""
                     raise ServerNotReady(last + tail, reason)
             else:
                 last, reason = f"server up at {where} but not ready (live={live})", "model_not_ready"
-        except (ConnectionRefusedError, ConnectionResetError) as exc:
+        except ConnectionRefusedError as exc:
             last, reason = f"nothing listening at {where} ({exc.strerror or exc})", "not_listening"
         except (TimeoutError, socket.timeout) as exc:
-            last, reason = f"server at {where} accepted the connection but did not answer ({exc})", "timeout"
-        except urllib.error.URLError as exc:
-            inner = exc.reason
-            if isinstance(inner, ConnectionRefusedError):
-                last, reason = f"nothing listening at {where} ({inner.strerror})", "not_listening"
-            elif isinstance(inner, (TimeoutError, socket.timeout)):
-                last, reason = f"server at {where} accepted the connection but did not answer ({inner})", "timeout"
-            else:
-                last, reason = f"cannot reach {where}: {inner}", "not_listening"
+            last, reason = f"server at {where} accepted the connection but did not answer ({exc or 'timeout'})", "timeout"
+        except OSError as exc:  # reset, unreachable: the network said no
+            last, reason = f"cannot reach {where}: {exc}", "not_listening"
+        finally:
+            client.close()
         if time.monotonic() >= deadline:
             raise ServerNotReady(f"timed out after {timeout:.0f}s waiting for {base} ({', '.join(models)}): {last}",
                                  reason)
@@ -261,61 +246,23 @@ def wait_until_ready(url: str, models: Iterable[str], timeout: float, process: O
 
 # ---------------------------------------------------------------- the servers of a run
 
-def critic_argv(cfg, port: int, checkpoint_dir: Optional[str | Path] = None, checkpoint_uri: Optional[str] = None,
-                max_batch_size: int = 256, torch_threads: Optional[int] = None) -> list[str]:
-    """Command line of a critic server child for an RLHFConfig (the CriticConfig travels whole, as JSON)."""
-    argv = [sys.executable, "-m", "components.serve_main", "critic", "--host", cfg.critic.host, "--port", str(port),
-            "--critic-config-json", dumps_config(cfg.critic), "--dtype", cfg.model.dtype, "--device", cfg.model.device,
-            "--max-batch-size", str(max_batch_size), "--reward", cfg.resolve_model_path(cfg.model.reward)]
-    if cfg.model.critic:
-        argv += ["--model", cfg.resolve_model_path(cfg.model.critic)]
-    if not cfg.critic.combine_reward:
-        argv.append("--no-combine")
-    if checkpoint_dir:
-        argv += ["--checkpoint-dir", str(checkpoint_dir)]
-    if checkpoint_uri:
-        argv += ["--checkpoint-uri", checkpoint_uri]
-        if cfg.checkpoint.s3_endpoint_url:
-            argv += ["--s3-endpoint-url", cfg.checkpoint.s3_endpoint_url]
-    return argv + (["--torch-threads", str(torch_threads)] if torch_threads else [])
+def server_argv(spec: ServerSpec) -> list[str]:
+    """Command line of a server child: the whole ServerSpec as one JSON document."""
+    return [sys.executable, "-m", "components.serve_main", "--spec", spec.model_dump_json()]
 
 
-def reward_argv(cfg, port: int, max_batch_size: int = 256, torch_threads: Optional[int] = None) -> list[str]:
-    """Command line of a reward server child: the reward model, or the reward function decoded with the policy tokenizer."""
-    argv = [sys.executable, "-m", "components.serve_main", "reward", "--host", cfg.reward.host, "--port", str(port),
-            "--dtype", cfg.model.dtype, "--device", cfg.model.device, "--max-batch-size", str(max_batch_size),
-            "--max-queue-delay-us", str(cfg.critic.max_queue_delay_us)]
-    if torch_threads:
-        argv += ["--torch-threads", str(torch_threads)]
-    if cfg.reward.source == "function":
-        return argv + ["--function", cfg.reward.function, "--tokenizer", cfg.resolve_model_path(cfg.model.policy)]
-    return argv + ["--model", cfg.resolve_model_path(cfg.model.reward)]
+def launch(spec: ServerSpec, log_path: str | Path, wait: bool = True) -> ServerProcess:
+    """Start the server of `spec` as a child process and, by default, wait until it is ready (stopping it if not).
 
-
-def launch_critic(cfg, log_path: str | Path, checkpoint_dir: Optional[str | Path] = None, port: Optional[int] = None,
-                  checkpoint_uri: Optional[str] = None, wait: bool = True, max_batch_size: int = 256,
-                  torch_threads: Optional[int] = None) -> ServerProcess:
-    """Start the critic server for `cfg` (port: cfg.critic.http_port unless given) and, by default, wait until ready."""
-    port = port or cfg.critic.http_port
-    argv = critic_argv(cfg, port, checkpoint_dir, checkpoint_uri, max_batch_size, torch_threads)
-    proc = ServerProcess(argv, cfg.critic.host, port, CRITIC_MODELS, log_path, name="critic")
-    return _ready_or_stopped(proc, cfg.critic.ready_timeout_s if wait else None)
-
-
-def launch_reward(cfg, log_path: str | Path, port: Optional[int] = None, wait: bool = True, max_batch_size: int = 256,
-                  torch_threads: Optional[int] = None) -> ServerProcess:
-    """Start the reward server for `cfg` (port: cfg.reward.http_port unless given) and, by default, wait until ready."""
-    port = port or cfg.reward.http_port
-    argv = reward_argv(cfg, port, max_batch_size, torch_threads)
-    proc = ServerProcess(argv, cfg.reward.host, port, REWARD_MODELS, log_path, name="reward")
-    return _ready_or_stopped(proc, cfg.reward.ready_timeout_s if wait else None)
-
-
-def _ready_or_stopped(proc: ServerProcess, timeout: Optional[float]) -> ServerProcess:
-    if timeout is None:
+    The child resolves model paths against the same state directory as this process (made explicit in the spec).
+    """
+    cfg = spec.config
+    spec = spec.model_copy(update={"config": cfg.model_copy(update={"state_dir": str(cfg.resolved_state_dir())})})
+    proc = ServerProcess(server_argv(spec), spec.host, spec.port, spec.models, log_path, name=spec.kind)
+    if not wait:
         return proc
     try:
-        return proc.wait_until_ready(timeout)
+        return proc.wait_until_ready(spec.section.ready_timeout_s)
     except BaseException:
         proc.stop()
         raise

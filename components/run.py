@@ -1,9 +1,10 @@
 """A run's durable state: its name, local directory, checkpoint store, MLflow run, and the resume manifest.
 
 A checkpoint holds `actor/` (save_pretrained or the LoRA adapter, plus actor_state.pt: optimizer, scheduler, sampling
-RNG, KL controller, iteration, consumed rollouts), `critic/` (the critic server's critic_save output) and state.json
-(the manifest: iteration, critic step, tracking run id, global RNG states, config). Re-running with the same run name
-resumes from the last complete checkpoint.
+RNG, KL controller, iteration, consumed rollouts), `critic/` (the critic's critic_save output of the same iteration, in
+every launch mode) and state.json (the manifest: iteration, critic step, tracking run id, global RNG states, config).
+Re-running with the same run name resumes from the last complete checkpoint. A checkpoint that cannot be read fails
+the run naming its URI and the cause; only "no checkpoint yet" starts a new run.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class RunSession:
     manifest: dict = field(default_factory=dict)
 
     @property
+    def critic_restore_iteration(self) -> int | None:
+        """The checkpoint iteration whose critic a (deployment) critic server must start from; None for a new critic."""
+        return self.resumed_from if self.manifest.get("critic_step") is not None else None
+
+    @property
     def critic_dir(self) -> Path:
         return self.local_dir / "critic"
 
@@ -71,7 +77,9 @@ class RunSession:
         shutil.rmtree(local_dir / "critic", ignore_errors=True)  # never resume a critic newer/older than the actor
         if resumed_from is not None:
             shutil.rmtree(restore_dir, ignore_errors=True)
-            manifest = from_jsonable(store.load(restore_dir, resumed_from))
+            # launch=deployment: the critic server (maybe on another node) restores its part from the store itself
+            parts = ("actor",) if cfg.critic.launch == "deployment" else None
+            manifest = from_jsonable(store.load(restore_dir, resumed_from, parts=parts))
             if (restore_dir / "critic").exists():
                 shutil.copytree(restore_dir / "critic", local_dir / "critic")
         tracker = Tracker(default_tracking_uri(cfg), cfg.tracking.experiment, name, run_id=manifest.get("tracking_run_id"),
@@ -102,15 +110,22 @@ class RunSession:
         actor_dir = stage / "actor"
         state.policy.save(actor_dir)
         torch.save(state.state_dict(), actor_dir / "actor_state.pt")
-        parts = {"actor": actor_dir}
-        if critic_info and self.cfg.critic.launch != "deployment":
-            parts["critic"] = Path(critic_info["path"])  # local child or in process: the directory is on this machine
-        # launch=deployment: the critic server (maybe on another node) uploads its own save to <store>/critic-server
+        parts, stored = {"actor": actor_dir}, {}
+        if critic_info:
+            # a server with the run's store (launch=deployment) uploaded its save there: adopted inside the store;
+            # a local child or in-process critic saved into a directory on this machine
+            key = self.store.key_of(critic_info["path"])
+            if key is not None:
+                stored["critic"] = key
+            else:
+                parts["critic"] = Path(critic_info["path"])
         manifest = {"iteration": state.iteration, "episode": state.episode, "run_name": self.name,
                     "tracking_run_id": self.tracker.run_id, "critic_step": (critic_info or {}).get("step"),
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                     "config": self.cfg.model_dump(mode="json")}
-        uri = self.store.save(state.iteration, parts, _jsonable(manifest))
+        uri = self.store.save(state.iteration, parts, _jsonable(manifest), stored=stored)
+        for key in stored.values():
+            self.store.delete_dir(key)
         self.store.prune(self.cfg.checkpoint.keep_last)
         self.tracker.log_checkpoint(uri, state.iteration)
         shutil.rmtree(stage, ignore_errors=True)

@@ -93,7 +93,10 @@ class S3Store:
             yield
         except NoCredentialsError as exc:
             raise self._error(f"no AWS credentials to {what} at S3 endpoint {self.endpoint}: {exc}") from exc
-        except (BotoCoreError, ClientError, Boto3Error) as exc:
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            raise self._error(f"cannot {what} at S3 endpoint {self.endpoint}: HTTP {status}: {exc}") from exc
+        except (BotoCoreError, Boto3Error) as exc:
             raise self._error(f"cannot {what} at S3 endpoint {self.endpoint}: {exc}") from exc
 
     def probe(self) -> None:
@@ -130,6 +133,12 @@ class S3Store:
                     return False
                 raise
         return True
+
+    def copy_key(self, source: str, target: str) -> None:
+        """Server-side copy within the bucket (managed: multipart copy for large objects)."""
+        bucket = self.location.bucket
+        with self._errors(f"copy s3://{bucket}/{self._key(source)} to s3://{bucket}/{self._key(target)}"):
+            self.client.copy({"Bucket": bucket, "Key": self._key(source)}, bucket, self._key(target), Config=self.transfer)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         with self._errors(f"write s3://{self.location.bucket}/{self._key(key)}"):

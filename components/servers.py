@@ -23,12 +23,12 @@ PyTriton notes (0.7.0):
 - Tensors travel base64-encoded (PYTRITON_NO_TENSORSTORE=1): PyTriton's shared-memory tensor store crashes on
   zero-size arrays (e.g. tokens [2, 0]) before our validation could name the tensor.
 - The python-backend stub must find this interpreter's libpython first (pyenv vs Debian's): `prepare_environment`
-  prepends sysconfig LIBDIR to LD_LIBRARY_PATH before Triton starts.
+  prepends sysconfig LIBDIR to LD_LIBRARY_PATH before Triton starts (the one place that sets it: every server
+  process, launched or started by hand, goes through `serve`).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -37,13 +37,14 @@ import sys
 import sysconfig
 import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Literal, Optional
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+from models.config import RLHFConfig
 
 if TYPE_CHECKING:  # torch and transformers load lazily: `rlhf --help` imports this module for its parser
     from models.critic import CriticTrainer
@@ -164,8 +165,8 @@ def reward_specs(max_batch_size: int, max_queue_delay_us: int) -> list[ModelSpec
 class CriticCallables:
     """The three critic models as PyTriton callables (lists of requests in, list of responses out)."""
 
-    def __init__(self, trainer: CriticTrainer, store=None, store_key: str = "critic-server"):
-        self.trainer, self.store, self.store_key = trainer, store, store_key
+    def __init__(self, trainer: CriticTrainer, store=None):
+        self.trainer, self.store = trainer, store
         self._save_lock = threading.Lock()
 
     def infer(self, requests):
@@ -208,8 +209,11 @@ class CriticCallables:
     def save(self, requests):
         with self._save_lock:
             path = self.trainer.save()
-            location = self.store.put_dir(path, self.store_key) if self.store is not None else str(path)
             step = self.trainer.step
+            # with a store (a server that may sit on another node than the flow): upload the save where the flow's
+            # next checkpoint adopts it into iter_<N>/critic; the local path otherwise
+            location = (self.store.put_dir(path, f"{PENDING_PREFIX}/step-{step}") if self.store is not None
+                        else str(path))
         LOG.info("critic_save: step %d -> %s", step, location)
         return [{"status": np.array([0], dtype=np.int64), "step": np.array([step], dtype=np.int64),
                  "path": np.array([location.encode()], dtype=np.bytes_)} for _ in requests]
@@ -277,18 +281,46 @@ class RewardCallables:
 
 # ---------------------------------------------------------------- serving
 
-@dataclass
-class ServeOptions:
-    """Network and Triton settings of one server process: HTTP port P, gRPC P+1, metrics P+2, all on `host`."""
+PENDING_PREFIX = "critic-pending"  # store keys where a critic server puts its saves until a checkpoint adopts them
 
-    host: str = "127.0.0.1"
-    port: int = 8400
-    max_batch_size: int = 256
-    max_queue_delay_us: int = 2000
-    access_token: str | None = None  # None: $RLHF_TRITON_ACCESS_TOKEN, else PyTriton generates one
-    exit_timeout_s: int = 10
-    torch_threads: int | None = None  # torch intra-op threads; None keeps torch's default
-    extra: dict = field(default_factory=dict)  # further TritonConfig fields
+
+class ServerSpec(BaseModel):
+    """Everything one server process needs, handed to it as one JSON document (`python -m components.serve_main`).
+
+    The config tree supplies the models (model.critic / model.reward / model.policy for a function reward's
+    tokenizer), dtype, device and the critic/reward sections; the fields here are what differs per process.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["critic", "reward"]
+    config: RLHFConfig = Field(default_factory=RLHFConfig)
+    host: str = Field("127.0.0.1", description="Interface to bind: HTTP port P, gRPC P+1, metrics P+2.")
+    port: int = Field(8400, ge=1, le=65533, description="HTTP port P.")
+    checkpoint_dir: Optional[str] = Field(None, description="critic: where critic_save writes; a save there is resumed.")
+    checkpoint_uri: Optional[str] = Field(None, description="critic: the run's checkpoint store; each save is also "
+                                          f"uploaded to <uri>/{PENDING_PREFIX}/step-<k> for the next checkpoint to adopt.")
+    restore_iteration: Optional[int] = Field(None, ge=0, description="critic: start from iter_<N>/critic of the "
+                                             "store at checkpoint_uri (a fresh node resuming a run).")
+    max_batch_size: int = Field(256, ge=1, description="Largest batch Triton accepts and forms by dynamic batching.")
+    torch_threads: Optional[int] = Field(None, ge=1, description="torch intra-op threads; None keeps torch's default.")
+    access_token: Optional[str] = Field(None, description="Token of Triton's restricted endpoints; None: "
+                                        f"${TOKEN_ENV}, else PyTriton generates one.")
+    exit_timeout_s: int = Field(10, ge=1, description="How long Triton waits for in-flight requests on stop.")
+
+    @property
+    def models(self) -> tuple[str, ...]:
+        return CRITIC_MODELS if self.kind == "critic" else REWARD_MODELS
+
+    @property
+    def section(self):
+        return self.config.critic if self.kind == "critic" else self.config.reward
+
+    def specs(self) -> list[ModelSpec]:
+        delay = self.section.max_queue_delay_us
+        if self.kind == "critic":
+            return critic_specs(self.config.critic.combine_reward, self.max_batch_size, delay)
+        return reward_specs(self.max_batch_size, delay)
 
     def triton_config(self):
         import torch
@@ -296,8 +328,7 @@ class ServeOptions:
 
         return TritonConfig(http_address=self.host, http_port=self.port, grpc_address=self.host,
                             grpc_port=self.port + 1, metrics_address=self.host, metrics_port=self.port + 2,
-                            allow_gpu_metrics=torch.cuda.is_available(), exit_timeout_secs=self.exit_timeout_s,
-                            **self.extra)
+                            allow_gpu_metrics=torch.cuda.is_available(), exit_timeout_secs=self.exit_timeout_s)
 
 
 def can_bind(host: str, port: int) -> bool:
@@ -326,8 +357,18 @@ class TritonPythonModel:
 '''
 
 
+def triton_client(url: str, timeout_s: float = 2.0):
+    """A tritonclient HTTP client of `url` (http://host:port or host:port) with bounded timeouts."""
+    import tritonclient.http as http
+
+    return http.InferenceServerClient(url.split("://", 1)[-1].rstrip("/"), connection_timeout=timeout_s,
+                                      network_timeout=timeout_s)
+
+
 def _register_failed_model(workspace, url: str, token: str | None, name: str, reason: str) -> None:
     """Put `name` into Triton's repository as a model whose load fails with `reason` (state UNAVAILABLE + reason)."""
+    from tritonclient.utils import InferenceServerException
+
     model_dir = Path(workspace.model_store_path) / name
     (model_dir / "1").mkdir(parents=True, exist_ok=True)
     (model_dir / "config.pbtxt").write_text(
@@ -336,24 +377,27 @@ def _register_failed_model(workspace, url: str, token: str | None, name: str, re
         'output [ { name: "unavailable_out" data_type: TYPE_INT64 dims: [ 1 ] } ]\n')
     (model_dir / "load_error.txt").write_text(reason)
     (model_dir / "1" / "model.py").write_text(_FAILING_MODEL_PY)
-    request = urllib.request.Request(f"{url}/v2/repository/models/{name}/load", data=b"{}", method="POST",
-                                     headers={ACCESS_HEADER: token} if token else {})
+    client = triton_client(url, timeout_s=60)
     try:
-        urllib.request.urlopen(request, timeout=60).read()
-    except urllib.error.HTTPError:
+        client.load_model(name, headers={ACCESS_HEADER: token} if token else None)
+    except InferenceServerException:
         pass  # expected: the load fails with `reason`
+    finally:
+        client.close()
 
 
-def serve(kind: str, specs: list[ModelSpec], load: Callable[[], dict[str, Callable]], options: ServeOptions) -> int:
+def serve(spec: ServerSpec, load: Callable[[], dict[str, Callable]] | None = None) -> int:
     """Start Triton, load the weights (`load` returns name -> callable), bind, serve until SIGTERM/SIGINT.
 
     Returns the process exit code: 0 after a requested stop, 1 when the weights failed to load or Triton died.
     """
     prepare_environment()
-    busy = [port for port in (options.port, options.port + 1, options.port + 2) if not can_bind(options.host, port)]
+    kind = spec.kind
+    load = load or (lambda: load_callables(spec))
+    busy = [port for port in (spec.port, spec.port + 1, spec.port + 2) if not can_bind(spec.host, port)]
     if busy:  # tritonserver would exit, but PyTriton would keep waiting for it for minutes
         LOG.error("%s server: port(s) %s on %s already in use (HTTP %d, gRPC +1, metrics +2); choose another --port",
-                  kind, busy, options.host, options.port)
+                  kind, busy, spec.host, spec.port)
         return 1
     from pytriton.triton import Triton, TritonSecurityConfig
     from pytriton.utils.workspace import Workspace
@@ -365,36 +409,37 @@ def serve(kind: str, specs: list[ModelSpec], load: Callable[[], dict[str, Callab
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    if options.torch_threads:
+    if spec.torch_threads:
         import torch
 
-        torch.set_num_threads(options.torch_threads)
-    token = options.access_token or os.environ.get(TOKEN_ENV) or None
+        torch.set_num_threads(spec.torch_threads)
+    token = spec.access_token or os.environ.get(TOKEN_ENV) or None
     workspace = Workspace()  # a fresh directory under $PYTRITON_HOME: servers on one machine never share one
-    triton = Triton(config=options.triton_config(), workspace=workspace,
+    triton = Triton(config=spec.triton_config(), workspace=workspace,
                     security_config=TritonSecurityConfig(access_token=token))
-    url = f"http://{options.host}:{options.port}"
+    url = f"http://{spec.host}:{spec.port}"
+    specs = spec.specs()
     code = 0
     try:
         started = time.monotonic()
         triton.run()
         LOG.info("%s server: Triton up at %s (grpc %d, metrics %d) in %.1fs; loading weights", kind, url,
-                 options.port + 1, options.port + 2, time.monotonic() - started)
+                 spec.port + 1, spec.port + 2, time.monotonic() - started)
         try:
             callables = load()
         except Exception as exc:  # noqa: BLE001 - reported through Triton's model state, and logged
             LOG.exception("%s server: weights failed to load", kind)
             reason = f"{kind} server failed to load: {type(exc).__name__}: {exc}"
-            for spec in specs:
-                _register_failed_model(workspace, url, triton.get_access_token(), spec.name, reason)
+            for model in specs:
+                _register_failed_model(workspace, url, triton.get_access_token(), model.name, reason)
             code = 1
             while triton.is_alive():  # keep answering readiness checks with the reason until stopped
                 time.sleep(0.5)
             return code
-        for spec in specs:
-            triton.bind(model_name=spec.name, infer_func=callables[spec.name], inputs=spec.inputs,
-                        outputs=spec.outputs, config=spec.config(), strict=True)
-        LOG.info("%s server: ready at %s with models %s (%.1fs)", kind, url, [s.name for s in specs],
+        for model in specs:
+            triton.bind(model_name=model.name, infer_func=callables[model.name], inputs=model.inputs,
+                        outputs=model.outputs, config=model.config(), strict=True)
+        LOG.info("%s server: ready at %s with models %s (%.1fs)", kind, url, [m.name for m in specs],
                  time.monotonic() - started)
         while triton.is_alive():
             time.sleep(0.5)
@@ -415,77 +460,49 @@ def configure_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-@dataclass
-class CriticServer:
-    """`critic_infer` + `critic_train` + `critic_save` in one Triton instance; `run()` blocks until stopped."""
-
-    cfg: "object"  # models.config.CriticConfig
-    model: str | None
-    reward: str | None
-    combine_reward: bool = True
-    checkpoint_dir: str | None = None
-    checkpoint_uri: str | None = None
-    checkpoint_key: str = "critic-server"
-    s3_endpoint_url: str | None = None
-    dtype: str = "float32"
-    device: str = "auto"
-    options: ServeOptions = field(default_factory=ServeOptions)
-
-    def specs(self) -> list[ModelSpec]:
-        return critic_specs(self.combine_reward, self.options.max_batch_size, self.options.max_queue_delay_us)
-
-    def load(self) -> dict[str, Callable]:
-        from models.critic import CriticTrainer
-        from models.loading import resolve_device
-
-        if self.combine_reward and not self.reward:
-            raise ValueError("critic server: combining rewards needs a reward model (--reward) or --no-combine")
-        store = None
-        if self.checkpoint_uri:
-            from components.checkpoints import CheckpointStore
-
-            store = CheckpointStore.from_uri(self.checkpoint_uri, s3_endpoint_url=self.s3_endpoint_url)
-        trainer = CriticTrainer(self.cfg, self.model, self.reward, self.combine_reward, self.dtype,
-                                resolve_device(self.device), self.checkpoint_dir)
-        LOG.info("critic: step %d, checkpoint dir %s, reward model %s", trainer.step, self.checkpoint_dir,
-                 "combined" if trainer.reward_model is not None else "not loaded")
-        return CriticCallables(trainer, store, self.checkpoint_key).bindings()
-
-    def run(self) -> int:
-        return serve("critic", self.specs(), self.load, self.options)
+def load_callables(spec: ServerSpec) -> dict[str, Callable]:
+    """Load the weights a spec names (building the embedded default if it is named and missing) and bind callables."""
+    return (_load_critic if spec.kind == "critic" else _load_reward)(spec)
 
 
-@dataclass
-class RewardServer:
-    """`reward_model` over a reward model (`model`) or a Python function (`function`, decoded with `tokenizer`)."""
+def _load_critic(spec: ServerSpec) -> dict[str, Callable]:
+    from models.critic import CriticTrainer
+    from models.loading import resolve_device
 
-    model: str | None = None
-    function: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "float32"
-    device: str = "auto"
-    options: ServeOptions = field(default_factory=ServeOptions)
+    cfg = spec.config
+    if cfg.critic.combine_reward and not cfg.model.reward:
+        raise ValueError("critic server: combining rewards needs a reward model (model.reward) or critic.combine_reward=false")
+    store = None
+    if spec.checkpoint_uri:
+        from components.checkpoints import CheckpointStore
 
-    def specs(self) -> list[ModelSpec]:
-        return reward_specs(self.options.max_batch_size, self.options.max_queue_delay_us)
+        store = CheckpointStore.from_uri(spec.checkpoint_uri, s3_endpoint_url=cfg.checkpoint.s3_endpoint_url)
+        if spec.restore_iteration is not None:
+            if not spec.checkpoint_dir:
+                raise ValueError("critic server: restore_iteration needs a checkpoint_dir to restore into")
+            store.load_part(spec.restore_iteration, "critic", Path(spec.checkpoint_dir))
+            LOG.info("critic: restored iter_%d/critic from %s", spec.restore_iteration, store.uri)
+    critic_path = cfg.resolve_model_path(cfg.model.critic) if cfg.model.critic else None
+    reward_path = cfg.resolve_model_path(cfg.model.reward) if cfg.model.reward else None
+    trainer = CriticTrainer(cfg.critic, critic_path, reward_path, cfg.critic.combine_reward, cfg.model.dtype,
+                            resolve_device(cfg.model.device), spec.checkpoint_dir)
+    LOG.info("critic: step %d, checkpoint dir %s, reward model %s", trainer.step, spec.checkpoint_dir,
+             "combined" if trainer.reward_model is not None else "not loaded")
+    return CriticCallables(trainer, store).bindings()
 
-    def load(self) -> dict[str, Callable]:
-        from models.loading import resolve_device
-        from models.reward import load_reward_function, load_reward_model
 
-        if (self.model is None) == (self.function is None):
-            raise ValueError("reward server: give exactly one of --model or --function")
-        if self.model is not None:
-            return RewardCallables(model=load_reward_model(self.model, self.dtype, resolve_device(self.device))).bindings()
-        from transformers import AutoTokenizer
+def _load_reward(spec: ServerSpec) -> dict[str, Callable]:
+    from models.loading import resolve_device
+    from models.reward import load_reward_function, load_reward_model
 
-        if not self.tokenizer:
-            raise ValueError("reward server: --function needs --tokenizer PATH to decode tokens into text")
-        tokenizer = AutoTokenizer.from_pretrained(self.tokenizer)
-        return RewardCallables(function=load_reward_function(self.function), tokenizer=tokenizer).bindings()
+    cfg = spec.config
+    if cfg.reward.source == "model":
+        model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, resolve_device(cfg.model.device))
+        return RewardCallables(model=model).bindings()
+    from transformers import AutoTokenizer
 
-    def run(self) -> int:
-        return serve("reward", self.specs(), self.load, self.options)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.resolve_model_path(cfg.model.policy))
+    return RewardCallables(function=load_reward_function(cfg.reward.function), tokenizer=tokenizer).bindings()
 
 
 def model_state_summary(index: list[dict], name: str) -> str | None:
@@ -495,15 +512,3 @@ def model_state_summary(index: list[dict], name: str) -> str | None:
             state, reason = entry.get("state") or "UNKNOWN", (entry.get("reason") or "").strip()
             return f"{state}: {reason}" if reason else state
     return None
-
-
-def dumps_config(cfg) -> str:
-    """A CriticConfig as compact JSON for the command line of a child server."""
-    return json.dumps(cfg.model_dump(mode="json"), separators=(",", ":"))
-
-
-def add_serve_parser(subparsers):
-    """`rlhf serve critic|reward` (defined in components/serve_main.py, next to the functions it calls)."""
-    from components.serve_main import add_serve_parser as add
-
-    return add(subparsers)

@@ -3,16 +3,35 @@
 `critic_service(cfg, session)` and `reward_service(cfg, session)` are context managers: they deploy the server, wait
 until it is ready, yield a `Service` (its backend implements models/backends.py), and tear the server down on success,
 failure and cancellation (SIGTERM in the flow process raises, so the `finally` runs).
+
+launch=local: a child process of the flow run (own process group), stopped when the block exits; its critic saves
+into the run's local directory. launch=deployment: the task starts `critic-server/default` (or
+`reward-server/default`), which on a GPU cluster runs on its own node; that flow run publishes its address in a
+Prefect variable named after itself, the task waits until the server is ready, and cancels the flow run at the end.
+Its critic uploads each save to the run's checkpoint store, where the next checkpoint adopts it into iter_<N>/critic,
+and a resumed run tells it which iteration's critic to start from.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
+import socket
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
+from prefect import get_run_logger, task
+from prefect.cache_policies import NONE
+
+from components.clients import critic_backend, reward_backend
+from components.launcher import ServerProcess, find_free_ports, launch, port_block_free, wait_until_ready
 from components.run import RunSession
+from components.servers import ServerSpec
 from models.config import RLHFConfig
+
+ADVERTISE_ENV = "RLHF_ADVERTISE_HOST"
 
 
 class ServerDied(RuntimeError):
@@ -25,7 +44,7 @@ class Service:
 
     name: str
     backend: object
-    describe_death: Callable[[], str | None] = lambda: None  # message if the server is gone, else None
+    describe_death: Callable[[], Optional[str]] = lambda: None  # message if the server is gone, else None
 
     def guard(self, fn, *args, **kwargs):
         """Call a step; if it fails and the server is gone, fail with a message that names the server and its exit."""
@@ -40,8 +59,7 @@ class Service:
 
 @contextmanager
 def critic_service(cfg: RLHFConfig, session: RunSession) -> Iterator[Service]:
-    launch = cfg.critic.launch
-    if launch == "in_process":
+    if cfg.critic.launch == "in_process":
         from models.backends import LocalCritic
         from models.loop import build_critic_trainer
 
@@ -51,19 +69,16 @@ def critic_service(cfg: RLHFConfig, session: RunSession) -> Iterator[Service]:
         finally:
             backend.close()
         return
-    from components.remote import remote_critic
-
-    with remote_critic(cfg, session) as service:
+    with (_local if cfg.critic.launch == "local" else _deployment)("critic", cfg, session) as service:
         yield service
 
 
 @contextmanager
-def reward_service(cfg: RLHFConfig, session: RunSession, needed: bool = True) -> Iterator[Service | None]:
+def reward_service(cfg: RLHFConfig, session: RunSession, needed: bool = True) -> Iterator[Optional[Service]]:
     if not needed:
         yield None
         return
-    launch = cfg.reward.launch
-    if launch == "in_process":
+    if cfg.reward.launch == "in_process":
         from models.loop import build_local_reward
 
         backend = build_local_reward(cfg)
@@ -72,7 +87,194 @@ def reward_service(cfg: RLHFConfig, session: RunSession, needed: bool = True) ->
         finally:
             backend.close()
         return
-    from components.remote import remote_reward
-
-    with remote_reward(cfg, session) as service:
+    with (_local if cfg.reward.launch == "local" else _deployment)("reward", cfg, session) as service:
         yield service
+
+
+def _section(kind: str, cfg: RLHFConfig):
+    return cfg.critic if kind == "critic" else cfg.reward
+
+
+def _port(host: str, preferred: int) -> int:
+    """The configured port if P..P+2 are free, else a free block (two runs on one machine must not collide)."""
+    bind = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    return preferred if port_block_free(bind, preferred) else find_free_ports(bind)
+
+
+def _threads(section) -> Optional[int]:
+    """One torch thread for a server on a CPU-only host unless configured: it usually shares the cores with the actor."""
+    import torch
+
+    if section.torch_threads:
+        return section.torch_threads
+    return 1 if not torch.cuda.is_available() else None
+
+
+def server_spec(kind: str, cfg: RLHFConfig, **fields) -> ServerSpec:
+    """The spec of this run's critic/reward server: its section's host, a free port block, its thread count."""
+    section = _section(kind, cfg)
+    return ServerSpec(kind=kind, config=cfg, host=section.host, port=_port(section.host, section.http_port),
+                      torch_threads=_threads(section), **fields)
+
+
+def _death(name: str, proc: ServerProcess, settle_s: float = 5.0):
+    def describe() -> Optional[str]:
+        # called after a request failed: a killed server may drop its connections a moment before its exit is seen
+        deadline = time.monotonic() + settle_s
+        while (code := proc.poll()) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if code is None:
+            return None
+        return f"{name} server (pid {proc.pid}, {proc.url}) exited with code {code}; last lines of {proc.log_path}:\n{proc.log_tail()}"
+    return describe
+
+
+# ------------------------------------------------------------------------------------------------ launch=local
+@task(name="deploy-critic-server", cache_policy=NONE)
+def start_local_server(kind: str, cfg: RLHFConfig, session: RunSession) -> ServerProcess:
+    """Start the server as a child process of this flow run."""
+    log_path = session.local_dir / "logs" / f"{kind}-server.log"
+    spec = server_spec(kind, cfg, checkpoint_dir=str(session.critic_dir) if kind == "critic" else None)
+    proc = launch(spec, log_path, wait=False)
+    get_run_logger().info(f"{kind} server starting: pid {proc.pid}, {proc.url}, log {log_path}")
+    return proc
+
+
+@task(name="wait-until-ready", cache_policy=NONE)
+def wait_ready(kind: str, url: str, timeout: float, proc: Optional[ServerProcess] = None) -> None:
+    started = time.monotonic()
+    wait_until_ready(url, ServerSpec(kind=kind).models, timeout, process=proc)
+    get_run_logger().info(f"{kind} server ready at {url} after {time.monotonic() - started:.1f}s")
+
+
+@contextmanager
+def _local(kind: str, cfg: RLHFConfig, session: RunSession) -> Iterator[Service]:
+    proc = start_local_server.with_options(name=f"deploy-{kind}-server")(kind, cfg, session)
+    client = None
+    try:
+        wait_ready(kind, proc.url, _section(kind, cfg).ready_timeout_s, proc)
+        client = critic_backend(cfg, proc.url) if kind == "critic" else reward_backend(cfg, proc.url)
+        yield Service(f"{kind} server", client, _death(kind, proc))
+    finally:
+        code = proc.stop()  # first: a cancelled flow must not wait on an in-flight request before stopping the server
+        if client is not None:
+            client.close()
+        get_run_logger().info(f"{kind} server stopped (pid {proc.pid}, exit code {code})")
+
+
+# ------------------------------------------------------------------------------------------------ launch=deployment
+def address_variable(flow_run_id) -> str:
+    return f"rlhf_server_{str(flow_run_id).replace('-', '')}"
+
+
+@task(name="deploy-server-deployment", cache_policy=NONE)
+def start_deployment(kind: str, cfg: RLHFConfig, session: RunSession):
+    from prefect.deployments import run_deployment
+
+    parameters = {"config": cfg.model_dump(mode="json")}
+    if kind == "critic":
+        parameters.update(checkpoint_uri=session.store.uri, restore_iteration=session.critic_restore_iteration)
+    run = run_deployment(f"{kind}-server/default", parameters=parameters, timeout=0, as_subflow=False)
+    get_run_logger().info(f"{kind} server: started deployment {kind}-server/default as flow run {run.id}")
+    return run.id
+
+
+def _final_state(flow_run_id):
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run_id).state
+    return state if state is not None and state.is_final() else None
+
+
+@task(name="discover-server-address", cache_policy=NONE)
+def discover_address(kind: str, flow_run_id, timeout: float) -> str:
+    from prefect.variables import Variable
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        url = Variable.get(address_variable(flow_run_id), default=None)
+        if url:
+            return url
+        if (state := _final_state(flow_run_id)) is not None:
+            raise RuntimeError(f"{kind} server flow run {flow_run_id} ended ({state.name}) before publishing its "
+                               f"address: {state.message or 'no message'}")
+        time.sleep(1.0)
+    raise TimeoutError(f"{kind} server flow run {flow_run_id} did not publish its address within {timeout:.0f}s "
+                       f"(is a worker serving {kind}-server/default?)")
+
+
+def _flow_run_death(kind: str, flow_run_id):
+    def describe() -> Optional[str]:
+        state = _final_state(flow_run_id)
+        return None if state is None else f"{kind} server flow run {flow_run_id} ended: {state.name} ({state.message or 'no message'})"
+    return describe
+
+
+def cancel_flow_run(flow_run_id) -> None:
+    from prefect import get_client
+    from prefect.states import Cancelling
+
+    with get_client(sync_client=True) as client:
+        state = client.read_flow_run(flow_run_id).state
+        if state is not None and not state.is_final():
+            client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
+
+
+@contextmanager
+def _deployment(kind: str, cfg: RLHFConfig, session: RunSession) -> Iterator[Service]:
+    section = _section(kind, cfg)
+    flow_run_id = start_deployment.with_options(name=f"deploy-{kind}-server")(kind, cfg, session)
+    client = None
+    try:
+        url = discover_address(kind, flow_run_id, section.ready_timeout_s)
+        wait_ready(kind, url, section.ready_timeout_s)
+        client = critic_backend(cfg, url) if kind == "critic" else reward_backend(cfg, url)
+        yield Service(f"{kind} server", client, _flow_run_death(kind, flow_run_id))
+    finally:
+        cancel_flow_run(flow_run_id)
+        if client is not None:
+            client.close()
+        get_run_logger().info(f"{kind} server: cancelled flow run {flow_run_id}")
+
+
+# ------------------------------------------------------------------------------------------------ the server flow side
+def host_server(kind: str, cfg: RLHFConfig, checkpoint_uri: Optional[str] = None,
+                restore_iteration: Optional[int] = None) -> int:
+    """Body of critic-server/default and reward-server/default: serve until cancelled, publish the address.
+
+    The critic saves into a fresh directory of this flow run and uploads every save to the run's store at
+    `checkpoint_uri`; with `restore_iteration` it starts from iter_<N>/critic of that store (any error doing so
+    fails this flow run, and with it the training flow run, naming the URI and the cause).
+    """
+    from prefect.runtime import flow_run
+    from prefect.variables import Variable
+
+    logger = get_run_logger()
+    run_id = flow_run.get_id()
+    server_dir = cfg.resolved_state_dir() / "servers" / f"{kind}-{run_id}"
+    fields = {}
+    if kind == "critic":
+        fields = {"checkpoint_dir": str(server_dir / "critic"), "checkpoint_uri": checkpoint_uri,
+                  "restore_iteration": restore_iteration}
+    spec = server_spec(kind, cfg, **fields)
+    proc = launch(spec, server_dir / f"{kind}-server.log", wait=False)
+    name = address_variable(run_id)
+    try:
+        proc.wait_until_ready(spec.section.ready_timeout_s)
+        host = os.environ.get(ADVERTISE_ENV) or (
+            socket.gethostbyname(socket.gethostname()) if spec.host in ("0.0.0.0", "::") else spec.host)
+        url = f"http://{host}:{spec.port}"
+        Variable.set(name, url, overwrite=True)
+        logger.info(f"{kind} server ready at {url} (pid {proc.pid}); serving until this flow run is cancelled")
+        while proc.poll() is None:
+            time.sleep(1.0)
+        raise ServerDied(_death(kind, proc)())
+    finally:
+        proc.stop()
+        try:
+            Variable.unset(name)
+        except Exception:  # noqa: BLE001 - best effort: the API may be going away with us
+            pass
+        shutil.rmtree(server_dir / "critic", ignore_errors=True)  # every save is in the store
+        logger.info(f"{kind} server stopped")

@@ -102,7 +102,11 @@ def base_env(state_dir: Path, prefect_port: int, mlflow_port: int) -> dict:
     env.update({"RLHF_STATE_DIR": str(state_dir), "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
                 "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}", "DO_NOT_TRACK": "1",
                 "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
-                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1"})
+                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error", "PYTHONUNBUFFERED": "1",
+                # `prefect deployment run --watch` streams a run's logs only when the server publishes them, and
+                # stops 3 s after the run's final state: flows ship their logs (a failure's reason) within 0.5 s
+                "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true", "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true",
+                "PREFECT_LOGGING_TO_API_BATCH_INTERVAL": "0.5"})
     root = str(Path(__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     return env
@@ -238,6 +242,8 @@ def demo(state_dir: Path | None = None, log=print) -> int:
         log(f"\n$ prefect deployment run {deployment} --watch")
         proc = subprocess.run([bin_path("prefect"), "deployment", "run", deployment, "--watch"], env=env)
         results[deployment] = proc.returncode
+        if proc.returncode != 0:
+            log(f"{deployment}: {last_run_outcome(env['PREFECT_API_URL'], deployment)}")
     log("\n$ prefect deployment run compare/default --watch")
     subprocess.run([bin_path("prefect"), "deployment", "run", "compare/default", "--watch"], env=env)
     table = state_dir / "compare" / "comparison.md"
@@ -250,6 +256,20 @@ def demo(state_dir: Path | None = None, log=print) -> int:
     log(f"  checkpoints: {state_dir / 'checkpoints'}")
     log("  stop everything with `.venv/bin/rlhf down`")
     return 0 if all(rc == 0 for rc in results.values()) else 1
+
+
+def last_run_outcome(api_url: str, deployment: str) -> str:
+    """'<state>: <message>' of the newest flow run of a deployment (the reason a failed run gives)."""
+    import httpx
+
+    flow_name, name = deployment.split("/", 1)
+    body = {"flows": {"name": {"any_": [flow_name]}}, "deployments": {"name": {"any_": [name]}},
+            "sort": "EXPECTED_START_TIME_DESC", "limit": 1}
+    runs = httpx.post(f"{api_url}/flow_runs/filter", json=body, timeout=10).json()
+    if not runs:
+        return "no flow run found"
+    state = runs[0].get("state") or {}
+    return f"{state.get('name', '?')}: {state.get('message') or 'no message'}"
 
 
 def add_stack_parsers(sub) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
@@ -69,3 +71,25 @@ def run_summary(session: RunSession, state: ActorState, metrics: dict) -> dict:
     get_run_logger().info(f"run {session.name} finished: {state.iteration} iterations")
     return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": state.iteration,
             "final": {k: v for k, v in metrics.items() if k.startswith("objective/")}}
+
+
+class RunFailed(RuntimeError):
+    """A training run failed; the message is the first line of the cause (chained, with its whole text)."""
+
+
+def first_line(exc: BaseException) -> str:
+    """'Type: first line of the message' of an exception: what a run list or a terminal has room for."""
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
+
+
+@contextmanager
+def reported_failure():
+    """Let a failing flow end with the cause's first line as its state message (what `prefect deployment run --watch`,
+    the UI's run list and `rlhf` show); the whole cause stays chained in the logged traceback."""
+    try:
+        yield
+    except Exception as exc:
+        reason = first_line(exc)
+        get_run_logger().error(f"run failed: {reason}")
+        raise RunFailed(reason) from exc

@@ -6,7 +6,8 @@ from prefect import flow
 from prefect.runtime import deployment, flow_run
 
 from components.services import critic_service, reward_service
-from components.tasks import load_actor, log_metrics, open_run, run_summary, ppo_iteration, save_checkpoint
+from components.tasks import (load_actor, log_metrics, open_run, ppo_iteration, reported_failure, run_summary,
+                              save_checkpoint)
 from models.config import RLHFConfig, with_schedule_lengths
 from models.loop import load_prompts, prompt_batches
 
@@ -15,23 +16,25 @@ from models.loop import load_prompts, prompt_batches
 def ppo(config: RLHFConfig = RLHFConfig(algorithm="ppo")) -> dict:
     """Train the actor with PPO against a critic server (values, and rewards when the reward model is combined)."""
     cfg = with_schedule_lengths(config.model_copy(update={"algorithm": "ppo"}))
-    session = open_run(cfg, run_tags())
-    status = "FAILED"
-    try:
-        state = load_actor(cfg, session)
-        with critic_service(cfg, session) as critic, reward_service(cfg, session, needed=not cfg.critic.combine_reward) as reward:
-            batches = prompt_batches(load_prompts(cfg), cfg.ppo.rollout_batch_size, cfg.seed, start_batch=state.iteration)
-            metrics = {}
-            while state.iteration < cfg.iterations:
-                metrics, samples = critic.guard(ppo_iteration, state, next(batches), critic.backend,
-                                                reward.backend if reward else None, cfg)
-                log_metrics(session, state.iteration, metrics, samples)
-                if state.iteration % cfg.checkpoint.every == 0 or state.iteration == cfg.iterations:
-                    critic.guard(save_checkpoint, session, state, critic.backend)
-        status = "FINISHED"
-        return run_summary(session, state, metrics)
-    finally:
-        session.close(status)
+    with reported_failure():
+        session = open_run(cfg, run_tags())
+        status = "FAILED"
+        try:
+            state = load_actor(cfg, session)
+            with critic_service(cfg, session) as critic, \
+                    reward_service(cfg, session, needed=not cfg.critic.combine_reward) as reward:
+                batches = prompt_batches(load_prompts(cfg), cfg.ppo.rollout_batch_size, cfg.seed, start_batch=state.iteration)
+                metrics = {}
+                while state.iteration < cfg.iterations:
+                    metrics, samples = critic.guard(ppo_iteration, state, next(batches), critic.backend,
+                                                    reward.backend if reward else None, cfg)
+                    log_metrics(session, state.iteration, metrics, samples)
+                    if state.iteration % cfg.checkpoint.every == 0 or state.iteration == cfg.iterations:
+                        critic.guard(save_checkpoint, session, state, critic.backend)
+            status = "FINISHED"
+            return run_summary(session, state, metrics)
+        finally:
+            session.close(status)
 
 
 def run_tags() -> dict[str, str]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from prefect import flow
 
 from components.services import reward_service
-from components.tasks import load_actor, log_metrics, open_run, run_summary, rloo_iteration, save_checkpoint
+from components.tasks import (load_actor, log_metrics, open_run, reported_failure, rloo_iteration, run_summary,
+                              save_checkpoint)
 from flows.ppo import run_tags
 from models.config import RLHFConfig, with_schedule_lengths
 from models.loop import load_prompts, prompt_batches
@@ -15,19 +16,21 @@ from models.loop import load_prompts, prompt_batches
 def reinforce(config: RLHFConfig = RLHFConfig(algorithm="rloo")) -> dict:
     """Train the actor with RLOO: k rollouts per prompt scored by the reward server, leave-one-out baseline."""
     cfg = with_schedule_lengths(config.model_copy(update={"algorithm": "rloo"}))
-    session = open_run(cfg, run_tags())
-    status = "FAILED"
-    try:
-        state = load_actor(cfg, session)
-        with reward_service(cfg, session) as reward:
-            batches = prompt_batches(load_prompts(cfg), cfg.reinforce.rollout_batch_size, cfg.seed, start_batch=state.iteration)
-            metrics = {}
-            while state.iteration < cfg.iterations:
-                metrics, samples = reward.guard(rloo_iteration, state, next(batches), reward.backend, cfg)
-                log_metrics(session, state.iteration, metrics, samples)
-                if state.iteration % cfg.checkpoint.every == 0 or state.iteration == cfg.iterations:
-                    save_checkpoint(session, state)
-        status = "FINISHED"
-        return run_summary(session, state, metrics)
-    finally:
-        session.close(status)
+    with reported_failure():
+        session = open_run(cfg, run_tags())
+        status = "FAILED"
+        try:
+            state = load_actor(cfg, session)
+            with reward_service(cfg, session) as reward:
+                batches = prompt_batches(load_prompts(cfg), cfg.reinforce.rollout_batch_size, cfg.seed,
+                                         start_batch=state.iteration)
+                metrics = {}
+                while state.iteration < cfg.iterations:
+                    metrics, samples = reward.guard(rloo_iteration, state, next(batches), reward.backend, cfg)
+                    log_metrics(session, state.iteration, metrics, samples)
+                    if state.iteration % cfg.checkpoint.every == 0 or state.iteration == cfg.iterations:
+                        save_checkpoint(session, state)
+            status = "FINISHED"
+            return run_summary(session, state, metrics)
+        finally:
+            session.close(status)

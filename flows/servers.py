@@ -10,22 +10,20 @@ from typing import Optional
 
 from prefect import flow
 
+from components.services import host_server
 from models.config import RLHFConfig
 
 
 @flow(name="critic-server", log_prints=True)
-def critic_server(config: RLHFConfig = RLHFConfig(), checkpoint_dir: Optional[str] = None,
-                  checkpoint_uri: Optional[str] = None) -> int:
-    """Serve critic_infer / critic_train / critic_save for one training run until cancelled (saves also go to the
-    run's checkpoint store at `checkpoint_uri`/critic-server, where a fresh node restores from)."""
-    from components.remote import host_server
-
-    return host_server("critic", config, checkpoint_dir, checkpoint_uri)
+def critic_server(config: RLHFConfig = RLHFConfig(), checkpoint_uri: Optional[str] = None,
+                  restore_iteration: Optional[int] = None) -> int:
+    """Serve critic_infer / critic_train / critic_save for one training run until cancelled. Saves are uploaded to
+    the run's checkpoint store (`checkpoint_uri`), where the run's checkpoints adopt them; `restore_iteration` starts
+    the critic from iter_<N>/critic there."""
+    return host_server("critic", config, checkpoint_uri, restore_iteration)
 
 
 @flow(name="reward-server", log_prints=True)
 def reward_server(config: RLHFConfig = RLHFConfig(algorithm="rloo")) -> int:
     """Serve reward_model until cancelled."""
-    from components.remote import host_server
-
-    return host_server("reward", config, None)
+    return host_server("reward", config)

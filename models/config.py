@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 STATE_DIR_ENV = "RLHF_STATE_DIR"
+TINY_PREFIX = "tiny"  # model paths "tiny/<name>" name the embedded default, built under <state_dir>/models/tiny
 
 
 def default_state_dir() -> Path:
@@ -128,8 +129,10 @@ class RewardConfig(_Section):
     launch: Literal["in_process", "local", "deployment"] = Field("local", description="Where the REINFORCE reward server runs.")
     host: str = Field("127.0.0.1", description="Interface of the reward server.")
     http_port: int = Field(8500, ge=1, le=65535, description="HTTP port of the reward server (gRPC = +1, metrics = +2).")
+    max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic-batching queue delay of reward_model.")
     torch_threads: Optional[PositiveInt] = Field(None, description="torch intra-op threads of the reward server process (None: as for the critic).")
     ready_timeout_s: float = Field(180.0, gt=0, description="How long to wait for the reward server to become ready.")
+    request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one reward request.")
 
     @model_validator(mode="after")
     def _function_given(self) -> "RewardConfig":
@@ -184,7 +187,14 @@ class RLHFConfig(_Section):
         return Path(self.state_dir).absolute() if self.state_dir else default_state_dir()
 
     def resolve_model_path(self, value: str) -> str:
-        """A relative path that exists under <state_dir>/models wins; otherwise the value is returned as given."""
+        """A relative path that exists under <state_dir>/models wins; otherwise the value is returned as given.
+
+        The embedded default (`tiny/...`) is built on first use, once, under a file lock (models/tiny.py).
+        """
+        if value.startswith(f"{TINY_PREFIX}/") and not (Path(value).is_absolute() or Path(value).exists()):
+            from models.tiny import ensure_tiny
+
+            ensure_tiny(self.resolved_state_dir() / "models" / TINY_PREFIX)
         candidate = self.resolved_state_dir() / "models" / value
         return str(candidate) if not Path(value).is_absolute() and candidate.exists() else value
 

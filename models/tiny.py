@@ -132,3 +132,35 @@ def build_tiny(out: str | Path, seed: int = 0, policy_steps: int = 600, reward_s
 def _scores_with_grad(model, ids, lengths):
     hidden = model.base_model(input_ids=ids, attention_mask=(torch.arange(ids.shape[1]) < lengths.unsqueeze(1)).long()).last_hidden_state
     return model.score(hidden[torch.arange(ids.shape[0]), lengths - 1]).squeeze(-1)
+
+
+def ensure_tiny(out: str | Path, seed: int = 0, log=print) -> Path:
+    """Build the embedded default under `out` unless it is there: once, even when several runs start together.
+
+    An exclusive lock on `<out>.lock` serialises builders; the models are written to a temporary sibling directory
+    and renamed into place, so `out` is either absent or complete (tiny.json written last), never half-written.
+    """
+    import fcntl
+    import os
+    import shutil
+    import tempfile
+
+    out = Path(out)
+    if (out / "tiny.json").exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / f".{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+        if (out / "tiny.json").exists():  # another process built it while we waited
+            return out
+        log(f"building the embedded default models (tiny policy, reward, critic) in {out} (once, ~30 s)")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            info = build_tiny(tmp, seed=seed, log=lambda *_: None)
+            info["paths"] = {k: str(out / k) for k in info["paths"]}
+            (tmp / "tiny.json").write_text(json.dumps(info, indent=2))
+            shutil.rmtree(out, ignore_errors=True)  # a partial directory from an older version of this code
+            os.replace(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

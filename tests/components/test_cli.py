@@ -49,3 +49,29 @@ def test_train_in_process(tiny_models, tmp_path):
     assert "iteration 2/2" in proc.stdout
     history = json.loads(metrics.read_text())
     assert len(history) == 2 and history[1]["episode"] == 2 * 16 * 4
+
+
+def test_two_runs_on_an_empty_state_dir_build_the_embedded_default_once(tmp_path):
+    """The first run on a fresh machine builds the tiny models; two started together do not race or half-write."""
+    state = tmp_path / "state"
+    args = [RLHF, "train", "--set", "algorithm=rloo", "--set", "iterations=1", "--set", "reinforce.rollout_batch_size=4",
+            "--set", "generation.max_new_tokens=4"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RLHF_STATE_DIR=str(state))
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert all("iteration 1/1" in out for out in outputs), outputs
+    assert sum("building the embedded default models" in out for out in outputs) == 1, outputs
+    tiny = state / "models" / "tiny"
+    assert json.loads((tiny / "tiny.json").read_text())["paths"]["policy"] == str(tiny / "policy")
+    assert sorted(p.name for p in (state / "models").iterdir()) == [".tiny.lock", "tiny"]  # no half-written leftovers
+
+
+def test_a_model_path_that_does_not_exist_fails_fast_naming_the_field(tmp_path):
+    proc = run("train", "--set", f"model.policy={tmp_path / 'no-such-model'}", "--set", "iterations=1",
+               env={"RLHF_STATE_DIR": str(tmp_path / "state")}, check=False)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("rlhf train failed: FileNotFoundError: model.policy: model path") and "no-such-model" in last
+    assert not (tmp_path / "state" / "models").exists()  # a path the user gave is never replaced by the default

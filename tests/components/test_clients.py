@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
@@ -14,8 +13,8 @@ import torch
 
 from components.clients import (CriticClient, RewardClient, ServerError, ServerUnavailable, critic_backend,
                                 reward_backend, summarize_server_error)
-from components.launcher import ServerProcess, critic_argv, find_free_ports, reward_argv
-from components.servers import CRITIC_MODELS, REWARD_MODELS
+from components.launcher import find_free_ports, launch
+from components.servers import ServerSpec
 from models.backends import CriticBackend, LocalCritic, RewardBackend
 from models.config import preset
 from models.critic import CriticInputError
@@ -52,10 +51,9 @@ def stack(tiny_models, tmp_path_factory):
     root = tmp_path_factory.mktemp("clients")
     port = find_free_ports(count=13)
     cfg = ppo_cfg(tiny_models, root, port)
-    critic = ServerProcess(critic_argv(cfg, port, checkpoint_dir=root / "critic", max_batch_size=MAX_BATCH),
-                           "127.0.0.1", port, CRITIC_MODELS, root / "critic.log", name="critic")
-    reward = ServerProcess(reward_argv(cfg, port + 10), "127.0.0.1", port + 10, REWARD_MODELS, root / "reward.log",
-                           name="reward")
+    critic = launch(ServerSpec(kind="critic", config=cfg, port=port, checkpoint_dir=str(root / "critic"),
+                               max_batch_size=MAX_BATCH), root / "critic.log", wait=False)
+    reward = launch(ServerSpec(kind="reward", config=cfg, port=port + 10), root / "reward.log", wait=False)
     try:
         critic.wait_until_ready(120)
         reward.wait_until_ready(120)
@@ -167,11 +165,12 @@ def test_connection_refused_is_retried_then_raises():
     port = find_free_ports()
     client = CriticClient(f"http://127.0.0.1:{port}", timeout_s=5, retries=2, combined_reward=True)
     client._http.retry_wait_s = 0.2
-    started = time.monotonic()
+    waits = []
+    client._http._sleep = waits.append
     try:
         with pytest.raises(ServerUnavailable, match=f"cannot reach 127.0.0.1:{port}.*after 3 attempt"):
             client.infer_async(*sequences(2, 2)).result(timeout=30)
-        assert time.monotonic() - started >= 0.2 + 0.4  # waited between the attempts
+        assert waits == pytest.approx([0.2, 0.4])  # a growing wait between the attempts
     finally:
         client.close()
 

@@ -13,21 +13,23 @@ from pathlib import Path
 import psutil
 import pytest
 
-from components.launcher import (ServerNotReady, ServerProcess, child_env, critic_argv, find_free_ports,
-                                 port_block_free, reward_argv, wait_until_ready)
-from components.servers import CRITIC_MODELS, REWARD_MODELS
+from components.launcher import (ServerNotReady, ServerProcess, child_env, find_free_ports, port_block_free,
+                                 server_argv, wait_until_ready)
+from components.servers import CRITIC_MODELS, REWARD_MODELS, ServerSpec, prepare_environment
 
 
 def serve_argv(*args: str) -> list[str]:
     return [sys.executable, "-m", "components.serve_main", *args]
 
 
-def test_child_env_puts_this_libpython_first_and_isolates_pytriton_home(tmp_path):
+def test_child_env_isolates_pytriton_home_and_the_server_puts_this_libpython_first(tmp_path, monkeypatch):
     env = child_env(tmp_path / "home", "tok", {"EXTRA": "1"})
-    assert env["LD_LIBRARY_PATH"].split(":")[0] == sysconfig.get_config_var("LIBDIR")
     assert env["PYTRITON_HOME"] == str(tmp_path / "home")
     assert env["RLHF_TRITON_ACCESS_TOKEN"] == "tok" and env["EXTRA"] == "1"
     assert str(Path(__file__).resolve().parents[2]) in env["PYTHONPATH"].split(":")
+    monkeypatch.setenv("LD_LIBRARY_PATH", "/somewhere/else")
+    prepare_environment()  # what every server process does before Triton starts (the one place that sets it)
+    assert os.environ["LD_LIBRARY_PATH"].split(":") == [sysconfig.get_config_var("LIBDIR"), "/somewhere/else"]
 
 
 def test_ports_are_explicit_blocks_away_from_the_defaults():
@@ -40,30 +42,44 @@ def test_ports_are_explicit_blocks_away_from_the_defaults():
         assert not port_block_free("127.0.0.1", port)
 
 
-def test_argv_for_a_config(tiny_models, tmp_path):
+def test_the_child_gets_its_whole_spec_as_one_json_document(tiny_models, tmp_path):
     from models.config import preset
 
     cfg = preset("tiny", **{"model.reward": tiny_models["reward"], "critic.combine_reward": False,
                             "critic.optim.lr": 0.002, "reward.source": "function",
                             "reward.function": "models.tasks.sentiment:gold_reward", "model.policy": tiny_models["policy"]})
-    argv = critic_argv(cfg, 23456, checkpoint_dir=tmp_path / "c")
-    assert argv[:4] == [sys.executable, "-m", "components.serve_main", "critic"]
-    assert "--no-combine" in argv and argv[argv.index("--port") + 1] == "23456"
-    assert '"lr":0.002' in argv[argv.index("--critic-config-json") + 1]
-    assert argv[argv.index("--checkpoint-dir") + 1] == str(tmp_path / "c")
-    rargv = reward_argv(cfg, 23460)
-    assert rargv[rargv.index("--function") + 1] == "models.tasks.sentiment:gold_reward"
-    assert rargv[rargv.index("--tokenizer") + 1] == tiny_models["policy"]
+    spec = ServerSpec(kind="critic", config=cfg, port=23456, checkpoint_dir=str(tmp_path / "c"))
+    argv = server_argv(spec)
+    assert argv[:4] == [sys.executable, "-m", "components.serve_main", "--spec"] and len(argv) == 5
+    assert ServerSpec.model_validate_json(argv[4]) == spec
+    assert spec.specs()[0].outputs[-1].name == "values"  # no rewards output: the reward model is not combined
+    assert spec.config.critic.optim.lr == 0.002
+
+
+def test_rlhf_serve_flags_map_onto_the_config_tree(tiny_models, tmp_path):
+    from components.cli import build_parser
+    from components.serve_main import spec_from_args
+
+    args = build_parser().parse_args(["serve", "critic", "--reward", tiny_models["reward"], "--no-combine", "--port",
+                                      "23456", "--checkpoint-dir", str(tmp_path / "c"), "--set", "critic.optim.lr=0.002"])
+    spec = spec_from_args(args)
+    assert spec.kind == "critic" and spec.port == 23456 and spec.checkpoint_dir == str(tmp_path / "c")
+    assert spec.config.model.reward == tiny_models["reward"] and spec.config.critic.combine_reward is False
+    assert spec.config.critic.optim.lr == 0.002
+    args = build_parser().parse_args(["serve", "reward", "--function", "models.tasks.sentiment:gold_reward",
+                                      "--tokenizer", tiny_models["policy"]])
+    spec = spec_from_args(args)
+    assert spec.port == 8500 and spec.config.reward.source == "function"
+    assert spec.config.reward.function == "models.tasks.sentiment:gold_reward"
+    assert spec.config.model.policy == tiny_models["policy"]
 
 
 def test_wrong_port_says_nothing_is_listening():
     port = find_free_ports()
-    started = time.monotonic()
     with pytest.raises(ServerNotReady) as err:
         wait_until_ready(f"http://127.0.0.1:{port}", CRITIC_MODELS, timeout=1.5)
     assert err.value.reason == "not_listening"
     assert f"nothing listening at 127.0.0.1:{port}" in str(err.value) and "timed out after" in str(err.value)
-    assert time.monotonic() - started < 5
 
 
 def test_a_listener_that_never_answers_is_a_plain_timeout():
@@ -84,14 +100,13 @@ def test_a_model_that_fails_to_load_is_reported_with_its_state_and_reason(tiny_m
     port = find_free_ports()
     argv = serve_argv("critic", "--model", str(not_a_model), "--reward", tiny_models["reward"], "--port", str(port))
     with ServerProcess(argv, "127.0.0.1", port, CRITIC_MODELS, tmp_path / "critic.log", name="critic") as proc:
-        started = time.monotonic()
         with pytest.raises(ServerNotReady) as err:
-            proc.wait_until_ready(timeout=150)
+            proc.wait_until_ready(timeout=600)
         message = str(err.value)
         assert err.value.reason == "model_not_ready"
         assert message.startswith(f"server up at 127.0.0.1:{port} but model critic_infer not ready (state UNAVAILABLE")
         assert str(not_a_model) in message  # the reason travels through Triton's repository index
-        assert time.monotonic() - started < 60  # failed loads are reported at once, not at the timeout
+        assert "timed out" not in message  # a failed load is reported as such, not by waiting out the timeout
         assert proc.poll() is None  # the server keeps answering with the reason
     assert proc.poll() is not None and not proc.group_members()
 

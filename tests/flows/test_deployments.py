@@ -1,5 +1,6 @@
 """End to end through a real local stack: Prefect server, MLflow server and the served deployments (what `rlhf up`
-starts), driven with `prefect deployment run` exactly as a user does."""
+starts), driven with `prefect deployment run` exactly as a user does, on a state directory that starts empty (the
+first run builds the embedded default models)."""
 
 import json
 import os
@@ -23,10 +24,8 @@ PREFECT = str(Path(sys.executable).parent / "prefect")
 
 
 @pytest.fixture(scope="module")
-def local_stack(tmp_path_factory, tiny_models):
-    state_dir = tmp_path_factory.mktemp("state")
-    (state_dir / "models").mkdir()
-    os.symlink(Path(tiny_models["policy"]).parent, state_dir / "models" / "tiny")
+def local_stack(tmp_path_factory):
+    state_dir = tmp_path_factory.mktemp("state")  # empty: no models
     prefect_port, mlflow_port = free_port_block(1), free_port_block(1)
     urls = stack.up(state_dir, prefect_port, mlflow_port, set_profile=False, log=lambda *_: None)
     env = stack.base_env(state_dir, prefect_port, mlflow_port)
@@ -87,9 +86,11 @@ def mlflow_run(s, run_name: str):
 
 def test_ppo_deployment_completes_with_metrics_and_no_leftover_server(local_stack):
     s = local_stack
+    assert not (s["state_dir"] / "models").exists()
     proc = deployment_run(s, "ppo/default", {"iterations": 3, "run_name": "e2e-ppo", "checkpoint": {"every": 2}})
-    run = wait_final(s, flow_run_id(proc))
+    run = wait_final(s, flow_run_id(proc), timeout=600)
     assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert (s["state_dir"] / "models" / "tiny" / "tiny.json").exists()  # built on first use
     names = task_names(s, run["id"])
     assert any(n.startswith("deploy-critic-server") for n in names) and any(n.startswith("wait-until-ready") for n in names)
     assert sum(n.startswith("ppo-iteration") for n in names) == 3
@@ -183,11 +184,30 @@ def test_critic_as_a_deployment(local_stack):
     assert run["state"]["type"] == "COMPLETED", run["state"]
     body = {"flow_runs": {"start_time": {"after_": run["start_time"]}}, "deployments": {}, "limit": 50}
     runs = httpx.post(f"{s['api']}/flow_runs/filter", json=body, timeout=10).json()
-    critic_runs = [r for r in runs if (r.get("parameters") or {}).get("checkpoint_dir", "").endswith("e2e-dep/critic")]
+    critic_runs = [r for r in runs if (r.get("parameters") or {}).get("checkpoint_uri", "").endswith("/e2e-dep")]
     assert len(critic_runs) == 1
     final = wait_final(s, critic_runs[0]["id"], timeout=60)
     assert final["state"]["type"] == "CANCELLED"
-    assert server_processes(str(s["state_dir"] / "runs" / "e2e-dep")) == []
+    assert server_processes(critic_runs[0]["id"]) == []
+    # the critic of the checkpoint is the one of its iteration, inside iter_2 beside the actor
+    ckpt = s["state_dir"] / "checkpoints" / "e2e-dep"
+    manifest = json.loads((ckpt / "iter_2" / "state.json").read_text())
+    assert manifest["parts"] == ["actor", "critic"]
+    assert json.loads((ckpt / "iter_2" / "critic" / "critic.json").read_text())["step"] == manifest["state"]["critic_step"] > 0
+    assert not (ckpt / "critic-pending").exists() or not any((ckpt / "critic-pending").iterdir())
+
+
+def test_a_failed_run_says_why_in_its_state_and_in_the_watch_output(local_stack):
+    s = local_stack
+    config = {"run_name": "e2e-fail", "model": {"policy": "/no/such/policy"}}
+    proc = subprocess.run([PREFECT, "deployment", "run", "ppo/default", "--param", f"config={json.dumps(config)}",
+                           "--watch"], env=s["env"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    run = read_flow_run(s, flow_run_id(proc))
+    message = run["state"]["message"]
+    assert run["state"]["type"] == "FAILED" and "\n" not in message
+    assert "RunFailed: FileNotFoundError: model.policy: model path '/no/such/policy' does not exist" in message
+    assert "model.policy: model path '/no/such/policy' does not exist" in proc.stdout  # the watch shows the reason
 
 
 def test_up_is_idempotent_and_down_frees_ports(local_stack, tmp_path):
