@@ -18,7 +18,7 @@ import traceback
 
 from benchmarks.common import ROOT, load_average, log, machine, results_dir, versions
 
-BENCHMARKS = ("generate", "rloo_vs_trl", "critic_http", "overlap", "what_if", "gpu")
+BENCHMARKS = ("generate", "rloo_vs_trl", "critic_http", "overlap", "what_if", "distributed", "gpu")
 MARK_START, MARK_END = "<!-- results:start (written by python -m benchmarks.run_all) -->", "<!-- results:end -->"
 
 
@@ -90,6 +90,19 @@ def table(results: dict, summary: dict) -> str:
                          f"{fmt(c['default']['seconds_per_iteration'], digits=3)} vs "
                          f"{fmt(c['split']['seconds_per_iteration'], digits=3)} (x{c['split_over_default']['median']:.2f})",
                          f"{t['repetitions']['pairs']} pairs", "—", ""])
+    r = results.get("distributed")
+    if r:
+        n = f"{r['settings']['rounds']} rounds x {r['settings']['iterations_per_run'] - 1} it"
+        for algorithm in ("ppo", "rloo"):
+            t = r["seconds_per_iteration"][algorithm]
+            rows.append([f"Actor on 1 vs 2 ranks (FSDP2, gloo): {algorithm.upper()}", "s/iteration: 1 vs 2 ranks",
+                         f"{fmt(t['1_ranks_seconds_per_iteration'], digits=3)} vs "
+                         f"{fmt(t['2_ranks_seconds_per_iteration'], digits=3)} (x{t['ratio_2_over_1']:.2f})", n,
+                         "(none on 2 cores)", ""])
+        f = r["memory_fraction_of_1_rank_per_rank_of_2"]
+        rows.append([f"Per-rank memory, {r['settings']['memory_model']}", "each of 2 ranks / 1 rank: params, grads, "
+                     "AdamW", ", ".join(f"{k} {min(v):.2f}-{max(v):.2f}" for k, v in f.items()), "1 run",
+                     "about 0.5", "yes" if r["target_met"] else "no"])
     r = results.get("gpu")
     if r:
         if r.get("skipped"):

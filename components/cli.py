@@ -64,7 +64,10 @@ def cmd_train(args) -> int:
         print(f"[{cfg.algorithm}] iteration {i + 1}/{cfg.iterations}  gold {m.get('objective/gold_reward', float('nan')):+.3f}"
               f"  score {m['objective/scores']:+.3f}  kl {m['objective/kl']:.3f}  step {m['time/step']:.2f}s", flush=True)
 
-    history = train_in_process(cfg, show)
+    from components.ranks import actor_ranks
+
+    with actor_ranks(cfg, cfg.resolved_state_dir() / "logs" / "train") as actor:
+        history = train_in_process(actor.cfg, show, actor)
     if args.metrics_out:
         Path(args.metrics_out).write_text(json.dumps(history, indent=1))
     return 0
@@ -73,7 +76,8 @@ def cmd_train(args) -> int:
 def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file with any subset of the config tree")
     p.add_argument("--preset", default="tiny", help="named preset the file and --set apply on (default: tiny)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. --set ppo.optim.lr=1e-5 (repeatable)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override, e.g. --set ppo.optim.lr=1e-5 or --set actor.nproc_per_node=2 (repeatable)")
 
 
 def build_parser() -> argparse.ArgumentParser:

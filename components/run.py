@@ -1,7 +1,8 @@
 """A run's durable state: its name, local directory, checkpoint store, MLflow run, and the resume manifest.
 
-A checkpoint holds `actor/` (save_pretrained or the LoRA adapter, plus actor_state.pt: optimizer, scheduler, sampling
-RNG, KL controller, iteration, consumed rollouts), `critic/` (the critic's critic_save output of the same iteration, in
+A checkpoint holds `actor/` (full HF save_pretrained weights or the LoRA adapter, written by rank 0; `sharded/`: the
+optimizer and every rank's sampling stream through torch.distributed.checkpoint; actor_state.pt: schedule, KL
+controller, minibatch stream, iteration, consumed rollouts, world size), `critic/` (the critic's critic_save output of the same iteration, in
 every launch mode) and state.json (the manifest: iteration, critic step, tracking run id, global RNG states, config).
 Re-running with the same run name resumes from the last complete checkpoint. A checkpoint that cannot be read fails
 the run naming its URI and the cause; only "no checkpoint yet" starts a new run.
@@ -20,9 +21,8 @@ import torch
 
 from components.checkpoints import CheckpointStore
 from components.tracking import Tracker, resolve_tracking_uri
-from models.actor import ActorState
 from models.config import RLHFConfig
-from models.policy import Policy
+from models.loop import Leader
 
 
 def run_name_for(cfg: RLHFConfig) -> str:
@@ -93,23 +93,24 @@ class RunSession:
     def start_iteration(self) -> int:
         return int(self.manifest.get("iteration", 0))
 
-    def restore_actor(self, state: ActorState) -> None:
-        """Load actor weights/optimizer/RNG from the downloaded checkpoint into a freshly built ActorState."""
+    def restore_actor(self, actor: Leader) -> str | None:
+        """Load the downloaded checkpoint into the freshly built actor on all its ranks (weights, optimizer, RNGs);
+        returns a warning when the checkpoint was saved by another number of ranks (then the optimizer starts fresh)."""
         if self.resumed_from is None:
-            return
-        actor_dir = self.local_dir / "restore" / "actor"
-        load_actor_weights(state.policy, actor_dir)
-        state.load_state_dict(torch.load(actor_dir / "actor_state.pt", weights_only=False))
+            return None
+        warning = actor.restore(self.local_dir / "restore" / "actor")
         torch.set_rng_state(self.manifest["rng"]["torch"])
         random.setstate(_tuple_state(self.manifest["rng"]["python"]))
+        return warning
 
-    def save(self, state: ActorState, critic_info: dict | None) -> str:
-        """Checkpoint the actor (+ the critic directory when it is local) and the manifest; prune; record in MLflow."""
+    def save(self, actor: Leader, critic_info: dict | None) -> str:
+        """Checkpoint the actor (all ranks take part) + the critic of the same iteration + the manifest; prune;
+        record in MLflow."""
+        state = actor.state
         stage = self.local_dir / "staging"
         shutil.rmtree(stage, ignore_errors=True)
         actor_dir = stage / "actor"
-        state.policy.save(actor_dir)
-        torch.save(state.state_dict(), actor_dir / "actor_state.pt")
+        actor.save(actor_dir)
         parts, stored = {"actor": actor_dir}, {}
         if critic_info:
             # a server with the run's store (launch=deployment) uploaded its save there: adopted inside the store;
@@ -120,6 +121,7 @@ class RunSession:
             else:
                 parts["critic"] = Path(critic_info["path"])
         manifest = {"iteration": state.iteration, "episode": state.episode, "run_name": self.name,
+                    "world_size": state.me.world_size,
                     "tracking_run_id": self.tracker.run_id, "critic_step": (critic_info or {}).get("step"),
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
                     "config": self.cfg.model_dump(mode="json")}
@@ -141,19 +143,6 @@ class RunSession:
 
     def close(self, status: str) -> None:
         self.tracker.end(status)
-
-
-def load_actor_weights(policy: Policy, actor_dir: Path) -> None:
-    if policy.lora:
-        from peft import set_peft_model_state_dict
-        from safetensors.torch import load_file
-
-        set_peft_model_state_dict(policy.model, load_file(str(actor_dir / "adapter_model.safetensors")))
-    else:
-        from transformers import AutoModelForCausalLM
-
-        loaded = AutoModelForCausalLM.from_pretrained(actor_dir)
-        policy.model.load_state_dict(loaded.state_dict())
 
 
 def _jsonable(value):

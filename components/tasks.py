@@ -8,11 +8,8 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 
 from components.run import RunSession
-from models.actor import ActorState
 from models.config import RLHFConfig
-from models.loop import build_actor, gold_function
-from models.ppo import ppo_step
-from models.rloo import rloo_step
+from models.loop import Leader
 
 
 @task(name="open-run", cache_policy=NONE, retries=2, retry_delay_seconds=5)
@@ -28,24 +25,26 @@ def open_run(cfg: RLHFConfig, tags: dict[str, str]) -> RunSession:
     return session
 
 
-@task(name="load-actor", cache_policy=NONE)
-def load_actor(cfg: RLHFConfig, session: RunSession) -> ActorState:
-    """Actor + frozen reference (CPU copy, or the adapters disabled for LoRA) + optimizer, restored when resuming."""
-    state = build_actor(cfg)
-    session.restore_actor(state)
-    return state
+@task(name="restore-actor", cache_policy=NONE)
+def restore_actor(session: RunSession, actor: Leader) -> None:
+    """Weights, optimizer and RNGs of the last checkpoint into the actor on all its ranks (a new run: nothing)."""
+    warning = session.restore_actor(actor)
+    if warning:
+        get_run_logger().warning(warning)
 
 
 @task(name="ppo-iteration", cache_policy=NONE)
-def ppo_iteration(state: ActorState, prompts: list[str], critic, reward, cfg: RLHFConfig):
-    """rollout -> logprobs + reference -> critic_infer (async) -> KL-shaped rewards -> GAE -> actor + critic updates."""
-    return ppo_step(state, prompts, critic, reward, cfg, gold_function(cfg))
+def ppo_iteration(actor: Leader, prompts: list[str], critic, reward):
+    """rollout -> logprobs + reference -> critic_infer (async) -> KL-shaped rewards -> GAE -> actor + critic updates,
+    on every actor rank (each its share of the prompts)."""
+    return actor.step(prompts, critic, reward)
 
 
 @task(name="rloo-iteration", cache_policy=NONE)
-def rloo_iteration(state: ActorState, prompts: list[str], reward, cfg: RLHFConfig):
-    """k rollouts per prompt -> logprobs + reference -> rewards (async) -> leave-one-out baseline -> REINFORCE update."""
-    return rloo_step(state, prompts, reward, cfg, gold_function(cfg))
+def rloo_iteration(actor: Leader, prompts: list[str], reward):
+    """k rollouts per prompt -> logprobs + reference -> rewards (async) -> leave-one-out baseline -> REINFORCE update,
+    on every actor rank (each its share of the prompts)."""
+    return actor.step(prompts, None, reward)
 
 
 @task(name="log-metrics", cache_policy=NONE, retries=2, retry_delay_seconds=2)
@@ -57,19 +56,20 @@ def log_metrics(session: RunSession, iteration: int, metrics: dict, samples: lis
         f"score {m['objective/scores']:+.3f} KL {m['objective/kl']:.3f} step {m['time/step']:.2f}s")
 
 
-@task(name="checkpoint", cache_policy=NONE, retries=2, retry_delay_seconds=5)
-def save_checkpoint(session: RunSession, state: ActorState, critic=None) -> str:
-    """critic_save on the critic server, then actor + critic + manifest into the store; `latest` written last."""
+@task(name="checkpoint", cache_policy=NONE)
+def save_checkpoint(session: RunSession, actor: Leader, critic=None) -> str:
+    """critic_save on the critic server, then actor (all ranks) + critic + manifest into the store; `latest` last."""
     critic_info = critic.save() if critic is not None else None
-    uri = session.save(state, critic_info)
-    get_run_logger().info(f"checkpoint iteration {state.iteration}: {uri}")
+    uri = session.save(actor, critic_info)
+    get_run_logger().info(f"checkpoint iteration {actor.state.iteration}: {uri}")
     return uri
 
 
-def run_summary(session: RunSession, state: ActorState, metrics: dict) -> dict:
+def run_summary(session: RunSession, actor: Leader, metrics: dict) -> dict:
     """What a training flow returns (shown as the flow run's result)."""
-    get_run_logger().info(f"run {session.name} finished: {state.iteration} iterations")
-    return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": state.iteration,
+    get_run_logger().info(f"run {session.name} finished: {actor.state.iteration} iterations on "
+                          f"{actor.me.world_size} actor rank(s)")
+    return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": actor.state.iteration,
             "final": {k: v for k, v in metrics.items() if k.startswith("objective/")}}
 
 

@@ -1,12 +1,14 @@
-"""PPO as a Prefect flow: deploy the critic server, wait until ready, iterate, checkpoint, tear down."""
+"""PPO as a Prefect flow: start the actor's ranks, deploy the critic server, wait until ready, iterate, checkpoint,
+tear everything down."""
 
 from __future__ import annotations
 
 from prefect import flow
 from prefect.runtime import deployment, flow_run
 
+from components.ranks import actor_ranks
 from components.services import critic_service, reward_service
-from components.tasks import (load_actor, log_metrics, open_run, ppo_iteration, reported_failure, run_summary,
+from components.tasks import (log_metrics, open_run, ppo_iteration, reported_failure, restore_actor, run_summary,
                               save_checkpoint)
 from models.config import RLHFConfig, with_schedule_lengths
 from models.loop import load_prompts, prompt_batches
@@ -20,19 +22,21 @@ def ppo(config: RLHFConfig = RLHFConfig(algorithm="ppo")) -> dict:
         session = open_run(cfg, run_tags())
         status = "FAILED"
         try:
-            state = load_actor(cfg, session)
-            with critic_service(cfg, session) as critic, \
-                    reward_service(cfg, session, needed=not cfg.critic.combine_reward) as reward:
-                batches = prompt_batches(load_prompts(cfg), cfg.ppo.rollout_batch_size, cfg.seed, start_batch=state.iteration)
-                metrics = {}
-                while state.iteration < cfg.iterations:
-                    metrics, samples = critic.guard(ppo_iteration, state, next(batches), critic.backend,
-                                                    reward.backend if reward else None, cfg)
-                    log_metrics(session, state.iteration, metrics, samples)
-                    if state.iteration % cfg.checkpoint.every == 0 or state.iteration == cfg.iterations:
-                        critic.guard(save_checkpoint, session, state, critic.backend)
+            with actor_ranks(cfg, session.local_dir / "logs") as actor:
+                restore_actor(session, actor)
+                with critic_service(cfg, session) as critic, \
+                        reward_service(cfg, session, needed=not cfg.critic.combine_reward) as reward:
+                    batches = prompt_batches(load_prompts(cfg), cfg.ppo.rollout_batch_size, cfg.seed,
+                                             start_batch=actor.state.iteration)
+                    metrics = {}
+                    while actor.state.iteration < cfg.iterations:
+                        metrics, samples = critic.guard(ppo_iteration, actor, next(batches), critic.backend,
+                                                        reward.backend if reward else None)
+                        log_metrics(session, actor.state.iteration, metrics, samples)
+                        if actor.state.iteration % cfg.checkpoint.every == 0 or actor.state.iteration == cfg.iterations:
+                            critic.guard(save_checkpoint, session, actor, critic.backend)
             status = "FINISHED"
-            return run_summary(session, state, metrics)
+            return run_summary(session, actor, metrics)
         finally:
             session.close(status)
 

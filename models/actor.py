@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -12,38 +12,42 @@ from torch import Tensor
 
 from models.advantages import AdaptiveKLController, FixedKLController, kl_penalty, masked_mean
 from models.config import KLConfig, OptimConfig, RLHFConfig
+from models.distributed import SINGLE, Dist
 from models.loading import make_optimizer
 from models.policy import Policy, Rollout
+from models.update import micro_batches, minibatch_update
 
 
 @dataclass
 class ActorState:
-    """Everything about the actor that a checkpoint must restore."""
+    """Everything about this rank's actor that a checkpoint must restore."""
 
     policy: Policy
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     kl_ctl: AdaptiveKLController
-    generator: torch.Generator  # sampling and minibatch order
+    generator: torch.Generator  # sampling: its own stream per rank, from (seed, rank)
+    shuffle: torch.Generator  # minibatch order: the same stream on every rank
+    me: Dist = SINGLE
     iteration: int = 0
-    episode: int = 0  # rollouts consumed so far
+    episode: int = 0  # rollouts consumed so far (all ranks)
 
     @classmethod
-    def create(cls, policy: Policy, optim: OptimConfig, kl: KLConfig, seed: int) -> "ActorState":
+    def create(cls, policy: Policy, optim: OptimConfig, kl: KLConfig, seed: int, me: Dist = SINGLE) -> "ActorState":
         optimizer, scheduler = make_optimizer(policy.trainable_parameters(), optim)
         kl_ctl = AdaptiveKLController(kl.init, kl.target, kl.horizon) if kl.adaptive else FixedKLController(kl.init)
-        return cls(policy, optimizer, scheduler, kl_ctl, torch.Generator().manual_seed(seed))
+        sampling = torch.Generator().manual_seed(seed + 1_000_003 * me.rank)
+        return cls(policy, optimizer, scheduler, kl_ctl, sampling, torch.Generator().manual_seed(seed), me)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "kl_ctl": self.kl_ctl.state_dict(), "generator": self.generator.get_state(),
-                "iteration": self.iteration, "episode": self.episode}
+        """What every rank holds alike (the optimizer and the sampling stream are saved per rank, see checkpoint)."""
+        return {"scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
+                "shuffle": self.shuffle.get_state(), "iteration": self.iteration, "episode": self.episode}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
-        self.generator.set_state(state["generator"])
+        self.shuffle.set_state(state["shuffle"])
         self.iteration, self.episode = int(state["iteration"]), int(state["episode"])
 
 
@@ -52,6 +56,15 @@ class Timers:
 
     def __init__(self):
         self.seconds: dict[str, float] = {}
+        self._open: dict[str, float] = {}
+
+    def begin(self, phase: str) -> None:
+        self._open[phase] = time.perf_counter()
+
+    def stop(self, phase: str) -> None:
+        """End a phase opened with `begin` (nothing if it is not open)."""
+        if phase in self._open:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - self._open.pop(phase)
 
     @contextmanager
     def __call__(self, phase: str):
@@ -61,12 +74,37 @@ class Timers:
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
-    def metrics(self) -> dict[str, float]:
-        return {f"time/{k}": v for k, v in self.seconds.items()}
 
 
-def micro_batches(n: int, size: int) -> list[slice]:
-    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+def leader_batch(me: Dist, fields: dict, pad_id: int = 0) -> dict | None:
+    """Every rank's rows of `fields` concatenated in rank order on rank 0 (None elsewhere), with `sizes` (rows per
+    rank). [B, T] tensors are right-padded to the widest T (`tokens` with pad_id, the rest with 0); lists concatenate."""
+    parts = me.gather_object({k: v.cpu() if isinstance(v, Tensor) else v for k, v in fields.items()})
+    if parts is None:
+        return None
+    if len(parts) == 1:
+        return {**parts[0], "sizes": [len(next(iter(parts[0].values())))]}
+    out = {}
+    for key, first in parts[0].items():
+        values = [p[key] for p in parts]
+        if isinstance(first, Tensor) and first.dim() == 2:
+            width = max(v.shape[1] for v in values)
+            fill = pad_id if key == "tokens" else 0
+            values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill) for v in values]
+        out[key] = torch.cat(values) if isinstance(first, Tensor) else [x for v in values for x in v]
+    out["sizes"] = [len(p[next(iter(fields))]) for p in parts]
+    return out
+
+
+def scatter_rows(me: Dist, results: dict | None, sizes: list[int] | None) -> dict:
+    """Rank 0's `results` (tensors over the rows of all ranks) split back by `sizes`: each rank gets its rows."""
+    per_rank = None
+    if results is not None:
+        per_rank = [{} for _ in sizes]
+        for key, value in results.items():
+            for rank, part in enumerate(torch.split(value, sizes)):
+                per_rank[rank][key] = part
+    return me.scatter_object(per_rank)
 
 
 def needs_logprob_recompute(cfg: RLHFConfig) -> bool:
@@ -74,28 +112,31 @@ def needs_logprob_recompute(cfg: RLHFConfig) -> bool:
     return cfg.generation.recompute_logprobs if cfg.generation.recompute_logprobs is not None else cfg.model.dtype != "float32"
 
 
-def rollout_logprobs(policy: Policy, rollout: Rollout, cfg: RLHFConfig, timers: Timers,
-                     between: Callable[[slice], None] | None = None) -> tuple[Tensor, Tensor]:
-    """Old (behaviour) and reference logprobs [B, L-1] per micro-batch; `between(mb)` runs before each micro-batch
-    (used to fire remote requests so they overlap with the actor's forward passes)."""
+def rollout_logprobs(policy: Policy, rollout: Rollout, cfg: RLHFConfig, timers: Timers, me: Dist = SINGLE) -> tuple[Tensor, Tensor]:
+    """Old (behaviour) and reference logprobs [B, L-1] of this rank's rollouts, per micro-batch (every rank runs as
+    many forward passes as the rank with the most: with FSDP each one is a collective)."""
     old, ref = [], []
     recompute = needs_logprob_recompute(cfg)
     temperature = cfg.generation.temperature
-    for mb in micro_batches(len(rollout), cfg.generation.micro_batch_size):
-        if between is not None:
-            between(mb)
+    chunks = micro_batches(len(rollout), cfg.generation.micro_batch_size)
+    count = int(me.all_reduce(torch.tensor(len(chunks)), op="max"))
+    for i in range(count):
+        mb = chunks[i] if i < len(chunks) else slice(0, 1)  # a pass whose result is dropped
         tokens, lengths = rollout.tokens[mb], rollout.lengths[mb]
         with timers("logprobs"):
             if recompute:
                 was_training = policy.model.training
                 policy.model.eval()  # behaviour logprobs without (LoRA) dropout noise
                 with torch.no_grad():
-                    old.append(policy.logprobs(tokens, lengths, temperature)[0].cpu())
+                    logp = policy.logprobs(tokens, lengths, temperature)[0].cpu()
                 policy.model.train(was_training)
             else:
-                old.append(rollout.sample_logprobs[mb])
+                logp = rollout.sample_logprobs[mb]
         with timers("reference"):
-            ref.append(policy.logprobs(tokens, lengths, temperature, reference=True)[0].cpu())
+            ref_logp = policy.logprobs(tokens, lengths, temperature, reference=True)[0].cpu()
+        if i < len(chunks):
+            old.append(logp)
+            ref.append(ref_logp)
     mask = rollout.response_mask
     return torch.cat(old) * mask, torch.cat(ref) * mask
 
@@ -108,67 +149,64 @@ def sequence_kl(old_logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str
 LossFn = Callable[[Tensor, Tensor | None, Tensor], tuple[Tensor, dict]]
 
 
+def global_rows(n_local: int, me: Dist) -> tuple[Tensor, int]:
+    """Global numbers of this rank's rows (rank-major, as one rank would hold them) and the global count."""
+    counts = me.all_gather_cat(torch.tensor([n_local]))
+    offset = int(counts[:me.rank].sum())
+    return torch.arange(offset, offset + n_local), int(counts.sum())
+
+
 def actor_update(state: ActorState, rollout: Rollout, loss_fn: LossFn, minibatch_size: int, epochs: int,
                  micro_batch_size: int, grad_clip: float, temperature: float, entropy_grad: bool = False) -> dict[str, float]:
-    """Epochs x shuffled minibatches; each minibatch is one optimizer step over gradient-accumulated micro-batches.
-
-    `loss_fn(new_logp, entropy, index)` returns the token-mean loss of the rows `index` and detached stats; each
-    micro-batch is weighted by its share of the minibatch's response tokens, so the step does not depend on how the
-    minibatch is split. The entropy carries a graph only when `entropy_grad` (an entropy bonus is in the loss).
-    """
-    policy, B = state.policy, len(rollout)
-    mask = rollout.response_mask
+    """The shared update loop (models/update.py) over this rank's rollouts: `loss_fn(new_logp, entropy, index)`
+    returns the token-mean loss of the rows `index` and detached stats. The entropy carries a graph only when
+    `entropy_grad` (an entropy bonus is in the loss)."""
+    policy, me = state.policy, state.me
     policy.model.train()
-    sums: dict[str, float] = {}
-    counts = 0
-    for _ in range(epochs):
-        order = torch.randperm(B, generator=state.generator)
-        for start in range(0, B, minibatch_size):
-            rows = order[start:start + minibatch_size]
-            total_tokens = mask[rows].sum().clamp(min=1)
-            state.optimizer.zero_grad(set_to_none=True)
-            for mb in micro_batches(len(rows), micro_batch_size):
-                idx = rows[mb]
-                logp, entropy = policy.logprobs(rollout.tokens[idx], rollout.lengths[idx], temperature, with_entropy=True,
-                                                entropy_grad=entropy_grad)
-                loss, stats = loss_fn(logp.cpu(), entropy.cpu(), idx)
-                share = float(mask[idx].sum() / total_tokens)
-                (loss * share).backward()
-                for k, v in stats.items():
-                    sums[k] = sums.get(k, 0.0) + float(v) * share
-            grad_norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), grad_clip)
-            state.optimizer.step()
-            state.scheduler.step()
-            sums["grad_norm"] = sums.get("grad_norm", 0.0) + float(grad_norm)
-            counts += 1
-    return {k: v / counts for k, v in sums.items()}
+    rows, n_global = global_rows(len(rollout), me)
+
+    def micro_loss(idx: Tensor):
+        logp, entropy = policy.logprobs(rollout.tokens[idx], rollout.lengths[idx], temperature, with_entropy=True,
+                                        entropy_grad=entropy_grad)
+        return loss_fn(logp.cpu(), entropy.cpu(), idx)
+
+    return minibatch_update(policy.trainable_parameters(), state.optimizer, state.scheduler, micro_loss,
+                            rollout.response_mask.sum(1), rows, n_global, minibatch_size, epochs, micro_batch_size,
+                            grad_clip, state.shuffle, me, sharded=policy.sharded)
 
 
 def common_metrics(state: ActorState, rollout: Rollout, scores: Tensor, gold: Tensor | None, kl_seq: Tensor,
                    non_score: Tensor, old_logp: Tensor, timers: Timers) -> dict[str, float]:
-    """Metrics that mean the same for PPO and RLOO (TRL's names where one exists)."""
+    """Metrics that mean the same for PPO and RLOO (TRL's names where one exists), over the rollouts of all ranks."""
+    me = state.me
+    gather = me.all_gather_cat
     mask = rollout.response_mask
-    response_tokens = int(rollout.response_lengths.sum())
+    scores, kl_seq, non_score = gather(scores), gather(kl_seq), gather(non_score)
+    entropy = gather((-old_logp * mask).sum(1))
+    response_lengths = gather(rollout.response_lengths)
+    response_tokens = int(response_lengths.sum())
+    seconds = {k: float(v) for k, v in zip(timers.seconds, me.all_reduce(torch.tensor(list(timers.seconds.values())), "max"))}
     metrics = {
         "objective/kl": float(kl_seq.mean()),
         "objective/kl_coef": float(state.kl_ctl.value),
-        "objective/entropy": float((-old_logp * mask).sum(1).mean()),
+        "objective/entropy": float(entropy.mean()),
         "objective/non_score_reward": float(non_score.mean()),
         "objective/rlhf_reward": float((scores + non_score).mean()),
         "objective/scores": float(scores.mean()),
         "objective/scores_std": float(scores.std()) if len(scores) > 1 else 0.0,
-        "val/num_eos_tokens": float(rollout.is_end.sum()),
-        "val/response_length": float(rollout.response_lengths.float().mean()),
+        "val/num_eos_tokens": float(gather(rollout.is_end.long()).sum()),
+        "val/response_length": float(response_lengths.float().mean()),
         "lr": float(state.scheduler.get_last_lr()[0]),
         "episode": float(state.episode),
         "iteration": float(state.iteration),
         "tokens/generated": float(response_tokens),
+        "dist/world_size": float(me.world_size),
     }
     if gold is not None:
-        metrics["objective/gold_reward"] = float(gold.mean())
-    metrics.update(timers.metrics())
-    if "generate" in timers.seconds:
-        metrics["throughput/generate_tokens_per_s"] = response_tokens / max(timers.seconds["generate"], 1e-9)
+        metrics["objective/gold_reward"] = float(gather(gold).mean())
+    metrics.update({f"time/{k}": v for k, v in seconds.items()})  # the slowest rank's
+    if "generate" in seconds:
+        metrics["throughput/generate_tokens_per_s"] = response_tokens / max(seconds["generate"], 1e-9)
     return metrics
 
 

@@ -45,7 +45,27 @@ class ModelConfig(_Section):
     critic: Optional[str] = Field(None, description="Critic checkpoint (token-classification, num_labels=1); None initialises the critic from the reward model, as NeMo-Aligner does.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA settings for the actor.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of actor and critic.")
-    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'.")
+    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'. With several actor ranks, 'auto'/'cuda' mean each rank's own GPU (LOCAL_RANK).")
+    reference_device: Literal["auto", "actor", "cpu"] = Field("auto", description="Where the frozen reference of a full fine-tune lives: 'actor' = the actor's device, sharded like the actor; 'cpu' = a CPU copy on every rank; 'auto' = the actor's device when its free memory holds the reference shard with a 20% margin, else CPU. (LoRA has no copy: adapters disabled.)")
+
+
+class ActorConfig(_Section):
+    """How many processes train the actor, and how they talk. Rank 0 runs the flow (or `rlhf train`); the others
+    follow its commands. One node: rank 0 starts ranks 1..N-1 itself. Several nodes: every pod runs torchrun."""
+
+    nproc_per_node: PositiveInt = Field(1, description="Actor ranks per node (one per GPU; on CPU, each gets cores / ranks threads).")
+    nnodes: PositiveInt = Field(1, description="Nodes; more than one needs torchrun on every pod (the actor-gpu job template does it).")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="torch.distributed backend: 'auto' = nccl with CUDA, gloo on CPU.")
+    fsdp: Literal["auto", "off"] = Field("auto", description="'auto' shards a full fine-tune with FSDP2 (fully_shard per transformer block) when world size > 1; 'off' replicates it and sums gradients. LoRA always replicates the frozen base and syncs only the adapters.")
+    mixed_precision: bool = Field(False, description="FSDP2 mixed precision on GPU: bf16 compute with fp32 gradient reduction (master weights stay fp32).")
+    master_addr: str = Field("127.0.0.1", description="Address of rank 0 for ranks started by rank 0 itself (torchrun sets its own).")
+    master_port: int = Field(29511, ge=1024, le=65535, description="Port of rank 0's rendezvous; a busy port makes rank 0 pick a free one (single node).")
+    collective_timeout_s: float = Field(300.0, gt=0, description="A collective that waits longer than this (a rank died or hangs) fails the run.")
+    start_timeout_s: float = Field(300.0, gt=0, description="How long rank 0 waits for the other ranks to join.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
 
 
 class GenerationConfig(_Section):
@@ -173,6 +193,7 @@ class RLHFConfig(_Section):
     seed: int = Field(0, description="Seed of prompts order, sampling and initialisation.")
     state_dir: Optional[str] = Field(None, description="Local state directory; None = $RLHF_STATE_DIR or ./.rlhf.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Models.")
+    actor: ActorConfig = Field(default_factory=ActorConfig, description="Actor processes (data parallel, FSDP2).")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompts.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Rollout sampling.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty against the frozen reference policy.")
@@ -182,6 +203,15 @@ class RLHFConfig(_Section):
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward source and server.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resume.")
+
+    @model_validator(mode="after")
+    def _every_rank_gets_prompts(self) -> "RLHFConfig":
+        world, name = self.actor.world_size, "ppo" if self.algorithm == "ppo" else "reinforce"
+        batch = getattr(self, name).rollout_batch_size
+        if batch < world:
+            raise ValueError(f"{name}.rollout_batch_size={batch} is smaller than the actor's world size {world} "
+                             f"(actor.nnodes x actor.nproc_per_node): every rank needs at least one prompt")
+        return self
 
     def resolved_state_dir(self) -> Path:
         return Path(self.state_dir).absolute() if self.state_dir else default_state_dir()

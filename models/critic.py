@@ -27,6 +27,7 @@ from models.config import CriticConfig
 from models.loading import DTYPES, autocast, disable_dropout, from_pretrained, make_optimizer
 from models.losses import explained_variance, value_loss
 from models.reward import _head, load_reward_model, reward_model_scores
+from models.update import micro_batches, minibatch_update
 
 
 class CriticInputError(ValueError):
@@ -143,8 +144,7 @@ class CriticTrainer:
         return values.cpu(), None if rewards is None else rewards.cpu()
 
     def _chunks(self, n: int) -> list[slice]:
-        size = self.cfg.micro_batch_size
-        return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+        return micro_batches(n, self.cfg.micro_batch_size)
 
     @torch.no_grad()
     def _values_no_grad(self, tokens: Tensor, lengths: Tensor) -> Tensor:
@@ -156,40 +156,30 @@ class CriticTrainer:
         return values
 
     def train(self, tokens: Tensor, returns: Tensor, prev_values: Tensor, mask: Tensor) -> dict[str, float]:
-        """Epochs over global batches of `train_batch_size`: clipped value loss, grad clipping, optimizer + schedule."""
+        """The shared update loop (models/update.py): epochs over shuffled batches of `train_batch_size`, micro-batched,
+        clipped value loss, grad clipping, optimizer + schedule."""
         B = tokens.shape[0]
         # causal model: the values up to the last masked position do not depend on later tokens
         lengths = last_token_index(mask) + 1
-        losses, grad_norms, clipfracs = [], [], []
         with self.lock:
-            data = [t.to(self.device) for t in (tokens, returns, prev_values, mask, lengths)]
-            generator = torch.Generator().manual_seed(self.step)
-            for _ in range(self.cfg.epochs):
-                order = torch.randperm(B, generator=generator)
-                for start in range(0, B, self.cfg.train_batch_size):
-                    rows = order[start:start + self.cfg.train_batch_size].to(self.device)
-                    total_tokens = data[3][rows].sum().clamp(min=1)
-                    self.optimizer.zero_grad(set_to_none=True)
-                    loss_sum, clipped = 0.0, 0.0
-                    for mb in self._chunks(len(rows)):  # gradient accumulation, each token weighted equally
-                        tok, ret, old, m, ln = (t[rows[mb]] for t in data)
-                        with autocast(self.device, self.dtype):
-                            values = token_values(self.model, tok, ln)
-                        loss, stats = value_loss(values, old, ret, m, self.cfg.loss_clip_val)
-                        share = m.sum() / total_tokens
-                        (loss * share).backward()
-                        loss_sum += float(loss.detach() * share)
-                        clipped += float(stats["clipfrac"] * share)
-                    grad_norms.append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.optim.grad_clip)))
-                    self.optimizer.step()
-                    self.scheduler.step()
-                    self.step += 1
-                    losses.append(loss_sum)
-                    clipfracs.append(clipped)
-            ev = float(explained_variance(self._values_no_grad(data[0], data[4]), data[1], data[3]))
-        return {"loss_mean": float(np.mean(losses)), "grad_norm": float(np.mean(grad_norms)),
-                "clipfrac": float(np.mean(clipfracs)), "explained_variance": ev, "step": self.step,
-                "lr": self.scheduler.get_last_lr()[0]}
+            tok, ret, old, m, ln = (t.to(self.device) for t in (tokens, returns, prev_values, mask, lengths))
+
+            def micro_loss(idx: Tensor):
+                idx = idx.to(self.device)
+                with autocast(self.device, self.dtype):
+                    values = token_values(self.model, tok[idx], ln[idx])
+                loss, stats = value_loss(values, old[idx], ret[idx], m[idx], self.cfg.loss_clip_val)
+                return loss, {"loss_mean": loss.detach(), "clipfrac": stats["clipfrac"]}
+
+            self.model.train()
+            out = minibatch_update(list(self.model.parameters()), self.optimizer, self.scheduler, micro_loss,
+                                   m.sum(1).cpu(), torch.arange(B), B, self.cfg.train_batch_size, self.cfg.epochs,
+                                   self.cfg.micro_batch_size, self.cfg.optim.grad_clip,
+                                   torch.Generator().manual_seed(self.step))
+            self.step += out["steps"]
+            ev = float(explained_variance(self._values_no_grad(tok, ln), ret, m))
+        return {"loss_mean": out["loss_mean"], "grad_norm": out["grad_norm"], "clipfrac": out["clipfrac"],
+                "explained_variance": ev, "step": self.step, "lr": self.scheduler.get_last_lr()[0]}
 
     def save(self, directory: str | Path | None = None) -> Path:
         """Write weights + optimizer + scheduler + step atomically (temporary directory, then rename)."""

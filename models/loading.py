@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from pathlib import Path
 
@@ -64,20 +63,18 @@ def freeze(model: nn.Module) -> nn.Module:
     return model
 
 
+SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
+
+
 def make_optimizer(params, optim) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW + linear warm-up then constant/cosine/linear decay (OptimConfig)."""
-    optimizer = torch.optim.AdamW([p for p in params if p.requires_grad], lr=optim.lr, betas=tuple(optim.betas),
-                                  weight_decay=optim.weight_decay)
-    total = optim.total_steps or 10**9
+    """AdamW (fused where the device supports it) + `transformers.get_scheduler`: linear warm-up, then
+    constant / cosine / linear decay over `total_steps` (OptimConfig)."""
+    from transformers import get_scheduler
 
-    def factor(step: int) -> float:
-        if optim.warmup_steps and step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
-        progress = min(1.0, (step - optim.warmup_steps) / max(1, total - optim.warmup_steps))
-        if optim.schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        if optim.schedule == "linear":
-            return 1.0 - progress
-        return 1.0
-
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    params = [p for p in params if p.requires_grad]
+    fused = all(p.device.type in ("cuda", "cpu") for p in params)
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
+                                  fused=fused or None)
+    scheduler = get_scheduler(SCHEDULES[optim.schedule], optimizer, num_warmup_steps=optim.warmup_steps,
+                              num_training_steps=optim.total_steps or 10**9)
+    return optimizer, scheduler

@@ -1,13 +1,19 @@
-"""Build the pieces of a run from the config, and the plain in-process training loop (no servers, no Prefect).
+"""Build the pieces of a run from the config, the commands every actor rank executes, and the plain in-process
+training loop (no servers, no Prefect).
 
-The Prefect flows use the same builders and call `ppo_step` / `rloo_step` once per iteration; this loop is what
-`rlhf train` and the learning tests run.
+The actor runs on one or more ranks. Rank 0 (the flow run, or `rlhf train`) holds a `Leader`: each of its calls
+broadcasts a command (step with these prompts, save, restore, stop) that the other ranks (components/ranks.py)
+receive and execute in step with it, so every collective is entered by all ranks. With one rank the broadcasts are
+no-ops. The Prefect flows call `Leader.step` once per iteration; `train_in_process` is what `rlhf train` and the
+learning tests run.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -17,7 +23,7 @@ from models.actor import ActorState
 from models.backends import FunctionReward, LocalCritic, LocalRewardModel
 from models.config import RLHFConfig, with_schedule_lengths
 from models.critic import CriticTrainer
-from models.loading import resolve_device
+from models.distributed import SINGLE, Dist, local_device
 from models.policy import Policy
 from models.ppo import ppo_step
 from models.reward import load_reward_function, load_reward_model
@@ -64,25 +70,30 @@ def batch_size(cfg: RLHFConfig) -> int:
     return cfg.ppo.rollout_batch_size if cfg.algorithm == "ppo" else cfg.reinforce.rollout_batch_size
 
 
-def build_actor(cfg: RLHFConfig) -> ActorState:
+def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
+    """This rank's actor: the policy (FSDP2-sharded over the ranks for a full fine-tune unless actor.fsdp='off'), the
+    frozen reference, optimizer and generators."""
     torch.manual_seed(cfg.seed)
+    shard = me.active and cfg.actor.fsdp == "auto" and not cfg.model.lora.enabled
     policy = Policy.load(cfg.resolve_model_path(cfg.model.policy), cfg.model.lora, cfg.model.dtype,
-                         resolve_device(cfg.model.device))
+                         local_device(cfg.model.device, me), me=me, shard=shard,
+                         reference_device=cfg.model.reference_device,
+                         mixed_precision=cfg.actor.mixed_precision and torch.cuda.is_available())
     optim = cfg.ppo.optim if cfg.algorithm == "ppo" else cfg.reinforce.optim
-    return ActorState.create(policy, optim, cfg.kl, cfg.seed)
+    return ActorState.create(policy, optim, cfg.kl, cfg.seed, me)
 
 
 def build_critic_trainer(cfg: RLHFConfig, checkpoint_dir: str | Path | None = None) -> CriticTrainer:
     critic_path = cfg.resolve_model_path(cfg.model.critic) if cfg.model.critic else None
     return CriticTrainer(cfg.critic, critic_path, cfg.resolve_model_path(cfg.model.reward), cfg.critic.combine_reward,
-                         cfg.model.dtype, resolve_device(cfg.model.device), checkpoint_dir)
+                         cfg.model.dtype, local_device(cfg.model.device, SINGLE), checkpoint_dir)
 
 
 def build_local_reward(cfg: RLHFConfig):
     if cfg.reward.source == "function":
         return FunctionReward(load_reward_function(cfg.reward.function))
     return LocalRewardModel(load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype,
-                                              resolve_device(cfg.model.device)))
+                                              local_device(cfg.model.device, SINGLE)))
 
 
 def gold_function(cfg: RLHFConfig):
@@ -97,10 +108,108 @@ def step_fn(cfg: RLHFConfig, critic=None, reward=None) -> Callable[[ActorState, 
     return lambda state, prompts: rloo_step(state, prompts, reward, cfg, gold)
 
 
-def train_in_process(cfg: RLHFConfig, on_iteration: Callable[[int, dict], None] | None = None) -> list[dict]:
-    """The whole run in this process: in-process critic/reward backends, no checkpoints. Returns metrics per iteration."""
+# ---------------------------------------------------------------- what every rank executes
+
+LOG = logging.getLogger("rlhf.actor")
+
+
+def execute(state: ActorState, cfg: RLHFConfig, command: dict, critic=None, reward=None):
+    """Run one command on this rank (rank 0 passes its backends; the others None)."""
+    op = command["op"]
+    if op == "step":
+        return step_fn(cfg, critic, reward)(state, command["prompts"])
+    if op == "save":
+        return save_actor(state, Path(command["dir"]))
+    if op == "restore":
+        return restore_actor(state, Path(command["dir"]))
+    raise ValueError(f"unknown actor command {op!r}")
+
+
+def save_actor(state: ActorState, directory: Path) -> None:
+    """Full HF weights written by rank 0 (gathered from the shards on CPU: loadable anywhere); the optimizer and every
+    rank's sampling stream saved sharded with torch.distributed.checkpoint; the rest (schedule, KL controller,
+    minibatch stream, counters, world size) in actor_state.pt."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    me = state.me
+    directory.mkdir(parents=True, exist_ok=True)
+    state.policy.save(directory)
+    dcp.save({"optimizer": get_optimizer_state_dict(state.policy.model, state.optimizer),
+              f"sampling_rank{me.rank}": state.generator.get_state()}, checkpoint_id=str(directory / "sharded"))
+    if me.is_leader:
+        torch.save({**state.state_dict(), "world_size": me.world_size}, directory / "actor_state.pt")
+    me.barrier()
+
+
+def restore_actor(state: ActorState, directory: Path) -> str | None:
+    """Load a `save_actor` directory. With the world size it was saved with: everything. With another: the full
+    weights and the schedule/counters, a fresh optimizer and sampling streams; returns that warning."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    me = state.me
+    state.policy.load_weights(directory)
+    saved = torch.load(directory / "actor_state.pt", weights_only=False)
+    state.load_state_dict(saved)
+    if saved["world_size"] != me.world_size:
+        warning = (f"actor checkpoint {directory} was saved by {saved['world_size']} rank(s), resuming on "
+                   f"{me.world_size}: weights restored, optimizer states and sampling streams start fresh")
+        LOG.warning(warning)
+        return warning
+    shards = {"optimizer": get_optimizer_state_dict(state.policy.model, state.optimizer),
+              f"sampling_rank{me.rank}": state.generator.get_state()}
+    dcp.load(shards, checkpoint_id=str(directory / "sharded"))
+    set_optimizer_state_dict(state.policy.model, state.optimizer, shards["optimizer"])
+    state.generator.set_state(shards[f"sampling_rank{me.rank}"])
+    return None
+
+
+@dataclass
+class Leader:
+    """The actor as rank 0 drives it: every call is broadcast to the other ranks, then run here too.
+
+    `describe_failure()` (set by the launcher of the other ranks) explains a collective that failed: which rank died,
+    its exit code and log tail."""
+
+    cfg: RLHFConfig
+    state: ActorState
+    describe_failure: Callable[[], str | None] = lambda: None
+
+    @property
+    def me(self) -> Dist:
+        return self.state.me
+
+    def run(self, command: dict, critic=None, reward=None):
+        try:
+            self.me.broadcast_object(command)
+            return execute(self.state, self.cfg, command, critic, reward)
+        except Exception as exc:
+            reason = self.describe_failure() if self.me.active else None
+            if reason:
+                raise RankFailed(reason) from exc
+            raise
+
+    def step(self, prompts: list[str], critic=None, reward=None) -> tuple[dict, list[dict]]:
+        return self.run({"op": "step", "prompts": prompts}, critic, reward)
+
+    def save(self, directory: Path) -> None:
+        self.run({"op": "save", "dir": str(directory)})
+
+    def restore(self, directory: Path) -> str | None:
+        return self.run({"op": "restore", "dir": str(directory)})
+
+
+class RankFailed(RuntimeError):
+    """An actor rank died or stopped answering; the message names it, its exit code and the end of its log."""
+
+
+def train_in_process(cfg: RLHFConfig, on_iteration: Callable[[int, dict], None] | None = None,
+                     actor: Leader | None = None) -> list[dict]:
+    """The whole run driven from this process (critic/reward in process, no checkpoints): on one rank, or on the
+    ranks of `actor` (components/ranks.actor_ranks). Returns the metrics per iteration."""
     cfg = with_schedule_lengths(cfg)
-    state = build_actor(cfg)
+    actor = actor or Leader(cfg, build_actor(cfg))
     critic = reward = None
     if cfg.algorithm == "ppo":
         critic = LocalCritic(build_critic_trainer(cfg))
@@ -108,11 +217,10 @@ def train_in_process(cfg: RLHFConfig, on_iteration: Callable[[int, dict], None] 
             reward = build_local_reward(cfg)
     else:
         reward = build_local_reward(cfg)
-    step = step_fn(cfg, critic, reward)
     history = []
     try:
         for i, prompts in zip(range(cfg.iterations), prompt_batches(load_prompts(cfg), batch_size(cfg), cfg.seed)):
-            metrics, _ = step(state, prompts)
+            metrics, _ = actor.step(prompts, critic, reward)
             history.append(metrics)
             if on_iteration:
                 on_iteration(i, metrics)

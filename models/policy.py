@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models.config import GenerationConfig, LoraConfig
+from models.distributed import SINGLE, Dist, full_state_dict, is_sharded, shard_model
 from models.loading import DTYPES, autocast, disable_dropout, freeze, from_pretrained
 
 
@@ -45,10 +47,12 @@ class Rollout:
 class Policy:
     """Actor model + tokenizer + reference policy, with the few operations RLHF needs."""
 
-    def __init__(self, model, tokenizer, lora: bool, reference=None, dtype: str = "float32"):
-        self.model, self.tokenizer, self.lora, self.dtype = model, tokenizer, lora, dtype
-        self.reference = reference  # CPU copy for full fine-tuning; None for LoRA (adapters disabled instead)
-        self.device = next(model.parameters()).device
+    def __init__(self, model, tokenizer, lora: bool, reference=None, dtype: str = "float32", me: Dist = SINGLE,
+                 device: torch.device | None = None):
+        self.model, self.tokenizer, self.lora, self.dtype, self.me = model, tokenizer, lora, dtype, me
+        self.reference = reference  # a frozen copy for full fine-tuning; None for LoRA (adapters disabled instead)
+        self.device = device or next(model.parameters()).device
+        self.sharded = is_sharded(model)
         self.pad_id = tokenizer.pad_token_id
         self.eos_id = tokenizer.eos_token_id
         # every end-of-turn id the model declares (e.g. Llama-3's <|eot_id|>) stops a response, not only eos_token
@@ -58,7 +62,11 @@ class Policy:
 
     @classmethod
     def load(cls, path: str, lora: LoraConfig | None = None, dtype: str = "float32", device: str | torch.device = "cpu",
-             field: str = "model.policy") -> "Policy":
+             field: str = "model.policy", me: Dist = SINGLE, shard: bool = False, reference_device: str = "auto",
+             mixed_precision: bool = False) -> "Policy":
+        """Actor + tokenizer + frozen reference on this rank. `shard`: FSDP2 over the ranks (a full fine-tune); the
+        reference then lives on the actor's device sharded alike, or as a CPU copy (`reference_device`)."""
+        device = torch.device(device)
         tokenizer = from_pretrained(AutoTokenizer, path, field)
         if tokenizer.eos_token_id is None:
             raise ValueError(f"{field}: tokenizer of '{path}' has no eos_token")
@@ -66,14 +74,19 @@ class Policy:
             tokenizer.pad_token = tokenizer.eos_token
         # trainable weights stay float32; `dtype` is the compute dtype (autocast) and the frozen reference's dtype
         model = disable_dropout(from_pretrained(AutoModelForCausalLM, path, field, dtype=torch.float32)).to(device)
-        if lora is not None and lora.enabled:
+        if lora is not None and lora.enabled:  # replicated on every rank; only the adapters train and sync
             from peft import LoraConfig as PeftLoraConfig, get_peft_model
 
             model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                          target_modules=lora.target_modules, task_type="CAUSAL_LM"))
-            return cls(model, tokenizer, lora=True, dtype=dtype)
-        reference = freeze(copy.deepcopy(model).to("cpu", DTYPES[dtype]))
-        return cls(model, tokenizer, lora=False, reference=reference, dtype=dtype)
+            return cls(model, tokenizer, lora=True, dtype=dtype, me=me, device=device)
+        on_actor = reference_on_actor_device(model, device, reference_device, me.world_size if shard else 1)
+        reference = freeze(copy.deepcopy(model).to(device if on_actor else "cpu", DTYPES[dtype]))
+        if shard:
+            model = shard_model(model, mixed_precision)
+            if on_actor:
+                reference = shard_model(reference, reshard_after_forward=True)
+        return cls(model, tokenizer, lora=False, reference=reference, dtype=dtype, me=me, device=device)
 
     # ----------------------------------------------------------------------------------------------------------------
     def encode_prompts(self, prompts: list[str], chat_template: bool = False) -> list[list[int]]:
@@ -90,7 +103,8 @@ class Policy:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[list[int]], gen: GenerationConfig, generator: torch.Generator | None = None) -> Rollout:
-        """Sample responses for left-padded prompts with the KV cache; stop each row at EOS, stop all when all ended."""
+        """Sample responses for left-padded prompts with the KV cache; stop each row at EOS, stop all when all ended
+        (on every rank: with FSDP each decoding step is a collective, so ranks stop together)."""
         model = self.model
         was_training = model.training
         model.eval()
@@ -119,7 +133,7 @@ class Policy:
             new_tokens.append(next_token)
             new_logps.append(torch.where(finished, torch.zeros_like(token_logp), token_logp))
             finished |= torch.isin(next_token, self.stop_ids.to(next_token.device))
-            if finished.all():
+            if int(self.me.all_reduce((~finished).sum().cpu())) == 0:
                 break
             attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)  # finished rows: ignored
             step_input = next_token.unsqueeze(1)
@@ -152,9 +166,40 @@ class Policy:
         return [p for p in self.model.parameters() if p.requires_grad]
 
     def save(self, directory) -> None:
-        """HF save_pretrained (LoRA: the adapter only) plus the tokenizer."""
-        self.model.save_pretrained(directory)
-        self.tokenizer.save_pretrained(directory)
+        """HF save_pretrained (LoRA: the adapter only) plus the tokenizer, written by rank 0 from the full state dict
+        (gathered from the shards, on CPU), so the checkpoint loads anywhere; a collective call on every rank."""
+        state = full_state_dict(self.model)
+        if self.me.is_leader:
+            self.model.save_pretrained(directory, state_dict=state)
+            self.tokenizer.save_pretrained(directory)
+
+    def load_weights(self, directory) -> None:
+        """Actor weights from a `save` directory (LoRA: the adapter), into the (sharded) model on every rank."""
+        from safetensors.torch import load_file
+
+        if self.lora:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(self.model, load_file(str(Path(directory) / "adapter_model.safetensors")))
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
+        if self.sharded:
+            set_model_state_dict(self.model, loaded, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.model.load_state_dict(loaded)
+
+
+def reference_on_actor_device(model, device: torch.device, choice: str, shards: int) -> bool:
+    """Whether the frozen reference goes on the actor's device ('auto': when its shard fits with a 20% margin)."""
+    if choice != "auto":
+        return choice == "actor"
+    if device.type != "cuda":
+        return device.type == "cpu"  # host memory either way: no copy to move
+    free, _ = torch.cuda.mem_get_info(device)
+    need = sum(p.numel() * p.element_size() for p in model.parameters()) / shards
+    return free > 1.2 * need
 
 
 def _token_logprobs(model, tokens: Tensor, lengths: Tensor, temperature: float, with_entropy: bool,

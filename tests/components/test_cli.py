@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -75,3 +76,18 @@ def test_a_model_path_that_does_not_exist_fails_fast_naming_the_field(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("rlhf train failed: FileNotFoundError: model.policy: model path") and "no-such-model" in last
     assert not (tmp_path / "state" / "models").exists()  # a path the user gave is never replaced by the default
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
+def test_train_on_two_ranks_learns_the_shipped_task(tiny_models, tmp_path, algorithm):
+    """`rlhf train --set actor.nproc_per_node=2`: rank 0 starts rank 1, both shard the actor (FSDP2 over gloo) and
+    the run learns by the margin of the single-process learning test (tests/models/test_steps.py)."""
+    metrics = tmp_path / "m.json"
+    run("train", "--set", f"algorithm={algorithm}", "--set", "actor.nproc_per_node=2", "--set", "iterations=12",
+        "--set", f"model.policy={tiny_models['policy']}", "--set", f"model.reward={tiny_models['reward']}",
+        "--metrics-out", str(metrics), env={"RLHF_STATE_DIR": str(tmp_path / "state")})
+    history = json.loads(metrics.read_text())
+    gold = [m["objective/gold_reward"] for m in history]
+    assert (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.3, gold
+    assert {m["dist/world_size"] for m in history} == {2.0}
+    assert history[-1]["episode"] == 12 * (64 if algorithm == "ppo" else 16 * 4)  # every prompt of every rank counted

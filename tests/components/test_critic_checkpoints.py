@@ -18,7 +18,7 @@ from components.launcher import ServerNotReady, find_free_ports, launch
 from components.run import RunSession
 from components.servers import PENDING_PREFIX, ServerSpec
 from models.config import preset
-from models.loop import build_actor, load_prompts, prompt_batches, step_fn
+from models.loop import Leader, build_actor, load_prompts, prompt_batches, step_fn
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def test_a_crash_between_critic_save_and_actor_checkpoint_resumes_both_of_one_it
         client = critic_backend(cfg, server.url)
         try:
             iterate(cfg, session, state, client, 1)
-            session.save(state, client.save())
+            session.save(Leader(cfg, state), client.save())
             iterate(cfg, session, state, client, 1)
             newer = client.save()  # the critic of iteration 2 reaches the store, then the flow dies before its checkpoint
         finally:
@@ -140,7 +140,7 @@ def test_a_403_on_the_critic_checkpoint_fails_the_run_naming_the_uri(cfg, forbid
 
     critic = LocalCritic(build_critic_trainer(local, checkpoint_dir=session.critic_dir))
     iterate(local, session, state, critic, 1)
-    session.save(state, critic.save())
+    session.save(Leader(local, state), critic.save())
     critic.close()
     session.close("KILLED")
     bucket = urlparse(cfg.checkpoint.uri).netloc

@@ -9,7 +9,7 @@ import torch
 from components.run import RunSession
 from models.backends import LocalCritic
 from models.config import preset
-from models.loop import build_actor, build_critic_trainer, load_prompts, prompt_batches, step_fn
+from models.loop import Leader, build_actor, build_critic_trainer, load_prompts, prompt_batches, step_fn
 
 NON_DETERMINISTIC = ("time/", "throughput/")
 
@@ -74,7 +74,7 @@ def test_s3_checkpoint_resume_is_exact_and_continues_the_mlflow_run(cfg):
     state = build_actor(cfg)
     critic = LocalCritic(build_critic_trainer(cfg, checkpoint_dir=session.critic_dir))
     run_iterations(cfg, session, state, critic, 2)
-    uri = session.save(state, critic.save())
+    uri = session.save(Leader(cfg, state), critic.save())
     saved_step = critic.trainer.step
     assert saved_step > 0
     assert uri.endswith("iter_2") or "iter_2" in uri
@@ -95,7 +95,7 @@ def test_s3_checkpoint_resume_is_exact_and_continues_the_mlflow_run(cfg):
     assert resumed.resumed_from == 2 and resumed.start_iteration == 2
     assert resumed.tracker.run_id == session.tracker.run_id
     state2 = build_actor(cfg)
-    resumed.restore_actor(state2)
+    assert resumed.restore_actor(Leader(cfg, state2)) is None  # same world size: nothing reset
     critic2 = LocalCritic(build_critic_trainer(cfg, checkpoint_dir=resumed.critic_dir))
     assert critic2.trainer.step == saved_step
     # what a checkpoint guarantees everywhere: the restored weights and optimizer states are bitwise the saved ones
@@ -153,8 +153,7 @@ def test_corrupted_checkpoint_is_refused(cfg, s3_bucket):
     import boto3
 
     session = RunSession.open(cfg.model_copy(update={"run_name": "corrupt"}))
-    state = build_actor(cfg)
-    session.save(state, None)
+    session.save(Leader(cfg, build_actor(cfg)), None)
     session.close("FINISHED")
     endpoint, bucket = s3_bucket
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")

@@ -210,6 +210,60 @@ def test_a_failed_run_says_why_in_its_state_and_in_the_watch_output(local_stack)
     assert "model.policy: model path '/no/such/policy' does not exist" in proc.stdout  # the watch shows the reason
 
 
+def actor_followers() -> list[psutil.Process]:
+    """Live actor ranks > 0 (started by a flow run's rank 0)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if "components.ranks" in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_ppo_on_two_actor_ranks_resumes_on_two_and_on_one(local_stack):
+    s = local_stack
+    config = {"iterations": 2, "run_name": "e2e-dist", "actor": {"nproc_per_node": 2}, "checkpoint": {"every": 1}}
+    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", config)))
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    client, mrun = mlflow_run(s, "e2e-dist")
+    assert [m.value for m in client.get_metric_history(mrun.info.run_id, "dist/world_size")] == [2.0, 2.0]
+    manifest = json.loads((s["state_dir"] / "checkpoints" / "e2e-dist" / "iter_2" / "state.json").read_text())
+    assert manifest["state"]["world_size"] == 2 and "actor/sharded/.metadata" in manifest["files"]
+    assert not actor_followers()
+
+    # the same run name resumes with the same world size: one more iteration, nothing redone
+    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": 3})))
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert sum(n.startswith("ppo-iteration") for n in task_names(s, run["id"])) == 1
+    # ... and on one rank from the 2-rank checkpoint: full weights, a fresh optimizer, a warning
+    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": 4,
+                                                                         "actor": {"nproc_per_node": 1}})))
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert sum(n.startswith("ppo-iteration") for n in task_names(s, run["id"])) == 1
+    logs = httpx.post(f"{s['api']}/logs/filter", json={"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200},
+                      timeout=10).json()
+    assert any("saved by 2 rank(s), resuming on 1" in log["message"] for log in logs)
+    client, mrun = mlflow_run(s, "e2e-dist")
+    assert [m.value for m in client.get_metric_history(mrun.info.run_id, "dist/world_size")] == [2.0, 2.0, 2.0, 1.0]
+
+
+def test_a_killed_actor_rank_fails_the_run_naming_it_and_leaves_nothing(local_stack):
+    s = local_stack
+    run_dir = s["state_dir"] / "runs" / "e2e-rank-kill"
+    config = {"iterations": 200, "run_name": "e2e-rank-kill", "actor": {"nproc_per_node": 2}}
+    run_id = flow_run_id(deployment_run(s, "ppo/default", config))
+    _wait_for(lambda: any(n.startswith("ppo-iteration") for n in task_names(s, run_id)), 180, "first iteration")
+    follower = _wait_for(actor_followers, 30, "actor rank 1")[0]
+    assert follower.environ()["RANK"] == "1"
+    follower.kill()
+    run = wait_final(s, run_id, timeout=60)  # a dead rank fails the run within 60 s
+    assert run["state"]["type"] == "FAILED"
+    assert re.search(r"actor rank 1 \(pid \d+\) exited with code -9", run["state"]["message"]), run["state"]["message"]
+    _wait_for(lambda: not actor_followers() and not server_processes(str(run_dir)), 60, "no process of the run left")
+
+
 def test_up_is_idempotent_and_down_frees_ports(local_stack, tmp_path):
     s = local_stack
     state = stack.stack_dir(s["state_dir"])

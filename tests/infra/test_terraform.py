@@ -143,6 +143,11 @@ def _template_names() -> set[str]:
     return set(re.findall(r"\$\{\s*(?:jsonencode\()?(\w+)\)?\s*\}", text))
 
 
+ACTOR_LAUNCH = ("exec torchrun --nnodes={{ nnodes }} --nproc-per-node={{ gpu_count }} --node-rank=$JOB_COMPLETION_INDEX "
+                "--master-addr=\"$(hostname | sed 's/-[0-9]*$/-0/').rlhf-ranks\" --master-port={{ master_port }} "
+                "-m components.ranks -- {{ command }}")
+
+
 def _sample_values(pool_name: str, role: str) -> dict:
     return {
         "pool_name": pool_name,
@@ -156,6 +161,8 @@ def _sample_values(pool_name: str, role: str) -> dict:
         "shm_size": "2Gi",
         "env": {"AWS_REGION": "us-east-1", "RLHF_S3_BUCKET": "bucket"},
         "pod_watch_timeout_seconds": 900,
+        "ranks_service": "rlhf-ranks",
+        "launch": ACTOR_LAUNCH if role == "actor" else "exec {{ command }}",
     }
 
 
@@ -382,6 +389,38 @@ def test_job_template_variables_schema_matches_job_configuration(pool_name: str,
     jsonschema.validate(sample, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"gpu_count": "two"}, schema)
+
+
+def test_actor_jobs_are_indexed_torchrun_jobs_that_find_rank_0_through_the_headless_service():
+    """Several nodes: an Indexed Job (completions = parallelism = nnodes) whose pods share the headless Service; each
+    pod runs torchrun with gpu_count ranks; rank 0 (pod 0) runs the flow run."""
+    from prefect.utilities.templating import apply_values
+
+    locals_ = _locals(MODULES / "prefect")
+    assert "--nnodes={{ nnodes }}" in locals_["actor_launch"] and "${var.ranks_service_name}" in locals_["actor_launch"]
+    template = _render_template(_sample_values("actor-gpu", "actor"))
+    job = apply_values(template["job_configuration"], {"nnodes": 4, "gpu_count": 8, "master_port": 29500,
+                                                        "command": "prefect flow-run execute", "finished_job_ttl": 60})
+    spec = job["job_manifest"]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 4
+    pod = spec["template"]["spec"]
+    assert pod["subdomain"] == "rlhf-ranks"
+    container = pod["containers"][0]
+    assert container["command"] == ["/bin/sh", "-c"]
+    line = container["args"][0]
+    assert line.startswith("exec torchrun --nnodes=4 --nproc-per-node=8 --node-rank=$JOB_COMPLETION_INDEX")
+    assert line.endswith("--master-port=29500 -m components.ranks -- prefect flow-run execute")
+    # the address pod 3 of job "ppo-x7k2q" computes for rank 0 (the shell's own substitution, hostname faked)
+    addr = re.search(r'--master-addr="([^"]+)"', line).group(1).replace("hostname", "echo ppo-x7k2q-3")
+    assert subprocess.run(["sh", "-c", f'echo "{addr}"'], capture_output=True, text=True).stdout.strip() == "ppo-x7k2q-0.rlhf-ranks"
+    critic = apply_values(_render_template(_sample_values("critic-gpu", "critic"))["job_configuration"],
+                          {"command": "prefect flow-run execute", "nnodes": 1})
+    assert critic["job_manifest"]["spec"]["template"]["spec"]["containers"][0]["args"] == ["exec prefect flow-run execute"]
+    service = _resources(ENV_DEV)[("kubernetes_service_v1", "ranks")]
+    service_spec = service["spec"][0] if isinstance(service["spec"], list) else service["spec"]
+    assert service_spec["cluster_ip"] == "None" and service_spec["publish_not_ready_addresses"] is True
+    assert service_spec["selector"] == {ROLE_LABEL: "actor"}
+    assert _blocks(ENV_DEV, "module")["prefect"]["ranks_service_name"] == "${var.ranks_service_name}"
 
 
 def test_job_variables_json_matches_templates():

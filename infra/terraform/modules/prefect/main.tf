@@ -1,15 +1,25 @@
 locals {
+  # The actor pool runs every pod under torchrun: the pod hostname of an Indexed Job is <job>-<index>, so rank 0 is
+  # <job>-0.<service>; on rank 0 components.ranks execs Prefect's flow-run command, every other rank follows it.
+  actor_launch = join(" ", [
+    "exec torchrun --nnodes={{ nnodes }} --nproc-per-node={{ gpu_count }} --node-rank=$JOB_COMPLETION_INDEX",
+    "--master-addr=\"$(hostname | sed 's/-[0-9]*$/-0/').${var.ranks_service_name}\" --master-port={{ master_port }}",
+    "-m components.ranks -- {{ command }}",
+  ])
+
   pools = {
     (var.actor_pool_name) = {
       role                 = "actor"
       service_account_name = var.actor_service_account_name
       resources            = var.actor_resources
+      launch               = local.actor_launch
       description          = "RLHF actor flows (PPO / REINFORCE policy rollouts and updates) on the actor GPU node group."
     }
     (var.critic_pool_name) = {
       role                 = "critic"
       service_account_name = var.critic_service_account_name
       resources            = var.critic_resources
+      launch               = "exec {{ command }}"
       description          = "RLHF critic and reward model servers (PyTriton) on the critic GPU node group."
     }
   }
@@ -27,6 +37,8 @@ locals {
       shm_size                  = pool.resources.shm_size
       env                       = var.env
       pod_watch_timeout_seconds = var.pod_watch_timeout_seconds
+      ranks_service             = var.ranks_service_name
+      launch                    = pool.launch
     })
   }
 }

@@ -139,3 +139,14 @@ variable "paused" {
   description = "Create the work pools paused (no flow runs are picked up)."
   default     = false
 }
+
+variable "ranks_service_name" {
+  type        = string
+  description = "Headless Service the flow-run pods join (pod subdomain), so pod 0 of an Indexed Job resolves as <job>-0.<service> for torch.distributed."
+  default     = "rlhf-ranks"
+
+  validation {
+    condition     = can(regex("^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$", var.ranks_service_name))
+    error_message = "ranks_service_name must be a valid Kubernetes service name."
+  }
+}

@@ -1,0 +1,72 @@
+"""The one update loop of the actor and the critic: epochs x shuffled minibatches x token-weighted micro-batches.
+
+Rows are numbered globally across ranks; every rank draws the same permutation (a generator seeded alike on all
+ranks), so minibatch m holds the same rows whether one rank has them all or N ranks hold B/N each. Each micro-batch's
+token-mean loss is weighted by its share of the minibatch's tokens over all ranks, so gradients summed over ranks
+(`sum_gradients` for replicated weights; FSDP2's reduce-scatter averages, so there the loss is also scaled by the
+world size) are the single-process gradient, whatever the split. Ranks with fewer micro-batches run zero-weight ones: with FSDP every forward is a
+collective, so all ranks must run the same number.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from models.distributed import SINGLE, Dist, sum_gradients
+
+MicroLoss = Callable[[Tensor], tuple[Tensor, dict]]  # local row indices -> (token-mean loss, detached stats)
+
+
+def micro_batches(n: int, size: int) -> list[slice]:
+    return [slice(s, min(s + size, n)) for s in range(0, n, size)]
+
+
+def minibatch_update(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, scheduler, micro_loss: MicroLoss,
+                     row_tokens: Tensor, global_rows: Tensor, n_global: int, minibatch_size: int, epochs: int,
+                     micro_batch_size: int, grad_clip: float, generator: torch.Generator, me: Dist = SINGLE,
+                     sharded: bool = False) -> dict[str, float]:
+    """Optimizer steps over this rank's rows (`global_rows`: their global numbers; `row_tokens`: their loss tokens).
+
+    Returns the stats of `micro_loss` (token-weighted over each minibatch, then averaged over steps), `grad_norm`
+    (mean) and `steps`; the same on every rank.
+    """
+    position = torch.full((n_global,), -1, dtype=torch.long)
+    position[global_rows] = torch.arange(len(global_rows))
+    scale = me.world_size if sharded else 1  # FSDP2 averages over ranks; we want the sum
+    names: list[str] = []
+    sums: Tensor | None = None
+    norms: list[float] = []
+    for _ in range(epochs):
+        order = torch.randperm(n_global, generator=generator)
+        for start in range(0, n_global, minibatch_size):
+            local = position[order[start:start + minibatch_size]]
+            local = local[local >= 0]
+            total_tokens = me.all_reduce(row_tokens[local].sum().double()).clamp(min=1)
+            count = me.all_reduce(torch.tensor(math.ceil(len(local) / micro_batch_size)), op="max")
+            optimizer.zero_grad(set_to_none=True)
+            for m in range(int(count)):
+                idx = local[m * micro_batch_size:(m + 1) * micro_batch_size]
+                dummy = len(idx) == 0
+                loss, stats = micro_loss(idx if not dummy else torch.zeros(1, dtype=torch.long))
+                share = 0.0 if dummy else float(row_tokens[idx].sum() / total_tokens)
+                (loss * (share * scale)).backward()
+                if not names:
+                    names = sorted(stats)
+                    sums = torch.zeros(len(names), dtype=torch.float64)
+                if not dummy:
+                    sums += torch.tensor([float(stats[k]) for k in names], dtype=torch.float64) * share
+            if not sharded:
+                sum_gradients(params, me)
+            norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+            optimizer.step()
+            scheduler.step()
+    steps = len(norms)
+    totals = me.all_reduce(sums) if sums is not None else torch.zeros(0)
+    out = {k: float(v) / max(steps, 1) for k, v in zip(names, totals)}
+    out.update(grad_norm=sum(norms) / max(steps, 1), steps=steps)
+    return out
