@@ -50,19 +50,11 @@ def optimizer_steps_per_iteration(cfg) -> int:
 class OurRLOO:
     """Our side: actor, in-process function reward and prompt stream; `iteration()` runs and times one rloo_step."""
 
-    def __init__(self, cfg, fused_adamw: bool = False):
+    def __init__(self, cfg):
         from models.loop import build_actor, build_local_reward, load_prompts, prompt_batches
 
         self.cfg = cfg
         self.state = build_actor(cfg)
-        if fused_adamw:  # what-if only (benchmarks/what_if.py): the library's AdamW settings, fused implementation
-            import torch
-
-            old = self.state.optimizer
-            self.state.optimizer = torch.optim.AdamW(old.param_groups[0]["params"], **{
-                k: old.defaults[k] for k in ("lr", "betas", "eps", "weight_decay")}, fused=True)
-            self.state.scheduler = torch.optim.lr_scheduler.LambdaLR(self.state.optimizer,
-                                                                     self.state.scheduler.lr_lambdas[0])
         self.reward = build_local_reward(cfg)
         self.batches = prompt_batches(load_prompts(cfg), cfg.reinforce.rollout_batch_size, cfg.seed)
         # optimizer hooks split the train phase into forward+backward and the optimizer step
@@ -260,7 +252,7 @@ def settings_side_by_side(cfg, trl_facts: dict) -> dict:
         "KL coefficient beta (k1, in the sequence reward)": [cfg.kl.init, cfg.kl.init],
         "optimizer": [f"AdamW lr={rf.optim.lr} betas={tuple(rf.optim.betas)} clip={rf.optim.grad_clip}"] * 2,
         "dtype / device": ["float32 / cpu", f"{trl_facts['model_dtype']} / {trl_facts['device']}"],
-        "AdamW implementation": ["torch.optim.AdamW (default: single-tensor on CPU)", trl_facts["optim"]],
+        "AdamW implementation": ["torch.optim.AdamW(fused=True)", trl_facts["optim"]],
         "activation checkpointing": [False, trl_facts["gradient_checkpointing"]],
         "loss": [("-logp*A on the first (on-policy) step, PPO-clipped per-token ratio on reused samples, "
                   f"clip_eps={rf.clip_eps}, token-mean") if rf.clip_eps is not None else "REINFORCE -logp*A, token-mean",

@@ -74,11 +74,6 @@ def table(results: dict, summary: dict) -> str:
                          f"{r['repetitions']['reps_per_side_per_case']} reps/side", "—", ""])
     r = results.get("what_if")
     if r:
-        f = r["fused_adamw_rloo_vs_trl"]
-        n = f"{f['repetitions']['rounds']} rounds x {f['repetitions']['iterations_per_round']} triples"
-        rows.append(["What-if: fused AdamW for the actor", "RLOO time ours / TRL: default vs fused",
-                     f"{fmt(f['default']['time_ratio_over_trl'])} vs {fmt(f['fused_adamw']['time_ratio_over_trl'])}",
-                     n, "(<= 0.70)", ""])
         t = r["thread_split_ppo"]
         for case, label in (("http", "PPO, HTTP critic"), ("in_process", "PPO, in-process critic"),
                             ("rloo_no_critic", "RLOO, no critic (control)")):
@@ -120,8 +115,12 @@ def table(results: dict, summary: dict) -> str:
     lines = [MARK_START, "",
              f"Measured {summary['finished']} on {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
              f"{m.get('memory_gib', '?')} GiB, GPU: {m['gpu'] or 'none'}; torch {v['torch']}, transformers "
-             f"{v['transformers']}, trl {v['trl']}, nvidia-pytriton {v['nvidia-pytriton']}, Python {m['python']}. "
-             f"`python -m benchmarks.run_all` took {summary['total_seconds'] / 60:.1f} min. Values: median [min–max].",
+             f"{v['transformers']}, trl {v['trl']}, nvidia-pytriton {v['nvidia-pytriton']}, Python {m['python']}. " +
+             (f"`python -m benchmarks.run_all --only {' '.join(summary['only'])}` took "
+              f"{summary['total_seconds'] / 60:.1f} min (the other rows keep the results of an earlier full run, each "
+              f"file in benchmarks/results/ says when it was made). " if summary.get("only") else
+              f"`python -m benchmarks.run_all` took {summary['total_seconds'] / 60:.1f} min. ") +
+             "Values: median [min–max].",
              "", "| Benchmark | Measure | Result | Repetitions | Target | Met |", "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     lines += phase_tables(results)
@@ -201,7 +200,7 @@ def main(argv=None) -> int:
             failed.append(name)
         seconds[name] = time.perf_counter() - t0
         log(f"=== {name} done in {seconds[name]:.0f} s" + (" (FAILED)" if name in failed else ""))
-    summary = {"quick": args.quick, "finished": time.strftime("%Y-%m-%d %H:%M %Z"),
+    summary = {"quick": args.quick, "only": args.only, "finished": time.strftime("%Y-%m-%d %H:%M %Z"),
                "total_seconds": time.perf_counter() - started, "seconds": seconds, "load_before": load_before,
                "failed": failed, "machine": machine(), "versions": versions()}
     directory = results_dir(args.quick)

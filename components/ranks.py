@@ -107,8 +107,6 @@ class Followers:
 @contextmanager
 def actor_ranks(cfg: RLHFConfig, log_dir: Path) -> Iterator["Leader"]:
     """The actor on all its ranks, this process being rank 0; followers are stopped on exit, whatever happened."""
-    import torch
-
     from models import distributed
     from models.loop import Leader, build_actor
 
@@ -145,7 +143,6 @@ def actor_ranks(cfg: RLHFConfig, log_dir: Path) -> Iterator["Leader"]:
         if followers is not None:
             followers.stop()
         distributed.shutdown()
-        torch.manual_seed(cfg.seed)  # nothing else to restore: the group is gone
 
 
 # ---------------------------------------------------------------- the follower side

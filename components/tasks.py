@@ -3,13 +3,37 @@
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Iterator
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
+from prefect.runtime import deployment, flow_run
 
+from components.ranks import actor_ranks
 from components.run import RunSession
 from models.config import RLHFConfig
 from models.loop import Leader
+
+
+@contextmanager
+def training_run(cfg: RLHFConfig) -> Iterator[tuple[RunSession, Leader]]:
+    """The frame of a training flow: open (or resume) the run, start the actor on all its ranks and restore it; on the
+    way out stop every rank and close the MLflow run as FINISHED or FAILED. A failure ends the flow with the cause's
+    first line as its state message."""
+    with reported_failure():
+        session = open_run(cfg, run_tags())
+        status = "FAILED"
+        try:
+            with actor_ranks(cfg, session.local_dir / "logs") as actor:
+                restore_actor(session, actor)
+                yield session, actor
+            status = "FINISHED"
+        finally:
+            session.close(status)
+
+
+def run_tags() -> dict[str, str]:
+    return {"prefect.flow_run_id": str(flow_run.get_id() or ""), "prefect.deployment": str(deployment.get_name() or "")}
 
 
 @task(name="open-run", cache_policy=NONE, retries=2, retry_delay_seconds=5)
