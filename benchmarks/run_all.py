@@ -18,7 +18,7 @@ import traceback
 
 from benchmarks.common import ROOT, load_average, log, machine, results_dir, versions
 
-BENCHMARKS = ("generate", "rloo_vs_trl", "critic_http", "overlap", "what_if", "distributed", "gpu")
+BENCHMARKS = ("generate", "rloo_vs_trl", "critic_http", "overlap", "what_if", "distributed", "critic_ranks", "gpu")
 MARK_START, MARK_END = "<!-- results:start (written by python -m benchmarks.run_all) -->", "<!-- results:end -->"
 
 
@@ -98,6 +98,18 @@ def table(results: dict, summary: dict) -> str:
         rows.append([f"Per-rank memory, {r['settings']['memory_model']}", "each of 2 ranks / 1 rank: params, grads, "
                      "AdamW", ", ".join(f"{k} {min(v):.2f}-{max(v):.2f}" for k, v in f.items()), "1 run",
                      "about 0.5", "yes" if r["target_met"] else "no"])
+    r = results.get("critic_ranks")
+    if r:
+        c, n = r["critic_round_trip_seconds"], f"{r['settings']['repetitions']} alternated pairs"
+        for op in ("infer", "train"):
+            rows.append([f"Critic server on 1 vs 2 ranks: critic_{op} {tuple(r['settings']['batch'])}",
+                         "round trip: 1 vs 2 ranks", f"{fmt(c['1_ranks'][op], 1e3, 1, ' ms')} vs "
+                         f"{fmt(c['2_ranks'][op], 1e3, 1, ' ms')} (x{c[f'{op}_ratio_2_over_1']:.2f})", n,
+                         "(none on 2 cores)", ""])
+        t = r["reward_transport_seconds"]
+        rows.append(["Rewards as text vs tokens (same rollouts)", "reward_text vs reward_model round trip",
+                     f"{fmt(t['text'], 1e3, 1, ' ms')} vs {fmt(t['tokens'], 1e3, 1, ' ms')} (x{t['text_over_tokens']:.2f})",
+                     n, "—", ""])
     r = results.get("gpu")
     if r:
         if r.get("skipped"):

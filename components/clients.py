@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from components.servers import CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, TRAIN_STATS
+from components.servers import CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, REWARD_TEXT, TRAIN_STATS
 from models.critic import CriticInputError, validate_tokens, validate_train
 
-_DTYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}
+_DTYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.object_): "BYTES"}
 _ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
 
 
@@ -216,15 +216,16 @@ class CriticClient:
 
 
 class RewardClient:
-    """The reward server over HTTP (`reward_model`); a RewardBackend.
+    """A reward server (or a critic server carrying the reward model) over HTTP; a RewardBackend.
 
-    Sends `prompt_lengths` (needed by a function reward to split prompt from response) unless send_prompt_lengths=False.
-    The texts `prompts`/`responses` are not sent: the server decodes tokens itself.
+    Tokens (`reward_model`): sends `prompt_lengths` (a function reward splits prompt from response with them) unless
+    send_prompt_lengths=False; the server decodes tokens itself. Text (`text=True`, `reward_text`): sends the prompt
+    and response strings (UTF-8), which the reward model tokenizes with its own tokenizer.
     """
 
     def __init__(self, url: str, timeout_s: float = 300.0, connect_timeout_s: float = 10.0, retries: int = 3,
-                 max_workers: int = 4, send_prompt_lengths: bool = True):
-        self.url, self.send_prompt_lengths = url, send_prompt_lengths
+                 max_workers: int = 4, send_prompt_lengths: bool = True, text: bool = False):
+        self.url, self.send_prompt_lengths, self.text = url, send_prompt_lengths, text
         self._http = TritonHTTP(url, timeout_s, connect_timeout_s, retries, max_workers=max_workers, name="reward")
         self._max_batch: Optional[int] = None
 
@@ -246,7 +247,21 @@ class RewardClient:
             scores.append(self._http.infer(REWARD_MODEL, chunk)["rewards"].reshape(-1))
         return torch.from_numpy(np.concatenate(scores))
 
+    def score_text(self, prompts: list[str], responses: list[str]) -> Tensor:
+        if len(prompts) != len(responses) or not prompts:
+            raise CriticInputError(f"responses: expected as many as prompts (> 0), got {len(responses)} and {len(prompts)}")
+        if self._max_batch is None:
+            self._max_batch = int(self._http.model_config(REWARD_TEXT).get("max_batch_size", 0)) or 1 << 30
+        scores = []
+        for start in range(0, len(prompts), self._max_batch):
+            chunk = {name: np.array([[s.encode("utf-8")] for s in texts[start:start + self._max_batch]], dtype=np.object_)
+                     for name, texts in (("prompts", prompts), ("responses", responses))}
+            scores.append(self._http.infer(REWARD_TEXT, chunk)["rewards"].reshape(-1))
+        return torch.from_numpy(np.concatenate(scores))
+
     def score_async(self, tokens, lengths, prompt_lengths=None, prompts=None, responses=None) -> "Future[Tensor]":
+        if self.text:
+            return self._http.submit(self.score_text, list(prompts), list(responses))
         return self._http.submit(self.score, tokens, lengths, prompt_lengths)
 
     def close(self) -> None:
@@ -267,5 +282,8 @@ def critic_backend(cfg, url: Optional[str] = None, **kwargs) -> CriticClient:
 
 def reward_backend(cfg, url: Optional[str] = None, **kwargs) -> RewardClient:
     """A RewardClient for an RLHFConfig: the local reward server's address unless `url` is given."""
+    from models.loop import reward_transport
+
     url = url or f"http://{cfg.reward.host}:{cfg.reward.http_port}"
+    kwargs.setdefault("text", reward_transport(cfg) == "text")
     return RewardClient(url, timeout_s=cfg.reward.request_timeout_s, **kwargs)

@@ -33,14 +33,15 @@ BACKEND_ENV, TIMEOUT_ENV = "RLHF_DIST_BACKEND", "RLHF_DIST_TIMEOUT_S"
 
 
 class Follower:
-    """Rank r (> 0) as a child process of rank 0, logging to a file."""
+    """Rank r (> 0) as a child process of rank 0, logging to a file; in a process group of its own, or in rank 0's
+    (a server's followers: whoever stops the server's group stops them too)."""
 
-    def __init__(self, rank: int, env: dict, log_path: Path):
-        self.rank, self.log_path = rank, log_path
+    def __init__(self, rank: int, argv: list[str], env: dict, log_path: Path, own_group: bool = True):
+        self.rank, self.log_path, self.own_group = rank, log_path, own_group
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "components.ranks"], env=env, stdin=subprocess.DEVNULL,
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
+                                     stderr=subprocess.STDOUT, start_new_session=own_group)
 
     def tail(self, lines: int = 20) -> str:
         try:
@@ -49,43 +50,58 @@ class Follower:
             return ""
 
     def stop(self, grace_s: float = 10.0) -> Optional[int]:
-        """SIGTERM its group, SIGKILL after `grace_s`; returns the exit code."""
+        """SIGTERM (its group), SIGKILL after `grace_s`; returns the exit code."""
+        kill = (lambda sig: os.killpg(self.proc.pid, sig)) if self.own_group else self.proc.send_signal
         for sig in (signal.SIGTERM, signal.SIGKILL):
             if self.proc.poll() is not None:
                 break
             try:
-                os.killpg(self.proc.pid, sig)
+                kill(sig)
             except ProcessLookupError:
                 break
             try:
                 self.proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 continue
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # anything it started
-        except ProcessLookupError:
-            pass
+        if self.own_group:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # anything it started
+            except ProcessLookupError:
+                pass
         self.proc.wait()
         self._log.close()
         return self.proc.returncode
 
 
 class Followers:
-    """Ranks 1..N-1 of one node, started and watched by rank 0."""
+    """Ranks 1..N-1 of one node, started and watched by rank 0 (of the actor, or of a critic server)."""
 
-    def __init__(self, cfg: RLHFConfig, log_dir: Path):
-        actor = cfg.actor
-        self.world = actor.world_size
-        host = actor.master_addr
-        port = actor.master_port if port_block_free(host, actor.master_port, 1) else find_free_ports(host, count=1)
+    def __init__(self, name: str, world: int, host: str, port: int, argv: list[str], env: dict, log_dir: Path,
+                 own_group: bool = True):
+        self.name, self.world = name, world
+        port = port if port_block_free(host, port, 1) else find_free_ports(host, count=1)
         self.init_method = f"tcp://{host}:{port}"
         base = dict(os.environ)
         base["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), base.get("PYTHONPATH", "")) if p)
-        base.update({"WORLD_SIZE": str(self.world), "LOCAL_WORLD_SIZE": str(self.world), "MASTER_ADDR": host,
-                     "MASTER_PORT": str(port), BACKEND_ENV: actor.backend, TIMEOUT_ENV: str(actor.collective_timeout_s),
-                     "RLHF_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1"})
-        self.ranks = [Follower(r, {**base, "RANK": str(r), "LOCAL_RANK": str(r)}, log_dir / f"actor-rank{r}.log")
-                      for r in range(1, self.world)]
+        base.update({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": host,
+                     "MASTER_PORT": str(port), "RLHF_PARENT_PID": str(os.getpid()), "PYTHONUNBUFFERED": "1", **env})
+        self.ranks = [Follower(r, argv, {**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                               log_dir / f"{name}-rank{r}.log", own_group) for r in range(1, world)]
+
+    @classmethod
+    def for_actor(cls, cfg: RLHFConfig, log_dir: Path) -> "Followers":
+        actor = cfg.actor
+        return cls("actor", actor.world_size, actor.master_addr, actor.master_port,
+                   [sys.executable, "-m", "components.ranks"],
+                   {BACKEND_ENV: actor.backend, TIMEOUT_ENV: str(actor.collective_timeout_s)}, log_dir)
+
+    def exited(self) -> Optional[str]:
+        """'<name> rank R (pid) exited with code C; last lines of its log' for the first follower that exited."""
+        for f in self.ranks:
+            if (code := f.proc.poll()) is not None:
+                return (f"{self.name} rank {f.rank} (pid {f.proc.pid}) exited with code {code}; "
+                        f"last lines of {f.log_path}:\n{f.tail()}")
+        return None
 
     def describe_failure(self, settle_s: float = 5.0) -> Optional[str]:
         """Why a collective failed, as far as the followers tell: the first that exited (rank, code, log tail), or
@@ -93,12 +109,8 @@ class Followers:
         deadline = time.monotonic() + settle_s  # a killed peer may close its sockets a moment before its exit is seen
         while time.monotonic() < deadline and all(f.proc.poll() is None for f in self.ranks):
             time.sleep(0.1)
-        for f in self.ranks:
-            if (code := f.proc.poll()) is not None:
-                return (f"actor rank {f.rank} (pid {f.proc.pid}) exited with code {code}; "
-                        f"last lines of {f.log_path}:\n{f.tail()}")
-        return (f"actor ranks {[f.rank for f in self.ranks]} are alive but did not answer a collective "
-                f"(hung, or slower than actor.collective_timeout_s)")
+        return self.exited() or (f"{self.name} ranks {[f.rank for f in self.ranks]} are alive but did not answer a "
+                                 f"collective (hung, or slower than the collective timeout)")
 
     def stop(self) -> dict[int, Optional[int]]:
         return {f.rank: f.stop() for f in self.ranks}
@@ -124,7 +136,7 @@ def actor_ranks(cfg: RLHFConfig, log_dir: Path) -> Iterator["Leader"]:
     elif cfg.actor.world_size > 1:
         if cfg.actor.nnodes > 1:
             raise ValueError("actor.nnodes > 1: start every node under torchrun (the actor-gpu job template does)")
-        followers = Followers(cfg, log_dir)
+        followers = Followers.for_actor(cfg, log_dir)
         me, init_method = distributed.Dist(0, cfg.actor.world_size, 0, cfg.actor.world_size), followers.init_method
     else:
         me, init_method = distributed.SINGLE, None
@@ -147,7 +159,7 @@ def actor_ranks(cfg: RLHFConfig, log_dir: Path) -> Iterator["Leader"]:
 
 # ---------------------------------------------------------------- the follower side
 
-def _exit_with_parent() -> None:
+def exit_with_parent() -> None:
     """A follower that rank 0 started ends when rank 0 is gone (killed without a chance to stop us)."""
     parent = int(os.environ.get("RLHF_PARENT_PID", "0"))
     if not parent:
@@ -168,7 +180,7 @@ def follow() -> int:
     from models.config import RLHFConfig
     from models.loop import build_actor, execute
 
-    _exit_with_parent()
+    exit_with_parent()
     me = distributed.from_env()
     device = distributed.local_device("auto", me)
     backend = distributed.resolve_backend(os.environ.get(BACKEND_ENV, "auto"), device)

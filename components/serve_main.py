@@ -4,6 +4,7 @@
                       [--port 8400] [--checkpoint-dir DIR] [--checkpoint-uri s3://bucket/run] [--restore-iteration N]
     rlhf serve reward [--config YAML] [--set ...] [--model PATH | --function module:fn [--tokenizer PATH]] [--port 8500]
     python -m components.serve_main --spec '<ServerSpec JSON>'     (what the launcher runs: one JSON document)
+    rlhf serve critic --nproc-per-node 2 ...                       (ranks 1..N-1 run `serve_main --follow`)
 
 Settings: the config tree (the 'tiny' preset, then --config YAML, then --set overrides) supplies the models, dtype,
 device and the critic/reward sections; the flags are shortcuts for the model paths and the per-process settings.
@@ -35,6 +36,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     critic.add_argument("--checkpoint-uri", default=None, help="The run's checkpoint store (file:///dir or s3://bucket/prefix): "
                         "saves are also uploaded there for the flow's checkpoint to adopt.")
     critic.add_argument("--restore-iteration", type=int, default=None, help="Start from iter_<N>/critic of --checkpoint-uri.")
+    critic.add_argument("--nproc-per-node", type=int, default=None, help="Ranks of the server (critic.nproc_per_node): "
+                        "rank 0 serves HTTP, every rank holds an FSDP2 shard of the critic.")
 
     reward = kinds.add_parser("reward", help="reward_model: scores from a reward model or a Python function.")
     source = reward.add_mutually_exclusive_group()
@@ -61,6 +64,8 @@ def spec_from_args(args) -> ServerSpec:
         overrides.update({k: v for k, v in (("model.critic", args.model), ("model.reward", args.reward)) if v})
         if args.no_combine:
             overrides["critic.combine_reward"] = False
+        if args.nproc_per_node:
+            overrides["critic.nproc_per_node"] = args.nproc_per_node
     else:
         if args.model:
             overrides.update({"reward.source": "model", "model.reward": args.model})
@@ -93,6 +98,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--spec"]:
         return run(ServerSpec.model_validate_json(argv[1]))
+    if argv[:1] == ["--follow"]:  # rank > 0 of a critic server, started by its rank 0
+        from components.servers import follow_critic
+
+        configure_logging()
+        return follow_critic()
     parser = argparse.ArgumentParser(prog="python -m components.serve_main")
     add_serve_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["serve", *argv])

@@ -8,6 +8,9 @@ Wire contract (NeMo-Aligner compatible; tokens right-padded, B = batch, L = sequ
     critic_save   (no batching)       dummy_var int64 [1] -> status int64 [1] (0 = saved), step int64 [1], path bytes [1]
     reward_model  (dynamic batching)  tokens, sequence_lengths (+ optional prompt_lengths int64 [B,1])
                                       -> rewards float32 [B,1]
+    reward_text   (dynamic batching)  prompts BYTES [B,1], responses BYTES [B,1] (UTF-8)
+                                      -> rewards float32 [B,1]: the reward model tokenizes with its own tokenizer
+                                      (reward servers, and the critic server when it carries the reward model)
 
 One Triton instance serves all models of a server; `CriticTrainer.lock` serialises infer/train/save. Serving order:
 Triton starts first, then the weights load, then the models are bound. If the weights fail to load, each model name is
@@ -34,6 +37,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import sysconfig
 import threading
 import time
@@ -52,8 +56,9 @@ if TYPE_CHECKING:  # torch and transformers load lazily: `rlhf --help` imports t
 LOG = logging.getLogger("rlhf.server")
 
 CRITIC_INFER, CRITIC_TRAIN, CRITIC_SAVE, REWARD_MODEL = "critic_infer", "critic_train", "critic_save", "reward_model"
+REWARD_TEXT = "reward_text"
 CRITIC_MODELS = (CRITIC_INFER, CRITIC_TRAIN, CRITIC_SAVE)
-REWARD_MODELS = (REWARD_MODEL,)
+REWARD_MODELS = (REWARD_MODEL, REWARD_TEXT)
 TOKEN_ENV = "RLHF_TRITON_ACCESS_TOKEN"  # access token for Triton's restricted endpoints (repository index, ...)
 ACCESS_HEADER = "triton-access-token"
 TRAIN_STATS = ("loss_mean", "grad_norm", "explained_variance", "clipfrac", "lr")
@@ -89,6 +94,26 @@ def check_vocab(tokens: np.ndarray, vocab_size: int) -> None:
 
     if tokens.size and ((tokens < 0).any() or (tokens >= vocab_size).any()):
         raise CriticInputError(f"tokens: ids must be in [0, {vocab_size}), got min {tokens.min()} max {tokens.max()}")
+
+
+def decode_texts(array: np.ndarray, name: str) -> list[str]:
+    """A BYTES [B, 1] tensor as B strings; refuses other dtypes and shapes, an empty batch, and invalid UTF-8."""
+    from models.critic import CriticInputError
+
+    if array.dtype.kind not in ("O", "S"):
+        raise CriticInputError(f"{name}: expected BYTES (UTF-8 strings) [B, 1], got dtype {array.dtype}")
+    if array.ndim != 2 or array.shape[1] != 1:
+        raise CriticInputError(f"{name}: expected shape [B, 1], got {list(array.shape)}")
+    if array.shape[0] == 0:
+        raise CriticInputError(f"{name}: expected a non-empty batch [B>0, 1], got shape {list(array.shape)}")
+    texts = []
+    for i, item in enumerate(array.reshape(-1)):
+        raw = item if isinstance(item, bytes) else str(item).encode()
+        try:
+            texts.append(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise CriticInputError(f"{name}: item {i} is not valid UTF-8 ({exc.reason} at byte {exc.start})") from None
+    return texts
 
 
 def check_prompt_lengths(prompt_lengths: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -159,7 +184,13 @@ def critic_specs(combine_reward: bool, max_batch_size: int, max_queue_delay_us: 
 def reward_specs(max_batch_size: int, max_queue_delay_us: int) -> list[ModelSpec]:
     return [ModelSpec(REWARD_MODEL, [_tensor("tokens", np.int64, (-1,)), _tensor("sequence_lengths", np.int64, (1,)),
                                      _tensor("prompt_lengths", np.int64, (1,), optional=True)],
-                      [_tensor("rewards", np.float32, (1,))], True, max_batch_size, max_queue_delay_us)]
+                      [_tensor("rewards", np.float32, (1,))], True, max_batch_size, max_queue_delay_us),
+            reward_text_spec(max_batch_size, max_queue_delay_us)]
+
+
+def reward_text_spec(max_batch_size: int, max_queue_delay_us: int) -> ModelSpec:
+    return ModelSpec(REWARD_TEXT, [_tensor("prompts", bytes, (1,)), _tensor("responses", bytes, (1,))],
+                     [_tensor("rewards", np.float32, (1,))], True, max_batch_size, max_queue_delay_us)
 
 
 class CriticCallables:
@@ -168,6 +199,13 @@ class CriticCallables:
     def __init__(self, trainer: CriticTrainer, store=None):
         self.trainer, self.store = trainer, store
         self._save_lock = threading.Lock()
+
+    def _all(self, op: str, *args):
+        """Run a trainer method on every rank: tell the other ranks (what, with which batch), then run it here; the
+        trainer's lock keeps the order of operations the same on all ranks."""
+        with self.trainer.lock:
+            self.trainer.me.broadcast_object((op, args))
+            return getattr(self.trainer, op)(*args)
 
     def infer(self, requests):
         from models.critic import validate_tokens
@@ -179,7 +217,7 @@ class CriticCallables:
             check_positions(tokens, self.trainer.model)
             parts.append((tokens, lengths.reshape(-1)))
         tokens, lengths, sizes = _stack(parts)
-        values, rewards = self.trainer.infer(tokens, lengths)
+        values, rewards = self._all("infer", tokens, lengths)
         responses, start = [], 0
         for (t, _), size in zip(parts, sizes):
             response = {"values": values[start:start + size, :t.shape[1]].numpy().astype(np.float32)}
@@ -200,7 +238,7 @@ class CriticCallables:
             validate_train(tokens, returns, prev_values, mask)
             check_vocab(tokens, self.trainer.vocab_size)
             check_positions(tokens, self.trainer.model)
-            stats = self.trainer.train(*(torch.as_tensor(np.array(a)) for a in (tokens, returns, prev_values, mask)))
+            stats = self._all("train", *(torch.as_tensor(np.array(a)) for a in (tokens, returns, prev_values, mask)))
             response = {name: np.array([stats[name]], dtype=np.float32) for name in TRAIN_STATS}
             response["step"] = np.array([stats["step"]], dtype=np.int64)
             responses.append(response)
@@ -208,7 +246,11 @@ class CriticCallables:
 
     def save(self, requests):
         with self._save_lock:
-            path = self.trainer.save()
+            target = self.trainer.checkpoint_dir
+            if target is None:
+                raise ValueError("critic_save: no checkpoint directory configured (--checkpoint-dir)")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            path = self._all("save", None, tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
             step = self.trainer.step
             # with a store (a server that may sit on another node than the flow): upload the save where the flow's
             # next checkpoint adopts it into iter_<N>/critic; the local path otherwise
@@ -218,8 +260,9 @@ class CriticCallables:
         return [{"status": np.array([0], dtype=np.int64), "step": np.array([step], dtype=np.int64),
                  "path": np.array([location.encode()], dtype=np.bytes_)} for _ in requests]
 
-    def bindings(self) -> dict[str, Callable]:
-        return {CRITIC_INFER: self.infer, CRITIC_TRAIN: self.train, CRITIC_SAVE: self.save}
+    def bindings(self, max_batch_size: int, max_queue_delay_us: int) -> list[tuple[ModelSpec, Callable]]:
+        specs = critic_specs(self.trainer.token_rewards, max_batch_size, max_queue_delay_us)
+        return list(zip(specs, (self.infer, self.train, self.save)))
 
 
 class RewardCallables:
@@ -230,14 +273,46 @@ class RewardCallables:
     is then the response and the prompt is empty.
     """
 
-    def __init__(self, model=None, function=None, tokenizer=None, vocab_size: int | None = None):
+    def __init__(self, model=None, function=None, tokenizer=None, vocab_size: int | None = None, reward_tokenizer=None,
+                 chat_template: bool = False, lock: threading.Lock | None = None):
         if (model is None) == (function is None):
             raise ValueError("reward server: give exactly one of a reward model or a reward function")
         if function is not None and tokenizer is None:
             raise ValueError("reward server: a function reward needs a tokenizer (--tokenizer) to decode tokens")
+        if model is not None and reward_tokenizer is None:
+            raise ValueError("reward server: reward_text needs the reward model's tokenizer")
         self.model, self.function, self.tokenizer = model, function, tokenizer
+        self.reward_tokenizer, self.chat_template = reward_tokenizer, chat_template
         self.vocab_size = vocab_size or (model.config.vocab_size if model is not None else len(tokenizer))
-        self.lock = threading.Lock()
+        self.lock = lock or threading.Lock()
+
+    def text(self, requests):
+        """`reward_text`: (prompt, response) strings scored by the reward model with its own tokenizer (or the
+        reward function)."""
+        from models.critic import CriticInputError
+        from models.reward import text_reward_scores
+
+        parts = []
+        for request in requests:
+            prompts = decode_texts(_array(request, "prompts"), "prompts")
+            responses = decode_texts(_array(request, "responses"), "responses")
+            if len(prompts) != len(responses):
+                raise CriticInputError(f"responses: batch size {len(responses)} does not match prompts batch size "
+                                       f"{len(prompts)}")
+            parts.append((prompts, responses))
+        prompts = [p for ps, _ in parts for p in ps]
+        responses = [r for _, rs in parts for r in rs]
+        with self.lock:
+            if self.model is not None:
+                scores = text_reward_scores(self.model, self.reward_tokenizer, prompts, responses,
+                                            self.chat_template).numpy()
+            else:
+                scores = np.asarray(self.function(prompts, responses), dtype=np.float32)
+        out, start = [], 0
+        for ps, _ in parts:
+            out.append({"rewards": scores[start:start + len(ps)].astype(np.float32).reshape(-1, 1)})
+            start += len(ps)
+        return out
 
     def infer(self, requests):
         from models.critic import validate_tokens
@@ -275,8 +350,8 @@ class RewardCallables:
                      for r, p, n in zip(rows, prompt_lengths, lengths)]
         return np.asarray(self.function(prompts, responses), dtype=np.float32)
 
-    def bindings(self) -> dict[str, Callable]:
-        return {REWARD_MODEL: self.infer}
+    def bindings(self, max_batch_size: int, max_queue_delay_us: int) -> list[tuple[ModelSpec, Callable]]:
+        return list(zip(reward_specs(max_batch_size, max_queue_delay_us), (self.infer, self.text)))
 
 
 # ---------------------------------------------------------------- serving
@@ -310,17 +385,14 @@ class ServerSpec(BaseModel):
 
     @property
     def models(self) -> tuple[str, ...]:
-        return CRITIC_MODELS if self.kind == "critic" else REWARD_MODELS
+        """The models this server binds (what readiness waits for)."""
+        if self.kind == "critic":
+            return CRITIC_MODELS + ((REWARD_TEXT,) if self.config.critic.combine_reward else ())
+        return REWARD_MODELS
 
     @property
     def section(self):
         return self.config.critic if self.kind == "critic" else self.config.reward
-
-    def specs(self) -> list[ModelSpec]:
-        delay = self.section.max_queue_delay_us
-        if self.kind == "critic":
-            return critic_specs(self.config.critic.combine_reward, self.max_batch_size, delay)
-        return reward_specs(self.max_batch_size, delay)
 
     def triton_config(self):
         import torch
@@ -386,10 +458,12 @@ def _register_failed_model(workspace, url: str, token: str | None, name: str, re
         client.close()
 
 
-def serve(spec: ServerSpec, load: Callable[[], dict[str, Callable]] | None = None) -> int:
-    """Start Triton, load the weights (`load` returns name -> callable), bind, serve until SIGTERM/SIGINT.
+def serve(spec: ServerSpec, load: Callable[[], tuple[list, object]] | None = None) -> int:
+    """Start Triton, load the weights (`load` returns (model spec, callable) pairs and the group of the server's other
+    ranks, or None), bind, serve until SIGTERM/SIGINT. Models are bound, so the server is ready, only once every rank
+    is up; a rank that exits stops the server (not ready any more) with an error that names it.
 
-    Returns the process exit code: 0 after a requested stop, 1 when the weights failed to load or Triton died.
+    Returns the process exit code: 0 after a requested stop, 1 when the weights failed to load, a rank or Triton died.
     """
     prepare_environment()
     kind = spec.kind
@@ -418,30 +492,33 @@ def serve(spec: ServerSpec, load: Callable[[], dict[str, Callable]] | None = Non
     triton = Triton(config=spec.triton_config(), workspace=workspace,
                     security_config=TritonSecurityConfig(access_token=token))
     url = f"http://{spec.host}:{spec.port}"
-    specs = spec.specs()
     code = 0
+    group = None
     try:
         started = time.monotonic()
         triton.run()
         LOG.info("%s server: Triton up at %s (grpc %d, metrics %d) in %.1fs; loading weights", kind, url,
                  spec.port + 1, spec.port + 2, time.monotonic() - started)
         try:
-            callables = load()
+            bindings, group = load()
         except Exception as exc:  # noqa: BLE001 - reported through Triton's model state, and logged
             LOG.exception("%s server: weights failed to load", kind)
             reason = f"{kind} server failed to load: {type(exc).__name__}: {exc}"
-            for model in specs:
-                _register_failed_model(workspace, url, triton.get_access_token(), model.name, reason)
+            for name in spec.models:
+                _register_failed_model(workspace, url, triton.get_access_token(), name, reason)
             code = 1
             while triton.is_alive():  # keep answering readiness checks with the reason until stopped
                 time.sleep(0.5)
             return code
-        for model in specs:
-            triton.bind(model_name=model.name, infer_func=callables[model.name], inputs=model.inputs,
+        for model, infer in bindings:
+            triton.bind(model_name=model.name, infer_func=infer, inputs=model.inputs,
                         outputs=model.outputs, config=model.config(), strict=True)
-        LOG.info("%s server: ready at %s with models %s (%.1fs)", kind, url, [m.name for m in specs],
+        LOG.info("%s server: ready at %s with models %s (%.1fs)", kind, url, [m.name for m, _ in bindings],
                  time.monotonic() - started)
         while triton.is_alive():
+            if group is not None and (reason := group.exited()):
+                LOG.error("%s server: %s", kind, reason)
+                return 1
             time.sleep(0.5)
         LOG.error("%s server: Triton or a model backend exited", kind)
         code = 1
@@ -449,8 +526,23 @@ def serve(spec: ServerSpec, load: Callable[[], dict[str, Callable]] | None = Non
         LOG.info("%s server: stop requested", kind)
     finally:
         triton.stop()
+        if group is not None:
+            _stop_ranks(group)
         LOG.info("%s server: stopped", kind)
     return code
+
+
+def _stop_ranks(group) -> None:
+    """Tell the server's other ranks to stop (when they can still hear it), then make sure they are gone."""
+    from models import distributed
+
+    if group.exited() is None:
+        try:
+            distributed.Dist(0, group.world, 0, group.world).broadcast_object(("stop", ()))
+        except Exception:  # noqa: BLE001 - a rank already gone: stopped below either way
+            pass
+    group.stop()
+    distributed.shutdown()
 
 
 def configure_logging() -> None:
@@ -460,15 +552,14 @@ def configure_logging() -> None:
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def load_callables(spec: ServerSpec) -> dict[str, Callable]:
+def load_callables(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], object]:
     """Load the weights a spec names (building the embedded default if it is named and missing) and bind callables."""
     return (_load_critic if spec.kind == "critic" else _load_reward)(spec)
 
 
-def _load_critic(spec: ServerSpec) -> dict[str, Callable]:
-    from models.critic import CriticTrainer
-    from models.loading import resolve_device
-
+def _load_critic(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], object]:
+    """Rank 0 of the critic server: restore from the run's store if asked, start the other ranks (critic.nproc_per_node
+    > 1), build the critic on every rank, and bind the callables (which tell the other ranks what to run)."""
     cfg = spec.config
     if cfg.critic.combine_reward and not cfg.model.reward:
         raise ValueError("critic server: combining rewards needs a reward model (model.reward) or critic.combine_reward=false")
@@ -482,27 +573,104 @@ def _load_critic(spec: ServerSpec) -> dict[str, Callable]:
                 raise ValueError("critic server: restore_iteration needs a checkpoint_dir to restore into")
             store.load_part(spec.restore_iteration, "critic", Path(spec.checkpoint_dir))
             LOG.info("critic: restored iter_%d/critic from %s", spec.restore_iteration, store.uri)
+    group = None
+    me = None
+    if cfg.critic.nproc_per_node > 1:
+        group, me = _start_critic_ranks(spec)
+    trainer, reward_tokenizer = _critic_trainer(spec, me)
+    LOG.info("critic: %d rank(s), step %d, checkpoint dir %s, reward model %s", trainer.me.world_size, trainer.step,
+             spec.checkpoint_dir, ("combined (tokens and text)" if trainer.token_rewards else "combined (text only)")
+             if trainer.reward_model is not None else "not loaded")
+    if trainer.warning:
+        LOG.warning(trainer.warning)
+    bindings = CriticCallables(trainer, store).bindings(spec.max_batch_size, cfg.critic.max_queue_delay_us)
+    if trainer.reward_model is not None:
+        text = RewardCallables(model=trainer.reward_model, reward_tokenizer=reward_tokenizer,
+                               chat_template=cfg.reward.chat_template, lock=trainer.lock)
+        bindings.append((reward_text_spec(spec.max_batch_size, cfg.critic.max_queue_delay_us), text.text))
+    return bindings, group
+
+
+def _critic_trainer(spec: ServerSpec, me=None):
+    """The critic of a spec on this rank (every rank builds it alike), and the reward model's tokenizer."""
+    from models.critic import CriticTrainer
+    from models.distributed import SINGLE, local_device
+
+    me = me or SINGLE
+    cfg = spec.config
     critic_path = cfg.resolve_model_path(cfg.model.critic) if cfg.model.critic else None
     reward_path = cfg.resolve_model_path(cfg.model.reward) if cfg.model.reward else None
+    reward_tokenizer = None
+    token_rewards = True
+    if cfg.critic.combine_reward:
+        from models.reward import load_reward_tokenizer, same_tokenizer
+
+        reward_tokenizer = load_reward_tokenizer(reward_path)
+        # the reward model scores the critic's (= the policy's) tokens only when it shares their tokenizer
+        token_rewards = critic_path is None or same_tokenizer(load_reward_tokenizer(critic_path, "model.critic"),
+                                                              reward_tokenizer)
     trainer = CriticTrainer(cfg.critic, critic_path, reward_path, cfg.critic.combine_reward, cfg.model.dtype,
-                            resolve_device(cfg.model.device), spec.checkpoint_dir)
-    LOG.info("critic: step %d, checkpoint dir %s, reward model %s", trainer.step, spec.checkpoint_dir,
-             "combined" if trainer.reward_model is not None else "not loaded")
-    return CriticCallables(trainer, store).bindings()
+                            local_device(cfg.model.device, me), spec.checkpoint_dir, token_rewards=token_rewards, me=me)
+    return trainer, reward_tokenizer
 
 
-def _load_reward(spec: ServerSpec) -> dict[str, Callable]:
+def _start_critic_ranks(spec: ServerSpec):
+    """Start ranks 1..N-1 of the critic server (in this server's process group), join them, hand them the spec."""
+    from components.ranks import Followers
+    from models import distributed
+
+    cfg = spec.config
+    world = cfg.critic.nproc_per_node
+    log_dir = Path(spec.checkpoint_dir).parent if spec.checkpoint_dir else cfg.resolved_state_dir() / "servers"
+    group = Followers("critic", world, "127.0.0.1", spec.port + 3, [sys.executable, "-m", "components.serve_main", "--follow"],
+                      {"RLHF_DIST_BACKEND": cfg.actor.backend, "RLHF_DIST_TIMEOUT_S": str(cfg.actor.collective_timeout_s)},
+                      log_dir / "logs", own_group=False)
+    me = distributed.Dist(0, world, 0, world)
+    device = distributed.local_device(cfg.model.device, me)
+    distributed.init(me, distributed.resolve_backend(cfg.actor.backend, device), cfg.actor.collective_timeout_s, device,
+                     group.init_method)
+    me.broadcast_object(spec.model_dump_json())
+    return group, me
+
+
+def follow_critic() -> int:
+    """Rank r > 0 of a critic server: join, receive the spec, build the critic shard, run what rank 0 says."""
+    from components.ranks import BACKEND_ENV, TIMEOUT_ENV, exit_with_parent
+    from models import distributed
+
+    exit_with_parent()
+    me = distributed.from_env()
+    device = distributed.local_device("auto", me)
+    distributed.init(me, distributed.resolve_backend(os.environ.get(BACKEND_ENV, "auto"), device),
+                     float(os.environ.get(TIMEOUT_ENV, "300")), device)
+    try:
+        spec = ServerSpec.model_validate_json(me.broadcast_object(None))
+        if spec.torch_threads:
+            import torch
+
+            torch.set_num_threads(spec.torch_threads)
+        trainer, _ = _critic_trainer(spec, me)
+        while (command := me.broadcast_object(None))[0] != "stop":
+            op, args = command
+            getattr(trainer, op)(*args)
+    finally:
+        distributed.shutdown()
+    return 0
+
+
+def _load_reward(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], object]:
     from models.loading import resolve_device
-    from models.reward import load_reward_function, load_reward_model
+    from models.reward import load_reward_function, load_reward_model, load_reward_tokenizer
 
     cfg = spec.config
     if cfg.reward.source == "model":
-        model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, resolve_device(cfg.model.device))
-        return RewardCallables(model=model).bindings()
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(cfg.resolve_model_path(cfg.model.policy))
-    return RewardCallables(function=load_reward_function(cfg.reward.function), tokenizer=tokenizer).bindings()
+        path = cfg.resolve_model_path(cfg.model.reward)
+        callables = RewardCallables(model=load_reward_model(path, cfg.model.dtype, resolve_device(cfg.model.device)),
+                                    reward_tokenizer=load_reward_tokenizer(path), chat_template=cfg.reward.chat_template)
+    else:
+        tokenizer = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")
+        callables = RewardCallables(function=load_reward_function(cfg.reward.function), tokenizer=tokenizer)
+    return callables.bindings(spec.max_batch_size, cfg.reward.max_queue_delay_us), None
 
 
 def model_state_summary(index: list[dict], name: str) -> str | None:

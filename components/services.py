@@ -45,6 +45,7 @@ class Service:
     name: str
     backend: object
     describe_death: Callable[[], Optional[str]] = lambda: None  # message if the server is gone, else None
+    reward: object = None  # a critic carrying a reward model that reads text: its reward_text as a RewardBackend
 
     def guard(self, fn, *args, **kwargs):
         """Call a step; if it fails and the server is gone, fail with a message that names the server and its exit."""
@@ -61,13 +62,16 @@ class Service:
 def critic_service(cfg: RLHFConfig, session: RunSession) -> Iterator[Service]:
     if cfg.critic.launch == "in_process":
         from models.backends import LocalCritic
-        from models.loop import build_critic_trainer
+        from models.loop import build_critic_trainer, critic_text_reward
 
         backend = LocalCritic(build_critic_trainer(cfg, checkpoint_dir=session.critic_dir))
+        reward = critic_text_reward(cfg, backend.trainer)
         try:
-            yield Service("critic (in process)", backend)
+            yield Service("critic (in process)", backend, reward=reward)
         finally:
             backend.close()
+            if reward is not None:
+                reward.close()
         return
     with (_local if cfg.critic.launch == "local" else _deployment)("critic", cfg, session) as service:
         yield service
@@ -117,15 +121,30 @@ def server_spec(kind: str, cfg: RLHFConfig, **fields) -> ServerSpec:
                       torch_threads=_threads(section), **fields)
 
 
-def _death(name: str, proc: ServerProcess, settle_s: float = 5.0):
+def _text_rewards(kind: str, cfg: RLHFConfig, url: str):
+    """A critic server whose reward model reads text serves rewards through reward_text, not critic_infer."""
+    from components.clients import RewardClient
+    from models.loop import reward_transport
+
+    if kind != "critic" or not cfg.critic.combine_reward or reward_transport(cfg) != "text":
+        return None
+    return RewardClient(url, timeout_s=cfg.critic.request_timeout_s, text=True)
+
+
+def _death(name: str, proc: ServerProcess, settle_s: float = 20.0):
     def describe() -> Optional[str]:
-        # called after a request failed: a killed server may drop its connections a moment before its exit is seen
+        # called after a request failed: a killed server may drop its connections a moment before its exit is seen,
+        # and a server that lost one of its ranks stops Triton (seconds) before it exits
         deadline = time.monotonic() + settle_s
         while (code := proc.poll()) is None and time.monotonic() < deadline:
             time.sleep(0.1)
         if code is None:
             return None
-        return f"{name} server (pid {proc.pid}, {proc.url}) exited with code {code}; last lines of {proc.log_path}:\n{proc.log_tail()}"
+        tail = proc.log_tail()
+        errors = [line.split(" ERROR ", 1)[1] for line in tail.splitlines() if " ERROR " in line]
+        why = f": {errors[-1]}" if errors else ""  # e.g. "rlhf.server: critic server: critic rank 1 (pid) exited ..."
+        return (f"{name} server (pid {proc.pid}, {proc.url}) exited with code {code}{why}; last lines of "
+                f"{proc.log_path}:\n{tail}")
     return describe
 
 
@@ -141,24 +160,27 @@ def start_local_server(kind: str, cfg: RLHFConfig, session: RunSession) -> Serve
 
 
 @task(name="wait-until-ready", cache_policy=NONE)
-def wait_ready(kind: str, url: str, timeout: float, proc: Optional[ServerProcess] = None) -> None:
+def wait_ready(kind: str, url: str, timeout: float, proc: Optional[ServerProcess] = None,
+               cfg: Optional[RLHFConfig] = None) -> None:
     started = time.monotonic()
-    wait_until_ready(url, ServerSpec(kind=kind).models, timeout, process=proc)
+    wait_until_ready(url, ServerSpec(kind=kind, config=cfg or RLHFConfig()).models, timeout, process=proc)
     get_run_logger().info(f"{kind} server ready at {url} after {time.monotonic() - started:.1f}s")
 
 
 @contextmanager
 def _local(kind: str, cfg: RLHFConfig, session: RunSession) -> Iterator[Service]:
     proc = start_local_server.with_options(name=f"deploy-{kind}-server")(kind, cfg, session)
-    client = None
+    clients = []
     try:
-        wait_ready(kind, proc.url, _section(kind, cfg).ready_timeout_s, proc)
-        client = critic_backend(cfg, proc.url) if kind == "critic" else reward_backend(cfg, proc.url)
-        yield Service(f"{kind} server", client, _death(kind, proc))
+        wait_ready(kind, proc.url, _section(kind, cfg).ready_timeout_s, proc, cfg=cfg)
+        clients = [critic_backend(cfg, proc.url) if kind == "critic" else reward_backend(cfg, proc.url),
+                   _text_rewards(kind, cfg, proc.url)]
+        yield Service(f"{kind} server", clients[0], _death(kind, proc), reward=clients[1])
     finally:
         code = proc.stop()  # first: a cancelled flow must not wait on an in-flight request before stopping the server
-        if client is not None:
-            client.close()
+        for client in clients:
+            if client is not None:
+                client.close()
         get_run_logger().info(f"{kind} server stopped (pid {proc.pid}, exit code {code})")
 
 
@@ -225,16 +247,18 @@ def cancel_flow_run(flow_run_id) -> None:
 def _deployment(kind: str, cfg: RLHFConfig, session: RunSession) -> Iterator[Service]:
     section = _section(kind, cfg)
     flow_run_id = start_deployment.with_options(name=f"deploy-{kind}-server")(kind, cfg, session)
-    client = None
+    clients = []
     try:
         url = discover_address(kind, flow_run_id, section.ready_timeout_s)
-        wait_ready(kind, url, section.ready_timeout_s)
-        client = critic_backend(cfg, url) if kind == "critic" else reward_backend(cfg, url)
-        yield Service(f"{kind} server", client, _flow_run_death(kind, flow_run_id))
+        wait_ready(kind, url, section.ready_timeout_s, cfg=cfg)
+        clients = [critic_backend(cfg, url) if kind == "critic" else reward_backend(cfg, url),
+                   _text_rewards(kind, cfg, url)]
+        yield Service(f"{kind} server", clients[0], _flow_run_death(kind, flow_run_id), reward=clients[1])
     finally:
         cancel_flow_run(flow_run_id)
-        if client is not None:
-            client.close()
+        for client in clients:
+            if client is not None:
+                client.close()
         get_run_logger().info(f"{kind} server: cancelled flow run {flow_run_id}")
 
 

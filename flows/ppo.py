@@ -21,7 +21,7 @@ def ppo(config: RLHFConfig = RLHFConfig(algorithm="ppo")) -> dict:
         metrics = {}
         while actor.state.iteration < cfg.iterations:
             metrics, samples = critic.guard(ppo_iteration, actor, next(batches), critic.backend,
-                                            reward.backend if reward else None)
+                                            reward.backend if reward else critic.reward)
             log_metrics(session, actor.state.iteration, metrics, samples)
             if actor.state.iteration % cfg.checkpoint.every == 0 or actor.state.iteration == cfg.iterations:
                 critic.guard(save_checkpoint, session, actor, critic.backend)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from models.critic import CriticTrainer
-from models.reward import RewardFn, reward_model_scores
+from models.reward import RewardFn, reward_model_scores, text_reward_scores
 
 
 class CriticBackend(Protocol):
@@ -38,7 +38,7 @@ class LocalCritic:
 
     def __init__(self, trainer: CriticTrainer):
         self.trainer = trainer
-        self.combined_reward = trainer.reward_model is not None
+        self.combined_reward = trainer.token_rewards
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="critic")
 
     def infer_async(self, tokens, lengths):
@@ -56,13 +56,17 @@ class LocalCritic:
 
 
 class LocalRewardModel:
-    """A frozen sequence-classification reward model in this process."""
+    """A frozen sequence-classification reward model in this process: scores the policy's tokens, or with a
+    `tokenizer` of its own (text transport) the prompt and response texts."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, tokenizer=None, chat_template: bool = False):
+        self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="reward")
 
     def score_async(self, tokens, lengths, prompt_lengths, prompts, responses):
+        if self.tokenizer is not None:
+            return self._pool.submit(text_reward_scores, self.model, self.tokenizer, list(prompts), list(responses),
+                                     self.chat_template)
         device = next(self.model.parameters()).device
         return self._pool.submit(lambda: reward_model_scores(self.model, tokens.to(device), lengths.to(device)).cpu())
 

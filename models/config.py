@@ -129,6 +129,7 @@ class ReinforceConfig(_Section):
 class CriticConfig(_Section):
     launch: Literal["in_process", "local", "deployment"] = Field("local", description="Where the critic runs: in this process, as a local PyTriton child process, or as the critic-server/default Prefect deployment.")
     combine_reward: bool = Field(True, description="Serve the reward model in the critic server: critic_infer returns values and rewards in one call.")
+    nproc_per_node: PositiveInt = Field(1, description="Ranks of the critic server (one node): rank 0 serves HTTP, every rank holds an FSDP2 shard of the critic and computes its block of each batch (collectives: actor.backend, actor.collective_timeout_s).")
     host: str = Field("127.0.0.1", description="Interface the critic server binds (and the client connects to for launch=local).")
     http_port: int = Field(8400, ge=1, le=65535, description="HTTP port of the critic server (gRPC = +1, metrics = +2).")
     max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic-batching queue delay of critic_infer.")
@@ -146,6 +147,8 @@ class RewardConfig(_Section):
     source: Literal["model", "function"] = Field("model", description="Score responses with the reward model or a Python function.")
     function: Optional[str] = Field(None, description="'package.module:function(prompts, responses) -> list[float]' for source='function'.")
     gold: Optional[str] = Field("models.tasks.sentiment:gold_reward", description="Gold reward function logged as objective/gold_reward (None to skip).")
+    transport: Literal["auto", "tokens", "text"] = Field("auto", description="How rollouts reach the reward model: 'tokens' (the policy's ids: the RM must share the policy's tokenizer), 'text' (reward_text: prompt and response strings the RM tokenizes itself), 'auto' = text when the RM's tokenizer differs from the policy's, else tokens.")
+    chat_template: bool = Field(False, description="With text transport, format (prompt, response) with the reward model's chat template (user, assistant) when it has one; otherwise 'prompt response' + EOS.")
     launch: Literal["in_process", "local", "deployment"] = Field("local", description="Where the REINFORCE reward server runs.")
     host: str = Field("127.0.0.1", description="Interface of the reward server.")
     http_port: int = Field(8500, ge=1, le=65535, description="HTTP port of the reward server (gRPC = +1, metrics = +2).")

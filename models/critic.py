@@ -24,6 +24,7 @@ from transformers import AutoModelForSequenceClassification, AutoModelForTokenCl
 
 from models.advantages import last_token_index
 from models.config import CriticConfig
+from models.distributed import SINGLE, Dist, full_state_dict, shard_model
 from models.loading import DTYPES, autocast, disable_dropout, from_pretrained, make_optimizer
 from models.losses import explained_variance, value_loss
 from models.reward import _head, load_reward_model, reward_model_scores
@@ -104,65 +105,91 @@ def validate_train(tokens: np.ndarray, returns: np.ndarray, prev_values: np.ndar
 class CriticTrainer:
     """Critic weights + optimizer + schedule + step, and (optionally) the resident frozen reward model.
 
-    One lock serialises infer/train/save, so a request never sees half-updated weights.
+    On several ranks (`me`) every method runs on every rank at once (rank 0 of the critic server tells the others
+    what to run): the critic is sharded with FSDP2, each rank computes its block of the batch's rows, rank 0 gets
+    the results, and the update loop gives what one rank computes on the whole batch. The reward model is frozen and
+    replicated. One (re-entrant) lock serialises infer/train/save, so a request never sees half-updated weights.
     """
 
     def __init__(self, cfg: CriticConfig, critic_path: str | None, reward_path: str | None, combine_reward: bool,
-                 dtype: str = "float32", device: str | torch.device = "cpu", checkpoint_dir: str | Path | None = None):
-        self.cfg, self.device = cfg, torch.device(device)
+                 dtype: str = "float32", device: str | torch.device = "cpu", checkpoint_dir: str | Path | None = None,
+                 token_rewards: bool = True, me: Dist = SINGLE):
+        self.cfg, self.device, self.me = cfg, torch.device(device), me
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         self.step = 0
+        self.warning: str | None = None
         resume = self.checkpoint_dir is not None and (self.checkpoint_dir / "critic_state.pt").exists()
         source = str(self.checkpoint_dir / "model") if resume else critic_path
         self.dtype = dtype  # compute dtype (autocast); the trainable weights and AdamW states stay float32
         self.model = init_critic(source, reward_path, "float32").to(self.device)
         self.model.train()
+        self.sharded = me.active
+        if self.sharded:
+            self.model = shard_model(self.model)
         self.reward_model = load_reward_model(reward_path, dtype, self.device) if combine_reward else None
+        # the resident reward model also scores the critic's (= the policy's) tokens only if it shares their tokenizer;
+        # otherwise it scores text (reward_text) with its own
+        self.token_rewards = self.reward_model is not None and token_rewards
         self.optimizer, self.scheduler = make_optimizer(self.model.parameters(), cfg.optim)
         if resume:
-            state = torch.load(self.checkpoint_dir / "critic_state.pt", map_location=self.device, weights_only=False)
-            self.optimizer.load_state_dict(state["optimizer"])
-            self.scheduler.load_state_dict(state["scheduler"])
-            self.step = int(state["step"])
+            self._restore(self.checkpoint_dir)
 
     @property
     def vocab_size(self) -> int:
         return int(self.model.config.vocab_size)
 
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    def _rows(self, n: int) -> tuple[slice, list[slice | None]]:
+        """This rank's rows of a batch of n, and its micro-batches: as many on every rank (None: a pass whose
+        result is dropped, so FSDP's collectives line up)."""
+        mine = self.me.shard(n)
+        chunks = micro_batches(mine.stop - mine.start, self.cfg.micro_batch_size)
+        count = int(self.me.all_reduce(torch.tensor(len(chunks)), op="max"))
+        return mine, chunks + [None] * (count - len(chunks))
+
     @torch.no_grad()
     def infer(self, tokens: Tensor, lengths: Tensor) -> tuple[Tensor, Tensor | None]:
-        """values [B, L] and, when a reward model is resident, rewards [B]."""
+        """values [B, L] and, when the reward model scores these tokens, rewards [B] (on rank 0; None elsewhere)."""
         with self.lock:
             tokens, lengths = tokens.to(self.device), lengths.to(self.device)
-            values = self._values_no_grad(tokens, lengths)
+            mine, chunks = self._rows(len(tokens))
+            tok, ln = tokens[mine], lengths[mine]
+            values = self._values_no_grad(tok, ln, chunks)
             rewards = None
-            if self.reward_model is not None:
+            if self.token_rewards:
                 with autocast(self.device, self.dtype):
-                    rewards = torch.cat([reward_model_scores(self.reward_model, tokens[mb], lengths[mb])
-                                         for mb in self._chunks(len(tokens))])
-        return values.cpu(), None if rewards is None else rewards.cpu()
-
-    def _chunks(self, n: int) -> list[slice]:
-        return micro_batches(n, self.cfg.micro_batch_size)
+                    rewards = torch.cat([reward_model_scores(self.reward_model, tok[mb], ln[mb])
+                                         for mb in chunks if mb is not None] or [torch.zeros(0)])
+            values = self.me.all_gather_cat(values.cpu())
+            rewards = self.me.all_gather_cat(rewards.cpu()) if rewards is not None else None
+        return values, rewards
 
     @torch.no_grad()
-    def _values_no_grad(self, tokens: Tensor, lengths: Tensor) -> Tensor:
-        """Values in micro-batches (a 1B critic does not take a whole rollout batch in one forward)."""
+    def _values_no_grad(self, tokens: Tensor, lengths: Tensor, chunks: list[slice | None]) -> Tensor:
+        """Values of this rank's rows in micro-batches (a 1B critic does not take a whole batch in one forward)."""
         self.model.eval()
+        out = []
         with autocast(self.device, self.dtype):
-            values = torch.cat([token_values(self.model, tokens[mb], lengths[mb]) for mb in self._chunks(len(tokens))])
+            for mb in chunks:
+                values = token_values(self.model, tokens[mb or slice(0, 1)], lengths[mb or slice(0, 1)])
+                if mb is not None:
+                    out.append(values.float())
         self.model.train()
-        return values
+        return torch.cat(out) if out else torch.zeros((0, tokens.shape[1]), device=tokens.device)
 
     def train(self, tokens: Tensor, returns: Tensor, prev_values: Tensor, mask: Tensor) -> dict[str, float]:
         """The shared update loop (models/update.py): epochs over shuffled batches of `train_batch_size`, micro-batched,
-        clipped value loss, grad clipping, optimizer + schedule."""
+        clipped value loss, grad clipping, optimizer + schedule; each rank holds its block of the rows."""
         B = tokens.shape[0]
         # causal model: the values up to the last masked position do not depend on later tokens
         lengths = last_token_index(mask) + 1
         with self.lock:
-            tok, ret, old, m, ln = (t.to(self.device) for t in (tokens, returns, prev_values, mask, lengths))
+            mine, chunks = self._rows(B)
+            tok, ret, old, m, ln = (t[mine].to(self.device) for t in (tokens, returns, prev_values, mask, lengths))
 
             def micro_loss(idx: Tensor):
                 idx = idx.to(self.device)
@@ -173,31 +200,64 @@ class CriticTrainer:
 
             self.model.train()
             out = minibatch_update(list(self.model.parameters()), self.optimizer, self.scheduler, micro_loss,
-                                   m.sum(1).cpu(), torch.arange(B), B, self.cfg.train_batch_size, self.cfg.epochs,
-                                   self.cfg.micro_batch_size, self.cfg.optim.grad_clip,
-                                   torch.Generator().manual_seed(self.step))
+                                   m.sum(1).cpu(), torch.arange(mine.start, mine.stop), B, self.cfg.train_batch_size,
+                                   self.cfg.epochs, self.cfg.micro_batch_size, self.cfg.optim.grad_clip,
+                                   torch.Generator().manual_seed(self.step), self.me, sharded=self.sharded)
             self.step += out["steps"]
-            ev = float(explained_variance(self._values_no_grad(tok, ln), ret, m))
+            values = self.me.all_gather_cat(self._values_no_grad(tok, ln, chunks).cpu())
+            ev = float(explained_variance(values, returns, mask))
         return {"loss_mean": out["loss_mean"], "grad_norm": out["grad_norm"], "clipfrac": out["clipfrac"],
                 "explained_variance": ev, "step": self.step, "lr": self.scheduler.get_last_lr()[0]}
 
-    def save(self, directory: str | Path | None = None) -> Path:
-        """Write weights + optimizer + scheduler + step atomically (temporary directory, then rename)."""
+    def save(self, directory: str | Path | None = None, staging: str | Path | None = None) -> Path:
+        """Write full weights (rank 0, loadable by a 1-rank server) + the optimizer sharded through
+        torch.distributed.checkpoint + scheduler, step and world size, atomically: into `staging` (rank 0 chooses it
+        and hands it to the others), then renamed over the target."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
         target = Path(directory) if directory else self.checkpoint_dir
         if target is None:
             raise ValueError("critic_save: no checkpoint directory configured (--checkpoint-dir)")
-        target.parent.mkdir(parents=True, exist_ok=True)
         with self.lock:
-            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-            self.model.save_pretrained(tmp / "model")
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "step": self.step}, tmp / "critic_state.pt")
-            (tmp / "critic.json").write_text(json.dumps({"step": self.step}))
-            old = None
-            if target.exists():
-                old = target.with_name(f".{target.name}.old-{os.getpid()}")
-                os.replace(target, old)
-            os.replace(tmp, target)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
+            if staging is None:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                staging = tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+            tmp = Path(staging)
+            weights = full_state_dict(self.model)
+            if self.me.is_leader:
+                self.model.save_pretrained(tmp / "model", state_dict=weights)
+            dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
+                     checkpoint_id=str(tmp / "optimizer"))
+            self.me.barrier()
+            if self.me.is_leader:
+                torch.save({"scheduler": self.scheduler.state_dict(), "step": self.step,
+                            "world_size": self.me.world_size}, tmp / "critic_state.pt")
+                (tmp / "critic.json").write_text(json.dumps({"step": self.step, "world_size": self.me.world_size}))
+                old = None
+                if target.exists():
+                    old = target.with_name(f".{target.name}.old-{os.getpid()}")
+                    os.replace(target, old)
+                os.replace(tmp, target)
+                if old is not None:
+                    shutil.rmtree(old, ignore_errors=True)
+            self.me.barrier()
         return target
+
+    def _restore(self, directory: Path) -> None:
+        """Scheduler and step from a save; the optimizer too when it was saved by as many ranks (else it starts
+        fresh, with a warning: the weights are the full ones either way)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        state = torch.load(directory / "critic_state.pt", map_location="cpu", weights_only=False)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+        saved = int(state.get("world_size", 1))
+        if saved != self.me.world_size:
+            self.warning = (f"critic checkpoint {directory} was saved by {saved} rank(s), serving on "
+                            f"{self.me.world_size}: weights restored, optimizer states start fresh")
+            return
+        shards = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
+        dcp.load(shards, checkpoint_id=str(directory / "optimizer"))
+        set_optimizer_state_dict(self.model, self.optimizer, shards["optimizer"])

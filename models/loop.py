@@ -26,7 +26,7 @@ from models.critic import CriticTrainer
 from models.distributed import SINGLE, Dist, local_device
 from models.policy import Policy
 from models.ppo import ppo_step
-from models.reward import load_reward_function, load_reward_model
+from models.reward import load_reward_function, load_reward_model, load_reward_tokenizer, same_tokenizer
 from models.rloo import rloo_step
 
 
@@ -86,14 +86,38 @@ def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
 def build_critic_trainer(cfg: RLHFConfig, checkpoint_dir: str | Path | None = None) -> CriticTrainer:
     critic_path = cfg.resolve_model_path(cfg.model.critic) if cfg.model.critic else None
     return CriticTrainer(cfg.critic, critic_path, cfg.resolve_model_path(cfg.model.reward), cfg.critic.combine_reward,
-                         cfg.model.dtype, local_device(cfg.model.device, SINGLE), checkpoint_dir)
+                         cfg.model.dtype, local_device(cfg.model.device, SINGLE), checkpoint_dir,
+                         token_rewards=reward_transport(cfg) == "tokens")
+
+
+def critic_text_reward(cfg: RLHFConfig, trainer: CriticTrainer):
+    """The reward backend of a PPO run whose combined reward model reads text: the critic's resident reward model
+    scoring (prompt, response) with its own tokenizer; None when critic_infer already returns rewards."""
+    if trainer.reward_model is None or trainer.token_rewards:
+        return None
+    return LocalRewardModel(trainer.reward_model, load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward)),
+                            cfg.reward.chat_template)
 
 
 def build_local_reward(cfg: RLHFConfig):
     if cfg.reward.source == "function":
         return FunctionReward(load_reward_function(cfg.reward.function))
-    return LocalRewardModel(load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype,
-                                              local_device(cfg.model.device, SINGLE)))
+    model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, local_device(cfg.model.device, SINGLE))
+    if reward_transport(cfg) == "text":
+        return LocalRewardModel(model, load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward)), cfg.reward.chat_template)
+    return LocalRewardModel(model)
+
+
+def reward_transport(cfg: RLHFConfig) -> str:
+    """'text' when the reward model reads text with its own tokenizer, 'tokens' when it shares the policy's ids
+    (reward.transport, or for 'auto' a comparison of the two tokenizers)."""
+    if cfg.reward.transport != "auto":
+        return cfg.reward.transport
+    if cfg.reward.source == "function":
+        return "tokens"  # the server decodes the policy's tokens itself
+    policy = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")
+    reward = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward))
+    return "tokens" if same_tokenizer(policy, reward) else "text"
 
 
 def gold_function(cfg: RLHFConfig):
@@ -213,8 +237,7 @@ def train_in_process(cfg: RLHFConfig, on_iteration: Callable[[int, dict], None] 
     critic = reward = None
     if cfg.algorithm == "ppo":
         critic = LocalCritic(build_critic_trainer(cfg))
-        if not cfg.critic.combine_reward:
-            reward = build_local_reward(cfg)
+        reward = build_local_reward(cfg) if not cfg.critic.combine_reward else critic_text_reward(cfg, critic.trainer)
     else:
         reward = build_local_reward(cfg)
     history = []

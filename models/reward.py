@@ -70,3 +70,59 @@ def load_reward_function(spec: str, field: str = "reward.function", probe: bool 
     if probe:  # fail before training starts, not at the first rollout
         checked(["probe prompt", "probe prompt"], ["probe response", "another response"])
     return checked
+
+
+# ---------------------------------------------------------------- rewards from text (the reward model's own tokenizer)
+
+def load_reward_tokenizer(path: str, field: str = "model.reward"):
+    from transformers import AutoTokenizer
+
+    tokenizer = from_pretrained(AutoTokenizer, path, field)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token
+    return tokenizer
+
+
+def encode_pair(tokenizer, prompt: str, response: str, chat_template: bool = False) -> list[int]:
+    """Token ids of (prompt, response) for a reward model: its chat template (user, assistant) when asked and it has
+    one; otherwise "prompt response" followed by EOS, the layout of a sequence the policy produced."""
+    if chat_template and getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.apply_chat_template([{"role": "user", "content": prompt},
+                                                   {"role": "assistant", "content": response}],
+                                                  tokenize=True, return_dict=False))
+    ids = tokenizer(f"{prompt} {response}")["input_ids"]
+    eos = tokenizer.eos_token_id
+    return ids + [eos] if eos is not None and (not ids or ids[-1] != eos) else ids
+
+
+def text_batch(tokenizer, prompts: list[str], responses: list[str], chat_template: bool = False,
+               max_length: int | None = None) -> tuple[Tensor, Tensor]:
+    """Right-padded tokens [B, L] and lengths [B] of (prompt, response) pairs; a pair longer than `max_length` keeps
+    its last `max_length` tokens (the response and its end are what is scored)."""
+    rows = [encode_pair(tokenizer, p, r, chat_template) for p, r in zip(prompts, responses)]
+    if max_length is not None:
+        rows = [row[-max_length:] for row in rows]
+    lengths = torch.tensor([max(len(row), 1) for row in rows])
+    tokens = torch.full((len(rows), int(lengths.max())), tokenizer.pad_token_id, dtype=torch.long)
+    for i, row in enumerate(rows):
+        tokens[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+    return tokens, lengths
+
+
+@torch.no_grad()
+def text_reward_scores(model, tokenizer, prompts: list[str], responses: list[str], chat_template: bool = False,
+                       micro_batch_size: int = 64) -> Tensor:
+    """Scores [B] of (prompt, response) texts by a reward model with its own tokenizer."""
+    device = next(model.parameters()).device
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+    out = []
+    for start in range(0, len(prompts), micro_batch_size):
+        tokens, lengths = text_batch(tokenizer, prompts[start:start + micro_batch_size],
+                                     responses[start:start + micro_batch_size], chat_template, limit)
+        out.append(reward_model_scores(model, tokens.to(device), lengths.to(device)).cpu())
+    return torch.cat(out) if out else torch.zeros(0)
+
+
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers map text to the same ids (same vocabulary and special tokens)."""
+    return a.get_vocab() == b.get_vocab() and a.all_special_ids == b.all_special_ids

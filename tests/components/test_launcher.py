@@ -52,7 +52,7 @@ def test_the_child_gets_its_whole_spec_as_one_json_document(tiny_models, tmp_pat
     argv = server_argv(spec)
     assert argv[:4] == [sys.executable, "-m", "components.serve_main", "--spec"] and len(argv) == 5
     assert ServerSpec.model_validate_json(argv[4]) == spec
-    assert spec.specs()[0].outputs[-1].name == "values"  # no rewards output: the reward model is not combined
+    assert spec.models == CRITIC_MODELS  # no reward_text: the reward model is not combined
     assert spec.config.critic.optim.lr == 0.002
 
 

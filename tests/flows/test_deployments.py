@@ -210,16 +210,20 @@ def test_a_failed_run_says_why_in_its_state_and_in_the_watch_output(local_stack)
     assert "model.policy: model path '/no/such/policy' does not exist" in proc.stdout  # the watch shows the reason
 
 
-def actor_followers() -> list[psutil.Process]:
-    """Live actor ranks > 0 (started by a flow run's rank 0)."""
+def actor_followers(marker: str = "components.ranks") -> list[psutil.Process]:
+    """Live actor ranks > 0 (started by a flow run's rank 0), or with another marker critic server ranks > 0."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
-            if "components.ranks" in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
+            if marker in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
                 found.append(p)
         except psutil.Error:
             continue
     return found
+
+
+def critic_followers() -> list[psutil.Process]:
+    return actor_followers("components.serve_main --follow")
 
 
 def test_ppo_on_two_actor_ranks_resumes_on_two_and_on_one(local_stack):
@@ -262,6 +266,37 @@ def test_a_killed_actor_rank_fails_the_run_naming_it_and_leaves_nothing(local_st
     assert run["state"]["type"] == "FAILED"
     assert re.search(r"actor rank 1 \(pid \d+\) exited with code -9", run["state"]["message"]), run["state"]["message"]
     _wait_for(lambda: not actor_followers() and not server_processes(str(run_dir)), 60, "no process of the run left")
+
+
+def test_ppo_with_a_two_rank_critic_server_learns(local_stack):
+    """critic.nproc_per_node=2: the critic server's rank 0 serves, rank 1 follows; PPO through the local stack
+    learns by the margin of the single-process learning test (tests/models/test_steps.py)."""
+    s = local_stack
+    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", {"iterations": 12, "run_name": "e2e-critic2",
+                                                                       "critic": {"nproc_per_node": 2}})), timeout=900)
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    client, mrun = mlflow_run(s, "e2e-critic2")
+    gold = [m.value for m in sorted(client.get_metric_history(mrun.info.run_id, "objective/gold_reward"),
+                                    key=lambda m: m.step)]
+    assert len(gold) == 12 and (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.3, gold
+    assert "critic-rank1.log" in {p.name for p in (s["state_dir"] / "runs" / "e2e-critic2" / "logs").iterdir()}
+    assert server_processes(str(s["state_dir"] / "runs" / "e2e-critic2")) == [] and not critic_followers()
+
+
+def test_a_killed_critic_rank_fails_the_run_naming_the_server_and_the_rank(local_stack):
+    s = local_stack
+    run_dir = s["state_dir"] / "runs" / "e2e-critic-kill"
+    config = {"iterations": 200, "run_name": "e2e-critic-kill", "critic": {"nproc_per_node": 2}}
+    run_id = flow_run_id(deployment_run(s, "ppo/default", config))
+    _wait_for(lambda: any(n.startswith("ppo-iteration") for n in task_names(s, run_id)), 180, "first iteration")
+    server = _wait_for(lambda: server_processes(str(run_dir)), 30, "critic server")[0]
+    follower = next(p for p in server.children() if "--follow" in " ".join(p.cmdline()))
+    follower.kill()
+    run = wait_final(s, run_id, timeout=60)  # the run fails within 60 s
+    assert run["state"]["type"] == "FAILED"
+    message = run["state"]["message"]
+    assert re.search(r"critic server .*exited with code 1: .*critic rank 1 \(pid \d+\) exited with code -9", message), message
+    _wait_for(lambda: not server_processes(str(run_dir)) and not critic_followers(), 60, "no process of the run left")
 
 
 def test_up_is_idempotent_and_down_frees_ports(local_stack, tmp_path):

@@ -1,0 +1,151 @@
+"""The critic server on 2 ranks (rank 0 serves, rank 1 follows; FSDP2 over gloo) against 1 rank on the same model,
+through a raw tritonclient; and `reward_text`, the text endpoint of critic and reward servers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+import tritonclient.http as http
+from tritonclient.utils import InferenceServerException
+
+from components.launcher import ServerNotReady, find_free_ports, launch
+from components.servers import ServerSpec
+from models.config import preset
+
+
+def raw(url, model, **arrays):
+    client = http.InferenceServerClient(url.split("://")[1])
+    try:
+        items = []
+        for name, array in arrays.items():
+            dtype = "BYTES" if array.dtype == np.object_ else {np.dtype(np.int64): "INT64",
+                                                                np.dtype(np.float32): "FP32"}[array.dtype]
+            item = http.InferInput(name, list(array.shape), dtype)
+            item.set_data_from_numpy(array)
+            items.append(item)
+        out = client.infer(model, items)
+        return {o["name"]: out.as_numpy(o["name"]) for o in out.get_response()["outputs"]}
+    finally:
+        client.close()
+
+
+def critic(tiny_models, directory: Path, ranks: int):
+    cfg = preset("tiny", **{"model.reward": tiny_models["reward"], "model.policy": tiny_models["policy"],
+                            "critic.nproc_per_node": ranks, "critic.train_batch_size": 8, "critic.micro_batch_size": 4,
+                            "state_dir": str(directory / "state")})
+    spec = ServerSpec(kind="critic", config=cfg, port=find_free_ports(count=4), checkpoint_dir=str(directory / "critic"),
+                      torch_threads=1)
+    return launch(spec, directory / "server.log")
+
+
+def batch(seed, B=10, L=12):
+    g = np.random.default_rng(seed)
+    tokens = g.integers(4, 40, (B, L)).astype(np.int64)
+    lengths = g.integers(3, L + 1, (B, 1)).astype(np.int64)
+    return tokens, lengths, (np.arange(L)[None, :] < lengths).astype(np.float32)
+
+
+def exchange(url):
+    """critic_infer, two critic_train calls, critic_infer again, critic_save."""
+    tokens, lengths, mask = batch(0)
+    out = {"before": raw(url, "critic_infer", tokens=tokens, sequence_lengths=lengths)}
+    out["train"] = [raw(url, "critic_train", tokens=tokens, returns=mask * r, prev_values=out["before"]["values"],
+                        mask=mask) for r in (0.5, -0.3)]
+    out["after"] = raw(url, "critic_infer", tokens=tokens, sequence_lengths=lengths)
+    out["save"] = raw(url, "critic_save", dummy_var=np.zeros(1, np.int64))
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_models, tmp_path_factory):
+    """The same exchange with a 1-rank and a 2-rank critic server; the 2-rank one stays up for the next tests."""
+    one_dir, two_dir = tmp_path_factory.mktemp("critic1"), tmp_path_factory.mktemp("critic2")
+    with critic(tiny_models, one_dir, 1) as one:
+        one_out = exchange(one.url)
+    two = critic(tiny_models, two_dir, 2)
+    try:
+        yield {"one": one_out, "two": exchange(two.url), "server": two, "dirs": (one_dir, two_dir)}
+    finally:
+        two.stop()
+
+
+def test_two_ranks_answer_like_one(pair):
+    one, two = pair["one"], pair["two"]
+    for phase in ("before", "after"):
+        np.testing.assert_allclose(two[phase]["values"], one[phase]["values"], rtol=0, atol=1e-5, err_msg=phase)
+        np.testing.assert_allclose(two[phase]["rewards"], one[phase]["rewards"], rtol=0, atol=1e-5, err_msg=phase)
+    for a, b in zip(one["train"], two["train"]):
+        np.testing.assert_allclose(b["loss_mean"], a["loss_mean"], rtol=1e-5, atol=1e-6)
+        assert int(b["step"][0]) == int(a["step"][0])
+    assert not np.allclose(one["after"]["values"], one["before"]["values"], atol=1e-3)  # training moved the values
+    assert int(two["save"]["step"][0]) == int(one["save"]["step"][0]) == 8  # 2 calls x 2 epochs x 2 batches
+
+
+def test_the_two_rank_checkpoint_loads_in_a_one_rank_server(pair, tiny_models, tmp_path):
+    saved = Path(pair["dirs"][1]) / "critic"
+    assert (saved / "model" / "model.safetensors").exists() and (saved / "optimizer" / ".metadata").exists()
+    restart = tmp_path / "restart"
+    restart.mkdir()
+    os.symlink(saved, restart / "critic")
+    with critic(tiny_models, restart, 1) as one:
+        tokens, lengths, mask = batch(0)
+        values = raw(one.url, "critic_infer", tokens=tokens, sequence_lengths=lengths)["values"]
+        np.testing.assert_allclose(values, pair["two"]["after"]["values"], rtol=0, atol=1e-5)
+        assert int(raw(one.url, "critic_save", dummy_var=np.zeros(1, np.int64))["step"][0]) == 8
+    assert "saved by 2 rank(s), serving on 1" in (restart / "server.log").read_text()
+
+
+def test_bad_requests_are_refused_by_name_and_every_rank_keeps_serving(pair):
+    url = pair["server"].url
+    tokens, lengths, mask = batch(1)
+    good = raw(url, "critic_infer", tokens=tokens, sequence_lengths=lengths)["values"]
+    bad = [("critic_infer", {"tokens": tokens.astype(np.float32), "sequence_lengths": lengths}, "tokens"),
+           ("critic_infer", {"tokens": tokens, "sequence_lengths": lengths + 50}, "sequence_lengths"),
+           ("critic_train", {"tokens": tokens, "returns": np.full_like(mask, np.nan), "prev_values": mask,
+                             "mask": mask}, "returns")]
+    for model, inputs, name in bad:
+        with pytest.raises(InferenceServerException) as err:
+            raw(url, model, **inputs)
+        assert name in err.value.message()
+        np.testing.assert_array_equal(raw(url, "critic_infer", tokens=tokens, sequence_lengths=lengths)["values"], good)
+    assert pair["server"].poll() is None
+
+
+def texts(*items):
+    return np.array([[t if isinstance(t, bytes) else t.encode()] for t in items], dtype=np.object_)
+
+
+def test_reward_text_scores_like_the_tokens_and_refuses_bad_text(pair):
+    url = pair["server"].url
+    prompts, responses = ["review the cat :", "describe the movie :"], ["the cat is good .", "it was awful ."]
+    text = raw(url, "reward_text", prompts=texts(*prompts), responses=texts(*responses))["rewards"]
+    assert text.shape == (2, 1) and text[0, 0] > 0.5 > -0.5 > text[1, 0]  # the tiny RM follows the gold reward
+    bad = [({"prompts": texts("a"), "responses": texts(b"\xff\xfe")}, "responses: item 0 is not valid UTF-8"),
+           ({"prompts": texts("a", "b"), "responses": texts("c")}, "'prompts' batch size does not match"),  # Triton
+           ({"prompts": np.zeros((0, 1), dtype=np.object_), "responses": np.zeros((0, 1), dtype=np.object_)},
+            "input 'responses'")]  # Triton refuses an empty batch of strings itself, naming the tensor
+    for inputs, words in bad:
+        with pytest.raises(InferenceServerException) as err:
+            raw(url, "reward_text", **inputs)
+        assert words in err.value.message(), err.value.message()
+    again = raw(url, "reward_text", prompts=texts(*prompts), responses=texts(*responses))["rewards"]
+    np.testing.assert_array_equal(again, text)
+
+
+def test_a_dead_rank_stops_the_server_with_an_error_naming_it(pair):
+    server = pair["server"]
+    follower = next(p for p in psutil.Process(server.pid).children() if "--follow" in " ".join(p.cmdline()))
+    follower.send_signal(signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while server.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.poll() == 1
+    assert "critic rank 1" in server.log_tail(200) and "exited with code -9" in server.log_tail(200)
+    with pytest.raises(ServerNotReady):
+        server.wait_until_ready(5)
