@@ -96,6 +96,19 @@ def leader_batch(me: Dist, fields: dict, pad_id: int = 0) -> dict | None:
     return out
 
 
+def rollouts_on_leader(me: Dist, rollout: Rollout, prompts: list[str], responses: list[str], pad_id: int) -> dict | None:
+    """Every rank's rollouts (tokens, lengths, prompt lengths, texts) on rank 0, for its critic/reward requests."""
+    return leader_batch(me, {"tokens": rollout.tokens, "lengths": rollout.lengths,
+                             "prompt_lengths": rollout.prompt_lengths, "prompts": prompts, "responses": responses},
+                        pad_id=pad_id)
+
+
+def request_rewards(reward, batch: dict, chunks: list[slice]) -> list:
+    """Reward requests for the rows of `batch` per micro-batch (futures), as tokens or texts: the backend decides."""
+    return [reward.score_async(batch["tokens"][mb], batch["lengths"][mb], batch["prompt_lengths"][mb],
+                               batch["prompts"][mb], batch["responses"][mb]) for mb in chunks]
+
+
 def scatter_rows(me: Dist, results: dict | None, sizes: list[int] | None) -> dict:
     """Rank 0's `results` (tensors over the rows of all ranks) split back by `sizes`: each rank gets its rows."""
     per_rank = None

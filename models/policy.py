@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from models.actor import (ActorState, Timers, actor_update, common_metrics, leader_batch, rollout_logprobs,
-                          scatter_rows, sequence_kl, token_mean)
+from models.actor import (ActorState, Timers, actor_update, common_metrics, leader_batch, request_rewards,
+                          rollout_logprobs, rollouts_on_leader, scatter_rows, sequence_kl, token_mean)
 from models.advantages import gae, masked_mean, masked_whiten, shape_rewards
 from models.backends import CriticBackend, RewardBackend
 from models.config import RLHFConfig
@@ -47,16 +47,12 @@ def ppo_train(state: ActorState, rollout: Rollout, prompts: list[str], critic: C
     mask = rollout.response_mask
 
     # 1. critic (values, and rewards when the RM is combined) for every rank's rollouts, overlapping the logprobs
-    batch = leader_batch(me, {"tokens": rollout.tokens, "lengths": rollout.lengths,
-                              "prompt_lengths": rollout.prompt_lengths, "prompts": prompts, "responses": responses},
-                         pad_id=policy.pad_id)
+    batch = rollouts_on_leader(me, rollout, prompts, responses, policy.pad_id)
     pending = None
     if batch is not None:
         chunks = micro_batches(len(batch["lengths"]), cfg.generation.micro_batch_size)
         pending = ([critic.infer_async(batch["tokens"][mb], batch["lengths"][mb]) for mb in chunks],
-                   None if critic.combined_reward else
-                   [reward.score_async(batch["tokens"][mb], batch["lengths"][mb], batch["prompt_lengths"][mb],
-                                       batch["prompts"][mb], batch["responses"][mb]) for mb in chunks])
+                   None if critic.combined_reward else request_rewards(reward, batch, chunks))
     old_logp, ref_logp = rollout_logprobs(policy, rollout, cfg, timers, me)
     with timers("critic_wait"):
         results = None

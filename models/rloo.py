@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from models.actor import (ActorState, Timers, actor_update, common_metrics, leader_batch, rollout_logprobs,
-                          scatter_rows, sequence_kl)
+from models.actor import (ActorState, Timers, actor_update, common_metrics, request_rewards, rollout_logprobs,
+                          rollouts_on_leader, scatter_rows, sequence_kl)
 from models.advantages import grpo_advantages, masked_mean, reinforce_plus_plus_advantages, rloo_baseline
 from models.backends import RewardBackend
 from models.config import RLHFConfig
@@ -45,14 +45,10 @@ def rloo_train(state: ActorState, rollout: Rollout, expanded: list[str], reward:
     mask = rollout.response_mask
 
     # 1. rewards for every rank's rollouts on rank 0, overlapping the actor's logprobs
-    batch = leader_batch(me, {"tokens": rollout.tokens, "lengths": rollout.lengths,
-                              "prompt_lengths": rollout.prompt_lengths, "prompts": expanded, "responses": responses},
-                         pad_id=policy.pad_id)
+    batch = rollouts_on_leader(me, rollout, expanded, responses, policy.pad_id)
     futures = None
     if batch is not None:
-        futures = [reward.score_async(batch["tokens"][mb], batch["lengths"][mb], batch["prompt_lengths"][mb],
-                                      batch["prompts"][mb], batch["responses"][mb])
-                   for mb in micro_batches(len(batch["lengths"]), cfg.generation.micro_batch_size)]
+        futures = request_rewards(reward, batch, micro_batches(len(batch["lengths"]), cfg.generation.micro_batch_size))
     old_logp, ref_logp = rollout_logprobs(policy, rollout, cfg, timers, me)
     with timers("reward_wait"):
         results = None if futures is None else {"scores": torch.cat([f.result() for f in futures]).float()}
