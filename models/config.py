@@ -60,8 +60,7 @@ class ActorConfig(_Section):
     mixed_precision: bool = Field(False, description="FSDP2 mixed precision on GPU: bf16 compute with fp32 gradient reduction (master weights stay fp32).")
     master_addr: str = Field("127.0.0.1", description="Address of rank 0 for ranks started by rank 0 itself (torchrun sets its own).")
     master_port: int = Field(29511, ge=1024, le=65535, description="Port of rank 0's rendezvous; a busy port makes rank 0 pick a free one (single node).")
-    collective_timeout_s: float = Field(300.0, gt=0, description="A collective that waits longer than this (a rank died or hangs) fails the run.")
-    start_timeout_s: float = Field(300.0, gt=0, description="How long rank 0 waits for the other ranks to join.")
+    collective_timeout_s: float = Field(300.0, gt=0, description="A collective (and the rendezvous at start) that waits longer than this, because a rank died or hangs, fails the run.")
 
     @property
     def world_size(self) -> int:
