@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     models = sub.add_parser("models", help="model utilities").add_subparsers(dest="models_command", required=True)
-    tiny = models.add_parser("tiny", help="build the tiny local policy / reward / critic (offline, deterministic)")
+    tiny = models.add_parser("tiny", help="build the tiny local policy / reward / critic (offline; the same seed gives the same data and models)")
     tiny.add_argument("--out", required=True, help="output directory")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(func=cmd_models_tiny)

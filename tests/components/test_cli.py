@@ -18,16 +18,45 @@ def run(*args, env=None, check=True):
     return subprocess.run([RLHF, *args], capture_output=True, text=True, timeout=600, env=full_env, check=check)
 
 
-def test_models_tiny_is_deterministic_and_loads_offline(tiny_models, tmp_path):
+def held_out_quality(directory: Path) -> tuple[float, torch.Tensor]:
+    """The policy's LM loss and the reward model's scores on a fixed held-out corpus (seed 999, not trained on)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from models.reward import reward_model_scores
+    from models.tasks import sentiment
+
+    tok = AutoTokenizer.from_pretrained(directory / "policy")
+    rows = [tok(f"{p} {r}")["input_ids"] + [tok.eos_token_id] for p, r in sentiment.corpus(256, seed=999)]
+    ids = torch.full((len(rows), max(map(len, rows))), tok.pad_token_id)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+    lengths = torch.tensor([len(r) for r in rows])
+    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    with torch.no_grad():
+        policy = AutoModelForCausalLM.from_pretrained(directory / "policy").eval()
+        loss = float(policy(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss)
+        scores = reward_model_scores(AutoModelForSequenceClassification.from_pretrained(directory / "reward").eval(),
+                                     ids, lengths)
+    return loss, scores
+
+
+def test_models_tiny_is_reproducible_and_loads_offline(tiny_models, tmp_path):
+    """The same seed gives the same data, tokenizer and configs, and models of the same quality. Not bitwise: two
+    processes may run GEMM kernels chosen by buffer alignment, and 600 AdamW steps amplify a first 1-ulp difference
+    (seen on CI: policy weights 0.17 apart, held-out LM loss 0.8284 vs 0.8276)."""
     out = tmp_path / "tiny"
     proc = run("models", "tiny", "--out", str(out), "--seed", "0")
     info = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert Path(info["paths"]["policy"]).is_dir()
+    fixture = Path(tiny_models["policy"]).parent
     for name in ("policy", "reward", "critic"):
-        ours = load_file(str(out / name / "model.safetensors"))
-        fixture = load_file(str(Path(tiny_models[name]) / "model.safetensors"))
-        assert ours.keys() == fixture.keys()
-        assert all(torch.equal(ours[k], fixture[k]) for k in ours), f"{name}: same seed must give identical weights"
+        assert load_file(str(out / name / "model.safetensors")).keys() == \
+            load_file(str(fixture / name / "model.safetensors")).keys()
+        assert json.loads((out / name / "config.json").read_text()) == json.loads((fixture / name / "config.json").read_text())
+        assert (out / name / "tokenizer.json").read_text() == (fixture / name / "tokenizer.json").read_text()
+    (ours_loss, ours_scores), (fixture_loss, fixture_scores) = held_out_quality(out), held_out_quality(fixture)
+    assert ours_loss == pytest.approx(fixture_loss, abs=0.02) and ours_loss < 1.2  # a trained LM (uniform: ~4.1)
+    assert float((ours_scores - fixture_scores).abs().mean()) < 0.02
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
 
     AutoTokenizer.from_pretrained(out / "policy")
