@@ -1,4 +1,4 @@
-"""`rlhf models tiny`: build, offline and deterministically, a tiny policy, reward model and critic for the shipped task.
+"""`rlhf models tiny`: build, offline and from a seed, a tiny policy, reward model and critic for the shipped task.
 
 The policy is a GPT-2-style causal LM briefly pretrained on the task's synthetic review corpus (so it writes
 grammatical, sentiment-balanced reviews and ends them with EOS); the reward model is trained to regress the gold
