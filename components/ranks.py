@@ -151,6 +151,7 @@ def actor_ranks(cfg: RLHFConfig, log_dir: Path) -> Iterator["Leader"]:
         yield leader
         if me.active:
             me.broadcast_object({"op": "stop"})
+            distributed.shutdown(me, graceful=True)
     finally:
         if followers is not None:
             followers.stop()
@@ -191,6 +192,7 @@ def follow() -> int:
         state = build_actor(cfg, me)
         while (command := me.broadcast_object(None))["op"] != "stop":
             execute(state, cfg, command)
+        distributed.shutdown(me, graceful=True)
     finally:
         distributed.shutdown()
     return 0

@@ -537,8 +537,10 @@ def _stop_ranks(group) -> None:
     from models import distributed
 
     if group.exited() is None:
+        me = distributed.Dist(0, group.world, 0, group.world)
         try:
-            distributed.Dist(0, group.world, 0, group.world).broadcast_object(("stop", ()))
+            me.broadcast_object(("stop", ()))
+            distributed.shutdown(me, graceful=True)
         except Exception:  # noqa: BLE001 - a rank already gone: stopped below either way
             pass
     group.stop()
@@ -653,6 +655,7 @@ def follow_critic() -> int:
         while (command := me.broadcast_object(None))[0] != "stop":
             op, args = command
             getattr(trainer, op)(*args)
+        distributed.shutdown(me, graceful=True)
     finally:
         distributed.shutdown()
     return 0

@@ -147,8 +147,12 @@ def check_shared_directory(me: Dist, directory: Path) -> None:
                            f"directory ($RLHF_STATE_DIR) must be a volume shared by every node")
 
 
-def shutdown() -> None:
+def shutdown(me: Dist = SINGLE, graceful: bool = False) -> None:
+    """Leave the process group. `graceful` (the normal end, every rank alive): meet at a barrier first, so no rank
+    closes its connections while a peer's gloo threads still use them (which aborts the peer)."""
     if dist.is_initialized():
+        if graceful and me.active:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -6,7 +6,6 @@ tests/models/test_distributed.py: in the test process for 1 rank, under torchrun
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -54,7 +53,7 @@ def main() -> None:
     weights, metrics = update(cfg, torch.load(fixture_path, weights_only=False), me)
     if me.is_leader:
         torch.save({"weights": weights, "metrics": metrics}, out)
-    distributed.shutdown()
+    distributed.shutdown(me, graceful=True)
 
 
 if __name__ == "__main__":
