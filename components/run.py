@@ -22,7 +22,7 @@ import torch
 from components.checkpoints import CheckpointStore
 from components.tracking import Tracker, resolve_tracking_uri
 from models.config import RLHFConfig
-from models.loop import Leader
+from models.loop import Leader, reward_transport
 
 
 def run_name_for(cfg: RLHFConfig) -> str:
@@ -84,7 +84,7 @@ class RunSession:
                 shutil.copytree(restore_dir / "critic", local_dir / "critic")
         tracker = Tracker(default_tracking_uri(cfg), cfg.tracking.experiment, name, run_id=manifest.get("tracking_run_id"),
                           tags={"algorithm": cfg.algorithm, "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
-                                **(tags or {})},
+                                "reward_transport": reward_transport(cfg), **(tags or {})},
                           system_metrics=cfg.tracking.system_metrics)
         tracker.start(cfg.model_dump(mode="json"))
         return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest)

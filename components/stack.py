@@ -144,8 +144,7 @@ def up(state_dir: Path | None = None, prefect_port: int = PREFECT_PORT, mlflow_p
     if _pid(state, "deployments") is None:
         pid = _spawn(state, "deployments", [sys.executable, "-m", "flows.serve"], env)
         _wait_deployments(env["PREFECT_API_URL"], pid, state, timeout)
-        log(f"started the deployment server (pid {pid}): ppo/default, reinforce/default, critic-server/default, "
-            f"reward-server/default, compare/default")
+        log(f"started the deployment server (pid {pid}): {', '.join(DEPLOYMENTS)}")
     if not started and _pid(state, "deployments"):
         log("the local stack is already running (nothing started)")
     if set_profile:
@@ -160,11 +159,14 @@ def _require_free(port: int, what: str) -> None:
                            f"(pass another port to `rlhf up`)")
 
 
+DEPLOYMENTS = ("ppo/default", "reinforce/default", "critic-server/default", "reward-server/default", "compare/default")
+
+
 def _wait_deployments(api_url: str, pid: int, state: Path, timeout: float) -> None:
-    url = f"{api_url}/deployments/name/ppo/default"
+    """Until every deployment of flows/serve.py is registered (they register one after another)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
-        if _healthy(url):
+        if all(_healthy(f"{api_url}/deployments/name/{name}") for name in DEPLOYMENTS):
             return
         if not _alive(pid):
             tail = (state / "logs" / "deployments.log").read_text(errors="replace")[-3000:]

@@ -110,14 +110,24 @@ def build_local_reward(cfg: RLHFConfig):
 
 def reward_transport(cfg: RLHFConfig) -> str:
     """'text' when the reward model reads text with its own tokenizer, 'tokens' when it shares the policy's ids
-    (reward.transport, or for 'auto' a comparison of the two tokenizers)."""
-    if cfg.reward.transport != "auto":
-        return cfg.reward.transport
-    if cfg.reward.source == "function":
-        return "tokens"  # the server decodes the policy's tokens itself
+    (reward.transport, or for 'auto' a comparison of the two tokenizers).
+
+    PPO without `model.critic` initialises the critic from the reward model, and the critic reads the policy's
+    tokens: a reward model with another tokenizer is refused then, naming the field to set.
+    """
+    critic_from_reward = cfg.algorithm == "ppo" and not cfg.model.critic
+    if cfg.reward.source == "function" or (cfg.reward.transport != "auto" and not critic_from_reward):
+        return "tokens" if cfg.reward.transport == "auto" else cfg.reward.transport  # a function decodes tokens itself
     policy = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")
     reward = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward))
-    return "tokens" if same_tokenizer(policy, reward) else "text"
+    shared = same_tokenizer(policy, reward)
+    if critic_from_reward and not shared:
+        raise ValueError(f"model.critic: not set, so the critic would be initialised from model.reward "
+                         f"'{cfg.model.reward}', whose tokenizer differs from the policy's; the critic reads the "
+                         f"policy's tokens: give a critic that shares the policy's tokenizer (e.g. tiny/critic)")
+    if cfg.reward.transport != "auto":
+        return cfg.reward.transport
+    return "tokens" if shared else "text"
 
 
 def gold_function(cfg: RLHFConfig):

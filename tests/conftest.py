@@ -23,7 +23,7 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     out = Path(cached) if cached else tmp_path_factory.mktemp("tiny")
     if not (out / "tiny.json").exists():
         build_tiny(out, seed=0, log=lambda *_: None)
-    return {name: str(out / name) for name in ("policy", "reward", "critic")}
+    return {name: str(out / name) for name in ("policy", "reward", "critic", "reward-chars")}
 
 
 def free_port_block(n: int = 3) -> int:

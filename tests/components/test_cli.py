@@ -49,7 +49,7 @@ def test_models_tiny_is_reproducible_and_loads_offline(tiny_models, tmp_path):
     info = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert Path(info["paths"]["policy"]).is_dir()
     fixture = Path(tiny_models["policy"]).parent
-    for name in ("policy", "reward", "critic"):
+    for name in ("policy", "reward", "critic", "reward-chars"):
         assert load_file(str(out / name / "model.safetensors")).keys() == \
             load_file(str(fixture / name / "model.safetensors")).keys()
         assert json.loads((out / name / "config.json").read_text()) == json.loads((fixture / name / "config.json").read_text())
@@ -63,6 +63,9 @@ def test_models_tiny_is_reproducible_and_loads_offline(tiny_models, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(out / "policy").config.n_layer == 2
     assert AutoModelForSequenceClassification.from_pretrained(out / "reward").config.num_labels == 1
     assert AutoModelForTokenClassification.from_pretrained(out / "critic").config.num_labels == 1
+    assert AutoModelForSequenceClassification.from_pretrained(out / "reward-chars").config.num_labels == 1
+    chars = AutoTokenizer.from_pretrained(out / "reward-chars")  # its own tokenizer: one token per character
+    assert chars.convert_ids_to_tokens(chars("is good")["input_ids"]) == list("is good")
 
 
 def test_config_errors_name_the_field():

@@ -84,6 +84,12 @@ def mlflow_run(s, run_name: str):
     return client, runs[0]
 
 
+def test_up_returns_once_every_deployment_is_registered(local_stack):
+    """A run of any deployment may start the moment `rlhf up` returns (they register one after another)."""
+    for name in stack.DEPLOYMENTS:
+        assert httpx.get(f"{local_stack['api']}/deployments/name/{name}", timeout=10).status_code == 200, name
+
+
 def test_ppo_deployment_completes_with_metrics_and_no_leftover_server(local_stack):
     s = local_stack
     assert not (s["state_dir"] / "models").exists()
@@ -114,7 +120,24 @@ def test_reinforce_deployment_starts_no_critic(local_stack):
     assert (logs / "reward-server.log").exists() and not (logs / "critic-server.log").exists()
     client, mrun = mlflow_run(s, "e2e-rloo")
     assert mrun.data.tags["algorithm"] == "rloo" and "objective/kl" in mrun.data.metrics
+    assert mrun.data.tags["reward_transport"] == "tokens"  # the shipped reward model shares the policy's tokenizer
     assert server_processes(str(s["state_dir"])) == []
+
+
+def test_reinforce_with_a_reward_model_of_another_tokenizer_learns_through_text(local_stack):
+    """model.reward=tiny/reward-chars (a character tokenizer): the flow picks the text transport by itself (the
+    reward server's `reward_text`) and RLOO learns by the margin of the single-process learning test
+    (tests/models/test_steps.py)."""
+    s = local_stack
+    run = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {
+        "iterations": 12, "run_name": "e2e-rloo-text", "model": {"reward": "tiny/reward-chars"}})), timeout=900)
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    client, mrun = mlflow_run(s, "e2e-rloo-text")
+    assert mrun.data.tags["reward_transport"] == "text"
+    gold = [m.value for m in sorted(client.get_metric_history(mrun.info.run_id, "objective/gold_reward"),
+                                    key=lambda m: m.step)]
+    assert len(gold) == 12 and (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.3, gold
+    assert server_processes(str(s["state_dir"] / "runs" / "e2e-rloo-text")) == []
 
 
 def test_invalid_parameter_is_refused_before_any_run(local_stack):
