@@ -1,4 +1,5 @@
-"""What every benchmark shares: quiet offline environment, machine/version facts, min/median/max, result files.
+"""What every benchmark shares: machine/version facts, min/median/max, result files, the tiny models and config
+(the quiet offline environment is set by benchmarks/__init__.py).
 
 Every result file (benchmarks/results/<name>.json) carries the machine (CPU model, cores, GPU), the library versions,
 the settings, the repetitions and min/median/max of each measured series, so a number is never read without them.
@@ -12,15 +13,17 @@ import platform
 import statistics
 import sys
 import time
+import argparse
 from importlib import metadata
 from pathlib import Path
 
-# Offline and quiet: no telemetry, no hub look-ups, no progress bars from transformers.
-os.environ.setdefault("DO_NOT_TRACK", "1")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+import psutil
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from models.config import preset
+from models.prepare import prepare_run
+from models.tiny import build_tiny
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -41,16 +44,9 @@ def cpu_model() -> str:
 
 
 def machine() -> dict:
-    import torch
-
     info = {"cpu": cpu_model(), "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "platform": platform.platform(), "python": platform.python_version()}
-    try:
-        import psutil
-
-        info["memory_gib"] = round(psutil.virtual_memory().total / 2**30, 1)
-    except ImportError:
-        pass
+            "platform": platform.platform(), "python": platform.python_version(),
+            "memory_gib": round(psutil.virtual_memory().total / 2**30, 1)}
     info["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return info
 
@@ -114,25 +110,19 @@ def ensure_tiny_models() -> Path:
     """The tiny policy/reward/critic under <state_dir>/models/tiny, built once (~40 s) if missing."""
     out = state_dir() / "models" / "tiny"
     if not (out / "tiny.json").exists():
-        from models.tiny import build_tiny
-
         log(f"building tiny models into {out} (once, ~40 s)")
         build_tiny(out, seed=0, log=log)
     return out
 
 
 def tiny_config(**overrides):
-    """The embedded default config ('tiny' preset) pointing at this checkout's state dir."""
-    from models.config import preset
-
-    ensure_tiny_models()
-    return preset("tiny", state_dir=str(state_dir()), **overrides)
+    """The embedded default config ('tiny' preset) pointing at this checkout's state dir, prepared for a run
+    (models/prepare.py: the tiny models built if missing, schedule lengths, reward transport)."""
+    return prepare_run(preset("tiny", state_dir=str(state_dir()), **overrides), log=log)
 
 
 def top_ops(fn, repeat: int = 5, top: int = 12) -> list[dict]:
     """torch.profiler: the ops with the most self CPU time over `repeat` calls of fn(), in ms per call."""
-    from torch.profiler import ProfilerActivity, profile
-
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(repeat):
             fn()
@@ -142,8 +132,6 @@ def top_ops(fn, repeat: int = 5, top: int = 12) -> list[dict]:
 
 
 def quick_flag(argv=None) -> bool:
-    import argparse
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a ~3 minute check, not for reporting)")
     return parser.parse_args(argv).quick

@@ -1,8 +1,8 @@
 """PPO iteration with the critic behind PyTriton (HTTP) vs in process.
 
-The same `models.ppo.ppo_step` on the tiny models, once with `models.backends.LocalCritic` (critic + combined reward
-model on a thread of this process) and once with `components.clients.CriticClient` talking to a critic server that
-`components.launcher.launch` starts as a child process (own process group, stopped at the end; torch threads as
+The same PPO step (`models.step.train_step`) on the tiny models, once with `models.backends.LocalCritic` (critic + combined reward
+model on a thread of this process) and once with `components.serving.clients.CriticClient` talking to a critic server
+that `components.serving.launcher.launch` starts as a child process (own process group, stopped at the end; torch threads as
 the flows choose them: 1 on a CPU-only host unless `critic.torch_threads` says otherwise). Each side has
 its own actor, seeded alike, and the same prompt sequence. The two sides alternate every iteration (ABBA), so they
 see the same background load; one warm-up iteration per side is discarded.
@@ -18,6 +18,14 @@ from contextlib import contextmanager
 import torch
 
 from benchmarks.common import RESULTS, log, quick_flag, stats, tiny_config, write_result
+from components.launch.processes import find_free_ports
+from components.serving.clients import critic_backend
+from components.serving.launcher import launch
+from components.serving.servers import ServerSpec
+from models.algorithms import Backends
+from models.backends import LocalCritic
+from models.loop import build_actor, build_critic_trainer, load_prompts, prompt_batches
+from models.step import train_step
 
 TARGET = 1.10
 PHASES = ("generate", "logprobs", "reference", "critic_wait", "train", "critic_train_wait")
@@ -36,10 +44,6 @@ def server_threads(cfg) -> int | None:
 @contextmanager
 def http_critic(cfg):
     """A critic server child process for `cfg` on free ports, and a CriticClient to it; both closed on exit."""
-    from components.clients import critic_backend
-    from components.launcher import find_free_ports, launch
-    from components.servers import ServerSpec
-
     started = time.perf_counter()
     port = find_free_ports(cfg.critic.host)
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
@@ -56,9 +60,6 @@ def http_critic(cfg):
 
 @contextmanager
 def local_critic(cfg):
-    from models.backends import LocalCritic
-    from models.loop import build_critic_trainer
-
     critic = LocalCritic(build_critic_trainer(cfg))
     try:
         yield critic
@@ -67,23 +68,19 @@ def local_critic(cfg):
 
 
 class PPORunner:
-    """One actor + one critic backend + its own prompt stream; `run(n)` times n iterations of ppo_step."""
+    """One actor + one critic backend + its own prompt stream; `run(n)` times n PPO iterations."""
 
     def __init__(self, cfg, critic):
-        from models.loop import build_actor, load_prompts, prompt_batches
-
         self.cfg, self.critic = cfg, critic
         self.state = build_actor(cfg)
         self.batches = prompt_batches(load_prompts(cfg), cfg.ppo.rollout_batch_size, cfg.seed)
 
     def run(self, iterations: int, warmup: int = 1) -> list[dict]:
-        from models.ppo import ppo_step
-
         records = []
         for i in range(warmup + iterations):
             prompts = next(self.batches)
             start = time.perf_counter()
-            metrics, _ = ppo_step(self.state, prompts, self.critic, None, self.cfg, None)
+            metrics, _ = train_step(self.state, prompts, self.cfg, Backends(critic=self.critic))
             seconds = time.perf_counter() - start
             if i >= warmup:
                 records.append({"seconds": seconds, "tokens": metrics["tokens/generated"],
@@ -113,7 +110,7 @@ def main(argv=None) -> dict:
         f"{statistics.median(x['seconds'] for x in got['http']):.3f} s/it, median pair ratio {ratio['median']:.2f}")
     result = {
         "quick": quick,
-        "what": "seconds per PPO iteration (ppo_step), critic over HTTP (PyTriton child process) / in process",
+        "what": "seconds per PPO iteration (models.step.train_step), critic over HTTP (PyTriton child process) / in process",
         "repetitions": {"pairs": pairs, "warmup_iterations_discarded_per_side": 1,
                         "order": "interleaved per iteration, ABBA"},
         "settings": {"rollout_batch_size": cfg.ppo.rollout_batch_size, "minibatch_size": cfg.ppo.minibatch_size,

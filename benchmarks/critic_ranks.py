@@ -13,19 +13,21 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
+import tritonclient.http as http
 
 from benchmarks.common import RESULTS, log, quick_flag, stats, tiny_config, write_result
+from components.launch.processes import find_free_ports
+from components.serving.launcher import launch
+from components.serving.servers import ServerSpec
+from models.loop import build_actor, load_prompts
 
 
 def _client(url):
-    import tritonclient.http as http
-
     return http.InferenceServerClient(url.split("://")[1], network_timeout=300)
 
 
 def _call(client, model, **arrays) -> float:
-    import tritonclient.http as http
-
     items = []
     for name, array in arrays.items():
         dtype = "BYTES" if array.dtype == np.object_ else {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}[array.dtype]
@@ -39,20 +41,14 @@ def _call(client, model, **arrays) -> float:
 
 def rollouts(cfg, n: int = 64):
     """n real rollouts of the tiny policy: token ids (right-padded) and their prompt/response texts."""
-    import torch
-
-    from models.loop import build_actor, load_prompts
-
-    policy = build_actor(cfg).policy
+    actor = build_actor(cfg)
+    policy = actor.policy
     prompts = load_prompts(cfg)[:n]
-    rollout = policy.generate(policy.encode_prompts(prompts), cfg.generation, torch.Generator().manual_seed(0))
+    rollout = actor.engine.generate(policy.encode_prompts(prompts), cfg.generation, torch.Generator().manual_seed(0))
     return rollout, prompts, policy.decode_responses(rollout)
 
 
 def main(argv=None) -> dict:
-    from components.launcher import find_free_ports, launch
-    from components.servers import ServerSpec
-
     quick = quick_flag(argv)
     reps = 5 if quick else 30
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)

@@ -12,6 +12,9 @@ import time
 import torch
 
 from benchmarks.common import log, quick_flag, stats, tiny_config, write_result
+from models.loop import load_prompts
+from models.policy import Policy
+from models.rollout import NativeEngine
 
 
 def hf_generate(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float) -> int:
@@ -39,11 +42,9 @@ def main(argv=None) -> dict:
     quick = quick_flag(argv)
     reps = 3 if quick else 15
     cfg = tiny_config()
-    from models.loop import load_prompts
-    from models.policy import Policy
-
     policy = Policy.load(cfg.resolve_model_path(cfg.model.policy))
     model, tokenizer, gen = policy.model, policy.tokenizer, cfg.generation
+    engine = NativeEngine.for_policy(policy)
     prompts = load_prompts(cfg)
     cases = [(cfg.ppo.rollout_batch_size, gen.max_new_tokens), (256, gen.max_new_tokens), (64, 48)]
     limit = model.config.n_positions if hasattr(model.config, "n_positions") else 10**9
@@ -57,13 +58,13 @@ def main(argv=None) -> dict:
         g = gen.model_copy(update={"max_new_tokens": new_tokens})
         ours, hf = [], []
         # warm-up both paths once
-        policy.generate(ids, g, generator)
+        engine.generate(ids, g, generator)
         hf_generate(model, tokenizer, ids, new_tokens, gen.temperature)
         for rep in range(reps):
             for side in (("ours", "hf") if rep % 2 == 0 else ("hf", "ours")):
                 start = time.perf_counter()
                 if side == "ours":
-                    tokens = int(policy.generate(ids, g, generator).response_lengths.sum())
+                    tokens = int(engine.generate(ids, g, generator).response_lengths.sum())
                 else:
                     with torch.no_grad():
                         tokens = hf_generate(model, tokenizer, ids, new_tokens, gen.temperature)

@@ -25,8 +25,14 @@ import time
 import tempfile
 
 import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 from benchmarks.common import RESULTS, log, stats, write_result
+from models.config import GenerationConfig, OptimConfig
+from models.loading import make_optimizer
+from models.policy import Policy
+from models.rollout import NativeEngine
+from models.tiny import build_tokenizer
 
 # name fragment -> (peak dense bf16 FLOP/s, nominal memory bandwidth B/s)
 KNOWN_GPUS = {
@@ -45,8 +51,6 @@ def known_gpu(name: str):
 
 
 def model_config(smoke: bool):
-    from transformers import Qwen2Config
-
     if smoke:
         return Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -85,22 +89,20 @@ def matmul_params(cfg) -> int:
 
 
 def decode_bench(policy, cfg, device, batches, prompt_len, new_tokens, reps, weight_bytes, bandwidth):
-    from models.config import GenerationConfig
-
     gen = GenerationConfig(max_new_tokens=new_tokens, temperature=1.0, micro_batch_size=max(batches))
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2  # K and V, bf16
-    out = []
+    out, engine = [], NativeEngine.for_policy(policy)
     for batch in batches:
         prompts = torch.randint(2, cfg.vocab_size, (batch, prompt_len)).tolist()
         for label, generator in (("device sampling (generator=None)", None),
                                  ("CPU generator (as ActorState passes)", torch.Generator().manual_seed(0))):
-            policy.generate(prompts, gen.model_copy(update={"max_new_tokens": 4}), generator)  # warm-up
+            engine.generate(prompts, gen.model_copy(update={"max_new_tokens": 4}), generator)  # warm-up
             rates = []
             for _ in range(reps):
                 sync(device)
                 start = time.perf_counter()
-                rollout = policy.generate(prompts, gen, generator)
+                rollout = engine.generate(prompts, gen, generator)
                 sync(device)
                 rates.append(int(rollout.response_lengths.sum()) / (time.perf_counter() - start))
             avg_context = prompt_len + new_tokens / 2
@@ -135,9 +137,6 @@ def reference_bench(policy, cfg, device, batch, seq_len, reps):
 
 
 def train_bench(policy, cfg, device, batch, seq_len, reps, peak_flops):
-    from models.loading import make_optimizer
-    from models.config import OptimConfig
-
     optimizer, _ = make_optimizer(policy.trainable_parameters(), OptimConfig(lr=1e-6))
     tokens = torch.randint(2, cfg.vocab_size, (batch, seq_len), device=device)
     lengths = torch.full((batch,), seq_len, device=device)
@@ -178,11 +177,6 @@ def main(argv=None) -> dict:
         result = {"quick": args.quick, "skipped": "no CUDA device", "what": "decode tokens/s vs roofline, training MFU (~0.5B model)"}
         write_result("gpu", result)
         return result
-
-    from transformers import AutoModelForCausalLM
-
-    from models.policy import Policy
-    from models.tiny import build_tokenizer
 
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     cfg = model_config(args.cpu_smoke)

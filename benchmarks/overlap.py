@@ -168,7 +168,7 @@ def main(argv=None) -> dict:
     headline = sides["http"]["per_iteration_stats"]["infer_hidden_fraction"]
     result = {
         "quick": quick,
-        "what": "fraction of critic busy time overlapped with actor work in one PPO iteration (ppo_step)",
+        "what": "fraction of critic busy time overlapped with actor work in one PPO iteration (models.step.train_step)",
         "definition": __doc__.strip().split("\n\n")[1],
         "repetitions": {"iterations_per_side": iterations, "warmup_iterations_discarded": 1,
                         "order": "interleaved per iteration, ABBA"},

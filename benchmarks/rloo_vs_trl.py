@@ -1,4 +1,4 @@
-"""RLOO iteration: ours (models.rloo.rloo_step) vs TRL 1.16 `RLOOTrainer`, same model, prompts, reward and settings.
+"""RLOO iteration: ours (models.step.train_step with models/algorithms/rloo.py) vs TRL 1.16 `RLOOTrainer`, same model, prompts, reward and settings.
 
 Both sides: the tiny policy, the built-in sentiment prompts, k rollouts per prompt, the same response length and
 sampling (temperature, no top-k/top-p), the gold reward function `models.tasks.sentiment:gold_reward` as a Python
@@ -27,6 +27,10 @@ import time
 from contextlib import contextmanager
 
 from benchmarks.common import log, quick_flag, stats, tiny_config, top_ops, write_result
+from models.loop import build_actor, build_local_reward, load_prompts, prompt_batches
+from models.reward import load_reward_function
+from models.algorithms import Backends
+from models.step import train_step
 
 GOLD = "models.tasks.sentiment:gold_reward"
 TARGET = 0.7
@@ -48,11 +52,9 @@ def optimizer_steps_per_iteration(cfg) -> int:
 
 # ---------------------------------------------------------------------------------------------------------------- ours
 class OurRLOO:
-    """Our side: actor, in-process function reward and prompt stream; `iteration()` runs and times one rloo_step."""
+    """Our side: actor, in-process function reward and prompt stream; `iteration()` runs and times one RLOO iteration."""
 
     def __init__(self, cfg):
-        from models.loop import build_actor, build_local_reward, load_prompts, prompt_batches
-
         self.cfg = cfg
         self.state = build_actor(cfg)
         self.reward = build_local_reward(cfg)
@@ -64,12 +66,10 @@ class OurRLOO:
             self, "optimizer_s", self.optimizer_s + time.perf_counter() - self._step_start))
 
     def iteration(self) -> dict:
-        from models.rloo import rloo_step
-
         prompts = next(self.batches)
         self.optimizer_s = 0.0
         start = time.perf_counter()
-        metrics, _ = rloo_step(self.state, prompts, self.reward, self.cfg)
+        metrics, _ = train_step(self.state, prompts, self.cfg, Backends(reward=self.reward))
         seconds = time.perf_counter() - start
         phases = {"generate": metrics["time/generate"],
                   "logprobs+reference+reward": sum(metrics.get(f"time/{p}", 0.0)
@@ -83,7 +83,7 @@ class OurRLOO:
 # ----------------------------------------------------------------------------------------------------------------- TRL
 def trl_args(cfg, output_dir: str, iterations: int):
     """RLOOConfig matching our config; `iterations` generation batches."""
-    from trl import RLOOConfig
+    from trl import RLOOConfig  # optional: the bench extra
 
     rf, gen, optim = cfg.reinforce, cfg.generation, cfg.reinforce.optim
     rollouts = rf.rollout_batch_size * rf.num_rollouts_per_prompt
@@ -138,13 +138,10 @@ def run_round(cfg, iterations: int, sides: dict | None = None) -> tuple[list[dic
 
     Returns (TRL records, {side: records}, facts); the first iteration of every side is a warm-up and is dropped.
     """
-    from datasets import Dataset
-    from transformers import AutoTokenizer, TrainerCallback
-    from transformers.trainer_callback import PrinterCallback
-    from trl import RLOOTrainer
-
-    from models.loop import load_prompts
-    from models.reward import load_reward_function
+    from datasets import Dataset  # optional: comes with trl (the bench extra)
+    from transformers import AutoTokenizer, TrainerCallback  # heavy: the Trainer stack, only for the TRL side
+    from transformers.trainer_callback import PrinterCallback  # heavy: as above
+    from trl import RLOOTrainer  # optional: the bench extra
 
     gold = load_reward_function(GOLD)
     steps = optimizer_steps_per_iteration(cfg)

@@ -168,7 +168,7 @@ def phase_tables(results: dict) -> list[str]:
     r = results.get("critic_http")
     if r:
         names = list(r["in_process"]["phases_seconds"])
-        lines += ["", "PPO phases, median s/iteration (time/* metrics of ppo_step):", "",
+        lines += ["", "PPO phases, median s/iteration (time/* metrics of a PPO iteration):", "",
                   "| Critic | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
         for side in ("in_process", "http"):
             lines.append(f"| {side} | " + " | ".join(f"{r[side]['phases_seconds'][n]['median']:.3f}" for n in names)

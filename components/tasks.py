@@ -9,27 +9,26 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NONE
 from prefect.runtime import deployment, flow_run
 
-from components.ranks import actor_ranks
-from components.run import RunSession
+from components.environment import first_line
+from components.launch.ranks import actor_ranks
+from components.tracking.run import RunSession
 from models.config import RLHFConfig
 from models.loop import Leader
 
 
 @contextmanager
 def training_run(cfg: RLHFConfig) -> Iterator[tuple[RunSession, Leader]]:
-    """The frame of a training flow: open (or resume) the run, start the actor on all its ranks and restore it; on the
-    way out stop every rank and close the MLflow run as FINISHED or FAILED. A failure ends the flow with the cause's
-    first line as its state message."""
-    with reported_failure():
-        session = open_run(cfg, run_tags())
-        status = "FAILED"
-        try:
-            with actor_ranks(cfg, session.local_dir / "logs") as actor:
-                restore_actor(session, actor)
-                yield session, actor
-            status = "FINISHED"
-        finally:
-            session.close(status)
+    """Open (or resume) the run of a prepared config, start the actor on all its ranks and restore it; on the way out
+    stop every rank and close the MLflow run as FINISHED or FAILED."""
+    session = open_run(cfg, run_tags())
+    status = "FAILED"
+    try:
+        with actor_ranks(cfg, session.local_dir / "logs") as actor:
+            restore_actor(session, actor)
+            yield session, actor
+        status = "FINISHED"
+    finally:
+        session.close(status)
 
 
 def run_tags() -> dict[str, str]:
@@ -57,18 +56,16 @@ def restore_actor(session: RunSession, actor: Leader) -> None:
         get_run_logger().warning(warning)
 
 
-@task(name="ppo-iteration", cache_policy=NONE)
-def ppo_iteration(actor: Leader, prompts: list[str], critic, reward):
-    """rollout -> logprobs + reference -> critic_infer (async) -> KL-shaped rewards -> GAE -> actor + critic updates,
-    on every actor rank (each its share of the prompts)."""
+@task(name="iteration", cache_policy=NONE)
+def iteration(actor: Leader, prompts: list[str], critic, reward):
+    """One training iteration (models/step.py) on every actor rank, each with its share of the prompts: rollout ->
+    logprobs + reference, scores (and values) requested meanwhile -> advantages -> actor (and critic) update."""
     return actor.step(prompts, critic, reward)
 
 
-@task(name="rloo-iteration", cache_policy=NONE)
-def rloo_iteration(actor: Leader, prompts: list[str], reward):
-    """k rollouts per prompt -> logprobs + reference -> rewards (async) -> leave-one-out baseline -> REINFORCE update,
-    on every actor rank (each its share of the prompts)."""
-    return actor.step(prompts, None, reward)
+def iteration_task(cfg: RLHFConfig):
+    """The iteration task as the run shows it in Prefect: '<algorithm>-iteration'."""
+    return iteration.with_options(name=f"{cfg.algorithm}-iteration")
 
 
 @task(name="log-metrics", cache_policy=NONE, retries=2, retry_delay_seconds=2)
@@ -99,12 +96,6 @@ def run_summary(session: RunSession, actor: Leader, metrics: dict) -> dict:
 
 class RunFailed(RuntimeError):
     """A training run failed; the message is the first line of the cause (chained, with its whole text)."""
-
-
-def first_line(exc: BaseException) -> str:
-    """'Type: first line of the message' of an exception: what a run list or a terminal has room for."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0]}" if text else type(exc).__name__
 
 
 @contextmanager

@@ -8,8 +8,8 @@ from pathlib import Path
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
-from components.compare import compare_runs, log_comparison
-from components.run import default_tracking_uri
+from components.tracking.compare import compare_runs, log_comparison
+from components.tracking.run import default_tracking_uri
 from models.config import RLHFConfig
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prefect import serve
 
+from components.environment import quiet
 from flows.compare import compare
 from flows.ppo import ppo
 from flows.reinforce import reinforce
@@ -24,7 +25,5 @@ def deployments():
 
 
 if __name__ == "__main__":
-    from components.cli import quiet
-
     quiet()
     serve(*deployments(), limit=4)

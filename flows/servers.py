@@ -10,7 +10,7 @@ from typing import Optional
 
 from prefect import flow
 
-from components.services import host_server
+from components.serving.services import host_server
 from models.config import RLHFConfig
 
 

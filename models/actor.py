@@ -14,7 +14,9 @@ from models.advantages import AdaptiveKLController, FixedKLController, kl_penalt
 from models.config import KLConfig, OptimConfig, RLHFConfig
 from models.distributed import SINGLE, Dist
 from models.loading import make_optimizer
-from models.policy import Policy, Rollout
+from models.policy import Policy
+from models.rollout import RolloutEngine, build_engine
+from models.rollout.base import Rollout
 from models.update import micro_batches, minibatch_update
 
 
@@ -23,6 +25,7 @@ class ActorState:
     """Everything about this rank's actor that a checkpoint must restore."""
 
     policy: Policy
+    engine: RolloutEngine  # samples the rollouts (models/rollout/)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     kl_ctl: AdaptiveKLController
@@ -33,11 +36,13 @@ class ActorState:
     episode: int = 0  # rollouts consumed so far (all ranks)
 
     @classmethod
-    def create(cls, policy: Policy, optim: OptimConfig, kl: KLConfig, seed: int, me: Dist = SINGLE) -> "ActorState":
+    def create(cls, policy: Policy, optim: OptimConfig, kl: KLConfig, seed: int, me: Dist = SINGLE,
+               engine: str = "native") -> "ActorState":
         optimizer, scheduler = make_optimizer(policy.trainable_parameters(), optim)
         kl_ctl = AdaptiveKLController(kl.init, kl.target, kl.horizon) if kl.adaptive else FixedKLController(kl.init)
         sampling = torch.Generator().manual_seed(seed + 1_000_003 * me.rank)
-        return cls(policy, optimizer, scheduler, kl_ctl, sampling, torch.Generator().manual_seed(seed), me)
+        return cls(policy, build_engine(engine, policy), optimizer, scheduler, kl_ctl, sampling,
+                   torch.Generator().manual_seed(seed), me)
 
     def state_dict(self) -> dict:
         """What every rank holds alike (the optimizer and the sampling stream are saved per rank, see checkpoint)."""
@@ -74,50 +79,6 @@ class Timers:
         finally:
             self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
 
-
-
-def leader_batch(me: Dist, fields: dict, pad_id: int = 0) -> dict | None:
-    """Every rank's rows of `fields` concatenated in rank order on rank 0 (None elsewhere), with `sizes` (rows per
-    rank). [B, T] tensors are right-padded to the widest T (`tokens` with pad_id, the rest with 0); lists concatenate."""
-    parts = me.gather_object({k: v.cpu() if isinstance(v, Tensor) else v for k, v in fields.items()})
-    if parts is None:
-        return None
-    if len(parts) == 1:
-        return {**parts[0], "sizes": [len(next(iter(parts[0].values())))]}
-    out = {}
-    for key, first in parts[0].items():
-        values = [p[key] for p in parts]
-        if isinstance(first, Tensor) and first.dim() == 2:
-            width = max(v.shape[1] for v in values)
-            fill = pad_id if key == "tokens" else 0
-            values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill) for v in values]
-        out[key] = torch.cat(values) if isinstance(first, Tensor) else [x for v in values for x in v]
-    out["sizes"] = [len(p[next(iter(fields))]) for p in parts]
-    return out
-
-
-def rollouts_on_leader(me: Dist, rollout: Rollout, prompts: list[str], responses: list[str], pad_id: int) -> dict | None:
-    """Every rank's rollouts (tokens, lengths, prompt lengths, texts) on rank 0, for its critic/reward requests."""
-    return leader_batch(me, {"tokens": rollout.tokens, "lengths": rollout.lengths,
-                             "prompt_lengths": rollout.prompt_lengths, "prompts": prompts, "responses": responses},
-                        pad_id=pad_id)
-
-
-def request_rewards(reward, batch: dict, chunks: list[slice]) -> list:
-    """Reward requests for the rows of `batch` per micro-batch (futures), as tokens or texts: the backend decides."""
-    return [reward.score_async(batch["tokens"][mb], batch["lengths"][mb], batch["prompt_lengths"][mb],
-                               batch["prompts"][mb], batch["responses"][mb]) for mb in chunks]
-
-
-def scatter_rows(me: Dist, results: dict | None, sizes: list[int] | None) -> dict:
-    """Rank 0's `results` (tensors over the rows of all ranks) split back by `sizes`: each rank gets its rows."""
-    per_rank = None
-    if results is not None:
-        per_rank = [{} for _ in sizes]
-        for key, value in results.items():
-            for rank, part in enumerate(torch.split(value, sizes)):
-                per_rank[rank][key] = part
-    return me.scatter_object(per_rank)
 
 
 def needs_logprob_recompute(cfg: RLHFConfig) -> bool:

@@ -10,13 +10,17 @@ learning rates (e.g. actor 1e-6, critic 1e-5) and raise batch sizes.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
 from typing import Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
+from pydantic import Field, PositiveInt, create_model, model_validator
+
+from models.algorithms import ALGORITHMS
+from models.sections import OptimConfig, Section
 
 STATE_DIR_ENV = "RLHF_STATE_DIR"
 TINY_PREFIX = "tiny"  # model paths "tiny/<name>" name the embedded default, built under <state_dir>/models/tiny
@@ -27,11 +31,7 @@ def default_state_dir() -> Path:
     return Path(os.environ.get(STATE_DIR_ENV, ".rlhf")).absolute()
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class LoraConfig(_Section):
+class LoraConfig(Section):
     enabled: bool = Field(False, description="Train LoRA adapters instead of all weights; the reference is the actor with adapters disabled (no copy).")
     r: PositiveInt = Field(8, description="LoRA rank.")
     alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha.")
@@ -39,7 +39,7 @@ class LoraConfig(_Section):
     target_modules: Optional[list[str]] = Field(None, description="Module names to adapt; None lets peft pick the architecture's default.")
 
 
-class ModelConfig(_Section):
+class ModelConfig(Section):
     policy: str = Field("tiny/policy", description="Actor checkpoint: a local directory or hub id loaded with from_pretrained. Relative paths resolve against <state_dir>/models.")
     reward: str = Field("tiny/reward", description="Sequence-classification reward model (num_labels=1) for reward.source='model'.")
     critic: Optional[str] = Field(None, description="Critic checkpoint (token-classification, num_labels=1); None initialises the critic from the reward model, as NeMo-Aligner does.")
@@ -49,7 +49,7 @@ class ModelConfig(_Section):
     reference_device: Literal["auto", "actor", "cpu"] = Field("auto", description="Where the frozen reference of a full fine-tune lives: 'actor' = the actor's device, sharded like the actor; 'cpu' = a CPU copy on every rank; 'auto' = the actor's device when its free memory holds the reference shard with a 20% margin, else CPU. (LoRA has no copy: adapters disabled.)")
 
 
-class ActorConfig(_Section):
+class ActorConfig(Section):
     """How many processes train the actor, and how they talk. Rank 0 runs the flow (or `rlhf train`); the others
     follow its commands. One node: rank 0 starts ranks 1..N-1 itself. Several nodes: every pod runs torchrun."""
 
@@ -67,7 +67,7 @@ class ActorConfig(_Section):
         return self.nproc_per_node * self.nnodes
 
 
-class GenerationConfig(_Section):
+class GenerationConfig(Section):
     max_new_tokens: PositiveInt = Field(16, description="Longest response in tokens; a response without EOS by then is truncated (is_end=False).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; logprobs for training use the same temperature.")
     top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens (0 disables).")
@@ -76,7 +76,7 @@ class GenerationConfig(_Section):
     micro_batch_size: PositiveInt = Field(64, description="Sequences per forward pass for logprobs, critic requests and training micro-batches.")
 
 
-class KLConfig(_Section):
+class KLConfig(Section):
     init: float = Field(0.01, ge=0, description="Initial KL penalty coefficient beta (NeMo-Aligner initial_policy_kl_penalty).")
     estimator: Literal["k1", "abs", "k2", "k3"] = Field("k1", description="Per-token KL estimator used in the reward shaping.")
     adaptive: bool = Field(False, description="Adapt beta towards `target` (Ziegler et al. 2019).")
@@ -84,48 +84,7 @@ class KLConfig(_Section):
     horizon: PositiveInt = Field(10000, description="Horizon (in samples) of the adaptive controller.")
 
 
-class OptimConfig(_Section):
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate (AdamW); 3e-4 suits the tiny models, use ~1e-6 for a 1B actor.")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
-    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
-    schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warm-up.")
-    total_steps: Optional[PositiveInt] = Field(None, description="Steps for cosine/linear decay; None derives it from iterations.")
-    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")
-
-
-class PPOConfig(_Section):
-    rollout_batch_size: PositiveInt = Field(64, description="Prompts (= rollouts) per iteration.")
-    minibatch_size: PositiveInt = Field(32, description="Rollouts per actor optimizer step.")
-    epochs: PositiveInt = Field(2, description="PPO epochs over each rollout batch.")
-    ratio_eps: float = Field(0.2, gt=0, description="Clip range of the policy ratio.")
-    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE lambda.")
-    discount: float = Field(1.0, ge=0, le=1, description="Discount factor gamma.")
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus coefficient.")
-    whiten_advantages: bool = Field(True, description="Normalise advantages over the response tokens of the batch.")
-    optim: OptimConfig = Field(default_factory=OptimConfig, description="Actor optimiser.")
-
-
-class ReinforceConfig(_Section):
-    rollout_batch_size: PositiveInt = Field(16, description="Prompts per iteration; each gets `num_rollouts_per_prompt` samples.")
-    num_rollouts_per_prompt: int = Field(4, description="k samples per prompt for the leave-one-out baseline (>= 2).")
-    minibatch_size: PositiveInt = Field(32, description="Rollouts per actor optimizer step.")
-    epochs: PositiveInt = Field(2, description="Passes over each rollout batch.")
-    advantage_estimator: Literal["rloo", "grpo", "reinforce++"] = Field("rloo", description="Baseline/normalisation of sequence rewards.")
-    whiten_advantages: bool = Field(False, description="Additionally normalise advantages over the batch.")
-    clip_eps: Optional[float] = Field(0.2, gt=0, description="Clip the ratio to the behaviour policy on reused samples (PPO-style, as TRL's RLOO); the first step is plain -logp*A. None: REINFORCE on every step.")
-    missing_eos_penalty: Optional[float] = Field(None, description="Subtract this from the score of responses that hit max_new_tokens without EOS.")
-    optim: OptimConfig = Field(default_factory=OptimConfig, description="Actor optimiser.")
-
-    @field_validator("num_rollouts_per_prompt")
-    @classmethod
-    def _k_at_least_two(cls, v: int) -> int:
-        if v < 2:
-            raise ValueError(f"must be >= 2 for a leave-one-out baseline, got {v}")
-        return v
-
-
-class CriticConfig(_Section):
+class CriticConfig(Section):
     launch: Literal["in_process", "local", "deployment"] = Field("local", description="Where the critic runs: in this process, as a local PyTriton child process, or as the critic-server/default Prefect deployment.")
     combine_reward: bool = Field(True, description="Serve the reward model in the critic server: critic_infer returns values and rewards in one call.")
     nproc_per_node: PositiveInt = Field(1, description="Ranks of the critic server (one node): rank 0 serves HTTP, every rank holds an FSDP2 shard of the critic and computes its block of each batch (collectives: actor.backend, actor.collective_timeout_s).")
@@ -142,7 +101,7 @@ class CriticConfig(_Section):
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one critic request.")
 
 
-class RewardConfig(_Section):
+class RewardConfig(Section):
     source: Literal["model", "function"] = Field("model", description="Score responses with the reward model or a Python function.")
     function: Optional[str] = Field(None, description="'package.module:function(prompts, responses) -> list[float]' for source='function'.")
     gold: Optional[str] = Field("models.tasks.sentiment:gold_reward", description="Gold reward function logged as objective/gold_reward (None to skip).")
@@ -167,29 +126,33 @@ class RewardConfig(_Section):
         return self
 
 
-class DataConfig(_Section):
+class DataConfig(Section):
     prompts: str = Field("builtin:sentiment", description="'builtin:<task>' or a .txt (one prompt a line) / .jsonl ({'prompt': ...}) file.")
     chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template.")
 
 
-class TrackingConfig(_Section):
+class TrackingConfig(Section):
     uri: Optional[str] = Field(None, description="MLflow tracking URI; None uses $MLFLOW_TRACKING_URI, else the local stack's server, else sqlite in state_dir.")
     experiment: str = Field("rlhf-flows", description="MLflow experiment name.")
     system_metrics: bool = Field(True, description="Log CPU/GPU/memory system metrics with the run.")
     table_every: PositiveInt = Field(5, description="Log a table of sample prompts/responses/rewards every N iterations.")
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     uri: Optional[str] = Field(None, description="file:///dir, a path, or s3://bucket/prefix; None uses <state_dir>/checkpoints. The run name is appended.")
     every: PositiveInt = Field(5, description="Checkpoint every N iterations (and at the end).")
     keep_last: PositiveInt = Field(2, description="Keep this many newest checkpoints.")
     s3_endpoint_url: Optional[str] = Field(None, description="Endpoint of an S3-compatible store (None = AWS or $AWS_ENDPOINT_URL_S3).")
 
 
-class RLHFConfig(_Section):
-    """Root of the config tree (one per run)."""
+class RolloutConfig(Section):
+    engine: Literal["native"] = Field("native", description="What samples the rollouts: 'native' = the KV-cache sampling loop on the actor's own module (models/rollout/).")
 
-    algorithm: Literal["ppo", "rloo"] = Field("ppo", description="ppo (actor + critic server) or rloo (REINFORCE with leave-one-out baseline).")
+
+class _Tree(Section):
+    """Root of the config tree (one per run); every registered algorithm adds its own section (models/algorithms/)."""
+
+    algorithm: Literal[tuple(ALGORITHMS)] = Field("ppo", description="ppo (actor + critic server) or rloo (REINFORCE with leave-one-out baseline); see models/algorithms/.")
     run_name: Optional[str] = Field(None, description="Name of the run; re-running with the same name resumes it. None = '<algorithm>-<timestamp>'.")
     iterations: PositiveInt = Field(12, description="Training iterations (rollout + update).")
     seed: int = Field(0, description="Seed of prompts order, sampling and initialisation.")
@@ -197,21 +160,20 @@ class RLHFConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig, description="Models.")
     actor: ActorConfig = Field(default_factory=ActorConfig, description="Actor processes (data parallel, FSDP2).")
     data: DataConfig = Field(default_factory=DataConfig, description="Prompts.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Rollout sampling.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty against the frozen reference policy.")
-    ppo: PPOConfig = Field(default_factory=PPOConfig, description="PPO actor settings.")
-    reinforce: ReinforceConfig = Field(default_factory=ReinforceConfig, description="REINFORCE/RLOO settings.")
-    critic: CriticConfig = Field(default_factory=CriticConfig, description="Critic (value model) settings and server.")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="Critic (value model) settings and server (algorithms with a critic).")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward source and server.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resume.")
 
     @model_validator(mode="after")
-    def _every_rank_gets_prompts(self) -> "RLHFConfig":
-        world, name = self.actor.world_size, "ppo" if self.algorithm == "ppo" else "reinforce"
-        batch = getattr(self, name).rollout_batch_size
+    def _every_rank_gets_prompts(self):
+        world, section = self.actor.world_size, ALGORITHMS[self.algorithm].section
+        batch = getattr(self, section).rollout_batch_size
         if batch < world:
-            raise ValueError(f"{name}.rollout_batch_size={batch} is smaller than the actor's world size {world} "
+            raise ValueError(f"{section}.rollout_batch_size={batch} is smaller than the actor's world size {world} "
                              f"(actor.nnodes x actor.nproc_per_node): every rank needs at least one prompt")
         return self
 
@@ -220,30 +182,27 @@ class RLHFConfig(_Section):
 
     def resolve_model_path(self, value: str) -> str:
         """A relative path that exists under <state_dir>/models wins; otherwise the value is returned as given.
-
-        The embedded default (`tiny/...`) is built on first use, once, under a file lock (models/tiny.py).
-        """
-        if value.startswith(f"{TINY_PREFIX}/") and not (Path(value).is_absolute() or Path(value).exists()):
-            from models.tiny import ensure_tiny
-
-            ensure_tiny(self.resolved_state_dir() / "models" / TINY_PREFIX)
+        (The embedded default `tiny/...` is built before, by models/setup.prepare_run.)"""
         candidate = self.resolved_state_dir() / "models" / value
         return str(candidate) if not Path(value).is_absolute() and candidate.exists() else value
 
 
-def with_schedule_lengths(cfg: RLHFConfig) -> RLHFConfig:
-    """Fill `total_steps` of every LR schedule left at None with the optimizer steps the run will take."""
-    import math
+RLHFConfig = create_model(
+    "RLHFConfig", __base__=_Tree, __module__=__name__, __doc__=_Tree.__doc__,
+    **{a.section: (a.Config, Field(default_factory=a.Config, description=a.description)) for a in ALGORITHMS.values()})
 
-    rollouts = cfg.ppo.rollout_batch_size if cfg.algorithm == "ppo" else (
-        cfg.reinforce.rollout_batch_size * cfg.reinforce.num_rollouts_per_prompt)
-    actor = cfg.ppo if cfg.algorithm == "ppo" else cfg.reinforce
+
+def with_schedule_lengths(cfg: RLHFConfig) -> RLHFConfig:
+    """Fill `total_steps` of the actor's and the critic's LR schedules, where left at None, with the optimizer steps
+    the run will take."""
+    algorithm = ALGORITHMS[cfg.algorithm]
+    actor = algorithm.settings(cfg)
+    rollouts = algorithm.rollouts_per_iteration(actor)
     steps = {
-        f"{'ppo' if cfg.algorithm == 'ppo' else 'reinforce'}.optim.total_steps":
-            cfg.iterations * actor.epochs * math.ceil(rollouts / actor.minibatch_size),
+        f"{algorithm.section}.optim.total_steps": cfg.iterations * actor.epochs * math.ceil(rollouts / actor.minibatch_size),
         "critic.optim.total_steps": cfg.iterations * cfg.critic.epochs * math.ceil(rollouts / cfg.critic.train_batch_size),
     }
-    current = {"ppo.optim.total_steps": cfg.ppo.optim.total_steps, "reinforce.optim.total_steps": cfg.reinforce.optim.total_steps,
+    current = {f"{algorithm.section}.optim.total_steps": actor.optim.total_steps,
                "critic.optim.total_steps": cfg.critic.optim.total_steps}
     updates = {k: v for k, v in steps.items() if current[k] is None}
     return merge(cfg, updates) if updates else cfg

@@ -5,7 +5,9 @@ loads through the same `from_pretrained` path. It can be initialised from a rewa
 reward head copied into the value head), as NeMo-Aligner does. `CriticTrainer` owns model, optimizer, schedule and
 step; the in-process backend and the PyTriton server are thin adapters around it. All inputs use the wire layout of
 the critic server: right-padded `tokens` [B, L] with `sequence_lengths` [B]; `returns`/`prev_values`/`mask` [B, L]
-where position t holds the value of the prefix tokens[:t+1].
+where position t holds the value of the prefix tokens[:t+1]. `critic_train` also takes them per action, [B, L-1]
+(NeMo-Aligner's layout: position t is the value of tokens[:t+1], the state before action t+1), which is the same
+thing without the last position; `train_arrays` turns it into [B, L] with a zero (masked) last column.
 """
 
 from __future__ import annotations
@@ -86,20 +88,45 @@ def validate_tokens(tokens: np.ndarray, sequence_lengths: np.ndarray, vocab_size
 
 
 def validate_train(tokens: np.ndarray, returns: np.ndarray, prev_values: np.ndarray, mask: np.ndarray) -> None:
-    """Check the `critic_train` inputs: float32 [B, L] like tokens, finite, mask in {0, 1}."""
+    """Check the `critic_train` inputs: float32, finite, mask in {0, 1}, and all three [B, L] like tokens or all three
+    [B, L-1] (per action, as NeMo-Aligner's RemoteGPTRMCriticClient sends them)."""
     if tokens.dtype != np.int64 or tokens.ndim != 2 or tokens.size == 0:
         raise CriticInputError(f"tokens: expected non-empty int64 [B, L], got {tokens.dtype} {list(tokens.shape)}")
-    for name, array in (("returns", returns), ("prev_values", prev_values), ("mask", mask)):
+    B, L = tokens.shape
+    arrays = {"returns": returns, "prev_values": prev_values, "mask": mask}
+    for name, array in arrays.items():
         if array.dtype != np.float32:
             raise CriticInputError(f"{name}: expected dtype float32, got {array.dtype}")
-        if array.shape != tokens.shape:
-            raise CriticInputError(f"{name}: expected shape {list(tokens.shape)} (same as tokens), got {list(array.shape)}")
+        if array.ndim != 2 or array.shape[0] != B or array.shape[1] not in (L, L - 1):
+            raise CriticInputError(f"{name}: expected shape [{B}, {L}] (same as tokens) or [{B}, {L - 1}] (per "
+                                   f"action, NeMo-Aligner's layout), got {list(array.shape)}")
         if not np.isfinite(array).all():
             raise CriticInputError(f"{name}: contains NaN or Inf")
+    widths = [a.shape[1] for a in arrays.values()]
+    if len(set(widths)) > 1:  # three tensors, two widths: name the odd one out
+        odd = next(n for n, w in zip(arrays, widths) if widths.count(w) == 1)
+        others = [n for n in arrays if n != odd]
+        raise CriticInputError(f"{odd}: shape {list(arrays[odd].shape)} but {others[0]} and {others[1]} are "
+                               f"{list(arrays[others[0]].shape)}: returns, prev_values and mask must share one "
+                               f"layout, [{B}, {L}] (same as tokens) or [{B}, {L - 1}] (per action)")
     if not np.isin(mask, (0.0, 1.0)).all():
         raise CriticInputError("mask: values must be 0 or 1")
     if mask.sum() == 0:
         raise CriticInputError("mask: no position is 1, nothing to train on")
+
+
+def train_arrays(tokens: np.ndarray, returns: np.ndarray, prev_values: np.ndarray,
+                 mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Validate the `critic_train` inputs and return them in the [B, L] layout the trainer uses.
+
+    Per-action inputs [B, L-1] (NeMo-Aligner: position t = value of tokens[:t+1], for action t+1; its critic
+    trains values[:, :-1] against them) are the [B, L] layout without its last position, which holds the value of
+    the whole sequence and has no action after it: append a zero column, masked out, so both layouts train alike.
+    """
+    validate_train(tokens, returns, prev_values, mask)
+    if mask.shape[1] == tokens.shape[1] - 1:
+        returns, prev_values, mask = (np.pad(a, ((0, 0), (0, 1))) for a in (returns, prev_values, mask))
+    return tokens, returns, prev_values, mask
 
 
 class CriticTrainer:
@@ -213,8 +240,8 @@ class CriticTrainer:
         """Write full weights (rank 0, loadable by a 1-rank server) + the optimizer sharded through
         torch.distributed.checkpoint + scheduler, step and world size, atomically: into `staging` (rank 0 chooses it
         and hands it to the others), then renamed over the target."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        import torch.distributed.checkpoint as dcp  # heavy (~1.7 s): only sharded saves need it
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # heavy: as dcp above
 
         target = Path(directory) if directory else self.checkpoint_dir
         if target is None:
@@ -247,8 +274,8 @@ class CriticTrainer:
     def _restore(self, directory: Path) -> None:
         """Scheduler and step from a save; the optimizer too when it was saved by as many ranks (else it starts
         fresh, with a warning: the weights are the full ones either way)."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+        import torch.distributed.checkpoint as dcp  # heavy (~1.7 s): only sharded saves need it
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # heavy
 
         state = torch.load(directory / "critic_state.pt", map_location="cpu", weights_only=False)
         self.scheduler.load_state_dict(state["scheduler"])

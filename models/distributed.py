@@ -172,7 +172,7 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
 def shard_model(model: nn.Module, mixed_precision: bool = False, reshard_after_forward: bool = True) -> nn.Module:
     """FSDP2: `fully_shard` every transformer block, then the root. Its reduce-scatter averages gradients over ranks
     (callers scale their loss by the world size to get the sum). `mixed_precision`: bf16 compute, fp32 reduction."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # heavy: FSDP (~1.2 s), only when sharding
 
     kwargs = {"reshard_after_forward": reshard_after_forward}
     if mixed_precision:
@@ -184,7 +184,7 @@ def shard_model(model: nn.Module, mixed_precision: bool = False, reshard_after_f
 
 
 def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.fsdp import FSDPModule  # heavy: FSDP (~1.2 s), only when sharding
 
     return isinstance(model, FSDPModule)
 
@@ -206,7 +206,7 @@ def sum_gradients(params: list[nn.Parameter], me: Dist) -> None:
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The full (unsharded) state dict on CPU: on every rank for a replicated model, on rank 0 only for FSDP."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # heavy: dcp (~1.7 s)
 
     if not is_sharded(model):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -223,3 +223,36 @@ def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     states = sum(local(v).numel() * local(v).element_size() for s in optimizer.state.values() for v in s.values()
                  if isinstance(v, Tensor) and v.dim() > 0)
     return {"params": params, "grads": grads, "optimizer": states}
+
+
+# ---------------------------------------------------------------- rows of all ranks on rank 0 and back
+
+def leader_batch(me: Dist, fields: dict, pad_id: int = 0) -> dict | None:
+    """Every rank's rows of `fields` concatenated in rank order on rank 0 (None elsewhere), with `sizes` (rows per
+    rank). [B, T] tensors are right-padded to the widest T (`tokens` with pad_id, the rest with 0); lists concatenate."""
+    parts = me.gather_object({k: v.cpu() if isinstance(v, Tensor) else v for k, v in fields.items()})
+    if parts is None:
+        return None
+    if len(parts) == 1:
+        return {**parts[0], "sizes": [len(next(iter(parts[0].values())))]}
+    out = {}
+    for key, first in parts[0].items():
+        values = [p[key] for p in parts]
+        if isinstance(first, Tensor) and first.dim() == 2:
+            width = max(v.shape[1] for v in values)
+            fill = pad_id if key == "tokens" else 0
+            values = [torch.nn.functional.pad(v, (0, width - v.shape[1]), value=fill) for v in values]
+        out[key] = torch.cat(values) if isinstance(first, Tensor) else [x for v in values for x in v]
+    out["sizes"] = [len(p[next(iter(fields))]) for p in parts]
+    return out
+
+
+def scatter_rows(me: Dist, results: dict | None, sizes: list[int] | None) -> dict:
+    """Rank 0's `results` (tensors over the rows of all ranks) split back by `sizes`: each rank gets its rows."""
+    per_rank = None
+    if results is not None:
+        per_rank = [{} for _ in sizes]
+        for key, value in results.items():
+            for rank, part in enumerate(torch.split(value, sizes)):
+                per_rank[rank][key] = part
+    return me.scatter_object(per_rank)

@@ -69,7 +69,7 @@ SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "
 def make_optimizer(params, optim) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """AdamW (fused where the device supports it) + `transformers.get_scheduler`: linear warm-up, then
     constant / cosine / linear decay over `total_steps` (OptimConfig)."""
-    from transformers import get_scheduler
+    from transformers import get_scheduler  # heavy: transformers' trainer utilities (~4 s, peft included)
 
     params = [p for p in params if p.requires_grad]
     fused = all(p.device.type in ("cuda", "cpu") for p in params)

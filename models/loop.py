@@ -20,14 +20,16 @@ from typing import Callable, Iterator
 import torch
 
 from models.actor import ActorState
+from models.algorithms import ALGORITHMS, Backends
 from models.backends import FunctionReward, LocalCritic, LocalRewardModel
-from models.config import RLHFConfig, with_schedule_lengths
+from models.config import RLHFConfig
 from models.critic import CriticTrainer
 from models.distributed import SINGLE, Dist, local_device
 from models.policy import Policy
-from models.ppo import ppo_step
-from models.reward import load_reward_function, load_reward_model, load_reward_tokenizer, same_tokenizer
-from models.rloo import rloo_step
+from models.prepare import prepare_run
+from models.reward import load_reward_function, load_reward_model, load_reward_tokenizer
+from models.step import train_step
+from models.tasks import sentiment
 
 
 def load_prompts(cfg: RLHFConfig) -> list[str]:
@@ -37,8 +39,6 @@ def load_prompts(cfg: RLHFConfig) -> list[str]:
         name = spec.split(":", 1)[1]
         if name != "sentiment":
             raise ValueError(f"data.prompts: unknown builtin task {name!r}; known: sentiment")
-        from models.tasks import sentiment
-
         return sentiment.prompts(200, seed=0)
     path = Path(spec)
     if not path.is_file():
@@ -67,7 +67,8 @@ def prompt_batches(prompts: list[str], batch_size: int, seed: int, start_batch: 
 
 
 def batch_size(cfg: RLHFConfig) -> int:
-    return cfg.ppo.rollout_batch_size if cfg.algorithm == "ppo" else cfg.reinforce.rollout_batch_size
+    """Prompts per iteration."""
+    return ALGORITHMS[cfg.algorithm].settings(cfg).rollout_batch_size
 
 
 def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
@@ -79,15 +80,15 @@ def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
                          local_device(cfg.model.device, me), me=me, shard=shard,
                          reference_device=cfg.model.reference_device,
                          mixed_precision=cfg.actor.mixed_precision and torch.cuda.is_available())
-    optim = cfg.ppo.optim if cfg.algorithm == "ppo" else cfg.reinforce.optim
-    return ActorState.create(policy, optim, cfg.kl, cfg.seed, me)
+    optim = ALGORITHMS[cfg.algorithm].settings(cfg).optim
+    return ActorState.create(policy, optim, cfg.kl, cfg.seed, me, engine=cfg.rollout.engine)
 
 
 def build_critic_trainer(cfg: RLHFConfig, checkpoint_dir: str | Path | None = None) -> CriticTrainer:
     critic_path = cfg.resolve_model_path(cfg.model.critic) if cfg.model.critic else None
     return CriticTrainer(cfg.critic, critic_path, cfg.resolve_model_path(cfg.model.reward), cfg.critic.combine_reward,
                          cfg.model.dtype, local_device(cfg.model.device, SINGLE), checkpoint_dir,
-                         token_rewards=reward_transport(cfg) == "tokens")
+                         token_rewards=cfg.reward.transport == "tokens")
 
 
 def critic_text_reward(cfg: RLHFConfig, trainer: CriticTrainer):
@@ -103,43 +104,13 @@ def build_local_reward(cfg: RLHFConfig):
     if cfg.reward.source == "function":
         return FunctionReward(load_reward_function(cfg.reward.function))
     model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, local_device(cfg.model.device, SINGLE))
-    if reward_transport(cfg) == "text":
+    if cfg.reward.transport == "text":
         return LocalRewardModel(model, load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward)), cfg.reward.chat_template)
     return LocalRewardModel(model)
 
 
-def reward_transport(cfg: RLHFConfig) -> str:
-    """'text' when the reward model reads text with its own tokenizer, 'tokens' when it shares the policy's ids
-    (reward.transport, or for 'auto' a comparison of the two tokenizers).
-
-    PPO without `model.critic` initialises the critic from the reward model, and the critic reads the policy's
-    tokens: a reward model with another tokenizer is refused then, naming the field to set.
-    """
-    critic_from_reward = cfg.algorithm == "ppo" and not cfg.model.critic
-    if cfg.reward.source == "function" or (cfg.reward.transport != "auto" and not critic_from_reward):
-        return "tokens" if cfg.reward.transport == "auto" else cfg.reward.transport  # a function decodes tokens itself
-    policy = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")
-    reward = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward))
-    shared = same_tokenizer(policy, reward)
-    if critic_from_reward and not shared:
-        raise ValueError(f"model.critic: not set, so the critic would be initialised from model.reward "
-                         f"'{cfg.model.reward}', whose tokenizer differs from the policy's; the critic reads the "
-                         f"policy's tokens: give a critic that shares the policy's tokenizer (e.g. tiny/critic)")
-    if cfg.reward.transport != "auto":
-        return cfg.reward.transport
-    return "tokens" if shared else "text"
-
-
 def gold_function(cfg: RLHFConfig):
     return load_reward_function(cfg.reward.gold, "reward.gold") if cfg.reward.gold else None
-
-
-def step_fn(cfg: RLHFConfig, critic=None, reward=None) -> Callable[[ActorState, list[str]], tuple[dict, list[dict]]]:
-    """The per-iteration step of the configured algorithm, bound to its backends."""
-    gold = gold_function(cfg)
-    if cfg.algorithm == "ppo":
-        return lambda state, prompts: ppo_step(state, prompts, critic, reward, cfg, gold)
-    return lambda state, prompts: rloo_step(state, prompts, reward, cfg, gold)
 
 
 # ---------------------------------------------------------------- what every rank executes
@@ -151,7 +122,7 @@ def execute(state: ActorState, cfg: RLHFConfig, command: dict, critic=None, rewa
     """Run one command on this rank (rank 0 passes its backends; the others None)."""
     op = command["op"]
     if op == "step":
-        return step_fn(cfg, critic, reward)(state, command["prompts"])
+        return train_step(state, command["prompts"], cfg, Backends(critic, reward), gold_function(cfg))
     if op == "save":
         return save_actor(state, Path(command["dir"]))
     if op == "restore":
@@ -163,8 +134,8 @@ def save_actor(state: ActorState, directory: Path) -> None:
     """Full HF weights written by rank 0 (gathered from the shards on CPU: loadable anywhere); the optimizer and every
     rank's sampling stream saved sharded with torch.distributed.checkpoint; the rest (schedule, KL controller,
     minibatch stream, counters, world size) in actor_state.pt."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    import torch.distributed.checkpoint as dcp  # heavy (~1.7 s): only checkpoints need it
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # heavy: as dcp above
 
     me = state.me
     directory.mkdir(parents=True, exist_ok=True)
@@ -179,8 +150,8 @@ def save_actor(state: ActorState, directory: Path) -> None:
 def restore_actor(state: ActorState, directory: Path) -> str | None:
     """Load a `save_actor` directory. With the world size it was saved with: everything. With another: the full
     weights and the schedule/counters, a fresh optimizer and sampling streams; returns that warning."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    import torch.distributed.checkpoint as dcp  # heavy (~1.7 s): only checkpoints need it
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # heavy
 
     me = state.me
     state.policy.load_weights(directory)
@@ -241,11 +212,13 @@ class RankFailed(RuntimeError):
 def train_in_process(cfg: RLHFConfig, on_iteration: Callable[[int, dict], None] | None = None,
                      actor: Leader | None = None) -> list[dict]:
     """The whole run driven from this process (critic/reward in process, no checkpoints): on one rank, or on the
-    ranks of `actor` (components/ranks.actor_ranks). Returns the metrics per iteration."""
-    cfg = with_schedule_lengths(cfg)
-    actor = actor or Leader(cfg, build_actor(cfg))
+    ranks of `actor` (components/launch/ranks.actor_ranks). With `actor`, `cfg` is its prepared config (models/prepare.py).
+    Returns the metrics per iteration."""
+    if actor is None:  # this is the entry point
+        cfg = prepare_run(cfg)
+        actor = Leader(cfg, build_actor(cfg))
     critic = reward = None
-    if cfg.algorithm == "ppo":
+    if ALGORITHMS[cfg.algorithm].needs_critic:
         critic = LocalCritic(build_critic_trainer(cfg))
         reward = build_local_reward(cfg) if not cfg.critic.combine_reward else critic_text_reward(cfg, critic.trainer)
     else:

@@ -1,46 +1,25 @@
-"""The actor: a causal LM (full fine-tune or LoRA), batched KV-cache sampling, per-token logprobs, the frozen reference.
+"""The actor: a causal LM (full fine-tune or LoRA), per-token logprobs, the frozen reference, and its weights for a
+rollout engine. Sampling is the rollout engine's job (models/rollout/).
 
-Layouts: prompts are left-padded for generation; a finished `Rollout` is right-padded (prompt, response, pad), which
-is also the critic server's wire layout. Per-token tensors are [B, L-1] over actions: entry t scores tokens[:, t+1].
+Per-token tensors are [B, L-1] over actions: entry t scores tokens[:, t+1] of a right-padded `Rollout`.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
+from safetensors.torch import load_file
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from models.config import GenerationConfig, LoraConfig
+from models.config import LoraConfig
 from models.distributed import SINGLE, Dist, full_state_dict, is_sharded, shard_model
 from models.loading import DTYPES, autocast, disable_dropout, freeze, from_pretrained
-
-
-@dataclass
-class Rollout:
-    """A batch of sampled sequences, right-padded."""
-
-    tokens: Tensor  # [B, L] int64: prompt, response (EOS included), pad
-    prompt_lengths: Tensor  # [B]
-    lengths: Tensor  # [B] prompt + response
-    is_end: Tensor  # [B] bool: the response ended with EOS before max_new_tokens
-    sample_logprobs: Tensor  # [B, L-1] logprobs at sampling time (temperature-scaled, before top-k/top-p), 0 off-response
-
-    @property
-    def response_mask(self) -> Tensor:
-        """[B, L-1] float, 1 where tokens[:, t+1] belongs to the response."""
-        positions = torch.arange(1, self.tokens.shape[1], device=self.tokens.device).unsqueeze(0)
-        return ((positions >= self.prompt_lengths.unsqueeze(1)) & (positions < self.lengths.unsqueeze(1))).float()
-
-    @property
-    def response_lengths(self) -> Tensor:
-        return self.lengths - self.prompt_lengths
-
-    def __len__(self) -> int:
-        return self.tokens.shape[0]
+from models.rollout.base import Rollout
 
 
 class Policy:
@@ -74,7 +53,7 @@ class Policy:
         # trainable weights stay float32; `dtype` is the compute dtype (autocast) and the frozen reference's dtype
         model = disable_dropout(from_pretrained(AutoModelForCausalLM, path, field, dtype=torch.float32)).to(device)
         if lora is not None and lora.enabled:  # replicated on every rank; only the adapters train and sync
-            from peft import LoraConfig as PeftLoraConfig, get_peft_model
+            from peft import LoraConfig as PeftLoraConfig, get_peft_model  # heavy: peft is needed only with LoRA
 
             model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                          target_modules=lora.target_modules, task_type="CAUSAL_LM"))
@@ -100,47 +79,6 @@ class Policy:
             out.append(self.tokenizer.decode(row[start:end], skip_special_tokens=True))
         return out
 
-    @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], gen: GenerationConfig, generator: torch.Generator | None = None) -> Rollout:
-        """Sample responses for left-padded prompts with the KV cache; stop each row at EOS, stop all when all ended
-        (on every rank: with FSDP each decoding step is a collective, so ranks stop together)."""
-        model = self.model
-        was_training = model.training
-        model.eval()
-        B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
-        if min(len(p) for p in prompt_ids) == 0:
-            raise ValueError("prompts: every prompt must have at least one token")
-        input_ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((B, P), dtype=torch.long)
-        for i, ids in enumerate(prompt_ids):
-            input_ids[i, P - len(ids):] = torch.tensor(ids)
-            attention[i, P - len(ids):] = 1
-        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
-        finished = torch.zeros(B, dtype=torch.bool, device=self.device)
-        new_tokens, new_logps = [], []
-        past, step_input, position = None, input_ids, (attention.cumsum(1) - 1).clamp(min=0)
-        for _ in range(gen.max_new_tokens):
-            with autocast(self.device, self.dtype):
-                out = model(input_ids=step_input, attention_mask=attention, position_ids=position,
-                            past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            logits = out.logits[:, -1, :].float() / gen.temperature
-            logps = torch.log_softmax(logits, dim=-1)
-            next_token = sample(logits, gen.top_k, gen.top_p, generator)
-            token_logp = logps.gather(1, next_token.unsqueeze(1)).squeeze(1)
-            next_token = torch.where(finished, torch.full_like(next_token, self.pad_id), next_token)
-            new_tokens.append(next_token)
-            new_logps.append(torch.where(finished, torch.zeros_like(token_logp), token_logp))
-            finished |= torch.isin(next_token, self.stop_ids.to(next_token.device))
-            if int(self.me.all_reduce((~finished).sum().cpu())) == 0:
-                break
-            attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=1)  # finished rows: ignored
-            step_input = next_token.unsqueeze(1)
-            position = position[:, -1:] + 1
-        model.train(was_training)
-        return _right_pad(prompt_ids, torch.stack(new_tokens, 1).cpu(), torch.stack(new_logps, 1).cpu(),
-                          self.stop_ids, self.pad_id)
-
     # ----------------------------------------------------------------------------------------------------------------
     def logprobs(self, tokens: Tensor, lengths: Tensor, temperature: float = 1.0, with_entropy: bool = False,
                  reference: bool = False, entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
@@ -161,6 +99,26 @@ class Policy:
             return _token_logprobs(self.model, tokens.to(self.device), lengths.to(self.device), temperature, with_entropy,
                                    entropy_grad)
 
+    def engine_weights(self) -> Iterator[tuple[str, Tensor]]:
+        """The actor's full weights under their Hugging Face names, one tensor at a time, for a rollout engine that
+        holds its own copy: gathered from the FSDP2 shards (a collective: every rank iterates in step), LoRA merged
+        into the base weights (base + scale * B @ A, the actor itself untouched), tied weights (lm_head) included."""
+        if self.lora:
+            from peft.tuners.lora import LoraLayer  # heavy: peft is needed only with LoRA
+
+            base = self.model.get_base_model()
+            deltas = {f"{name}.base_layer.weight": module.get_delta_weight(adapter).detach()
+                      for name, module in base.named_modules() if isinstance(module, LoraLayer)
+                      for adapter in module.active_adapters if adapter in module.lora_A}
+            for name, tensor in base.state_dict().items():
+                if ".lora_" in name:
+                    continue
+                merged = tensor.detach() + deltas[name].to(tensor.dtype) if name in deltas else tensor.detach()
+                yield name.replace(".base_layer.", "."), merged
+            return
+        for name, tensor in self.model.state_dict().items():
+            yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+
     def trainable_parameters(self):
         return [p for p in self.model.parameters() if p.requires_grad]
 
@@ -174,14 +132,12 @@ class Policy:
 
     def load_weights(self, directory) -> None:
         """Actor weights from a `save` directory (LoRA: the adapter), into the (sharded) model on every rank."""
-        from safetensors.torch import load_file
-
         if self.lora:
-            from peft import set_peft_model_state_dict
+            from peft import set_peft_model_state_dict  # heavy: peft is needed only with LoRA
 
             set_peft_model_state_dict(self.model, load_file(str(Path(directory) / "adapter_model.safetensors")))
             return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # heavy (~1.7 s)
 
         loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
         if self.sharded:
@@ -214,40 +170,3 @@ def _token_logprobs(model, tokens: Tensor, lengths: Tensor, temperature: float, 
             source = logits if entropy_grad else logits.detach()
             entropy = torch.logsumexp(source, dim=-1) - (torch.softmax(source, dim=-1) * source).sum(-1)
     return logp, entropy
-
-
-def sample(logits: Tensor, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None) -> Tensor:
-    """Sample one token per row from temperature-scaled logits [B, V] with optional top-k / nucleus filtering."""
-    if top_k and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
-        drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest prefix reaching top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
-    probs = torch.softmax(logits, dim=-1)
-    if generator is not None and probs.device.type != generator.device.type:
-        return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(probs.device)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
-
-
-def _right_pad(prompt_ids: list[list[int]], new_tokens: Tensor, new_logps: Tensor, stop_ids: Tensor, pad_id: int) -> Rollout:
-    """Assemble right-padded [prompt, response, pad] rows; the response ends at (and includes) the first stop token."""
-    B, N = new_tokens.shape
-    is_eos = torch.isin(new_tokens, stop_ids)
-    is_end = is_eos.any(1)
-    first_eos = torch.where(is_end, is_eos.float().argmax(1), torch.full((B,), N - 1))
-    response_lengths = first_eos + 1
-    prompt_lengths = torch.tensor([len(p) for p in prompt_ids])
-    lengths = prompt_lengths + response_lengths
-    L = int(lengths.max())
-    tokens = torch.full((B, L), pad_id, dtype=torch.long)
-    sample_logprobs = torch.zeros((B, L - 1))
-    for i, ids in enumerate(prompt_ids):
-        p, r = len(ids), int(response_lengths[i])
-        tokens[i, :p] = torch.tensor(ids)
-        tokens[i, p:p + r] = new_tokens[i, :r]
-        sample_logprobs[i, p - 1:p - 1 + r] = new_logps[i, :r]
-    return Rollout(tokens, prompt_lengths, lengths, is_end, sample_logprobs)

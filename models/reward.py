@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from models.loading import DTYPES, disable_dropout, freeze, from_pretrained
 
@@ -75,8 +75,6 @@ def load_reward_function(spec: str, field: str = "reward.function", probe: bool 
 # ---------------------------------------------------------------- rewards from text (the reward model's own tokenizer)
 
 def load_reward_tokenizer(path: str, field: str = "model.reward"):
-    from transformers import AutoTokenizer
-
     tokenizer = from_pretrained(AutoTokenizer, path, field)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token or tokenizer.unk_token

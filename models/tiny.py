@@ -6,13 +6,24 @@ reward; the critic is initialised from the reward model. `reward-chars` is a sec
 reward with a tokenizer of its own (characters, a Llama backbone): a reward model that does not share the policy's
 tokenizer, so the text transport (`reward_text`) runs end to end offline. Everything is written with
 `save_pretrained`, and is loaded back through the same `from_pretrained` code a user's real checkpoint takes.
+
+`ensure_tiny(out, names)` is what a run calls on first use: the policy, reward and critic are built together (~40 s on
+2 cores), `reward-chars` (~55 s) only when a run names it, from a random stream of its own, so the other three are
+bit-for-bit the same whether it is built or not. `rlhf models tiny --out DIR` (`build_tiny`) builds all four.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
+import os
 import random
+import shutil
+import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -97,12 +108,59 @@ def prefix_rewards(text: str) -> list[float]:
     return [sentiment.gold_reward([""], [text[:i]])[0] if c == " " else float("nan") for i, c in enumerate(text + " ")]
 
 
-def build_tiny(out: str | Path, seed: int = 0, policy_steps: int = 600, reward_steps: int = 600, log=print) -> dict:
-    """Build tokenizer + policy + reward + critic + reward-chars under `out`; returns their paths and final losses."""
+BASE = ("policy", "reward", "critic")  # built together: the reward model's data follow the policy's in one stream
+CHARS = "reward-chars"  # built only when named, from a random stream of its own
+NAMES = BASE + (CHARS,)
+DEFAULT_STEPS = 600  # training steps of each model when build_tiny is not given a count (the embedded default)
+
+
+def _names(names: Iterable[str]) -> set[str]:
+    names = set([names] if isinstance(names, str) else names)
+    unknown = names - set(NAMES)
+    if unknown:
+        raise ValueError(f"unknown tiny model(s) {sorted(unknown)}; known: {', '.join(NAMES)}")
+    return names
+
+
+def _stream_seed(seed: int, name: str) -> int:
+    """A seed of its own for `name`'s random streams, derived from the build's seed (stable across processes)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:7], "little")
+
+
+def build_tiny(out: str | Path, seed: int = 0, policy_steps: int | None = None, reward_steps: int | None = None,
+               log=print, names: Iterable[str] = NAMES) -> dict:
+    """Build the named tiny models under `out` (`out/<name>`) and record them in `out/tiny.json`; returns their paths
+    and final losses.
+
+    Naming any of policy, reward and critic builds all three (the critic is initialised from the reward model, whose
+    data are drawn after the policy's from one stream of `seed`); `reward-chars` is built only when named, from a
+    stream of its own, so the other three are the same whether it is built or not. `policy_steps` / `reward_steps`
+    (default `DEFAULT_STEPS`) are the training steps of the policy and of each reward model: fewer give a quick build
+    with the same data, tokenizers and configs but untrained-looking models (what tests of the build itself use).
+    """
+    names = _names(names)
+    policy_steps = DEFAULT_STEPS if policy_steps is None else policy_steps
+    reward_steps = DEFAULT_STEPS if reward_steps is None else reward_steps
     out = Path(out)
+    started = time.time()
+    info: dict = {"seed": seed, "policy_steps": policy_steps, "reward_steps": reward_steps}
+    built: list[str] = []
+    if names & set(BASE):
+        info.update(_build_base(out, seed, policy_steps, reward_steps, log))
+        built += BASE
+    if CHARS in names:
+        info.update(_build_reward_chars(out / CHARS, seed, reward_steps, log))
+        built.append(CHARS)
+    info["seconds"] = round(time.time() - started, 1)
+    info["paths"] = {name: str(out / name) for name in built}
+    (out / "tiny.json").write_text(json.dumps(info, indent=2))
+    return info
+
+
+def _build_base(out: Path, seed: int, policy_steps: int, reward_steps: int, log) -> dict:
+    """tokenizer + policy + reward + critic under `out`."""
     torch.manual_seed(seed)
     rng = random.Random(seed)
-    started = time.time()
     with torch.random.fork_rng():
         tokenizer = build_tokenizer()
         eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
@@ -123,7 +181,24 @@ def build_tiny(out: str | Path, seed: int = 0, policy_steps: int = 600, reward_s
             _scores_with_grad(reward, ids, mask.sum(1)), targets[idx]))
         log(f"reward: MSE {rm_loss:.4f} to the gold reward after {reward_steps} steps")
 
-        # reward-chars: the same pairs and gold reward, its own (character) tokenizer; every prefix is a target
+        for name, model in (("policy", policy), ("reward", reward)):
+            model.eval()
+            model.save_pretrained(out / name)
+            tokenizer.save_pretrained(out / name)
+        critic = init_critic(None, str(out / "reward"))
+        critic.save_pretrained(out / "critic")
+        tokenizer.save_pretrained(out / "critic")
+    return {"policy_lm_loss": lm_loss, "reward_mse": rm_loss}
+
+
+def _build_reward_chars(path: Path, seed: int, steps: int, log) -> dict:
+    """reward-chars: pairs like the reward model's and their gold reward, its own (character) tokenizer; every prefix
+    is a target. Its random streams (data, initialisation, batches) are its own, derived from `seed`."""
+    stream = _stream_seed(seed, CHARS)
+    rng = random.Random(stream)
+    with torch.random.fork_rng():
+        torch.manual_seed(stream)
+        pairs = _reward_texts(rng, 8000)
         chars = build_tokenizer(chars=True)
         reward_chars = char_reward_model(chars)
         crows = [chars(f"{p} {r}")["input_ids"] + [chars.eos_token_id] for p, r in pairs]
@@ -137,23 +212,12 @@ def build_tiny(out: str | Path, seed: int = 0, policy_steps: int = 600, reward_s
             known = ~target.isnan()
             return torch.nn.functional.mse_loss(scores.squeeze(-1)[known], target[known])
 
-        chars_loss = _fit(reward_chars, crows, reward_steps, rng, chars.pad_token_id, prefix_loss, warmup=True)
-        log(f"reward-chars: MSE {chars_loss:.4f} to the gold reward of every prefix after {reward_steps} steps")
-
-        paths = {name: out / name for name in ("policy", "reward", "critic", "reward-chars")}
-        for name, model, tok in (("policy", policy, tokenizer), ("reward", reward, tokenizer),
-                                 ("reward-chars", reward_chars, chars)):
-            model.eval()
-            model.save_pretrained(paths[name])
-            tok.save_pretrained(paths[name])
-        critic = init_critic(None, str(paths["reward"]))
-        critic.save_pretrained(paths["critic"])
-        tokenizer.save_pretrained(paths["critic"])
-        info = {"seed": seed, "policy_lm_loss": lm_loss, "reward_mse": rm_loss, "reward_chars_mse": chars_loss,
-                "seconds": round(time.time() - started, 1),
-                "paths": {k: str(v) for k, v in paths.items()}}
-        (out / "tiny.json").write_text(json.dumps(info, indent=2))
-    return info
+        chars_loss = _fit(reward_chars, crows, steps, rng, chars.pad_token_id, prefix_loss, warmup=True)
+        log(f"reward-chars: MSE {chars_loss:.4f} to the gold reward of every prefix after {steps} steps")
+        reward_chars.eval()
+        reward_chars.save_pretrained(path)
+        chars.save_pretrained(path)
+    return {"reward_chars_mse": chars_loss}
 
 
 def _fit(model, rows: list[list[int]], steps: int, rng: random.Random, pad: int, loss_of, warmup: bool = False) -> float:
@@ -183,33 +247,69 @@ def _scores_with_grad(model, ids, lengths):
     return model.score(hidden[torch.arange(ids.shape[0]), lengths - 1]).squeeze(-1)
 
 
-def ensure_tiny(out: str | Path, seed: int = 0, log=print) -> Path:
-    """Build the embedded default under `out` unless it is there: once, even when several runs start together.
+@contextlib.contextmanager
+def _locked(path: Path):
+    """An exclusive lock on the file `path`, released when it closes, also when this process dies."""
+    with open(path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
-    An exclusive lock on `<out>.lock` serialises builders; the models are written to a temporary sibling directory
-    and renamed into place, so `out` is either absent or complete (tiny.json written last), never half-written.
+
+def ensure_tiny(out: str | Path, names: Iterable[str] = BASE, seed: int = 0, log=print) -> Path:
+    """Build the named models of the embedded default under `out` unless they are there: once, even when several runs
+    start together. Returns `out`.
+
+    Any of policy, reward, critic: the three are built together under an exclusive lock on `<out>.lock` (a sibling
+    `.<name>.lock`) into a temporary sibling directory that is renamed into place, `tiny.json` last, so `out/tiny.json`
+    exists only once the three are complete. `reward-chars` is built only when named, under a lock of its own
+    (`out/.reward-chars.lock`), into a temporary directory inside `out` renamed to `out/reward-chars`, so that
+    directory is complete whenever it exists.
     """
-    import fcntl
-    import os
-    import shutil
-    import tempfile
-
     out = Path(out)
-    if (out / "tiny.json").exists():
-        return out
+    names = _names(names)
+    if names & set(BASE) and not (out / "tiny.json").exists():
+        _ensure_base(out, seed, log)
+    if CHARS in names and not (out / CHARS).exists():
+        _ensure_reward_chars(out, seed, log)
+    return out
+
+
+def _ensure_base(out: Path, seed: int, log) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / f".{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when this process dies
+    with _locked(out.parent / f".{out.name}.lock"):
         if (out / "tiny.json").exists():  # another process built it while we waited
-            return out
-        log(f"building the embedded default models (tiny policy, reward, critic, reward-chars) in {out} (once, ~90 s)")
+            return
+        log(f"building the embedded default models (tiny policy, reward, critic) in {out} (once, ~40 s)")
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
-            info = build_tiny(tmp, seed=seed, log=lambda *_: None)
+            info = build_tiny(tmp, seed=seed, names=BASE, log=lambda *_: None)
             info["paths"] = {k: str(out / k) for k in info["paths"]}
             (tmp / "tiny.json").write_text(json.dumps(info, indent=2))
-            shutil.rmtree(out, ignore_errors=True)  # a partial directory from an older version of this code
-            os.replace(tmp, out)
+            try:
+                os.replace(tmp, out)  # out absent: one atomic rename
+            except OSError:  # out exists: it holds reward-chars (built first), or is a partial older build
+                for name in BASE:
+                    if (out / name).is_dir() and not (out / name).is_symlink():
+                        shutil.rmtree(out / name)
+                    elif (out / name).exists() or (out / name).is_symlink():
+                        (out / name).unlink()
+                    os.replace(tmp / name, out / name)
+                os.replace(tmp / "tiny.json", out / "tiny.json")  # last: the base is complete
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+
+def _ensure_reward_chars(out: Path, seed: int, log) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    with _locked(out / f".{CHARS}.lock"):
+        if (out / CHARS).exists():  # another process built it while we waited
+            return
+        log(f"building the embedded character-level reward model ({CHARS}) in {out / CHARS} (once, ~55 s)")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{CHARS}.tmp-", dir=out))
+        try:
+            info = build_tiny(tmp, seed=seed, names=(CHARS,), log=lambda *_: None)
+            info["paths"] = {CHARS: str(out / CHARS)}
+            (tmp / CHARS / "tiny.json").write_text(json.dumps(info, indent=2))
+            os.replace(tmp / CHARS, out / CHARS)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)

@@ -15,15 +15,37 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 @pytest.fixture(scope="session")
-def tiny_models(tmp_path_factory) -> dict[str, str]:
-    """Tiny policy / reward / critic built offline by `models.tiny.build_tiny` (the code behind `rlhf models tiny`)."""
-    from models.tiny import build_tiny
+def tiny_dir(tmp_path_factory) -> Path:
+    """The embedded default (tiny policy, reward, critic), built once per test session by `models.tiny.ensure_tiny`
+    (what a run does on first use) into one directory every test shares; set RLHF_TEST_TINY_DIR to reuse one across
+    sessions. A test that needs a state directory holding the models links this one in (`link_tiny`)."""
+    from models.tiny import ensure_tiny
 
     cached = os.environ.get("RLHF_TEST_TINY_DIR")
-    out = Path(cached) if cached else tmp_path_factory.mktemp("tiny")
-    if not (out / "tiny.json").exists():
-        build_tiny(out, seed=0, log=lambda *_: None)
-    return {name: str(out / name) for name in ("policy", "reward", "critic", "reward-chars")}
+    return ensure_tiny(Path(cached) if cached else tmp_path_factory.mktemp("models") / "tiny", log=lambda *_: None)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tiny_dir) -> dict[str, str]:
+    """Paths of the tiny policy / reward / critic (the session's build of the embedded default)."""
+    return {name: str(tiny_dir / name) for name in ("policy", "reward", "critic")}
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_chars(tiny_dir) -> str:
+    """Path of tiny/reward-chars, built (once, ~55 s) beside the others only when a test asks for it."""
+    from models.tiny import ensure_tiny
+
+    ensure_tiny(tiny_dir, names=("reward-chars",), log=lambda *_: None)
+    return str(tiny_dir / "reward-chars")
+
+
+def link_tiny(state_dir: Path, tiny_dir: Path) -> Path:
+    """Give `state_dir` the session's models without building them again: <state_dir>/models/tiny is a symlink to
+    `tiny_dir`, so `tiny/<name>` resolves there (and a reward-chars built later by either side is seen by both)."""
+    (state_dir / "models").mkdir(parents=True, exist_ok=True)
+    (state_dir / "models" / "tiny").symlink_to(tiny_dir, target_is_directory=True)
+    return state_dir
 
 
 def free_port_block(n: int = 3) -> int:

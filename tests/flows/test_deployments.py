@@ -1,6 +1,7 @@
 """End to end through a real local stack: Prefect server, MLflow server and the served deployments (what `rlhf up`
-starts), driven with `prefect deployment run` exactly as a user does, on a state directory that starts empty (the
-first run builds the embedded default models)."""
+starts), driven with `prefect deployment run` exactly as a user does, on a state directory that holds only the
+session's embedded default models (linked in: a first run on an empty state directory builds them, which
+tests/components/cli/test_main.py checks)."""
 
 import json
 import os
@@ -16,18 +17,22 @@ import psutil
 import pytest
 from mlflow.tracking import MlflowClient
 
-from components import stack
-from tests.conftest import free_port_block
+from components.launch import stack
+from tests.conftest import free_port_block, link_tiny
 
 pytestmark = pytest.mark.slow
 PREFECT = str(Path(sys.executable).parent / "prefect")
 
 
 @pytest.fixture(scope="module")
-def local_stack(tmp_path_factory):
-    state_dir = tmp_path_factory.mktemp("state")  # empty: no models
+def local_stack(tmp_path_factory, tiny_dir):
+    state_dir = link_tiny(tmp_path_factory.mktemp("state"), tiny_dir)  # the session's models, nothing else
     prefect_port, mlflow_port = free_port_block(1), free_port_block(1)
-    urls = stack.up(state_dir, prefect_port, mlflow_port, set_profile=False, log=lambda *_: None)
+    with pytest.MonkeyPatch.context() as mp:
+        # The served deployments look for new runs and for cancellations every second instead of Prefect's default
+        # 10 s: ~20 runs here, each of which would otherwise wait 5 s on average before it starts.
+        mp.setenv("PREFECT_RUNNER_POLL_FREQUENCY", "1")
+        urls = stack.up(state_dir, prefect_port, mlflow_port, set_profile=False, log=lambda *_: None)
     env = stack.base_env(state_dir, prefect_port, mlflow_port)
     yield {"state_dir": state_dir, "urls": urls, "env": env, "api": env["PREFECT_API_URL"],
            "ports": (prefect_port, mlflow_port)}
@@ -71,7 +76,7 @@ def server_processes(marker: str) -> list[psutil.Process]:
             cmd = " ".join(p.info["cmdline"] or [])
         except psutil.Error:
             continue
-        if "components.serve_main" in cmd and marker in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
+        if "components.serving.main" in cmd and marker in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
             found.append(p)
     return found
 
@@ -92,11 +97,9 @@ def test_up_returns_once_every_deployment_is_registered(local_stack):
 
 def test_ppo_deployment_completes_with_metrics_and_no_leftover_server(local_stack):
     s = local_stack
-    assert not (s["state_dir"] / "models").exists()
     proc = deployment_run(s, "ppo/default", {"iterations": 3, "run_name": "e2e-ppo", "checkpoint": {"every": 2}})
     run = wait_final(s, flow_run_id(proc), timeout=600)
     assert run["state"]["type"] == "COMPLETED", run["state"]
-    assert (s["state_dir"] / "models" / "tiny" / "tiny.json").exists()  # built on first use
     names = task_names(s, run["id"])
     assert any(n.startswith("deploy-critic-server") for n in names) and any(n.startswith("wait-until-ready") for n in names)
     assert sum(n.startswith("ppo-iteration") for n in names) == 3
@@ -124,10 +127,11 @@ def test_reinforce_deployment_starts_no_critic(local_stack):
     assert server_processes(str(s["state_dir"])) == []
 
 
-def test_reinforce_with_a_reward_model_of_another_tokenizer_learns_through_text(local_stack):
+def test_reinforce_with_a_reward_model_of_another_tokenizer_learns_through_text(local_stack, tiny_reward_chars):
     """model.reward=tiny/reward-chars (a character tokenizer): the flow picks the text transport by itself (the
-    reward server's `reward_text`) and RLOO learns by the margin of the single-process learning test
-    (tests/models/test_steps.py)."""
+    reward server's `reward_text`), the scores are reward-chars' own, and RLOO learns by the margin of the
+    single-process learning test (tests/models/test_steps.py). (This is the one 12-iteration RLOO run through
+    reward-chars: tests/models/test_steps.py runs its first 2 iterations in process.)"""
     s = local_stack
     run = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {
         "iterations": 12, "run_name": "e2e-rloo-text", "model": {"reward": "tiny/reward-chars"}})), timeout=900)
@@ -137,6 +141,9 @@ def test_reinforce_with_a_reward_model_of_another_tokenizer_learns_through_text(
     gold = [m.value for m in sorted(client.get_metric_history(mrun.info.run_id, "objective/gold_reward"),
                                     key=lambda m: m.step)]
     assert len(gold) == 12 and (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.3, gold
+    scores = [m.value for m in sorted(client.get_metric_history(mrun.info.run_id, "objective/scores"),
+                                      key=lambda m: m.step)]
+    assert len(scores) == 12 and max(abs(s - g) for s, g in zip(scores, gold)) < 0.1, (scores, gold)
     assert server_processes(str(s["state_dir"] / "runs" / "e2e-rloo-text")) == []
 
 
@@ -233,7 +240,7 @@ def test_a_failed_run_says_why_in_its_state_and_in_the_watch_output(local_stack)
     assert "model.policy: model path '/no/such/policy' does not exist" in proc.stdout  # the watch shows the reason
 
 
-def actor_followers(marker: str = "components.ranks") -> list[psutil.Process]:
+def actor_followers(marker: str = "components.launch.ranks") -> list[psutil.Process]:
     """Live actor ranks > 0 (started by a flow run's rank 0), or with another marker critic server ranks > 0."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
@@ -246,7 +253,7 @@ def actor_followers(marker: str = "components.ranks") -> list[psutil.Process]:
 
 
 def critic_followers() -> list[psutil.Process]:
-    return actor_followers("components.serve_main --follow")
+    return actor_followers("components.serving.main --follow")
 
 
 def test_ppo_on_two_actor_ranks_resumes_on_two_and_on_one(local_stack):
@@ -276,19 +283,32 @@ def test_ppo_on_two_actor_ranks_resumes_on_two_and_on_one(local_stack):
     assert [m.value for m in client.get_metric_history(mrun.info.run_id, "dist/world_size")] == [2.0, 2.0, 2.0, 1.0]
 
 
-def test_a_killed_actor_rank_fails_the_run_naming_it_and_leaves_nothing(local_stack):
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_a_killed_rank_fails_the_run_naming_it_and_leaves_nothing(local_stack, role):
+    """Rank 1 of the actor (actor.nproc_per_node=2; rank 0 is the flow run) or of the critic server
+    (critic.nproc_per_node=2) is killed mid-run: the run fails within 60 s naming the rank (and, for the critic, the
+    server that stopped because of it), and no process of the run is left."""
     s = local_stack
-    run_dir = s["state_dir"] / "runs" / "e2e-rank-kill"
-    config = {"iterations": 200, "run_name": "e2e-rank-kill", "actor": {"nproc_per_node": 2}}
+    run_name = f"e2e-{role}-rank-kill"
+    run_dir = s["state_dir"] / "runs" / run_name
+    config = {"iterations": 200, "run_name": run_name, role: {"nproc_per_node": 2}}
     run_id = flow_run_id(deployment_run(s, "ppo/default", config))
     _wait_for(lambda: any(n.startswith("ppo-iteration") for n in task_names(s, run_id)), 180, "first iteration")
-    follower = _wait_for(actor_followers, 30, "actor rank 1")[0]
-    assert follower.environ()["RANK"] == "1"
+    if role == "actor":
+        follower = _wait_for(actor_followers, 30, "actor rank 1")[0]
+        assert follower.environ()["RANK"] == "1"
+        expected = r"actor rank 1 \(pid \d+\) exited with code -9"
+    else:
+        server = _wait_for(lambda: server_processes(str(run_dir)), 30, "critic server")[0]
+        follower = next(p for p in server.children() if "--follow" in " ".join(p.cmdline()))
+        expected = r"critic server .*exited with code 1: .*critic rank 1 \(pid \d+\) exited with code -9"
     follower.kill()
     run = wait_final(s, run_id, timeout=60)  # a dead rank fails the run within 60 s
     assert run["state"]["type"] == "FAILED"
-    assert re.search(r"actor rank 1 \(pid \d+\) exited with code -9", run["state"]["message"]), run["state"]["message"]
-    _wait_for(lambda: not actor_followers() and not server_processes(str(run_dir)), 60, "no process of the run left")
+    message = run["state"]["message"]
+    assert re.search(expected, message), message
+    _wait_for(lambda: not actor_followers() and not critic_followers() and not server_processes(str(run_dir)), 60,
+              "no process of the run left")
 
 
 def test_ppo_with_a_two_rank_critic_server_learns(local_stack):
@@ -304,22 +324,6 @@ def test_ppo_with_a_two_rank_critic_server_learns(local_stack):
     assert len(gold) == 12 and (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.3, gold
     assert "critic-rank1.log" in {p.name for p in (s["state_dir"] / "runs" / "e2e-critic2" / "logs").iterdir()}
     assert server_processes(str(s["state_dir"] / "runs" / "e2e-critic2")) == [] and not critic_followers()
-
-
-def test_a_killed_critic_rank_fails_the_run_naming_the_server_and_the_rank(local_stack):
-    s = local_stack
-    run_dir = s["state_dir"] / "runs" / "e2e-critic-kill"
-    config = {"iterations": 200, "run_name": "e2e-critic-kill", "critic": {"nproc_per_node": 2}}
-    run_id = flow_run_id(deployment_run(s, "ppo/default", config))
-    _wait_for(lambda: any(n.startswith("ppo-iteration") for n in task_names(s, run_id)), 180, "first iteration")
-    server = _wait_for(lambda: server_processes(str(run_dir)), 30, "critic server")[0]
-    follower = next(p for p in server.children() if "--follow" in " ".join(p.cmdline()))
-    follower.kill()
-    run = wait_final(s, run_id, timeout=60)  # the run fails within 60 s
-    assert run["state"]["type"] == "FAILED"
-    message = run["state"]["message"]
-    assert re.search(r"critic server .*exited with code 1: .*critic rank 1 \(pid \d+\) exited with code -9", message), message
-    _wait_for(lambda: not server_processes(str(run_dir)) and not critic_followers(), 60, "no process of the run left")
 
 
 def test_up_is_idempotent_and_down_frees_ports(local_stack, tmp_path):

@@ -145,7 +145,7 @@ def _template_names() -> set[str]:
 
 ACTOR_LAUNCH = ("exec torchrun --nnodes={{ nnodes }} --nproc-per-node={{ gpu_count }} --node-rank=$JOB_COMPLETION_INDEX "
                 "--master-addr=\"$(hostname | sed 's/-[0-9]*$/-0/').rlhf-ranks\" --master-port={{ master_port }} "
-                "-m components.ranks -- {{ command }}")
+                "-m components.launch.ranks -- {{ command }}")
 
 
 def _sample_values(pool_name: str, role: str) -> dict:
@@ -409,7 +409,7 @@ def test_actor_jobs_are_indexed_torchrun_jobs_that_find_rank_0_through_the_headl
     assert container["command"] == ["/bin/sh", "-c"]
     line = container["args"][0]
     assert line.startswith("exec torchrun --nnodes=4 --nproc-per-node=8 --node-rank=$JOB_COMPLETION_INDEX")
-    assert line.endswith("--master-port=29500 -m components.ranks -- prefect flow-run execute")
+    assert line.endswith("--master-port=29500 -m components.launch.ranks -- prefect flow-run execute")
     # the address pod 3 of job "ppo-x7k2q" computes for rank 0 (the shell's own substitution, hostname faked)
     addr = re.search(r'--master-addr="([^"]+)"', line).group(1).replace("hostname", "echo ppo-x7k2q-3")
     assert subprocess.run(["sh", "-c", f'echo "{addr}"'], capture_output=True, text=True).stdout.strip() == "ppo-x7k2q-0.rlhf-ranks"

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 from models import distributed
+from models.algorithms import ALGORITHMS
 from models.config import preset
-from models.loop import build_actor
+from models.loop import build_actor, load_prompts
+from models.prepare import prepare_run
 from tests.models.dist_update import update
 
 SCRIPT = Path(__file__).with_name("dist_update.py")
@@ -40,18 +42,18 @@ def test_blocks_are_found_from_no_split_modules(tiny_models):
 def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
     """N ranks x B/N rollouts give the same update as 1 rank x B: actor weights to 1e-5 (float32), loss, KL and the
     grad norm (which would show gradients averaged instead of summed) to 1e-4 relative."""
-    cfg = preset("tiny", **{"state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "algorithm": algorithm,
-                            "model.reward": tiny_models["reward"], "ppo.rollout_batch_size": 12, "ppo.minibatch_size": 6,
-                            "reinforce.rollout_batch_size": 6, "reinforce.minibatch_size": 8, "generation.max_new_tokens": 8,
-                            "generation.micro_batch_size": 4, "critic.micro_batch_size": 8})
-    k = cfg.reinforce.num_rollouts_per_prompt if algorithm == "rloo" else 1
-    n_prompts = cfg.ppo.rollout_batch_size if algorithm == "ppo" else cfg.reinforce.rollout_batch_size
-    from models.loop import load_prompts
+    cfg = prepare_run(preset("tiny", **{
+        "state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "algorithm": algorithm,
+        "model.reward": tiny_models["reward"], "ppo.rollout_batch_size": 12, "ppo.minibatch_size": 6,
+        "reinforce.rollout_batch_size": 6, "reinforce.minibatch_size": 8, "generation.max_new_tokens": 8,
+        "generation.micro_batch_size": 4, "critic.micro_batch_size": 8}))
+    section = ALGORITHMS[algorithm].settings(cfg)
+    k, n_prompts = ALGORITHMS[algorithm].samples_per_prompt(section), section.rollout_batch_size
 
     prompts = load_prompts(cfg)[:n_prompts]
-    policy = build_actor(cfg).policy
-    rollout = policy.generate(policy.encode_prompts([p for p in prompts for _ in range(k)]), cfg.generation,
-                              torch.Generator().manual_seed(5))
+    actor = build_actor(cfg)
+    rollout = actor.engine.generate(actor.policy.encode_prompts([p for p in prompts for _ in range(k)]),
+                                    cfg.generation, torch.Generator().manual_seed(5))
     fixture = {"prompts": prompts, "tokens": rollout.tokens, "prompt_lengths": rollout.prompt_lengths,
                "lengths": rollout.lengths, "is_end": rollout.is_end, "sample_logprobs": rollout.sample_logprobs}
     torch.save(fixture, tmp_path / "fixture.pt")
@@ -60,7 +62,7 @@ def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one_weights, one_metrics = update(cfg, fixture, distributed.SINGLE)
+        one_weights, one_metrics, one_engine = update(cfg, fixture, distributed.SINGLE)
     finally:
         torch.set_num_threads(threads)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
@@ -74,7 +76,6 @@ def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
     assert one_weights.keys() == two["weights"].keys()
     moved = 0.0
     initial = build_actor(cfg).policy.model.state_dict()
-    section = cfg.ppo if algorithm == "ppo" else cfg.reinforce
     steps = section.epochs * -(-n_prompts * k // section.minibatch_size)  # optimizer steps of the update
     for name, value in one_weights.items():
         other = two["weights"][name].clone()
@@ -92,6 +93,13 @@ def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
     assert {"loss/policy_avg", "objective/kl", "policy/grad_norm", "policy/approxkl_avg"} <= set(keys)
     for key in keys:
         assert two["metrics"][key] == pytest.approx(one_metrics[key], rel=1e-4, abs=1e-6), key
+    # what a rollout engine receives after the update: every weight, gathered from the FSDP2 shards, the tied
+    # lm_head included, equal to the full state dict the same ranks gather for a checkpoint
+    for engine, weights in ((one_engine, one_weights), (two["engine_weights"], two["weights"])):
+        assert "lm_head.weight" in engine and engine.keys() == weights.keys()
+        for name in weights:
+            assert torch.equal(engine[name], weights[name]), name
+        assert torch.equal(engine["lm_head.weight"], engine["transformer.wte.weight"])  # tied
 
 
 def _free_port() -> int:

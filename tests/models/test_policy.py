@@ -1,10 +1,13 @@
-"""Policy: KV-cache generation (EOS, padding, is_end), logprobs, sampling filters, the frozen reference (copy vs LoRA)."""
+"""Policy and the native rollout engine: KV-cache generation (EOS, padding, is_end), logprobs, sampling filters, the
+frozen reference (copy vs LoRA), the weights a rollout engine receives (tied lm_head, LoRA merged)."""
 
 import pytest
 import torch
 
 from models.config import GenerationConfig, LoraConfig
-from models.policy import Policy, sample
+from models.policy import Policy
+from models.rollout import NativeEngine
+from models.rollout.native import sample
 from models.tasks import sentiment
 
 
@@ -17,7 +20,7 @@ def policy(tiny_models):
 def test_generation_stops_at_eos_and_pads(policy, max_new_tokens):
     prompts = sentiment.prompts(32)
     ids = policy.encode_prompts(prompts)
-    ro = policy.generate(ids, GenerationConfig(max_new_tokens=max_new_tokens), torch.Generator().manual_seed(0))
+    ro = NativeEngine.for_policy(policy).generate(ids, GenerationConfig(max_new_tokens=max_new_tokens), torch.Generator().manual_seed(0))
     eos, pad = policy.eos_id, policy.pad_id
     for i, prompt in enumerate(ids):
         row = ro.tokens[i].tolist()
@@ -39,7 +42,7 @@ def test_generation_stops_at_eos_and_pads(policy, max_new_tokens):
 
 def test_sampling_logprobs_match_recomputation(policy):
     ids = policy.encode_prompts(sentiment.prompts(16))
-    ro = policy.generate(ids, GenerationConfig(max_new_tokens=12, temperature=0.7), torch.Generator().manual_seed(3))
+    ro = NativeEngine.for_policy(policy).generate(ids, GenerationConfig(max_new_tokens=12, temperature=0.7), torch.Generator().manual_seed(3))
     with torch.no_grad():
         logp, entropy = policy.logprobs(ro.tokens, ro.lengths, temperature=0.7, with_entropy=True)
     mask = ro.response_mask
@@ -109,3 +112,35 @@ def test_top_k_and_top_p_filtering():
 def test_missing_model_path_is_named():
     with pytest.raises(FileNotFoundError, match="model.policy.*does-not-exist"):
         Policy.load("/tmp/does-not-exist/policy")
+
+
+def test_engine_weights_are_the_full_state_dict_with_the_tied_head(tiny_models):
+    pol = Policy.load(tiny_models["policy"])
+    weights = dict(pol.engine_weights())
+    state = pol.model.state_dict()
+    assert weights.keys() == state.keys() and "lm_head.weight" in weights  # the tied head is not left out
+    for name, value in state.items():
+        assert torch.equal(weights[name], value), name
+
+
+def test_engine_weights_of_lora_are_the_merged_model_and_leave_the_actor_untouched(tiny_models):
+    """The weights an engine receives for LoRA: base + scale * B @ A, under the base model's names, equal to what
+    peft's merge_and_unload gives; the actor (and its adapters-disabled reference) is not modified."""
+    import copy
+
+    lora = Policy.load(tiny_models["policy"], LoraConfig(enabled=True, r=4, alpha=8, target_modules=["c_attn", "c_proj"]))
+    with torch.no_grad():
+        for n, p in lora.model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    before = {k: v.clone() for k, v in lora.model.state_dict().items()}
+    weights = dict(lora.engine_weights())
+    merged = copy.deepcopy(lora.model).merge_and_unload().state_dict()
+    assert weights.keys() == merged.keys() and "lm_head.weight" in weights
+    for name, value in merged.items():
+        torch.testing.assert_close(weights[name], value, atol=1e-6, rtol=0, msg=name)
+    base = Policy.load(tiny_models["policy"]).model.state_dict()
+    assert not torch.allclose(weights["transformer.h.0.attn.c_attn.weight"], base["transformer.h.0.attn.c_attn.weight"])
+    assert torch.equal(weights["transformer.wte.weight"], base["transformer.wte.weight"])  # not adapted
+    for name, value in lora.model.state_dict().items():
+        assert torch.equal(value, before[name]), name

@@ -37,37 +37,41 @@ def test_learns_the_shipped_task(tiny_models, tmp_path, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
-def test_learns_from_a_reward_model_of_another_tokenizer(tiny_models, tmp_path, algorithm):
+def test_learns_from_a_reward_model_of_another_tokenizer(tiny_models, tiny_reward_chars, tmp_path, algorithm):
     """model.reward=reward-chars (characters, not the policy's words): rewards go as text (for PPO, through the
-    critic's resident reward model; the critic is tiny/critic, which reads the policy's tokens) and both algorithms
-    learn by the margin of test_learns_the_shipped_task. (Seen here: +0.56 for both after 12 iterations.)"""
-    cfg = tiny_cfg(tiny_models, tmp_path, algorithm=algorithm, iterations=12, seed=0,
-                   **{"model.reward": tiny_models["reward-chars"], "model.critic": tiny_models["critic"]})
+    critic's resident reward model; the critic is tiny/critic, which reads the policy's tokens), the scores are
+    reward-chars' own, and both algorithms learn by the margin of test_learns_the_shipped_task. (Seen here: +0.63 for
+    PPO, +0.52 for RLOO after 12 iterations.) RLOO's 12-iteration run is made once, through a reward server, by
+    tests/flows/test_deployments.py (the same rollouts and scores), which asserts its learning and scores; here RLOO
+    runs its first 2 iterations in process, for the in-process text path."""
+    iterations = 12 if algorithm == "ppo" else 2
+    cfg = tiny_cfg(tiny_models, tmp_path, algorithm=algorithm, iterations=iterations, seed=0,
+                   **{"model.reward": tiny_reward_chars, "model.critic": tiny_models["critic"]})
     history = train_in_process(cfg)
     gold = [m["objective/gold_reward"] for m in history]
     scores = [m["objective/scores"] for m in history]
-    assert mean(gold[-2:]) - mean(gold[:2]) >= 0.3, gold
+    assert len(history) == iterations
+    if iterations == 12:
+        assert mean(gold[-2:]) - mean(gold[:2]) >= 0.3, gold
     assert max(abs(s - g) for s, g in zip(scores, gold)) < 0.1, (scores, gold)  # the scores are reward-chars' own
-
-
-def test_shared_metric_names(tiny_models, tmp_path):
-    ppo = train_in_process(tiny_cfg(tiny_models, tmp_path, algorithm="ppo", iterations=1))[0]
-    rloo = train_in_process(tiny_cfg(tiny_models, tmp_path, algorithm="rloo", iterations=1))[0]
-    shared = {"objective/kl", "objective/entropy", "objective/scores", "objective/gold_reward", "objective/rlhf_reward",
-              "objective/non_score_reward", "policy/approxkl_avg", "policy/entropy_avg", "loss/policy_avg",
-              "val/num_eos_tokens", "val/response_length", "lr", "episode", "time/generate", "time/reference",
-              "time/train", "time/step"}
-    assert shared <= set(ppo) and shared <= set(rloo)
-    assert {"loss/value_avg", "policy/clipfrac_avg", "val/clipfrac_avg", "time/critic_wait"} <= set(ppo)
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
 def test_same_seed_same_first_iteration(tiny_models, tmp_path, algorithm):
+    """The same seed gives the same first iteration, another seed another one; PPO and RLOO log the same names for
+    the same quantities (TRL's), PPO its critic's besides."""
     runs = [train_in_process(tiny_cfg(tiny_models, tmp_path, algorithm=algorithm, iterations=1, seed=7))[0] for _ in range(2)]
     other = train_in_process(tiny_cfg(tiny_models, tmp_path, algorithm=algorithm, iterations=1, seed=8))[0]
     keys = [k for k in runs[0] if not k.startswith(NON_DETERMINISTIC)]
     assert {k: runs[0][k] for k in keys} == {k: runs[1][k] for k in keys}
     assert runs[0]["objective/scores"] != other["objective/scores"]
+    shared = {"objective/kl", "objective/entropy", "objective/scores", "objective/gold_reward", "objective/rlhf_reward",
+              "objective/non_score_reward", "policy/approxkl_avg", "policy/entropy_avg", "loss/policy_avg",
+              "val/num_eos_tokens", "val/response_length", "lr", "episode", "time/generate", "time/reference",
+              "time/train", "time/step"}
+    assert shared <= set(runs[0])
+    if algorithm == "ppo":
+        assert {"loss/value_avg", "policy/clipfrac_avg", "val/clipfrac_avg", "time/critic_wait"} <= set(runs[0])
 
 
 def test_lora_ppo_runs_with_adapter_reference(tiny_models, tmp_path):

@@ -1,10 +1,10 @@
 locals {
   # The actor pool runs every pod under torchrun: the pod hostname of an Indexed Job is <job>-<index>, so rank 0 is
-  # <job>-0.<service>; on rank 0 components.ranks execs Prefect's flow-run command, every other rank follows it.
+  # <job>-0.<service>; on rank 0 components.launch.ranks execs Prefect's flow-run command, every other rank follows it.
   actor_launch = join(" ", [
     "exec torchrun --nnodes={{ nnodes }} --nproc-per-node={{ gpu_count }} --node-rank=$JOB_COMPLETION_INDEX",
     "--master-addr=\"$(hostname | sed 's/-[0-9]*$/-0/').${var.ranks_service_name}\" --master-port={{ master_port }}",
-    "-m components.ranks -- {{ command }}",
+    "-m components.launch.ranks -- {{ command }}",
   ])
 
   pools = {

@@ -1,0 +1,155 @@
+"""The actor's ranks as processes: rank 0 is this process (the flow run, or `rlhf train`); the others follow it.
+
+One node (`actor.nproc_per_node` = N > 1, no torchrun around us): rank 0 starts ranks 1..N-1 as child processes in a
+process group of their own, with the standard environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), and watches them. Several nodes: every pod runs
+`torchrun ... -m components.launch.ranks -- <command of rank 0>`; the process that torchrun makes rank 0 execs the command
+(the Prefect flow run), every other rank follows. Either way a follower joins the process group, receives the run's
+config from rank 0, builds the same actor, and executes rank 0's commands until told to stop (models/loop.py).
+
+Faults: collectives time out after `actor.collective_timeout_s`; rank 0 names a follower that died (rank, exit code,
+log tail) or went silent; followers exit when rank 0 disappears; no process of the run outlives it.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Optional
+
+from components.environment import quiet
+from components.launch.processes import (PARENT_PID_ENV, ChildProcess, exit_with_parent, find_free_ports,
+                                         port_block_free, project_env, wait_for)
+
+quiet()  # this module is a process's entry point too: before the model libraries below read these settings
+
+from models import distributed
+from models.config import RLHFConfig
+from models.loop import Leader, build_actor, execute
+
+BACKEND_ENV, TIMEOUT_ENV = "RLHF_DIST_BACKEND", "RLHF_DIST_TIMEOUT_S"
+
+
+class Follower(ChildProcess):
+    """Rank r (> 0) as a child process of rank 0, logging to a file; in a process group of its own, or in rank 0's
+    (a server's followers: whoever stops the server's group stops them too)."""
+
+    def __init__(self, rank: int, argv: list[str], env: dict, log_path: Path, own_group: bool = True):
+        self.rank = rank
+        super().__init__(argv, log_path, env, own_group)
+
+
+class Followers:
+    """Ranks 1..N-1 of one node, started and watched by rank 0 (of the actor, or of a critic server)."""
+
+    def __init__(self, name: str, world: int, host: str, port: int, argv: list[str], env: dict, log_dir: Path,
+                 own_group: bool = True):
+        self.name, self.world = name, world
+        port = port if port_block_free(host, port, 1) else find_free_ports(host, count=1)
+        self.init_method = f"tcp://{host}:{port}"
+        base = project_env({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": host,
+                            "MASTER_PORT": str(port), PARENT_PID_ENV: str(os.getpid()), **env})
+        self.ranks = [Follower(r, argv, {**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                               log_dir / f"{name}-rank{r}.log", own_group) for r in range(1, world)]
+
+    @classmethod
+    def for_actor(cls, cfg: RLHFConfig, log_dir: Path) -> "Followers":
+        actor = cfg.actor
+        return cls("actor", actor.world_size, actor.master_addr, actor.master_port,
+                   [sys.executable, "-m", "components.launch.ranks"],
+                   {BACKEND_ENV: actor.backend, TIMEOUT_ENV: str(actor.collective_timeout_s)}, log_dir)
+
+    def exited(self) -> Optional[str]:
+        """'<name> rank R (pid) exited with code C; last lines of its log' for the first follower that exited."""
+        for f in self.ranks:
+            if (code := f.poll()) is not None:
+                return (f"{self.name} rank {f.rank} (pid {f.pid}) exited with code {code}; "
+                        f"last lines of {f.log_path}:\n{f.tail(20)}")
+        return None
+
+    def describe_failure(self, settle_s: float = 5.0) -> Optional[str]:
+        """Why a collective failed, as far as the followers tell: the first that exited (rank, code, log tail), or
+        the ranks that still run (then they went silent)."""
+        # a killed peer may close its sockets a moment before its exit is seen
+        wait_for(lambda: any(f.poll() is not None for f in self.ranks), settle_s)
+        return self.exited() or (f"{self.name} ranks {[f.rank for f in self.ranks]} are alive but did not answer a "
+                                 f"collective (hung, or slower than the collective timeout)")
+
+    def stop(self) -> dict[int, Optional[int]]:
+        return {f.rank: f.stop() for f in self.ranks}
+
+
+@contextmanager
+def actor_ranks(cfg: RLHFConfig, log_dir: Path) -> Iterator[Leader]:
+    """The actor on all its ranks, this process being rank 0; followers are stopped on exit, whatever happened.
+    `cfg` is prepared (models/prepare.py: absolute state dir, schedule lengths, reward transport): the ranks get it
+    as it is."""
+    outer = distributed.from_env()  # torchrun (several nodes) made us a rank already
+    followers = None
+    if outer.active:
+        if outer.rank != 0:
+            raise RuntimeError(f"the flow run must be actor rank 0, but RANK={outer.rank}")
+        if outer.world_size != cfg.actor.world_size:
+            raise ValueError(f"actor: torchrun started {outer.world_size} ranks, the config asks for "
+                             f"{cfg.actor.world_size} (nnodes x nproc_per_node)")
+        me, init_method = outer, None
+    elif cfg.actor.world_size > 1:
+        if cfg.actor.nnodes > 1:
+            raise ValueError("actor.nnodes > 1: start every node under torchrun (the actor-gpu job template does)")
+        followers = Followers.for_actor(cfg, log_dir)
+        me, init_method = distributed.Dist(0, cfg.actor.world_size, 0, cfg.actor.world_size), followers.init_method
+    else:
+        me, init_method = distributed.SINGLE, None
+    try:
+        if me.active:
+            device = distributed.local_device(cfg.model.device, me)
+            distributed.init(me, distributed.resolve_backend(cfg.actor.backend, device), cfg.actor.collective_timeout_s,
+                             device, init_method)
+            me.broadcast_object(cfg.model_dump_json())
+            distributed.check_shared_directory(me, cfg.resolved_state_dir() / "runs")
+        leader = Leader(cfg, build_actor(cfg, me), followers.describe_failure if followers else lambda: None)
+        yield leader
+        if me.active:
+            me.broadcast_object({"op": "stop"})
+            distributed.shutdown(me, graceful=True)
+    finally:
+        if followers is not None:
+            followers.stop()
+        distributed.shutdown()
+
+
+# ---------------------------------------------------------------- the follower side
+
+def follow() -> int:
+    """Join the group, receive the config, build the actor, execute rank 0's commands until told to stop."""
+    exit_with_parent()
+    me = distributed.from_env()
+    device = distributed.local_device("auto", me)
+    backend = distributed.resolve_backend(os.environ.get(BACKEND_ENV, "auto"), device)
+    distributed.init(me, backend, float(os.environ.get(TIMEOUT_ENV, "300")), device)
+    try:
+        cfg = RLHFConfig.model_validate_json(me.broadcast_object(None))
+        distributed.check_shared_directory(me, cfg.resolved_state_dir() / "runs")
+        state = build_actor(cfg, me)
+        while (command := me.broadcast_object(None))["op"] != "stop":
+            execute(state, cfg, command)
+        distributed.shutdown(me, graceful=True)
+    finally:
+        distributed.shutdown()
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """`python -m components.launch.ranks [-- COMMAND...]`: a follower; under torchrun, rank 0 execs COMMAND instead."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if argv and int(os.environ.get("RANK", "0")) == 0:
+        os.execvp(argv[0], argv)  # rank 0 becomes the flow run (it keeps torchrun's environment)
+    return follow()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,288 @@
+"""HTTP clients of the critic and reward servers; they satisfy models/backends.py's CriticBackend / RewardBackend.
+
+Each call runs on a small thread pool (real concurrency: several micro-batches in flight, merged by Triton's dynamic
+batcher) with its own short-lived tritonclient.http connection (gevent-based clients must not cross threads).
+Timeouts are bounded. Only a refused connection is retried for every call (the request never reached the server);
+other connection failures are retried for idempotent calls (infer, score, save), never for critic_train, which could
+have trained already. A server-side error is never retried: it raises ServerError carrying the server's message.
+Inputs are checked against the wire contract before sending, so our own malformed request cannot fail the other
+requests Triton batched with it.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from components.serving.servers import (CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, REWARD_TEXT,
+                                        TRAIN_STATS)
+from models.critic import CriticInputError, validate_tokens, validate_train
+
+_DTYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.object_): "BYTES"}
+_ERROR_LINE = re.compile(r"^([A-Za-z_][\w.]*(?:Error|Exception)): (.+)$")
+
+
+class ServerError(RuntimeError):
+    """The server answered a request with an error. `detail` holds its whole message (with the server traceback)."""
+
+    def __init__(self, model: str, status: Optional[str], detail: str):
+        self.model, self.status, self.detail = model, status, detail
+        super().__init__(f"{model}: {summarize_server_error(detail)}")
+
+
+class ServerUnavailable(ConnectionError):
+    """The server could not be reached (after the retries a call is allowed)."""
+
+
+def summarize_server_error(message: str) -> str:
+    """The last 'SomeError: text' line of a PyTriton traceback (the error our callable raised), else the message."""
+    lines = [m for m in (_ERROR_LINE.match(line.strip()) for line in message.splitlines()) if m]
+    lines = [m for m in lines if not m.group(2).startswith("Traceback")]
+    if lines:
+        kind, text = lines[-1].groups()
+        return f"{kind.rsplit('.', 1)[-1]}: {text}"
+    return message.strip().splitlines()[0] if message.strip() else message
+
+
+def _numpy(t, dtype) -> np.ndarray:
+    array = t.detach().cpu().numpy() if isinstance(t, Tensor) else np.asarray(t)
+    return np.ascontiguousarray(array, dtype=dtype)
+
+
+class TritonHTTP:
+    """Synchronous calls with bounded timeouts and connection retries, and a thread pool for asynchronous ones."""
+
+    def __init__(self, url: str, timeout_s: float = 300.0, connect_timeout_s: float = 10.0, retries: int = 3,
+                 retry_wait_s: float = 1.0, max_workers: int = 4, name: str = "triton"):
+        self.url = url.split("://", 1)[-1].rstrip("/")
+        self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
+        self.retries, self.retry_wait_s = retries, retry_wait_s
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix=name)
+        self._pending: set[Future] = set()
+        self._pending_lock = threading.Lock()
+        self._closed = False
+        self._sleep = time.sleep  # the wait between attempts (tests record it instead of timing it)
+
+    def _client(self):
+        import tritonclient.http as http  # heavy: tritonclient, only once a call is made
+
+        return http.InferenceServerClient(self.url, connection_timeout=self.connect_timeout_s,
+                                          network_timeout=self.timeout_s)
+
+    def call(self, what: str, fn: Callable, idempotent: bool = True):
+        """fn(client) with retries on connection failures only; server errors raise ServerError."""
+        from tritonclient.utils import InferenceServerException  # heavy: tritonclient, only once a call is made
+
+        attempt = 0
+        while True:
+            client = self._client()
+            try:
+                return fn(client)
+            except InferenceServerException as exc:
+                raise ServerError(what, exc.status(), exc.message() or str(exc)) from None
+            except (socket.timeout, TimeoutError) as exc:
+                raise TimeoutError(f"{what}: no answer from {self.url} within {self.timeout_s:.0f}s") from exc
+            except ConnectionError as exc:
+                retryable = isinstance(exc, ConnectionRefusedError) or idempotent
+                if not retryable or attempt >= self.retries:
+                    raise ServerUnavailable(f"{what}: cannot reach {self.url} ({exc}) after {attempt + 1} attempt(s)") from exc
+            finally:
+                client.close()
+            attempt += 1
+            self._sleep(self.retry_wait_s * attempt)
+
+    def infer(self, model: str, inputs: dict[str, np.ndarray], idempotent: bool = True) -> dict[str, np.ndarray]:
+        import tritonclient.http as http  # heavy: tritonclient, only once a call is made
+
+        def run(client):
+            wire = []
+            for name, array in inputs.items():
+                item = http.InferInput(name, list(array.shape), _DTYPES[array.dtype])
+                item.set_data_from_numpy(array)
+                wire.append(item)
+            result = client.infer(model, wire)
+            return {out["name"]: result.as_numpy(out["name"]) for out in result.get_response()["outputs"]}
+
+        return self.call(model, run, idempotent)
+
+    def model_config(self, model: str) -> dict:
+        return self.call(model, lambda client: client.get_model_config(model))
+
+    def submit(self, fn: Callable, *args) -> Future:
+        if self._closed:
+            raise RuntimeError(f"client of {self.url} is closed")
+        future = self._pool.submit(fn, *args)
+        with self._pending_lock:
+            self._pending.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: Future) -> None:
+        with self._pending_lock:
+            self._pending.discard(future)
+
+    def drain(self) -> None:
+        """Wait until every call submitted so far has finished (successfully or not)."""
+        with self._pending_lock:
+            pending = list(self._pending)
+        wait(pending)
+
+    def close(self) -> None:
+        self._closed = True
+        self._pool.shutdown(wait=True)
+
+
+class CriticClient:
+    """The critic server over HTTP (critic_infer / critic_train / critic_save); a CriticBackend.
+
+    `combined_reward` is read from critic_infer's model config (whether it has a `rewards` output). Requests larger
+    than the server's max_batch_size are split and the answers concatenated.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 300.0, connect_timeout_s: float = 10.0, retries: int = 3,
+                 max_workers: int = 4, combined_reward: Optional[bool] = None):
+        self.url = url
+        self._http = TritonHTTP(url, timeout_s, connect_timeout_s, retries, max_workers=max_workers, name="critic")
+        self._combined, self._max_batch = combined_reward, None
+        self._config_lock = threading.Lock()
+
+    def _load_config(self) -> None:
+        with self._config_lock:
+            if self._max_batch is None:
+                config = self._http.model_config(CRITIC_INFER)
+                outputs = {o["name"] for o in config.get("output", [])}
+                if self._combined is None:
+                    self._combined = "rewards" in outputs
+                self._max_batch = int(config.get("max_batch_size", 0)) or 1 << 30
+
+    @property
+    def combined_reward(self) -> bool:
+        if self._combined is None:
+            self._load_config()
+        return bool(self._combined)
+
+    def infer(self, tokens, lengths) -> tuple[Tensor, Optional[Tensor]]:
+        tokens = _numpy(tokens, np.int64)
+        lengths = _numpy(lengths, np.int64).reshape(-1, 1)
+        validate_tokens(tokens, lengths)
+        self._load_config()
+        values, rewards = [], []
+        for start in range(0, tokens.shape[0], self._max_batch):
+            out = self._http.infer(CRITIC_INFER, {"tokens": tokens[start:start + self._max_batch],
+                                                  "sequence_lengths": lengths[start:start + self._max_batch]})
+            values.append(out["values"])
+            if "rewards" in out:
+                rewards.append(out["rewards"].reshape(-1))
+        return torch.from_numpy(np.concatenate(values)), torch.from_numpy(np.concatenate(rewards)) if rewards else None
+
+    def infer_async(self, tokens, lengths) -> "Future[tuple[Tensor, Tensor | None]]":
+        return self._http.submit(self.infer, tokens, lengths)
+
+    def train(self, tokens, returns, prev_values, mask) -> dict:
+        arrays = {"tokens": _numpy(tokens, np.int64), "returns": _numpy(returns, np.float32),
+                  "prev_values": _numpy(prev_values, np.float32), "mask": _numpy(mask, np.float32)}
+        validate_train(*arrays.values())
+        out = self._http.infer(CRITIC_TRAIN, arrays, idempotent=False)
+        stats = {name: float(out[name].reshape(-1)[0]) for name in TRAIN_STATS if name in out}
+        stats["step"] = int(out["step"].reshape(-1)[0])
+        return stats
+
+    def train_async(self, tokens, returns, prev_values, mask) -> "Future[dict]":
+        return self._http.submit(self.train, tokens, returns, prev_values, mask)
+
+    def save(self) -> dict:
+        """critic_save after every call submitted before it (like the in-process backend's single queue)."""
+        self._http.drain()
+        out = self._http.infer(CRITIC_SAVE, {"dummy_var": np.zeros(1, dtype=np.int64)})
+        path = out["path"].reshape(-1)[0]
+        return {"status": int(out["status"].reshape(-1)[0]), "step": int(out["step"].reshape(-1)[0]),
+                "path": path.decode() if isinstance(path, bytes) else str(path)}
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "CriticClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class RewardClient:
+    """A reward server (or a critic server carrying the reward model) over HTTP; a RewardBackend.
+
+    Tokens (`reward_model`): sends `prompt_lengths` (a function reward splits prompt from response with them) unless
+    send_prompt_lengths=False; the server decodes tokens itself. Text (`text=True`, `reward_text`): sends the prompt
+    and response strings (UTF-8), which the reward model tokenizes with its own tokenizer.
+    """
+
+    def __init__(self, url: str, timeout_s: float = 300.0, connect_timeout_s: float = 10.0, retries: int = 3,
+                 max_workers: int = 4, send_prompt_lengths: bool = True, text: bool = False):
+        self.url, self.send_prompt_lengths, self.text = url, send_prompt_lengths, text
+        self._http = TritonHTTP(url, timeout_s, connect_timeout_s, retries, max_workers=max_workers, name="reward")
+        self._max_batch: Optional[int] = None
+
+    def score(self, tokens, lengths, prompt_lengths=None) -> Tensor:
+        tokens = _numpy(tokens, np.int64)
+        lengths = _numpy(lengths, np.int64).reshape(-1, 1)
+        validate_tokens(tokens, lengths)
+        inputs = {"tokens": tokens, "sequence_lengths": lengths}
+        if self.send_prompt_lengths and prompt_lengths is not None:
+            inputs["prompt_lengths"] = _numpy(prompt_lengths, np.int64).reshape(-1, 1)
+            if inputs["prompt_lengths"].shape != lengths.shape:
+                raise CriticInputError(f"prompt_lengths: expected shape {list(lengths.shape)}, "
+                                       f"got {list(inputs['prompt_lengths'].shape)}")
+        if self._max_batch is None:
+            self._max_batch = int(self._http.model_config(REWARD_MODEL).get("max_batch_size", 0)) or 1 << 30
+        scores = []
+        for start in range(0, tokens.shape[0], self._max_batch):
+            chunk = {name: array[start:start + self._max_batch] for name, array in inputs.items()}
+            scores.append(self._http.infer(REWARD_MODEL, chunk)["rewards"].reshape(-1))
+        return torch.from_numpy(np.concatenate(scores))
+
+    def score_text(self, prompts: list[str], responses: list[str]) -> Tensor:
+        if len(prompts) != len(responses) or not prompts:
+            raise CriticInputError(f"responses: expected as many as prompts (> 0), got {len(responses)} and {len(prompts)}")
+        if self._max_batch is None:
+            self._max_batch = int(self._http.model_config(REWARD_TEXT).get("max_batch_size", 0)) or 1 << 30
+        scores = []
+        for start in range(0, len(prompts), self._max_batch):
+            chunk = {name: np.array([[s.encode("utf-8")] for s in texts[start:start + self._max_batch]], dtype=np.object_)
+                     for name, texts in (("prompts", prompts), ("responses", responses))}
+            scores.append(self._http.infer(REWARD_TEXT, chunk)["rewards"].reshape(-1))
+        return torch.from_numpy(np.concatenate(scores))
+
+    def score_async(self, tokens, lengths, prompt_lengths=None, prompts=None, responses=None) -> "Future[Tensor]":
+        if self.text:
+            return self._http.submit(self.score_text, list(prompts), list(responses))
+        return self._http.submit(self.score, tokens, lengths, prompt_lengths)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> "RewardClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def critic_backend(cfg, url: Optional[str] = None, **kwargs) -> CriticClient:
+    """A CriticClient for an RLHFConfig: the local server's address unless `url` is given."""
+    url = url or f"http://{cfg.critic.host}:{cfg.critic.http_port}"
+    return CriticClient(url, timeout_s=cfg.critic.request_timeout_s, **kwargs)
+
+
+def reward_backend(cfg, url: Optional[str] = None, **kwargs) -> RewardClient:
+    """A RewardClient for an RLHFConfig: the local reward server's address unless `url` is given."""
+    url = url or f"http://{cfg.reward.host}:{cfg.reward.http_port}"
+    kwargs.setdefault("text", cfg.reward.transport == "text")
+    return RewardClient(url, timeout_s=cfg.reward.request_timeout_s, **kwargs)

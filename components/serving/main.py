@@ -1,0 +1,39 @@
+"""The entry point of a server process, as the launcher starts it: one JSON document in, serve until SIGTERM/SIGINT.
+
+    python -m components.serving.main --spec '<ServerSpec JSON>'   a critic or reward server (rank 0 of a critic)
+    python -m components.serving.main --follow                     ranks 1..N-1 of a critic server, started by rank 0
+
+`rlhf serve critic|reward` (components/cli/serve.py) maps its flags onto the same ServerSpec and calls `run`.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from components.serving.servers import ServerSpec, configure_logging, follow_critic, serve
+from models.prepare import build_embedded_models
+
+USAGE = "usage: python -m components.serving.main --spec '<ServerSpec JSON>' | --follow"
+
+
+def run(spec: ServerSpec) -> int:
+    """Serve until SIGTERM/SIGINT (blocking); returns the exit code."""
+    configure_logging()
+    build_embedded_models(spec.config, spec.loaded_models)  # a fresh node builds the embedded models it loads
+    return serve(spec)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if len(argv) == 2 and argv[0] == "--spec":
+        return run(ServerSpec.model_validate_json(argv[1]))
+    if argv == ["--follow"]:
+        configure_logging()
+        return follow_critic()
+    print(f"{USAGE}\n(a server with flags: rlhf serve critic|reward --help)", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

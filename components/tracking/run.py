@@ -1,0 +1,169 @@
+"""A run's durable state: its name, local directory, checkpoint store, MLflow run, and the resume manifest.
+
+A checkpoint holds `actor/` (full HF save_pretrained weights or the LoRA adapter, written by rank 0; `sharded/`: the
+optimizer and every rank's sampling stream through torch.distributed.checkpoint; actor_state.pt: schedule, KL
+controller, minibatch stream, iteration, consumed rollouts, world size), `critic/` (the critic's critic_save output of the same iteration, in
+every launch mode) and state.json (the manifest: iteration, critic step, tracking run id, global RNG states, config).
+Re-running with the same run name resumes from the last complete checkpoint. A checkpoint that cannot be read fails
+the run naming its URI and the cause; only "no checkpoint yet" starts a new run.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from components.launch.stack import running_mlflow_uri
+from components.storage.checkpoints import CheckpointStore
+from components.tracking.tracker import Tracker, resolve_tracking_uri
+from models.config import RLHFConfig
+from models.loop import Leader
+
+
+def run_name_for(cfg: RLHFConfig) -> str:
+    return cfg.run_name or f"{cfg.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def checkpoint_uri(cfg: RLHFConfig, run_name: str) -> str:
+    base = cfg.checkpoint.uri or (cfg.resolved_state_dir() / "checkpoints").as_uri()
+    return f"{base.rstrip('/')}/{run_name}"
+
+
+def default_tracking_uri(cfg: RLHFConfig) -> str:
+    """Config > $MLFLOW_TRACKING_URI > the local stack's MLflow server (if `rlhf up` runs) > sqlite in state_dir."""
+    if cfg.tracking.uri:
+        return cfg.tracking.uri
+    local = running_mlflow_uri(cfg.resolved_state_dir())
+    if not os.environ.get("MLFLOW_TRACKING_URI") and local:
+        return local
+    return resolve_tracking_uri(None, cfg.resolved_state_dir())
+
+
+@dataclass
+class RunSession:
+    cfg: RLHFConfig
+    name: str
+    local_dir: Path
+    store: CheckpointStore
+    tracker: Tracker
+    resumed_from: int | None = None
+    manifest: dict = field(default_factory=dict)
+
+    @property
+    def critic_restore_iteration(self) -> int | None:
+        """The checkpoint iteration whose critic a (deployment) critic server must start from; None for a new critic."""
+        return self.resumed_from if self.manifest.get("critic_step") is not None else None
+
+    @property
+    def critic_dir(self) -> Path:
+        return self.local_dir / "critic"
+
+    @classmethod
+    def open(cls, cfg: RLHFConfig, tags: dict[str, str] | None = None) -> "RunSession":
+        """Resolve the run; if its store has a complete checkpoint, download it and remember the manifest."""
+        name = run_name_for(cfg)
+        local_dir = cfg.resolved_state_dir() / "runs" / name
+        local_dir.mkdir(parents=True, exist_ok=True)
+        store = CheckpointStore.from_uri(checkpoint_uri(cfg, name), s3_endpoint_url=cfg.checkpoint.s3_endpoint_url)
+        manifest, resumed_from = {}, store.latest()
+        restore_dir = local_dir / "restore"
+        shutil.rmtree(local_dir / "critic", ignore_errors=True)  # never resume a critic newer/older than the actor
+        if resumed_from is not None:
+            shutil.rmtree(restore_dir, ignore_errors=True)
+            # launch=deployment: the critic server (maybe on another node) restores its part from the store itself
+            parts = ("actor",) if cfg.critic.launch == "deployment" else None
+            manifest = from_jsonable(store.load(restore_dir, resumed_from, parts=parts))
+            if (restore_dir / "critic").exists():
+                shutil.copytree(restore_dir / "critic", local_dir / "critic")
+        tracker = Tracker(default_tracking_uri(cfg), cfg.tracking.experiment, name, run_id=manifest.get("tracking_run_id"),
+                          tags={"algorithm": cfg.algorithm, "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
+                                "reward_transport": cfg.reward.transport, **(tags or {})},
+                          system_metrics=cfg.tracking.system_metrics)
+        tracker.start(cfg.model_dump(mode="json"))
+        return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest)
+
+    @property
+    def start_iteration(self) -> int:
+        return int(self.manifest.get("iteration", 0))
+
+    def restore_actor(self, actor: Leader) -> str | None:
+        """Load the downloaded checkpoint into the freshly built actor on all its ranks (weights, optimizer, RNGs);
+        returns a warning when the checkpoint was saved by another number of ranks (then the optimizer starts fresh)."""
+        if self.resumed_from is None:
+            return None
+        warning = actor.restore(self.local_dir / "restore" / "actor")
+        torch.set_rng_state(self.manifest["rng"]["torch"])
+        random.setstate(_tuple_state(self.manifest["rng"]["python"]))
+        return warning
+
+    def save(self, actor: Leader, critic_info: dict | None) -> str:
+        """Checkpoint the actor (all ranks take part) + the critic of the same iteration + the manifest; prune;
+        record in MLflow."""
+        state = actor.state
+        stage = self.local_dir / "staging"
+        shutil.rmtree(stage, ignore_errors=True)
+        actor_dir = stage / "actor"
+        actor.save(actor_dir)
+        parts, stored = {"actor": actor_dir}, {}
+        if critic_info:
+            # a server with the run's store (launch=deployment) uploaded its save there: adopted inside the store;
+            # a local child or in-process critic saved into a directory on this machine
+            key = self.store.key_of(critic_info["path"])
+            if key is not None:
+                stored["critic"] = key
+            else:
+                parts["critic"] = Path(critic_info["path"])
+        manifest = {"iteration": state.iteration, "episode": state.episode, "run_name": self.name,
+                    "world_size": state.me.world_size,
+                    "tracking_run_id": self.tracker.run_id, "critic_step": (critic_info or {}).get("step"),
+                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+                    "config": self.cfg.model_dump(mode="json")}
+        uri = self.store.save(state.iteration, parts, _jsonable(manifest), stored=stored)
+        for key in stored.values():
+            self.store.delete_dir(key)
+        self.store.prune(self.cfg.checkpoint.keep_last)
+        self.tracker.log_checkpoint(uri, state.iteration)
+        shutil.rmtree(stage, ignore_errors=True)
+        return uri
+
+    def log(self, iteration: int, metrics: dict, samples: list[dict]) -> None:
+        """Metrics at step=iteration; a step already logged by an earlier attempt (recomputed after resume) is skipped."""
+        if self.tracker.last_step is not None and iteration <= self.tracker.last_step:
+            return
+        self.tracker.log_metrics(metrics, step=iteration)
+        if iteration % self.cfg.tracking.table_every == 0 or iteration == 1:
+            self.tracker.log_table(samples, step=iteration)
+
+    def close(self, status: str) -> None:
+        self.tracker.end(status)
+
+
+def _jsonable(value):
+    """RNG states (tensors, tuples) in a JSON manifest."""
+    if isinstance(value, torch.Tensor):
+        return {"__tensor__": value.tolist()}
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _tuple_state(value):
+    return tuple(_tuple_state(v) if isinstance(v, list) else v for v in value)
+
+
+def from_jsonable(value):
+    if isinstance(value, dict) and "__tensor__" in value:
+        return torch.tensor(value["__tensor__"], dtype=torch.uint8)
+    if isinstance(value, dict):
+        return {k: from_jsonable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [from_jsonable(v) for v in value]
+    return value

@@ -1,0 +1,270 @@
+"""MLflow tracking: one MLflow run per flow run, driven through an explicit MlflowClient.
+
+No global active-run state is used, so several Trackers in one process do not interfere.
+System metrics (CPU, memory, disk, network; GPU when present) come from MLflow's
+SystemMetricsMonitor bound to this run id and tracking URI (it needs psutil); its sampling
+interval follows MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL (default 10 s).
+"""
+
+from __future__ import annotations
+
+import json
+import numbers
+import os
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import yaml
+from mlflow.entities import Metric, Param, RunTag
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+PARAM_VALUE_LIMIT = 500  # the strictest MLflow servers refuse longer param values
+_CUT = "...(truncated)"
+_BATCH = 100
+_STEP_EXEMPT = ("system/", "checkpoint/")  # metrics that do not count as training steps
+
+
+class TrackingError(RuntimeError):
+    """The tracking server cannot be used."""
+
+
+def resolve_tracking_uri(uri: str | None, state_dir: Path) -> str:
+    """Explicit uri > MLFLOW_TRACKING_URI > sqlite:///<state_dir>/mlflow.db."""
+    if uri:
+        return uri
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return os.environ["MLFLOW_TRACKING_URI"]
+    state_dir = Path(state_dir).expanduser().resolve()
+    state_dir.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{state_dir / 'mlflow.db'}"
+
+
+def check_reachable(uri: str, timeout: float = 5.0) -> None:
+    """For http(s) URIs, GET /health (falling back to the REST API) and fail fast naming the URI."""
+    if urlparse(uri).scheme not in ("http", "https"):
+        return
+    base = uri.rstrip("/")
+    for path in ("/health", "/api/2.0/mlflow/experiments/search?max_results=1"):
+        try:
+            with urllib.request.urlopen(base + path, timeout=timeout) as response:
+                if response.status < 500:
+                    return
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                continue  # no /health route behind this proxy: try the API
+            if exc.code < 500:
+                return  # it answers (auth is checked by the client itself)
+            raise TrackingError(f"MLflow tracking server {uri} answered {exc.code} on {path}") from exc
+        except (OSError, ValueError) as exc:
+            raise TrackingError(f"MLflow tracking server {uri} is unreachable: {exc}") from exc
+    raise TrackingError(f"{uri} does not look like an MLflow tracking server (no /health, no REST API)")
+
+
+def flatten(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
+    """{"a": {"b": 1}} -> {"a.b": "1"}; values stringified and cut to PARAM_VALUE_LIMIT."""
+    flat: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat.update(flatten(value, f"{name}."))
+            continue
+        text = json.dumps(value) if isinstance(value, (list, tuple, dict)) else str(value)
+        if len(text) > PARAM_VALUE_LIMIT:
+            text = text[: PARAM_VALUE_LIMIT - len(_CUT)] + _CUT
+        flat[name] = text
+    return flat
+
+
+def get_or_create_experiment(client: MlflowClient, name: str, tracking_uri: str) -> str:
+    """Experiment id by name; a new one keeps a sqlite store's artifacts next to its database."""
+    experiment = client.get_experiment_by_name(name)
+    if experiment is None:
+        location = None
+        parsed = urlparse(tracking_uri)
+        if parsed.scheme == "sqlite":
+            db = Path(unquote(parsed.path[1:]))  # sqlite:////abs/x.db or sqlite:///relative/x.db
+            location = (db.parent / "mlartifacts").resolve().as_uri()
+        try:
+            return client.create_experiment(name, artifact_location=location)
+        except MlflowException:  # created concurrently by another process
+            experiment = client.get_experiment_by_name(name)
+            if experiment is None:
+                raise
+    if experiment.lifecycle_stage != "active":
+        raise TrackingError(f"experiment '{name}' at {tracking_uri} is deleted; restore it or pick another name")
+    return experiment.experiment_id
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def _as_number(value: Any) -> float | None:
+    if hasattr(value, "item") and not isinstance(value, (str, bytes)):
+        try:
+            value = value.item()  # numpy / torch scalars
+        except (ValueError, RuntimeError, TypeError):
+            return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
+
+
+class Tracker:
+    """One MLflow run: params, metrics (strictly increasing steps), tables, checkpoint records."""
+
+    def __init__(
+        self,
+        tracking_uri: str,
+        experiment: str,
+        run_name: str,
+        *,
+        run_id: str | None = None,
+        tags: dict[str, str] | None = None,
+        system_metrics: bool = True,
+    ) -> None:
+        self.tracking_uri = tracking_uri
+        self.experiment = experiment
+        self.run_name = run_name
+        self.run_id: str | None = run_id
+        self.tags = dict(tags or {})
+        self.system_metrics = system_metrics
+        self.last_step: int | None = None
+        self._client: MlflowClient | None = None
+        self._monitor = None
+        self._active = False
+
+    @property
+    def client(self) -> MlflowClient:
+        if self._client is None:
+            raise TrackingError("Tracker.start() has not been called")
+        return self._client
+
+    def start(self, config: dict) -> str:
+        """Create the run (or resume `run_id`); a new run logs config as params and config.yaml."""
+        check_reachable(self.tracking_uri)
+        self._client = MlflowClient(tracking_uri=self.tracking_uri)
+        tags = dict(self.tags)
+        try:
+            if self.run_id:
+                self._resume()
+            else:
+                commit = _git_commit()  # a resumed run keeps the commit it started from
+                if commit:
+                    tags.setdefault("mlflow.source.git.commit", commit)
+                experiment_id = get_or_create_experiment(self._client, self.experiment, self.tracking_uri)
+                run = self._client.create_run(experiment_id, run_name=self.run_name, tags={"mlflow.runName": self.run_name})
+                self.run_id = run.info.run_id
+                self._log_config(config)
+            self._log_batch(tags=[RunTag(k, str(v)) for k, v in tags.items()])
+        except MlflowException as exc:
+            raise TrackingError(f"MLflow at {self.tracking_uri}: {exc}") from exc
+        self._active = True
+        if self.system_metrics:
+            self._start_system_metrics(resume=self.last_step is not None)
+        return self.run_id
+
+    def _resume(self) -> None:
+        try:
+            run = self.client.get_run(self.run_id)
+        except MlflowException as exc:
+            raise TrackingError(f"cannot resume run {self.run_id} at {self.tracking_uri}: {exc}") from exc
+        if run.info.lifecycle_stage != "active":
+            raise TrackingError(f"run {self.run_id} at {self.tracking_uri} is deleted")
+        steps = [
+            m.step
+            for key in run.data.metrics
+            if not key.startswith(_STEP_EXEMPT)
+            for m in self.client.get_metric_history(self.run_id, key)
+        ]
+        self.last_step = max(steps) if steps else None
+        if run.info.status != "RUNNING":
+            self.client.update_run(self.run_id, status="RUNNING")
+
+    def _log_config(self, config: dict) -> None:
+        plain = json.loads(json.dumps(config, default=str))
+        self._log_batch(params=[Param(k, v) for k, v in flatten(plain).items()])
+        self.client.log_text(self.run_id, yaml.safe_dump(plain, sort_keys=False), "config.yaml")
+
+    def _log_batch(
+        self, *, metrics: Sequence[Metric] = (), params: Sequence[Param] = (), tags: Sequence[RunTag] = ()
+    ) -> None:
+        metrics, params, tags = list(metrics), list(params), list(tags)
+        for i in range(0, max(len(metrics), len(params), len(tags)), _BATCH):
+            self.client.log_batch(
+                self.run_id, metrics=metrics[i : i + _BATCH], params=params[i : i + _BATCH], tags=tags[i : i + _BATCH]
+            )
+
+    def _start_system_metrics(self, resume: bool) -> None:
+        try:
+            from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor  # optional: needs psutil
+
+            self._monitor = SystemMetricsMonitor(self.run_id, resume_logging=resume, tracking_uri=self.tracking_uri)
+            self._monitor.start()
+        except Exception:  # optional: missing psutil or an unsupported platform must not stop training
+            self._monitor = None
+
+    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log numeric values (non-finite ones as they are) at `step`, which must exceed the last step."""
+        if self.last_step is not None and step <= self.last_step:
+            raise ValueError(f"step {step} is not after the last logged step {self.last_step} of run {self.run_id}")
+        timestamp = int(time.time() * 1000)
+        entries = []
+        for key, value in metrics.items():
+            number = _as_number(value)
+            if number is not None:
+                entries.append(Metric(key, number, timestamp, step))
+        self._log_batch(metrics=entries)
+        self.last_step = step
+
+    def log_table(self, rows: list[dict], step: int, name: str = "samples") -> None:
+        """Rows (e.g. prompt/response/reward) as an MLflow table artifact tables/<name>_<step>.json."""
+        columns: dict[str, list] = {key: [] for row in rows for key in row}
+        for row in rows:
+            for key in columns:
+                columns[key].append(row.get(key))
+        self.client.log_table(self.run_id, data=columns, artifact_file=f"tables/{name}_{step:06d}.json")
+
+    def log_checkpoint(self, uri: str, step: int) -> None:
+        """Record a saved checkpoint: tag checkpoint.latest, metric checkpoint/iteration, checkpoints/<step>.txt."""
+        self._log_batch(
+            metrics=[Metric("checkpoint/iteration", float(step), int(time.time() * 1000), step)],
+            tags=[RunTag("checkpoint.latest", uri)],
+        )
+        self.client.log_text(self.run_id, uri + "\n", f"checkpoints/{step:06d}.txt")
+
+    def end(self, status: str = "FINISHED") -> None:
+        """Stop system metrics and mark the run terminated (FINISHED, FAILED or KILLED)."""
+        if not self._active:
+            return
+        self._active = False
+        if self._monitor is not None:
+            self._monitor.finish()
+            self._monitor = None
+        self.client.set_terminated(self.run_id, status=status)
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.end("FINISHED" if exc_type is None else "FAILED")

@@ -1,0 +1,24 @@
+"""The building blocks of the config tree, shared by models/config.py and the algorithms' own sections.
+
+A `Section` refuses unknown keys (a typo in a config is an error naming it) and re-validates on assignment.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class OptimConfig(Section):
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate (AdamW); 3e-4 suits the tiny models, use ~1e-6 for a 1B actor.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")
+    schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="LR schedule after warm-up.")
+    total_steps: Optional[PositiveInt] = Field(None, description="Steps for cosine/linear decay; None derives it from iterations.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global grad norm.")

@@ -1,0 +1,112 @@
+"""One training iteration, the same for every algorithm (models/algorithms/ supplies what differs), on every actor
+rank with its share of the prompts:
+
+1. rollout     the rollout engine samples k responses per prompt (a rank samples all k of each of its prompts)
+2. score       rank 0 asks the critic/reward backends about every rank's rollouts (async), while every rank
+               computes its behaviour and reference logprobs; the answers come back to each rank
+3. advantages  per-token KL penalty against the reference, then the algorithm's estimator
+4. update      the algorithm's critic update starts on rank 0 (if it has a critic) while the actor runs its loss
+               through the one update loop (models/update.py); then the engine gets the new weights
+5. metrics     shared metrics (TRL's names) over all ranks, plus the algorithm's own
+
+Critic and reward requests go from rank 0 with the rollouts of all ranks: the critic sees the same global batch
+whatever the actor's world size (its updates do not depend on it), and one path serves every launch mode (in process,
+local server, deployment); NeMo-Aligner also trains its critic from rank 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from models.actor import ActorState, Timers, actor_update, common_metrics, rollout_logprobs, sequence_kl
+from models.algorithms import ALGORITHMS, Backends, StepData
+from models.config import RLHFConfig
+from models.distributed import Dist, leader_batch, scatter_rows
+from models.reward import RewardFn
+from models.rollout.base import Rollout
+from models.update import micro_batches
+
+
+def train_step(state: ActorState, prompts: list[str], cfg: RLHFConfig, backends: Backends,
+               gold_fn: RewardFn | None = None) -> tuple[dict[str, float], list[dict]]:
+    """Run one iteration of `cfg.algorithm` on this rank's share of `prompts` (the global batch); returns (metrics,
+    sample rows). `backends` are used on rank 0 only."""
+    algorithm = ALGORITHMS[cfg.algorithm]
+    settings = algorithm.settings(cfg)
+    policy, me, timers = state.policy, state.me, Timers()
+    k = algorithm.samples_per_prompt(settings)
+    mine = [p for p in prompts[me.shard(len(prompts))] for _ in range(k)]
+    timers.begin("step")
+
+    # 1. rollout
+    with timers("generate"):
+        rollout = state.engine.generate(policy.encode_prompts(mine, cfg.data.chat_template), cfg.generation,
+                                        state.generator)
+    responses = policy.decode_responses(rollout)
+
+    # 2. score every rank's rollouts on rank 0, overlapping this rank's logprobs
+    batch = rollouts_on_leader(me, rollout, mine, responses, policy.pad_id)
+    collect = None
+    if batch is not None:
+        chunks = micro_batches(len(batch["lengths"]), cfg.generation.micro_batch_size)
+        collect = algorithm.request_scores(batch, chunks, backends)
+    old_logp, ref_logp = rollout_logprobs(policy, rollout, cfg, timers, me)
+    with timers(algorithm.wait_phase):
+        scored = scatter_rows(me, collect() if collect is not None else None,
+                              batch["sizes"] if batch is not None else None)
+    gold = torch.tensor(gold_fn(mine, responses)) if gold_fn is not None else None
+
+    # 3. advantages: KL against the frozen reference, then the algorithm's estimator
+    mask = rollout.response_mask
+    kl_tokens, kl_seq = sequence_kl(old_logp, ref_logp, mask, cfg.kl.estimator)
+    data = StepData(rollout.tokens, mask, rollout.is_end, old_logp, scored, kl_tokens, state.kl_ctl.value, k, me,
+                    policy.pad_id)
+    adv = algorithm.advantages(data, settings)
+
+    # 4. update: the critic (rank 0, async) while the actor trains; then the engine takes the new weights
+    critic_future = algorithm.update_critic(data, adv, backends)
+    with timers("train"):
+        train_stats = actor_update(state, rollout, algorithm.loss(data, adv, settings), settings.minibatch_size,
+                                   settings.epochs, cfg.generation.micro_batch_size, settings.optim.grad_clip,
+                                   cfg.generation.temperature, entropy_grad=algorithm.entropy_grad(settings))
+    critic_stats = None
+    if algorithm.needs_critic:
+        with timers("critic_train_wait"):
+            critic_stats = algorithm.critic_stats(critic_future, me)
+    if not state.engine.shares_actor_weights:
+        with timers("refit"):
+            state.engine.update_weights(policy.engine_weights())
+
+    # 5. metrics
+    state.iteration += 1
+    state.episode += len(prompts) * k
+    timers.stop("step")
+    metrics = common_metrics(state, rollout, adv.scores, gold, kl_seq, adv.non_score, old_logp, timers)
+    metrics.update({
+        "policy/approxkl_avg": train_stats["approx_kl"],
+        "policy/clipfrac_avg": train_stats["clipfrac"],
+        "policy/entropy_avg": train_stats["entropy"],
+        "policy/grad_norm": train_stats["grad_norm"],
+        "loss/policy_avg": train_stats["loss"],
+        "val/ratio": train_stats["ratio"],
+    })
+    metrics.update(algorithm.metrics(data, adv, critic_stats))
+    state.kl_ctl.update(metrics["objective/kl"], len(prompts) * k)
+    return metrics, sample_rows(mine, responses, adv.scores, gold)
+
+
+def rollouts_on_leader(me: Dist, rollout: Rollout, prompts: list[str], responses: list[str], pad_id: int) -> dict | None:
+    """Every rank's rollouts (tokens, lengths, prompt lengths, texts) on rank 0, for its critic/reward requests."""
+    return leader_batch(me, {"tokens": rollout.tokens, "lengths": rollout.lengths,
+                             "prompt_lengths": rollout.prompt_lengths, "prompts": prompts, "responses": responses},
+                        pad_id=pad_id)
+
+
+def sample_rows(prompts, responses, scores, gold, limit: int = 16) -> list[dict]:
+    rows = []
+    for i in range(min(limit, len(prompts))):
+        row = {"prompt": prompts[i], "response": responses[i], "score": float(scores[i])}
+        if gold is not None:
+            row["gold_reward"] = float(gold[i])
+        rows.append(row)
+    return rows

@@ -1,0 +1,151 @@
+"""The `rlhf` console script as a user runs it (subprocess, offline)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+RLHF = str(Path(sys.executable).parent / "rlhf")
+
+
+def run(*args, env=None, check=True):
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", **(env or {}))
+    return subprocess.run([RLHF, *args], capture_output=True, text=True, timeout=600, env=full_env, check=check)
+
+
+def held_out_quality(directory: Path) -> tuple[float, torch.Tensor]:
+    """The policy's LM loss and the reward model's scores on a fixed held-out corpus (seed 999, not trained on)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from models.reward import reward_model_scores
+    from models.tasks import sentiment
+
+    tok = AutoTokenizer.from_pretrained(directory / "policy")
+    rows = [tok(f"{p} {r}")["input_ids"] + [tok.eos_token_id] for p, r in sentiment.corpus(256, seed=999)]
+    ids = torch.full((len(rows), max(map(len, rows))), tok.pad_token_id)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+    lengths = torch.tensor([len(r) for r in rows])
+    mask = (torch.arange(ids.shape[1])[None, :] < lengths[:, None]).long()
+    with torch.no_grad():
+        policy = AutoModelForCausalLM.from_pretrained(directory / "policy").eval()
+        loss = float(policy(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss)
+        scores = reward_model_scores(AutoModelForSequenceClassification.from_pretrained(directory / "reward").eval(),
+                                     ids, lengths)
+    return loss, scores
+
+
+QUICK_STEPS = 40  # training steps of each model in a quick build of the tiny models (the default: 600)
+
+
+def quick_rlhf(*args: str) -> list[str]:
+    """The `rlhf` console script run in a process of its own, with the tiny models' default training steps cut to
+    QUICK_STEPS: a quick build makes the same data, tokenizers, configs and files as the real one, ~15x faster."""
+    code = ("import runpy, sys; import models.tiny; models.tiny.DEFAULT_STEPS = int(sys.argv[1]); "
+            "sys.argv = sys.argv[2:]; runpy.run_path(sys.argv[0], run_name='__main__')")
+    return [sys.executable, "-c", code, str(QUICK_STEPS), RLHF, *args]
+
+
+def test_models_tiny_is_reproducible_and_loads_offline(tiny_models, tiny_reward_chars, tmp_path):
+    """`rlhf models tiny` builds the four models; the same seed gives the same data, tokenizer and configs, and models
+    of the same quality. Checked on quick builds (QUICK_STEPS steps: the command in its own process against the same
+    build in this one; data, tokenizers and configs do not depend on the step count, checked against the session's
+    real build, whose quality is checked here too). Not bitwise: two processes may run GEMM kernels chosen by buffer
+    alignment, and AdamW steps amplify a first 1-ulp difference (seen on CI after 600 steps: policy weights 0.17
+    apart, held-out LM loss 0.8284 vs 0.8276)."""
+    from models.tiny import build_tiny
+
+    out = tmp_path / "tiny"
+    proc = subprocess.run(quick_rlhf("models", "tiny", "--out", str(out), "--seed", "0"), capture_output=True,
+                          text=True, timeout=600, env=dict(os.environ, HF_HUB_OFFLINE="1"), check=True)
+    info = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert info["policy_steps"] == info["reward_steps"] == QUICK_STEPS
+    assert {name: Path(path) for name, path in info["paths"].items()} == \
+        {name: out / name for name in ("policy", "reward", "critic", "reward-chars")}
+    here = build_tiny(tmp_path / "here", seed=0, policy_steps=QUICK_STEPS, reward_steps=QUICK_STEPS, log=lambda *_: None)
+    fixture = Path(tiny_models["policy"]).parent
+    assert Path(tiny_reward_chars) == fixture / "reward-chars"
+    for name in ("policy", "reward", "critic", "reward-chars"):
+        for other in (tmp_path / "here", fixture):
+            assert load_file(str(out / name / "model.safetensors")).keys() == \
+                load_file(str(other / name / "model.safetensors")).keys()
+            assert json.loads((out / name / "config.json").read_text()) == json.loads((other / name / "config.json").read_text())
+            assert (out / name / "tokenizer.json").read_text() == (other / name / "tokenizer.json").read_text()
+    (ours_loss, ours_scores), (here_loss, here_scores) = held_out_quality(out), held_out_quality(tmp_path / "here")
+    assert ours_loss == pytest.approx(here_loss, abs=0.02) and ours_loss < 3.5  # trained a little (uniform: ~4.1)
+    assert float((ours_scores - here_scores).abs().mean()) < 0.02
+    assert info["reward_chars_mse"] == pytest.approx(here["reward_chars_mse"], abs=0.02)
+    fixture_loss, _ = held_out_quality(fixture)  # the embedded default itself: a trained LM
+    assert fixture_loss < 1.2
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
+
+    AutoTokenizer.from_pretrained(out / "policy")
+    assert AutoModelForCausalLM.from_pretrained(out / "policy").config.n_layer == 2
+    assert AutoModelForSequenceClassification.from_pretrained(out / "reward").config.num_labels == 1
+    assert AutoModelForTokenClassification.from_pretrained(out / "critic").config.num_labels == 1
+    assert AutoModelForSequenceClassification.from_pretrained(out / "reward-chars").config.num_labels == 1
+    chars = AutoTokenizer.from_pretrained(out / "reward-chars")  # its own tokenizer: one token per character
+    assert chars.convert_ids_to_tokens(chars("is good")["input_ids"]) == list("is good")
+
+
+def test_config_errors_name_the_field():
+    proc = run("config", "--set", "ppo.optim.lr=-1", check=False)
+    assert proc.returncode != 0 and "lr" in proc.stderr and "greater than 0" in proc.stderr
+    proc = run("config", "--set", "reinforce.num_rollouts_per_prompt=1", check=False)
+    assert proc.returncode != 0 and "num_rollouts_per_prompt" in proc.stderr
+
+
+def test_train_in_process(tiny_models, tmp_path):
+    metrics = tmp_path / "m.json"
+    proc = run("train", "--set", "algorithm=rloo", "--set", "iterations=2", "--set", f"model.policy={tiny_models['policy']}",
+               "--set", f"model.reward={tiny_models['reward']}", "--metrics-out", str(metrics))
+    assert "iteration 2/2" in proc.stdout
+    history = json.loads(metrics.read_text())
+    assert len(history) == 2 and history[1]["episode"] == 2 * 16 * 4
+
+
+def test_two_runs_on_an_empty_state_dir_build_the_embedded_default_once(tmp_path):
+    """The first run on a fresh machine builds the tiny models; two started together do not race or half-write.
+    (A quick build, QUICK_STEPS steps: what is checked is the lock, the rename and the runs, not the models.)"""
+    state = tmp_path / "state"
+    args = [*quick_rlhf(), "train", "--set", "algorithm=rloo", "--set", "iterations=1", "--set", "reinforce.rollout_batch_size=4",
+            "--set", "generation.max_new_tokens=4"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RLHF_STATE_DIR=str(state))
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+             for _ in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outputs
+    assert all("iteration 1/1" in out for out in outputs), outputs
+    assert sum("building the embedded default models" in out for out in outputs) == 1, outputs
+    tiny = state / "models" / "tiny"
+    assert json.loads((tiny / "tiny.json").read_text())["paths"]["policy"] == str(tiny / "policy")
+    assert sorted(p.name for p in (state / "models").iterdir()) == [".tiny.lock", "tiny"]  # no half-written leftovers
+
+
+def test_a_model_path_that_does_not_exist_fails_fast_naming_the_field(tmp_path):
+    proc = run("train", "--set", f"model.policy={tmp_path / 'no-such-model'}", "--set", "iterations=1",
+               env={"RLHF_STATE_DIR": str(tmp_path / "state")}, check=False)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("rlhf train failed: FileNotFoundError: model.policy: model path") and "no-such-model" in last
+    assert not (tmp_path / "state" / "models").exists()  # a path the user gave is never replaced by the default
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
+def test_train_on_two_ranks_learns_the_shipped_task(tiny_models, tmp_path, algorithm):
+    """`rlhf train --set actor.nproc_per_node=2`: rank 0 starts rank 1, both shard the actor (FSDP2 over gloo) and
+    the run learns by the margin of the single-process learning test (tests/models/test_steps.py)."""
+    metrics = tmp_path / "m.json"
+    run("train", "--set", f"algorithm={algorithm}", "--set", "actor.nproc_per_node=2", "--set", "iterations=12",
+        "--set", f"model.policy={tiny_models['policy']}", "--set", f"model.reward={tiny_models['reward']}",
+        "--metrics-out", str(metrics), env={"RLHF_STATE_DIR": str(tmp_path / "state")})
+    history = json.loads(metrics.read_text())
+    gold = [m["objective/gold_reward"] for m in history]
+    assert (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.3, gold
+    assert {m["dist/world_size"] for m in history} == {2.0}
+    assert history[-1]["episode"] == 12 * (64 if algorithm == "ppo" else 16 * 4)  # every prompt of every rank counted

@@ -1,0 +1,169 @@
+"""The critic part of a checkpoint in launch=deployment: a critic server that uploads its saves to the run's store (S3 on
+a moto server), a checkpoint that adopts the save of its own iteration, a resume that starts the server from it, and
+restore errors that fail the run naming the URI and the cause (an S3 endpoint answering 403, through a proxy)."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlparse
+
+import pytest
+
+from components.launch.processes import find_free_ports
+from components.serving.clients import critic_backend
+from components.serving.launcher import ServerNotReady, launch
+from components.serving.servers import PENDING_PREFIX, ServerSpec
+from components.storage.checkpoints import CheckpointError
+from components.tracking.run import RunSession
+from models.config import preset
+from models.algorithms import Backends
+from models.loop import Leader, build_actor, gold_function, load_prompts, prompt_batches
+from models.prepare import prepare_run
+from models.step import train_step
+
+
+@pytest.fixture
+def cfg(tiny_models, tmp_path, s3_bucket, mlflow_uri):
+    endpoint, bucket = s3_bucket
+    return prepare_run(preset("tiny", **{
+        "state_dir": str(tmp_path / "state"), "model.policy": tiny_models["policy"],
+        "model.reward": tiny_models["reward"], "run_name": "dep-critic", "algorithm": "ppo",
+        "critic.launch": "deployment", "checkpoint.uri": f"s3://{bucket}/ckpt",
+        "checkpoint.s3_endpoint_url": endpoint, "tracking.uri": mlflow_uri,
+        "tracking.system_metrics": False, "ppo.rollout_batch_size": 8, "ppo.minibatch_size": 8,
+        "ppo.epochs": 1, "generation.max_new_tokens": 6, "critic.train_batch_size": 8}))
+
+
+def critic_server(cfg, session, directory, restore_iteration=None):
+    """What critic-server/default runs: a server with its own directory that uploads its saves to the run's store."""
+    spec = ServerSpec(kind="critic", config=cfg, port=find_free_ports(), checkpoint_dir=str(directory),
+                      checkpoint_uri=session.store.uri, restore_iteration=restore_iteration, torch_threads=1)
+    return launch(spec, directory.parent / f"{directory.name}.log")
+
+
+def iterate(cfg, session, state, critic, n):
+    batches = prompt_batches(load_prompts(cfg), cfg.ppo.rollout_batch_size, cfg.seed, start_batch=state.iteration)
+    for _ in range(n):
+        metrics, samples = train_step(state, next(batches), cfg, Backends(critic=critic), gold_function(cfg))
+        session.log(state.iteration, metrics, samples)
+
+
+def test_a_crash_between_critic_save_and_actor_checkpoint_resumes_both_of_one_iteration(cfg, tmp_path):
+    session = RunSession.open(cfg)
+    state = build_actor(cfg)
+    with critic_server(cfg, session, tmp_path / "node-a") as server:
+        client = critic_backend(cfg, server.url)
+        try:
+            iterate(cfg, session, state, client, 1)
+            session.save(Leader(cfg, state), client.save())
+            iterate(cfg, session, state, client, 1)
+            newer = client.save()  # the critic of iteration 2 reaches the store, then the flow dies before its checkpoint
+        finally:
+            client.close()
+    session.close("KILLED")
+    store = session.store
+    assert store.latest() == 1
+    files = store._backend.list_keys("iter_1/critic")
+    assert "iter_1/critic/critic_state.pt" in files and "iter_1/critic/model/model.safetensors" in files
+    assert store.key_of(newer["path"]) == f"{PENDING_PREFIX}/step-{newer['step']}"  # never adopted
+
+    resumed = RunSession.open(cfg)
+    assert resumed.resumed_from == 1 and resumed.critic_restore_iteration == 1
+    assert not (resumed.local_dir / "restore" / "critic").exists()  # the server restores its part itself
+    saved_step = resumed.manifest["critic_step"]
+    assert 0 < saved_step < newer["step"]
+    with critic_server(cfg, resumed, tmp_path / "node-b", restore_iteration=resumed.critic_restore_iteration) as server:
+        client = critic_backend(cfg, server.url)
+        try:
+            assert client.save()["step"] == saved_step  # the critic of the actor's iteration, not the newer one
+        finally:
+            client.close()
+    resumed.close("FINISHED")
+
+
+class _Forbidding(BaseHTTPRequestHandler):
+    """Forwards S3 requests to the real endpoint, except reads of keys containing `forbidden`: 403 AccessDenied."""
+
+    upstream: str = ""
+    forbidden: str = ""
+
+    def _handle(self):
+        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+        if self.forbidden in self.path and self.command in ("GET", "HEAD"):
+            error = b'<?xml version="1.0"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
+            self.send_response(403)
+            self.send_header("Content-Type", "application/xml")
+            self.send_header("Content-Length", str(len(error) if self.command == "GET" else 0))
+            self.end_headers()
+            if self.command == "GET":
+                self.wfile.write(error)
+            return
+        target = urlparse(self.upstream)
+        conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
+        conn.request(self.command, self.path, body=body or None, headers={k: v for k, v in self.headers.items()})
+        response = conn.getresponse()
+        data = response.read()
+        self.send_response(response.status)
+        for key, value in response.getheaders():
+            if key.lower() not in ("transfer-encoding", "connection", "content-length"):
+                self.send_header(key, value)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(data)
+        conn.close()
+
+    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _handle
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def forbidding_endpoint(s3_bucket):
+    """An S3 endpoint (a proxy in front of moto) that answers 403 to reads of any iter_1/critic/ object."""
+    handler = type("Handler", (_Forbidding,), {"upstream": s3_bucket[0], "forbidden": "/iter_1/critic/"})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_403_on_the_critic_checkpoint_fails_the_run_naming_the_uri(cfg, forbidding_endpoint, tmp_path):
+    local = cfg.model_copy(update={"critic": cfg.critic.model_copy(update={"launch": "in_process"})})
+    session = RunSession.open(local)
+    state = build_actor(local)
+    from models.backends import LocalCritic
+    from models.loop import build_critic_trainer
+
+    critic = LocalCritic(build_critic_trainer(local, checkpoint_dir=session.critic_dir))
+    iterate(local, session, state, critic, 1)
+    session.save(Leader(local, state), critic.save())
+    critic.close()
+    session.close("KILLED")
+    bucket = urlparse(cfg.checkpoint.uri).netloc
+    critic_uri = f"s3://{bucket}/ckpt/dep-critic/iter_1/critic/"
+
+    # the run (critic local or in process) downloads the critic part itself
+    forbidden = local.model_copy(update={"checkpoint": local.checkpoint.model_copy(update={"s3_endpoint_url": forbidding_endpoint})})
+    with pytest.raises(CheckpointError) as err:
+        RunSession.open(forbidden)
+    assert critic_uri in str(err.value) and "403" in str(err.value)
+
+    # launch=deployment: the run reads only the actor; the critic server's restore fails, naming the URI and the 403
+    deployment = forbidden.model_copy(update={"critic": cfg.critic})
+    resumed = RunSession.open(deployment)
+    assert resumed.critic_restore_iteration == 1
+    with pytest.raises(ServerNotReady) as err:
+        critic_server(deployment, resumed, tmp_path / "node-c", restore_iteration=1)
+    assert err.value.reason == "model_not_ready"
+    assert critic_uri in str(err.value) and "403" in str(err.value)
+    resumed.close("FAILED")
+    assert json.loads(json.dumps(resumed.manifest["critic_step"])) > 0

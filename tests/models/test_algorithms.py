@@ -1,0 +1,65 @@
+"""The algorithm interface: what every registered algorithm declares, the config tree built from the registry, and
+that no code outside the registry and config validation compares algorithm names."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import BaseModel
+
+from models.algorithms import ALGORITHMS, Algorithm
+from models.config import RLHFConfig, preset, with_schedule_lengths
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_every_algorithm_declares_its_parts(name):
+    algorithm = ALGORITHMS[name]
+    assert isinstance(algorithm, Algorithm) and algorithm.name == name
+    settings = algorithm.Config()
+    for field in ("rollout_batch_size", "minibatch_size", "epochs", "optim"):  # what the shared step reads
+        assert field in type(settings).model_fields, f"{name}: its section lacks {field}"
+    assert algorithm.samples_per_prompt(settings) >= 1
+    for hook in ("advantages", "loss"):  # no default: each algorithm must say
+        assert getattr(type(algorithm), hook) is not getattr(Algorithm, hook), f"{name} does not define {hook}"
+    if algorithm.needs_critic:  # an algorithm with a critic updates it and reports on it
+        assert type(algorithm).update_critic is not Algorithm.update_critic
+
+
+def test_the_config_tree_has_a_section_per_algorithm_and_accepts_only_registered_names():
+    fields = RLHFConfig.model_fields
+    for algorithm in ALGORITHMS.values():
+        assert fields[algorithm.section].annotation is algorithm.Config
+        assert issubclass(algorithm.Config, BaseModel) and fields[algorithm.section].description
+    with pytest.raises(ValueError, match="algorithm"):
+        RLHFConfig(algorithm="dpo")
+
+
+def test_schedule_lengths_follow_the_algorithm():
+    """Optimizer steps per run = iterations x epochs x ceil(rollouts per iteration / minibatch)."""
+    ppo = with_schedule_lengths(preset("tiny", algorithm="ppo", iterations=3))
+    assert ppo.ppo.optim.total_steps == 3 * 2 * 2 and ppo.reinforce.optim.total_steps is None  # 64 rollouts / 32
+    rloo = with_schedule_lengths(preset("tiny", algorithm="rloo", iterations=3))
+    assert rloo.reinforce.optim.total_steps == 3 * 2 * 2 and rloo.ppo.optim.total_steps is None  # 16 x 4 / 32
+    assert rloo.critic.optim.total_steps == 3 * 2 * 2
+
+
+# `cfg.algorithm == "ppo"`, `"rloo" != algorithm`, `if algorithm in ("ppo", ...)` (a `for` over names is no comparison)
+NAME_COMPARISON = re.compile(r"""algorithm\w*\s*(==|!=)|(==|!=)\s*[\w.]*algorithm\b|(?<!for )algorithm\s+(not\s+)?in\s+[(\[{]""")
+
+
+def test_no_code_compares_algorithm_names_outside_the_registry_and_config_validation():
+    allowed = {"models/algorithms/__init__.py", "models/config.py"}
+    offenders = []
+    for folder in ("components", "models", "flows", "benchmarks"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel in allowed:
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                if NAME_COMPARISON.search(line.split("#")[0]):
+                    offenders.append(f"{rel}:{number}: {line.strip()}")
+    assert not offenders, "\n".join(offenders)

@@ -1,0 +1,177 @@
+"""The import graph of the project: no cycles (imports inside functions included), and no import inside a function
+except a heavy or optional third-party one that says so in a trailing comment.
+
+Every module of components/, models/, flows/ and benchmarks/ is parsed with `ast` (nothing is imported). `import a.b`
+and `from a import b` count as importing `a.b` when that is a project module, and `a`, its package, unless `a` is a
+package of the importing module itself (always imported before it) and is not imported for a name of its own
+(`from a import name_in_a_init`). Imports under `if TYPE_CHECKING:` count too (a cycle there is still a cycle).
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("components", "models", "flows", "benchmarks")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_modules() -> dict[str, Path]:
+    return {module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
+
+
+def imports(path: Path, name: str):
+    """(module, imported names (none for `import module`), line, inside a function, the statement's source lines) for
+    every import statement of the module `name` at `path`."""
+    source = path.read_text()
+    lines = source.splitlines()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+
+    def visit(node: ast.AST, in_function: bool):
+        for child in ast.iter_child_nodes(node):
+            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            if isinstance(child, ast.Import):
+                text = lines[child.lineno - 1:child.end_lineno]
+                for alias in child.names:
+                    yield alias.name, [], child.lineno, inside, text
+            elif isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:  # relative: from . import x, from ..a import b
+                    anchor = package.split(".")[:len(package.split(".")) - child.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                yield base, [alias.name for alias in child.names], child.lineno, inside, \
+                    lines[child.lineno - 1:child.end_lineno]
+            else:
+                yield from visit(child, inside)
+
+    return visit(ast.parse(source, str(path)), False)
+
+
+def targets(importer: str, module: str, names: list[str], known: dict[str, Path]) -> set[str]:
+    """The project modules an import statement in `importer` depends on: `import module` -> module;
+    `from module import names` -> the submodules named, and module itself when a name is not a submodule; plus the
+    packages on the way, except the importer's own packages (always imported before it)."""
+    submodules = {f"{module}.{n}" for n in names if f"{module}.{n}" in known}
+    explicit = submodules | ({module} if len(submodules) < len(names) or not names else set())
+    parts, own = module.split("."), importer.split(".")
+    implicit = {".".join(parts[:i]) for i in range(1, len(parts) + 1)} - {".".join(own[:i]) for i in range(1, len(own))}
+    return ((explicit | implicit) & known.keys()) - {importer}
+
+
+def import_graph() -> dict[str, set[str]]:
+    known = project_modules()
+    graph = {name: set() for name in known}
+    for name, path in known.items():
+        for module, names, _, _, _ in imports(path, name):
+            graph[name] |= targets(name, module, names, known)
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (its modules in import order, first repeated at the end) per strongly connected component."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def connect(v: str) -> None:  # Tarjan; the graph is small, recursion depth is fine
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(path_through(min(component), component))
+
+    def path_through(start: str, component: set[str]) -> list[str]:
+        """A shortest cycle from `start` back to itself inside the component (breadth first)."""
+        parents, frontier = {start: None}, [start]
+        while frontier:
+            nxt = []
+            for v in frontier:
+                for w in sorted(graph[v] & component):
+                    if w == start:
+                        path = [v]
+                        while parents[path[-1]] is not None:
+                            path.append(parents[path[-1]])
+                        return [*reversed(path), start]
+                    if w not in parents:
+                        parents[w] = v
+                        nxt.append(w)
+            frontier = nxt
+        return [start]
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_no_import_cycles():
+    found = cycles(import_graph())
+    assert found == [], "import cycles:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_no_cycles_between_the_subpackages_of_components():
+    """components/ by concern: launch <- storage, tracking <- serving <- cli (and tasks, flows), never back."""
+    def room(module: str) -> str:  # components.serving.servers -> components.serving; components.tasks stays
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 else module
+
+    graph = {}
+    for name, imported in import_graph().items():
+        if name.startswith("components."):
+            graph.setdefault(room(name), set()).update(
+                room(m) for m in imported if m.startswith("components.") and room(m) != room(name))
+    found = cycles(graph)
+    assert found == [], "cycles between the parts of components/:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+def test_imports_inside_functions_are_third_party_and_explained():
+    known = project_modules()
+    bad = []
+    for name, path in known.items():
+        for module, _, line, inside, text in imports(path, name):
+            if not inside:
+                continue
+            top = module.split(".")[0]
+            where = f"{path.relative_to(ROOT)}:{line}: {text[0].strip()}"
+            if top in PACKAGES:
+                bad.append(f"{where}  (a project module: import it at the top of the module)")
+            elif top in sys.stdlib_module_names:
+                bad.append(f"{where}  (the standard library: import it at the top of the module)")
+            elif not any("#" in t and t.split("#", 1)[1].strip() for t in text):
+                bad.append(f"{where}  (a heavy/optional dependency imported here needs a trailing comment saying why)")
+    assert bad == [], "imports inside functions:\n" + "\n".join(bad)
+
+
+def test_the_checks_see_what_they_check(tmp_path):
+    """A cycle is named in order; imports inside functions and relative imports are found; `from pkg import module`
+    counts as importing the module, and a module's own packages do not count."""
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c", "a"]]
+    source = tmp_path / "x.py"
+    source.write_text("from . import main\n\n\ndef f():\n    import torch  # heavy: only f\n    from ..tasks import run\n")
+    assert [(m, names, line, inside) for m, names, line, inside, _ in imports(source, "components.cli.x")] == [
+        ("components.cli", ["main"], 1, False), ("torch", [], 5, True), ("components.tasks", ["run"], 6, True)]
+    known = {"components": ROOT, "components.tasks": ROOT, "components.cli": ROOT, "components.cli.main": ROOT}
+    assert targets("flows.ppo", "components", ["tasks"], known) == {"components", "components.tasks"}
+    assert targets("components.cli.main", "components.tasks", [], known) == {"components.tasks"}
+    assert targets("components.cli.x", "components.cli", ["main"], known) == {"components.cli.main"}
+    assert targets("components.cli.x", "components.cli", ["helper"], known) == {"components.cli"}  # its __init__
+    assert "components.tasks" in project_modules()
