@@ -11,7 +11,6 @@ learning rates (e.g. actor 1e-6, critic 1e-5) and raise batch sizes.
 from __future__ import annotations
 
 import math
-import os
 import re
 from pathlib import Path
 from typing import Literal, Optional
@@ -20,15 +19,9 @@ import yaml
 from pydantic import Field, PositiveInt, create_model, model_validator
 
 from models.algorithms import ALGORITHMS
-from models.sections import OptimConfig, Section
+from models.sections import STATE_DIR_ENV, OptimConfig, Section, default_state_dir  # noqa: F401 (re-exported)
 
-STATE_DIR_ENV = "RLHF_STATE_DIR"
 TINY_PREFIX = "tiny"  # model paths "tiny/<name>" name the embedded default, built under <state_dir>/models/tiny
-
-
-def default_state_dir() -> Path:
-    """Where local state lives (models, checkpoints, Prefect/MLflow databases): $RLHF_STATE_DIR or ./.rlhf."""
-    return Path(os.environ.get(STATE_DIR_ENV, ".rlhf")).absolute()
 
 
 class LoraConfig(Section):

@@ -1,13 +1,24 @@
-"""The building blocks of the config tree, shared by models/config.py and the algorithms' own sections.
+"""The building blocks of the config tree, shared by models/config.py and the algorithms' own sections, and where
+local state lives (light: the CLI reads it without loading torch).
 
 A `Section` refuses unknown keys (a typo in a config is an error naming it) and re-validates on assignment.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
+
+
+STATE_DIR_ENV = "RLHF_STATE_DIR"
+
+
+def default_state_dir() -> Path:
+    """Where local state lives (models, checkpoints, Prefect/MLflow databases): $RLHF_STATE_DIR or ./.rlhf."""
+    return Path(os.environ.get(STATE_DIR_ENV, ".rlhf")).absolute()
 
 
 class Section(BaseModel):

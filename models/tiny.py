@@ -136,7 +136,7 @@ def build_tiny(out: str | Path, seed: int = 0, policy_steps: int | None = None, 
     data are drawn after the policy's from one stream of `seed`); `reward-chars` is built only when named, from a
     stream of its own, so the other three are the same whether it is built or not. `policy_steps` / `reward_steps`
     (default `DEFAULT_STEPS`) are the training steps of the policy and of each reward model: fewer give a quick build
-    with the same data, tokenizers and configs but untrained-looking models (what tests of the build itself use).
+    with the same data, tokenizers and configs and less trained models (what tests of the build itself use).
     """
     names = _names(names)
     policy_steps = DEFAULT_STEPS if policy_steps is None else policy_steps
@@ -259,9 +259,9 @@ def ensure_tiny(out: str | Path, names: Iterable[str] = BASE, seed: int = 0, log
     """Build the named models of the embedded default under `out` unless they are there: once, even when several runs
     start together. Returns `out`.
 
-    Any of policy, reward, critic: the three are built together under an exclusive lock on `<out>.lock` (a sibling
-    `.<name>.lock`) into a temporary sibling directory that is renamed into place, `tiny.json` last, so `out/tiny.json`
-    exists only once the three are complete. `reward-chars` is built only when named, under a lock of its own
+    Any of policy, reward, critic: the three are built together under an exclusive lock on the sibling file
+    `.<out's name>.lock`, into a temporary sibling directory that is renamed into place (`tiny.json` last when `out`
+    already holds reward-chars), so `out/tiny.json` exists only once the three are complete. `reward-chars` is built only when named, under a lock of its own
     (`out/.reward-chars.lock`), into a temporary directory inside `out` renamed to `out/reward-chars`, so that
     directory is complete whenever it exists.
     """

@@ -1,71 +1,66 @@
-"""The `rlhf` console script: every command and where it lives.
+"""The `rlhf` console script: its parser, and where each command lives. A command's module is imported only when
+it runs, so `rlhf up`, `status` and `--help` start without loading torch, Triton or MLflow.
 
-    rlhf models tiny | config | train          here
-    rlhf serve critic|reward                    cli/serve.py (a server in the foreground)
-    rlhf up | down | status | demo              launch/stack.py (the local Prefect + MLflow + deployments stack)
-    rlhf compare                                tracking/compare.py (PPO vs RLOO from MLflow)
+    rlhf models tiny | config | train          components/cli/commands.py
+    rlhf serve critic|reward                    components/cli/serve.py (a server in the foreground)
+    rlhf up | down | status | demo              components/launch/stack.py (the local Prefect + MLflow + deployments stack)
+    rlhf compare                                components/cli/compare.py (PPO vs RLOO from MLflow)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import importlib
 import sys
 import traceback
-from pathlib import Path
-
-import yaml
 
 from components.environment import first_line, quiet
-
-quiet()  # first: the model libraries imported below read these settings when they are imported
-
-from components.cli.options import add_config_args, load_cli_config
-from components.cli.serve import add_serve_parser
+from components.cli.options import add_config_args
 from components.launch import stack
-from components.launch.ranks import actor_ranks
-from components.tracking.compare import compare_runs, log_comparison
-from components.tracking.run import default_tracking_uri
-from models.config import RLHFConfig
-from models.loop import train_in_process
-from models.prepare import prepare_run
-from models.tiny import build_tiny
+
+SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-5 ...] [--model PATH] [--reward PATH] [--no-combine]
+                      [--port 8400] [--checkpoint-dir DIR] [--checkpoint-uri s3://bucket/run] [--restore-iteration N]
+    rlhf serve reward [--config YAML] [--set ...] [--model PATH | --function module:fn [--tokenizer PATH]] [--port 8500]
+    python -m components.serving.main --spec '<ServerSpec JSON>'   (what the launcher runs: one JSON document)
+    rlhf serve critic --nproc-per-node 2 ...                       (ranks 1..N-1 run `serving.main --follow`)
+
+Settings: the config tree (the 'tiny' preset, then --config YAML, then --set overrides) supplies the models, dtype,
+device and the critic/reward sections; the flags are shortcuts for the model paths and the per-process settings.
+Without a model the embedded default is served (built on first use). HTTP port P, gRPC P+1, metrics P+2.
+"""
 
 
-def cmd_models_tiny(args) -> int:
-    info = build_tiny(args.out, seed=args.seed)
-    print(json.dumps(info, indent=2))
-    return 0
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Add `serve critic` / `serve reward` (run by components/cli/serve.py)."""
+    parser = subparsers.add_parser("serve", help="Run a critic or reward PyTriton server in the foreground.",
+                                   description=SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    kinds = parser.add_subparsers(dest="server", required=True)
 
+    critic = kinds.add_parser("critic", help="critic_infer + critic_train + critic_save (values, value-model training).")
+    critic.add_argument("--model", default=None, help="Critic checkpoint (model.critic); default: initialise from the reward model.")
+    critic.add_argument("--reward", default=None, help="Reward model (model.reward): served in critic_infer unless --no-combine.")
+    critic.add_argument("--no-combine", action="store_true", help="Do not serve rewards from critic_infer (critic.combine_reward=false).")
+    critic.add_argument("--checkpoint-dir", default=None, help="Where critic_save writes (atomically); a save there is resumed.")
+    critic.add_argument("--checkpoint-uri", default=None, help="The run's checkpoint store (file:///dir or s3://bucket/prefix): "
+                        "saves are also uploaded there for the flow's checkpoint to adopt.")
+    critic.add_argument("--restore-iteration", type=int, default=None, help="Start from iter_<N>/critic of --checkpoint-uri.")
+    critic.add_argument("--nproc-per-node", type=int, default=None, help="Ranks of the server (critic.nproc_per_node): "
+                        "rank 0 serves HTTP, every rank holds an FSDP2 shard of the critic.")
 
-def cmd_config(args) -> int:
-    cfg = load_cli_config(args)
-    print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
-    return 0
-
-
-def cmd_train(args) -> int:
-    """In-process training (no servers, no Prefect): the quickest way to see the algorithm learn."""
-    cfg = prepare_run(load_cli_config(args))
-
-    def show(i: int, m: dict) -> None:
-        print(f"[{cfg.algorithm}] iteration {i + 1}/{cfg.iterations}  gold {m.get('objective/gold_reward', float('nan')):+.3f}"
-              f"  score {m['objective/scores']:+.3f}  kl {m['objective/kl']:.3f}  step {m['time/step']:.2f}s", flush=True)
-
-    with actor_ranks(cfg, cfg.resolved_state_dir() / "logs" / "train") as actor:
-        history = train_in_process(actor.cfg, show, actor)
-    if args.metrics_out:
-        Path(args.metrics_out).write_text(json.dumps(history, indent=1))
-    return 0
-
-
-def cmd_compare(args) -> int:
-    uri = args.tracking_uri or default_tracking_uri(RLHFConfig())
-    png, md = compare_runs(uri, args.experiment, args.runs or None, Path(args.out))
-    run_id = log_comparison(uri, args.experiment, png, md)
-    print(Path(md).read_text())
-    print(f"wrote {png} and {md}; logged to MLflow run {run_id} at {uri}")
-    return 0
+    reward = kinds.add_parser("reward", help="reward_model: scores from a reward model or a Python function.")
+    source = reward.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="Sequence-classification reward model (model.reward, 1 label).")
+    source.add_argument("--function", default=None, help="'package.module:function(prompts, responses) -> list[float]'.")
+    reward.add_argument("--tokenizer", default=None, help="Tokenizer that decodes tokens for --function (model.policy). "
+                        "Clients that send no prompt_lengths (NeMo-Aligner's) get the whole sequence scored as the response.")
+    for sub, port in ((critic, "critic.http_port, 8400"), (reward, "reward.http_port, 8500")):
+        add_config_args(sub)
+        sub.add_argument("--host", default=None, help="Interface to bind (default: the config's host, 127.0.0.1).")
+        sub.add_argument("--port", type=int, default=None, help=f"HTTP port P; gRPC P+1, metrics P+2 (default: {port}).")
+        sub.add_argument("--max-batch-size", type=int, default=256, help="Largest batch Triton accepts and forms by dynamic batching.")
+        sub.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice).")
+        sub.set_defaults(run="components.cli.serve:run_args")
+    return parser
 
 
 def add_stack_parsers(sub) -> None:
@@ -73,12 +68,12 @@ def add_stack_parsers(sub) -> None:
     p.add_argument("--prefect-port", type=int, default=stack.PREFECT_PORT)
     p.add_argument("--mlflow-port", type=int, default=stack.MLFLOW_PORT)
     p.add_argument("--no-profile", action="store_true", help="do not create/activate the rlhf-local Prefect profile")
-    p.set_defaults(func=lambda a: bool(stack.up(prefect_port=a.prefect_port, mlflow_port=a.mlflow_port,
-                                                set_profile=not a.no_profile)) and 0)
-    sub.add_parser("down", help="stop what `rlhf up` started").set_defaults(func=lambda a: bool(stack.down()) and 0)
-    sub.add_parser("status", help="show the local stack").set_defaults(func=lambda a: bool(stack.status()) and 0)
+    p.set_defaults(run=lambda a: bool(stack.up(prefect_port=a.prefect_port, mlflow_port=a.mlflow_port,
+                                               set_profile=not a.no_profile)) and 0)
+    sub.add_parser("down", help="stop what `rlhf up` started").set_defaults(run=lambda a: bool(stack.down()) and 0)
+    sub.add_parser("status", help="show the local stack").set_defaults(run=lambda a: bool(stack.status()) and 0)
     sub.add_parser("demo", help="up + run ppo/default and reinforce/default + compare").set_defaults(
-        func=lambda a: stack.demo())
+        run=lambda a: stack.demo())
 
 
 def add_compare_parser(sub) -> None:
@@ -88,7 +83,7 @@ def add_compare_parser(sub) -> None:
     p.add_argument("--runs", nargs="*", help="MLflow run ids (default: latest finished run per algorithm)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: local stack, $MLFLOW_TRACKING_URI or sqlite)")
     p.add_argument("--out", default=".rlhf/compare", help="output directory")
-    p.set_defaults(func=cmd_compare)
+    p.set_defaults(run="components.cli.compare:cmd_compare")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -99,16 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = models.add_parser("tiny", help="build the tiny local policy / reward / critic (offline; the same seed gives the same data and models)")
     tiny.add_argument("--out", required=True, help="output directory")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.set_defaults(func=cmd_models_tiny)
+    tiny.set_defaults(run="components.cli.commands:cmd_models_tiny")
 
     config = sub.add_parser("config", help="print the resolved config")
     add_config_args(config)
-    config.set_defaults(func=cmd_config)
+    config.set_defaults(run="components.cli.commands:cmd_config")
 
     train = sub.add_parser("train", help="train in this process (no servers, no Prefect)")
     add_config_args(train)
     train.add_argument("--metrics-out", help="write the per-iteration metrics as JSON")
-    train.set_defaults(func=cmd_train)
+    train.set_defaults(run="components.cli.commands:cmd_train")
 
     add_serve_parser(sub)
     add_stack_parsers(sub)
@@ -116,12 +111,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command(args):
+    """The function that runs a parsed command: 'module:function' names are imported now, when the command runs."""
+    if isinstance(args.run, str):
+        module, name = args.run.split(":")
+        return getattr(importlib.import_module(module), name)
+    return args.run
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run a command; a failure prints its traceback, then one last line saying why (what a user reads first)."""
-    quiet()
+    quiet()  # before the model libraries are imported: they read these settings when they are
     args = build_parser().parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        return int(command(args)(args) or 0)
     except KeyboardInterrupt:
         print(f"rlhf {args.command}: interrupted", file=sys.stderr)
         return 130

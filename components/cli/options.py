@@ -1,13 +1,11 @@
-"""The config flags every `rlhf` command that takes a config shares (--config, --preset, --set), and the config
-they name."""
+"""The config flags every `rlhf` command that takes a config shares (--config, --preset, --set); light, so the
+parser loads no model code (components/cli/commands.py loads the config they name)."""
 
 from __future__ import annotations
 
 import argparse
 
 import yaml
-
-from models.config import load_config
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -26,11 +24,3 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="tiny", help="named preset the file and --set apply on (default: tiny)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override, e.g. --set ppo.optim.lr=1e-5 or --set actor.nproc_per_node=2 (repeatable)")
-
-
-def load_cli_config(args, overrides: dict | None = None):
-    """The config of `--config`, `--preset` and `--set` (or already parsed `overrides`); exits naming a bad field."""
-    try:
-        return load_config(args.config, args.preset, overrides if overrides is not None else parse_overrides(args.set))
-    except Exception as exc:  # pydantic ValidationError names the field
-        raise SystemExit(f"invalid config: {exc}") from None

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from components.launch.processes import ChildProcess, alive, port_block_free, project_env, stop_group, wait_for
-from models.config import default_state_dir
+from models.sections import default_state_dir
 
 PREFECT_PORT, MLFLOW_PORT = 4200, 5050
 PROFILE = "rlhf-local"

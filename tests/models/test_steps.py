@@ -41,9 +41,9 @@ def test_learns_from_a_reward_model_of_another_tokenizer(tiny_models, tiny_rewar
     """model.reward=reward-chars (characters, not the policy's words): rewards go as text (for PPO, through the
     critic's resident reward model; the critic is tiny/critic, which reads the policy's tokens), the scores are
     reward-chars' own, and both algorithms learn by the margin of test_learns_the_shipped_task. (Seen here: +0.63 for
-    PPO, +0.52 for RLOO after 12 iterations.) RLOO's 12-iteration run is made once, through a reward server, by
-    tests/flows/test_deployments.py (the same rollouts and scores), which asserts its learning and scores; here RLOO
-    runs its first 2 iterations in process, for the in-process text path."""
+    PPO, +0.52 for RLOO after 12 iterations.) RLOO's 12-iteration run through reward-chars is made once, by
+    tests/flows/test_deployments.py (the same config and seed, scored by a reward server), which asserts its learning
+    and its scores; here RLOO runs 2 iterations in process, for the in-process text path."""
     iterations = 12 if algorithm == "ppo" else 2
     cfg = tiny_cfg(tiny_models, tmp_path, algorithm=algorithm, iterations=iterations, seed=0,
                    **{"model.reward": tiny_reward_chars, "model.critic": tiny_models["critic"]})
