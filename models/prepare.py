@@ -13,22 +13,27 @@ from pathlib import Path
 
 from models.algorithms import ALGORITHMS
 from models.config import TINY_PREFIX, RLHFConfig, merge, with_schedule_lengths
+from models.loading import check_model_path
 from models.reward import load_reward_tokenizer, same_tokenizer
 from models.tiny import ensure_tiny
 
 
 def prepare_run(cfg: RLHFConfig, log=print) -> RLHFConfig:
     """The config with its derived values filled in (idempotent: a prepared config comes back unchanged)."""
-    build_embedded_models(cfg, log)
+    build_embedded_models(cfg, log=log)
     cfg = with_schedule_lengths(cfg)
     return merge(cfg, {"state_dir": str(cfg.resolved_state_dir()), "reward.transport": reward_transport(cfg)})
 
 
 def build_embedded_models(cfg: RLHFConfig, fields: tuple[str, ...] = ("policy", "reward", "critic"), log=print) -> None:
     """Build the `tiny/<name>` models that the `model.<field>`s this process loads name and the state directory
-    lacks (a path that exists wins)."""
-    named = [value for value in (getattr(cfg.model, field) for field in fields)
-             if value and value.startswith(f"{TINY_PREFIX}/") and not Path(value).exists()]
+    lacks (a path that exists wins). A path the user gave that does not exist fails first, naming its field, before
+    anything is built."""
+    given = {field: getattr(cfg.model, field) for field in fields if getattr(cfg.model, field)}
+    named = [value for value in given.values() if value.startswith(f"{TINY_PREFIX}/") and not Path(value).exists()]
+    for field, value in given.items():
+        if value not in named:
+            check_model_path(cfg.resolve_model_path(value), f"model.{field}")
     if named:
         ensure_tiny(cfg.resolved_state_dir() / "models" / TINY_PREFIX, names=[v.split("/", 1)[1] for v in named], log=log)
 
