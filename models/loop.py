@@ -2,7 +2,7 @@
 training loop (no servers, no Prefect).
 
 The actor runs on one or more ranks. Rank 0 (the flow run, or `rlhf train`) holds a `Leader`: each of its calls
-broadcasts a command (step with these prompts, save, restore, stop) that the other ranks (components/ranks.py)
+broadcasts a command (step with these prompts, save, restore, stop) that the other ranks (components/launch/ranks.py)
 receive and execute in step with it, so every collective is entered by all ranks. With one rank the broadcasts are
 no-ops. The Prefect flows call `Leader.step` once per iteration; `train_in_process` is what `rlhf train` and the
 learning tests run.

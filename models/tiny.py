@@ -261,9 +261,9 @@ def ensure_tiny(out: str | Path, names: Iterable[str] = BASE, seed: int = 0, log
 
     Any of policy, reward, critic: the three are built together under an exclusive lock on the sibling file
     `.<out's name>.lock`, into a temporary sibling directory that is renamed into place (`tiny.json` last when `out`
-    already holds reward-chars), so `out/tiny.json` exists only once the three are complete. `reward-chars` is built only when named, under a lock of its own
-    (`out/.reward-chars.lock`), into a temporary directory inside `out` renamed to `out/reward-chars`, so that
-    directory is complete whenever it exists.
+    already holds reward-chars), so `out/tiny.json` exists only once the three are complete. `reward-chars` is built
+    only when named, under a lock of its own (`out/.reward-chars.lock`), into a temporary directory inside `out`
+    renamed to `out/reward-chars`, so that directory is complete whenever it exists.
     """
     out = Path(out)
     names = _names(names)

@@ -1,15 +1,5 @@
-"""`rlhf serve critic|reward`: run a critic or reward server in the foreground (flags and --set -> one ServerSpec).
-
-    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-5 ...] [--model PATH] [--reward PATH] [--no-combine]
-                      [--port 8400] [--checkpoint-dir DIR] [--checkpoint-uri s3://bucket/run] [--restore-iteration N]
-    rlhf serve reward [--config YAML] [--set ...] [--model PATH | --function module:fn [--tokenizer PATH]] [--port 8500]
-    python -m components.serving.main --spec '<ServerSpec JSON>'   (what the launcher runs: one JSON document)
-    rlhf serve critic --nproc-per-node 2 ...                       (ranks 1..N-1 run `serving.main --follow`)
-
-Settings: the config tree (the 'tiny' preset, then --config YAML, then --set overrides) supplies the models, dtype,
-device and the critic/reward sections; the flags are shortcuts for the model paths and the per-process settings.
-Without a model the embedded default is served (built on first use). HTTP port P, gRPC P+1, metrics P+2.
-"""
+"""`rlhf serve critic|reward`: its flags and --set overrides -> one ServerSpec, then the server in the foreground
+(the flags and their help: `SERVE_HELP` and `add_serve_parser` in components/cli/main.py)."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from components.launch import stack
+from components.launch.processes import can_bind
 from tests.conftest import free_port_block, link_tiny
 
 pytestmark = pytest.mark.slow
@@ -348,5 +349,5 @@ def test_down_stops_everything_and_frees_ports(local_stack):
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
     listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
     for port in s["ports"]:
-        assert port not in listening and stack._port_free(port), f"port {port} still bound"
+        assert port not in listening and can_bind("127.0.0.1", port), f"port {port} still bound"
     assert stack.down(s["state_dir"], log=lambda *_: None) == []
