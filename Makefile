@@ -28,8 +28,10 @@ models: venv
 demo: venv models
 	$(VENV)/bin/rlhf demo
 
+# Test files run in parallel, one pytest worker per core (pytest-xdist); a file's tests stay on one worker, in order,
+# because modules share expensive fixtures (a whole local stack, a critic server).
 test: venv tools
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile
 
 bench: venv models
 	$(PY) -m pip install -q -e ".[bench]"

@@ -18,11 +18,16 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 def tiny_dir(tmp_path_factory) -> Path:
     """The embedded default (tiny policy, reward, critic), built once per test session by `models.tiny.ensure_tiny`
     (what a run does on first use) into one directory every test shares; set RLHF_TEST_TINY_DIR to reuse one across
-    sessions. A test that needs a state directory holding the models links this one in (`link_tiny`)."""
+    sessions. A test that needs a state directory holding the models links this one in (`link_tiny`).
+
+    Under pytest-xdist the directory is the session's, not the worker's (the parent of the worker's base temp): the
+    first worker to ask builds it under ensure_tiny's lock, the other waits for it and reuses it."""
     from models.tiny import ensure_tiny
 
     cached = os.environ.get("RLHF_TEST_TINY_DIR")
-    return ensure_tiny(Path(cached) if cached else tmp_path_factory.mktemp("models") / "tiny", log=lambda *_: None)
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    return ensure_tiny(Path(cached) if cached else shared / "models" / "tiny", log=lambda *_: None)
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +43,13 @@ def tiny_reward_chars(tiny_dir) -> str:
 
     ensure_tiny(tiny_dir, names=("reward-chars",), log=lambda *_: None)
     return str(tiny_dir / "reward-chars")
+
+
+def pytest_collection_modifyitems(items):
+    """Modules marked slow first (they start whole stacks and run for minutes), so that under pytest-xdist's
+    `--dist loadfile` the longest module starts at once and the short ones fill the other worker around it; the order
+    inside a module, and otherwise, is kept."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def link_tiny(state_dir: Path, tiny_dir: Path) -> Path:

@@ -69,17 +69,25 @@ def task_names(s, run_id: str) -> list[str]:
     return [r["name"] for r in sorted(runs, key=lambda r: r["expected_start_time"] or "")]
 
 
-def server_processes(marker: str) -> list[psutil.Process]:
-    """Live critic/reward server processes whose command line mentions `marker` (e.g. the run's directory)."""
+def stack_processes(s, marker: str) -> list[psutil.Process]:
+    """Live processes of this module's stack (their environment names its state directory, which every child of a
+    flow run inherits, so tests running beside this module in another pytest worker never count) whose command line
+    mentions `marker`. A process that outlived its parent still counts: it keeps its environment."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
-            cmd = " ".join(p.info["cmdline"] or [])
+            if (marker in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE
+                    and p.environ().get("RLHF_STATE_DIR") == str(s["state_dir"])):
+                found.append(p)
         except psutil.Error:
             continue
-        if "components.serving.main" in cmd and marker in cmd and p.info["status"] != psutil.STATUS_ZOMBIE:
-            found.append(p)
     return found
+
+
+def server_processes(s, marker: str) -> list[psutil.Process]:
+    """Live critic/reward server processes of this stack whose command line also mentions `marker` (e.g. the run's
+    directory)."""
+    return [p for p in stack_processes(s, "components.serving.main") if marker in " ".join(p.cmdline())]
 
 
 def mlflow_run(s, run_name: str):
@@ -109,7 +117,7 @@ def test_ppo_deployment_completes_with_metrics_and_no_leftover_server(local_stac
     assert [m.step for m in history] == [1, 2, 3]
     assert "loss/value_avg" in mrun.data.metrics and mrun.data.tags["algorithm"] == "ppo"
     assert mrun.data.tags["prefect.flow_run_id"] == run["id"]
-    assert server_processes(str(s["state_dir"] / "runs" / "e2e-ppo")) == []
+    assert server_processes(s, str(s["state_dir"] / "runs" / "e2e-ppo")) == []
 
 
 def test_reinforce_deployment_starts_no_critic(local_stack):
@@ -125,7 +133,7 @@ def test_reinforce_deployment_starts_no_critic(local_stack):
     client, mrun = mlflow_run(s, "e2e-rloo")
     assert mrun.data.tags["algorithm"] == "rloo" and "objective/kl" in mrun.data.metrics
     assert mrun.data.tags["reward_transport"] == "tokens"  # the shipped reward model shares the policy's tokenizer
-    assert server_processes(str(s["state_dir"])) == []
+    assert server_processes(s, str(s["state_dir"])) == []
 
 
 def test_reinforce_with_a_reward_model_of_another_tokenizer_learns_through_text(local_stack, tiny_reward_chars):
@@ -145,7 +153,7 @@ def test_reinforce_with_a_reward_model_of_another_tokenizer_learns_through_text(
     scores = [m.value for m in sorted(client.get_metric_history(mrun.info.run_id, "objective/scores"),
                                       key=lambda m: m.step)]
     assert len(scores) == 12 and max(abs(s - g) for s, g in zip(scores, gold)) < 0.1, (scores, gold)
-    assert server_processes(str(s["state_dir"] / "runs" / "e2e-rloo-text")) == []
+    assert server_processes(s, str(s["state_dir"] / "runs" / "e2e-rloo-text")) == []
 
 
 def test_invalid_parameter_is_refused_before_any_run(local_stack):
@@ -176,7 +184,7 @@ def test_killed_critic_fails_the_run_and_a_rerun_resumes(local_stack):
     config = {"iterations": 6, "run_name": "e2e-kill", "checkpoint": {"every": 2}}
     first = flow_run_id(deployment_run(s, "ppo/default", config))
     _wait_for(lambda: latest.exists() and json.loads(latest.read_text())["iteration"] >= 2, 240, "first checkpoint")
-    servers = _wait_for(lambda: server_processes(str(run_dir)), 30, "critic server process")
+    servers = _wait_for(lambda: server_processes(s, str(run_dir)), 30, "critic server process")
     os.killpg(os.getpgid(servers[0].pid), signal.SIGKILL)
     run = wait_final(s, first)
     assert run["state"]["type"] == "FAILED"
@@ -192,19 +200,19 @@ def test_killed_critic_fails_the_run_and_a_rerun_resumes(local_stack):
     steps = [m.step for m in client.get_metric_history(mrun.info.run_id, "objective/kl")]
     assert steps == sorted(set(steps)) and steps[-1] == 6
     assert mrun.info.status == "FINISHED"
-    assert server_processes(str(run_dir)) == []
+    assert server_processes(s, str(run_dir)) == []
 
 
 def test_cancelled_run_leaves_no_critic_server(local_stack):
     s = local_stack
     run_dir = s["state_dir"] / "runs" / "e2e-cancel"
     run_id = flow_run_id(deployment_run(s, "ppo/default", {"iterations": 200, "run_name": "e2e-cancel"}))
-    _wait_for(lambda: server_processes(str(run_dir)), 120, "critic server process")
+    _wait_for(lambda: server_processes(s, str(run_dir)), 120, "critic server process")
     _wait_for(lambda: any(n.startswith("ppo-iteration") for n in task_names(s, run_id)), 120, "first iteration")
     subprocess.run([PREFECT, "flow-run", "cancel", run_id], env=s["env"], check=True, capture_output=True, timeout=60)
     run = wait_final(s, run_id, timeout=120)
     assert run["state"]["type"] == "CANCELLED"
-    _wait_for(lambda: not server_processes(str(run_dir)), 60, "critic server gone after cancel")
+    _wait_for(lambda: not server_processes(s, str(run_dir)), 60, "critic server gone after cancel")
 
 
 def test_critic_as_a_deployment(local_stack):
@@ -219,7 +227,7 @@ def test_critic_as_a_deployment(local_stack):
     assert len(critic_runs) == 1
     final = wait_final(s, critic_runs[0]["id"], timeout=60)
     assert final["state"]["type"] == "CANCELLED"
-    assert server_processes(critic_runs[0]["id"]) == []
+    assert server_processes(s, critic_runs[0]["id"]) == []
     # the critic of the checkpoint is the one of its iteration, inside iter_2 beside the actor
     ckpt = s["state_dir"] / "checkpoints" / "e2e-dep"
     manifest = json.loads((ckpt / "iter_2" / "state.json").read_text())
@@ -241,20 +249,14 @@ def test_a_failed_run_says_why_in_its_state_and_in_the_watch_output(local_stack)
     assert "model.policy: model path '/no/such/policy' does not exist" in proc.stdout  # the watch shows the reason
 
 
-def actor_followers(marker: str = "components.launch.ranks") -> list[psutil.Process]:
-    """Live actor ranks > 0 (started by a flow run's rank 0), or with another marker critic server ranks > 0."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if marker in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
+def actor_followers(s) -> list[psutil.Process]:
+    """Live actor ranks > 0 of this stack's runs (started by a flow run's rank 0)."""
+    return stack_processes(s, "components.launch.ranks")
 
 
-def critic_followers() -> list[psutil.Process]:
-    return actor_followers("components.serving.main --follow")
+def critic_followers(s) -> list[psutil.Process]:
+    """Live critic server ranks > 0 of this stack's runs."""
+    return stack_processes(s, "components.serving.main --follow")
 
 
 def test_ppo_on_two_actor_ranks_resumes_on_two_and_on_one(local_stack):
@@ -266,7 +268,7 @@ def test_ppo_on_two_actor_ranks_resumes_on_two_and_on_one(local_stack):
     assert [m.value for m in client.get_metric_history(mrun.info.run_id, "dist/world_size")] == [2.0, 2.0]
     manifest = json.loads((s["state_dir"] / "checkpoints" / "e2e-dist" / "iter_2" / "state.json").read_text())
     assert manifest["state"]["world_size"] == 2 and "actor/sharded/.metadata" in manifest["files"]
-    assert not actor_followers()
+    assert not actor_followers(s)
 
     # the same run name resumes with the same world size: one more iteration, nothing redone
     run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": 3})))
@@ -296,11 +298,11 @@ def test_a_killed_rank_fails_the_run_naming_it_and_leaves_nothing(local_stack, r
     run_id = flow_run_id(deployment_run(s, "ppo/default", config))
     _wait_for(lambda: any(n.startswith("ppo-iteration") for n in task_names(s, run_id)), 180, "first iteration")
     if role == "actor":
-        follower = _wait_for(actor_followers, 30, "actor rank 1")[0]
+        follower = _wait_for(lambda: actor_followers(s), 30, "actor rank 1")[0]
         assert follower.environ()["RANK"] == "1"
         expected = r"actor rank 1 \(pid \d+\) exited with code -9"
     else:
-        server = _wait_for(lambda: server_processes(str(run_dir)), 30, "critic server")[0]
+        server = _wait_for(lambda: server_processes(s, str(run_dir)), 30, "critic server")[0]
         follower = next(p for p in server.children() if "--follow" in " ".join(p.cmdline()))
         expected = r"critic server .*exited with code 1: .*critic rank 1 \(pid \d+\) exited with code -9"
     follower.kill()
@@ -308,7 +310,7 @@ def test_a_killed_rank_fails_the_run_naming_it_and_leaves_nothing(local_stack, r
     assert run["state"]["type"] == "FAILED"
     message = run["state"]["message"]
     assert re.search(expected, message), message
-    _wait_for(lambda: not actor_followers() and not critic_followers() and not server_processes(str(run_dir)), 60,
+    _wait_for(lambda: not actor_followers(s) and not critic_followers(s) and not server_processes(s, str(run_dir)), 60,
               "no process of the run left")
 
 
@@ -324,7 +326,7 @@ def test_ppo_with_a_two_rank_critic_server_learns(local_stack):
                                     key=lambda m: m.step)]
     assert len(gold) == 12 and (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.3, gold
     assert "critic-rank1.log" in {p.name for p in (s["state_dir"] / "runs" / "e2e-critic2" / "logs").iterdir()}
-    assert server_processes(str(s["state_dir"] / "runs" / "e2e-critic2")) == [] and not critic_followers()
+    assert server_processes(s, str(s["state_dir"] / "runs" / "e2e-critic2")) == [] and not critic_followers(s)
 
 
 def test_up_is_idempotent_and_down_frees_ports(local_stack, tmp_path):
