@@ -8,7 +8,7 @@ from components.environment import quiet
 from flows.compare import compare
 from flows.ppo import ppo
 from flows.reinforce import reinforce
-from flows.servers import critic_server, reward_server
+from flows.servers import critic_server, reward_server, rollout_server
 from models.config import RLHFConfig
 
 
@@ -20,6 +20,7 @@ def deployments():
                                 description="REINFORCE/RLOO on the embedded default"),
         critic_server.to_deployment(name="default", description="PyTriton critic server (critic_infer/train/save)"),
         reward_server.to_deployment(name="default", description="PyTriton reward server (reward_model)"),
+        rollout_server.to_deployment(name="default", description="vLLM rollout server (generate, update_weights)"),
         compare.to_deployment(name="default", description="PPO vs RLOO curves and table"),
     ]
 

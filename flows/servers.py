@@ -1,4 +1,5 @@
-"""critic-server/default and reward-server/default: a PyTriton server as a Prefect flow run (its own work pool/node).
+"""critic-server/default, reward-server/default (PyTriton) and rollout-server/default (vLLM): a server as a Prefect flow
+run (its own work pool/node).
 
 The flow starts the server as a child process, waits until it is ready, publishes its address (a Prefect variable named
 after this flow run) for the PPO/REINFORCE flow that started it, and serves until that flow cancels it.
@@ -10,7 +11,7 @@ from typing import Optional
 
 from prefect import flow
 
-from components.serving.services import host_server
+from components.serving.services import host_rollout_server, host_server
 from models.config import RLHFConfig
 
 
@@ -27,3 +28,10 @@ def critic_server(config: RLHFConfig = RLHFConfig(), checkpoint_uri: Optional[st
 def reward_server(config: RLHFConfig = RLHFConfig(algorithm="rloo")) -> int:
     """Serve reward_model until cancelled."""
     return host_server("reward", config)
+
+
+@flow(name="rollout-server", log_prints=True)
+def rollout_server(config: RLHFConfig = RLHFConfig()) -> int:
+    """Serve the vLLM rollout server (generate, update_weights) for one training run until cancelled; the run sends
+    it the actor's weights before its first rollout and after every update."""
+    return host_rollout_server(config)

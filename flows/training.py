@@ -1,8 +1,9 @@
 """The frame every training flow shares, read top to bottom:
 
-prepare the run (models/prepare.py) -> open or resume it, start the actor on its ranks -> deploy the servers the
-algorithm scores with (a critic server, and a reward server unless the critic carries the reward model) and wait until
-they are ready -> iterate: one task per iteration, metrics, a checkpoint every N -> tear everything down.
+prepare the run (models/prepare.py) -> open or resume it, start the actor on its ranks -> deploy the servers of the
+run and wait until they are ready: the rollout server when the engine holds its own weights (given the actor's
+weights), and what the algorithm scores with (a critic server, and a reward server unless the critic carries the
+reward model) -> iterate: one task per iteration, metrics, a checkpoint every N -> tear everything down.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ def train(config: RLHFConfig) -> dict:
     with reported_failure():
         cfg = prepare_run(config)
         step = iteration_task(cfg)
-        with training_run(cfg) as (session, actor), scoring_services(cfg, session) as scoring:
+        with training_run(cfg) as (session, actor), scoring_services(cfg, session, actor) as scoring:
             batches = prompt_batches(load_prompts(cfg), batch_size(cfg), cfg.seed, start_batch=actor.state.iteration)
             metrics = {}
             while actor.state.iteration < cfg.iterations:

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from models.advantages import AdaptiveKLController, FixedKLController, kl_penalty, masked_mean
-from models.config import KLConfig, OptimConfig, RLHFConfig
+from models.config import KLConfig, OptimConfig, RLHFConfig, RolloutConfig
 from models.distributed import SINGLE, Dist
 from models.loading import make_optimizer
 from models.policy import Policy
@@ -37,11 +37,11 @@ class ActorState:
 
     @classmethod
     def create(cls, policy: Policy, optim: OptimConfig, kl: KLConfig, seed: int, me: Dist = SINGLE,
-               engine: str = "native") -> "ActorState":
+               rollout: RolloutConfig | None = None) -> "ActorState":
         optimizer, scheduler = make_optimizer(policy.trainable_parameters(), optim)
         kl_ctl = AdaptiveKLController(kl.init, kl.target, kl.horizon) if kl.adaptive else FixedKLController(kl.init)
         sampling = torch.Generator().manual_seed(seed + 1_000_003 * me.rank)
-        return cls(policy, build_engine(engine, policy), optimizer, scheduler, kl_ctl, sampling,
+        return cls(policy, build_engine(rollout or RolloutConfig(), policy), optimizer, scheduler, kl_ctl, sampling,
                    torch.Generator().manual_seed(seed), me)
 
     def state_dict(self) -> dict:
@@ -86,11 +86,13 @@ def needs_logprob_recompute(cfg: RLHFConfig) -> bool:
     return cfg.generation.recompute_logprobs if cfg.generation.recompute_logprobs is not None else cfg.model.dtype != "float32"
 
 
-def rollout_logprobs(policy: Policy, rollout: Rollout, cfg: RLHFConfig, timers: Timers, me: Dist = SINGLE) -> tuple[Tensor, Tensor]:
+def rollout_logprobs(policy: Policy, rollout: Rollout, cfg: RLHFConfig, timers: Timers, me: Dist = SINGLE,
+                     engine_weights: bool = False) -> tuple[Tensor, Tensor]:
     """Old (behaviour) and reference logprobs [B, L-1] of this rank's rollouts, per micro-batch (every rank runs as
-    many forward passes as the rank with the most: with FSDP each one is a collective)."""
+    many forward passes as the rank with the most: with FSDP each one is a collective). `engine_weights`: the rollouts
+    come from an engine with its own copy of the weights, so the trainer always recomputes its own."""
     old, ref = [], []
-    recompute = needs_logprob_recompute(cfg)
+    recompute = engine_weights or needs_logprob_recompute(cfg)
     temperature = cfg.generation.temperature
     chunks = micro_batches(len(rollout), cfg.generation.micro_batch_size)
     count = int(me.all_reduce(torch.tensor(len(chunks)), op="max"))

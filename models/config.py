@@ -138,8 +138,28 @@ class CheckpointConfig(Section):
     s3_endpoint_url: Optional[str] = Field(None, description="Endpoint of an S3-compatible store (None = AWS or $AWS_ENDPOINT_URL_S3).")
 
 
+class VLLMConfig(Section):
+    """The vLLM rollout server (components/serving/rollout_server.py): its own process and environment (.venv-vllm;
+    on a cluster its own pod), with its own copy of the actor's weights, refitted after every update."""
+
+    launch: Literal["local", "deployment"] = Field("local", description="Where the server runs: 'local' = a child process of the flow (own process group, stopped with it); 'deployment' = the rollout-server/default Prefect deployment (its own GPU node on a cluster).")
+    python: str = Field(".venv-vllm/bin/python", description="Interpreter of the server's environment (`make vllm-venv`; an image with `vllm` on a cluster). Relative paths resolve against the project root.")
+    host: str = Field("127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
+    port: int = Field(8600, ge=1, le=65535, description="HTTP port of the server; a busy port makes a local server pick a free one.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the engine's weights and compute; the weights sent at each refit are cast to it.")
+    max_model_len: Optional[PositiveInt] = Field(None, description="Longest prompt + response the engine accepts (its KV cache is sized for it); None = the model's own limit (max_position_embeddings).")
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV-cache space in GiB on a CPU host (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="Share of the GPU's memory vLLM may take (weights + KV cache) on a GPU host; the rest is left to a trainer on the same GPU and to NCCL.")
+    enforce_eager: bool = Field(True, description="Run without CUDA graphs / torch.compile: starts in seconds instead of ~1 min; turn off for long runs on a GPU.")
+    threads: Optional[PositiveInt] = Field(None, description="CPU threads of the engine (OMP_NUM_THREADS); None = 1 on a CPU-only host (it shares the cores with the actor), vLLM's default otherwise.")
+    ready_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the server to load the model and answer /health.")
+    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generate or weight-update request.")
+
+
 class RolloutConfig(Section):
-    engine: Literal["native"] = Field("native", description="What samples the rollouts: 'native' = the KV-cache sampling loop on the actor's own module (models/rollout/).")
+    engine: Literal["native", "vllm"] = Field("native", description="What samples the rollouts: 'native' = the KV-cache sampling loop on the actor's own module; 'vllm' = the vLLM rollout server, refitted with the actor's weights after every update (models/rollout/).")
+    tis_cap: float = Field(2.0, gt=0, description="Truncated importance sampling for an engine with its own weights (vllm): each token's policy loss is weighted by min(pi_trainer_old / pi_engine, tis_cap), as veRL and TRL do; the native engine samples with the trainer's own weights (weight exactly 1).")
+    vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="The vLLM rollout server (rollout.engine=vllm).")
 
 
 class _Tree(Section):

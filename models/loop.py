@@ -81,7 +81,7 @@ def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
                          reference_device=cfg.model.reference_device,
                          mixed_precision=cfg.actor.mixed_precision and torch.cuda.is_available())
     optim = ALGORITHMS[cfg.algorithm].settings(cfg).optim
-    return ActorState.create(policy, optim, cfg.kl, cfg.seed, me, engine=cfg.rollout.engine)
+    return ActorState.create(policy, optim, cfg.kl, cfg.seed, me, rollout=cfg.rollout)
 
 
 def build_critic_trainer(cfg: RLHFConfig, checkpoint_dir: str | Path | None = None) -> CriticTrainer:
@@ -127,6 +127,8 @@ def execute(state: ActorState, cfg: RLHFConfig, command: dict, critic=None, rewa
         return save_actor(state, Path(command["dir"]))
     if op == "restore":
         return restore_actor(state, Path(command["dir"]))
+    if op == "refit":
+        return state.engine.update_weights(state.policy.engine_weights())
     raise ValueError(f"unknown actor command {op!r}")
 
 
@@ -203,6 +205,11 @@ class Leader:
 
     def restore(self, directory: Path) -> str | None:
         return self.run({"op": "restore", "dir": str(directory)})
+
+    def refit(self) -> None:
+        """The actor's current weights into an engine with its own copy (models/rollout/): before the first rollout
+        of a run, new or resumed; the step itself refits after every update."""
+        self.run({"op": "refit"})
 
 
 class RankFailed(RuntimeError):

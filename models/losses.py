@@ -8,13 +8,22 @@ from torch import Tensor
 from models.advantages import masked_mean, masked_var
 
 
-def ppo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ratio_eps: float = 0.2) -> tuple[Tensor, dict]:
-    """PPO clipped surrogate: mean over response tokens of max(-A*r, -A*clip(r, 1-eps, 1+eps))."""
+def tis_weights(old_logp: Tensor, engine_logp: Tensor, mask: Tensor, cap: float) -> Tensor:
+    """Truncated importance sampling weights [B, T]: min(pi_trainer_old / pi_engine, cap) per response token (0 off the
+    mask), for rollouts sampled by an engine with its own copy of the weights (veRL's and TRL's TIS). No gradient."""
+    return torch.exp(old_logp - engine_logp).clamp(max=cap).detach() * mask
+
+
+def ppo_policy_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, ratio_eps: float = 0.2,
+                    weights: Tensor | None = None) -> tuple[Tensor, dict]:
+    """PPO clipped surrogate: mean over response tokens of max(-A*r, -A*clip(r, 1-eps, 1+eps)), each token's term
+    times `weights` when given (truncated importance sampling: tis_weights)."""
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * torch.clamp(ratio, 1.0 - ratio_eps, 1.0 + ratio_eps)
-    loss = masked_mean(torch.maximum(unclipped, clipped), mask)
+    per_token = torch.maximum(unclipped, clipped)
+    loss = masked_mean(per_token if weights is None else per_token * weights, mask)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean((clipped > unclipped).float(), mask),
@@ -44,9 +53,11 @@ def entropy_bonus(entropy: Tensor, mask: Tensor, coef: float) -> Tensor:
     return -coef * masked_mean(entropy, mask)
 
 
-def reinforce_loss(logp: Tensor, advantages: Tensor, mask: Tensor) -> Tensor:
-    """REINFORCE with a baseline: mean over response tokens of -logp_t * (r_kl - b), one advantage per sequence [B]."""
-    return masked_mean(-logp * advantages.unsqueeze(1), mask)
+def reinforce_loss(logp: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor | None = None) -> Tensor:
+    """REINFORCE with a baseline: mean over response tokens of -logp_t * (r_kl - b), one advantage per sequence [B];
+    each token's term times `weights` when given (truncated importance sampling: tis_weights)."""
+    per_token = -logp * advantages.unsqueeze(1)
+    return masked_mean(per_token if weights is None else per_token * weights, mask)
 
 
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:

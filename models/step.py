@@ -22,6 +22,7 @@ from models.actor import ActorState, Timers, actor_update, common_metrics, rollo
 from models.algorithms import ALGORITHMS, Backends, StepData
 from models.config import RLHFConfig
 from models.distributed import Dist, leader_batch, scatter_rows
+from models.losses import tis_weights
 from models.reward import RewardFn
 from models.rollout.base import Rollout
 from models.update import micro_batches
@@ -50,7 +51,8 @@ def train_step(state: ActorState, prompts: list[str], cfg: RLHFConfig, backends:
     if batch is not None:
         chunks = micro_batches(len(batch["lengths"]), cfg.generation.micro_batch_size)
         collect = algorithm.request_scores(batch, chunks, backends)
-    old_logp, ref_logp = rollout_logprobs(policy, rollout, cfg, timers, me)
+    own_weights = not state.engine.shares_actor_weights
+    old_logp, ref_logp = rollout_logprobs(policy, rollout, cfg, timers, me, engine_weights=own_weights)
     with timers(algorithm.wait_phase):
         scored = scatter_rows(me, collect() if collect is not None else None,
                               batch["sizes"] if batch is not None else None)
@@ -59,8 +61,9 @@ def train_step(state: ActorState, prompts: list[str], cfg: RLHFConfig, backends:
     # 3. advantages: KL against the frozen reference, then the algorithm's estimator
     mask = rollout.response_mask
     kl_tokens, kl_seq = sequence_kl(old_logp, ref_logp, mask, cfg.kl.estimator)
+    tis = tis_weights(old_logp, rollout.sample_logprobs, mask, cfg.rollout.tis_cap) if own_weights else None
     data = StepData(rollout.tokens, mask, rollout.is_end, old_logp, scored, kl_tokens, state.kl_ctl.value, k, me,
-                    policy.pad_id)
+                    policy.pad_id, tis)
     adv = algorithm.advantages(data, settings)
 
     # 4. update: the critic (rank 0, async) while the actor trains; then the engine takes the new weights
@@ -73,7 +76,7 @@ def train_step(state: ActorState, prompts: list[str], cfg: RLHFConfig, backends:
     if algorithm.needs_critic:
         with timers("critic_train_wait"):
             critic_stats = algorithm.critic_stats(critic_future, me)
-    if not state.engine.shares_actor_weights:
+    if own_weights:
         with timers("refit"):
             state.engine.update_weights(policy.engine_weights())
 
@@ -91,8 +94,24 @@ def train_step(state: ActorState, prompts: list[str], cfg: RLHFConfig, backends:
         "val/ratio": train_stats["ratio"],
     })
     metrics.update(algorithm.metrics(data, adv, critic_stats))
+    if own_weights:
+        metrics.update(engine_mismatch(me, old_logp, rollout.sample_logprobs, mask, tis, cfg.rollout.tis_cap))
     state.kl_ctl.update(metrics["objective/kl"], len(prompts) * k)
     return metrics, sample_rows(mine, responses, adv.scores, gold)
+
+
+def engine_mismatch(me: Dist, old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,
+                    tis: torch.Tensor, cap: float) -> dict[str, float]:
+    """How far the engine's logprobs are from the trainer's on the same tokens (over every rank's response tokens),
+    and what truncated importance sampling did about it."""
+    diff = me.all_gather_cat(((old_logp - engine_logp).abs() * mask).flatten())
+    on = me.all_gather_cat(mask.flatten()) > 0
+    weights = me.all_gather_cat(tis.flatten())[on]
+    diff = diff[on]
+    return {"rollout/logprob_diff_mean": float(diff.mean()) if len(diff) else 0.0,
+            "rollout/logprob_diff_max": float(diff.max()) if len(diff) else 0.0,
+            "rollout/tis_weight_mean": float(weights.mean()) if len(weights) else 1.0,
+            "rollout/tis_capped_frac": float((weights >= cap).float().mean()) if len(weights) else 0.0}
 
 
 def rollouts_on_leader(me: Dist, rollout: Rollout, prompts: list[str], responses: list[str], pad_id: int) -> dict | None:

@@ -165,8 +165,9 @@ def _build_base(out: Path, seed: int, policy_steps: int, reward_steps: int, log)
         tokenizer = build_tokenizer()
         eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
 
-        # policy: next-token prediction on "prompt response <eos>"
-        policy = GPT2LMHeadModel(tiny_config(tokenizer))
+        # policy: next-token prediction on "prompt response <eos>"; 2 heads of 32, the smallest head vLLM's CPU
+        # attention serves (the vLLM rollout engine runs on this model too)
+        policy = GPT2LMHeadModel(tiny_config(tokenizer, n_head=2))
         rows = [tokenizer(f"{p} {r}")["input_ids"] + [eos] for p, r in sentiment.corpus(6000, seed=seed)]
         lm_loss = _fit(policy, rows, policy_steps, rng, pad, lambda ids, mask, _: policy(
             input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss)

@@ -9,6 +9,7 @@ import yaml
 
 from components.cli.options import parse_overrides
 from components.launch.ranks import actor_ranks
+from components.serving.rollout import local_rollout_server
 from models.config import load_config
 from models.loop import train_in_process
 from models.prepare import prepare_run
@@ -43,8 +44,14 @@ def cmd_train(args) -> int:
         print(f"[{cfg.algorithm}] iteration {i + 1}/{cfg.iterations}  gold {m.get('objective/gold_reward', float('nan')):+.3f}"
               f"  score {m['objective/scores']:+.3f}  kl {m['objective/kl']:.3f}  step {m['time/step']:.2f}s", flush=True)
 
-    with actor_ranks(cfg, cfg.resolved_state_dir() / "logs" / "train") as actor:
-        history = train_in_process(actor.cfg, show, actor)
+    log_dir = cfg.resolved_state_dir() / "logs" / "train"
+    with actor_ranks(cfg, log_dir) as actor, local_rollout_server(actor.cfg, actor, log_dir) as rollout_server:
+        try:
+            history = train_in_process(actor.cfg, show, actor)
+        except Exception as exc:
+            if rollout_server is not None and (death := rollout_server.death()):
+                raise RuntimeError(death) from exc  # name the server that went away, not the broken connection
+            raise
     if args.metrics_out:
         Path(args.metrics_out).write_text(json.dumps(history, indent=1))
     return 0

@@ -147,7 +147,8 @@ def _require_free(port: int, what: str) -> None:
                            f"(pass another port to `rlhf up`)")
 
 
-DEPLOYMENTS = ("ppo/default", "reinforce/default", "critic-server/default", "reward-server/default", "compare/default")
+DEPLOYMENTS = ("ppo/default", "reinforce/default", "critic-server/default", "reward-server/default",
+               "rollout-server/default", "compare/default")
 
 
 def _wait_deployments(api_url: str, pid: int, state: Path, timeout: float) -> None:

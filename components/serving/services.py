@@ -33,6 +33,7 @@ from prefect.variables import Variable
 from components.launch.processes import find_free_ports, port_block_free, wait_for
 from components.serving.clients import RewardClient, critic_backend, reward_backend
 from components.serving.launcher import ServerProcess, launch, wait_until_ready
+from components.serving.rollout import RolloutServer, connect, wait_health
 from components.serving.servers import ServerSpec
 from components.tracking.run import RunSession
 from models.algorithms import ALGORITHMS
@@ -77,17 +78,31 @@ class Scoring:
 
 
 @contextmanager
-def scoring_services(cfg: RLHFConfig, session: RunSession) -> Iterator[Scoring]:
-    """What the run's algorithm scores with: a critic (values, and rewards when it carries the reward model) and a
-    reward server unless the critic carries the reward model; without a critic, the reward server alone."""
-    if not ALGORITHMS[cfg.algorithm].needs_critic:
-        with reward_service(cfg, session) as reward:
-            yield Scoring([reward], reward=reward.backend)
+def scoring_services(cfg: RLHFConfig, session: RunSession, actor=None) -> Iterator[Scoring]:
+    """The servers of a run: a rollout server when the actor's engine holds its own weights (connected to `actor`,
+    given its weights), and what the algorithm scores with: a critic (values, and rewards when it carries the reward
+    model) and a reward server unless the critic carries the reward model; without a critic, the reward server alone."""
+    with rollout_service(cfg, session, actor) as rollout:
+        if not ALGORITHMS[cfg.algorithm].needs_critic:
+            with reward_service(cfg, session) as reward:
+                yield Scoring(rollout + [reward], reward=reward.backend)
+            return
+        with critic_service(cfg, session) as critic, \
+                reward_service(cfg, session, needed=not cfg.critic.combine_reward) as reward:
+            yield Scoring(rollout + [s for s in (critic, reward) if s is not None], critic=critic.backend,
+                          reward=reward.backend if reward else critic.reward)
+
+
+@contextmanager
+def rollout_service(cfg: RLHFConfig, session: RunSession, actor=None) -> Iterator[list[Service]]:
+    """[the rollout server] for an engine with its own weights (rollout.engine=vllm), else []: started (launch=local)
+    or deployed (launch=deployment), ready, connected to rank 0's engine and given the actor's weights."""
+    if actor is None or actor.state.engine.shares_actor_weights:
+        yield []
         return
-    with critic_service(cfg, session) as critic, \
-            reward_service(cfg, session, needed=not cfg.critic.combine_reward) as reward:
-        yield Scoring([s for s in (critic, reward) if s is not None], critic=critic.backend,
-                      reward=reward.backend if reward else critic.reward)
+    local = cfg.rollout.vllm.launch == "local"
+    with (_local_rollout if local else _deployment_rollout)(cfg, session, actor) as service:
+        yield [service]
 
 
 @contextmanager
@@ -204,6 +219,59 @@ def _local(kind: str, cfg: RLHFConfig, session: RunSession) -> Iterator[Service]
         get_run_logger().info(f"{kind} server stopped (pid {proc.pid}, exit code {code})")
 
 
+@task(name="deploy-rollout-server", cache_policy=NONE)
+def start_local_rollout_server(cfg: RLHFConfig, session: RunSession) -> RolloutServer:
+    server = RolloutServer(cfg, session.local_dir / "logs" / "rollout-server.log")
+    get_run_logger().info(f"rollout server starting: pid {server.pid}, {server.url}, log {server.log_path}")
+    return server
+
+
+@task(name="connect-rollout-engine", cache_policy=NONE)
+def connect_rollout_engine(actor, url: str, cfg: RLHFConfig):
+    """Rank 0's engine talks to the server; the actor's current weights (new, resumed, LoRA merged) go to it."""
+    client = connect(actor, url, cfg)
+    get_run_logger().info(f"rollout engine at {url} holds the actor's weights ({actor.state.engine.last_refit})")
+    return client
+
+
+@contextmanager
+def _local_rollout(cfg: RLHFConfig, session: RunSession, actor) -> Iterator[Service]:
+    server = start_local_rollout_server(cfg, session)
+    client = None
+    try:
+        wait_rollout_ready(server.url, cfg.rollout.vllm.ready_timeout_s, server)
+        client = connect_rollout_engine(actor, server.url, cfg)
+        yield Service("rollout server", client, server.death)
+    finally:
+        code = server.stop()
+        if client is not None:
+            client.close()
+        get_run_logger().info(f"rollout server stopped (pid {server.pid}, exit code {code})")
+
+
+@task(name="wait-until-ready", cache_policy=NONE)
+def wait_rollout_ready(url: str, timeout: float, server: Optional[RolloutServer] = None) -> None:
+    started = time.monotonic()
+    info = (server.wait_until_ready(timeout) if server is not None else wait_health(url, timeout))
+    get_run_logger().info(f"rollout server ready at {url} after {time.monotonic() - started:.1f}s: {info}")
+
+
+@contextmanager
+def _deployment_rollout(cfg: RLHFConfig, session: RunSession, actor) -> Iterator[Service]:
+    flow_run_id = start_deployment.with_options(name="deploy-rollout-server")("rollout", cfg, session)
+    client = None
+    try:
+        url = discover_address("rollout", flow_run_id, cfg.rollout.vllm.ready_timeout_s)
+        wait_rollout_ready(url, cfg.rollout.vllm.ready_timeout_s)
+        client = connect_rollout_engine(actor, url, cfg)
+        yield Service("rollout server", client, _flow_run_death("rollout", flow_run_id))
+    finally:
+        cancel_flow_run(flow_run_id)
+        if client is not None:
+            client.close()
+        get_run_logger().info(f"rollout server: cancelled flow run {flow_run_id}")
+
+
 # ------------------------------------------------------------------------------------------------ launch=deployment
 def address_variable(flow_run_id) -> str:
     return f"rlhf_server_{str(flow_run_id).replace('-', '')}"
@@ -275,6 +343,33 @@ def _deployment(kind: str, cfg: RLHFConfig, session: RunSession) -> Iterator[Ser
 
 
 # ------------------------------------------------------------------------------------------------ the server flow side
+def host_rollout_server(cfg: RLHFConfig) -> int:
+    """Body of rollout-server/default: start the vLLM rollout server, publish its address, serve until cancelled."""
+    logger = get_run_logger()
+    run_id = flow_run.get_id()
+    name = address_variable(run_id)
+    server = RolloutServer(cfg, cfg.resolved_state_dir() / "servers" / f"rollout-{run_id}" / "rollout-server.log")
+    try:
+        server.wait_until_ready(cfg.rollout.vllm.ready_timeout_s)
+        url = f"http://{advertised_host(cfg.rollout.vllm.host)}:{server.port}"
+        Variable.set(name, url, overwrite=True)
+        logger.info(f"rollout server ready at {url} (pid {server.pid}); serving until this flow run is cancelled")
+        wait_for(lambda: server.poll() is not None, None, poll_s=1.0)  # until the server exits, or we are cancelled
+        raise ServerDied(server.death())
+    finally:
+        server.stop()
+        try:
+            Variable.unset(name)
+        except Exception:  # noqa: BLE001 - best effort: the API may be going away with us
+            pass
+        logger.info("rollout server stopped")
+
+
+def advertised_host(bind: str) -> str:
+    """The address other pods reach a server bound to `bind` at."""
+    return os.environ.get(ADVERTISE_ENV) or (socket.gethostbyname(socket.gethostname()) if bind in ("0.0.0.0", "::") else bind)
+
+
 def host_server(kind: str, cfg: RLHFConfig, checkpoint_uri: Optional[str] = None,
                 restore_iteration: Optional[int] = None) -> int:
     """Body of critic-server/default and reward-server/default: serve until cancelled, publish the address.
@@ -295,9 +390,7 @@ def host_server(kind: str, cfg: RLHFConfig, checkpoint_uri: Optional[str] = None
     name = address_variable(run_id)
     try:
         proc.wait_until_ready(spec.section.ready_timeout_s)
-        host = os.environ.get(ADVERTISE_ENV) or (
-            socket.gethostbyname(socket.gethostname()) if spec.host in ("0.0.0.0", "::") else spec.host)
-        url = f"http://{host}:{spec.port}"
+        url = f"http://{advertised_host(spec.host)}:{spec.port}"
         Variable.set(name, url, overwrite=True)
         logger.info(f"{kind} server ready at {url} (pid {proc.pid}); serving until this flow run is cancelled")
         wait_for(lambda: proc.poll() is not None, None, poll_s=1.0)  # until the server exits, or we are cancelled

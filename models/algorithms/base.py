@@ -51,6 +51,7 @@ class StepData:
     samples_per_prompt: int
     me: Dist
     pad_id: int
+    tis: Tensor | None = None  # [B, L-1] truncated importance weights (engine with its own weights), None = all 1
 
 
 @dataclass

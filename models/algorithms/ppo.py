@@ -84,7 +84,8 @@ class PPO(Algorithm):
         """Clipped surrogate (+ entropy bonus) on the rows `idx`."""
         def loss_fn(logp, entropy, idx):
             m = data.mask[idx]
-            loss, stats = ppo_policy_loss(logp, data.old_logp[idx], adv.advantages[idx], m, settings.ratio_eps)
+            loss, stats = ppo_policy_loss(logp, data.old_logp[idx], adv.advantages[idx], m, settings.ratio_eps,
+                                         data.tis[idx] if data.tis is not None else None)
             if settings.entropy_coef > 0:
                 loss = loss + entropy_bonus(entropy, m, settings.entropy_coef)
             stats["loss"] = loss.detach()

@@ -70,17 +70,18 @@ class RLOO(Algorithm):
         """REINFORCE loss -logp * (r_kl - b). The first optimizer step is on-policy (ratio = 1, the gradient is exactly
         that of -logp * A); later minibatches/epochs reuse the samples, so the ratio to the behaviour policy is kept and
         clipped, as TRL's RLOO does (clip_eps=None: plain REINFORCE throughout)."""
-        advantages, mask, old_logp = adv.advantages, data.mask, data.old_logp
+        advantages, mask, old_logp, tis = adv.advantages, data.mask, data.old_logp, data.tis
 
         def loss_fn(logp, entropy, idx):
             m, a = mask[idx], advantages[idx].unsqueeze(1).expand_as(logp)
+            w = tis[idx] if tis is not None else None
             if settings.clip_eps is None:
-                loss = reinforce_loss(logp, advantages[idx], m)
+                loss = reinforce_loss(logp, advantages[idx], m, w)
                 log_ratio = logp.detach() - old_logp[idx]
                 stats = {"approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, m),
                          "ratio": masked_mean(log_ratio.exp(), m), "clipfrac": torch.zeros(())}
             else:
-                loss, stats = ppo_policy_loss(logp, old_logp[idx], a, m, settings.clip_eps)
+                loss, stats = ppo_policy_loss(logp, old_logp[idx], a, m, settings.clip_eps, w)
             stats.update(loss=loss.detach(), entropy=masked_mean(entropy.detach(), m))
             return loss, stats
         return loss_fn

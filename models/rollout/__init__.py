@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from models.rollout.base import Rollout, RolloutEngine
 from models.rollout.native import NativeEngine
+from models.rollout.vllm import VLLMEngine
 
-ENGINES = {"native": NativeEngine.for_policy}
-
-
-def build_engine(name: str, policy) -> RolloutEngine:
-    """The engine `name` for this rank's actor (`policy`: models/policy.Policy)."""
-    return ENGINES[name](policy)
+ENGINES = {"native": NativeEngine.for_policy, "vllm": VLLMEngine.for_policy}
 
 
-__all__ = ["ENGINES", "NativeEngine", "Rollout", "RolloutEngine", "build_engine"]
+def build_engine(rollout, policy) -> RolloutEngine:
+    """The engine of `rollout` (the config's RolloutConfig) for this rank's actor (`policy`: models/policy.Policy)."""
+    return ENGINES[rollout.engine](policy, rollout)
+
+
+__all__ = ["ENGINES", "NativeEngine", "Rollout", "RolloutEngine", "VLLMEngine", "build_engine"]

@@ -23,7 +23,7 @@ class NativeEngine:
         self.model, self.pad_id, self.stop_ids, self.device, self.dtype, self.me = model, pad_id, stop_ids, device, dtype, me
 
     @classmethod
-    def for_policy(cls, policy) -> "NativeEngine":
+    def for_policy(cls, policy, rollout=None) -> "NativeEngine":
         return cls(policy.model, policy.pad_id, policy.stop_ids, policy.device, policy.dtype, policy.me)
 
     @torch.no_grad()

@@ -203,6 +203,34 @@ def test_killed_critic_fails_the_run_and_a_rerun_resumes(local_stack):
     assert server_processes(s, str(run_dir)) == []
 
 
+def test_vllm_rollout_server_killed_fails_the_run_within_60s_and_a_rerun_resumes_from_the_checkpoint(local_stack):
+    """reinforce/default with rollout.engine=vllm: kill -9 of the rollout server fails the run within 60 s, naming it
+    with its exit code, and leaves nothing; the rerun resumes, and its server samples with the checkpointed actor
+    (the trainer's logprobs agree with the engine's on the first resumed iteration, while the actor had moved away
+    from the base checkpoint the server loads)."""
+    s = local_stack
+    latest = s["state_dir"] / "checkpoints" / "e2e-vllm" / "latest.json"
+    config = {"iterations": 200, "run_name": "e2e-vllm", "checkpoint": {"every": 2}, "rollout": {"engine": "vllm"}}
+    first = flow_run_id(deployment_run(s, "reinforce/default", config))
+    _wait_for(lambda: latest.exists() and json.loads(latest.read_text())["iteration"] >= 2, 300, "first checkpoint")
+    server = _wait_for(lambda: stack_processes(s, "components.serving.rollout_server"), 30, "rollout server")[0]
+    server.kill()
+    run = wait_final(s, first, timeout=60)  # a dead rollout server fails the run within 60 s
+    assert run["state"]["type"] == "FAILED"
+    assert re.search(r"rollout server \(pid \d+, http://[^)]+\) exited with code -9", run["state"]["message"] or ""), \
+        run["state"]["message"]
+    _wait_for(lambda: not stack_processes(s, "components.serving.rollout_server"), 30, "no rollout server left")
+    checkpointed = json.loads(latest.read_text())["iteration"]
+
+    rerun = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {**config, "iterations": checkpointed + 1})))
+    assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
+    client, mrun = mlflow_run(s, "e2e-vllm")
+    diff = {m.step: m.value for m in client.get_metric_history(mrun.info.run_id, "rollout/logprob_diff_max")}
+    kl = {m.step: m.value for m in client.get_metric_history(mrun.info.run_id, "objective/kl")}
+    assert diff[checkpointed + 1] < 1e-3 and kl[checkpointed + 1] > 1e-3, (diff, kl)
+    assert not stack_processes(s, "components.serving.rollout_server")
+
+
 def test_cancelled_run_leaves_no_critic_server(local_stack):
     s = local_stack
     run_dir = s["state_dir"] / "runs" / "e2e-cancel"

@@ -1,9 +1,11 @@
 """Loss functions: float64 references, textbook gradient signs, clipping engagement."""
 
+import math
+
 import pytest
 import torch
 
-from models.losses import entropy_bonus, explained_variance, ppo_policy_loss, reinforce_loss, value_loss
+from models.losses import entropy_bonus, explained_variance, ppo_policy_loss, reinforce_loss, tis_weights, value_loss
 
 
 def test_ppo_loss_matches_reference():
@@ -89,3 +91,48 @@ def test_explained_variance():
     assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
     assert explained_variance(torch.zeros_like(returns) + 2.5, returns, mask).item() == pytest.approx(0.0, abs=1e-12)
     assert explained_variance(0.5 * returns, returns, mask).item() == pytest.approx(0.75)
+
+
+def test_truncated_importance_sampling_matches_reference():
+    """TIS: each token's weight is min(pi_trainer_old / pi_engine, cap), no gradient; the PPO and REINFORCE losses
+    weight each token's term by it, computed here from scratch in float64 one token at a time."""
+    gen = torch.Generator().manual_seed(4)
+    old = -torch.rand(3, 6, generator=gen, dtype=torch.float64) * 3
+    engine = old + 0.8 * torch.randn(3, 6, generator=gen, dtype=torch.float64)  # wide: some weights hit the cap
+    logp = (old + 0.1 * torch.randn(3, 6, generator=gen, dtype=torch.float64)).requires_grad_()
+    adv = torch.randn(3, 6, generator=gen, dtype=torch.float64)
+    seq_adv = torch.randn(3, generator=gen, dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1], [1, 1, 0, 0, 0, 0]], dtype=torch.float64)
+    cap = 1.2
+    w = tis_weights(old, engine, mask, cap)
+    assert not w.requires_grad
+    ppo_terms, rf_terms, capped = [], [], 0
+    for b in range(3):
+        for t in range(6):
+            if mask[b, t] == 0:
+                assert w[b, t].item() == 0.0
+                continue
+            weight = min(math.exp(old[b, t].item() - engine[b, t].item()), cap)
+            capped += weight == cap
+            assert w[b, t].item() == pytest.approx(weight, rel=1e-12)
+            r, a = math.exp(logp[b, t].item() - old[b, t].item()), adv[b, t].item()
+            ppo_terms.append(weight * max(-a * r, -a * min(max(r, 0.8), 1.2)))
+            rf_terms.append(weight * -logp[b, t].item() * seq_adv[b].item())
+    assert 0 < capped < len(ppo_terms)  # the cap is exercised, and not everywhere
+    loss, _ = ppo_policy_loss(logp, old, adv, mask, 0.2, w)
+    assert loss.item() == pytest.approx(sum(ppo_terms) / len(ppo_terms), rel=1e-12)
+    assert reinforce_loss(logp, seq_adv, mask, w).item() == pytest.approx(sum(rf_terms) / len(rf_terms), rel=1e-12)
+    # the gradient flows through logp only, scaled per token by the weight
+    reinforce_loss(logp, seq_adv, mask, w).backward()
+    expected = -(w * seq_adv.unsqueeze(1)) / mask.sum()
+    torch.testing.assert_close(logp.grad, expected * mask, rtol=1e-12, atol=0)
+
+
+def test_weights_of_one_change_nothing():
+    """The native engine samples with the trainer's weights: its weight would be exactly 1, and the step passes none;
+    a weight of ones gives the same loss as no weight."""
+    gen = torch.Generator().manual_seed(5)
+    old = -torch.rand(2, 4, generator=gen)
+    logp, adv, mask = old + 0.1, torch.randn(2, 4, generator=gen), torch.ones(2, 4)
+    assert torch.equal(tis_weights(old, old, mask, 2.0), torch.ones(2, 4))
+    assert torch.equal(ppo_policy_loss(logp, old, adv, mask, 0.2, torch.ones(2, 4))[0], ppo_policy_loss(logp, old, adv, mask, 0.2)[0])
