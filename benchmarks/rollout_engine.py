@@ -56,10 +56,10 @@ def time_generation(engine, prompt_ids, gen, generator) -> dict:
     return {"seconds": seconds, "tokens": int(rollout.response_lengths.sum())}
 
 
-def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list[str]) -> dict:
+def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list[str], new_tokens: int) -> dict:
     policy = Policy.load(model_dir, dtype=dtype)
     ids = policy.encode_prompts(prompts)
-    gen = cfg.generation.model_copy(update={"max_new_tokens": 64, "temperature": 1.0})
+    gen = cfg.generation.model_copy(update={"max_new_tokens": new_tokens, "temperature": 1.0})
     native = NativeEngine.for_policy(policy)
     vcfg = merge(cfg, {"model.policy": model_dir, "rollout.vllm.dtype": dtype})
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as logs, RolloutServer(vcfg, Path(logs) / "server.log") as server:
@@ -95,17 +95,16 @@ def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list
     return case
 
 
-def rloo_iteration(reps: int) -> dict:
-    """Whole RLOO iterations on the tiny policy with 64-token responses, native vs vLLM, alternating."""
-    times = {"native": [], "vllm": []}
-    refit_share = []
-    states = {}
-    servers = []
+def rloo_iteration(model_dir: str, reps: int) -> dict:
+    """Whole RLOO iterations (8 prompts x 4 samples, 64-token responses, reward from the gold function, float32) with
+    each engine, alternating, after one warm-up iteration each."""
+    times, refit_share, refit_s, states, servers = {"native": [], "vllm": []}, [], [], {}, []
     try:
         for engine in ("native", "vllm"):
-            cfg = tiny_config(algorithm="rloo", **{"generation.max_new_tokens": 64, "rollout.engine": engine,
-                                                   "reward.source": "function",
-                                                   "reward.function": "models.tasks.sentiment:gold_reward"})
+            cfg = tiny_config(algorithm="rloo", **{
+                "model.policy": model_dir, "generation.max_new_tokens": 64, "rollout.engine": engine,
+                "reinforce.rollout_batch_size": 8, "reward.source": "function",
+                "reward.function": "models.tasks.sentiment:gold_reward"})
             actor = Leader(cfg, build_actor(cfg))
             if engine == "vllm":
                 server = RolloutServer(cfg, Path(tempfile.mkdtemp(prefix="rollout-bench-")) / "server.log")
@@ -122,15 +121,19 @@ def rloo_iteration(reps: int) -> dict:
                 seconds = time.perf_counter() - start
                 if rep == 0:
                     continue  # warm-up
-                times[engine].append(seconds)
+                times[engine].append({"seconds": seconds, "generate_s": metrics["time/generate"]})
                 if engine == "vllm":
+                    refit_s.append(metrics["time/refit"])
                     refit_share.append(metrics["time/refit"] / metrics["time/step"])
     finally:
         for server in servers:
             server.stop()
-    result = {"native_seconds_per_iteration": stats(times["native"]), "vllm_seconds_per_iteration": stats(times["vllm"]),
-              "time_ratio_vllm_over_native": stats(times["vllm"])["median"] / stats(times["native"])["median"],
-              "refit_share_of_iteration": stats(refit_share)}
+    result = {"model": model_dir, "prompts": 8, "samples_per_prompt": 4, "max_new_tokens": 64, "dtype": "float32",
+              **{f"{side}_seconds_per_iteration": stats([r["seconds"] for r in rs]) for side, rs in times.items()},
+              **{f"{side}_generate_seconds": stats([r["generate_s"] for r in rs]) for side, rs in times.items()},
+              "refit_seconds": stats(refit_s), "refit_share_of_iteration": stats(refit_share)}
+    result["time_ratio_vllm_over_native"] = (result["vllm_seconds_per_iteration"]["median"]
+                                             / result["native_seconds_per_iteration"]["median"])
     log(f"RLOO iteration (64-token responses): native {result['native_seconds_per_iteration']['median']:.2f}s, vLLM "
         f"{result['vllm_seconds_per_iteration']['median']:.2f}s, refit {100 * result['refit_share_of_iteration']['median']:.1f}% of it")
     return result
@@ -145,13 +148,15 @@ def main(argv=None) -> dict:
     models = {}
     with tempfile.TemporaryDirectory(prefix="rollout-bench-model-") as tmp:
         params = build_random_model(Path(tmp), tiny)
-        models["qwen2_110m_random"] = {"parameters": params, "cases": [
-            compare_generation(cfg, tmp, dtype, reps, prompts) for dtype in ("float32", "bfloat16")]}
-    models["tiny"] = {"parameters": sum(p.numel() for p in Policy.load(tiny).model.parameters()),
-                      "cases": [compare_generation(cfg, tiny, dtype, reps, prompts) for dtype in ("float32", "bfloat16")]}
+        models["qwen2_110m_random"] = {"parameters": params, "max_new_tokens": 64, "cases": [
+            compare_generation(cfg, tmp, dtype, reps, prompts, 64) for dtype in ("float32", "bfloat16")]}
+        iteration = rloo_iteration(tmp, reps)
+    # the tiny policy has 64 positions: 16 new tokens (its default)
+    models["tiny"] = {"parameters": sum(p.numel() for p in Policy.load(tiny).model.parameters()), "max_new_tokens": 16,
+                      "cases": [compare_generation(cfg, tiny, dtype, reps, prompts, 16) for dtype in ("float32", "bfloat16")]}
     result = {"quick": quick, "what": "rollout engines: native KV-cache loop vs the vLLM rollout server",
               "repetitions": {"reps_per_side_per_case": reps, "warmup_per_side": 1, "order": "alternating"},
-              "models": models, "rloo_iteration_tiny_64_tokens": rloo_iteration(reps)}
+              "models": models, "rloo_iteration_qwen2_110m_64_tokens": iteration}
     write_result("rollout_engine", result)
     return result
 

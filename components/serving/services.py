@@ -20,7 +20,7 @@ import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, NoReturn, Optional
 
 import torch
 from prefect import get_client, get_run_logger, task
@@ -345,24 +345,32 @@ def _deployment(kind: str, cfg: RLHFConfig, session: RunSession) -> Iterator[Ser
 # ------------------------------------------------------------------------------------------------ the server flow side
 def host_rollout_server(cfg: RLHFConfig) -> int:
     """Body of rollout-server/default: start the vLLM rollout server, publish its address, serve until cancelled."""
-    logger = get_run_logger()
     run_id = flow_run.get_id()
-    name = address_variable(run_id)
     server = RolloutServer(cfg, cfg.resolved_state_dir() / "servers" / f"rollout-{run_id}" / "rollout-server.log")
     try:
         server.wait_until_ready(cfg.rollout.vllm.ready_timeout_s)
-        url = f"http://{advertised_host(cfg.rollout.vllm.host)}:{server.port}"
-        Variable.set(name, url, overwrite=True)
-        logger.info(f"rollout server ready at {url} (pid {server.pid}); serving until this flow run is cancelled")
-        wait_for(lambda: server.poll() is not None, None, poll_s=1.0)  # until the server exits, or we are cancelled
-        raise ServerDied(server.death())
+        serve_published("rollout", server, f"http://{advertised_host(cfg.rollout.vllm.host)}:{server.port}",
+                        server.death)
     finally:
         server.stop()
+        get_run_logger().info("rollout server stopped")
+
+
+def serve_published(kind: str, process, url: str, describe_death: Callable[[], Optional[str]]) -> NoReturn:
+    """Publish a ready server's `url` for the flow run that deployed this one (a Prefect variable named after this
+    flow run), then wait until the server exits (a failure) or this flow run is cancelled; unpublish either way."""
+    name = address_variable(flow_run.get_id())
+    try:
+        Variable.set(name, url, overwrite=True)
+        get_run_logger().info(f"{kind} server ready at {url} (pid {process.pid}); serving until this flow run is "
+                              f"cancelled")
+        wait_for(lambda: process.poll() is not None, None, poll_s=1.0)  # until the server exits, or we are cancelled
+        raise ServerDied(describe_death())
+    finally:
         try:
             Variable.unset(name)
         except Exception:  # noqa: BLE001 - best effort: the API may be going away with us
             pass
-        logger.info("rollout server stopped")
 
 
 def advertised_host(bind: str) -> str:
@@ -387,19 +395,10 @@ def host_server(kind: str, cfg: RLHFConfig, checkpoint_uri: Optional[str] = None
                   "restore_iteration": restore_iteration}
     spec = server_spec(kind, cfg, **fields)
     proc = launch(spec, server_dir / f"{kind}-server.log", wait=False)
-    name = address_variable(run_id)
     try:
         proc.wait_until_ready(spec.section.ready_timeout_s)
-        url = f"http://{advertised_host(spec.host)}:{spec.port}"
-        Variable.set(name, url, overwrite=True)
-        logger.info(f"{kind} server ready at {url} (pid {proc.pid}); serving until this flow run is cancelled")
-        wait_for(lambda: proc.poll() is not None, None, poll_s=1.0)  # until the server exits, or we are cancelled
-        raise ServerDied(_death(kind, proc)())
+        serve_published(kind, proc, f"http://{advertised_host(spec.host)}:{spec.port}", _death(kind, proc))
     finally:
         proc.stop()
-        try:
-            Variable.unset(name)
-        except Exception:  # noqa: BLE001 - best effort: the API may be going away with us
-            pass
         shutil.rmtree(server_dir / "critic", ignore_errors=True)  # every save is in the store
         logger.info(f"{kind} server stopped")

@@ -27,6 +27,9 @@ from models.distributed import SINGLE, Dist
 from models.rollout.base import Rollout, right_pad
 
 
+CHUNK = 4 << 20  # bytes per piece of a streamed weight update
+
+
 class EngineRequestError(RuntimeError):
     """The rollout server refused a request (4xx) or failed it (5xx); the message carries its reason."""
 
@@ -45,8 +48,13 @@ class RolloutClient:
         return self._check(self.http.post("/generate", json=body))
 
     def update_weights(self, blob: bytes, version: int) -> dict:
-        return self._check(self.http.post("/update_weights", params={"version": version}, content=blob,
-                                          headers={"content-type": "application/octet-stream"}))
+        """POST the safetensors bytes, streamed in 4 MiB pieces: httpx sends one bytes body through h11 at ~50 MB/s
+        (10 s for a 110M-parameter model in float32 on this CPU), an iterator of large pieces at memory speed."""
+        view = memoryview(blob)
+        pieces = (bytes(view[i:i + CHUNK]) for i in range(0, len(blob), CHUNK))
+        return self._check(self.http.post("/update_weights", params={"version": version}, content=pieces,
+                                          headers={"content-type": "application/octet-stream",
+                                                   "content-length": str(len(blob))}))
 
     def _check(self, response: httpx.Response) -> dict:
         if response.status_code >= 400:
