@@ -34,7 +34,9 @@ def local_stack(tmp_path_factory, tiny_dir):
         # 10 s: ~20 runs here, each of which would otherwise wait 5 s on average before it starts.
         mp.setenv("PREFECT_RUNNER_POLL_FREQUENCY", "1")
         urls = stack.up(state_dir, prefect_port, mlflow_port, set_profile=False, log=lambda *_: None)
-    env = stack.base_env(state_dir, prefect_port, mlflow_port)
+    # the prefect CLI prints through Rich, which wraps lines at $COLUMNS (80 without a terminal), e.g. a watched run's
+    # log line after a prefix holding the flow run's random name: text the tests look for could break anywhere
+    env = {**stack.base_env(state_dir, prefect_port, mlflow_port), "COLUMNS": "1000"}
     yield {"state_dir": state_dir, "urls": urls, "env": env, "api": env["PREFECT_API_URL"],
            "ports": (prefect_port, mlflow_port)}
     stack.down(state_dir, log=lambda *_: None)
@@ -274,7 +276,8 @@ def test_a_failed_run_says_why_in_its_state_and_in_the_watch_output(local_stack)
     message = run["state"]["message"]
     assert run["state"]["type"] == "FAILED" and "\n" not in message
     assert "RunFailed: FileNotFoundError: model.policy: model path '/no/such/policy' does not exist" in message
-    assert "model.policy: model path '/no/such/policy' does not exist" in proc.stdout  # the watch shows the reason
+    watch = " ".join(proc.stdout.split())
+    assert "model.policy: model path '/no/such/policy' does not exist" in watch  # the watch shows the reason
 
 
 def actor_followers(s) -> list[psutil.Process]:
