@@ -145,7 +145,7 @@ class VLLMConfig(Section):
     launch: Literal["local", "deployment"] = Field("local", description="Where the server runs: 'local' = a child process of the flow (own process group, stopped with it); 'deployment' = the rollout-server/default Prefect deployment (its own GPU node on a cluster).")
     python: str = Field(".venv-vllm/bin/python", description="Interpreter of the server's environment (`make vllm-venv`; an image with `vllm` on a cluster). Relative paths resolve against the project root.")
     host: str = Field("127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
-    port: int = Field(8600, ge=1, le=65535, description="HTTP port of the server; a busy port makes a local server pick a free one.")
+    port: int = Field(8600, ge=0, le=65535, description="HTTP port of the server; a busy port (or 0) makes a local server pick a free one.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the engine's weights and compute; the weights sent at each refit are cast to it.")
     max_model_len: Optional[PositiveInt] = Field(None, description="Longest prompt + response the engine accepts (its KV cache is sized for it); None = the model's own limit (max_position_embeddings).")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV-cache space in GiB on a CPU host (VLLM_CPU_KVCACHE_SPACE).")

@@ -108,6 +108,7 @@ def prefix_rewards(text: str) -> list[float]:
     return [sentiment.gold_reward([""], [text[:i]])[0] if c == " " else float("nan") for i, c in enumerate(text + " ")]
 
 
+VERSION = 2  # of the embedded default's recipe; bump when a rebuild must replace existing builds (2: policy 2 heads x 32)
 BASE = ("policy", "reward", "critic")  # built together: the reward model's data follow the policy's in one stream
 CHARS = "reward-chars"  # built only when named, from a random stream of its own
 NAMES = BASE + (CHARS,)
@@ -143,7 +144,7 @@ def build_tiny(out: str | Path, seed: int = 0, policy_steps: int | None = None, 
     reward_steps = DEFAULT_STEPS if reward_steps is None else reward_steps
     out = Path(out)
     started = time.time()
-    info: dict = {"seed": seed, "policy_steps": policy_steps, "reward_steps": reward_steps}
+    info: dict = {"version": VERSION, "seed": seed, "policy_steps": policy_steps, "reward_steps": reward_steps}
     built: list[str] = []
     if names & set(BASE):
         info.update(_build_base(out, seed, policy_steps, reward_steps, log))
@@ -256,6 +257,15 @@ def _locked(path: Path):
         yield
 
 
+def is_current(out: Path) -> bool:
+    """Whether `out` holds a complete base build of this VERSION (an older build, e.g. the 4-head policy that vLLM
+    cannot serve, is rebuilt)."""
+    try:
+        return json.loads((out / "tiny.json").read_text()).get("version") == VERSION
+    except (OSError, ValueError):
+        return False
+
+
 def ensure_tiny(out: str | Path, names: Iterable[str] = BASE, seed: int = 0, log=print) -> Path:
     """Build the named models of the embedded default under `out` unless they are there: once, even when several runs
     start together. Returns `out`.
@@ -268,7 +278,7 @@ def ensure_tiny(out: str | Path, names: Iterable[str] = BASE, seed: int = 0, log
     """
     out = Path(out)
     names = _names(names)
-    if names & set(BASE) and not (out / "tiny.json").exists():
+    if names & set(BASE) and not is_current(out):
         _ensure_base(out, seed, log)
     if CHARS in names and not (out / CHARS).exists():
         _ensure_reward_chars(out, seed, log)
@@ -278,7 +288,7 @@ def ensure_tiny(out: str | Path, names: Iterable[str] = BASE, seed: int = 0, log
 def _ensure_base(out: Path, seed: int, log) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with _locked(out.parent / f".{out.name}.lock"):
-        if (out / "tiny.json").exists():  # another process built it while we waited
+        if is_current(out):  # another process built it while we waited
             return
         log(f"building the embedded default models (tiny policy, reward, critic) in {out} (once, ~40 s)")
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

@@ -11,6 +11,7 @@ named with its exit code and log tail, within `settle_s`, by `death()`, which th
 
 from __future__ import annotations
 
+import secrets
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator, Optional
@@ -61,14 +62,14 @@ def server_env(cfg: RLHFConfig) -> dict[str, str]:
 
 
 def free_port(host: str, preferred: int) -> int:
-    """The configured port if free, else a free one (two runs on one machine must not collide)."""
+    """The configured port if free, else (or for 0) a free one (two runs on one machine must not collide)."""
     bind = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return preferred if port_block_free(bind, preferred, 1) else find_free_ports(bind, count=1)
+    return preferred if preferred and port_block_free(bind, preferred, 1) else find_free_ports(bind, count=1)
 
 
-def wait_health(url: str, timeout: float, process: Optional[ChildProcess] = None) -> dict:
+def wait_health(url: str, timeout: float, process: Optional[ChildProcess] = None, instance: Optional[str] = None) -> dict:
     """Poll GET /health until it answers 200 and return its answer; fail early, with the log tail, if `process` (the
-    server, when it is our child) exits first."""
+    server, when it is our child) exits first, or if another server (not `instance`) answers at `url`."""
     last = ["nothing listening yet"]
 
     def ready():
@@ -78,7 +79,11 @@ def wait_health(url: str, timeout: float, process: Optional[ChildProcess] = None
         try:
             response = httpx.get(f"{url}/health", timeout=2.0)
             if response.status_code == 200:
-                return response.json()
+                info = response.json()
+                if instance is not None and info.get("instance") != instance:
+                    raise RolloutServerNotReady(f"another rollout server answers at {url} (not the one started "
+                                                f"here, pid {process.pid if process else '?'}): its port was taken")
+                return info
             last[0] = f"/health answered {response.status_code}"
         except httpx.HTTPError as exc:
             last[0] = f"{type(exc).__name__}: {exc}"
@@ -102,19 +107,28 @@ class RolloutServer(ChildProcess):
         self.port = free_port(host, v.port)
         connect = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         self.url = f"http://{connect}:{self.port}"
-        super().__init__(server_argv(cfg, self.port, host), log_path, server_env(cfg))
+        self.instance = secrets.token_hex(8)
+        super().__init__(server_argv(cfg, self.port, host) + ["--instance", self.instance], log_path, server_env(cfg))
 
     def wait_until_ready(self, timeout: float) -> dict:
-        return wait_health(self.url, timeout, self)
+        return wait_health(self.url, timeout, self, self.instance)
 
     def death(self, settle_s: float = 20.0) -> Optional[str]:
         """A message naming the server, its exit code and log tail if it is gone (else None); called after a request
         failed: a killed server drops its connections a moment before its exit is seen."""
+        if self.poll() is None and self.answers():
+            return None  # alive and serving: the failure was not this server's
         wait_for(lambda: self.poll() is not None, settle_s)
         if (code := self.poll()) is None:
             return None
         return (f"rollout server (pid {self.pid}, {self.url}) exited with code {code}; last lines of {self.log_path}:"
                 f"\n{self.tail()}")
+
+    def answers(self) -> bool:
+        try:
+            return httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200
+        except httpx.HTTPError:
+            return False
 
     def __enter__(self) -> "RolloutServer":
         return self
@@ -126,8 +140,12 @@ class RolloutServer(ChildProcess):
 def connect(actor, url: str, cfg: RLHFConfig) -> RolloutClient:
     """Point rank 0's engine at the server and send it the actor's current weights (all ranks gather them)."""
     client = RolloutClient(url, cfg.rollout.vllm.request_timeout_s)
-    actor.state.engine.connect(client)
-    actor.refit()
+    try:
+        actor.state.engine.connect(client)
+        actor.refit()
+    except BaseException:
+        client.close()
+        raise
     return client
 
 

@@ -27,6 +27,7 @@ import argparse
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -69,7 +70,9 @@ class Engine:
     """vllm.LLM plus the checks and the weights version; one lock orders generations and weight updates."""
 
     def __init__(self, model: str, dtype: str, max_model_len: Optional[int], seed: int, enforce_eager: bool,
-                 gpu_memory_utilization: float, initial_version: int):
+                 gpu_memory_utilization: float, initial_version: int, instance: str = ""):
+        self.instance = instance  # the launcher's token, echoed by /health: it knows it reached its own server
+        self.broken: Optional[str] = None  # why the weights are inconsistent (a failed update), until the next one
         self.model_dir = model
         self.llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
                        gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
@@ -86,8 +89,8 @@ class Engine:
         self.lock = threading.Lock()
 
     def describe(self) -> dict:
-        return {"status": "ok", "model": self.model_dir, "weights_version": self.version,
-                "vocab_size": self.vocab_size, "max_model_len": self.max_model_len}
+        return {"status": "ok", "model": self.model_dir, "weights_version": self.version, "instance": self.instance,
+                "vocab_size": self.vocab_size, "max_model_len": self.max_model_len, "broken": self.broken}
 
     def generate(self, req: GenerateRequest) -> dict:
         for i, ids in enumerate(req.prompt_token_ids):
@@ -111,6 +114,9 @@ class Engine:
                   for i in range(len(req.prompt_token_ids))]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req.prompt_token_ids]
         with self.lock:
+            if self.broken:
+                raise HTTPException(503, f"weights: inconsistent after a failed update ({self.broken}); send a full "
+                                         f"update before generating")
             if req.expected_version is not None and req.expected_version != self.version:
                 raise HTTPException(409, f"expected_version: the engine holds weights version {self.version}, "
                                          f"not {req.expected_version}")
@@ -139,10 +145,17 @@ class Engine:
                                      + (f"; unknown {unknown[:5]}" if unknown else ""))
         started = time.perf_counter()
         with self.lock:
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items()),
-                                                              "is_checkpoint_format": True})
-            self.llm.reset_prefix_cache()  # mandatory: cached KV of the old weights would be reused
-            self.version = version
+            try:
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items()),
+                                                                  "is_checkpoint_format": True})
+                del weights
+                if not self.llm.reset_prefix_cache():  # mandatory: cached KV of the old weights would be reused
+                    raise RuntimeError("the prefix cache could not be reset")
+            except Exception as exc:  # noqa: BLE001 - some weights may be new, some old: refuse to sample
+                self.broken = f"update to version {version} failed: {type(exc).__name__}: {exc}"
+                log.exception(self.broken)
+                raise HTTPException(500, f"body: {self.broken}") from None
+            self.version, self.broken = version, None
         return {"weights_version": version, "seconds": time.perf_counter() - started}
 
 
@@ -191,13 +204,22 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--initial-version", type=int, default=0)
+    parser.add_argument("--instance", default="", help="Token echoed by /health (the launcher checks it).")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    # the port first, before the model loads: a port taken by someone else fails at once, naming it
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        log.error(f"--port: cannot bind {args.host}:{args.port}: {exc.strerror or exc}")
+        raise SystemExit(2) from None
     started = time.perf_counter()
     engine = Engine(args.model, args.dtype, args.max_model_len, args.seed, args.enforce_eager,
-                    args.gpu_memory_utilization, args.initial_version)
+                    args.gpu_memory_utilization, args.initial_version, args.instance)
     log.info(f"engine loaded in {time.perf_counter() - started:.1f}s: {json.dumps(engine.describe())}")
-    uvicorn.run(build_app(engine), host=args.host, port=args.port, log_level="warning")
+    uvicorn.Server(uvicorn.Config(build_app(engine), log_level="warning")).run(sockets=[sock])
 
 
 if __name__ == "__main__":

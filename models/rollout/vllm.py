@@ -111,19 +111,29 @@ class VLLMEngine:
 
     def generate(self, prompt_ids: list[list[int]], gen, generator: torch.Generator | None = None) -> Rollout:
         """Sample every rank's prompts in one request from rank 0; each rank gets back its own rows."""
-        if min(len(p) for p in prompt_ids) == 0:
-            raise ValueError("prompts: every prompt must have at least one token")
         everyone = self.me.gather_object(prompt_ids)
         per_rank = None
         if everyone is not None:
-            flat = [p for part in everyone for p in part]
-            seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
-            rows = self.sample(flat, gen, seed)
-            sizes, start, per_rank = [len(part) for part in everyone], 0, []
-            for size in sizes:
-                per_rank.append(rows[start:start + size])
-                start += size
+            try:
+                flat = [p for part in everyone for p in part]
+                if min(len(p) for p in flat) == 0:
+                    raise ValueError("prompts: every prompt must have at least one token")
+                seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
+                rows = self.sample(flat, gen, seed)
+                sizes, start, per_rank = [len(part) for part in everyone], 0, []
+                for size in sizes:
+                    per_rank.append(rows[start:start + size])
+                    start += size
+            except Exception as exc:  # noqa: BLE001 - every rank must leave the scatter, then all raise
+                if not self.me.active:
+                    raise
+                failure = exc
+                per_rank = [{"error": f"{type(exc).__name__}: {exc}"}] * self.me.world_size
         mine = self.me.scatter_object(per_rank)
+        if isinstance(mine, dict):
+            if self.me.is_leader:
+                raise failure
+            raise EngineRequestError(f"rank 0 could not sample from the rollout server: {mine['error']}")
         width = max(len(r["token_ids"]) for r in mine)
         new_tokens = torch.full((len(mine), width), self.pad_id, dtype=torch.long)
         new_logps = torch.zeros((len(mine), width))

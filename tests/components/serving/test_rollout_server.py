@@ -20,7 +20,7 @@ from models.tasks import sentiment
 
 def config(tiny_models, tmp_path, **vllm) -> RLHFConfig:
     return RLHFConfig.model_validate({"state_dir": str(tmp_path), "model": {"policy": tiny_models["policy"]},
-                                      "rollout": {"engine": "vllm", "vllm": vllm}})
+                                      "rollout": {"engine": "vllm", "vllm": {"port": 0, **vllm}}})  # any free port
 
 
 @pytest.fixture(scope="module")
@@ -123,9 +123,10 @@ def test_a_skipped_refit_is_caught_by_the_mismatch_metric(engine, tiny_models):
     policy = Policy.load(tiny_models["policy"])
     prompts = policy.encode_prompts(sentiment.prompts(8))
     gen = GenerationConfig(max_new_tokens=10)
+    torch.manual_seed(1)
     with torch.no_grad():
         for param in policy.model.parameters():
-            param.add_(torch.randn_like(param, generator=None) * 0.05)
+            param.add_(torch.randn_like(param) * 0.05)
     stale = engine.generate(prompts, gen, torch.Generator().manual_seed(1))  # refit skipped on purpose
     engine.update_weights(policy.engine_weights())
     fresh = engine.generate(prompts, gen, torch.Generator().manual_seed(1))
