@@ -227,11 +227,12 @@ def test_vllm_rollout_server_killed_fails_the_run_within_60s_and_a_rerun_resumes
     rerun = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {**config, "iterations": checkpointed + 1})))
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     client, mrun = mlflow_run(s, "e2e-vllm")
-    def latest(key):  # the killed run may have logged the same step before the rerun did: the rerun's is the last
+
+    def last_values(key):  # the killed run may have logged the same step before the rerun did: the rerun's is the last
         return {m.step: m.value for m in sorted(client.get_metric_history(mrun.info.run_id, key),
                                                 key=lambda m: m.timestamp)}
 
-    diff, kl = latest("rollout/logprob_diff_max"), latest("objective/kl")
+    diff, kl = last_values("rollout/logprob_diff_max"), last_values("objective/kl")
     assert diff[checkpointed + 1] < 1e-3 and kl[checkpointed + 1] > 1e-3, (diff, kl)
     assert not stack_processes(s, "components.serving.rollout_server")
 

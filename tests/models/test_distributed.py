@@ -3,6 +3,7 @@ loop, one PPO and one RLOO update on fixed rollouts, and the pieces they rest on
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -100,6 +101,22 @@ def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
         for name in weights:
             assert torch.equal(engine[name], weights[name]), name
         assert torch.equal(engine["lm_head.weight"], engine["transformer.wte.weight"])  # tied
+
+
+def test_a_rollout_failure_on_rank_0_reaches_every_rank(tmp_path):
+    """rollout.engine=vllm on 2 ranks: rank 0 alone talks to the rollout server. When its request fails (here: nothing
+    listens at the URL), rank 0 raises the cause and rank 1 raises an error naming rank 0's, instead of waiting in
+    the scatter until the process group times out."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(_free_port()), str(SCRIPT.with_name("dist_engine_error.py")),
+                           f"http://127.0.0.1:{_free_port()}", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0["type"] == "ConnectError", rank0
+    assert rank1["type"] == "EngineRequestError", rank1
+    assert rank1["message"].startswith("rank 0 could not sample from the rollout server: ConnectError"), rank1
 
 
 def _free_port() -> int:

@@ -1,0 +1,34 @@
+"""Two ranks sample through one VLLMEngine whose rollout server cannot be reached (run under torchrun by
+tests/models/test_distributed.py): each rank writes what it raised, so the test sees that rank 0's failure reached
+every rank instead of leaving rank 1 waiting in the scatter.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/models/dist_engine_error.py URL OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from models import distributed  # noqa: E402
+from models.config import GenerationConfig  # noqa: E402
+from models.rollout.vllm import RolloutClient, VLLMEngine  # noqa: E402
+
+if __name__ == "__main__":
+    url, out = sys.argv[1], Path(sys.argv[2])
+    me = distributed.init(distributed.from_env(), "gloo", 60, torch.device("cpu"))
+    engine = VLLMEngine(pad_id=0, stop_ids=torch.tensor([1]), me=me)
+    if me.is_leader:
+        engine.connect(RolloutClient(url, timeout_s=10))
+    try:
+        engine.generate([[5, 6, 7]] * (me.rank + 1), GenerationConfig(), torch.Generator().manual_seed(0))
+        raised = None
+    except Exception as exc:  # noqa: BLE001 - recorded for the test
+        raised = {"type": type(exc).__name__, "message": str(exc)}
+    (out / f"rank{me.rank}.json").write_text(json.dumps(raised))
+    distributed.shutdown(me, graceful=True)
