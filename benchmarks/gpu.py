@@ -13,6 +13,9 @@ actor's inner loop).
   (reported with the nominal figure when the GPU is known).
 - MFU = model FLOPs / s / peak dense bf16 FLOPs, with model FLOPs = 6 x matmul params x tokens + attention
   (12 x layers x hidden x sequence per token, causal halves it: 6 x ...).
+- vLLM: the rollout server (rollout.engine=vllm) against the native engine on the same model, bf16, batches of 16, 64
+  and 256 prompts x 256 new tokens, and its refit time (benchmarks/rollout_engine.compare_generation); skipped, with
+  the reason recorded, where the server's environment is missing.
 
 Without CUDA the result records "skipped: no CUDA device". `--cpu-smoke` runs the same code on a tiny config on the
 CPU (checks the script; its numbers are meaningless and are written to results/tmp/).
@@ -51,8 +54,8 @@ def known_gpu(name: str):
 
 
 def model_config(smoke: bool):
-    if smoke:
-        return Qwen2Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    if smoke:  # head size 32: vLLM's CPU attention needs >= 32
+        return Qwen2Config(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
                            tie_word_embeddings=True)
     return Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
@@ -167,6 +170,33 @@ def train_bench(policy, cfg, device, batch, seq_len, reps, peak_flops):
     return result
 
 
+def vllm_bench(model_dir: str, device, smoke: bool, reps: int) -> dict:
+    """The vLLM rollout server (rollout.engine=vllm, its own process, bf16, 30% of the GPU's memory) against the
+    native engine on the same model and prompts (benchmarks/rollout_engine.compare_generation): tokens/s and refit
+    seconds. Needs the server's environment (`VLLM_PACKAGE=vllm make vllm-venv` on a GPU host)."""
+    from benchmarks.common import tiny_config
+    from benchmarks.rollout_engine import compare_generation
+    from components.serving.rollout import server_python
+    from models.loop import load_prompts
+
+    cfg = tiny_config()
+    try:
+        server_python(cfg)
+    except FileNotFoundError as exc:
+        log(f"gpu vLLM: skipped ({exc})")
+        return {"skipped": str(exc)}
+    prompts = load_prompts(cfg)
+    cases = []
+    for batch in ([4] if smoke else [16, 64, 256]):
+        case = compare_generation(cfg, model_dir, "bfloat16", reps, (prompts * batch)[:batch], 8 if smoke else 256,
+                                  device=str(device))
+        cases.append({"batch": batch, **case})
+        log(f"gpu vLLM B={batch}: {case['vllm_tokens_per_s']['median']:.0f} tok/s vs native "
+            f"{case['native_tokens_per_s']['median']:.0f} (x{case['speedup_vllm_over_native']:.2f}), refit "
+            f"{case['refit_s']['median']:.2f}s")
+    return {"dtype": "bfloat16", "gpu_memory_utilization": cfg.rollout.vllm.gpu_memory_utilization, "cases": cases}
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
@@ -181,11 +211,11 @@ def main(argv=None) -> dict:
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
     cfg = model_config(args.cpu_smoke)
     torch.manual_seed(0)
-    with tempfile.TemporaryDirectory(prefix="gpu-bench-") as tmp:
-        # saved and loaded back through Policy.load, so the actor and its reference sit where the library puts them
-        AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp)
-        build_tokenizer().save_pretrained(tmp)
-        policy = Policy.load(tmp, dtype="bfloat16", device=device)
+    tmp = tempfile.TemporaryDirectory(prefix="gpu-bench-")
+    # saved and loaded back through Policy.load, so the actor and its reference sit where the library puts them
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(tmp.name)
+    build_tokenizer().save_pretrained(tmp.name)
+    policy = Policy.load(tmp.name, dtype="bfloat16", device=device)
     model = policy.model
     params = sum(p.numel() for p in model.parameters())
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -203,16 +233,22 @@ def main(argv=None) -> dict:
     reference = reference_bench(policy, cfg, device, 4 if small else 8, 32 if small else 256, 2)  # CPU: slow
     train = [train_bench(policy, cfg, device, b, L, reps, peak_flops)
              for b, L in ([(2, 32)] if small else [(8, 512), (16, 512)])]
+    compute_dtype = policy.dtype
+    del policy, model  # the GPU's memory goes to the vLLM server (and the native side it is compared with)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    with tmp:
+        vllm = vllm_bench(tmp.name, device, small, reps)
     result = {
         "quick": args.quick,
         "what": "decode tokens/s vs weight-bandwidth roofline, training MFU (~0.5B model, random weights, bf16)",
         "device": name, "known_gpu_entry": matched, "peak_bf16_flops": peak_flops,
         "nominal_bandwidth_bytes_per_s": nominal_bw, "measured_copy_bandwidth_bytes_per_s": bandwidth,
         "model": {"config": cfg.to_dict(), "parameters": params, "weight_bytes": weight_bytes,
-                  "weight_dtype": weight_dtype, "compute_dtype": policy.dtype,
+                  "weight_dtype": weight_dtype, "compute_dtype": compute_dtype,
                   "matmul_parameters": matmul_params(cfg)},
         "repetitions": {"reps": reps, "warmup": 1},
-        "decode": decode, "reference_logprobs": reference, "train": train,
+        "decode": decode, "reference_logprobs": reference, "train": train, "vllm_rollout_server": vllm,
         "notes": ["roofline uses the measured copy bandwidth and the weights as Policy.load stores them (float32 "
                   "master weights, bf16 autocast compute: each step reads the float32 weights); tokens/s counts every "
                   "generated token",

@@ -9,8 +9,9 @@ save_pretrained, loaded by both sides through from_pretrained, as a user's model
 And the whole RLOO iteration (rollout_batch_size 8 prompts x k 4, 64-token responses, reward from a function) on the
 tiny policy with each engine, alternating, with the share of the iteration the refit takes.
 
-The server gets 1 thread on this 2-core machine and the native side torch's default, as in a run (the server shares
-the cores with the actor). On a GPU, the server takes 30% of the GPU memory (rollout.vllm.gpu_memory_utilization).
+Both sides get every core, as in a run: the native side torch's default, the server its default on a CPU host
+(rollout.vllm.threads; the actor waits while the server generates). On a GPU, the server takes 30% of the GPU memory
+(rollout.vllm.gpu_memory_utilization).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from benchmarks.common import log, quick_flag, stats, tiny_config, write_result
-from components.serving.rollout import RolloutServer
+from components.serving.rollout import RolloutServer, server_env
 from models.loop import Leader, batch_size, build_actor, build_local_reward, load_prompts, prompt_batches
 from models.config import merge
 from models.policy import Policy
@@ -52,12 +53,17 @@ def build_random_model(directory: Path, tokenizer_dir: str, vocab_size: int = 32
 def time_generation(engine, prompt_ids, gen, generator) -> dict:
     start = time.perf_counter()
     rollout = engine.generate(prompt_ids, gen, generator)
+    if rollout.tokens.is_cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "tokens": int(rollout.response_lengths.sum())}
 
 
-def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list[str], new_tokens: int) -> dict:
-    policy = Policy.load(model_dir, dtype=dtype)
+def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list[str], new_tokens: int,
+                       device: str = "cpu") -> dict:
+    """Native engine (on `device`) against the vLLM server (its own process, GPU when there is one) on `model_dir`:
+    tokens/s over alternating repetitions after a warm-up each, and the refit time."""
+    policy = Policy.load(model_dir, dtype=dtype, device=device)
     ids = policy.encode_prompts(prompts)
     gen = cfg.generation.model_copy(update={"max_new_tokens": new_tokens, "temperature": 1.0})
     native = NativeEngine.for_policy(policy)
@@ -72,7 +78,7 @@ def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list
         for _ in range(max(2, reps // 2)):
             vllm.update_weights(policy.engine_weights())
             refits.append(vllm.last_refit)
-        generator = torch.Generator().manual_seed(0)
+        generator = torch.Generator().manual_seed(0)  # on the CPU, as ActorState passes it
         runs = {"native": [], "vllm": []}
         for side in ("native", "vllm"):  # warm-up
             time_generation(native if side == "native" else vllm, ids, gen, generator)
@@ -82,6 +88,8 @@ def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list
         vllm.close()
     tps = {side: [r["tokens"] / r["seconds"] for r in rs] for side, rs in runs.items()}
     case = {"dtype": dtype, "prompts": len(ids), "max_new_tokens": gen.max_new_tokens, "server_ready_s": ready_s,
+            "server_threads": server_env(vcfg).get("OMP_NUM_THREADS", "vLLM default"),
+            "native_threads": torch.get_num_threads(),
             "native_tokens_per_s": stats(tps["native"]), "vllm_tokens_per_s": stats(tps["vllm"]),
             "native_tokens": stats([r["tokens"] for r in runs["native"]]),
             "vllm_tokens": stats([r["tokens"] for r in runs["vllm"]]),

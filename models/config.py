@@ -151,8 +151,8 @@ class VLLMConfig(Section):
     kv_cache_gib: float = Field(1.0, gt=0, description="KV-cache space in GiB on a CPU host (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="Share of the GPU's memory vLLM may take (weights + KV cache) on a GPU host; the rest is left to a trainer on the same GPU and to NCCL.")
     enforce_eager: bool = Field(True, description="Run without CUDA graphs / torch.compile: starts in seconds instead of ~1 min; turn off for long runs on a GPU.")
-    threads: Optional[PositiveInt] = Field(None, description="CPU threads of the engine (OMP_NUM_THREADS); None = 1 on a CPU-only host (it shares the cores with the actor), vLLM's default otherwise.")
-    ready_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the server to load the model and answer /health.")
+    threads: Optional[PositiveInt] = Field(None, description="CPU threads of the engine (OMP_NUM_THREADS); None = every core on a CPU-only host (the actor waits while the server generates, the server idles while the actor trains), vLLM's default otherwise. Set it lower when other work shares the cores.")
+    ready_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the server to load the model and answer /health; with launch=deployment, also how long its flow run may take to start and publish its address (pod scheduling and the image pull count here: raise it for a cold GPU pool).")
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generate or weight-update request.")
 
 

@@ -9,7 +9,7 @@ import yaml
 
 from components.cli.options import parse_overrides
 from components.launch.ranks import actor_ranks
-from components.serving.rollout import local_rollout_server
+from components.serving.rollout import attach, local_rollout_server
 from models.config import load_config
 from models.loop import train_in_process
 from models.prepare import prepare_run
@@ -45,7 +45,8 @@ def cmd_train(args) -> int:
               f"  score {m['objective/scores']:+.3f}  kl {m['objective/kl']:.3f}  step {m['time/step']:.2f}s", flush=True)
 
     log_dir = cfg.resolved_state_dir() / "logs" / "train"
-    with actor_ranks(cfg, log_dir) as actor, local_rollout_server(actor.cfg, actor, log_dir) as rollout_server:
+    with (local_rollout_server(cfg, log_dir) as rollout_server, actor_ranks(cfg, log_dir) as actor,
+          attach(rollout_server, actor, cfg)):
         try:
             history = train_in_process(actor.cfg, show, actor)
         except Exception as exc:

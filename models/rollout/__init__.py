@@ -6,12 +6,12 @@ from models.rollout.base import Rollout, RolloutEngine
 from models.rollout.native import NativeEngine
 from models.rollout.vllm import VLLMEngine
 
-ENGINES = {"native": NativeEngine.for_policy, "vllm": VLLMEngine.for_policy}
+ENGINES = {"native": NativeEngine, "vllm": VLLMEngine}
 
 
 def build_engine(rollout, policy) -> RolloutEngine:
     """The engine of `rollout` (the config's RolloutConfig) for this rank's actor (`policy`: models/policy.Policy)."""
-    return ENGINES[rollout.engine](policy, rollout)
+    return ENGINES[rollout.engine].for_policy(policy, rollout)
 
 
 __all__ = ["ENGINES", "NativeEngine", "Rollout", "RolloutEngine", "VLLMEngine", "build_engine"]

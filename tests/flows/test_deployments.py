@@ -212,7 +212,8 @@ def test_vllm_rollout_server_killed_fails_the_run_within_60s_and_a_rerun_resumes
     from the base checkpoint the server loads)."""
     s = local_stack
     latest = s["state_dir"] / "checkpoints" / "e2e-vllm" / "latest.json"
-    config = {"iterations": 200, "run_name": "e2e-vllm", "checkpoint": {"every": 2}, "rollout": {"engine": "vllm"}}
+    config = {"iterations": 200, "run_name": "e2e-vllm", "checkpoint": {"every": 2},
+              "rollout": {"engine": "vllm", "vllm": {"threads": 1}}}  # 1 thread: the suite's other worker shares the cores
     first = flow_run_id(deployment_run(s, "reinforce/default", config))
     _wait_for(lambda: latest.exists() and json.loads(latest.read_text())["iteration"] >= 2, 300, "first checkpoint")
     server = _wait_for(lambda: stack_processes(s, "components.serving.rollout_server"), 30, "rollout server")[0]

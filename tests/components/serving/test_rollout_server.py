@@ -9,7 +9,7 @@ import httpx
 import pytest
 import torch
 
-from components.serving.rollout import RolloutServer, RolloutServerNotReady, server_python
+from components.serving.rollout import RolloutServer, RolloutServerNotReady, server_env, server_python
 from models.config import GenerationConfig, LoraConfig, RLHFConfig
 from models.policy import Policy
 from models.rollout.vllm import EngineRequestError, RolloutClient, VLLMEngine, safetensors_bytes
@@ -19,8 +19,16 @@ from models.tasks import sentiment
 
 
 def config(tiny_models, tmp_path, **vllm) -> RLHFConfig:
+    """Any free port; 1 thread: the suite's other worker shares the cores (a run's default is every core)."""
     return RLHFConfig.model_validate({"state_dir": str(tmp_path), "model": {"policy": tiny_models["policy"]},
-                                      "rollout": {"engine": "vllm", "vllm": {"port": 0, **vllm}}})  # any free port
+                                      "rollout": {"engine": "vllm", "vllm": {"port": 0, "threads": 1, **vllm}}})
+
+
+def test_the_server_gets_every_core_of_a_cpu_host_unless_told(tiny_models, tmp_path):
+    default = RLHFConfig.model_validate({"model": {"policy": tiny_models["policy"]}})
+    assert server_env(default)["OMP_NUM_THREADS"] == str(os.cpu_count())
+    assert server_env(config(tiny_models, tmp_path))["OMP_NUM_THREADS"] == "1"
+    assert server_env(default)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
 @pytest.fixture(scope="module")

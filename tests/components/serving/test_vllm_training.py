@@ -22,7 +22,7 @@ def test_training_through_the_vllm_engine_learns(tiny_models, tmp_path, algorith
     metrics = tmp_path / "m.json"
     state = tmp_path / "state"
     overrides = {"algorithm": algorithm, "actor.nproc_per_node": ranks, "iterations": 12,
-                 "rollout.engine": "vllm", "model.policy": tiny_models["policy"], "model.reward": tiny_models["reward"]}
+                 "rollout.engine": "vllm", "rollout.vllm.threads": 1, "model.policy": tiny_models["policy"], "model.reward": tiny_models["reward"]}
     args = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
     proc = subprocess.run([RLHF, "train", *args, "--metrics-out", str(metrics)], capture_output=True, text=True,
                           timeout=900, env=dict(os.environ, HF_HUB_OFFLINE="1", RLHF_STATE_DIR=str(state)))
