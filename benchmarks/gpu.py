@@ -30,9 +30,12 @@ import tempfile
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from benchmarks.common import RESULTS, log, stats, write_result
+from benchmarks.common import RESULTS, log, stats, tiny_config, write_result
+from benchmarks.rollout_engine import compare_generation
+from components.serving.rollout import server_python
 from models.config import GenerationConfig, OptimConfig
 from models.loading import make_optimizer
+from models.loop import load_prompts
 from models.policy import Policy
 from models.rollout import NativeEngine
 from models.tiny import build_tokenizer
@@ -174,11 +177,6 @@ def vllm_bench(model_dir: str, device, smoke: bool, reps: int) -> dict:
     """The vLLM rollout server (rollout.engine=vllm, its own process, bf16, 30% of the GPU's memory) against the
     native engine on the same model and prompts (benchmarks/rollout_engine.compare_generation): tokens/s and refit
     seconds. Needs the server's environment (`VLLM_PACKAGE=vllm make vllm-venv` on a GPU host)."""
-    from benchmarks.common import tiny_config
-    from benchmarks.rollout_engine import compare_generation
-    from components.serving.rollout import server_python
-    from models.loop import load_prompts
-
     cfg = tiny_config()
     try:
         server_python(cfg)
