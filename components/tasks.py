@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import contextmanager
 from typing import Iterator
 
 from prefect import get_run_logger, task
+from prefect.artifacts import create_table_artifact
 from prefect.cache_policies import NONE
 from prefect.runtime import deployment, flow_run
 
@@ -13,6 +15,7 @@ from components.environment import first_line
 from components.launch.ranks import actor_ranks
 from components.tracking.run import RunSession
 from models.config import RLHFConfig
+from models.data import Batch, PromptSet
 from models.loop import Leader
 
 
@@ -57,10 +60,40 @@ def restore_actor(session: RunSession, actor: Leader) -> None:
 
 
 @task(name="iteration", cache_policy=NONE)
-def iteration(actor: Leader, prompts: list[str], critic, reward):
+def iteration(actor: Leader, prompts: Batch, data: dict, critic, reward):
     """One training iteration (models/step.py) on every actor rank, each with its share of the prompts: rollout ->
-    logprobs + reference, scores (and values) requested meanwhile -> advantages -> actor (and critic) update."""
-    return actor.step(prompts, critic, reward)
+    logprobs + reference, scores (and values) requested meanwhile -> advantages -> actor (and critic) update.
+    `data`: the prompt stream's state after this batch, saved with the actor's next checkpoint."""
+    return actor.step(prompts, critic, reward, data)
+
+
+@task(name="eval", cache_policy=NONE)
+def held_out_eval(session: RunSession, actor: Leader, prompts: PromptSet, critic, reward, iteration: int) -> dict:
+    """The held-out eval (models/eval.py) before iteration + 1 (or at the end): metrics to MLflow at step=iteration,
+    its samples as an MLflow table and as the Prefect table artifact 'eval-<run name>'."""
+    metrics, rows = actor.evaluate(prompts.all(), critic, reward, iteration)
+    session.log_eval(iteration, metrics, rows)
+    key = re.sub(r"[^a-z0-9-]+", "-", f"eval-{session.name}".lower()).strip("-")
+    create_table_artifact(table=rows, key=key[:128],
+                          description=f"Held-out eval of run {session.name} at iteration {iteration}: " + ", ".join(
+                              f"{k} {v:.3f}" for k, v in metrics.items()))
+    get_run_logger().info(f"eval at iteration {iteration}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+    return metrics
+
+
+def log_data(session: RunSession, prompts: PromptSet, evals: PromptSet | None) -> None:
+    """What the run reads: counts in the log and in MLflow (data/rows, data/filtered_rows, eval/rows at step 0)."""
+    counts = {"data/rows": len(prompts), "data/filtered_rows": prompts.filtered,
+              "data/truncated_rows": prompts.truncated}
+    note = f"data: {len(prompts)} prompts from {prompts.source}"
+    if prompts.filtered or prompts.truncated:
+        note += (f" ({prompts.filtered} filtered, {prompts.truncated} truncated: longer than "
+                 f"data.max_prompt_length={session.cfg.data.max_prompt_length})")
+    if evals is not None:
+        counts.update({"eval/rows": len(evals), "eval/filtered_rows": evals.filtered})
+        note += f"; eval: {len(evals)} prompts from {evals.source}"
+    session.tracker.log_side_metrics(counts, step=0)
+    get_run_logger().info(note)
 
 
 def iteration_task(cfg: RLHFConfig):

@@ -34,6 +34,7 @@ class ActorState:
     me: Dist = SINGLE
     iteration: int = 0
     episode: int = 0  # rollouts consumed so far (all ranks)
+    data: dict | None = None  # where the prompt stream stands after the last step (models/data.PromptStream.state)
 
     @classmethod
     def create(cls, policy: Policy, optim: OptimConfig, kl: KLConfig, seed: int, me: Dist = SINGLE,
@@ -47,13 +48,15 @@ class ActorState:
     def state_dict(self) -> dict:
         """What every rank holds alike (the optimizer and the sampling stream are saved per rank, see checkpoint)."""
         return {"scheduler": self.scheduler.state_dict(), "kl_ctl": self.kl_ctl.state_dict(),
-                "shuffle": self.shuffle.get_state(), "iteration": self.iteration, "episode": self.episode}
+                "shuffle": self.shuffle.get_state(), "iteration": self.iteration, "episode": self.episode,
+                "data": self.data}
 
     def load_state_dict(self, state: dict) -> None:
         self.scheduler.load_state_dict(state["scheduler"])
         self.kl_ctl.load_state_dict(state["kl_ctl"])
         self.shuffle.set_state(state["shuffle"])
         self.iteration, self.episode = int(state["iteration"]), int(state["episode"])
+        self.data = state.get("data")  # None in a checkpoint from before the prompt stream was saved
 
 
 class Timers:

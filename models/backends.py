@@ -30,7 +30,8 @@ class CriticBackend(Protocol):
 
 class RewardBackend(Protocol):
     def score_async(self, tokens: Tensor, lengths: Tensor, prompt_lengths: Tensor, prompts: list[str],
-                    responses: list[str]) -> "Future[Tensor]": ...
+                    responses: list[str], columns: list[dict] | None = None) -> "Future[Tensor]":
+        """Scores [B]; `columns`: each sample's data set row besides the prompt (for reward functions)."""
 
 
 class LocalCritic:
@@ -63,7 +64,8 @@ class LocalRewardModel:
         self.model, self.tokenizer, self.chat_template = model, tokenizer, chat_template
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="reward")
 
-    def score_async(self, tokens, lengths, prompt_lengths, prompts, responses):
+    def score_async(self, tokens, lengths, prompt_lengths, prompts, responses, columns=None):
+        """A reward model reads no data set column: `columns` is ignored."""
         if self.tokenizer is not None:
             return self._pool.submit(text_reward_scores, self.model, self.tokenizer, list(prompts), list(responses),
                                      self.chat_template)
@@ -80,10 +82,10 @@ class FunctionReward:
     def __init__(self, fn: RewardFn):
         self.fn = fn
 
-    def score_async(self, tokens, lengths, prompt_lengths, prompts, responses):
+    def score_async(self, tokens, lengths, prompt_lengths, prompts, responses, columns=None):
         future: Future = Future()
         try:
-            future.set_result(torch.tensor(self.fn(prompts, responses), dtype=torch.float32))
+            future.set_result(torch.tensor(self.fn(prompts, responses, columns), dtype=torch.float32))
         except Exception as exc:  # noqa: BLE001 - delivered through the future like a remote error
             future.set_exception(exc)
         return future

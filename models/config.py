@@ -119,9 +119,35 @@ class RewardConfig(Section):
         return self
 
 
+PROMPT_SOURCES = ("'builtin:<task>' (sentiment, sentiment_target), a local .parquet/.jsonl/.json/.csv/.arrow file, a .txt "
+                  "file (one prompt a line), a folder of such files (file names decide the splits), a folder written by "
+                  "Dataset.save_to_disk, or a hub dataset id (only where the hub is reachable)")
+
+
 class DataConfig(Section):
-    prompts: str = Field("builtin:sentiment", description="'builtin:<task>' or a .txt (one prompt a line) / .jsonl ({'prompt': ...}) file.")
-    chat_template: bool = Field(False, description="Wrap prompts with the tokenizer's chat template.")
+    """The training prompts (models/data.py): read with HF `datasets`; every column besides the prompt reaches the
+    reward functions."""
+
+    prompts: str = Field("builtin:sentiment", description=f"Where the prompts come from: {PROMPT_SOURCES}.")
+    split: str = Field("train", description="Split to read (folders, save_to_disk DatasetDicts, hub datasets; a single file is this split).")
+    prompt_key: str = Field("prompt", description="Column holding the prompt: a string, or chat messages (a list of {role, content}) rendered with the policy's chat template.")
+    chat_template: bool = Field(False, description="Wrap a plain-string prompt as a user turn of the policy's chat template (chat messages are always rendered with it).")
+    max_prompt_length: Optional[PositiveInt] = Field(None, description="Longest prompt in policy tokens (None = no limit); what happens to a longer one: long_prompts.")
+    long_prompts: Literal["error", "filter", "truncate_left"] = Field("error", description="A prompt longer than max_prompt_length: 'error' refuses the data set before any model loads, 'filter' drops the row (counted and logged), 'truncate_left' keeps its last max_prompt_length tokens.")
+
+
+class EvalConfig(Section):
+    """Held-out evaluation: the policy samples on prompts it does not train on, scored by the run's reward and the
+    gold reward. It adds no trainer step and leaves the training stream as it is (its own sampling seed)."""
+
+    prompts: Optional[str] = Field(None, description=f"Eval prompts (None = no eval): {PROMPT_SOURCES}.")
+    split: str = Field("test", description="Split of eval.prompts to read (a single file is this split).")
+    prompt_key: str = Field("prompt", description="Column holding the eval prompt (as data.prompt_key).")
+    max_prompts: Optional[PositiveInt] = Field(None, description="Evaluate on the first N rows only (None = all).")
+    every: int = Field(0, ge=0, description="Evaluate every N iterations, and at iteration 0 (before any update) and at the end (0 = never).")
+    samples_per_prompt: PositiveInt = Field(1, description="Responses sampled per eval prompt (k of pass@k).")
+    temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 = greedy).")
+    table_rows: PositiveInt = Field(32, description="Eval samples shown in the Prefect artifact and the MLflow table.")
 
 
 class TrackingConfig(Section):
@@ -172,7 +198,8 @@ class _Tree(Section):
     state_dir: Optional[str] = Field(None, description="Local state directory; None = $RLHF_STATE_DIR or ./.rlhf.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Models.")
     actor: ActorConfig = Field(default_factory=ActorConfig, description="Actor processes (data parallel, FSDP2).")
-    data: DataConfig = Field(default_factory=DataConfig, description="Prompts.")
+    data: DataConfig = Field(default_factory=DataConfig, description="Training prompts.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Rollout sampling.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty against the frozen reference policy.")

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -24,46 +23,57 @@ from models.algorithms import ALGORITHMS, Backends
 from models.backends import FunctionReward, LocalCritic, LocalRewardModel
 from models.config import RLHFConfig
 from models.critic import CriticTrainer
+from models.data import Batch, PromptSet, PromptStream, load_prompt_set
+from models.eval import evaluate, is_eval_iteration
 from models.distributed import SINGLE, Dist, local_device
-from models.policy import Policy
+from models.policy import Policy, load_policy_tokenizer
 from models.prepare import prepare_run
 from models.reward import load_reward_function, load_reward_model, load_reward_tokenizer
 from models.step import train_step
-from models.tasks import sentiment
+
+
+def training_prompts(cfg: RLHFConfig) -> PromptSet:
+    """The rows of data.prompts as prompts for the policy, checked against the reward functions' columns; raises
+    models/data.DataError naming the source and what is wrong (before any model loads: the tokenizer only)."""
+    d = cfg.data
+    return checked_prompt_set(cfg, d.prompts, d.split, d.prompt_key, "data.prompts")
+
+
+def eval_prompts(cfg: RLHFConfig) -> PromptSet | None:
+    """The rows of eval.prompts (None when the run has no eval), the first eval.max_prompts of them."""
+    e = cfg.eval
+    if not e.prompts or not e.every:
+        return None
+    found = checked_prompt_set(cfg, e.prompts, e.split, e.prompt_key, "eval.prompts")
+    if e.max_prompts and len(found) > e.max_prompts:
+        found = PromptSet(found.prompts[:e.max_prompts], found.columns[:e.max_prompts], found.source,
+                          found.templated, found.filtered, found.truncated)
+    return found
+
+
+def checked_prompt_set(cfg: RLHFConfig, source: str, split: str, prompt_key: str, field: str) -> PromptSet:
+    tokenizer = load_policy_tokenizer(cfg.resolve_model_path(cfg.model.policy))
+    found = load_prompt_set(source, split, prompt_key, tokenizer, cfg.data.max_prompt_length, cfg.data.long_prompts,
+                            cfg.data.chat_template, field)
+    names = sorted({k for row in found.columns for k in row})
+    for spec, name in ((cfg.reward.function if cfg.reward.source == "function" else None, "reward.function"),
+                       (cfg.reward.gold, "reward.gold")):
+        if spec:
+            load_reward_function(spec, name, probe=False).check_columns(names, f"{field} '{source}'")
+    return found
 
 
 def load_prompts(cfg: RLHFConfig) -> list[str]:
-    """'builtin:<task>' or a .txt (one prompt a line) / .jsonl ({"prompt": ...}) file."""
-    spec = cfg.data.prompts
-    if spec.startswith("builtin:"):
-        name = spec.split(":", 1)[1]
-        if name != "sentiment":
-            raise ValueError(f"data.prompts: unknown builtin task {name!r}; known: sentiment")
-        return sentiment.prompts(200, seed=0)
-    path = Path(spec)
-    if not path.is_file():
-        raise FileNotFoundError(f"data.prompts: file '{spec}' does not exist (expected builtin:<task>, .txt or .jsonl)")
-    if path.suffix == ".jsonl":
-        prompts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
-    else:
-        prompts = [line for line in path.read_text().splitlines() if line.strip()]
-    if not prompts:
-        raise ValueError(f"data.prompts: file '{spec}' holds no prompt")
-    return prompts
+    """The training prompts alone (data.prompts): what tests and benchmarks feed `Leader.step`."""
+    return training_prompts(cfg).prompts
 
 
 def prompt_batches(prompts: list[str], batch_size: int, seed: int, start_batch: int = 0) -> Iterator[list[str]]:
-    """Deterministic epochs of shuffled prompts; `start_batch` skips what a resumed run already consumed."""
-    per_epoch = max(1, len(prompts) // batch_size)
-    index = start_batch
-    while True:
-        epoch, offset = divmod(index, per_epoch)
-        order = list(range(len(prompts)))
-        random.Random(seed * 100003 + epoch).shuffle(order)
-        if len(prompts) < batch_size:
-            order = (order * (batch_size // len(prompts) + 1))
-        yield [prompts[i] for i in order[offset * batch_size:(offset + 1) * batch_size]]
-        index += 1
+    """Seeded epochs of prompt strings (models/data.PromptStream over prompts without columns); `start_batch` skips
+    what a resumed run already consumed."""
+    stream = PromptStream.resume(PromptSet(list(prompts), [{} for _ in prompts], "prompts"), batch_size, seed, None,
+                                 start_batch)
+    return (batch.prompts for batch in stream)
 
 
 def batch_size(cfg: RLHFConfig) -> int:
@@ -122,7 +132,12 @@ def execute(state: ActorState, cfg: RLHFConfig, command: dict, critic=None, rewa
     """Run one command on this rank (rank 0 passes its backends; the others None)."""
     op = command["op"]
     if op == "step":
-        return train_step(state, command["prompts"], cfg, Backends(critic, reward), gold_function(cfg))
+        out = train_step(state, command["prompts"], cfg, Backends(critic, reward), gold_function(cfg))
+        state.data = command.get("data")
+        return out
+    if op == "evaluate":
+        return evaluate(state, command["prompts"], cfg, Backends(critic, reward), gold_function(cfg),
+                        command["iteration"])
     if op == "save":
         return save_actor(state, Path(command["dir"]))
     if op == "restore":
@@ -197,8 +212,15 @@ class Leader:
                 raise RankFailed(reason) from exc
             raise
 
-    def step(self, prompts: list[str], critic=None, reward=None) -> tuple[dict, list[dict]]:
-        return self.run({"op": "step", "prompts": prompts}, critic, reward)
+    def step(self, prompts: list[str] | Batch, critic=None, reward=None, data: dict | None = None) -> tuple[dict, list[dict]]:
+        """One training iteration on the global batch `prompts`; `data` (the prompt stream's state after drawing
+        it) is kept with the actor's state for its next checkpoint."""
+        return self.run({"op": "step", "prompts": prompts, "data": data}, critic, reward)
+
+    def evaluate(self, prompts: Batch, critic, reward, iteration: int) -> tuple[dict, list[dict]]:
+        """The held-out eval (models/eval.py) on every rank, scored as training is (`critic` for PPO's combined
+        reward model); no trainer state changes."""
+        return self.run({"op": "evaluate", "prompts": prompts, "iteration": iteration}, critic, reward)
 
     def save(self, directory: Path) -> None:
         self.run({"op": "save", "dir": str(directory)})
@@ -217,10 +239,11 @@ class RankFailed(RuntimeError):
 
 
 def train_in_process(cfg: RLHFConfig, on_iteration: Callable[[int, dict], None] | None = None,
-                     actor: Leader | None = None) -> list[dict]:
+                     actor: Leader | None = None,
+                     on_eval: Callable[[int, dict], None] = lambda iteration, metrics: None) -> list[dict]:
     """The whole run driven from this process (critic/reward in process, no checkpoints): on one rank, or on the
     ranks of `actor` (components/launch/ranks.actor_ranks). With `actor`, `cfg` is its prepared config (models/prepare.py).
-    Returns the metrics per iteration."""
+    Returns the metrics per iteration; the held-out evals (eval.*) go to `on_eval(iteration, metrics)`."""
     if actor is None:  # this is the entry point
         cfg = prepare_run(cfg)
         actor = Leader(cfg, build_actor(cfg))
@@ -231,12 +254,19 @@ def train_in_process(cfg: RLHFConfig, on_iteration: Callable[[int, dict], None] 
     else:
         reward = build_local_reward(cfg)
     history = []
+    evals = eval_prompts(cfg)
+    stream = PromptStream(training_prompts(cfg), batch_size(cfg), cfg.seed)
     try:
-        for i, prompts in zip(range(cfg.iterations), prompt_batches(load_prompts(cfg), batch_size(cfg), cfg.seed)):
-            metrics, _ = actor.step(prompts, critic, reward)
+        for i in range(cfg.iterations):
+            if evals is not None and is_eval_iteration(cfg, i):
+                on_eval(i, actor.evaluate(evals.all(), critic, reward, i)[0])
+            batch = next(stream)
+            metrics, _ = actor.step(batch, critic, reward, stream.state())
             history.append(metrics)
             if on_iteration:
                 on_iteration(i, metrics)
+        if evals is not None:
+            on_eval(cfg.iterations, actor.evaluate(evals.all(), critic, reward, cfg.iterations)[0])
     finally:
         for backend in (critic, reward):
             if backend is not None:

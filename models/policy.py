@@ -17,9 +17,20 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models.config import LoraConfig
+from models.data import encode
 from models.distributed import SINGLE, Dist, full_state_dict, is_sharded, shard_model
 from models.loading import DTYPES, autocast, disable_dropout, freeze, from_pretrained
 from models.rollout.base import Rollout
+
+
+def load_policy_tokenizer(path: str, field: str = "model.policy"):
+    """The policy's tokenizer (pad = EOS when it has no pad token); what the data is read with before models load."""
+    tokenizer = from_pretrained(AutoTokenizer, path, field)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{field}: tokenizer of '{path}' has no eos_token")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 class Policy:
@@ -45,11 +56,7 @@ class Policy:
         """Actor + tokenizer + frozen reference on this rank. `shard`: FSDP2 over the ranks (a full fine-tune); the
         reference then lives on the actor's device sharded alike, or as a CPU copy (`reference_device`)."""
         device = torch.device(device)
-        tokenizer = from_pretrained(AutoTokenizer, path, field)
-        if tokenizer.eos_token_id is None:
-            raise ValueError(f"{field}: tokenizer of '{path}' has no eos_token")
-        if tokenizer.pad_token_id is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = load_policy_tokenizer(path, field)
         # trainable weights stay float32; `dtype` is the compute dtype (autocast) and the frozen reference's dtype
         model = disable_dropout(from_pretrained(AutoModelForCausalLM, path, field, dtype=torch.float32)).to(device)
         if lora is not None and lora.enabled:  # replicated on every rank; only the adapters train and sync
@@ -67,11 +74,10 @@ class Policy:
         return cls(model, tokenizer, lora=False, reference=reference, dtype=dtype, me=me, device=device)
 
     # ----------------------------------------------------------------------------------------------------------------
-    def encode_prompts(self, prompts: list[str], chat_template: bool = False) -> list[list[int]]:
-        if chat_template:
-            return [list(self.tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                                            tokenize=True, return_dict=False)) for p in prompts]
-        return [self.tokenizer(p)["input_ids"] for p in prompts]  # special tokens as the model expects (e.g. BOS)
+    def encode_prompts(self, prompts: list[str], chat_template: bool = False, templated: bool = False) -> list[list[int]]:
+        """Token ids of plain prompts (`chat_template`: as a user turn of the chat template) or of rendered chat
+        templates (`templated`); models/data.encode."""
+        return encode(self.tokenizer, prompts, templated, chat_template)
 
     def decode_responses(self, rollout: Rollout) -> list[str]:
         out = []

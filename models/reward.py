@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import inspect
 import math
 from typing import Callable
 
@@ -47,8 +48,12 @@ def reward_model_scores(model, tokens: Tensor, lengths: Tensor) -> Tensor:
 def load_reward_function(spec: str, field: str = "reward.function", probe: bool = True) -> RewardFn:
     """Import 'package.module:function' and wrap it so a wrong length or non-finite value fails loudly.
 
-    With `probe`, the function is called once on two dummy samples so a broken function fails before training starts.
-    """
+    The function is called as fn(prompts, responses, **columns): the data set's other columns (models/data.py), one
+    list per column with a value per sample, for the parameters it names (all of them if it takes **kwargs). A
+    function of (prompts, responses) alone gets none. The wrapper takes `columns` as a list of row dicts.
+
+    With `probe`, a function that reads no column is called once on two dummy samples so a broken function fails
+    before training starts; `check_columns` checks a data set's columns against what it needs."""
     module_name, _, attr = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
@@ -56,9 +61,16 @@ def load_reward_function(spec: str, field: str = "reward.function", probe: bool 
         raise ValueError(f"{field}: cannot import '{spec}' ({exc}); expected 'package.module:function'") from exc
     if not callable(fn):
         raise ValueError(f"{field}: '{spec}' is not callable")
+    required, optional, any_column = column_parameters(fn)
 
-    def checked(prompts: list[str], responses: list[str]) -> list[float]:
-        scores = list(fn(prompts, responses))
+    def checked(prompts: list[str], responses: list[str], columns: list[dict] | None = None) -> list[float]:
+        available = sorted({k for row in columns or [] for k in row})
+        missing = sorted(required - set(available))
+        if missing:
+            raise ValueError(f"{field}: '{spec}' needs the column(s) {missing}; the rows have {available}")
+        names = available if any_column else sorted((required | optional) & set(available))
+        kwargs = {name: [row.get(name) for row in columns] for name in names}
+        scores = list(fn(prompts, responses, **kwargs))
         if len(scores) != len(responses):
             raise ValueError(f"{field}: '{spec}' returned {len(scores)} rewards for {len(responses)} responses")
         bad = [i for i, s in enumerate(scores) if not isinstance(s, (int, float)) or not math.isfinite(s)]
@@ -66,10 +78,33 @@ def load_reward_function(spec: str, field: str = "reward.function", probe: bool 
             raise ValueError(f"{field}: '{spec}' returned non-finite or non-numeric rewards at indices {bad[:5]}")
         return [float(s) for s in scores]
 
+    def check_columns(names, source: str) -> None:
+        """Fail before training when the data set lacks a column the function needs."""
+        missing = sorted(required - set(names))
+        if missing:
+            raise ValueError(f"{field}: '{spec}' needs the column(s) {missing}, which {source} does not have; its "
+                             f"columns besides the prompt: {sorted(names)}")
+
     checked.__name__ = attr
-    if probe:  # fail before training starts, not at the first rollout
+    checked.check_columns = check_columns
+    checked.columns = required | optional
+    if probe and not required and not any_column:  # fail before training starts, not at the first rollout
         checked(["probe prompt", "probe prompt"], ["probe response", "another response"])
     return checked
+
+
+def column_parameters(fn) -> tuple[set[str], set[str], bool]:
+    """(required, optional) column parameters of a reward function beyond its first two, and whether it takes
+    **kwargs (every column)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return set(), set(), False
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][:2]
+    rest = [p for p in params if p not in positional and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    required = {p.name for p in rest if p.default is p.empty}
+    optional = {p.name for p in rest if p.default is not p.empty}
+    return required, optional, any(p.kind == p.VAR_KEYWORD for p in params)
 
 
 # ---------------------------------------------------------------- rewards from text (the reward model's own tokenizer)

@@ -21,6 +21,7 @@ import torch
 from models.actor import ActorState, Timers, actor_update, common_metrics, rollout_logprobs, sequence_kl
 from models.algorithms import ALGORITHMS, Backends, StepData
 from models.config import RLHFConfig
+from models.data import Batch
 from models.distributed import Dist, leader_batch, scatter_rows
 from models.losses import tis_weights
 from models.reward import RewardFn
@@ -28,25 +29,29 @@ from models.rollout.base import Rollout
 from models.update import micro_batches
 
 
-def train_step(state: ActorState, prompts: list[str], cfg: RLHFConfig, backends: Backends,
+def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, backends: Backends,
                gold_fn: RewardFn | None = None) -> tuple[dict[str, float], list[dict]]:
-    """Run one iteration of `cfg.algorithm` on this rank's share of `prompts` (the global batch); returns (metrics,
-    sample rows). `backends` are used on rank 0 only."""
+    """Run one iteration of `cfg.algorithm` on this rank's share of `prompts` (the global batch: prompt strings, or a
+    models/data.Batch with each row's columns for the reward functions); returns (metrics, sample rows). `backends`
+    are used on rank 0 only."""
     algorithm = ALGORITHMS[cfg.algorithm]
     settings = algorithm.settings(cfg)
     policy, me, timers = state.policy, state.me, Timers()
     k = algorithm.samples_per_prompt(settings)
-    mine = [p for p in prompts[me.shard(len(prompts))] for _ in range(k)]
+    prompts = prompts if isinstance(prompts, Batch) else Batch(list(prompts))
+    share = me.shard(len(prompts))
+    mine = [p for p in prompts.prompts[share] for _ in range(k)]
+    columns = [c for c in prompts.columns[share] for _ in range(k)]
     timers.begin("step")
 
     # 1. rollout
     with timers("generate"):
-        rollout = state.engine.generate(policy.encode_prompts(mine, cfg.data.chat_template), cfg.generation,
+        rollout = state.engine.generate(prompt_ids(policy, mine, prompts.templated, cfg), cfg.generation,
                                         state.generator)
     responses = policy.decode_responses(rollout)
 
     # 2. score every rank's rollouts on rank 0, overlapping this rank's logprobs
-    batch = rollouts_on_leader(me, rollout, mine, responses, policy.pad_id)
+    batch = rollouts_on_leader(me, rollout, mine, responses, columns, policy.pad_id)
     collect = None
     if batch is not None:
         chunks = micro_batches(len(batch["lengths"]), cfg.generation.micro_batch_size)
@@ -56,7 +61,7 @@ def train_step(state: ActorState, prompts: list[str], cfg: RLHFConfig, backends:
     with timers(algorithm.wait_phase):
         scored = scatter_rows(me, collect() if collect is not None else None,
                               batch["sizes"] if batch is not None else None)
-    gold = torch.tensor(gold_fn(mine, responses)) if gold_fn is not None else None
+    gold = torch.tensor(gold_fn(mine, responses, columns)) if gold_fn is not None else None
 
     # 3. advantages: KL against the frozen reference, then the algorithm's estimator
     mask = rollout.response_mask
@@ -114,11 +119,23 @@ def engine_mismatch(me: Dist, old_logp: torch.Tensor, engine_logp: torch.Tensor,
             "rollout/tis_capped_frac": float((weights >= cap).float().mean()) if len(weights) else 0.0}
 
 
-def rollouts_on_leader(me: Dist, rollout: Rollout, prompts: list[str], responses: list[str], pad_id: int) -> dict | None:
-    """Every rank's rollouts (tokens, lengths, prompt lengths, texts) on rank 0, for its critic/reward requests."""
+def prompt_ids(policy, prompts: list[str], templated: bool, cfg: RLHFConfig) -> list[list[int]]:
+    """Token ids of prompts for the engine (models/data.encode), cut to their last data.max_prompt_length tokens when
+    data.long_prompts='truncate_left' (the other policies dealt with long prompts when the data was read)."""
+    ids = policy.encode_prompts(prompts, cfg.data.chat_template, templated)
+    limit = cfg.data.max_prompt_length
+    if limit and cfg.data.long_prompts == "truncate_left":
+        ids = [row[-limit:] for row in ids]
+    return ids
+
+
+def rollouts_on_leader(me: Dist, rollout: Rollout, prompts: list[str], responses: list[str], columns: list[dict],
+                       pad_id: int) -> dict | None:
+    """Every rank's rollouts (tokens, lengths, prompt lengths, texts, data set columns) on rank 0, for its
+    critic/reward requests."""
     return leader_batch(me, {"tokens": rollout.tokens, "lengths": rollout.lengths,
-                             "prompt_lengths": rollout.prompt_lengths, "prompts": prompts, "responses": responses},
-                        pad_id=pad_id)
+                             "prompt_lengths": rollout.prompt_lengths, "prompts": prompts, "responses": responses,
+                             "columns": columns}, pad_id=pad_id)
 
 
 def sample_rows(prompts, responses, scores, gold, limit: int = 16) -> list[dict]:

@@ -44,15 +44,24 @@ def cmd_train(args) -> int:
         print(f"[{cfg.algorithm}] iteration {i + 1}/{cfg.iterations}  gold {m.get('objective/gold_reward', float('nan')):+.3f}"
               f"  score {m['objective/scores']:+.3f}  kl {m['objective/kl']:.3f}  step {m['time/step']:.2f}s", flush=True)
 
+    evals = []
+
+    def show_eval(i: int, m: dict) -> None:
+        evals.append({"iteration": i, **m})
+        print(f"[{cfg.algorithm}] eval at iteration {i}: " + "  ".join(f"{k.split('/', 1)[1]} {v:+.3f}" for k, v in m.items()),
+              flush=True)
+
     log_dir = cfg.resolved_state_dir() / "logs" / "train"
     with (local_rollout_server(cfg, log_dir) as rollout_server, actor_ranks(cfg, log_dir) as actor,
           attach(rollout_server, actor, cfg)):
         try:
-            history = train_in_process(actor.cfg, show, actor)
+            history = train_in_process(actor.cfg, show, actor, show_eval)
         except Exception as exc:
             if rollout_server is not None and (death := rollout_server.death()):
                 raise RuntimeError(death) from exc  # name the server that went away, not the broken connection
             raise
     if args.metrics_out:
         Path(args.metrics_out).write_text(json.dumps(history, indent=1))
+    if args.eval_out:
+        Path(args.eval_out).write_text(json.dumps(evals, indent=1))
     return 0

@@ -103,6 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train in this process (no servers, no Prefect)")
     add_config_args(train)
     train.add_argument("--metrics-out", help="write the per-iteration metrics as JSON")
+    train.add_argument("--eval-out", help="write the held-out evals (eval.*) as JSON: [{iteration, metrics...}]")
     train.set_defaults(run="components.cli.commands:cmd_train")
 
     add_serve_parser(sub)

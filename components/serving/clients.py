@@ -11,6 +11,8 @@ requests Triton batched with it.
 
 from __future__ import annotations
 
+import json
+
 import re
 import socket
 import threading
@@ -230,11 +232,11 @@ class RewardClient:
         self._http = TritonHTTP(url, timeout_s, connect_timeout_s, retries, max_workers=max_workers, name="reward")
         self._max_batch: Optional[int] = None
 
-    def score(self, tokens, lengths, prompt_lengths=None) -> Tensor:
+    def score(self, tokens, lengths, prompt_lengths=None, columns: list[dict] | None = None) -> Tensor:
         tokens = _numpy(tokens, np.int64)
         lengths = _numpy(lengths, np.int64).reshape(-1, 1)
         validate_tokens(tokens, lengths)
-        inputs = {"tokens": tokens, "sequence_lengths": lengths}
+        inputs = {"tokens": tokens, "sequence_lengths": lengths, **columns_input(columns, tokens.shape[0])}
         if self.send_prompt_lengths and prompt_lengths is not None:
             inputs["prompt_lengths"] = _numpy(prompt_lengths, np.int64).reshape(-1, 1)
             if inputs["prompt_lengths"].shape != lengths.shape:
@@ -248,22 +250,25 @@ class RewardClient:
             scores.append(self._http.infer(REWARD_MODEL, chunk)["rewards"].reshape(-1))
         return torch.from_numpy(np.concatenate(scores))
 
-    def score_text(self, prompts: list[str], responses: list[str]) -> Tensor:
+    def score_text(self, prompts: list[str], responses: list[str], columns: list[dict] | None = None) -> Tensor:
         if len(prompts) != len(responses) or not prompts:
             raise CriticInputError(f"responses: expected as many as prompts (> 0), got {len(responses)} and {len(prompts)}")
         if self._max_batch is None:
             self._max_batch = int(self._http.model_config(REWARD_TEXT).get("max_batch_size", 0)) or 1 << 30
+        inputs = {name: np.array([[s.encode("utf-8")] for s in texts], dtype=np.object_)
+                  for name, texts in (("prompts", prompts), ("responses", responses))}
+        inputs.update(columns_input(columns, len(prompts)))
         scores = []
         for start in range(0, len(prompts), self._max_batch):
-            chunk = {name: np.array([[s.encode("utf-8")] for s in texts[start:start + self._max_batch]], dtype=np.object_)
-                     for name, texts in (("prompts", prompts), ("responses", responses))}
+            chunk = {name: array[start:start + self._max_batch] for name, array in inputs.items()}
             scores.append(self._http.infer(REWARD_TEXT, chunk)["rewards"].reshape(-1))
         return torch.from_numpy(np.concatenate(scores))
 
-    def score_async(self, tokens, lengths, prompt_lengths=None, prompts=None, responses=None) -> "Future[Tensor]":
+    def score_async(self, tokens, lengths, prompt_lengths=None, prompts=None, responses=None,
+                    columns: list[dict] | None = None) -> "Future[Tensor]":
         if self.text:
-            return self._http.submit(self.score_text, list(prompts), list(responses))
-        return self._http.submit(self.score, tokens, lengths, prompt_lengths)
+            return self._http.submit(self.score_text, list(prompts), list(responses), columns)
+        return self._http.submit(self.score, tokens, lengths, prompt_lengths, columns)
 
     def close(self) -> None:
         self._http.close()
@@ -273,6 +278,16 @@ class RewardClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def columns_input(columns: list[dict] | None, batch: int) -> dict:
+    """The optional `columns` input of reward_model / reward_text: each row's data set columns as a JSON object,
+    BYTES [B,1]; nothing when no row has a column (an old server, or a client that sends none, still works)."""
+    if not columns or not any(columns):
+        return {}
+    if len(columns) != batch:
+        raise CriticInputError(f"columns: expected {batch} rows, got {len(columns)}")
+    return {"columns": np.array([[json.dumps(c, default=str).encode("utf-8")] for c in columns], dtype=np.object_)}
 
 
 def critic_backend(cfg, url: Optional[str] = None, **kwargs) -> CriticClient:

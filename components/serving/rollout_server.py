@@ -57,7 +57,7 @@ class GenerateRequest(BaseModel):
 
     prompt_token_ids: list[list[int]] = Field(min_length=1, description="Prompts as token ids, one list per prompt (no padding).")
     n: int = Field(1, ge=1, description="Samples per prompt.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature (logprobs are of the tempered distribution).")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature (logprobs are of the tempered distribution); 0 = greedy.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0 disables).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass (1.0 disables).")
     max_new_tokens: int = Field(16, ge=1, description="Longest response in tokens.")

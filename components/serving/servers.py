@@ -13,6 +13,9 @@ Wire contract (NeMo-Aligner compatible; tokens right-padded, B = batch, L = sequ
     reward_text   (dynamic batching)  prompts BYTES [B,1], responses BYTES [B,1] (UTF-8)
                                       -> rewards float32 [B,1]: the reward model tokenizes with its own tokenizer
                                       (reward servers, and the critic server when it carries the reward model)
+    both reward models take an optional columns BYTES [B,1]: each sample's data set row besides the prompt, a JSON
+    object, for a reward function that reads columns (models/reward.py); a reward model ignores it. A client that
+    sends no columns (every client before it) is served as before.
 
 One Triton instance serves all models of a server; `CriticTrainer.lock` serialises infer/train/save. Serving order:
 Triton starts first, then the weights load, then the models are bound. If the weights fail to load, each model name is
@@ -34,6 +37,7 @@ PyTriton notes (0.7.0):
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -121,6 +125,25 @@ def check_vocab(tokens: np.ndarray, vocab_size: int) -> None:
         raise CriticInputError(f"tokens: ids must be in [0, {vocab_size}), got min {tokens.min()} max {tokens.max()}")
 
 
+def decode_columns(request, batch: int) -> list[dict]:
+    """The optional `columns` input (BYTES [B,1], a JSON object per row) as B dicts; empty dicts when absent."""
+    if "columns" not in request.keys():
+        return [{} for _ in range(batch)]
+    texts = decode_texts(_array(request, "columns"), "columns")
+    if len(texts) != batch:
+        raise CriticInputError(f"columns: batch size {len(texts)} does not match the other inputs' {batch}")
+    rows = []
+    for i, text in enumerate(texts):
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CriticInputError(f"columns: item {i} is not JSON ({exc.msg} at {exc.pos})") from None
+        if not isinstance(row, dict):
+            raise CriticInputError(f"columns: item {i} must be a JSON object, got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
 def decode_texts(array: np.ndarray, name: str) -> list[str]:
     """A BYTES [B, 1] tensor as B strings; refuses other dtypes and shapes, an empty batch, and invalid UTF-8."""
     if array.dtype.kind not in ("O", "S"):
@@ -204,13 +227,15 @@ def critic_specs(combine_reward: bool, max_batch_size: int, max_queue_delay_us: 
 
 def reward_specs(max_batch_size: int, max_queue_delay_us: int) -> list[ModelSpec]:
     return [ModelSpec(REWARD_MODEL, [_tensor("tokens", np.int64, (-1,)), _tensor("sequence_lengths", np.int64, (1,)),
-                                     _tensor("prompt_lengths", np.int64, (1,), optional=True)],
+                                     _tensor("prompt_lengths", np.int64, (1,), optional=True),
+                                     _tensor("columns", bytes, (1,), optional=True)],
                       [_tensor("rewards", np.float32, (1,))], True, max_batch_size, max_queue_delay_us),
             reward_text_spec(max_batch_size, max_queue_delay_us)]
 
 
 def reward_text_spec(max_batch_size: int, max_queue_delay_us: int) -> ModelSpec:
-    return ModelSpec(REWARD_TEXT, [_tensor("prompts", bytes, (1,)), _tensor("responses", bytes, (1,))],
+    return ModelSpec(REWARD_TEXT, [_tensor("prompts", bytes, (1,)), _tensor("responses", bytes, (1,)),
+                                   _tensor("columns", bytes, (1,), optional=True)],
                      [_tensor("rewards", np.float32, (1,))], True, max_batch_size, max_queue_delay_us)
 
 
@@ -312,23 +337,24 @@ class RewardCallables:
             if len(prompts) != len(responses):
                 raise CriticInputError(f"responses: batch size {len(responses)} does not match prompts batch size "
                                        f"{len(prompts)}")
-            parts.append((prompts, responses))
-        prompts = [p for ps, _ in parts for p in ps]
-        responses = [r for _, rs in parts for r in rs]
+            parts.append((prompts, responses, decode_columns(request, len(prompts))))
+        prompts = [p for ps, _, _ in parts for p in ps]
+        responses = [r for _, rs, _ in parts for r in rs]
+        columns = [c for _, _, cs in parts for c in cs]
         with self.lock:
             if self.model is not None:
                 scores = text_reward_scores(self.model, self.reward_tokenizer, prompts, responses,
                                             self.chat_template).numpy()
             else:
-                scores = np.asarray(self.function(prompts, responses), dtype=np.float32)
+                scores = np.asarray(self.function(prompts, responses, columns), dtype=np.float32)
         out, start = [], 0
-        for ps, _ in parts:
+        for ps, _, _ in parts:
             out.append({"rewards": scores[start:start + len(ps)].astype(np.float32).reshape(-1, 1)})
             start += len(ps)
         return out
 
     def infer(self, requests):
-        parts, prompt_parts = [], []
+        parts, prompt_parts, column_parts = [], [], []
         for request in requests:
             tokens, lengths = _array(request, "tokens"), _array(request, "sequence_lengths")
             validate_tokens(tokens, lengths, self.vocab_size)
@@ -338,6 +364,7 @@ class RewardCallables:
             prompt = request["prompt_lengths"] if "prompt_lengths" in request.keys() else None
             prompt_parts.append(check_prompt_lengths(np.asarray(prompt), lengths) if prompt is not None
                                 else np.zeros_like(lengths))
+            column_parts.append(decode_columns(request, len(lengths)))
             parts.append((tokens, lengths))
         with self.lock:
             if self.model is not None:
@@ -345,19 +372,21 @@ class RewardCallables:
                 device = next(self.model.parameters()).device
                 scores = reward_model_scores(self.model, tokens.to(device), lengths.to(device)).cpu().numpy()
             else:
-                scores = np.concatenate([self._score_text(t, ln, p) for (t, ln), p in zip(parts, prompt_parts)])
+                scores = np.concatenate([self._score_text(t, ln, p, c)
+                                         for (t, ln), p, c in zip(parts, prompt_parts, column_parts)])
         responses, start = [], 0
         for tokens, _ in parts:
             responses.append({"rewards": scores[start:start + tokens.shape[0]].astype(np.float32).reshape(-1, 1)})
             start += tokens.shape[0]
         return responses
 
-    def _score_text(self, tokens: np.ndarray, lengths: np.ndarray, prompt_lengths: np.ndarray) -> np.ndarray:
+    def _score_text(self, tokens: np.ndarray, lengths: np.ndarray, prompt_lengths: np.ndarray,
+                    columns: list[dict]) -> np.ndarray:
         rows = tokens.tolist()
         prompts = [self.tokenizer.decode(r[:p], skip_special_tokens=True) for r, p in zip(rows, prompt_lengths)]
         responses = [self.tokenizer.decode(r[p:n], skip_special_tokens=True)
                      for r, p, n in zip(rows, prompt_lengths, lengths)]
-        return np.asarray(self.function(prompts, responses), dtype=np.float32)
+        return np.asarray(self.function(prompts, responses, columns), dtype=np.float32)
 
     def bindings(self, max_batch_size: int, max_queue_delay_us: int) -> list[tuple[ModelSpec, Callable]]:
         return list(zip(reward_specs(max_batch_size, max_queue_delay_us), (self.infer, self.text)))

@@ -13,6 +13,8 @@ from components.tracking.tracker import TrackingError, get_or_create_experiment
 from models.algorithms import ALGORITHMS
 
 DEFAULT_METRICS = ("objective/gold_reward", "objective/scores", "objective/kl", "objective/entropy", "time/step")
+# the held-out eval (eval.*): plotted below the training curves when a run has it
+EVAL_METRICS = ("eval/gold_reward", "eval/score", "eval/accuracy")
 
 
 @dataclass
@@ -64,17 +66,20 @@ def compare_runs(
     out_dir: Path,
     metrics: tuple[str, ...] = DEFAULT_METRICS,
 ) -> tuple[Path, Path]:
-    """Write comparison.png and comparison.md for `run_ids` (default: latest finished run per algorithm)."""
+    """Write comparison.png and comparison.md for `run_ids` (default: latest finished run per algorithm): `metrics`,
+    then the eval curves (EVAL_METRICS) that any of the runs logged."""
     client = MlflowClient(tracking_uri)
     series = []
     for run in _select_runs(client, experiment, run_ids, tracking_uri):
         s = _Series(run)
-        for key in metrics:
+        for key in (*metrics, *EVAL_METRICS):
             history = client.get_metric_history(run.info.run_id, key)
             if history:
                 s.points[key] = sorted((m.step, (m.timestamp - run.info.start_time) / 1000, m.value) for m in history)
         series.append(s)
 
+    training = metrics
+    metrics = (*metrics, *(k for k in EVAL_METRICS if k not in metrics and any(k in s.points for s in series)))
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     png, md = out_dir / "comparison.png", out_dir / "comparison.md"
@@ -104,7 +109,7 @@ def compare_runs(
     header = ["run", "run id", "algorithm", "iterations", *(f"final {k}" for k in metrics), "wall-clock (s)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for s in series:
-        steps = {step for pts in s.points.values() for step, _, _ in pts}
+        steps = {step for key in training if key in s.points for step, _, _ in s.points[key]}
         finals = [_fmt(s.points[k][-1][2]) if k in s.points else "absent" for k in metrics]
         cells = [s.run.info.run_name, s.run.info.run_id, s.run.data.tags.get("algorithm", "?"), str(len(steps)), *finals]
         lines.append("| " + " | ".join([*cells, _fmt(s.wall_clock())]) + " |")

@@ -140,6 +140,13 @@ class RunSession:
         if iteration % self.cfg.tracking.table_every == 0 or iteration == 1:
             self.tracker.log_table(samples, step=iteration)
 
+    def log_eval(self, iteration: int, metrics: dict, rows: list[dict]) -> None:
+        """A held-out eval before iteration + 1 (or at the end): its metrics at step=iteration and its samples as
+        the MLflow table tables/eval_<iteration>.json."""
+        self.tracker.log_side_metrics(metrics, step=iteration)
+        if rows:
+            self.tracker.log_table(rows, step=iteration, name="eval")
+
     def close(self, status: str) -> None:
         self.tracker.end(status)
 

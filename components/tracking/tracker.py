@@ -235,6 +235,13 @@ class Tracker:
         self._log_batch(metrics=entries)
         self.last_step = step
 
+    def log_side_metrics(self, metrics: dict[str, float], step: int) -> None:
+        """Log numeric values at `step` beside the iterations' (held-out eval, data counts): any step, not tracked by
+        last_step."""
+        timestamp = int(time.time() * 1000)
+        self._log_batch(metrics=[Metric(key, number, timestamp, step) for key, value in metrics.items()
+                                 if (number := _as_number(value)) is not None])
+
     def log_table(self, rows: list[dict], step: int, name: str = "samples") -> None:
         """Rows (e.g. prompt/response/reward) as an MLflow table artifact tables/<name>_<step>.json."""
         columns: dict[str, list] = {key: [] for row in rows for key in row}

@@ -86,7 +86,7 @@ class Algorithm:
 
     def request_scores(self, batch: dict, chunks: list[slice], backends: Backends) -> Callable[[], dict]:
         """On rank 0, fire the requests for every rank's rollouts (`batch`: tokens, lengths, prompt_lengths,
-        prompts, responses) per micro-batch; return a function that waits for them and gives {"scores": [B]}."""
+        prompts, responses, columns) per micro-batch; return a function that waits for them and gives {"scores": [B]}."""
         futures = request_rewards(backends.reward, batch, chunks)
         return lambda: {"scores": torch.cat([f.result() for f in futures]).float()}
 
@@ -109,4 +109,4 @@ class Algorithm:
 def request_rewards(reward, batch: dict, chunks: list[slice]) -> list[Future]:
     """Reward requests for the rows of `batch` per micro-batch (futures), as tokens or texts: the backend decides."""
     return [reward.score_async(batch["tokens"][mb], batch["lengths"][mb], batch["prompt_lengths"][mb],
-                               batch["prompts"][mb], batch["responses"][mb]) for mb in chunks]
+                               batch["prompts"][mb], batch["responses"][mb], batch["columns"][mb]) for mb in chunks]

@@ -50,9 +50,10 @@ class NativeEngine:
                 out = model(input_ids=step_input, attention_mask=attention, position_ids=position,
                             past_key_values=past, use_cache=True)
             past = out.past_key_values
-            logits = out.logits[:, -1, :].float() / gen.temperature
+            logits = out.logits[:, -1, :].float() / (gen.temperature or 1.0)
             logps = torch.log_softmax(logits, dim=-1)
-            next_token = sample(logits, gen.top_k, gen.top_p, generator)
+            next_token = (logits.argmax(-1) if gen.temperature == 0  # greedy (held-out eval, eval.temperature=0)
+                          else sample(logits, gen.top_k, gen.top_p, generator))
             token_logp = logps.gather(1, next_token.unsqueeze(1)).squeeze(1)
             next_token = torch.where(finished, torch.full_like(next_token, self.pad_id), next_token)
             new_tokens.append(next_token)

@@ -28,10 +28,15 @@ def vocabulary() -> list[str]:
     return list(dict.fromkeys(words))
 
 
-def prompts(n: int = 200, seed: int = 0) -> list[str]:
+# held-out prompts (the `test` split of the builtin tasks): the training templates' verbs with "this" for "the"
+EVAL_TEMPLATES = ["tell me about this {n} :", "what do you think of this {n} :", "describe this {n} :",
+                  "review this {n} :"]
+
+
+def prompts(n: int = 200, seed: int = 0, templates: list[str] = PROMPT_TEMPLATES) -> list[str]:
     """All template x noun prompts, shuffled deterministically and cycled to n."""
     rng = random.Random(seed)
-    base = [t.format(n=noun) for t in PROMPT_TEMPLATES for noun in NOUNS]
+    base = [t.format(n=noun) for t in templates for noun in NOUNS]
     rng.shuffle(base)
     return [base[i % len(base)] for i in range(n)]
 
@@ -78,3 +83,20 @@ def gold_reward(prompts: list[str], responses: list[str]) -> list[float]:
         p, q = sum(w in pos for w in words), sum(w in neg for w in words)
         scores.append((p - q) / (p + q) if p + q else 0.0)
     return scores
+
+
+# ---------------------------------------------------------------- a task whose reward needs a dataset column
+
+
+def targeted_rows(n: int = 200, seed: int = 0, templates: list[str] = PROMPT_TEMPLATES) -> list[dict]:
+    """`builtin:sentiment_target`: the task's prompts, each with the thing it asks about in a `target` column (the
+    "answer" a verifiable reward checks, as a math data set's solution column)."""
+    return [{"prompt": prompt, "target": next(noun for noun in NOUNS if f" {noun} " in f" {prompt} ")}
+            for prompt in prompts(n, seed, templates)]
+
+
+def targeted_reward(prompts: list[str], responses: list[str], target: list[str]) -> list[float]:
+    """A verifiable 0/1 reward reading the `target` column: 1 when the response is a positive review (gold_reward
+    > 0) that names its target, else 0."""
+    polarity = gold_reward(prompts, responses)
+    return [1.0 if g > 0 and t in r.split() else 0.0 for g, t, r in zip(polarity, target, responses)]

@@ -122,11 +122,21 @@ def test_ppo_deployment_completes_with_metrics_and_no_leftover_server(local_stac
     assert server_processes(s, str(s["state_dir"] / "runs" / "e2e-ppo")) == []
 
 
-def test_reinforce_deployment_starts_no_critic(local_stack):
+TARGETED = "models.tasks.sentiment:targeted_reward"
+
+
+def test_reinforce_deployment_starts_no_critic_and_learns_a_reward_that_reads_a_column(local_stack):
+    """reinforce/default on builtin:sentiment_target: the reward function reads the rows' `target` column, which
+    reaches it through the reward server (the optional `columns` input); RLOO learns it (the margin of
+    tests/models/test_steps.py), and the held-out eval runs at 0, 4, 8 and 12 (MLflow metrics and tables, a Prefect
+    table artifact) and rises."""
     s = local_stack
-    proc = deployment_run(s, "reinforce/default", {"iterations": 2, "run_name": "e2e-rloo"})
+    proc = deployment_run(s, "reinforce/default", {
+        "iterations": 12, "run_name": "e2e-rloo", "data": {"prompts": "builtin:sentiment_target"},
+        "reward": {"source": "function", "function": TARGETED, "gold": TARGETED},
+        "eval": {"prompts": "builtin:sentiment_target", "every": 4}})
     run = wait_final(s, flow_run_id(proc))
-    assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert run["state"]["type"] == "COMPLETED", run["state"]["message"]
     names = task_names(s, run["id"])
     assert not any("critic" in n for n in names), names
     assert any(n.startswith("deploy-reward-server") for n in names)
@@ -134,7 +144,22 @@ def test_reinforce_deployment_starts_no_critic(local_stack):
     assert (logs / "reward-server.log").exists() and not (logs / "critic-server.log").exists()
     client, mrun = mlflow_run(s, "e2e-rloo")
     assert mrun.data.tags["algorithm"] == "rloo" and "objective/kl" in mrun.data.metrics
-    assert mrun.data.tags["reward_transport"] == "tokens"  # the shipped reward model shares the policy's tokenizer
+    assert mrun.data.tags["reward_transport"] == "tokens"  # a reward function decodes the policy's tokens
+
+    def history(key):
+        return [(m.step, m.value) for m in sorted(client.get_metric_history(mrun.info.run_id, key), key=lambda m: m.step)]
+
+    gold = [v for _, v in history("objective/gold_reward")]
+    assert len(gold) == 12 and (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.2, gold
+    evals = history("eval/gold_reward")
+    assert [step for step, _ in evals] == [0, 4, 8, 12] and evals[-1][1] - evals[0][1] >= 0.2, evals
+    assert [step for step, _ in history("eval/pass_at_1")] == [0, 4, 8, 12]
+    assert history("data/rows") == [(0, 200.0)] and history("data/filtered_rows") == [(0, 0.0)]
+    tables = {a.path for a in client.list_artifacts(mrun.info.run_id, "tables")}
+    assert {"tables/eval_000000.json", "tables/eval_000012.json"} <= tables
+    artifact = httpx.post(f"{s['api']}/artifacts/latest/filter", json={"artifacts": {"key": {"any_": ["eval-e2e-rloo"]}}},
+                          timeout=10).json()
+    assert artifact and artifact[0]["type"] == "table" and "iteration 12" in artifact[0]["description"], artifact
     assert server_processes(s, str(s["state_dir"])) == []
 
 

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from models.config import preset
+from models.eval import eval_metrics
 from models.loop import build_actor, build_local_reward, train_in_process
 
 NON_DETERMINISTIC = ("time/", "throughput/")
@@ -140,3 +141,47 @@ def test_chat_template_prompts(tiny_models):
     policy.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
     ids = policy.encode_prompts(["review the cat :"], chat_template=True)
     assert ids == policy.encode_prompts(["review the cat :"]) and all(isinstance(i, int) for i in ids[0])
+
+
+TARGETED = "models.tasks.sentiment:targeted_reward"
+
+
+def test_a_reward_reading_a_column_learns_and_the_held_out_eval_rises_without_changing_training(tiny_models, tmp_path):
+    """builtin:sentiment_target: the reward (a 0/1 verifiable reward, the gold one too) reads the `target` column.
+    RLOO learns it in 12 iterations, the held-out eval (other prompts: the `test` split) runs at 0, 4, 8 and 12 with
+    its metrics, rises, and the training curve is the same as without the eval, number for number (same process,
+    same kernels, same data: the eval samples from a generator of its own).
+
+    Why a gain >= 0.2: with p ~0.35 a 0/1 reward has std ~0.48; a mean over 2 iterations of 64 samples has a standard
+    error of ~0.04, the difference of two such means ~0.06: 0.2 is > 3 of them. (Seen here: +0.30 at seed 0, +0.38 at
+    seed 1; the greedy eval 0.70 -> 1.00.)"""
+    task = {"algorithm": "rloo", "iterations": 12, "seed": 0, "data.prompts": "builtin:sentiment_target",
+            "reward.source": "function", "reward.function": TARGETED, "reward.gold": TARGETED}
+    evals = []
+    with_eval = train_in_process(tiny_cfg(tiny_models, tmp_path, **task, **{
+        "eval.prompts": "builtin:sentiment_target", "eval.every": 4}), on_eval=lambda i, m: evals.append((i, m)))
+    without = train_in_process(tiny_cfg(tiny_models, tmp_path, **task))
+    keys = [k for k in without[0] if not k.startswith(NON_DETERMINISTIC)]
+    assert [{k: m[k] for k in keys} for m in with_eval] == [{k: m[k] for k in keys} for m in without]
+    gold = [m["objective/gold_reward"] for m in with_eval]
+    assert mean(gold[-2:]) - mean(gold[:2]) >= 0.2, gold
+    assert [i for i, _ in evals] == [0, 4, 8, 12]
+    first, last = evals[0][1], evals[-1][1]
+    assert {"eval/score", "eval/gold_reward", "eval/response_length", "eval/accuracy", "eval/pass_at_1"} <= set(first)
+    assert first["eval/samples"] == 40  # the test split: 40 held-out prompts x 1 greedy sample
+    assert last["eval/gold_reward"] - first["eval/gold_reward"] >= 0.2, evals
+    assert first["eval/accuracy"] == first["eval/score"] == first["eval/pass_at_1"]  # one 0/1 sample per prompt
+
+
+def test_eval_metrics_against_a_float64_reference():
+    scores = [1, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0, 1]  # 3 prompts x k=4 samples, consecutive
+    gold = [0.5, -1, 0, 0, 0, 0, 0.25, 0, 1, 1, 0, 1]
+    lengths = [3, 4, 5, 6, 1, 1, 1, 1, 2, 2, 2, 2]
+    m = eval_metrics(torch.tensor(scores, dtype=torch.float64), torch.tensor(gold, dtype=torch.float64),
+                     torch.tensor(lengths, dtype=torch.float64), k=4)
+    passed = sum(any(scores[i * 4:(i + 1) * 4]) for i in range(3)) / 3
+    assert m["eval/pass_at_4"] == pytest.approx(passed) == pytest.approx(2 / 3)
+    assert m["eval/accuracy"] == pytest.approx(sum(scores) / 12)
+    assert m["eval/gold_reward"] == pytest.approx(sum(gold) / 12) and m["eval/response_length"] == pytest.approx(30 / 12)
+    continuous = eval_metrics(torch.tensor([0.5, 1.0]), None, torch.tensor([1.0, 2.0]), k=1)
+    assert "eval/accuracy" not in continuous and "eval/gold_reward" not in continuous  # not a 0/1 reward, no gold

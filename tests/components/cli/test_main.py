@@ -139,11 +139,16 @@ def test_a_model_path_that_does_not_exist_fails_fast_naming_the_field(tmp_path):
 @pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
 def test_train_on_two_ranks_learns_the_shipped_task(tiny_models, tmp_path, algorithm):
     """`rlhf train --set actor.nproc_per_node=2`: rank 0 starts rank 1, both shard the actor (FSDP2 over gloo) and
-    the run learns by the margin of the single-process learning test (tests/models/test_steps.py)."""
-    metrics = tmp_path / "m.json"
+    the run learns by the margin of the single-process learning test (tests/models/test_steps.py). The held-out eval
+    (the task's 40 test prompts, greedy) runs on both ranks at 0, 6 and 12, over every prompt, and rises."""
+    metrics, evals = tmp_path / "m.json", tmp_path / "e.json"
     run("train", "--set", f"algorithm={algorithm}", "--set", "actor.nproc_per_node=2", "--set", "iterations=12",
         "--set", f"model.policy={tiny_models['policy']}", "--set", f"model.reward={tiny_models['reward']}",
-        "--metrics-out", str(metrics), env={"RLHF_STATE_DIR": str(tmp_path / "state")})
+        "--set", "eval.prompts=builtin:sentiment", "--set", "eval.every=6",
+        "--metrics-out", str(metrics), "--eval-out", str(evals), env={"RLHF_STATE_DIR": str(tmp_path / "state")})
+    evals = json.loads(evals.read_text())
+    assert [e["iteration"] for e in evals] == [0, 6, 12] and {e["eval/samples"] for e in evals} == {40.0}
+    assert evals[-1]["eval/gold_reward"] - evals[0]["eval/gold_reward"] >= 0.2, evals
     history = json.loads(metrics.read_text())
     gold = [m["objective/gold_reward"] for m in history]
     assert (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.3, gold

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -227,10 +228,11 @@ class _WordTokenizer:
 
 
 def test_function_reward_decodes_prompt_and_response_from_tokens():
-    seen = []
+    seen, seen_columns = [], []
 
-    def reward(prompts, responses):
+    def reward(prompts, responses, columns):  # as models.reward.load_reward_function wraps a function
         seen.append((prompts, responses))
+        seen_columns.append(columns)
         return [float(r.count("good")) for r in responses]
 
     callables = RewardCallables(function=reward, tokenizer=_WordTokenizer())
@@ -246,6 +248,20 @@ def test_function_reward_decodes_prompt_and_response_from_tokens():
     with pytest.raises(ValueError, match="prompt_lengths"):
         callables.infer([{"tokens": tokens, "sequence_lengths": lengths,
                           "prompt_lengths": np.array([[2], [9]], dtype=np.int64)}])
+    # the optional `columns` input: each row's data set columns (JSON), to the function; none sent: empty rows
+    assert seen_columns[-2] == [{}, {}]
+    rows = [{"target": "positive", "answer": 1}, {"target": "negative", "answer": None}]
+    columns = np.array([[json.dumps(r).encode()] for r in rows], dtype=np.object_)
+    callables.infer([{"tokens": tokens, "sequence_lengths": lengths, "columns": columns}])
+    assert seen_columns[-1] == rows
+    callables.text([{"prompts": np.array([[b"p"], [b"q"]], dtype=np.object_),
+                     "responses": np.array([[b"good"], [b"bad"]], dtype=np.object_), "columns": columns}])
+    assert seen[-1] == (["p", "q"], ["good", "bad"]) and seen_columns[-1] == rows
+    for bad, message in ((np.array([[b"[1]"], [b"{}"]], dtype=np.object_), "columns: item 0 must be a JSON object"),
+                         (np.array([[b"{"], [b"{}"]], dtype=np.object_), "columns: item 0 is not JSON"),
+                         (np.array([[b"{}"]], dtype=np.object_), "columns: batch size 1 does not match")):
+        with pytest.raises(ValueError, match=message):
+            callables.infer([{"tokens": tokens, "sequence_lengths": lengths, "columns": bad}])
 
 
 def test_critic_without_reward_model_serves_values_only_and_pads_mixed_lengths(tiny_models):

@@ -1,6 +1,7 @@
 """Training through the vLLM rollout engine, as a user runs it: `rlhf train --set rollout.engine=vllm` starts the
 rollout server (.venv-vllm) beside the actor's ranks, sends it the actor's weights before the first rollout and after
-every update, and the run learns the shipped task by the margin of the native learning test."""
+every update, and the run learns the shipped task by the margin of the native learning test; the held-out eval samples
+through the same engine."""
 
 import json
 import os
@@ -19,14 +20,20 @@ def test_training_through_the_vllm_engine_learns(tiny_models, tmp_path, algorith
     """Gold gain >= 0.3 over 12 iterations (as tests/models/test_steps.py); every iteration refitted (time/refit) and
     the engine agreed with the trainer on the sampled tokens (float32 on both sides: logprob_diff_max < 1e-4 (seen: 4e-6 to 2e-5), so
     truncated importance sampling changed next to nothing); nothing of the server is left afterwards."""
-    metrics = tmp_path / "m.json"
+    metrics, evals = tmp_path / "m.json", tmp_path / "e.json"
     state = tmp_path / "state"
     overrides = {"algorithm": algorithm, "actor.nproc_per_node": ranks, "iterations": 12,
-                 "rollout.engine": "vllm", "rollout.vllm.threads": 1, "model.policy": tiny_models["policy"], "model.reward": tiny_models["reward"]}
+                 "rollout.engine": "vllm", "rollout.vllm.threads": 1, "model.policy": tiny_models["policy"],
+                 "model.reward": tiny_models["reward"], "eval.prompts": "builtin:sentiment", "eval.every": 6}
     args = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
-    proc = subprocess.run([RLHF, "train", *args, "--metrics-out", str(metrics)], capture_output=True, text=True,
-                          timeout=900, env=dict(os.environ, HF_HUB_OFFLINE="1", RLHF_STATE_DIR=str(state)))
+    proc = subprocess.run([RLHF, "train", *args, "--metrics-out", str(metrics), "--eval-out", str(evals)],
+                          capture_output=True, text=True, timeout=900,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", RLHF_STATE_DIR=str(state)))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # the held-out eval through the engine (greedy: temperature 0 on the server): at 0, 6, 12, every prompt, rising
+    evals = json.loads(evals.read_text())
+    assert [e["iteration"] for e in evals] == [0, 6, 12] and {e["eval/samples"] for e in evals} == {40.0}
+    assert evals[-1]["eval/gold_reward"] - evals[0]["eval/gold_reward"] >= 0.2, evals
     history = json.loads(metrics.read_text())
     gold = [m["objective/gold_reward"] for m in history]
     assert (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.3, gold
