@@ -240,12 +240,16 @@ class RankFailed(RuntimeError):
 
 def train_in_process(cfg: RLHFConfig, on_iteration: Callable[[int, dict], None] | None = None,
                      actor: Leader | None = None,
-                     on_eval: Callable[[int, dict], None] = lambda iteration, metrics: None) -> list[dict]:
+                     on_eval: Callable[[int, dict], None] = lambda iteration, metrics: None,
+                     data: tuple[PromptSet, PromptSet | None] | None = None) -> list[dict]:
     """The whole run driven from this process (critic/reward in process, no checkpoints): on one rank, or on the
     ranks of `actor` (components/launch/ranks.actor_ranks). With `actor`, `cfg` is its prepared config (models/prepare.py).
-    Returns the metrics per iteration; the held-out evals (eval.*) go to `on_eval(iteration, metrics)`."""
+    `data`: the training and eval prompts when already read (else read here, before the actor loads). Returns the
+    metrics per iteration; the held-out evals (eval.*) go to `on_eval(iteration, metrics)`."""
     if actor is None:  # this is the entry point
         cfg = prepare_run(cfg)
+    prompts, evals = data or (training_prompts(cfg), eval_prompts(cfg))  # bad data fails before the models load
+    if actor is None:
         actor = Leader(cfg, build_actor(cfg))
     critic = reward = None
     if ALGORITHMS[cfg.algorithm].needs_critic:
@@ -254,8 +258,7 @@ def train_in_process(cfg: RLHFConfig, on_iteration: Callable[[int, dict], None] 
     else:
         reward = build_local_reward(cfg)
     history = []
-    evals = eval_prompts(cfg)
-    stream = PromptStream(training_prompts(cfg), batch_size(cfg), cfg.seed)
+    stream = PromptStream(prompts, batch_size(cfg), cfg.seed)
     try:
         for i in range(cfg.iterations):
             if evals is not None and is_eval_iteration(cfg, i):

@@ -11,7 +11,7 @@ from components.cli.options import parse_overrides
 from components.launch.ranks import actor_ranks
 from components.serving.rollout import attach, local_rollout_server
 from models.config import load_config
-from models.loop import train_in_process
+from models.loop import eval_prompts, train_in_process, training_prompts
 from models.prepare import prepare_run
 from models.tiny import build_tiny
 
@@ -52,10 +52,11 @@ def cmd_train(args) -> int:
               flush=True)
 
     log_dir = cfg.resolved_state_dir() / "logs" / "train"
+    data = training_prompts(cfg), eval_prompts(cfg)  # bad data fails here, before any model loads
     with (local_rollout_server(cfg, log_dir) as rollout_server, actor_ranks(cfg, log_dir) as actor,
           attach(rollout_server, actor, cfg)):
         try:
-            history = train_in_process(actor.cfg, show, actor, show_eval)
+            history = train_in_process(actor.cfg, show, actor, show_eval, data)
         except Exception as exc:
             if rollout_server is not None and (death := rollout_server.death()):
                 raise RuntimeError(death) from exc  # name the server that went away, not the broken connection

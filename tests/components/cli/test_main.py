@@ -100,6 +100,18 @@ def test_config_errors_name_the_field():
     assert proc.returncode != 0 and "num_rollouts_per_prompt" in proc.stderr
 
 
+def test_bad_data_fails_the_run_before_any_model_loads(tiny_models, tmp_path):
+    """A data set without the prompt column: `rlhf train` exits naming the file and the columns there are, before the
+    actor or a server starts (no rank log, no rollout server)."""
+    (tmp_path / "rows.jsonl").write_text(json.dumps({"question": "review the cat :", "answer": 1}) + "\n")
+    proc = run("train", "--set", f"data.prompts={tmp_path / 'rows.jsonl'}", "--set", f"model.policy={tiny_models['policy']}",
+               "--set", f"model.reward={tiny_models['reward']}", check=False, env={"RLHF_STATE_DIR": str(tmp_path / "state")})
+    assert proc.returncode != 0
+    assert f"data.prompts: '{tmp_path / 'rows.jsonl'}' has no column 'prompt' (the prompt_key); its columns: " \
+           "['question', 'answer']" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "state" / "logs" / "train").exists()
+
+
 def test_train_in_process(tiny_models, tmp_path):
     metrics = tmp_path / "m.json"
     proc = run("train", "--set", "algorithm=rloo", "--set", "iterations=2", "--set", f"model.policy={tiny_models['policy']}",

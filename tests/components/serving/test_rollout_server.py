@@ -178,7 +178,7 @@ def test_bad_input_is_refused_naming_the_field_and_the_server_keeps_serving(serv
         ({**good, "prompt_token_ids": [[]]}, 400, "prompt_token_ids[0]: a prompt needs at least one token"),
         ({**good, "prompt_token_ids": []}, 422, "prompt_token_ids"),
         ({**good, "n": 0}, 422, "n"),
-        ({**good, "temperature": 0}, 422, "temperature"),
+        ({**good, "temperature": -1}, 422, "temperature"),  # 0 is greedy (the held-out eval)
         ({**good, "max_new_tokens": 1000}, 400, f"exceed max_model_len {limit}"),
         ({**good, "stop_token_ids": [-1]}, 400, "stop_token_ids: token id -1"),
         ({**good, "expected_version": version + 7}, 409, f"the engine holds weights version {version}"),
