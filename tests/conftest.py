@@ -45,11 +45,16 @@ def tiny_reward_chars(tiny_dir) -> str:
     return str(tiny_dir / "reward-chars")
 
 
+TINY_FIXTURES = {"tiny_dir", "tiny_models", "tiny_reward_chars"}
+
+
 def pytest_collection_modifyitems(items):
     """Modules marked slow first (they start whole stacks and run for minutes), so that under pytest-xdist's
-    `--dist loadfile` the longest module starts at once and the short ones fill the other worker around it; the order
-    inside a module, and otherwise, is kept."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    `--dist loadfile` the longest module starts at once and the short ones fill the other worker around it; then the
+    modules that need no tiny model (they run while the session's first worker builds them), then the rest. The order
+    inside a module is kept."""
+    needs_tiny = {item.module.__name__ for item in items if TINY_FIXTURES & set(getattr(item, "fixturenames", ()))}
+    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.module.__name__ in needs_tiny))
 
 
 def link_tiny(state_dir: Path, tiny_dir: Path) -> Path:

@@ -26,14 +26,16 @@ PREFECT = str(Path(sys.executable).parent / "prefect")
 
 
 @pytest.fixture(scope="module")
-def local_stack(tmp_path_factory, tiny_dir):
-    state_dir = link_tiny(tmp_path_factory.mktemp("state"), tiny_dir)  # the session's models, nothing else
+def local_stack(tmp_path_factory, request):
+    state_dir = tmp_path_factory.mktemp("state")
     prefect_port, mlflow_port = free_port_block(1), free_port_block(1)
     with pytest.MonkeyPatch.context() as mp:
         # The served deployments look for new runs and for cancellations every second instead of Prefect's default
         # 10 s: ~20 runs here, each of which would otherwise wait 5 s on average before it starts.
         mp.setenv("PREFECT_RUNNER_POLL_FREQUENCY", "1")
         urls = stack.up(state_dir, prefect_port, mlflow_port, set_profile=False, log=lambda *_: None)
+    # the session's models, nothing else; asked for after the stack is up, so that it starts while they are built
+    link_tiny(state_dir, request.getfixturevalue("tiny_dir"))
     # the prefect CLI prints through Rich, which wraps lines at $COLUMNS (80 without a terminal), e.g. a watched run's
     # log line after a prefix holding the flow run's random name: text the tests look for could break anywhere
     env = {**stack.base_env(state_dir, prefect_port, mlflow_port), "COLUMNS": "1000"}

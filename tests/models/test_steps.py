@@ -8,6 +8,7 @@ from models.eval import eval_metrics
 from models.loop import build_actor, build_local_reward, train_in_process
 
 NON_DETERMINISTIC = ("time/", "throughput/")
+pytestmark = pytest.mark.slow  # ~4 min of learning runs: started first, beside tests/flows/test_deployments.py
 
 
 def tiny_cfg(tiny_models, tmp_path, **overrides):
