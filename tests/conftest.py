@@ -1,5 +1,6 @@
 """Shared fixtures: quiet, offline environment and the tiny models built once per test session."""
 
+import json
 import os
 import socket
 from pathlib import Path
@@ -84,3 +85,17 @@ def free_port_block(n: int = 3) -> int:
         if ok:
             return base
     raise RuntimeError("no free block of ports")
+
+
+def assert_learned_with_eval(metrics_path: Path, evals_path: Path) -> list[dict]:
+    """What an `rlhf train --metrics-out M --eval-out E` run of 12 iterations with eval.every=6 on the shipped task
+    must show: the held-out eval at 0, 6 and 12 over the 40 test prompts, rising by >= 0.2, and the training gold
+    reward rising by the margin of tests/models/test_steps.py (>= 0.3). Returns the per-iteration metrics."""
+    evals = json.loads(evals_path.read_text())
+    assert [e["iteration"] for e in evals] == [0, 6, 12] and {e["eval/samples"] for e in evals} == {40.0}
+    assert evals[-1]["eval/gold_reward"] - evals[0]["eval/gold_reward"] >= 0.2, evals
+    history = json.loads(metrics_path.read_text())
+    gold = [m["objective/gold_reward"] for m in history]
+    assert (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.3, gold
+    return history
+
