@@ -74,10 +74,9 @@ def held_out_eval(session: RunSession, actor: Leader, prompts: PromptSet, critic
     metrics, rows = actor.evaluate(prompts.all(), critic, reward, iteration)
     session.log_eval(iteration, metrics, rows)
     key = re.sub(r"[^a-z0-9-]+", "-", f"eval-{session.name}".lower()).strip("-")
-    create_table_artifact(table=rows, key=key[:128],
-                          description=f"Held-out eval of run {session.name} at iteration {iteration}: " + ", ".join(
-                              f"{k} {v:.3f}" for k, v in metrics.items()))
-    get_run_logger().info(f"eval at iteration {iteration}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+    summary = f"eval at iteration {iteration}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+    create_table_artifact(table=rows, key=key[:128], description=f"Held-out {summary} (run {session.name})")
+    get_run_logger().info(summary)
     return metrics
 
 

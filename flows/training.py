@@ -15,7 +15,7 @@ from components.tasks import (held_out_eval, iteration_task, log_data, log_metri
 from models.config import RLHFConfig
 from models.data import PromptStream
 from models.eval import is_eval_iteration
-from models.loop import batch_size, eval_prompts, training_prompts
+from models.loop import batch_size, read_data
 from models.prepare import prepare_run
 
 
@@ -24,7 +24,7 @@ def train(config: RLHFConfig) -> dict:
     flow with the cause's first line as its state message."""
     with reported_failure():
         cfg = prepare_run(config)
-        prompts, evals = training_prompts(cfg), eval_prompts(cfg)  # bad data fails here, before any model loads
+        prompts, evals = read_data(cfg)  # bad data fails here, before any model loads
         step = iteration_task(cfg)
         with training_run(cfg) as (session, actor), scoring_services(cfg, session, actor) as scoring:
             log_data(session, prompts, evals)

@@ -65,6 +65,10 @@ class PromptSet:
     def all(self) -> Batch:
         return self.batch(list(range(len(self))))
 
+    def head(self, n: int) -> "PromptSet":
+        """The first n rows (eval.max_prompts)."""
+        return PromptSet(self.prompts[:n], self.columns[:n], self.source, self.templated, self.filtered, self.truncated)
+
 
 class DataError(ValueError):
     """A prompt source that cannot be used; the message names the field, the source and what is wrong."""
@@ -92,7 +96,7 @@ def read_rows(source: str, split: str = "train", field: str = "data.prompts"):
         if "corresponds to no data" in str(exc):  # datasets' way of saying the file has no row
             raise DataError(f"{field}: split '{split}' of '{source}' is empty") from exc
         raise DataError(f"{field}: cannot read '{source}': {type(exc).__name__}: {exc}") from exc
-    if path.suffix in DATA_FILES or path.suffix == ".txt" or source.startswith((".", "/", "~")) or os.sep + os.sep in source:
+    if path.suffix in DATA_FILES or path.suffix == ".txt" or source.startswith((".", "/", "~")):
         raise DataError(f"{field}: '{source}' does not exist (a file, a folder, builtin:<task> or a hub dataset id)")
     return _read_hub(source, split, field)
 
@@ -229,11 +233,6 @@ def encode(tokenizer, prompts: list[str], templated: bool, chat_template: bool =
         return [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                    tokenize=True, return_dict=False)) for p in prompts]
     return [tokenizer(p)["input_ids"] for p in prompts]
-
-
-def json_columns(columns: list[dict]) -> list[str]:
-    """Row columns as JSON strings (what crosses a process boundary); values JSON cannot hold become strings."""
-    return [json.dumps(c, default=str) for c in columns]
 
 
 # ---------------------------------------------------------------- order

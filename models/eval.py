@@ -17,7 +17,7 @@ from models.algorithms import ALGORITHMS, Backends
 from models.config import RLHFConfig
 from models.data import Batch
 from models.reward import RewardFn
-from models.step import prompt_ids, rollouts_on_leader
+from models.step import prompt_ids, rollouts_on_leader, sample_rows
 from models.update import micro_batches
 
 
@@ -70,11 +70,8 @@ def eval_metrics(scores: torch.Tensor, gold: torch.Tensor | None, response_lengt
 
 
 def eval_rows(batch: dict, scores: torch.Tensor, gold: torch.Tensor | None, limit: int) -> list[dict]:
-    rows = []
-    for i in range(min(limit, len(batch["prompts"]))):
-        row = {"prompt": batch["prompts"][i], "response": batch["responses"][i], "score": float(scores[i])}
-        if gold is not None:
-            row["gold_reward"] = float(gold[i])
-        row.update({f"column/{name}": str(value) for name, value in batch["columns"][i].items()})
-        rows.append(row)
+    """The step's sample rows (prompt, response, score, gold) with each row's data set columns."""
+    rows = sample_rows(batch["prompts"], batch["responses"], scores, gold, limit)
+    for row, columns in zip(rows, batch["columns"]):
+        row.update({f"column/{name}": str(value) for name, value in columns.items()})
     return rows

@@ -32,27 +32,20 @@ from models.reward import load_reward_function, load_reward_model, load_reward_t
 from models.step import train_step
 
 
-def training_prompts(cfg: RLHFConfig) -> PromptSet:
-    """The rows of data.prompts as prompts for the policy, checked against the reward functions' columns; raises
-    models/data.DataError naming the source and what is wrong (before any model loads: the tokenizer only)."""
-    d = cfg.data
-    return checked_prompt_set(cfg, d.prompts, d.split, d.prompt_key, "data.prompts")
-
-
-def eval_prompts(cfg: RLHFConfig) -> PromptSet | None:
-    """The rows of eval.prompts (None when the run has no eval), the first eval.max_prompts of them."""
-    e = cfg.eval
-    if not e.prompts or not e.every:
-        return None
-    found = checked_prompt_set(cfg, e.prompts, e.split, e.prompt_key, "eval.prompts")
-    if e.max_prompts and len(found) > e.max_prompts:
-        found = PromptSet(found.prompts[:e.max_prompts], found.columns[:e.max_prompts], found.source,
-                          found.templated, found.filtered, found.truncated)
-    return found
-
-
-def checked_prompt_set(cfg: RLHFConfig, source: str, split: str, prompt_key: str, field: str) -> PromptSet:
+def read_data(cfg: RLHFConfig) -> tuple[PromptSet, PromptSet | None]:
+    """The run's training prompts (data.*) and held-out eval prompts (eval.*; None when the run has no eval), read
+    with the policy's tokenizer and checked against the reward functions' columns. Raises models/data.DataError
+    naming the source and what is wrong, before any model loads (the tokenizer only)."""
     tokenizer = load_policy_tokenizer(cfg.resolve_model_path(cfg.model.policy))
+    d, e = cfg.data, cfg.eval
+    prompts = checked_prompt_set(cfg, tokenizer, d.prompts, d.split, d.prompt_key, "data.prompts")
+    if not e.prompts or not e.every:
+        return prompts, None
+    evals = checked_prompt_set(cfg, tokenizer, e.prompts, e.split, e.prompt_key, "eval.prompts")
+    return prompts, evals.head(e.max_prompts) if e.max_prompts else evals
+
+
+def checked_prompt_set(cfg: RLHFConfig, tokenizer, source: str, split: str, prompt_key: str, field: str) -> PromptSet:
     found = load_prompt_set(source, split, prompt_key, tokenizer, cfg.data.max_prompt_length, cfg.data.long_prompts,
                             cfg.data.chat_template, field)
     names = sorted({k for row in found.columns for k in row})
@@ -65,7 +58,7 @@ def checked_prompt_set(cfg: RLHFConfig, source: str, split: str, prompt_key: str
 
 def load_prompts(cfg: RLHFConfig) -> list[str]:
     """The training prompts alone (data.prompts): what tests and benchmarks feed `Leader.step`."""
-    return training_prompts(cfg).prompts
+    return read_data(cfg)[0].prompts
 
 
 def prompt_batches(prompts: list[str], batch_size: int, seed: int, start_batch: int = 0) -> Iterator[list[str]]:
@@ -248,7 +241,7 @@ def train_in_process(cfg: RLHFConfig, on_iteration: Callable[[int, dict], None] 
     metrics per iteration; the held-out evals (eval.*) go to `on_eval(iteration, metrics)`."""
     if actor is None:  # this is the entry point
         cfg = prepare_run(cfg)
-    prompts, evals = data or (training_prompts(cfg), eval_prompts(cfg))  # bad data fails before the models load
+    prompts, evals = data or read_data(cfg)  # bad data fails before the models load
     if actor is None:
         actor = Leader(cfg, build_actor(cfg))
     critic = reward = None

@@ -11,7 +11,7 @@ from components.cli.options import parse_overrides
 from components.launch.ranks import actor_ranks
 from components.serving.rollout import attach, local_rollout_server
 from models.config import load_config
-from models.loop import eval_prompts, train_in_process, training_prompts
+from models.loop import read_data, train_in_process
 from models.prepare import prepare_run
 from models.tiny import build_tiny
 
@@ -52,7 +52,7 @@ def cmd_train(args) -> int:
               flush=True)
 
     log_dir = cfg.resolved_state_dir() / "logs" / "train"
-    data = training_prompts(cfg), eval_prompts(cfg)  # bad data fails here, before any model loads
+    data = read_data(cfg)  # bad data fails here, before any model loads
     with (local_rollout_server(cfg, log_dir) as rollout_server, actor_ranks(cfg, log_dir) as actor,
           attach(rollout_server, actor, cfg)):
         try:
