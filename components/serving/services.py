@@ -176,7 +176,9 @@ def _death(name: str, proc: ServerProcess, settle_s: float = 20.0):
         if (code := proc.poll()) is None:
             return None
         tail = proc.log_tail()
-        errors = [line.split(" ERROR ", 1)[1] for line in tail.splitlines() if " ERROR " in line]
+        # the reason is searched further back than the tail shown: Triton's shutdown countdown after it can take
+        # more than the tail's 30 lines on a loaded machine
+        errors = [line.split(" ERROR ", 1)[1] for line in proc.log_tail(400).splitlines() if " ERROR " in line]
         why = f": {errors[-1]}" if errors else ""  # e.g. "rlhf.server: critic server: critic rank 1 (pid) exited ..."
         return (f"{name} server (pid {proc.pid}, {proc.url}) exited with code {code}{why}; last lines of "
                 f"{proc.log_path}:\n{tail}")
