@@ -1,4 +1,6 @@
-"""Prefect tasks the flows are made of. Retries only where I/O can fail transiently (tracking, checkpoint upload)."""
+"""Prefect tasks the flows are made of, and how a flow hands them to the one training loop (models/loop.run_loop) and
+to the run's services (components/serving/services.py). Retries only where I/O can fail transiently (tracking,
+checkpoint upload)."""
 
 from __future__ import annotations
 
@@ -13,25 +15,57 @@ from prefect.runtime import deployment, flow_run
 
 from components.environment import first_line
 from components.launch.ranks import actor_ranks
+from components.serving.services import RunPlace, RunServices, Steps
 from components.tracking.run import RunSession
 from models.config import RLHFConfig
 from models.data import Batch, PromptSet
-from models.loop import Leader
+from models.loop import Hooks, Leader
+
+
+class FlowSteps(Steps):
+    """The steps of starting a run's servers as Prefect tasks of the flow run (named as the UI shows them), their
+    messages in the run's log."""
+
+    def __call__(self, name: str, fn, *args, **kwargs):
+        return task(fn, name=name, cache_policy=NONE)(*args, **kwargs)
+
+    def log(self, message: str) -> None:
+        get_run_logger().info(message)
+
+
+STEPS = FlowSteps()
 
 
 @contextmanager
-def training_run(cfg: RLHFConfig) -> Iterator[tuple[RunSession, Leader]]:
-    """Open (or resume) the run of a prepared config, start the actor on all its ranks and restore it; on the way out
-    stop every rank and close the MLflow run as FINISHED or FAILED."""
+def training_run(cfg: RLHFConfig) -> Iterator[tuple[RunSession, RunPlace]]:
+    """Open (or resume) the run of a prepared config; on the way out close the MLflow run as FINISHED or FAILED."""
     session = open_run(cfg, run_tags())
     status = "FAILED"
     try:
-        with actor_ranks(cfg, session.local_dir / "logs") as actor:
-            restore_actor(session, actor)
-            yield session, actor
+        yield session, RunPlace(session.name, session.local_dir / "logs", session.critic_dir, session.store.uri,
+                                session.critic_restore_iteration)
         status = "FINISHED"
     finally:
         session.close(status)
+
+
+@contextmanager
+def actor_on_ranks(cfg: RLHFConfig, session: RunSession) -> Iterator[Leader]:
+    """The actor on all its ranks, restored from the run's checkpoint; every rank stopped on the way out."""
+    with actor_ranks(cfg, session.local_dir / "logs") as actor:
+        restore_actor(session, actor)
+        yield actor
+
+
+def flow_hooks(cfg: RLHFConfig, session: RunSession, services: RunServices) -> Hooks:
+    """The training loop's parts as this flow run's tasks: an iteration, the held-out eval, metrics, checkpoints; a
+    failure while a server of the run is gone names that server."""
+    step, guard, critic, reward = iteration_task(cfg), services.guard, services.critic, services.reward
+    return Hooks(step=lambda actor, batch, data: guard(step, actor, batch, data, critic, reward),
+                 evaluate=lambda actor, batch, i: guard(held_out_eval, actor, batch, critic, reward, i),
+                 log=lambda i, metrics, samples: log_metrics(session, i, metrics, samples),
+                 logged_eval=lambda i, metrics, rows: log_eval(session, i, metrics, rows),
+                 checkpoint=lambda actor: guard(save_checkpoint, session, actor, critic))
 
 
 def run_tags() -> dict[str, str]:
@@ -68,16 +102,20 @@ def iteration(actor: Leader, prompts: Batch, data: dict, critic, reward):
 
 
 @task(name="eval", cache_policy=NONE)
-def held_out_eval(session: RunSession, actor: Leader, prompts: PromptSet, critic, reward, iteration: int) -> dict:
-    """The held-out eval (models/eval.py) before iteration + 1 (or at the end): metrics to MLflow at step=iteration,
-    its samples as an MLflow table and as the Prefect table artifact 'eval-<run name>'."""
-    metrics, rows = actor.evaluate(prompts.all(), critic, reward, iteration)
+def held_out_eval(actor: Leader, prompts: Batch, critic, reward, iteration: int) -> tuple[dict, list[dict]]:
+    """The held-out eval (models/eval.py) before iteration + 1 (or at the end) on every actor rank."""
+    return actor.evaluate(prompts, critic, reward, iteration)
+
+
+@task(name="log-eval", cache_policy=NONE, retries=2, retry_delay_seconds=2)
+def log_eval(session: RunSession, iteration: int, metrics: dict, rows: list[dict]) -> None:
+    """An eval's metrics to MLflow at step=iteration, its samples as an MLflow table and as the Prefect table
+    artifact 'eval-<run name>'."""
     session.log_eval(iteration, metrics, rows)
     key = re.sub(r"[^a-z0-9-]+", "-", f"eval-{session.name}".lower()).strip("-")
     summary = f"eval at iteration {iteration}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
     create_table_artifact(table=rows, key=key[:128], description=f"Held-out {summary} (run {session.name})")
     get_run_logger().info(summary)
-    return metrics
 
 
 def log_data(session: RunSession, prompts: PromptSet, evals: PromptSet | None) -> None:
@@ -118,8 +156,9 @@ def save_checkpoint(session: RunSession, actor: Leader, critic=None) -> str:
     return uri
 
 
-def run_summary(session: RunSession, actor: Leader, metrics: dict) -> dict:
+def run_summary(session: RunSession, actor: Leader, history: list[dict]) -> dict:
     """What a training flow returns (shown as the flow run's result)."""
+    metrics = history[-1] if history else {}
     get_run_logger().info(f"run {session.name} finished: {actor.state.iteration} iterations on "
                           f"{actor.me.world_size} actor rank(s)")
     return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": actor.state.iteration,

@@ -9,7 +9,7 @@ from flows.training import train
 from models.config import RLHFConfig
 
 
-@flow(name="ppo", log_prints=True)
+@flow(name="ppo")
 def ppo(config: RLHFConfig = RLHFConfig(algorithm="ppo")) -> dict:
     """Train the actor with PPO against a critic server (values, and rewards when the reward model is combined)."""
     return train(config.model_copy(update={"algorithm": "ppo"}))

@@ -10,7 +10,7 @@ from flows.training import train
 from models.config import RLHFConfig
 
 
-@flow(name="reinforce", log_prints=True)
+@flow(name="reinforce")
 def reinforce(config: RLHFConfig = RLHFConfig(algorithm="rloo")) -> dict:
     """Train the actor with RLOO: k rollouts per prompt scored by the reward server, leave-one-out baseline."""
     return train(config.model_copy(update={"algorithm": "rloo"}))

@@ -11,11 +11,11 @@ from typing import Optional
 
 from prefect import flow
 
-from components.serving.services import host_rollout_server, host_server
+from components.serving.services import host_server
 from models.config import RLHFConfig
 
 
-@flow(name="critic-server", log_prints=True)
+@flow(name="critic-server")
 def critic_server(config: RLHFConfig = RLHFConfig(), checkpoint_uri: Optional[str] = None,
                   restore_iteration: Optional[int] = None) -> int:
     """Serve critic_infer / critic_train / critic_save for one training run until cancelled. Saves are uploaded to
@@ -24,14 +24,14 @@ def critic_server(config: RLHFConfig = RLHFConfig(), checkpoint_uri: Optional[st
     return host_server("critic", config, checkpoint_uri, restore_iteration)
 
 
-@flow(name="reward-server", log_prints=True)
+@flow(name="reward-server")
 def reward_server(config: RLHFConfig = RLHFConfig(algorithm="rloo")) -> int:
     """Serve reward_model until cancelled."""
     return host_server("reward", config)
 
 
-@flow(name="rollout-server", log_prints=True)
+@flow(name="rollout-server")
 def rollout_server(config: RLHFConfig = RLHFConfig()) -> int:
     """Serve the vLLM rollout server (generate, update_weights) for one training run until cancelled; the run sends
     it the actor's weights before its first rollout and after every update."""
-    return host_rollout_server(config)
+    return host_server("rollout", config)

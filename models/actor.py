@@ -15,8 +15,8 @@ from models.config import KLConfig, OptimConfig, RLHFConfig, RolloutConfig
 from models.distributed import SINGLE, Dist
 from models.loading import make_optimizer
 from models.policy import Policy
-from models.rollout import RolloutEngine, build_engine
-from models.rollout.base import Rollout
+from models.engines import RolloutEngine, build_engine
+from models.engines.base import Rollout
 from models.update import micro_batches, minibatch_update
 
 
@@ -25,7 +25,7 @@ class ActorState:
     """Everything about this rank's actor that a checkpoint must restore."""
 
     policy: Policy
-    engine: RolloutEngine  # samples the rollouts (models/rollout/)
+    engine: RolloutEngine  # samples the rollouts (models/engines/)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     kl_ctl: AdaptiveKLController

@@ -12,8 +12,6 @@ import math
 import torch
 from torch import Tensor
 
-from models.distributed import SINGLE, Dist
-
 KL_ESTIMATORS = ("k1", "abs", "k2", "k3")
 
 
@@ -36,16 +34,10 @@ def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return var
 
 
-def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8, me: Dist = SINGLE) -> Tensor:
-    """(x - mean) / sqrt(var + eps) over the masked positions of all ranks' rows (`me`: mean and Bessel-corrected
-    variance from all-reduced sums); masked-out positions are returned as 0."""
-    if me.active:
-        n = me.all_reduce(mask.sum().double())
-        mean = (me.all_reduce((x * mask).sum().double()) / n.clamp(min=1)).to(x.dtype)
-        var = me.all_reduce((((x - mean) ** 2) * mask).sum().double()) / (n - 1).clamp(min=1)
-        var = var.to(x.dtype) if n > 1 else torch.zeros((), dtype=x.dtype)
-    else:
-        mean, var = masked_mean(x, mask), masked_var(x, mask)
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / sqrt(var + eps) over the masked positions (Bessel-corrected variance); masked-out positions are
+    returned as 0."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
     out = (x - mean) * torch.rsqrt(var + eps)
     if not shift_mean:
         out = out + mean

@@ -69,6 +69,21 @@ class GenerationConfig(Section):
     micro_batch_size: PositiveInt = Field(64, description="Sequences per forward pass for logprobs, critic requests and training micro-batches.")
 
 
+class Sampling(Section):
+    """What an engine samples with: generation's sampling fields, for training (temperature > 0) or for the held-out
+    eval (temperature 0 = greedy). Built through `of`, so every use is validated."""
+
+    max_new_tokens: PositiveInt = Field(16, description="Longest response in tokens.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature; 0 = greedy.")
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens (0 disables).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1.0 disables).")
+
+    @classmethod
+    def of(cls, generation: "GenerationConfig", **changes) -> "Sampling":
+        """The sampling settings of `generation`, with `changes` (e.g. temperature=eval.temperature), validated."""
+        return cls.model_validate({**{name: getattr(generation, name) for name in cls.model_fields}, **changes})
+
+
 class KLConfig(Section):
     init: float = Field(0.01, ge=0, description="Initial KL penalty coefficient beta (NeMo-Aligner initial_policy_kl_penalty).")
     estimator: Literal["k1", "abs", "k2", "k3"] = Field("k1", description="Per-token KL estimator used in the reward shaping.")
@@ -180,6 +195,7 @@ class VLLMConfig(Section):
     threads: Optional[PositiveInt] = Field(None, description="CPU threads of the engine (OMP_NUM_THREADS); None = every core on a CPU-only host (the actor waits while the server generates, the server idles while the actor trains), vLLM's default otherwise. Set it lower when other work shares the cores.")
     ready_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the server to load the model and answer /health; with launch=deployment, also how long its flow run may take to start and publish its address (pod scheduling and the image pull count here: raise it for a cold GPU pool).")
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generate or weight-update request.")
+    weight_transfer: Literal["http", "dist"] = Field("dist", description="How the actor's weights reach the server after every update: 'dist' = a torch.distributed group of two (actor rank 0 and the server; gloo on CPU, NCCL on GPUs), tensors broadcast one at a time and loaded as they arrive; 'http' = a safetensors body streamed to POST /update_weights (a server the actor cannot reach with a process group: only its HTTP port is open).")
 
 
 class RolloutConfig(Section):

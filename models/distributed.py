@@ -230,7 +230,23 @@ def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 def leader_batch(me: Dist, fields: dict, pad_id: int = 0) -> dict | None:
     """Every rank's rows of `fields` concatenated in rank order on rank 0 (None elsewhere), with `sizes` (rows per
     rank). [B, T] tensors are right-padded to the widest T (`tokens` with pad_id, the rest with 0); lists concatenate."""
-    parts = me.gather_object({k: v.cpu() if isinstance(v, Tensor) else v for k, v in fields.items()})
+    return _concat(me.gather_object(_cpu(fields)), fields, pad_id)
+
+
+def all_rows(me: Dist, fields: dict, pad_id: int = 0) -> dict:
+    """`leader_batch` on every rank: all ranks' rows of `fields`, rank order, padded alike, with `sizes`."""
+    if not me.active:
+        return _concat([_cpu(fields)], fields, pad_id)
+    parts = [None] * me.world_size
+    dist.all_gather_object(parts, _cpu(fields))
+    return _concat(parts, fields, pad_id)
+
+
+def _cpu(fields: dict) -> dict:
+    return {k: v.cpu() if isinstance(v, Tensor) else v for k, v in fields.items()}
+
+
+def _concat(parts: list[dict] | None, fields: dict, pad_id: int) -> dict | None:
     if parts is None:
         return None
     if len(parts) == 1:

@@ -14,7 +14,7 @@ import torch
 
 from models.actor import ActorState
 from models.algorithms import ALGORITHMS, Backends
-from models.config import RLHFConfig
+from models.config import RLHFConfig, Sampling
 from models.data import Batch
 from models.reward import RewardFn
 from models.step import prompt_ids, rollouts_on_leader, sample_rows
@@ -37,8 +37,9 @@ def evaluate(state: ActorState, prompts: Batch, cfg: RLHFConfig, backends: Backe
     mine = [p for p in prompts.prompts[share] for _ in range(k)]
     columns = [c for c in prompts.columns[share] for _ in range(k)]
     generator = torch.Generator().manual_seed(eval_seed(cfg.seed, iteration, me.rank))
-    gen = cfg.generation.model_copy(update={"temperature": e.temperature})
-    rollout = state.engine.generate(prompt_ids(policy, mine, prompts.templated, cfg), gen, generator)
+    sampling = Sampling.of(cfg.generation, temperature=e.temperature)  # validated: 0 is greedy
+    rollout = state.engine.generate(prompt_ids(policy, prompts.prompts[share], prompts.templated, cfg), k, sampling,
+                                    generator)
     responses = policy.decode_responses(rollout)
     batch = rollouts_on_leader(me, rollout, mine, responses, columns, policy.pad_id)
     if batch is None:

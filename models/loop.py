@@ -1,20 +1,22 @@
-"""Build the pieces of a run from the config, the commands every actor rank executes, and the plain in-process
-training loop (no servers, no Prefect).
+"""Build the pieces of a run from the config, the commands every actor rank executes, and the one training loop.
 
 The actor runs on one or more ranks. Rank 0 (the flow run, or `rlhf train`) holds a `Leader`: each of its calls
 broadcasts a command (step with these prompts, save, restore, stop) that the other ranks (components/launch/ranks.py)
 receive and execute in step with it, so every collective is entered by all ranks. With one rank the broadcasts are
-no-ops. The Prefect flows call `Leader.step` once per iteration; `train_in_process` is what `rlhf train` and the
-learning tests run.
+no-ops.
+
+`run_loop` is the one training loop: the iteration, the held-out eval schedule (at 0, every eval.every, at the end;
+not repeated at a resume point) and the checkpoint cadence. How each part runs is the caller's `Hooks`: `rlhf train`
+calls them directly (`train_in_process` builds in-process backends around the same loop, for tests and
+benchmarks), the Prefect flows hand in their tasks (components/tasks.py).
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -23,7 +25,7 @@ from models.algorithms import ALGORITHMS, Backends
 from models.backends import FunctionReward, LocalCritic, LocalRewardModel
 from models.config import RLHFConfig
 from models.critic import CriticTrainer
-from models.data import Batch, PromptSet, PromptStream, load_prompt_set
+from models.data import Batch, DataError, PromptSet, PromptStream, load_prompt_set
 from models.eval import evaluate, is_eval_iteration
 from models.distributed import SINGLE, Dist, local_device
 from models.policy import Policy, load_policy_tokenizer
@@ -42,7 +44,12 @@ def read_data(cfg: RLHFConfig) -> tuple[PromptSet, PromptSet | None]:
     if not e.prompts or not e.every:
         return prompts, None
     evals = checked_prompt_set(cfg, tokenizer, e.prompts, e.split, e.prompt_key, "eval.prompts")
-    return prompts, evals.head(e.max_prompts) if e.max_prompts else evals
+    evals = evals.head(e.max_prompts) if e.max_prompts else evals
+    if len(evals) < cfg.actor.world_size:  # as training: every rank evaluates its share, none may be empty
+        raise DataError(f"eval.prompts: '{e.prompts}' has {len(evals)} prompt(s) (split '{e.split}'"
+                        + (f", eval.max_prompts={e.max_prompts}" if e.max_prompts else "")
+                        + f") for {cfg.actor.world_size} actor ranks: every rank needs at least one")
+    return prompts, evals
 
 
 def checked_prompt_set(cfg: RLHFConfig, tokenizer, source: str, split: str, prompt_key: str, field: str) -> PromptSet:
@@ -231,40 +238,78 @@ class RankFailed(RuntimeError):
     """An actor rank died or stopped answering; the message names it, its exit code and the end of its log."""
 
 
+@dataclass
+class Hooks:
+    """How each part of an iteration runs: directly (the defaults, `rlhf train`), or as the flow's Prefect tasks
+    (components/tasks.py). `step` and `evaluate` get the actor and do the work; `log` gets (iteration, metrics,
+    samples) after each step, `logged_eval` (iteration, metrics, rows) after each eval; `checkpoint` (None: no
+    checkpoints) saves the actor's state."""
+
+    step: Callable[[Leader, Batch, dict], tuple[dict, list[dict]]]
+    evaluate: Callable[[Leader, Batch, int], tuple[dict, list[dict]]]
+    log: Callable[[int, dict, list[dict]], None] = lambda iteration, metrics, samples: None
+    logged_eval: Callable[[int, dict, list[dict]], None] = lambda iteration, metrics, rows: None
+    checkpoint: Optional[Callable[[Leader], None]] = None
+
+    @classmethod
+    def direct(cls, critic=None, reward=None, guard: Callable = lambda fn, *args: fn(*args), **hooks) -> "Hooks":
+        """Hooks that call the actor in this process, scoring with these backends; `guard(fn, *args)` runs each
+        call (the run's services name a server that went away)."""
+        return cls(step=lambda actor, batch, data: guard(actor.step, batch, critic, reward, data),
+                   evaluate=lambda actor, batch, i: guard(actor.evaluate, batch, critic, reward, i), **hooks)
+
+
+def run_loop(cfg: RLHFConfig, actor: Leader, prompts: PromptSet, evals: PromptSet | None, hooks: Hooks) -> list[dict]:
+    """Train `actor` from where its state stands (a resumed run: its checkpoint's iteration and prompt position) to
+    cfg.iterations: one step per iteration on the next batch of the prompt stream; a held-out eval before the first
+    update, every eval.every iterations and at the end (not again at the iteration a run resumes from, which the run
+    it resumes evaluated); a checkpoint every checkpoint.every iterations and at the end. Returns the metrics of the
+    iterations it ran."""
+    stream = PromptStream.resume(prompts, batch_size(cfg), cfg.seed, actor.state.data, actor.state.iteration)
+    start, history = actor.state.iteration, []
+
+    def evaluate(iteration: int) -> None:
+        hooks.logged_eval(iteration, *hooks.evaluate(actor, evals.all(), iteration))
+
+    while actor.state.iteration < cfg.iterations:
+        i = actor.state.iteration
+        if evals is not None and is_eval_iteration(cfg, i) and (i == 0 or i != start):
+            evaluate(i)
+        batch = next(stream)
+        metrics, samples = hooks.step(actor, batch, stream.state())
+        history.append(metrics)
+        hooks.log(actor.state.iteration, metrics, samples)
+        if hooks.checkpoint is not None and (actor.state.iteration % cfg.checkpoint.every == 0
+                                             or actor.state.iteration == cfg.iterations):
+            hooks.checkpoint(actor)
+    if evals is not None and start < cfg.iterations:
+        evaluate(cfg.iterations)
+    return history
+
+
+def in_process_backends(cfg: RLHFConfig) -> tuple[object | None, object]:
+    """(critic, reward) backends in this process: the algorithm's critic (when it has one; its reward model reads
+    text with its own tokenizer when the transport says so) and the reward (unless the critic carries it)."""
+    if not ALGORITHMS[cfg.algorithm].needs_critic:
+        return None, build_local_reward(cfg)
+    critic = LocalCritic(build_critic_trainer(cfg))
+    return critic, (build_local_reward(cfg) if not cfg.critic.combine_reward else critic_text_reward(cfg, critic.trainer))
+
+
 def train_in_process(cfg: RLHFConfig, on_iteration: Callable[[int, dict], None] | None = None,
-                     actor: Leader | None = None,
-                     on_eval: Callable[[int, dict], None] = lambda iteration, metrics: None,
-                     data: tuple[PromptSet, PromptSet | None] | None = None) -> list[dict]:
-    """The whole run driven from this process (critic/reward in process, no checkpoints): on one rank, or on the
-    ranks of `actor` (components/launch/ranks.actor_ranks). With `actor`, `cfg` is its prepared config (models/prepare.py).
-    `data`: the training and eval prompts when already read (else read here, before the actor loads). Returns the
-    metrics per iteration; the held-out evals (eval.*) go to `on_eval(iteration, metrics)`."""
-    if actor is None:  # this is the entry point
-        cfg = prepare_run(cfg)
-    prompts, evals = data or read_data(cfg)  # bad data fails before the models load
-    if actor is None:
-        actor = Leader(cfg, build_actor(cfg))
-    critic = reward = None
-    if ALGORITHMS[cfg.algorithm].needs_critic:
-        critic = LocalCritic(build_critic_trainer(cfg))
-        reward = build_local_reward(cfg) if not cfg.critic.combine_reward else critic_text_reward(cfg, critic.trainer)
-    else:
-        reward = build_local_reward(cfg)
-    history = []
-    stream = PromptStream(prompts, batch_size(cfg), cfg.seed)
+                     on_eval: Callable[[int, dict], None] = lambda iteration, metrics: None) -> list[dict]:
+    """The whole run on one rank in this process, native engine, critic/reward in process, no checkpoints: the
+    learning tests and benchmarks. Returns the metrics per iteration; the held-out evals (eval.*) go to
+    `on_eval(iteration, metrics)`."""
+    cfg = prepare_run(cfg)
+    prompts, evals = read_data(cfg)  # bad data fails before the models load
+    actor = Leader(cfg, build_actor(cfg))
+    critic, reward = in_process_backends(cfg)
     try:
-        for i in range(cfg.iterations):
-            if evals is not None and is_eval_iteration(cfg, i):
-                on_eval(i, actor.evaluate(evals.all(), critic, reward, i)[0])
-            batch = next(stream)
-            metrics, _ = actor.step(batch, critic, reward, stream.state())
-            history.append(metrics)
-            if on_iteration:
-                on_iteration(i, metrics)
-        if evals is not None:
-            on_eval(cfg.iterations, actor.evaluate(evals.all(), critic, reward, cfg.iterations)[0])
+        return run_loop(cfg, actor, prompts, evals, Hooks.direct(
+            critic, reward, log=lambda i, metrics, samples: on_iteration and on_iteration(i - 1, metrics),
+            logged_eval=lambda i, metrics, rows: on_eval(i, metrics)))
     finally:
         for backend in (critic, reward):
             if backend is not None:
                 backend.close()
-    return history

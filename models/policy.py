@@ -1,5 +1,5 @@
 """The actor: a causal LM (full fine-tune or LoRA), per-token logprobs, the frozen reference, and its weights for a
-rollout engine. Sampling is the rollout engine's job (models/rollout/).
+rollout engine. Sampling is the rollout engine's job (models/engines/).
 
 Per-token tensors are [B, L-1] over actions: entry t scores tokens[:, t+1] of a right-padded `Rollout`.
 """
@@ -20,7 +20,7 @@ from models.config import LoraConfig
 from models.data import encode
 from models.distributed import SINGLE, Dist, full_state_dict, is_sharded, shard_model
 from models.loading import DTYPES, autocast, disable_dropout, freeze, from_pretrained
-from models.rollout.base import Rollout
+from models.engines.base import Rollout, Weights
 
 
 def load_policy_tokenizer(path: str, field: str = "model.policy"):
@@ -105,25 +105,31 @@ class Policy:
             return _token_logprobs(self.model, tokens.to(self.device), lengths.to(self.device), temperature, with_entropy,
                                    entropy_grad)
 
-    def engine_weights(self) -> Iterator[tuple[str, Tensor]]:
-        """The actor's full weights under their Hugging Face names, one tensor at a time, for a rollout engine that
-        holds its own copy: gathered from the FSDP2 shards (a collective: every rank iterates in step), LoRA merged
-        into the base weights (base + scale * B @ A, the actor itself untouched), tied weights (lm_head) included."""
+    def engine_weights(self) -> Weights:
+        """The actor's full weights under their Hugging Face names, for a rollout engine that holds its own copy:
+        names, dtypes and shapes first, then the tensors one at a time, gathered from the FSDP2 shards (a collective:
+        every rank iterates in step), LoRA merged into the base weights (base + scale * B @ A, the actor itself
+        untouched), tied weights (lm_head) included."""
         if self.lora:
             from peft.tuners.lora import LoraLayer  # heavy: peft is needed only with LoRA
 
             base = self.model.get_base_model()
-            deltas = {f"{name}.base_layer.weight": module.get_delta_weight(adapter).detach()
-                      for name, module in base.named_modules() if isinstance(module, LoraLayer)
-                      for adapter in module.active_adapters if adapter in module.lora_A}
-            for name, tensor in base.state_dict().items():
-                if ".lora_" in name:
-                    continue
-                merged = tensor.detach() + deltas[name].to(tensor.dtype) if name in deltas else tensor.detach()
-                yield name.replace(".base_layer.", "."), merged
-            return
-        for name, tensor in self.model.state_dict().items():
-            yield name, (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach()
+            state = {name: tensor for name, tensor in base.state_dict().items() if ".lora_" not in name}
+            modules = {f"{name}.base_layer.weight": module for name, module in base.named_modules()
+                       if isinstance(module, LoraLayer)}
+
+            def merged() -> Iterator[Tensor]:
+                for name, tensor in state.items():
+                    module = modules.get(name)
+                    delta = sum((module.get_delta_weight(adapter).detach() for adapter in module.active_adapters
+                                 if adapter in module.lora_A), torch.zeros(())) if module is not None else None
+                    yield tensor.detach() + delta.to(tensor.dtype) if delta is not None else tensor.detach()
+
+            specs = [(name.replace(".base_layer.", "."), t.dtype, tuple(t.shape)) for name, t in state.items()]
+            return Weights(specs, merged())
+        state = self.model.state_dict()
+        specs = [(name, t.dtype, tuple(t.shape)) for name, t in state.items()]  # a DTensor's shape is the full one
+        return Weights(specs, ((t.full_tensor() if isinstance(t, DTensor) else t).detach() for t in state.values()))
 
     def trainable_parameters(self):
         return [p for p in self.model.parameters() if p.requires_grad]

@@ -3,10 +3,11 @@ rank with its share of the prompts:
 
 1. rollout     the rollout engine samples k responses per prompt (a rank samples all k of each of its prompts)
 2. score       rank 0 asks the critic/reward backends about every rank's rollouts (async), while every rank
-               computes its behaviour and reference logprobs; the answers come back to each rank
-3. advantages  per-token KL penalty against the reference, then the algorithm's estimator
-4. update      the algorithm's critic update starts on rank 0 (if it has a critic) while the actor runs its loss
-               through the one update loop (models/update.py); then the engine gets the new weights
+               computes its behaviour and reference logprobs; the answers reach every rank
+3. advantages  per-token KL penalty against the reference, then the algorithm's estimator, on the rows of all ranks
+               (gathered here: an algorithm never sees a rank)
+4. update      the algorithm's critic update starts on rank 0 (if it has a critic) while the actor runs its loss on
+               this rank's rows through the one update loop (models/update.py); then the engine gets the new weights
 5. metrics     shared metrics (TRL's names) over all ranks, plus the algorithm's own
 
 Critic and reward requests go from rank 0 with the rollouts of all ranks: the critic sees the same global batch
@@ -16,16 +17,18 @@ local server, deployment); NeMo-Aligner also trains its critic from rank 0.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from models.actor import ActorState, Timers, actor_update, common_metrics, rollout_logprobs, sequence_kl
 from models.algorithms import ALGORITHMS, Backends, StepData
-from models.config import RLHFConfig
+from models.config import RLHFConfig, Sampling
 from models.data import Batch
-from models.distributed import Dist, leader_batch, scatter_rows
+from models.distributed import Dist, all_rows, leader_batch
+from models.engines.base import Rollout
 from models.losses import tis_weights
 from models.reward import RewardFn
-from models.rollout.base import Rollout
 from models.update import micro_batches
 
 
@@ -44,10 +47,10 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
     columns = [c for c in prompts.columns[share] for _ in range(k)]
     timers.begin("step")
 
-    # 1. rollout
+    # 1. rollout: k samples of each of this rank's prompts
     with timers("generate"):
-        rollout = state.engine.generate(prompt_ids(policy, mine, prompts.templated, cfg), cfg.generation,
-                                        state.generator)
+        rollout = state.engine.generate(prompt_ids(policy, prompts.prompts[share], prompts.templated, cfg), k,
+                                        Sampling.of(cfg.generation), state.generator)
     responses = policy.decode_responses(rollout)
 
     # 2. score every rank's rollouts on rank 0, overlapping this rank's logprobs
@@ -59,28 +62,30 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
     own_weights = not state.engine.shares_actor_weights
     old_logp, ref_logp = rollout_logprobs(policy, rollout, cfg, timers, me, engine_weights=own_weights)
     with timers(algorithm.wait_phase):
-        scored = scatter_rows(me, collect() if collect is not None else None,
-                              batch["sizes"] if batch is not None else None)
+        scored = me.broadcast_object(collect() if collect is not None else None)  # all ranks' rows, rank order
     gold = torch.tensor(gold_fn(mine, responses, columns)) if gold_fn is not None else None
 
-    # 3. advantages: KL against the frozen reference, then the algorithm's estimator
+    # 3. advantages: KL against the frozen reference, then the algorithm's estimator over the rows of all ranks
     mask = rollout.response_mask
     kl_tokens, kl_seq = sequence_kl(old_logp, ref_logp, mask, cfg.kl.estimator)
     tis = tis_weights(old_logp, rollout.sample_logprobs, mask, cfg.rollout.tis_cap) if own_weights else None
-    data = StepData(rollout.tokens, mask, rollout.is_end, old_logp, scored, kl_tokens, state.kl_ctl.value, k, me,
-                    policy.pad_id, tis)
+    local = StepData(rollout.tokens, mask, rollout.is_end, old_logp, {}, kl_tokens, state.kl_ctl.value, k,
+                     policy.pad_id, tis)
+    data, rows = all_ranks(me, local, scored)
     adv = algorithm.advantages(data, settings)
 
-    # 4. update: the critic (rank 0, async) while the actor trains; then the engine takes the new weights
-    critic_future = algorithm.update_critic(data, adv, backends)
+    # 4. update: the critic (rank 0, async) while the actor trains on this rank's rows; then the engine's weights
+    critic_future = algorithm.update_critic(data, adv, backends) if me.is_leader else None
     with timers("train"):
-        train_stats = actor_update(state, rollout, algorithm.loss(data, adv, settings), settings.minibatch_size,
-                                   settings.epochs, cfg.generation.micro_batch_size, settings.optim.grad_clip,
-                                   cfg.generation.temperature, entropy_grad=algorithm.entropy_grad(settings))
+        train_stats = actor_update(state, rollout, algorithm.loss(data.rows(rows, local.tokens.shape[1]),
+                                                                  adv.rows(rows, local.tokens.shape[1]), settings),
+                                   settings.minibatch_size, settings.epochs, cfg.generation.micro_batch_size,
+                                   settings.optim.grad_clip, cfg.generation.temperature,
+                                   entropy_grad=algorithm.entropy_grad(settings))
     critic_stats = None
     if algorithm.needs_critic:
         with timers("critic_train_wait"):
-            critic_stats = algorithm.critic_stats(critic_future, me)
+            critic_stats = me.broadcast_object(critic_future.result() if critic_future is not None else None)
     if own_weights:
         with timers("refit"):
             state.engine.update_weights(policy.engine_weights())
@@ -89,7 +94,7 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
     state.iteration += 1
     state.episode += len(prompts) * k
     timers.stop("step")
-    metrics = common_metrics(state, rollout, adv.scores, gold, kl_seq, adv.non_score, old_logp, timers)
+    metrics = common_metrics(state, rollout, adv.scores[rows], gold, kl_seq, adv.non_score[rows], old_logp, timers)
     metrics.update({
         "policy/approxkl_avg": train_stats["approx_kl"],
         "policy/clipfrac_avg": train_stats["clipfrac"],
@@ -102,7 +107,17 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
     if own_weights:
         metrics.update(engine_mismatch(me, old_logp, rollout.sample_logprobs, mask, tis, cfg.rollout.tis_cap))
     state.kl_ctl.update(metrics["objective/kl"], len(prompts) * k)
-    return metrics, sample_rows(mine, responses, adv.scores, gold)
+    return metrics, sample_rows(mine, responses, adv.scores[rows], gold)
+
+
+def all_ranks(me: Dist, local: StepData, scored: dict) -> tuple[StepData, slice]:
+    """The step's data over the rows of all ranks (rank order; per-row tensors right-padded to the widest rank's),
+    with `scored` (already over all rows), and where this rank's rows are in it."""
+    names = ["tokens", "mask", "is_end", "old_logp", "kl_tokens"] + (["tis"] if local.tis is not None else [])
+    everyone = all_rows(me, {name: getattr(local, name) for name in names}, pad_id=local.pad_id)
+    sizes = everyone.pop("sizes")
+    start = sum(sizes[:me.rank])
+    return replace(local, scored=scored, **everyone), slice(start, start + sizes[me.rank])
 
 
 def engine_mismatch(me: Dist, old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,

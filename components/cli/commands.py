@@ -9,9 +9,9 @@ import yaml
 
 from components.cli.options import parse_overrides
 from components.launch.ranks import actor_ranks
-from components.serving.rollout import attach, local_rollout_server
-from models.config import load_config
-from models.loop import read_data, train_in_process
+from components.serving.services import RunPlace, rollout_server, run_services
+from models.config import load_config, merge
+from models.loop import Hooks, read_data, run_loop
 from models.prepare import prepare_run
 from models.tiny import build_tiny
 
@@ -37,32 +37,31 @@ def cmd_config(args) -> int:
 
 
 def cmd_train(args) -> int:
-    """In-process training (no servers, no Prefect): the quickest way to see the algorithm learn."""
-    cfg = prepare_run(load_cli_config(args))
+    """In-process training (critic and reward in this process, no Prefect, no checkpoints; the vLLM rollout server
+    when rollout.engine=vllm): the quickest way to see the algorithm learn. The same services and loop as a flow."""
+    cfg = prepare_run(merge(load_cli_config(args), {"critic.launch": "in_process", "reward.launch": "in_process",
+                                                    "rollout.vllm.launch": "local"}))
+    prompts, evals = read_data(cfg)  # bad data fails here, before any model loads
+    history, evaluations = [], []
 
-    def show(i: int, m: dict) -> None:
-        print(f"[{cfg.algorithm}] iteration {i + 1}/{cfg.iterations}  gold {m.get('objective/gold_reward', float('nan')):+.3f}"
+    def show(i: int, m: dict, samples: list) -> None:
+        history.append(m)
+        print(f"[{cfg.algorithm}] iteration {i}/{cfg.iterations}  gold {m.get('objective/gold_reward', float('nan')):+.3f}"
               f"  score {m['objective/scores']:+.3f}  kl {m['objective/kl']:.3f}  step {m['time/step']:.2f}s", flush=True)
 
-    evals = []
-
-    def show_eval(i: int, m: dict) -> None:
-        evals.append({"iteration": i, **m})
+    def show_eval(i: int, m: dict, rows: list) -> None:
+        evaluations.append({"iteration": i, **m})
         print(f"[{cfg.algorithm}] eval at iteration {i}: " + "  ".join(f"{k.split('/', 1)[1]} {v:+.3f}" for k, v in m.items()),
               flush=True)
 
     log_dir = cfg.resolved_state_dir() / "logs" / "train"
-    data = read_data(cfg)  # bad data fails here, before any model loads
-    with (local_rollout_server(cfg, log_dir) as rollout_server, actor_ranks(cfg, log_dir) as actor,
-          attach(rollout_server, actor, cfg)):
-        try:
-            history = train_in_process(actor.cfg, show, actor, show_eval, data)
-        except Exception as exc:
-            if rollout_server is not None and (death := rollout_server.death()):
-                raise RuntimeError(death) from exc  # name the server that went away, not the broken connection
-            raise
+    place = RunPlace(cfg.run_name or f"train-{cfg.algorithm}", log_dir)
+    with rollout_server(cfg, place) as rollout, actor_ranks(cfg, log_dir) as actor, \
+            run_services(cfg, place, actor, rollout=rollout) as services:
+        run_loop(cfg, actor, prompts, evals, Hooks.direct(services.critic, services.reward, services.guard,
+                                                          log=show, logged_eval=show_eval))
     if args.metrics_out:
         Path(args.metrics_out).write_text(json.dumps(history, indent=1))
     if args.eval_out:
-        Path(args.eval_out).write_text(json.dumps(evals, indent=1))
+        Path(args.eval_out).write_text(json.dumps(evaluations, indent=1))
     return 0

@@ -1,12 +1,18 @@
 """Child processes and ports: the one place that starts, watches and stops the processes of this project.
 
 A `ChildProcess` runs a command in a session (process group) of its own, logging to a file; it tells its exit code,
-whether it and its group are alive, and the tail of its log. `stop()` sends SIGTERM to the whole group, SIGKILL
-after a grace period, and returns only when no member of the group is left (a server's tritonserver and stubs, a
-rank's helpers). A process recorded in a pid file by an earlier command (`rlhf up`) is stopped the same way by pid
-(`stop_group`). Built on psutil: liveness and group membership are read from the process table, never parsed by hand.
+whether it and its group are alive, the tail of its log, and why it exited (`exit_description`). `stop()` sends
+SIGTERM to the whole group, SIGKILL after a grace period, and returns only when no member of the group is left (a
+server's tritonserver and stubs, a rank's helpers). A process recorded in a pid file by an earlier command (`rlhf up`)
+is stopped the same way by pid (`stop_group`). Built on psutil: liveness and group membership are read from the
+process table, never parsed by hand.
 
-Also here: ports (`can_bind`, `port_block_free`, `find_free_ports`) and `wait_for`, the one poll-until-true loop.
+A `ServerProcess` is the one class every server of a run is started with (critic, reward, rollout): a `ChildProcess`
+with a URL, one readiness wait over a probe of its kind (`Health`: Triton's model readiness, the rollout server's
+/health), and one death description (`death()`: exited with code and log tail, or alive but unhealthy). The same
+readiness wait serves a server that is not our child (a deployment's), given its probe.
+
+Also here: ports (`free_port`: the preferred port, else a free one) and `wait_for`, the one poll-until-true loop.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence, TypeVar
 
 import psutil
@@ -141,6 +148,14 @@ class ChildProcess:
     def tail(self, lines: int = 30) -> str:
         return log_tail(self.log_path, lines)
 
+    def exit_description(self, name: str, where: str = "", lines: int = 30) -> str:
+        """'<name> (pid P[, where]) exited with code C[: its last ERROR line]; last lines of <log>: ...'. The reason
+        is searched further back than the tail shown: a server's shutdown messages after it can be many lines."""
+        errors = [line.split(" ERROR ", 1)[1] for line in self.tail(400).splitlines() if " ERROR " in line]
+        why = f": {errors[-1]}" if errors else ""
+        return (f"{name} (pid {self.pid}{', ' + where if where else ''}) exited with code {self.poll()}{why}; "
+                f"last lines of {self.log_path}:\n{self.tail(lines)}")
+
     def stop(self, grace_s: float = 10.0) -> Optional[int]:
         """SIGTERM (to its group), SIGKILL after `grace_s`, wait until nothing of it is left; returns its exit code.
         Safe to call twice."""
@@ -159,6 +174,94 @@ class ChildProcess:
             with open(self.log_path, "ab") as log:
                 log.write(f"--- stopped with code {self.popen.returncode}\n".encode())
         return self.popen.returncode
+
+
+# ---------------------------------------------------------------- servers
+
+class ServerNotReady(RuntimeError):
+    """A server did not become ready; `reason` is one of not_listening, not_ready, process_exited, timeout,
+    wrong_server."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class Health:
+    """What one look at a server saw: `ok` (it serves), what it saw (`status`, for messages), why not (`reason`,
+    as ServerNotReady's), and what a healthy server answered (`info`). A probe raises ServerNotReady for a state that
+    waiting cannot mend (a model whose load failed, another server at the address)."""
+
+    ok: bool
+    status: str
+    reason: str = "not_ready"
+    info: dict = field(default_factory=dict)
+
+
+Probe = Callable[[], Health]
+
+
+def wait_until_ready(probe: Probe, timeout: float, name: str, url: str, process: Optional[ChildProcess] = None,
+                     poll_s: float = 0.25) -> Health:
+    """Look at the server through `probe` until it serves, and return what it answered; raise ServerNotReady naming
+    what was seen last after `timeout`, at once if `process` (the server, when it is our child) exits first."""
+    last = [Health(False, f"nothing seen at {url} yet", "not_listening")]
+
+    def ready() -> Optional[Health]:
+        if process is not None and (code := process.poll()) is not None:
+            raise ServerNotReady(f"{name} exited with code {code} before {url} was ready; last lines of "
+                                 f"{process.log_path}:\n{process.tail()}", "process_exited")
+        last[0] = probe()
+        return last[0] if last[0].ok else None
+
+    found = wait_for(ready, timeout, poll_s)
+    if found:
+        return found
+    raise ServerNotReady(f"timed out after {timeout:.0f}s waiting for {name} at {url}: {last[0].status}",
+                         last[0].reason)
+
+
+class ServerProcess(ChildProcess):
+    """A server of a run as a child process in its own process group, logging to a file; a context manager that
+    stops it. `probe` looks at it (one kind per server); `on_stop` removes what the server leaves behind when killed
+    (e.g. Triton's workspace and shared memory)."""
+
+    def __init__(self, name: str, argv: Sequence[str], url: str, log_path: str | Path, probe: Probe,
+                 env: Optional[dict] = None, on_stop: Optional[Callable[["ServerProcess"], None]] = None):
+        self.name, self.url, self.probe, self._on_stop = name, url, probe, on_stop
+        super().__init__(argv, log_path, env)
+
+    def wait_until_ready(self, timeout: float = 180.0) -> Health:
+        return wait_until_ready(self.probe, timeout, f"{self.name} server", self.url, self)
+
+    def death(self, settle_s: float = 20.0) -> Optional[str]:
+        """Why the server cannot serve, or None while it does: called after a request failed. A killed server drops
+        its connections a moment before its exit is seen, and one that lost a rank stops serving before it exits:
+        an unhealthy server gets `settle_s` to exit. One that stays up but unhealthy is named with what it says."""
+        if self.poll() is None:
+            health = self.probe()
+            if health.ok:
+                return None  # alive and serving: the failure was not this server's
+            if not wait_for(lambda: self.poll() is not None, settle_s):
+                return f"{self.name} server (pid {self.pid}, {self.url}) is not healthy: {health.status}"
+        return self.exit_description(f"{self.name} server", self.url)
+
+    def stop(self, grace_s: float = 20.0) -> Optional[int]:
+        """SIGTERM to the group, SIGKILL after `grace_s`; returns the server's exit code. Safe to call twice."""
+        code = super().stop(grace_s)
+        if self._on_stop is not None:
+            self._on_stop(self)
+        return code
+
+    def __enter__(self) -> "ServerProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"ServerProcess({self.name}, url={self.url}, pid={self.pid}, log={self.log_path})"
 
 
 def exit_with_parent() -> None:
@@ -191,6 +294,13 @@ def can_bind(host: str, port: int) -> bool:
 def port_block_free(host: str, port: int, count: int = 3) -> bool:
     """Whether ports port..port+count-1 can all be bound on host right now."""
     return all(can_bind(host, p) for p in range(port, port + count))
+
+
+def free_port(host: str, preferred: int, count: int = 1) -> int:
+    """The preferred port (a block of `count` from it) when free on `host`, else (or for 0) a free block: two runs
+    on one machine must not collide. A wildcard host is checked on loopback."""
+    bind = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return preferred if preferred and port_block_free(bind, preferred, count) else find_free_ports(bind, count)
 
 
 def find_free_ports(host: str = "127.0.0.1", count: int = 3, start: int = 20000, stop: int = 32000) -> int:

@@ -20,8 +20,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from components.environment import quiet
-from components.launch.processes import (PARENT_PID_ENV, ChildProcess, exit_with_parent, find_free_ports,
-                                         port_block_free, project_env, wait_for)
+from components.launch.processes import PARENT_PID_ENV, ChildProcess, exit_with_parent, free_port, project_env, wait_for
 
 quiet()  # this module is a process's entry point too: before the model libraries below read these settings
 
@@ -47,7 +46,7 @@ class Followers:
     def __init__(self, name: str, world: int, host: str, port: int, argv: list[str], env: dict, log_dir: Path,
                  own_group: bool = True):
         self.name, self.world = name, world
-        port = port if port_block_free(host, port, 1) else find_free_ports(host, count=1)
+        port = free_port(host, port)
         self.init_method = f"tcp://{host}:{port}"
         base = project_env({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": host,
                             "MASTER_PORT": str(port), PARENT_PID_ENV: str(os.getpid()), **env})
@@ -64,9 +63,8 @@ class Followers:
     def exited(self) -> Optional[str]:
         """'<name> rank R (pid) exited with code C; last lines of its log' for the first follower that exited."""
         for f in self.ranks:
-            if (code := f.poll()) is not None:
-                return (f"{self.name} rank {f.rank} (pid {f.pid}) exited with code {code}; "
-                        f"last lines of {f.log_path}:\n{f.tail(20)}")
+            if f.poll() is not None:
+                return f.exit_description(f"{self.name} rank {f.rank}", lines=20)
         return None
 
     def describe_failure(self, settle_s: float = 5.0) -> Optional[str]:

@@ -1,16 +1,19 @@
-"""Start a critic/reward server as a child process, wait until it is ready, and stop it without leaving anything behind.
+"""How each kind of server of a run starts as a `ServerProcess` (components/launch/processes.py) and how it is probed.
 
-The child runs `python -m components.serving.main --spec <ServerSpec JSON>` in its own session (process group), logging
-to a file: a `ChildProcess` of launch/processes.py, whose `stop()` sends SIGTERM to the whole group (the server,
-tritonserver and the python-backend stubs), then SIGKILL after a grace period, and waits until no process of the group
-is left. The launcher adds readiness, and handles the environment traps:
+Critic and reward servers (PyTriton): the child runs `python -m components.serving.main --spec <ServerSpec JSON>`;
+readiness is Triton's server and model readiness (`triton_probe`). The launcher handles the environment's traps:
 - PyTriton's "one script per machine" known issue: two PyTriton servers on one machine collide on the default ports
   8000-8002, and could share python-backend shared-memory names and workspaces. Each child gets its own ports
   (HTTP P, gRPC P+1, metrics P+2), its own PYTRITON_HOME (a fresh temp dir, removed on stop); PyTriton 0.7 already
-  makes the shared-memory prefix unique per process.
+  makes the shared-memory prefix unique per process. A killed Triton cannot remove its shared memory: stop does.
 - Security: PyTriton 0.7 protects the repository/statistics/trace/logging/shared-memory endpoints with an access token
   (health, metadata, model config and inference stay open). The launcher chooses the token and hands it to the child
   in the environment, so readiness checks can read the repository index (a model's state and failure reason).
+
+The rollout server (vLLM, components/serving/rollout_server.py) runs in its own environment (`rollout.vllm.python`,
+`.venv-vllm` from `make vllm-venv`); readiness is GET /health answering 200 with the launcher's token (`rollout_probe`:
+another server at the port is named as such; a server whose weights broke after a failed update answers 503, so it
+is not healthy).
 """
 
 from __future__ import annotations
@@ -21,22 +24,27 @@ import shutil
 import socket
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 from urllib.parse import urlparse
 
-from components.launch.processes import ChildProcess, project_env, wait_for
+import httpx
+import torch
+
+from components.launch.processes import (PROJECT_ROOT, Health, Probe, ServerNotReady, ServerProcess, free_port,
+                                         project_env)
 from components.serving.servers import ACCESS_HEADER, TOKEN_ENV, ServerSpec, model_state_summary, triton_client
+from models.config import RLHFConfig
+
+ROLLOUT_SERVER_MODULE = "components.serving.rollout_server"
 
 
-class ServerNotReady(RuntimeError):
-    """The server did not become ready; `reason` is one of not_listening, model_not_ready, process_exited, timeout."""
+def connect_host(host: str) -> str:
+    """Where a client on this machine reaches a server bound to `host` (a wildcard: loopback)."""
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
 
-    def __init__(self, message: str, reason: str):
-        super().__init__(message)
-        self.reason = reason
 
+# ---------------------------------------------------------------- PyTriton critic / reward servers
 
 def child_env(pytriton_home: Path, access_token: str, extra: Optional[dict] = None) -> dict[str, str]:
     """Environment of a server child: own PYTRITON_HOME, token, project importable (the child itself puts this
@@ -44,52 +52,6 @@ def child_env(pytriton_home: Path, access_token: str, extra: Optional[dict] = No
     return project_env({"PYTRITON_HOME": str(pytriton_home), TOKEN_ENV: access_token,
                         "DO_NOT_TRACK": os.environ.get("DO_NOT_TRACK", "1"), **(extra or {})})
 
-
-class ServerProcess(ChildProcess):
-    """A server child process in its own process group; a context manager that stops it on exit.
-
-    Attributes: url, pid, log_path, models (names to wait for), access_token.
-    """
-
-    def __init__(self, argv: Sequence[str], host: str, port: int, models: Iterable[str], log_path: str | Path,
-                 env: Optional[dict] = None, name: str = "server"):
-        self.name, self.host, self.port, self.models = name, host, port, tuple(models)
-        self.url = f"http://{host}:{port}"
-        self.access_token = secrets.token_urlsafe(32)
-        self._home = Path(tempfile.mkdtemp(prefix=f"rlhf-{name}-"))  # short: unix socket paths live in here
-        try:
-            super().__init__(argv, log_path, child_env(self._home, self.access_token, env))
-        except BaseException:
-            shutil.rmtree(self._home, ignore_errors=True)
-            raise
-
-    def wait_until_ready(self, timeout: float = 180.0) -> "ServerProcess":
-        wait_until_ready(self.url, self.models, timeout, process=self)
-        return self
-
-    def stop(self, grace_s: float = 20.0) -> Optional[int]:
-        """SIGTERM to the group, SIGKILL after `grace_s`; returns the server's exit code. Safe to call twice."""
-        code = super().stop(grace_s)
-        shutil.rmtree(self._home, ignore_errors=True)
-        # python-backend shared memory is named after the server's pid; a killed Triton cannot remove it itself
-        for leftover in Path("/dev/shm").glob(f"pytrtion{self.pid}-*"):
-            leftover.unlink(missing_ok=True)
-        return code
-
-    def log_tail(self, lines: int = 30) -> str:
-        return self.tail(lines)
-
-    def __enter__(self) -> "ServerProcess":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def __repr__(self) -> str:
-        return f"ServerProcess({self.name}, url={self.url}, pid={self.pid}, log={self.log_path})"
-
-
-# ---------------------------------------------------------------- readiness
 
 def _model_state(client, name: str, access_token: Optional[str]) -> tuple[str, bool]:
     """(description, failed) of a model that is not ready.
@@ -121,57 +83,60 @@ def _model_state(client, name: str, access_token: Optional[str]) -> tuple[str, b
     return f"state unknown: {error}".strip(), False
 
 
-def wait_until_ready(url: str, models: Iterable[str], timeout: float, process: Optional[ServerProcess] = None,
-                     access_token: Optional[str] = None, poll_s: float = 0.25) -> None:
-    """Poll server liveness, each model's readiness and server readiness (tritonclient) until all `models` are ready,
-    else raise ServerNotReady.
-
-    The error tells apart: nothing listening at host:port; server up but model X not ready (state ...); server process
-    exited with code N (+ log tail); a server that accepts connections but does not answer (timeout). A model whose load
-    failed raises at once instead of waiting out the timeout.
-    """
-    parsed = urlparse(url if "://" in url else f"http://{url}")
-    base = f"{parsed.scheme}://{parsed.netloc}"
-    where = parsed.netloc
-    token = access_token or (process.access_token if process is not None else None)
+def triton_probe(url: str, models: Iterable[str], access_token: Optional[str] = None, timeout_s: float = 2.0) -> Probe:
+    """Server liveness, each model's readiness and server readiness (tritonclient). What it sees tells apart: nothing
+    listening at host:port; server up but model X not ready (state ...); a server that accepts connections but does not
+    answer. A model whose load failed raises at once instead of waiting out the timeout."""
+    where = urlparse(url if "://" in url else f"http://{url}").netloc
     models = tuple(models)
-    deadline = time.monotonic() + timeout
-    last = [f"nothing listening at {where}", "not_listening"]  # what the last check saw, and its reason
 
-    def ready() -> bool:
-        if process is not None and (code := process.poll()) is not None:
-            raise ServerNotReady(f"server process exited with code {code} before {base} was ready; "
-                                 f"last lines of {process.log_path}:\n{process.log_tail()}", "process_exited")
-        client = triton_client(base, timeout_s=min(2.0, max(0.1, deadline - time.monotonic())))
+    def probe() -> Health:
+        client = triton_client(url, timeout_s=timeout_s)
         try:
             live = client.is_server_live()
             pending = [m for m in models if not client.is_model_ready(m)]
             if live and not pending and client.is_server_ready():
-                return True
-            if pending:
-                state, failed = _model_state(client, pending[0], token)
-                last[:] = f"server up at {where} but model {pending[0]} not ready ({state})", "model_not_ready"
-                if failed:
-                    tail = f"; last lines of {process.log_path}:\n{process.log_tail()}" if process is not None else ""
-                    raise ServerNotReady(last[0] + tail, last[1])
-            else:
-                last[:] = f"server up at {where} but not ready (live={live})", "model_not_ready"
+                return Health(True, "ready")
+            if not pending:
+                return Health(False, f"server up at {where} but not ready (live={live})")
+            state, failed = _model_state(client, pending[0], access_token)
+            status = f"server up at {where} but model {pending[0]} not ready ({state})"
+            if failed:
+                raise ServerNotReady(status, "not_ready")
+            return Health(False, status)
         except ConnectionRefusedError as exc:
-            last[:] = f"nothing listening at {where} ({exc.strerror or exc})", "not_listening"
+            return Health(False, f"nothing listening at {where} ({exc.strerror or exc})", "not_listening")
         except (TimeoutError, socket.timeout) as exc:
-            last[:] = f"server at {where} accepted the connection but did not answer ({exc or 'timeout'})", "timeout"
+            return Health(False, f"server at {where} accepted the connection but did not answer ({exc or 'timeout'})",
+                          "timeout")
         except OSError as exc:  # reset, unreachable: the network said no
-            last[:] = f"cannot reach {where}: {exc}", "not_listening"
+            return Health(False, f"cannot reach {where}: {exc}", "not_listening")
         finally:
             client.close()
-        return False
-
-    if not wait_for(ready, timeout, poll_s):
-        raise ServerNotReady(f"timed out after {timeout:.0f}s waiting for {base} ({', '.join(models)}): {last[0]}",
-                             last[1])
+    return probe
 
 
-# ---------------------------------------------------------------- the servers of a run
+def triton_server(argv: Sequence[str], host: str, port: int, models: Iterable[str], log_path: str | Path,
+                  name: str = "server", env: Optional[dict] = None) -> ServerProcess:
+    """A PyTriton server child (`argv` serves on host:port) with its own PYTRITON_HOME and access token, probed for
+    `models`; stopping it also removes its workspace and the shared memory a killed Triton leaves."""
+    token = secrets.token_urlsafe(32)
+    home = Path(tempfile.mkdtemp(prefix=f"rlhf-{name}-"))  # short: unix socket paths live in here
+    url = f"http://{connect_host(host)}:{port}"
+
+    def cleanup(proc: ServerProcess) -> None:
+        shutil.rmtree(home, ignore_errors=True)
+        # python-backend shared memory is named after the server's pid; a killed Triton cannot remove it itself
+        for leftover in Path("/dev/shm").glob(f"pytrtion{proc.pid}-*"):
+            leftover.unlink(missing_ok=True)
+
+    try:
+        return ServerProcess(name, argv, url, log_path, triton_probe(url, models, token),
+                             child_env(home, token, env), on_stop=cleanup)
+    except BaseException:
+        shutil.rmtree(home, ignore_errors=True)
+        raise
+
 
 def server_argv(spec: ServerSpec) -> list[str]:
     """Command line of a server child: the whole ServerSpec as one JSON document."""
@@ -185,11 +150,86 @@ def launch(spec: ServerSpec, log_path: str | Path, wait: bool = True) -> ServerP
     """
     cfg = spec.config
     spec = spec.model_copy(update={"config": cfg.model_copy(update={"state_dir": str(cfg.resolved_state_dir())})})
-    proc = ServerProcess(server_argv(spec), spec.host, spec.port, spec.models, log_path, name=spec.kind)
+    proc = triton_server(server_argv(spec), spec.host, spec.port, spec.models, log_path, name=spec.kind)
     if not wait:
         return proc
     try:
-        return proc.wait_until_ready(spec.section.ready_timeout_s)
+        proc.wait_until_ready(spec.section.ready_timeout_s)
+        return proc
     except BaseException:
         proc.stop()
         raise
+
+
+# ---------------------------------------------------------------- the vLLM rollout server
+
+def rollout_python(cfg: RLHFConfig) -> str:
+    """The interpreter of the rollout server's environment; a clear error when it is missing."""
+    python = Path(cfg.rollout.vllm.python)
+    python = python if python.is_absolute() else PROJECT_ROOT / python
+    if not python.exists():
+        raise FileNotFoundError(f"rollout.vllm.python: {python} does not exist; build the vLLM environment with "
+                                f"`make vllm-venv` (or point it at an interpreter that has vllm)")
+    return str(python)
+
+
+def rollout_argv(cfg: RLHFConfig, port: int, host: Optional[str] = None, instance: str = "") -> list[str]:
+    v = cfg.rollout.vllm
+    argv = [rollout_python(cfg), "-m", ROLLOUT_SERVER_MODULE, "--model", str(cfg.resolve_model_path(cfg.model.policy)),
+            "--host", host or v.host, "--port", str(port), "--dtype", v.dtype, "--seed", str(cfg.seed),
+            "--gpu-memory-utilization", str(v.gpu_memory_utilization), "--instance", instance]
+    argv += ["--max-model-len", str(v.max_model_len)] if v.max_model_len else []
+    return argv + (["--enforce-eager"] if v.enforce_eager else [])
+
+
+def rollout_env(cfg: RLHFConfig) -> dict[str, str]:
+    v = cfg.rollout.vllm
+    # a CPU-only host: every core (the actor's ranks wait while the server generates, and the server idles while they
+    # train); vLLM on 1 of 2 cores generated 1.27x the native engine's tokens/s, on both 1.89x (benchmarks/rollout_engine)
+    threads = v.threads or (os.cpu_count() if not torch.cuda.is_available() else None)
+    extra = {"VLLM_CPU_KVCACHE_SPACE": f"{v.kv_cache_gib:g}", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if threads:
+        extra["OMP_NUM_THREADS"] = str(threads)
+    env = project_env(extra)
+    for leaked in ("VIRTUAL_ENV", "PYTHONHOME"):  # the server's interpreter brings its own environment
+        env.pop(leaked, None)
+    return env
+
+
+def rollout_probe(url: str, instance: Optional[str] = None, timeout_s: float = 2.0) -> Probe:
+    """GET /health: 200 with the server's description (model, weights version, run, ...) when it serves; 503 with
+    why while its weights are broken (a failed update). With `instance` (the launcher's token, echoed by the server),
+    another server answering at `url` is refused: its port was taken."""
+
+    def probe() -> Health:
+        try:
+            response = httpx.get(f"{url}/health", timeout=timeout_s)
+        except httpx.ConnectError as exc:
+            return Health(False, f"nothing listening at {url} ({exc})", "not_listening")
+        except httpx.TimeoutException as exc:
+            return Health(False, f"server at {url} did not answer /health ({type(exc).__name__})", "timeout")
+        except httpx.HTTPError as exc:
+            return Health(False, f"cannot reach {url}: {type(exc).__name__}: {exc}", "not_listening")
+        try:
+            info = response.json()
+        except ValueError:
+            info = {}
+        if instance is not None and info.get("instance") not in (None, instance):
+            raise ServerNotReady(f"another rollout server answers at {url} (not the one started here): its port was "
+                                 f"taken", "wrong_server")
+        if response.status_code == 200:
+            return Health(True, "ready", info=info)
+        return Health(False, f"/health answered {response.status_code}: {info.get('detail') or info.get('broken') or response.text[:200]}",
+                      info=info)
+    return probe
+
+
+def launch_rollout(cfg: RLHFConfig, log_path: str | Path, host: Optional[str] = None) -> ServerProcess:
+    """Start the rollout server of `cfg` as a child process (not waiting for it): on `rollout.vllm.port`, or a free
+    port when that one is busy or 0."""
+    host = host or cfg.rollout.vllm.host
+    port = free_port(host, cfg.rollout.vllm.port)
+    instance = secrets.token_hex(8)
+    url = f"http://{connect_host(host)}:{port}"
+    return ServerProcess("rollout", rollout_argv(cfg, port, host, instance), url, log_path,
+                         rollout_probe(url, instance), rollout_env(cfg))

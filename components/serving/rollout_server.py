@@ -3,19 +3,34 @@
 It runs in `.venv-vllm` (Makefile `vllm-venv`), never in the project's: vLLM needs numpy >= 2, PyTriton pins numpy < 2.
 So this module imports nothing from the project. On a cluster it is its own pod, from an image with `vllm`.
 
-Why our own FastAPI app around `vllm.LLM`, and not vLLM's OpenAI server with a worker extension: the three things a
-trainer needs are generate-from-token-ids with the sampled distribution's logprobs, an in-place weight update that
-clears the prefix cache, and a weights version on every answer. With `LLM` in this process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0) all three are direct calls: the new tensors go straight to
-`collective_rpc("reload_weights")` (the update path verified on CPU, see ../shared/ENVIRONMENT.md), one lock orders
-updates and generations, and no request can be answered by a half-updated engine. The OpenAI server runs its engine
-in another process, where tensors do not survive `collective_rpc`, and its endpoints speak text completions.
+Why our own FastAPI app around `vllm.LLM`, and not vLLM's OpenAI server with a worker extension: a trainer needs
+generate-from-token-ids with the sampled distribution's logprobs, an in-place weight update that clears the prefix
+cache, and a weights version on every answer. With `LLM` in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) all three
+are direct calls, one lock orders updates and generations, and no request is answered by a half-updated engine.
+
+The server owns the weights version and knows which run it serves. The version starts at 0 (the checkpoint it
+loaded) and moves by one with each weight update, never on a failed one; the first weight update (or transfer set-up)
+binds the server to that request's run token, and from then on a request of another run is refused (409, naming
+both), as is an update whose version is not the next one. Two trainers on one server (a retried flow whose old actor
+still runs, a shared deployment) cannot both pass.
+
+Weights arrive two ways (the trainer's `rollout.vllm.weight_transfer`), both in the actor's Hugging Face names with a
+tied lm_head included (without it vLLM silently keeps the old head):
+- `http`: POST /update_weights with a safetensors file as the body, read into one buffer and handed to vLLM as views
+  of it (one copy of the model held here during the update);
+- `dist`: vLLM's own weight-transfer API (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
+  `finish_weight_update`) with a backend of ours registered in its factory: a torch.distributed group of two (gloo on
+  CPU, NCCL where the engine is on a GPU) with actor rank 0, which broadcasts the tensors one at a time; each is loaded
+  as it arrives (vLLM's own backends need CUDA on both ends and vLLM on the trainer's side, which has none).
 
 Endpoints:
-  GET  /health          200 once the engine is loaded: model, weights version, vocabulary size, max model length
-  POST /generate        token ids in; per prompt n samples: token ids, per-token logprobs, whether each ended
-  POST /update_weights  body: a safetensors file of the FULL state dict (HF names, tied lm_head included);
-                        query: version=<int>; the prefix cache is cleared; answers the version and the seconds taken
+  GET  /health             200 with model, weights version, run, vocabulary size, max model length; 503 while the
+                           weights are broken (a failed update), with why
+  POST /generate           token ids in; per prompt n samples: token ids, per-token logprobs, whether each ended; the
+                           weights version it sampled with
+  POST /update_weights     ?version=<next>&run=<token>, body: a safetensors file of the full state dict
+  POST /weights/init       {run, master_address, master_port, backend, timeout_s}: join the trainer's group
+  POST /weights/update     {run, version, names, dtype_names, shapes}: receive the tensors over that group
 Bad input is a 4xx whose body names the field (`detail`), and the server keeps serving.
 
 Start: python -m components.serving.rollout_server --model DIR --port P [--dtype ... --max-model-len ...]
@@ -24,12 +39,14 @@ Start: python -m components.serving.rollout_server --model DIR --port P [--dtype
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import logging
 import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -39,16 +56,108 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
+import torch  # noqa: E402
 import uvicorn  # noqa: E402
 from fastapi import FastAPI, HTTPException, Query, Request  # noqa: E402
+from fastapi.responses import JSONResponse  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 from safetensors import safe_open  # noqa: E402
-from safetensors.torch import load  # noqa: E402
 from starlette.concurrency import run_in_threadpool  # noqa: E402
 from vllm import LLM, SamplingParams, TokensPrompt  # noqa: E402
+from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,  # noqa: E402
+                                                   WeightTransferUpdateInfo)
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: E402
 
 log = logging.getLogger("rlhf.rollout_server")
 
+TRANSFER_BACKEND = "rlhf_torch_group"  # our backend's name in vLLM's weight-transfer factory
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+                      "BOOL": torch.bool}
+WIRE_DTYPES = {"float32", "float16", "bfloat16", "float64"}
+
+
+# ---------------------------------------------------------------- the dist transport as a vLLM weight-transfer engine
+
+@dataclass
+class GroupInitInfo(WeightTransferInitInfo):
+    """Where the trainer's side of the group is: its TCPStore (the trainer is rank 0, this engine rank 1)."""
+
+    master_address: str
+    master_port: int
+    backend: str = "gloo"
+    timeout_s: float = 600.0
+
+
+@dataclass
+class GroupUpdateInfo(WeightTransferUpdateInfo):
+    """The tensors of one update, in the order the trainer broadcasts them (the shape of vLLM's NCCL update info)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    ready_key: str = ""  # set in the trainer's store once this side receives: the trainer broadcasts then
+
+
+def process_group(backend: str, store, rank: int, timeout: datetime.timedelta):
+    """A torch.distributed group of two over `store`, without a default process group: gloo, or NCCL (GPUs)."""
+    if backend == "nccl":
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
+    return torch.distributed.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
+    """vLLM weight-transfer engine over a torch.distributed group of two processes (no default process group on
+    either side): the trainer broadcasts each tensor from rank 0, this engine receives it into a fresh buffer and
+    loads it at once through vLLM's layerwise reload (checkpoint format: vLLM repacks for its kernels)."""
+
+    init_info_cls = GroupInitInfo
+    update_info_cls = GroupUpdateInfo
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = self.store = None
+
+    def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
+        timeout = datetime.timedelta(seconds=init_info.timeout_s)
+        self.store = torch.distributed.TCPStore(init_info.master_address, init_info.master_port, 2, is_master=False,
+                                                timeout=timeout)
+        self.group = process_group(init_info.backend, self.store, 1, timeout)
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def receive_weights(self, update_info: GroupUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("weights/update: no transfer group; POST /weights/init first")
+
+        def arriving():
+            for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+                self.group.broadcast(tensor, 0).wait()
+                yield name, tensor
+
+        if update_info.ready_key:
+            self.store.set(update_info.ready_key, "1")
+        self.model.load_weights(arriving())
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, TorchGroupWeightTransfer)
+
+
+# ---------------------------------------------------------------- requests
 
 class GenerateRequest(BaseModel):
     """One batch of prompts; every prompt gets `n` samples drawn with the same sampling settings."""
@@ -64,34 +173,88 @@ class GenerateRequest(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end a response (kept in it).")
     seed: Optional[int] = Field(None, ge=0, description="Seed of this request's sampling: sample j of prompt i uses seed + i * n + j (every sample its own stream).")
     expected_version: Optional[int] = Field(None, description="Refuse (409) unless the engine holds this weights version.")
+    run: Optional[str] = Field(None, description="The caller's run token: refused (409) when the server is bound to another run.")
 
 
-class Engine:
-    """vllm.LLM plus the checks and the weights version; one lock orders generations and weight updates."""
+class InitRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run: str = Field(min_length=1, description="The caller's run token (binds an unbound server).")
+    master_address: str = Field(description="Host of the trainer's TCPStore (the trainer is rank 0 of the group).")
+    master_port: int = Field(ge=1, le=65535, description="Port of the trainer's TCPStore.")
+    backend: str = Field("gloo", pattern="^(gloo|nccl)$", description="torch.distributed backend of the group.")
+    timeout_s: float = Field(600.0, gt=0, description="How long a collective of the group may wait.")
+
+
+class UpdateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run: str = Field(min_length=1, description="The caller's run token.")
+    version: int = Field(ge=1, description="The version this update makes: the server's current one + 1.")
+    names: list[str] = Field(description="Tensor names (the actor's Hugging Face names), in broadcast order.")
+    dtype_names: list[str] = Field(description="torch dtype name of each tensor.")
+    shapes: list[list[int]] = Field(description="Shape of each tensor.")
+
+
+# ---------------------------------------------------------------- the served model
+
+class ServedModel:
+    """vllm.LLM with the server's state: the weights version, the run it serves, whether the weights are broken. One
+    lock orders generations and weight updates."""
 
     def __init__(self, model: str, dtype: str, max_model_len: Optional[int], seed: int, enforce_eager: bool,
-                 gpu_memory_utilization: float, initial_version: int, instance: str = ""):
+                 gpu_memory_utilization: float, instance: str = ""):
         self.instance = instance  # the launcher's token, echoed by /health: it knows it reached its own server
         self.broken: Optional[str] = None  # why the weights are inconsistent (a failed update), until the next one
+        self.run: Optional[str] = None  # the run this server serves, bound by its first weight update
         self.model_dir = model
         self.llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
                        gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
-                       enable_prefix_caching=True)
+                       enable_prefix_caching=True, weight_transfer_config={"backend": TRANSFER_BACKEND})
         config = self.llm.llm_engine.model_config
         self.vocab_size = config.get_vocab_size()
         self.max_model_len = config.max_model_len
-        self.weight_names = checkpoint_names(Path(model))
-        if getattr(config.hf_config, "tie_word_embeddings", False):
+        self.shapes = checkpoint_shapes(Path(model))
+        hf = config.hf_config
+        if getattr(hf, "tie_word_embeddings", False):
             # save_pretrained leaves a tied head out of the checkpoint, but an update must carry it: without it the
             # engine keeps its old head (verified on CPU, ../shared/ENVIRONMENT.md)
-            self.weight_names.add("lm_head.weight")
-        self.version = initial_version
+            self.shapes["lm_head.weight"] = [hf.vocab_size, hf.hidden_size]
+        self.version = 0
+        self.group_ready = False
         self.lock = threading.Lock()
 
     def describe(self) -> dict:
-        return {"status": "ok", "model": self.model_dir, "weights_version": self.version, "instance": self.instance,
-                "vocab_size": self.vocab_size, "max_model_len": self.max_model_len, "broken": self.broken}
+        return {"status": "broken" if self.broken else "ok", "model": self.model_dir, "weights_version": self.version,
+                "run": self.run, "instance": self.instance, "vocab_size": self.vocab_size,
+                "max_model_len": self.max_model_len, "broken": self.broken}
 
+    # -- checks
+    def check_run(self, run: Optional[str], field: str = "run") -> None:
+        """Refuse a request of another run than the one this server serves (409, naming both)."""
+        if self.run is not None and run is not None and run != self.run:
+            raise HTTPException(409, f"{field}: this rollout server serves run {self.run!r}, not {run!r}: a server "
+                                     f"takes the weights and requests of one run only")
+
+    def check_update(self, run: str, version: int) -> None:
+        self.check_run(run)
+        if version != self.version + 1:
+            raise HTTPException(409, f"version: the server holds weights version {self.version}; an update makes "
+                                     f"version {self.version + 1}, not {version} (run {run!r})")
+
+    def check_tensors(self, names: list[str], shapes: list[list[int]], dtypes: list[str]) -> None:
+        missing, unknown = sorted(self.shapes.keys() - set(names)), sorted(set(names) - self.shapes.keys())
+        if missing or unknown or len(names) != len(set(names)):
+            raise HTTPException(400, "names: the full state dict is expected under the checkpoint's names, once each"
+                                     + (f"; missing {missing[:5]}" if missing else "")
+                                     + (f"; unknown {unknown[:5]}" if unknown else ""))
+        for name, shape, dtype in zip(names, shapes, dtypes):
+            if list(shape) != list(self.shapes[name]):
+                raise HTTPException(400, f"shapes: {name} has shape {list(shape)}, the model's is {self.shapes[name]}")
+            if dtype not in WIRE_DTYPES:
+                raise HTTPException(400, f"dtype_names: {name} has dtype {dtype}, expected one of {sorted(WIRE_DTYPES)}")
+
+    # -- generation
     def generate(self, req: GenerateRequest) -> dict:
         for i, ids in enumerate(req.prompt_token_ids):
             if not ids:
@@ -114,13 +277,14 @@ class Engine:
                   for i in range(len(req.prompt_token_ids))]
         prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req.prompt_token_ids]
         with self.lock:
+            self.check_run(req.run)
             if self.broken:
                 raise HTTPException(503, f"weights: inconsistent after a failed update ({self.broken}); send a full "
                                          f"update before generating")
             if req.expected_version is not None and req.expected_version != self.version:
                 raise HTTPException(409, f"expected_version: the engine holds weights version {self.version}, "
                                          f"not {req.expected_version}")
-            version = self.version
+            version = self.version  # stamped when the generation starts: the weights it samples with
             outputs = self.llm.generate(prompts, params, use_tqdm=False)
         samples = []
         for out in outputs:
@@ -132,63 +296,142 @@ class Engine:
             samples.append(rows)
         return {"weights_version": version, "samples": samples}
 
-    def update_weights(self, body: bytes, version: int) -> dict:
-        try:
-            weights = load(body)
-        except Exception as exc:  # noqa: BLE001 - any parse failure is the client's bytes
-            raise HTTPException(400, f"body: not a safetensors file ({exc})") from None
-        missing = sorted(self.weight_names - weights.keys())
-        unknown = sorted(weights.keys() - self.weight_names)
-        if missing or unknown:
-            raise HTTPException(400, "body: the full state dict is expected under the checkpoint's names"
-                                     + (f"; missing {missing[:5]}" if missing else "")
-                                     + (f"; unknown {unknown[:5]}" if unknown else ""))
+    # -- weights
+    def _apply(self, run: str, version: int, load) -> dict:
+        """Run `load()` (it puts the new weights into vLLM) as update `version` of `run`, under the lock; a failure
+        marks the weights broken (some may be new, some old) and leaves the version where it was."""
         started = time.perf_counter()
         with self.lock:
+            self.check_update(run, version)
             try:
-                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items()),
-                                                                  "is_checkpoint_format": True})
-                del weights
+                load()
                 if not self.llm.reset_prefix_cache():  # mandatory: cached KV of the old weights would be reused
                     raise RuntimeError("the prefix cache could not be reset")
+            except HTTPException:
+                raise
             except Exception as exc:  # noqa: BLE001 - some weights may be new, some old: refuse to sample
                 self.broken = f"update to version {version} failed: {type(exc).__name__}: {exc}"
                 log.exception(self.broken)
-                raise HTTPException(500, f"body: {self.broken}") from None
-            self.version, self.broken = version, None
-        return {"weights_version": version, "seconds": time.perf_counter() - started}
+                raise HTTPException(500, f"weights: {self.broken}") from None
+            self.run, self.version, self.broken = run, version, None
+        return {"weights_version": version, "run": run, "seconds": time.perf_counter() - started}
+
+    def update_http(self, body: bytearray, version: int, run: str) -> dict:
+        """The safetensors file in `body`, handed to vLLM as views of the buffer (no second copy)."""
+        self.check_update(run, version)  # early, before parsing: the same check runs again under the lock
+        tensors = safetensors_views(body)
+        self.check_tensors(list(tensors), [list(t.shape) for t in tensors.values()],
+                           [str(t.dtype).removeprefix("torch.") for t in tensors.values()])
+
+        def load():
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items()),
+                                                              "is_checkpoint_format": True})
+        try:
+            return self._apply(run, version, load)
+        finally:
+            tensors.clear()
+
+    def init_group(self, req: InitRequest) -> dict:
+        with self.lock:
+            self.check_run(req.run)
+            self.llm.collective_rpc("init_weight_transfer_engine", args=(
+                {"master_address": req.master_address, "master_port": req.master_port, "backend": req.backend,
+                 "timeout_s": req.timeout_s},))
+            self.run, self.group_ready = req.run, True
+        return {"run": self.run, "weights_version": self.version}
+
+    def update_group(self, req: UpdateRequest, ready_key: str) -> dict:
+        """Receive the tensors of `req` over the transfer group; the trainer starts broadcasting once this server
+        has checked the request, holds the lock and receives (it sets `ready_key` in the trainer's store)."""
+        if not (len(req.names) == len(req.dtype_names) == len(req.shapes)):
+            raise HTTPException(400, f"names, dtype_names, shapes: {len(req.names)}, {len(req.dtype_names)} and "
+                                     f"{len(req.shapes)} entries; one each per tensor")
+        self.check_tensors(req.names, req.shapes, req.dtype_names)
+        if not self.group_ready:
+            raise HTTPException(409, "weights/update: no transfer group; POST /weights/init first")
+
+        def load():
+            self.llm.collective_rpc("start_weight_update")
+            try:
+                self.llm.collective_rpc("update_weights", args=(
+                    {"names": req.names, "dtype_names": req.dtype_names, "shapes": req.shapes, "ready_key": ready_key},))
+            finally:
+                self.llm.collective_rpc("finish_weight_update")
+        return self._apply(req.run, req.version, load)
 
 
-def checkpoint_names(model_dir: Path) -> set[str]:
-    """The tensor names of a Hugging Face checkpoint directory (safetensors, sharded or not), without reading them."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        return set(json.loads(index.read_text())["weight_map"])
-    names = set()
+def safetensors_views(body: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `body`, as views of it (no copy); 400 naming what is wrong."""
+    try:
+        size = int.from_bytes(body[:8], "little")
+        header = json.loads(bytes(body[8:8 + size]))
+        data = memoryview(body)[8 + size:]
+        tensors = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = entry["data_offsets"]
+            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+            tensors[name] = (torch.frombuffer(data[begin:end], dtype=dtype).reshape(entry["shape"]) if end > begin
+                             else torch.empty(entry["shape"], dtype=dtype))
+        return tensors
+    except Exception as exc:  # noqa: BLE001 - any parse failure is the client's bytes
+        raise HTTPException(400, f"body: not a safetensors file ({type(exc).__name__}: {exc})") from None
+
+
+def checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:
+    """The tensor names and shapes of a Hugging Face checkpoint directory (safetensors, sharded or not), read from
+    the files' headers."""
+    shapes = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
-            names.update(f.keys())
-    if not names:
+            shapes.update({name: list(f.get_slice(name).get_shape()) for name in f.keys()})
+    if not shapes:
         raise FileNotFoundError(f"--model: no safetensors weights in {model_dir}")
-    return names
+    return shapes
 
 
-def build_app(engine: Engine) -> FastAPI:
+async def read_body(request: Request) -> bytearray:
+    """The request body in one preallocated buffer (the body's only copy here)."""
+    length = request.headers.get("content-length")
+    if length is None:
+        raise HTTPException(411, "content-length: required (the body is read into one buffer of that size)")
+    body, at = bytearray(int(length)), 0
+    async for chunk in request.stream():
+        if at + len(chunk) > len(body):
+            raise HTTPException(400, f"body: longer than its content-length {length}")
+        body[at:at + len(chunk)] = chunk
+        at += len(chunk)
+    if at != len(body):
+        raise HTTPException(400, f"body: {at} bytes, content-length said {length}")
+    return body
+
+
+def build_app(served: ServedModel) -> FastAPI:
     app = FastAPI(title="rlhf-flows rollout server")
 
     @app.get("/health")
-    def health() -> dict:
-        return engine.describe()
+    def health():
+        return JSONResponse(served.describe(), status_code=503 if served.broken else 200)
 
     @app.post("/generate")
     def generate(req: GenerateRequest) -> dict:
-        return engine.generate(req)
+        return served.generate(req)
 
     @app.post("/update_weights")
-    async def update_weights(request: Request, version: int = Query(..., ge=0)) -> dict:
-        body = await request.body()
+    async def update_weights(request: Request, version: int = Query(..., ge=1), run: str = Query(..., min_length=1)) -> dict:
+        served.check_update(run, version)  # before reading the body
+        body = await read_body(request)
         # the engine call blocks for seconds: off the event loop, so /health keeps answering
-        return await run_in_threadpool(engine.update_weights, body, version)
+        return await run_in_threadpool(served.update_http, body, version, run)
+
+    @app.post("/weights/init")
+    def init(req: InitRequest) -> dict:
+        return served.init_group(req)
+
+    @app.post("/weights/update")
+    def update(req: UpdateRequest, ready_key: str = Query(..., min_length=1)) -> dict:
+        return served.update_group(req, ready_key)
 
     return app
 
@@ -203,7 +446,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    parser.add_argument("--initial-version", type=int, default=0)
     parser.add_argument("--instance", default="", help="Token echoed by /health (the launcher checks it).")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -216,10 +458,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         log.error(f"--port: cannot bind {args.host}:{args.port}: {exc.strerror or exc}")
         raise SystemExit(2) from None
     started = time.perf_counter()
-    engine = Engine(args.model, args.dtype, args.max_model_len, args.seed, args.enforce_eager,
-                    args.gpu_memory_utilization, args.initial_version, args.instance)
-    log.info(f"engine loaded in {time.perf_counter() - started:.1f}s: {json.dumps(engine.describe())}")
-    uvicorn.Server(uvicorn.Config(build_app(engine), log_level="warning")).run(sockets=[sock])
+    served = ServedModel(args.model, args.dtype, args.max_model_len, args.seed, args.enforce_eager,
+                         args.gpu_memory_utilization, args.instance)
+    log.info(f"engine loaded in {time.perf_counter() - started:.1f}s: {json.dumps(served.describe())}")
+    uvicorn.Server(uvicorn.Config(build_app(served), log_level="warning")).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -1,15 +1,24 @@
-"""Where the critic / reward run for a flow: in this process, a local PyTriton child process, or a Prefect deployment.
+"""The servers of a run and where they run: one way to start each, for `rlhf train` and the flows alike.
 
-`critic_service(cfg, session)` and `reward_service(cfg, session)` are context managers: they deploy the server, wait
-until it is ready, yield a `Service` (its backend implements models/backends.py), and tear the server down on success,
-failure and cancellation (SIGTERM in the flow process raises, so the `finally` runs).
+A run has up to three servers: the rollout server (rollout.engine=vllm: it holds its own copy of the actor's weights),
+a critic server (an algorithm with a critic: values, and rewards when it carries the reward model) and a reward
+server (unless the critic carries the reward model). Each runs where its section's `launch` says:
+- `local`: a `ServerProcess` of this process (components/launch/processes.py; launcher.py says how each kind starts
+  and is probed), in its own process group, stopped when the block exits;
+- `deployment`: its Prefect deployment (`critic-server/default`, `reward-server/default`, `rollout-server/default`),
+  on a cluster its own node; that flow run publishes its address in a Prefect variable named after itself, we wait
+  until the server there is ready, and cancel the flow run at the end. A deployment critic uploads each save to the
+  run's checkpoint store, where the next checkpoint adopts it into iter_<N>/critic, and a resumed run tells it which
+  iteration's critic to start from;
+- `in_process` (critic and reward only): no server.
 
-launch=local: a child process of the flow run (own process group), stopped when the block exits; its critic saves
-into the run's local directory. launch=deployment: the task starts `critic-server/default` (or
-`reward-server/default`), which on a GPU cluster runs on its own node; that flow run publishes its address in a
-Prefect variable named after itself, the task waits until the server is ready, and cancels the flow run at the end.
-Its critic uploads each save to the run's checkpoint store, where the next checkpoint adopts it into iter_<N>/critic,
-and a resumed run tells it which iteration's critic to start from.
+Both kinds of started server answer the same three questions: `wait_until_ready`, `death()` (why it cannot serve: it
+exited, its flow run ended, or it answers but is unhealthy) and `stop()`. `RunServices.guard` asks every server of the
+run after a failed step, so a run fails naming the server that went away, not the broken connection.
+
+How the steps of starting them execute is the caller's `Steps`: directly (`rlhf train`), or as Prefect tasks whose
+messages go to the run's log (the flows: components.tasks.FlowSteps). Everything is torn down on success, failure
+and cancellation (SIGTERM in a flow process raises, so the `finally` blocks run).
 """
 
 from __future__ import annotations
@@ -20,32 +29,59 @@ import socket
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator, NoReturn, Optional
+from urllib.parse import urlparse
 
 import torch
-from prefect import get_client, get_run_logger, task
-from prefect.cache_policies import NONE
+from prefect import get_client, get_run_logger
 from prefect.deployments import run_deployment
 from prefect.runtime import flow_run
 from prefect.states import Cancelling
 from prefect.variables import Variable
 
-from components.launch.processes import find_free_ports, port_block_free, wait_for
+from components.launch.processes import Health, Probe, ServerProcess, free_port, wait_for, wait_until_ready
 from components.serving.clients import RewardClient, critic_backend, reward_backend
-from components.serving.launcher import ServerProcess, launch, wait_until_ready
-from components.serving.rollout import RolloutServer, connect, wait_health
+from components.serving.launcher import launch, launch_rollout, rollout_probe, triton_probe
+from components.serving.rollout_client import RolloutClient, run_token
 from components.serving.servers import ServerSpec
-from components.tracking.run import RunSession
 from models.algorithms import ALGORITHMS
 from models.backends import LocalCritic
 from models.config import RLHFConfig
+from models.engines import ENGINES
 from models.loop import build_critic_trainer, build_local_reward, critic_text_reward
 
 ADVERTISE_ENV = "RLHF_ADVERTISE_HOST"
 
 
 class ServerDied(RuntimeError):
-    """A critic/reward server went away during the run; the message names it, its exit code and its log tail."""
+    """A server of the run went away during the run; the message names it, its exit code and its log tail."""
+
+
+@dataclass
+class RunPlace:
+    """What a run's servers need of the run: its name, where logs go, where a local critic saves, the run's
+    checkpoint store (a deployment critic uploads there) and the checkpoint iteration a resumed critic starts from."""
+
+    run_name: str
+    log_dir: Path
+    critic_dir: Optional[Path] = None
+    store_uri: Optional[str] = None
+    critic_restore_iteration: Optional[int] = None
+
+
+class Steps:
+    """How the named steps of a run execute and where their messages go: here, directly (`rlhf train`, printed).
+    The flows pass components.tasks.FlowSteps: each step a Prefect task, each message in the run's log."""
+
+    def __call__(self, name: str, fn: Callable, *args, **kwargs):
+        return fn(*args, **kwargs)
+
+    def log(self, message: str) -> None:
+        print(message, flush=True)
+
+
+DIRECT = Steps()
 
 
 @dataclass
@@ -54,15 +90,15 @@ class Service:
 
     name: str
     backend: object
-    describe_death: Callable[[], Optional[str]] = lambda: None  # message if the server is gone, else None
+    death: Callable[[], Optional[str]] = lambda: None  # why its server cannot serve, else None
     reward: object = None  # a critic carrying a reward model that reads text: its reward_text as a RewardBackend
 
 
 @dataclass
-class Scoring:
-    """The scoring backends of a training run (critic and/or reward) and the servers behind them."""
+class RunServices:
+    """The servers of a training run and the scoring backends behind them."""
 
-    services: list
+    services: list[Service]
     critic: object = None
     reward: object = None
 
@@ -72,79 +108,14 @@ class Scoring:
             return fn(*args, **kwargs)
         except Exception as exc:
             for service in self.services:
-                if death := service.describe_death():
+                if death := service.death():
                     raise ServerDied(death) from exc
             raise
 
 
-@contextmanager
-def scoring_services(cfg: RLHFConfig, session: RunSession, actor=None) -> Iterator[Scoring]:
-    """The servers of a run: a rollout server when the actor's engine holds its own weights (connected to `actor`,
-    given its weights), and what the algorithm scores with: a critic (values, and rewards when it carries the reward
-    model) and a reward server unless the critic carries the reward model; without a critic, the reward server alone."""
-    with rollout_service(cfg, session, actor) as rollout:
-        if not ALGORITHMS[cfg.algorithm].needs_critic:
-            with reward_service(cfg, session) as reward:
-                yield Scoring(rollout + [reward], reward=reward.backend)
-            return
-        with critic_service(cfg, session) as critic, \
-                reward_service(cfg, session, needed=not cfg.critic.combine_reward) as reward:
-            yield Scoring(rollout + [s for s in (critic, reward) if s is not None], critic=critic.backend,
-                          reward=reward.backend if reward else critic.reward)
-
-
-@contextmanager
-def rollout_service(cfg: RLHFConfig, session: RunSession, actor=None) -> Iterator[list[Service]]:
-    """[the rollout server] for an engine with its own weights (rollout.engine=vllm), else []: started (launch=local)
-    or deployed (launch=deployment), ready, connected to rank 0's engine and given the actor's weights."""
-    if actor is None or actor.state.engine.shares_actor_weights:
-        yield []
-        return
-    local = cfg.rollout.vllm.launch == "local"
-    with (_local_rollout if local else _deployment_rollout)(cfg, session, actor) as service:
-        yield [service]
-
-
-@contextmanager
-def critic_service(cfg: RLHFConfig, session: RunSession) -> Iterator[Service]:
-    if cfg.critic.launch == "in_process":
-        backend = LocalCritic(build_critic_trainer(cfg, checkpoint_dir=session.critic_dir))
-        reward = critic_text_reward(cfg, backend.trainer)
-        try:
-            yield Service("critic (in process)", backend, reward=reward)
-        finally:
-            backend.close()
-            if reward is not None:
-                reward.close()
-        return
-    with (_local if cfg.critic.launch == "local" else _deployment)("critic", cfg, session) as service:
-        yield service
-
-
-@contextmanager
-def reward_service(cfg: RLHFConfig, session: RunSession, needed: bool = True) -> Iterator[Optional[Service]]:
-    if not needed:
-        yield None
-        return
-    if cfg.reward.launch == "in_process":
-        backend = build_local_reward(cfg)
-        try:
-            yield Service("reward (in process)", backend)
-        finally:
-            backend.close()
-        return
-    with (_local if cfg.reward.launch == "local" else _deployment)("reward", cfg, session) as service:
-        yield service
-
-
-def _section(kind: str, cfg: RLHFConfig):
-    return cfg.critic if kind == "critic" else cfg.reward
-
-
-def _port(host: str, preferred: int) -> int:
-    """The configured port if P..P+2 are free, else a free block (two runs on one machine must not collide)."""
-    bind = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    return preferred if port_block_free(bind, preferred) else find_free_ports(bind)
+def section(kind: str, cfg: RLHFConfig):
+    """The config section of a server kind: its launch mode, host, port, timeouts."""
+    return {"critic": cfg.critic, "reward": cfg.reward, "rollout": cfg.rollout.vllm}[kind]
 
 
 def _threads(section) -> Optional[int]:
@@ -155,167 +126,36 @@ def _threads(section) -> Optional[int]:
 
 
 def server_spec(kind: str, cfg: RLHFConfig, **fields) -> ServerSpec:
-    """The spec of this run's critic/reward server: its section's host, a free port block, its thread count."""
-    section = _section(kind, cfg)
-    return ServerSpec(kind=kind, config=cfg, host=section.host, port=_port(section.host, section.http_port),
-                      torch_threads=_threads(section), **fields)
+    """The spec of a critic/reward server: its section's host, a free port block P..P+2, its thread count."""
+    s = section(kind, cfg)
+    return ServerSpec(kind=kind, config=cfg, host=s.host, port=free_port(s.host, s.http_port, count=3),
+                      torch_threads=_threads(s), **fields)
 
 
-def _text_rewards(kind: str, cfg: RLHFConfig, url: str):
-    """A critic server whose reward model reads text serves rewards through reward_text, not critic_infer."""
-    if kind != "critic" or not cfg.critic.combine_reward or cfg.reward.transport != "text":
-        return None
-    return RewardClient(url, timeout_s=cfg.critic.request_timeout_s, text=True)
+def local_server(kind: str, cfg: RLHFConfig, log_path: Path, **spec_fields) -> ServerProcess:
+    """The `kind` server as a child process of this one (not waited for)."""
+    if kind == "rollout":
+        return launch_rollout(cfg, log_path)
+    return launch(server_spec(kind, cfg, **spec_fields), log_path, wait=False)
 
 
-def _death(name: str, proc: ServerProcess, settle_s: float = 20.0):
-    def describe() -> Optional[str]:
-        # called after a request failed: a killed server may drop its connections a moment before its exit is seen,
-        # and a server that lost one of its ranks stops Triton (seconds) before it exits
-        wait_for(lambda: proc.poll() is not None, settle_s)
-        if (code := proc.poll()) is None:
-            return None
-        tail = proc.log_tail()
-        # the reason is searched further back than the tail shown: Triton's shutdown countdown after it can take
-        # more than the tail's 30 lines on a loaded machine
-        errors = [line.split(" ERROR ", 1)[1] for line in proc.log_tail(400).splitlines() if " ERROR " in line]
-        why = f": {errors[-1]}" if errors else ""  # e.g. "rlhf.server: critic server: critic rank 1 (pid) exited ..."
-        return (f"{name} server (pid {proc.pid}, {proc.url}) exited with code {code}{why}; last lines of "
-                f"{proc.log_path}:\n{tail}")
-    return describe
+def probe_at(kind: str, cfg: RLHFConfig) -> Callable[[str], Probe]:
+    """How to look at a `kind` server found at a URL (one we did not start: no launcher token)."""
+    if kind == "rollout":
+        return rollout_probe
+    models = ServerSpec(kind=kind, config=cfg).models
+    return lambda url: triton_probe(url, models)
 
 
-# ------------------------------------------------------------------------------------------------ launch=local
-@task(name="deploy-critic-server", cache_policy=NONE)
-def start_local_server(kind: str, cfg: RLHFConfig, session: RunSession) -> ServerProcess:
-    """Start the server as a child process of this flow run."""
-    log_path = session.local_dir / "logs" / f"{kind}-server.log"
-    spec = server_spec(kind, cfg, checkpoint_dir=str(session.critic_dir) if kind == "critic" else None)
-    proc = launch(spec, log_path, wait=False)
-    get_run_logger().info(f"{kind} server starting: pid {proc.pid}, {proc.url}, log {log_path}")
-    return proc
-
-
-@task(name="wait-until-ready", cache_policy=NONE)
-def wait_ready(kind: str, url: str, timeout: float, proc: Optional[ServerProcess] = None,
-               cfg: Optional[RLHFConfig] = None) -> None:
-    started = time.monotonic()
-    wait_until_ready(url, ServerSpec(kind=kind, config=cfg or RLHFConfig()).models, timeout, process=proc)
-    get_run_logger().info(f"{kind} server ready at {url} after {time.monotonic() - started:.1f}s")
-
-
-@contextmanager
-def _local(kind: str, cfg: RLHFConfig, session: RunSession) -> Iterator[Service]:
-    proc = start_local_server.with_options(name=f"deploy-{kind}-server")(kind, cfg, session)
-    clients = []
-    try:
-        wait_ready(kind, proc.url, _section(kind, cfg).ready_timeout_s, proc, cfg=cfg)
-        clients = [critic_backend(cfg, proc.url) if kind == "critic" else reward_backend(cfg, proc.url),
-                   _text_rewards(kind, cfg, proc.url)]
-        yield Service(f"{kind} server", clients[0], _death(kind, proc), reward=clients[1])
-    finally:
-        code = proc.stop()  # first: a cancelled flow must not wait on an in-flight request before stopping the server
-        for client in clients:
-            if client is not None:
-                client.close()
-        get_run_logger().info(f"{kind} server stopped (pid {proc.pid}, exit code {code})")
-
-
-@task(name="deploy-rollout-server", cache_policy=NONE)
-def start_local_rollout_server(cfg: RLHFConfig, session: RunSession) -> RolloutServer:
-    server = RolloutServer(cfg, session.local_dir / "logs" / "rollout-server.log")
-    get_run_logger().info(f"rollout server starting: pid {server.pid}, {server.url}, log {server.log_path}")
-    return server
-
-
-@task(name="connect-rollout-engine", cache_policy=NONE)
-def connect_rollout_engine(actor, url: str, cfg: RLHFConfig):
-    """Rank 0's engine talks to the server; the actor's current weights (new, resumed, LoRA merged) go to it."""
-    client = connect(actor, url, cfg)
-    get_run_logger().info(f"rollout engine at {url} holds the actor's weights ({actor.state.engine.last_refit})")
-    return client
-
-
-@contextmanager
-def _local_rollout(cfg: RLHFConfig, session: RunSession, actor) -> Iterator[Service]:
-    server = start_local_rollout_server(cfg, session)
-    client = None
-    try:
-        wait_rollout_ready(server.url, cfg.rollout.vllm.ready_timeout_s, server)
-        client = connect_rollout_engine(actor, server.url, cfg)
-        yield Service("rollout server", client, server.death)
-    finally:
-        code = server.stop()
-        if client is not None:
-            client.close()
-        get_run_logger().info(f"rollout server stopped (pid {server.pid}, exit code {code})")
-
-
-@task(name="wait-until-ready", cache_policy=NONE)
-def wait_rollout_ready(url: str, timeout: float, server: Optional[RolloutServer] = None) -> None:
-    started = time.monotonic()
-    info = (server.wait_until_ready(timeout) if server is not None else wait_health(url, timeout))
-    get_run_logger().info(f"rollout server ready at {url} after {time.monotonic() - started:.1f}s: {info}")
-
-
-@contextmanager
-def _deployment_rollout(cfg: RLHFConfig, session: RunSession, actor) -> Iterator[Service]:
-    flow_run_id = start_deployment.with_options(name="deploy-rollout-server")("rollout", cfg, session)
-    client = None
-    try:
-        url = discover_address("rollout", flow_run_id, cfg.rollout.vllm.ready_timeout_s)
-        wait_rollout_ready(url, cfg.rollout.vllm.ready_timeout_s)
-        client = connect_rollout_engine(actor, url, cfg)
-        yield Service("rollout server", client, _flow_run_death("rollout", flow_run_id))
-    finally:
-        cancel_flow_run(flow_run_id)
-        if client is not None:
-            client.close()
-        get_run_logger().info(f"rollout server: cancelled flow run {flow_run_id}")
-
-
-# ------------------------------------------------------------------------------------------------ launch=deployment
+# ------------------------------------------------------------------------------------------------ deployments
 def address_variable(flow_run_id) -> str:
     return f"rlhf_server_{str(flow_run_id).replace('-', '')}"
 
 
-@task(name="deploy-server-deployment", cache_policy=NONE)
-def start_deployment(kind: str, cfg: RLHFConfig, session: RunSession):
-    parameters = {"config": cfg.model_dump(mode="json")}
-    if kind == "critic":
-        parameters.update(checkpoint_uri=session.store.uri, restore_iteration=session.critic_restore_iteration)
-    run = run_deployment(f"{kind}-server/default", parameters=parameters, timeout=0, as_subflow=False)
-    get_run_logger().info(f"{kind} server: started deployment {kind}-server/default as flow run {run.id}")
-    return run.id
-
-
-def _final_state(flow_run_id):
+def final_state(flow_run_id):
     with get_client(sync_client=True) as client:
         state = client.read_flow_run(flow_run_id).state
     return state if state is not None and state.is_final() else None
-
-
-@task(name="discover-server-address", cache_policy=NONE)
-def discover_address(kind: str, flow_run_id, timeout: float) -> str:
-    def published() -> Optional[str]:
-        url = Variable.get(address_variable(flow_run_id), default=None)
-        if not url and (state := _final_state(flow_run_id)) is not None:
-            raise RuntimeError(f"{kind} server flow run {flow_run_id} ended ({state.name}) before publishing its "
-                               f"address: {state.message or 'no message'}")
-        return url
-
-    url = wait_for(published, timeout, poll_s=1.0)
-    if url:
-        return url
-    raise TimeoutError(f"{kind} server flow run {flow_run_id} did not publish its address within {timeout:.0f}s "
-                       f"(is a worker serving {kind}-server/default?)")
-
-
-def _flow_run_death(kind: str, flow_run_id):
-    def describe() -> Optional[str]:
-        state = _final_state(flow_run_id)
-        return None if state is None else f"{kind} server flow run {flow_run_id} ended: {state.name} ({state.message or 'no message'})"
-    return describe
 
 
 def cancel_flow_run(flow_run_id) -> None:
@@ -325,49 +165,208 @@ def cancel_flow_run(flow_run_id) -> None:
             client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
 
 
+class DeploymentServer:
+    """A server run by its Prefect deployment (its own flow run, on a cluster its own node): found at the address its
+    flow run publishes, probed like a local one, stopped by cancelling that flow run."""
+
+    def __init__(self, kind: str, flow_run_id, probe_for: Callable[[str], Probe]):
+        self.name, self.flow_run_id, self.probe_for = kind, flow_run_id, probe_for
+        self.url: Optional[str] = None
+        self.probe: Optional[Probe] = None
+
+    def wait_until_ready(self, timeout: float) -> Health:
+        """Wait for the published address, then for the server there to serve (one timeout for both: a cold GPU
+        pool's pod start and image pull count)."""
+        deadline = time.monotonic() + timeout
+
+        def published() -> Optional[str]:
+            url = Variable.get(address_variable(self.flow_run_id), default=None)
+            if not url and (state := final_state(self.flow_run_id)) is not None:
+                raise ServerDied(f"{self.name} server flow run {self.flow_run_id} ended ({state.name}) before "
+                                 f"publishing its address: {state.message or 'no message'}")
+            return url
+
+        self.url = wait_for(published, timeout, poll_s=1.0)
+        if not self.url:
+            raise TimeoutError(f"{self.name} server flow run {self.flow_run_id} did not publish its address within "
+                               f"{timeout:.0f}s (is a worker serving {self.name}-server/default?)")
+        self.probe = self.probe_for(self.url)
+        return wait_until_ready(self.probe, max(1.0, deadline - time.monotonic()), f"{self.name} server", self.url)
+
+    def death(self, settle_s: float = 20.0) -> Optional[str]:
+        """Its flow run ended (with its state's message), or the server answers but is unhealthy; else None."""
+        if (state := final_state(self.flow_run_id)) is None:
+            health = self.probe() if self.probe is not None else Health(True, "not probed")
+            if health.ok:
+                return None
+            state = wait_for(lambda: final_state(self.flow_run_id), settle_s, poll_s=1.0)
+            if state is None:
+                return f"{self.name} server ({self.url}, flow run {self.flow_run_id}) is not healthy: {health.status}"
+        return f"{self.name} server flow run {self.flow_run_id} ended: {state.name} ({state.message or 'no message'})"
+
+    def stop(self) -> None:
+        cancel_flow_run(self.flow_run_id)
+
+
+def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace) -> DeploymentServer:
+    parameters = {"config": cfg.model_dump(mode="json")}
+    if kind == "critic":
+        parameters.update(checkpoint_uri=place.store_uri, restore_iteration=place.critic_restore_iteration)
+    run = run_deployment(f"{kind}-server/default", parameters=parameters, timeout=0, as_subflow=False)
+    return DeploymentServer(kind, run.id, probe_at(kind, cfg))
+
+
+# ------------------------------------------------------------------------------------------------ starting a server
 @contextmanager
-def _deployment(kind: str, cfg: RLHFConfig, session: RunSession) -> Iterator[Service]:
-    section = _section(kind, cfg)
-    flow_run_id = start_deployment.with_options(name=f"deploy-{kind}-server")(kind, cfg, session)
-    clients = []
+def started(kind: str, cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT):
+    """The `kind` server of the run, started where its section says (a child process, or its deployment), not yet
+    ready; stopped after the block, first thing (a cancelled run must not wait on an in-flight request)."""
+    if section(kind, cfg).launch == "local":
+        critic_dir = {"checkpoint_dir": str(place.critic_dir)} if kind == "critic" and place.critic_dir else {}
+        server = steps(f"deploy-{kind}-server", local_server, kind, cfg, place.log_dir / f"{kind}-server.log",
+                       **critic_dir)
+        steps.log(f"{kind} server starting: pid {server.pid}, {server.url}, log {server.log_path}")
+    else:
+        server = steps(f"deploy-{kind}-server", start_deployment, kind, cfg, place)
+        steps.log(f"{kind} server: started deployment {kind}-server/default as flow run {server.flow_run_id}")
     try:
-        url = discover_address(kind, flow_run_id, section.ready_timeout_s)
-        wait_ready(kind, url, section.ready_timeout_s, cfg=cfg)
-        clients = [critic_backend(cfg, url) if kind == "critic" else reward_backend(cfg, url),
-                   _text_rewards(kind, cfg, url)]
-        yield Service(f"{kind} server", clients[0], _flow_run_death(kind, flow_run_id), reward=clients[1])
+        yield server
     finally:
-        cancel_flow_run(flow_run_id)
-        for client in clients:
-            if client is not None:
-                client.close()
-        get_run_logger().info(f"{kind} server: cancelled flow run {flow_run_id}")
+        code = server.stop()
+        steps.log(f"{kind} server stopped" + (f" (pid {server.pid}, exit code {code})" if isinstance(server, ServerProcess)
+                                              else f" (flow run {server.flow_run_id} cancelled)"))
+
+
+def wait_ready(kind: str, server, cfg: RLHFConfig, steps: Steps = DIRECT) -> str:
+    """Wait until the started server serves; returns its URL."""
+    started_at = time.monotonic()
+    health = steps("wait-until-ready", server.wait_until_ready, section(kind, cfg).ready_timeout_s)
+    steps.log(f"{kind} server ready at {server.url} after {time.monotonic() - started_at:.1f}s"
+              + (f": {health.info}" if health.info else ""))
+    return server.url
+
+
+# ------------------------------------------------------------------------------------------------ the services of a run
+@contextmanager
+def critic_service(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT) -> Iterator[Service]:
+    if cfg.critic.launch == "in_process":
+        backend = LocalCritic(build_critic_trainer(cfg, checkpoint_dir=place.critic_dir))
+        reward = critic_text_reward(cfg, backend.trainer)
+        try:
+            yield Service("critic (in process)", backend, reward=reward)
+        finally:
+            backend.close()
+            if reward is not None:
+                reward.close()
+        return
+    with started("critic", cfg, place, steps) as server:
+        url = wait_ready("critic", server, cfg, steps)
+        backend = critic_backend(cfg, url)
+        # a critic carrying a reward model that reads text serves rewards through reward_text, not critic_infer
+        text = (RewardClient(url, timeout_s=cfg.critic.request_timeout_s, text=True)
+                if cfg.critic.combine_reward and cfg.reward.transport == "text" else None)
+        try:
+            yield Service("critic server", backend, server.death, reward=text)
+        finally:
+            for client in (backend, text):
+                if client is not None:
+                    client.close()
+
+
+@contextmanager
+def reward_service(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT, needed: bool = True) -> Iterator[Optional[Service]]:
+    if not needed:
+        yield None
+        return
+    if cfg.reward.launch == "in_process":
+        backend = build_local_reward(cfg)
+        try:
+            yield Service("reward (in process)", backend)
+        finally:
+            backend.close()
+        return
+    with started("reward", cfg, place, steps) as server:
+        backend = reward_backend(cfg, wait_ready("reward", server, cfg, steps))
+        try:
+            yield Service("reward server", backend, server.death)
+        finally:
+            backend.close()
+
+
+@contextmanager
+def rollout_server(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT):
+    """For an engine with its own weights (rollout.engine=vllm), its rollout server started for the block (None for
+    an engine that samples with the actor's own module). Start it before the actor: both load side by side."""
+    if ENGINES[cfg.rollout.engine].shares_actor_weights:
+        yield None
+        return
+    with started("rollout", cfg, place, steps) as server:
+        yield server
+
+
+def trainer_host(cfg: RLHFConfig) -> str:
+    """Where the rollout server reaches this process (the weight-transfer group's store): loopback for a local
+    server, this pod's address for a deployment."""
+    return "127.0.0.1" if cfg.rollout.vllm.launch == "local" else advertised_host("0.0.0.0")
+
+
+def connect_engine(actor, url: str, cfg: RLHFConfig, place: RunPlace) -> RolloutClient:
+    """Rank 0's engine talks to the server (as this run, over the configured weight transfer) and sends it the actor's
+    current weights (a new run's, a resumed run's checkpoint, LoRA merged; all ranks gather them)."""
+    client = RolloutClient(url, run_token(place.run_name), cfg.rollout.vllm.request_timeout_s)
+    try:
+        if cfg.rollout.vllm.weight_transfer == "dist":
+            client.use_dist(trainer_host(cfg))
+        actor.state.engine.connect(client)
+        actor.refit()
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+@contextmanager
+def rollout_service(server, actor, cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT) -> Iterator[list[Service]]:
+    """[the rollout server's service] once `server` (from `rollout_server`) serves and rank 0's engine holds the
+    actor's weights; [] without a rollout server."""
+    if server is None:
+        yield []
+        return
+    url = wait_ready("rollout", server, cfg, steps)
+    client = steps("connect-rollout-engine", connect_engine, actor, url, cfg, place)
+    steps.log(f"rollout engine at {url} holds the actor's weights ({actor.state.engine.last_refit})")
+    try:
+        yield [Service("rollout server", client, server.death)]
+    finally:
+        client.close()
+
+
+@contextmanager
+def run_services(cfg: RLHFConfig, place: RunPlace, actor, steps: Steps = DIRECT, rollout=None) -> Iterator[RunServices]:
+    """The services of a training run: the rollout server (`rollout`, started before the actor) connected to
+    `actor`, and what the algorithm scores with: a critic (values, and rewards when it carries the reward model) and a
+    reward server unless the critic carries the reward model; without a critic, the reward server alone."""
+    with rollout_service(rollout, actor, cfg, place, steps) as rollouts:
+        if not ALGORITHMS[cfg.algorithm].needs_critic:
+            with reward_service(cfg, place, steps) as reward:
+                yield RunServices(rollouts + [reward], reward=reward.backend)
+            return
+        with critic_service(cfg, place, steps) as critic, \
+                reward_service(cfg, place, steps, needed=not cfg.critic.combine_reward) as reward:
+            yield RunServices(rollouts + [s for s in (critic, reward) if s is not None], critic=critic.backend,
+                              reward=reward.backend if reward else critic.reward)
 
 
 # ------------------------------------------------------------------------------------------------ the server flow side
-def host_rollout_server(cfg: RLHFConfig) -> int:
-    """Body of rollout-server/default: start the vLLM rollout server, publish its address, serve until cancelled."""
-    run_id = flow_run.get_id()
-    server = RolloutServer(cfg, cfg.resolved_state_dir() / "servers" / f"rollout-{run_id}" / "rollout-server.log")
-    try:
-        server.wait_until_ready(cfg.rollout.vllm.ready_timeout_s)
-        serve_published("rollout", server, f"http://{advertised_host(cfg.rollout.vllm.host)}:{server.port}",
-                        server.death)
-    finally:
-        server.stop()
-        get_run_logger().info("rollout server stopped")
-
-
-def serve_published(kind: str, process, url: str, describe_death: Callable[[], Optional[str]]) -> NoReturn:
+def serve_published(kind: str, server: ServerProcess, url: str) -> NoReturn:
     """Publish a ready server's `url` for the flow run that deployed this one (a Prefect variable named after this
     flow run), then wait until the server exits (a failure) or this flow run is cancelled; unpublish either way."""
     name = address_variable(flow_run.get_id())
     try:
         Variable.set(name, url, overwrite=True)
-        get_run_logger().info(f"{kind} server ready at {url} (pid {process.pid}); serving until this flow run is "
-                              f"cancelled")
-        wait_for(lambda: process.poll() is not None, None, poll_s=1.0)  # until the server exits, or we are cancelled
-        raise ServerDied(describe_death())
+        get_run_logger().info(f"{kind} server ready at {url} (pid {server.pid}); serving until this flow run is cancelled")
+        wait_for(lambda: server.poll() is not None, None, poll_s=1.0)  # until the server exits, or we are cancelled
+        raise ServerDied(server.death())
     finally:
         try:
             Variable.unset(name)
@@ -382,25 +381,22 @@ def advertised_host(bind: str) -> str:
 
 def host_server(kind: str, cfg: RLHFConfig, checkpoint_uri: Optional[str] = None,
                 restore_iteration: Optional[int] = None) -> int:
-    """Body of critic-server/default and reward-server/default: serve until cancelled, publish the address.
+    """Body of the critic-server, reward-server and rollout-server deployments: start the server, publish its
+    address, serve until cancelled.
 
     The critic saves into a fresh directory of this flow run and uploads every save to the run's store at
     `checkpoint_uri`; with `restore_iteration` it starts from iter_<N>/critic of that store (any error doing so
     fails this flow run, and with it the training flow run, naming the URI and the cause).
     """
-    logger = get_run_logger()
-    run_id = flow_run.get_id()
-    server_dir = cfg.resolved_state_dir() / "servers" / f"{kind}-{run_id}"
+    server_dir = cfg.resolved_state_dir() / "servers" / f"{kind}-{flow_run.get_id()}"
     fields = {}
     if kind == "critic":
         fields = {"checkpoint_dir": str(server_dir / "critic"), "checkpoint_uri": checkpoint_uri,
                   "restore_iteration": restore_iteration}
-    spec = server_spec(kind, cfg, **fields)
-    proc = launch(spec, server_dir / f"{kind}-server.log", wait=False)
     try:
-        proc.wait_until_ready(spec.section.ready_timeout_s)
-        serve_published(kind, proc, f"http://{advertised_host(spec.host)}:{spec.port}", _death(kind, proc))
+        with local_server(kind, cfg, server_dir / f"{kind}-server.log", **fields) as server:
+            server.wait_until_ready(section(kind, cfg).ready_timeout_s)
+            serve_published(kind, server, f"http://{advertised_host(section(kind, cfg).host)}:{urlparse(server.url).port}")
     finally:
-        proc.stop()
         shutil.rmtree(server_dir / "critic", ignore_errors=True)  # every save is in the store
-        logger.info(f"{kind} server stopped")
+        get_run_logger().info(f"{kind} server stopped")

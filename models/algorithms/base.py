@@ -5,12 +5,13 @@ to the config tree by the registry), says whether it needs a critic and how many
 supplies the parts of the step that differ between algorithms:
 
     request_scores  what rank 0 asks the scoring backends for (rewards; values too when there is a critic)
-    advantages      scores + KL -> advantages (its estimator)
-    loss            the actor's loss on a micro-batch
-    update_critic   (only with a critic) start the critic's update while the actor trains; `critic_stats` waits for it
-    metrics         the metrics only it has
+    advantages      scores + KL -> advantages (its estimator), over the rows of all ranks
+    loss            the actor's loss on a micro-batch of a rank's rows
+    update_critic   (only with a critic) start the critic's update while the actor trains (rank 0: a future)
+    metrics         the metrics only it has, over the rows of all ranks
 
-Every hook gets plain tensors and config values, so algorithms stay free of the actor, the engines and the servers.
+Every hook gets plain tensors and config values, so algorithms stay free of the actor, the engines, the servers and
+the ranks: the step gathers every rank's rows before `advantages`, and hands `loss` this rank's share.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import Callable, ClassVar
 import torch
 from torch import Tensor
 
-from models.distributed import Dist
 from models.sections import Section
 
 LossFn = Callable[[Tensor, Tensor | None, Tensor], tuple[Tensor, dict]]  # (new logp, entropy, rows) -> (loss, stats)
@@ -39,19 +39,26 @@ class Backends:
 
 @dataclass
 class StepData:
-    """What the shared step knows when it asks for advantages: this rank's rollouts and their numbers."""
+    """What the shared step knows when it asks for advantages: the rollouts of all ranks (rank order, k consecutive
+    samples per prompt, right-padded to one width) and their numbers."""
 
-    tokens: Tensor  # [B, L] right-padded rollouts of this rank
+    tokens: Tensor  # [B, L] right-padded rollouts
     mask: Tensor  # [B, L-1] response mask over actions
     is_end: Tensor  # [B] the response ended with a stop token
-    old_logp: Tensor  # [B, L-1] behaviour logprobs
-    scored: dict  # this rank's rows of what `request_scores` returned ("scores" [B], and "values" [B, L'] with a critic)
+    old_logp: Tensor  # [B, L-1] the trainer's logprobs before the update (PPO's proximal policy)
+    scored: dict  # what `request_scores` returned ("scores" [B], and "values" [B, L'] with a critic)
     kl_tokens: Tensor  # [B, L-1] per-token KL penalty (the configured estimator), masked
     beta: float  # KL coefficient this iteration
     samples_per_prompt: int
-    me: Dist
     pad_id: int
     tis: Tensor | None = None  # [B, L-1] truncated importance weights (engine with its own weights), None = all 1
+
+    def rows(self, rows: slice, width: int) -> "StepData":
+        """The rows `rows`, cut to `width` tokens (a rank's own rows, as wide as its rollout)."""
+        return StepData(self.tokens[rows, :width], self.mask[rows, :width - 1], self.is_end[rows],
+                        self.old_logp[rows, :width - 1], {k: v[rows] for k, v in self.scored.items()},
+                        self.kl_tokens[rows, :width - 1], self.beta, self.samples_per_prompt, self.pad_id,
+                        self.tis[rows, :width - 1] if self.tis is not None else None)
 
 
 @dataclass
@@ -60,6 +67,13 @@ class Advantages:
     scores: Tensor  # [B] the scores as the objective sees them (e.g. after a missing-EOS penalty)
     non_score: Tensor  # [B] the KL part of the reward, -beta * KL per sequence
     extra: dict = field(default_factory=dict)  # what the algorithm's own hooks need later (returns, values, ...)
+
+    def rows(self, rows: slice, width: int) -> "Advantages":
+        """The rows `rows`, per-token tensors cut to the `width - 1` actions of `width` tokens."""
+        def cut(t: Tensor) -> Tensor:
+            return t[rows, :width - 1] if t.dim() == 2 else t[rows]
+        return Advantages(cut(self.advantages), self.scores[rows], self.non_score[rows],
+                          {k: cut(v) for k, v in self.extra.items()})
 
 
 class Algorithm:
@@ -97,9 +111,7 @@ class Algorithm:
         raise NotImplementedError
 
     def update_critic(self, data: StepData, adv: Advantages, backends: Backends) -> Future | None:
-        return None
-
-    def critic_stats(self, future: Future | None, me: Dist) -> dict | None:
+        """On rank 0: start the critic's update on the rows of all ranks; the step waits for its stats."""
         return None
 
     def metrics(self, data: StepData, adv: Advantages, critic_stats: dict | None) -> dict[str, float]:

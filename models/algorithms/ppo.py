@@ -14,7 +14,6 @@ from pydantic import Field, PositiveInt
 
 from models.advantages import gae, masked_mean, masked_whiten, shape_rewards
 from models.algorithms.base import Advantages, Algorithm, Backends, StepData, request_rewards
-from models.distributed import leader_batch
 from models.losses import entropy_bonus, explained_variance, ppo_policy_loss
 from models.sections import OptimConfig, Section
 
@@ -64,21 +63,14 @@ class PPO(Algorithm):
         rewards = shape_rewards(scores, data.kl_tokens, mask, data.beta)
         advantages, returns = gae(rewards, values, mask, settings.discount, settings.gae_lambda)
         if settings.whiten_advantages:
-            advantages = masked_whiten(advantages, mask, me=data.me)
+            advantages = masked_whiten(advantages, mask)
         return Advantages(advantages, scores, (-data.beta * data.kl_tokens).sum(1),
                           {"values": values, "returns": returns})
 
     def update_critic(self, data: StepData, adv: Advantages, backends: Backends):
-        """critic_train on rank 0 with every rank's rows (the wire layout: [B, L], values of prefixes)."""
-        batch = leader_batch(data.me, {"tokens": data.tokens, "returns": F.pad(adv.extra["returns"], (0, 1)),
-                                       "prev_values": F.pad(adv.extra["values"], (0, 1)),
-                                       "mask": F.pad(data.mask, (0, 1))}, pad_id=data.pad_id)
-        if batch is None:
-            return None
-        return backends.critic.train_async(batch["tokens"], batch["returns"], batch["prev_values"], batch["mask"])
-
-    def critic_stats(self, future, me) -> dict:
-        return me.broadcast_object(future.result() if future is not None else None)
+        """critic_train with every rank's rows (the wire layout: [B, L], values of prefixes)."""
+        return backends.critic.train_async(data.tokens, F.pad(adv.extra["returns"], (0, 1)),
+                                           F.pad(adv.extra["values"], (0, 1)), F.pad(data.mask, (0, 1)))
 
     def loss(self, data: StepData, adv: Advantages, settings: PPOConfig):
         """Clipped surrogate (+ entropy bonus) on the rows `idx`."""
@@ -94,22 +86,13 @@ class PPO(Algorithm):
         return loss_fn
 
     def metrics(self, data: StepData, adv: Advantages, critic_stats: dict | None) -> dict[str, float]:
-        me = data.me
-        values, returns = adv.extra["values"], adv.extra["returns"]
-        g_values, g_returns, g_adv, g_mask = (me.all_gather_cat(x) for x in
-                                              _same_width(me, values, returns, adv.advantages, data.mask))
+        values, returns, mask = adv.extra["values"], adv.extra["returns"], data.mask
         return {
             "loss/value_avg": critic_stats["loss_mean"],
             "val/clipfrac_avg": critic_stats.get("clipfrac", float("nan")),
-            "val/explained_variance": float(explained_variance(g_values, g_returns, g_mask)),
-            "val/advantage_mean": float(masked_mean(g_adv, g_mask)),
-            "val/return_mean": float(masked_mean(g_returns, g_mask)),
-            "val/value_mean": float(masked_mean(g_values, g_mask)),
+            "val/explained_variance": float(explained_variance(values, returns, mask)),
+            "val/advantage_mean": float(masked_mean(adv.advantages, mask)),
+            "val/return_mean": float(masked_mean(returns, mask)),
+            "val/value_mean": float(masked_mean(values, mask)),
             "critic/step": float(critic_stats.get("step", float("nan"))),
         }
-
-
-def _same_width(me, *tensors):
-    """Right-pad [B, T] tensors to the widest T over ranks (for gathering); padding is masked out."""
-    width = int(me.all_reduce(torch.tensor(tensors[0].shape[1]), op="max"))
-    return [F.pad(t, (0, width - t.shape[1])) for t in tensors]

@@ -46,8 +46,8 @@ class RLOO(Algorithm):
         return settings.num_rollouts_per_prompt
 
     def advantages(self, data: StepData, settings: ReinforceConfig) -> Advantages:
-        """Sequence reward with KL, then the baseline: within a prompt's group (this rank) or batch-wide (all ranks)."""
-        me, k = data.me, data.samples_per_prompt
+        """Sequence reward with KL, then the baseline: within a prompt's group or batch-wide."""
+        k = data.samples_per_prompt
         scores = data.scored["scores"]
         if settings.missing_eos_penalty is not None:
             scores = scores - settings.missing_eos_penalty * (~data.is_end).float()
@@ -59,11 +59,9 @@ class RLOO(Algorithm):
         elif settings.advantage_estimator == "grpo":
             advantages = grpo_advantages(reward_with_kl, group_ids)
         else:
-            advantages = _local(me, reinforce_plus_plus_advantages(me.all_gather_cat(reward_with_kl)), len(reward_with_kl))
-        if settings.whiten_advantages:
-            every = me.all_gather_cat(advantages)
-            if len(every) > 1:
-                advantages = (advantages - every.mean()) / (every.std() + 1e-8)
+            advantages = reinforce_plus_plus_advantages(reward_with_kl)
+        if settings.whiten_advantages and len(advantages) > 1:
+            advantages = (advantages - advantages.mean()) / (advantages.std() + 1e-8)
         return Advantages(advantages, scores, non_score)
 
     def loss(self, data: StepData, adv: Advantages, settings: ReinforceConfig):
@@ -87,13 +85,5 @@ class RLOO(Algorithm):
         return loss_fn
 
     def metrics(self, data: StepData, adv: Advantages, critic_stats) -> dict[str, float]:
-        every = data.me.all_gather_cat(adv.advantages)
-        return {"val/advantage_mean": float(every.mean()),
-                "val/advantage_std": float(every.std()) if len(every) > 1 else 0.0}
-
-
-def _local(me, values: torch.Tensor, n_local: int) -> torch.Tensor:
-    """This rank's rows of a tensor over the rows of all ranks (rank order)."""
-    counts = me.all_gather_cat(torch.tensor([n_local]))
-    start = int(counts[:me.rank].sum())
-    return values[start:start + n_local]
+        return {"val/advantage_mean": float(adv.advantages.mean()),
+                "val/advantage_std": float(adv.advantages.std()) if len(adv.advantages) > 1 else 0.0}

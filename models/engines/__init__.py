@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from models.rollout.base import Rollout, RolloutEngine
-from models.rollout.native import NativeEngine
-from models.rollout.vllm import VLLMEngine
+from models.engines.base import Rollout, RolloutEngine, Weights
+from models.engines.native import NativeEngine
+from models.engines.vllm import VLLMEngine
 
 ENGINES = {"native": NativeEngine, "vllm": VLLMEngine}
 
@@ -14,4 +14,4 @@ def build_engine(rollout, policy) -> RolloutEngine:
     return ENGINES[rollout.engine].for_policy(policy, rollout)
 
 
-__all__ = ["ENGINES", "NativeEngine", "Rollout", "RolloutEngine", "VLLMEngine", "build_engine"]
+__all__ = ["ENGINES", "NativeEngine", "Rollout", "RolloutEngine", "VLLMEngine", "Weights", "build_engine"]

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from models.distributed import SINGLE, Dist
 from models.loading import autocast
-from models.rollout.base import Rollout, right_pad
+from models.engines.base import Rollout, from_responses
 
 
 class NativeEngine:
@@ -27,33 +27,38 @@ class NativeEngine:
         return cls(policy.model, policy.pad_id, policy.stop_ids, policy.device, policy.dtype, policy.me)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], gen, generator: torch.Generator | None = None) -> Rollout:
-        """Sample up to `gen.max_new_tokens` tokens per prompt at `gen.temperature` (top-k / top-p filtered);
-        sampling-time logprobs are temperature-scaled, before filtering."""
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling, generator: torch.Generator | None = None) -> Rollout:
+        """`n` samples of each prompt (consecutive rows) at `sampling.temperature` (0: greedy), top-k / top-p
+        filtered; each sampled token's logprob is that of the distribution it was drawn from (filters applied)."""
         model = self.model
         was_training = model.training
         model.eval()
-        B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
         if min(len(p) for p in prompt_ids) == 0:
             raise ValueError("prompts: every prompt must have at least one token")
+        rows = [p for p in prompt_ids for _ in range(n)]
+        B, P = len(rows), max(len(p) for p in rows)
         input_ids = torch.full((B, P), self.pad_id, dtype=torch.long)
         attention = torch.zeros((B, P), dtype=torch.long)
-        for i, ids in enumerate(prompt_ids):
+        for i, ids in enumerate(rows):
             input_ids[i, P - len(ids):] = torch.tensor(ids)
             attention[i, P - len(ids):] = 1
         input_ids, attention = input_ids.to(self.device), attention.to(self.device)
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)
         new_tokens, new_logps = [], []
         past, step_input, position = None, input_ids, (attention.cumsum(1) - 1).clamp(min=0)
-        for _ in range(gen.max_new_tokens):
+        for _ in range(sampling.max_new_tokens):
             with autocast(self.device, self.dtype):
                 out = model(input_ids=step_input, attention_mask=attention, position_ids=position,
                             past_key_values=past, use_cache=True)
             past = out.past_key_values
-            logits = out.logits[:, -1, :].float() / (gen.temperature or 1.0)
-            logps = torch.log_softmax(logits, dim=-1)
-            next_token = (logits.argmax(-1) if gen.temperature == 0  # greedy (held-out eval, eval.temperature=0)
-                          else sample(logits, gen.top_k, gen.top_p, generator))
+            logits = out.logits[:, -1, :].float() / (sampling.temperature or 1.0)
+            if sampling.temperature == 0:  # greedy (held-out eval, eval.temperature=0)
+                logps = torch.log_softmax(logits, dim=-1)
+                next_token = logits.argmax(-1)
+            else:
+                logits = filtered(logits, sampling.top_k, sampling.top_p)
+                logps = torch.log_softmax(logits, dim=-1)
+                next_token = sample(logits, generator)
             token_logp = logps.gather(1, next_token.unsqueeze(1)).squeeze(1)
             next_token = torch.where(finished, torch.full_like(next_token, self.pad_id), next_token)
             new_tokens.append(next_token)
@@ -65,8 +70,13 @@ class NativeEngine:
             step_input = next_token.unsqueeze(1)
             position = position[:, -1:] + 1
         model.train(was_training)
-        return right_pad(prompt_ids, torch.stack(new_tokens, 1).cpu(), torch.stack(new_logps, 1).cpu(),
-                         self.stop_ids, self.pad_id)
+        tokens, logps = torch.stack(new_tokens, 1).cpu(), torch.stack(new_logps, 1).cpu()
+        # a row ends at (and keeps) its first stop token; rows that finished early are padded after it
+        is_stop = torch.isin(tokens, self.stop_ids)
+        is_end = is_stop.any(1)
+        ends = torch.where(is_end, is_stop.float().argmax(1) + 1, torch.full((B,), tokens.shape[1]))
+        return from_responses(rows, [tokens[i, :e] for i, e in enumerate(ends.tolist())],
+                              [logps[i, :e] for i, e in enumerate(ends.tolist())], is_end.tolist(), self.pad_id)
 
     def update_weights(self, weights) -> None:
         """Nothing to do: the engine samples with the actor's module itself."""
@@ -75,8 +85,8 @@ class NativeEngine:
         pass
 
 
-def sample(logits: Tensor, top_k: int = 0, top_p: float = 1.0, generator: torch.Generator | None = None) -> Tensor:
-    """Sample one token per row from temperature-scaled logits [B, V] with optional top-k / nucleus filtering."""
+def filtered(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Temperature-scaled logits [B, V] with top-k / nucleus filtering applied (filtered tokens at -inf)."""
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -86,6 +96,11 @@ def sample(logits: Tensor, top_k: int = 0, top_p: float = 1.0, generator: torch.
         drop = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p  # keep the smallest prefix reaching top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
+    return logits
+
+
+def sample(logits: Tensor, generator: torch.Generator | None = None) -> Tensor:
+    """One token per row from (filtered) logits [B, V]."""
     probs = torch.softmax(logits, dim=-1)
     if generator is not None and probs.device.type != generator.device.type:
         return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(1).to(probs.device)

@@ -1,0 +1,208 @@
+"""The rollout server's client (rank 0 of the actor): HTTP for requests, and the weight transfer, over HTTP or over a
+torch.distributed group. It is the `RolloutServer` that models/engines/vllm.py samples from.
+
+Every request carries the run's token (`run`): the server serves the run that first sent it weights and refuses any
+other (409, naming both). Weights go as the server's next version; the server answers with the version it applied.
+
+Weight transfer (`rollout.vllm.weight_transfer`), one tensor at a time in the actor's Hugging Face names, the tied
+lm_head included:
+- `http`: one POST /update_weights whose body is a safetensors file written as the tensors are gathered (the header
+  comes first, from the tensors' names, dtypes and shapes known in advance), so the trainer holds one tensor at a
+  time; the server reads the body into one buffer.
+- `dist`: a torch.distributed group of two, this process (rank 0, the TCPStore's master) and the server (rank 1),
+  joined once (POST /weights/init); per update, POST /weights/update names the tensors, and once the server holds its
+  lock and receives (it sets a key in our store) each tensor is broadcast and loaded by vLLM as it arrives. gloo on
+  CPU; NCCL when the tensors are on a GPU (not run here: no GPU was lent). The same shape as vLLM's weight-transfer
+  API (the server runs it with a backend of ours) and TRL's `vllm_client` (init_communicator, then per-parameter
+  broadcasts).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import secrets
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Iterator
+
+import httpx
+import torch
+
+from components.launch.processes import free_port
+from models.engines.base import Weights
+from models.engines.vllm import EngineRequestError
+
+CHUNK = 4 << 20  # bytes per piece of a streamed HTTP body
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64"}
+
+
+class RolloutClient:
+    """HTTP client of the rollout server for one run (`run`: its token); `transport` moves the weights."""
+
+    def __init__(self, url: str, run: str, timeout_s: float = 600.0):
+        self.url, self.run = url.rstrip("/"), run
+        self.http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        self.timeout_s = timeout_s
+        self.transport: HTTPWeights | DistWeights = HTTPWeights(self)
+
+    def health(self) -> dict:
+        """/health's answer (a broken server answers 503: an error naming why)."""
+        return self.check(self.http.get("/health"))
+
+    def version(self) -> int:
+        return int(self.health()["weights_version"])
+
+    def generate(self, request: dict) -> dict:
+        return self.check(self.http.post("/generate", json={**request, "run": self.run}))
+
+    def load_weights(self, weights: Weights, version: int) -> dict:
+        """The full weights as update `version`, over this client's transport; the answer gains the seconds it took
+        here and the bytes sent."""
+        started = time.perf_counter()
+        answer = self.transport.send(weights, version)
+        return {**answer, "total_s": time.perf_counter() - started, "bytes": weight_bytes(weights),
+                "transport": self.transport.name}
+
+    def use_dist(self, host: str, timeout_s: float | None = None) -> None:
+        """Move weights over a torch.distributed group with the server from now on (its TCPStore at `host`, the
+        address the server reaches this process at)."""
+        self.transport = DistWeights(self, host, timeout_s or self.timeout_s)
+
+    def check(self, response: httpx.Response) -> dict:
+        if response.status_code >= 400:
+            try:
+                detail = response.json().get("detail", response.text)
+            except ValueError:
+                detail = response.text
+            raise EngineRequestError(f"rollout server {self.url}{response.request.url.path} answered "
+                                     f"{response.status_code}: {detail}")
+        return response.json()
+
+    def close(self) -> None:
+        self.transport.close()
+        self.http.close()
+
+
+def weight_bytes(weights: Weights) -> int:
+    return sum(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() for _, dtype, shape in weights.specs)
+
+
+def safetensors_header(weights: Weights) -> bytes:
+    """The header of a safetensors file holding `weights` (names, dtypes, shapes, offsets), padded to 8 bytes."""
+    entries, offset = {}, 0
+    for name, dtype, shape in weights.specs:
+        if dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"weights: {name} has dtype {dtype}; the transfer sends {sorted(map(str, SAFETENSORS_DTYPES))}")
+        size = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)
+    return len(header).to_bytes(8, "little") + header
+
+
+def safetensors_stream(weights: Weights) -> Iterator[bytes]:
+    """A safetensors file of `weights` as pieces of at most CHUNK bytes, each tensor read as it comes (a tied tensor
+    is written again under each of its names)."""
+    yield safetensors_header(weights)
+    for (name, dtype, shape), tensor in zip(weights.specs, weights.tensors):
+        if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+            raise ValueError(f"weights: {name} came as {tensor.dtype} {tuple(tensor.shape)}, announced as {dtype} {tuple(shape)}")
+        data = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy()
+        for start in range(0, len(data), CHUNK):
+            yield data[start:start + CHUNK].tobytes()
+
+
+class HTTPWeights:
+    """Weights as the body of one POST /update_weights (a server this process cannot join in a group)."""
+
+    name = "http"
+
+    def __init__(self, client: RolloutClient):
+        self.client = client
+
+    def send(self, weights: Weights, version: int) -> dict:
+        length = len(safetensors_header(weights)) + weight_bytes(weights)
+        return self.client.check(self.client.http.post(
+            "/update_weights", params={"version": version, "run": self.client.run}, content=safetensors_stream(weights),
+            headers={"content-type": "application/octet-stream", "content-length": str(length)}))
+
+    def close(self) -> None:
+        pass
+
+
+def process_group(backend: str, store, rank: int, timeout: datetime.timedelta):
+    """A torch.distributed group of two over `store`, without a default process group: gloo, or NCCL (GPUs)."""
+    if backend == "nccl":
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
+    return torch.distributed.ProcessGroupGloo(store, rank, 2, timeout)
+
+
+class DistWeights:
+    """Weights broadcast over a torch.distributed group of two: this process (rank 0) and the rollout server."""
+
+    name = "dist"
+
+    def __init__(self, client: RolloutClient, host: str, timeout_s: float):
+        self.client = client
+        self.backend = "nccl" if torch.cuda.is_available() else "gloo"
+        self.device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        port = free_port("0.0.0.0", 0)
+        self.store = torch.distributed.TCPStore("0.0.0.0", port, 2, is_master=True, wait_for_workers=False,
+                                                timeout=self.timeout)
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="weights")
+        # our side of the group waits for the server's: in a thread of its own, so that a refused /weights/init
+        # (another run's server) fails here at once instead of after the timeout
+        joined: dict = {}
+        waiter = threading.Thread(target=lambda: joined.update(group=process_group(self.backend, self.store, 0,
+                                                                                   self.timeout)),
+                                  daemon=True, name="weights-group")
+        waiter.start()
+        client.check(client.http.post("/weights/init", json={
+            "run": client.run, "master_address": host, "master_port": port, "backend": self.backend,
+            "timeout_s": timeout_s}))
+        waiter.join(timeout_s)
+        if "group" not in joined:
+            raise EngineRequestError(f"rollout server {client.url} joined the weight-transfer group, but this side "
+                                     f"did not within {timeout_s:.0f}s")
+        self.group = joined["group"]
+
+    def _post(self, path: str, **kwargs) -> Future:
+        return self.pool.submit(lambda: self.client.check(self.client.http.post(path, **kwargs)))
+
+    def send(self, weights: Weights, version: int) -> dict:
+        key = f"ready-{version}-{secrets.token_hex(4)}"
+        answer = self._post("/weights/update", params={"ready_key": key}, json={
+            "run": self.client.run, "version": version, "names": [name for name, _, _ in weights.specs],
+            "dtype_names": [str(dtype).removeprefix("torch.") for _, dtype, _ in weights.specs],
+            "shapes": [list(shape) for _, _, shape in weights.specs]})
+        # broadcast only once the server receives: a refused update answers first, and nothing is sent
+        while not self.store.check([key]):
+            if answer.done():
+                answer.result()  # raises the server's refusal
+                raise EngineRequestError("rollout server answered the weight update before receiving it")
+            time.sleep(0.002)
+        for (name, dtype, shape), tensor in zip(weights.specs, weights.tensors):
+            if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
+                raise ValueError(f"weights: {name} came as {tensor.dtype} {tuple(tensor.shape)}, announced as "
+                                 f"{dtype} {tuple(shape)}")
+            self.group.broadcast(tensor.detach().to(self.device).contiguous(), 0).wait()
+        return answer.result()
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=False)
+        self.group = None
+
+
+def run_token(run_name: str) -> str:
+    """A token naming one trainer process of a run: the run name, the process and a random part (a retried flow's
+    old actor, still alive, has another one)."""
+    return f"{run_name}/{os.getpid()}-{secrets.token_hex(3)}"
+
+
