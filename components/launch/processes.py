@@ -212,7 +212,11 @@ def wait_until_ready(probe: Probe, timeout: float, name: str, url: str, process:
         if process is not None and (code := process.poll()) is not None:
             raise ServerNotReady(f"{name} exited with code {code} before {url} was ready; last lines of "
                                  f"{process.log_path}:\n{process.tail()}", "process_exited")
-        last[0] = probe()
+        try:
+            last[0] = probe()
+        except ServerNotReady as exc:  # a state waiting cannot mend: with our child's log tail
+            tail = f"; last lines of {process.log_path}:\n{process.tail()}" if process is not None else ""
+            raise ServerNotReady(f"{exc}{tail}", exc.reason) from None
         return last[0] if last[0].ok else None
 
     found = wait_for(ready, timeout, poll_s)

@@ -160,9 +160,14 @@ class DistWeights:
         # our side of the group waits for the server's: in a thread of its own, so that a refused /weights/init
         # (another run's server) fails here at once instead of after the timeout
         joined: dict = {}
-        waiter = threading.Thread(target=lambda: joined.update(group=process_group(self.backend, self.store, 0,
-                                                                                   self.timeout)),
-                                  daemon=True, name="weights-group")
+
+        def join() -> None:
+            try:
+                joined["group"] = process_group(self.backend, self.store, 0, self.timeout)
+            except Exception as exc:  # noqa: BLE001 - the server never joined: said below, or by its refusal
+                joined["error"] = exc
+
+        waiter = threading.Thread(target=join, daemon=True, name="weights-group")
         waiter.start()
         client.check(client.http.post("/weights/init", json={
             "run": client.run, "master_address": host, "master_port": port, "backend": self.backend,
@@ -170,7 +175,7 @@ class DistWeights:
         waiter.join(timeout_s)
         if "group" not in joined:
             raise EngineRequestError(f"rollout server {client.url} joined the weight-transfer group, but this side "
-                                     f"did not within {timeout_s:.0f}s")
+                                     f"did not within {timeout_s:.0f}s ({joined.get('error', 'no answer')})")
         self.group = joined["group"]
 
     def _post(self, path: str, **kwargs) -> Future:

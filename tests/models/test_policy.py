@@ -1,13 +1,16 @@
-"""Policy and the native rollout engine: KV-cache generation (EOS, padding, is_end), logprobs, sampling filters, the
-frozen reference (copy vs LoRA), the weights a rollout engine receives (tied lm_head, LoRA merged)."""
+"""Policy and the native rollout engine: KV-cache generation (EOS, padding, is_end, n samples per prompt), logprobs
+of the distribution sampled (filters included, against float64), the frozen reference (copy vs LoRA), the weights a
+rollout engine receives (tied lm_head, LoRA merged), and a rollout assembled from responses when pad == EOS."""
 
 import pytest
 import torch
 
-from models.config import GenerationConfig, LoraConfig
+from models.config import LoraConfig, Sampling
+from models.engines import NativeEngine
+from models.engines.base import SampleError, check_samples, from_responses
+from models.engines.native import filtered, sample
+from models.losses import tis_weights
 from models.policy import Policy
-from models.rollout import NativeEngine
-from models.rollout.native import sample
 from models.tasks import sentiment
 
 
@@ -20,7 +23,7 @@ def policy(tiny_models):
 def test_generation_stops_at_eos_and_pads(policy, max_new_tokens):
     prompts = sentiment.prompts(32)
     ids = policy.encode_prompts(prompts)
-    ro = NativeEngine.for_policy(policy).generate(ids, GenerationConfig(max_new_tokens=max_new_tokens), torch.Generator().manual_seed(0))
+    ro = NativeEngine.for_policy(policy).generate(ids, 1, Sampling(max_new_tokens=max_new_tokens), torch.Generator().manual_seed(0))
     eos, pad = policy.eos_id, policy.pad_id
     for i, prompt in enumerate(ids):
         row = ro.tokens[i].tolist()
@@ -42,7 +45,7 @@ def test_generation_stops_at_eos_and_pads(policy, max_new_tokens):
 
 def test_sampling_logprobs_match_recomputation(policy):
     ids = policy.encode_prompts(sentiment.prompts(16))
-    ro = NativeEngine.for_policy(policy).generate(ids, GenerationConfig(max_new_tokens=12, temperature=0.7), torch.Generator().manual_seed(3))
+    ro = NativeEngine.for_policy(policy).generate(ids, 1, Sampling(max_new_tokens=12, temperature=0.7), torch.Generator().manual_seed(3))
     with torch.no_grad():
         logp, entropy = policy.logprobs(ro.tokens, ro.lengths, temperature=0.7, with_entropy=True)
     mask = ro.response_mask
@@ -99,14 +102,88 @@ def test_lora_reference_is_base_model_without_copy(tiny_models):
 def test_top_k_and_top_p_filtering():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(2000, 1)
     gen = torch.Generator().manual_seed(0)
-    top2 = sample(logits, top_k=2, generator=gen)
+    top2 = sample(filtered(logits, top_k=2), generator=gen)
     assert set(top2.tolist()) == {0, 1}
-    nucleus = sample(logits, top_p=0.7, generator=gen)  # smallest prefix reaching 0.7 mass: tokens 0 and 1
+    nucleus = sample(filtered(logits, top_p=0.7), generator=gen)  # smallest prefix reaching 0.7 mass: tokens 0 and 1
     assert set(nucleus.tolist()) == {0, 1}
     share = (nucleus == 0).float().mean().item()
     assert share == pytest.approx(0.5 / 0.8, abs=0.05)
     everything = sample(logits, generator=gen)
     assert set(everything.tolist()) == {0, 1, 2, 3}
+
+
+def truncated_logprob64(logits: torch.Tensor, token: int, temperature: float, top_k: int, top_p: float) -> float:
+    """float64 reference: log-probability of `token` under softmax(logits / T) cut to the top-k tokens, then to the
+    smallest prefix (by probability) whose mass reaches top_p, renormalised."""
+    probs = torch.softmax(logits.double() / temperature, -1)
+    order = torch.argsort(probs, descending=True).tolist()
+    kept = order[:top_k] if top_k else order
+    mass, chosen = 0.0, []
+    total = float(probs[kept].sum())
+    for i in kept:
+        chosen.append(i)
+        mass += float(probs[i]) / total
+        if mass >= top_p:
+            break
+    assert token in chosen, "a token outside the truncated distribution was sampled"
+    return float(torch.log(probs[token] / probs[chosen].sum()))
+
+
+def test_sampled_logprobs_are_those_of_the_truncated_distribution_and_tis_is_its_kept_mass(policy):
+    """With top-k and top-p, `sample_logprobs` is the log-probability under the distribution actually sampled (the
+    behaviour policy), checked against float64 reference code; the trainer's logprobs are of the full distribution,
+    so the TIS weight min(pi_full / pi_truncated, cap) is the mass each step kept (< 1), capped."""
+    ids = policy.encode_prompts(sentiment.prompts(6))
+    sampling = Sampling(max_new_tokens=6, temperature=0.8, top_k=8, top_p=0.9)
+    ro = NativeEngine.for_policy(policy).generate(ids, 2, sampling, torch.Generator().manual_seed(5))
+    mask = ro.response_mask
+    with torch.no_grad():
+        logits = policy.model(input_ids=ro.tokens, attention_mask=(torch.arange(ro.tokens.shape[1])[None] <
+                                                                     ro.lengths[:, None]).long()).logits
+        full = policy.logprobs(ro.tokens, ro.lengths, 0.8)[0] * mask
+    expected_tis = torch.zeros_like(mask, dtype=torch.float64)
+    for i in range(len(ro)):
+        for t in range(int(ro.prompt_lengths[i]) - 1, int(ro.lengths[i]) - 1):
+            token = int(ro.tokens[i, t + 1])
+            ref = truncated_logprob64(logits[i, t], token, 0.8, 8, 0.9)
+            assert ro.sample_logprobs[i, t].item() == pytest.approx(ref, abs=1e-4), (i, t)
+            expected_tis[i, t] = min(float(torch.exp(full[i, t].double() - ref)), 2.0)
+    weights = tis_weights(full, ro.sample_logprobs, mask, cap=2.0)
+    torch.testing.assert_close(weights.double(), expected_tis, atol=1e-4, rtol=0)
+    on = mask > 0
+    assert (weights[on] <= 1 + 1e-5).all() and (weights[on] < 0.999).any()  # the truncation dropped some mass
+
+
+def test_n_samples_per_prompt_are_consecutive_and_independent(policy):
+    ids = policy.encode_prompts(["review the cat :", "review the cat :", "review the dog :"])  # equal neighbours
+    ro = NativeEngine.for_policy(policy).generate(ids, 4, Sampling(max_new_tokens=8), torch.Generator().manual_seed(0))
+    assert len(ro) == 12
+    for i in range(12):
+        assert ro.tokens[i, :ro.prompt_lengths[i]].tolist() == ids[i // 4]
+    responses = [tuple(ro.tokens[i, ro.prompt_lengths[i]:ro.lengths[i]].tolist()) for i in range(12)]
+    assert len(set(responses[:4])) > 1 and len(set(responses[4:8])) > 1  # 4 samples each, not copies
+
+
+def test_a_rollout_from_responses_keeps_pad_out_of_the_response_when_pad_is_eos():
+    """pad == EOS (what load_policy_tokenizer does for a tokenizer without a pad token): the response mask covers the
+    response, its EOS included, and no pad after it; a response that did not end has no EOS at all."""
+    eos = pad = 2
+    prompts = [[5, 6], [7], [8]]
+    responses = [torch.tensor([11, eos]), torch.tensor([12, 13, 14]), torch.tensor([eos])]
+    ro = from_responses(prompts, responses, [-torch.rand(len(r)) for r in responses], [True, False, True], pad)
+    assert ro.tokens.tolist() == [[5, 6, 11, eos], [7, 12, 13, 14], [8, eos, pad, pad]]
+    assert ro.response_mask.sum(1).tolist() == [2, 3, 1] and ro.is_end.tolist() == [True, False, True]
+    for i, r in enumerate(responses):  # logprobs sit on the response's actions, nowhere else
+        p = len(prompts[i])
+        assert ro.sample_logprobs[i, p - 1:p - 1 + len(r)].tolist() == pytest.approx(ro.sample_logprobs[i][ro.response_mask[i] > 0].tolist())
+        assert (ro.sample_logprobs[i][ro.response_mask[i] == 0] == 0).all()
+    stops = torch.tensor([eos])
+    check_samples([[11, eos], [12, 13, 14]], [[-1.0, -1.0], [-1.0] * 3], [True, False], stops, max_new_tokens=3)
+    for bad, message in ((([eos, 11, eos],), "a stop token before its last token"),
+                         (([11, 12],), "not is_end, but it has 2 of max_new_tokens=3"),
+                         (([11, 12, 13],), "is_end, but its last token 13")):
+        with pytest.raises(SampleError, match=message):
+            check_samples(bad, [[-1.0] * len(bad[0])], [message.startswith("is_end") or bad[0][-1] == eos], stops, 3)
 
 
 def test_missing_model_path_is_named():

@@ -14,7 +14,8 @@ import pytest
 
 from components.launch.processes import find_free_ports
 from components.serving.clients import critic_backend
-from components.serving.launcher import ServerNotReady, launch
+from components.launch.processes import ServerNotReady
+from components.serving.launcher import launch
 from components.serving.servers import PENDING_PREFIX, ServerSpec
 from components.storage.checkpoints import CheckpointError
 from components.tracking.run import RunSession
@@ -163,7 +164,7 @@ def test_a_403_on_the_critic_checkpoint_fails_the_run_naming_the_uri(cfg, forbid
     assert resumed.critic_restore_iteration == 1
     with pytest.raises(ServerNotReady) as err:
         critic_server(deployment, resumed, tmp_path / "node-c", restore_iteration=1)
-    assert err.value.reason == "model_not_ready"
+    assert err.value.reason == "not_ready"
     assert critic_uri in str(err.value) and "403" in str(err.value)
     resumed.close("FAILED")
     assert json.loads(json.dumps(resumed.manifest["critic_step"])) > 0

@@ -15,7 +15,8 @@ import tritonclient.http as http
 from tritonclient.utils import InferenceServerException
 
 from components.launch.processes import find_free_ports
-from components.serving.launcher import ServerNotReady, launch
+from components.launch.processes import ServerNotReady
+from components.serving.launcher import launch
 from components.serving.servers import ServerSpec
 from models.config import preset
 

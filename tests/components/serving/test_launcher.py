@@ -15,8 +15,8 @@ import pytest
 
 from components.cli.main import build_parser
 from components.cli.serve import spec_from_args
-from components.launch.processes import find_free_ports, port_block_free
-from components.serving.launcher import ServerNotReady, ServerProcess, child_env, server_argv, wait_until_ready
+from components.launch.processes import ServerNotReady, find_free_ports, port_block_free, wait_until_ready
+from components.serving.launcher import child_env, server_argv, triton_probe, triton_server
 from components.serving.servers import CRITIC_MODELS, REWARD_MODELS, ServerSpec, prepare_environment
 
 
@@ -76,8 +76,9 @@ def test_rlhf_serve_flags_map_onto_the_config_tree(tiny_models, tmp_path):
 
 def test_wrong_port_says_nothing_is_listening():
     port = find_free_ports()
+    url = f"http://127.0.0.1:{port}"
     with pytest.raises(ServerNotReady) as err:
-        wait_until_ready(f"http://127.0.0.1:{port}", CRITIC_MODELS, timeout=1.5)
+        wait_until_ready(triton_probe(url, CRITIC_MODELS), 1.5, "critic server", url)
     assert err.value.reason == "not_listening"
     assert f"nothing listening at 127.0.0.1:{port}" in str(err.value) and "timed out after" in str(err.value)
 
@@ -87,8 +88,9 @@ def test_a_listener_that_never_answers_is_a_plain_timeout():
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         port = silent.getsockname()[1]
+        url = f"http://127.0.0.1:{port}"
         with pytest.raises(ServerNotReady) as err:
-            wait_until_ready(f"http://127.0.0.1:{port}", REWARD_MODELS, timeout=1.0)
+            wait_until_ready(triton_probe(url, REWARD_MODELS), 1.0, "reward server", url)
     assert err.value.reason == "timeout"
     assert f"server at 127.0.0.1:{port} accepted the connection but did not answer" in str(err.value)
 
@@ -99,11 +101,11 @@ def test_a_model_that_fails_to_load_is_reported_with_its_state_and_reason(tiny_m
     (not_a_model / "README").write_text("no config.json here")
     port = find_free_ports()
     argv = serve_argv("critic", "--model", str(not_a_model), "--reward", tiny_models["reward"], "--port", str(port))
-    with ServerProcess(argv, "127.0.0.1", port, CRITIC_MODELS, tmp_path / "critic.log", name="critic") as proc:
+    with triton_server(argv, "127.0.0.1", port, CRITIC_MODELS, tmp_path / "critic.log", name="critic") as proc:
         with pytest.raises(ServerNotReady) as err:
             proc.wait_until_ready(timeout=600)
         message = str(err.value)
-        assert err.value.reason == "model_not_ready"
+        assert err.value.reason == "not_ready"
         assert message.startswith(f"server up at 127.0.0.1:{port} but model critic_infer not ready (state UNAVAILABLE")
         assert str(not_a_model) in message  # the reason travels through Triton's repository index
         assert "timed out" not in message  # a failed load is reported as such, not by waiting out the timeout
@@ -118,11 +120,11 @@ def test_a_server_that_dies_at_start_reports_its_exit_code_and_log(tiny_models, 
     blocker.listen()
     try:
         argv = serve_argv("reward", "--model", tiny_models["reward"], "--port", str(port))
-        with ServerProcess(argv, "127.0.0.1", port, REWARD_MODELS, tmp_path / "reward.log", name="reward") as proc:
+        with triton_server(argv, "127.0.0.1", port, REWARD_MODELS, tmp_path / "reward.log", name="reward") as proc:
             with pytest.raises(ServerNotReady) as err:
                 proc.wait_until_ready(timeout=120)
         assert err.value.reason == "process_exited"
-        assert "server process exited with code 1" in str(err.value)
+        assert "reward server exited with code 1 before" in str(err.value)
         assert f"[{port + 1}]" in str(err.value) and "already in use" in str(err.value)  # the log tail says why
     finally:
         blocker.close()
@@ -135,7 +137,7 @@ def test_stop_after_a_crash_leaves_no_process_and_frees_the_ports(tiny_models, t
     """
     port = find_free_ports()
     argv = serve_argv("reward", "--model", tiny_models["reward"], "--port", str(port))
-    with ServerProcess(argv, "127.0.0.1", port, REWARD_MODELS, tmp_path / "reward.log", name="reward") as proc:
+    with triton_server(argv, "127.0.0.1", port, REWARD_MODELS, tmp_path / "reward.log", name="reward") as proc:
         proc.wait_until_ready(timeout=120)
         members = proc.group_members()
         names = " ".join(" ".join(p.cmdline()) for p in members)
@@ -163,9 +165,11 @@ def test_stop_after_a_crash_leaves_no_process_and_frees_the_ports(tiny_models, t
 
 def test_child_process_group_is_its_own(tiny_models, tmp_path):
     argv = [sys.executable, "-c", "import time; time.sleep(60)"]
-    with ServerProcess(argv, "127.0.0.1", find_free_ports(), [], tmp_path / "sleep.log", name="sleep") as proc:
+    with triton_server(argv, "127.0.0.1", find_free_ports(), [], tmp_path / "sleep.log", name="sleep") as proc:
         assert os.getpgid(proc.pid) == proc.pid != os.getpgid(0)
         with pytest.raises(ServerNotReady) as err:
-            wait_until_ready(proc.url, ["x"], timeout=0.5, process=proc)
+            wait_until_ready(triton_probe(proc.url, ["x"]), 0.5, "sleep server", proc.url, process=proc)
         assert err.value.reason == "not_listening"
+        assert proc.death(settle_s=0.5) == f"sleep server (pid {proc.pid}, {proc.url}) is not healthy: " + \
+            triton_probe(proc.url, ["x"])().status  # alive, but nothing listens: named, not taken for serving
     assert proc.poll() == -15  # SIGTERM ended it within the grace period

@@ -28,7 +28,7 @@ from pytriton.client import FuturesModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
 
 from components.launch.processes import find_free_ports
-from components.serving.launcher import ServerProcess
+from components.serving.launcher import triton_server
 from components.serving.servers import CRITIC_MODELS
 
 B, S, PAD_TO = 12, 28, 32  # batch, rollout sequence length, the client's pad_to_length for critic_infer
@@ -58,7 +58,7 @@ def pair(tiny_models, tmp_path_factory):
     try:
         for name, port in zip("ab", ports):
             ckpt = tmp_path_factory.mktemp(f"critic-{name}") / "critic"
-            servers[name] = ServerProcess(critic_argv(tiny_models, port, ckpt), "127.0.0.1", port, CRITIC_MODELS,
+            servers[name] = triton_server(critic_argv(tiny_models, port, ckpt), "127.0.0.1", port, CRITIC_MODELS,
                                           logs / f"critic-{name}.log", name=f"critic-{name}")
             servers[name].ckpt = ckpt
         for server in servers.values():

@@ -1,6 +1,8 @@
 """The vLLM rollout server (components/serving/rollout_server.py) as a real child process in .venv-vllm, on the tiny
-policy: the generation contract, logprob agreement with the trainer before and after refits, a skipped refit caught
-by the mismatch metric, LoRA merged weights, bad input refused while it keeps serving, and a kill -9 named."""
+policy: the generation contract, k samples per prompt as asked (equal neighbouring prompts too), logprob agreement
+with the trainer before and after refits over both weight transports (and between them), the version the server
+issues and the run it serves (409s naming both), /health while the weights are broken, a skipped refit caught by
+the mismatch metric, LoRA merged weights, bad input refused while it keeps serving, and a kill -9 named."""
 
 import os
 import signal
@@ -9,13 +11,18 @@ import httpx
 import pytest
 import torch
 
-from components.serving.rollout import RolloutServer, RolloutServerNotReady, server_env, server_python
-from models.config import GenerationConfig, LoraConfig, RLHFConfig
-from models.policy import Policy
-from models.rollout.vllm import EngineRequestError, RolloutClient, VLLMEngine, safetensors_bytes
-from models.step import engine_mismatch
+from components.launch.processes import ServerNotReady
+from components.serving.launcher import launch_rollout, rollout_env, rollout_python
+from components.serving.rollout_client import HTTPWeights, RolloutClient, safetensors_stream
+from models.config import LoraConfig, RLHFConfig, Sampling
+from models.engines import Weights
+from models.engines.vllm import EngineRequestError, VLLMEngine
 from models.losses import tis_weights
+from models.policy import Policy
+from models.step import engine_mismatch
 from models.tasks import sentiment
+
+RUN = "test-rollout-server/1"  # the run every test of this module speaks as (the server serves one run)
 
 
 def config(tiny_models, tmp_path, **vllm) -> RLHFConfig:
@@ -26,16 +33,16 @@ def config(tiny_models, tmp_path, **vllm) -> RLHFConfig:
 
 def test_the_server_gets_every_core_of_a_cpu_host_unless_told(tiny_models, tmp_path):
     default = RLHFConfig.model_validate({"model": {"policy": tiny_models["policy"]}})
-    assert server_env(default)["OMP_NUM_THREADS"] == str(os.cpu_count())
-    assert server_env(config(tiny_models, tmp_path))["OMP_NUM_THREADS"] == "1"
-    assert server_env(default)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert rollout_env(default)["OMP_NUM_THREADS"] == str(os.cpu_count())
+    assert rollout_env(config(tiny_models, tmp_path))["OMP_NUM_THREADS"] == "1"
+    assert rollout_env(default)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
     cfg = config(tiny_models, tmp_path_factory.mktemp("rollout"))
-    server_python(cfg)  # a missing .venv-vllm fails here, naming `make vllm-venv`
-    with RolloutServer(cfg, tmp_path_factory.mktemp("logs") / "rollout-server.log") as proc:
+    rollout_python(cfg)  # a missing .venv-vllm fails here, naming `make vllm-venv`
+    with launch_rollout(cfg, tmp_path_factory.mktemp("logs") / "rollout-server.log") as proc:
         proc.wait_until_ready(300)
         yield proc
     assert proc.poll() is not None and not proc.group_members()  # stopped, nothing of it left
@@ -46,12 +53,20 @@ def policy(tiny_models):
     return Policy.load(tiny_models["policy"])
 
 
+def connected(server, policy, transport: str = "http") -> VLLMEngine:
+    """An engine of this module's run on the server, over `transport`, holding the policy's weights as they are now."""
+    engine = VLLMEngine(policy.pad_id, policy.stop_ids)
+    client = RolloutClient(server.url, RUN, timeout_s=60)
+    if transport == "dist":
+        client.use_dist("127.0.0.1", timeout_s=60)
+    engine.connect(client)
+    engine.update_weights(policy.engine_weights())
+    return engine
+
+
 @pytest.fixture
 def engine(server, policy):
-    """An engine on the module's server holding the policy's weights as they are now."""
-    engine = VLLMEngine(policy.pad_id, policy.stop_ids)
-    engine.connect(RolloutClient(server.url))
-    engine.update_weights(policy.engine_weights())
+    engine = connected(server, policy)
     yield engine
     engine.close()
 
@@ -61,8 +76,15 @@ def trainer_logprobs(policy, rollout, temperature):
         return policy.logprobs(rollout.tokens, rollout.lengths, temperature)[0] * rollout.response_mask
 
 
+def perturb(policy, scale: float, seed: int) -> None:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in policy.model.parameters():
+            param.add_(torch.randn_like(param) * scale)
+
+
 def test_generation_contract_shapes_eos_and_n_samples(server, policy):
-    client = RolloutClient(server.url)
+    client = RolloutClient(server.url, RUN)
     prompts = policy.encode_prompts(sentiment.prompts(3))
     eos = policy.eos_id
     answer = client.generate({"prompt_token_ids": prompts, "n": 4, "max_new_tokens": 6, "stop_token_ids": [eos],
@@ -79,7 +101,7 @@ def test_generation_contract_shapes_eos_and_n_samples(server, policy):
             if not s["is_end"]:
                 assert len(ids) == 6
     # a stop id we know comes first (the greedy token) ends every sample at once, kept, is_end
-    greedy = client.generate({"prompt_token_ids": prompts, "top_k": 1, "max_new_tokens": 1})["samples"]
+    greedy = client.generate({"prompt_token_ids": prompts, "temperature": 0, "max_new_tokens": 1})["samples"]
     first = [s[0]["token_ids"][0] for s in greedy]
     stopped = client.generate({"prompt_token_ids": prompts[:1], "n": 2, "top_k": 1, "max_new_tokens": 5,
                                "stop_token_ids": [first[0]]})["samples"][0]
@@ -91,11 +113,27 @@ def test_generation_contract_shapes_eos_and_n_samples(server, policy):
     client.close()
 
 
+def test_equal_neighbouring_prompts_keep_k_samples_each(engine, policy, server):
+    """The step passes k: prompts that repeat (common in real data) are asked for k samples each, exactly the request
+    a client makes with n=k for those prompts (nothing guessed from prompt equality)."""
+    ids = policy.encode_prompts(["review the cat :", "review the cat :", "review the dog :"])
+    rollout = engine.generate(ids, 3, Sampling(max_new_tokens=8), torch.Generator().manual_seed(4))
+    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(4)))
+    direct = RolloutClient(server.url, RUN).generate({"prompt_token_ids": ids, "n": 3, "max_new_tokens": 8, "seed": seed,
+                                                      "stop_token_ids": [int(t) for t in policy.stop_ids]})
+    expected = [s["token_ids"] for per_prompt in direct["samples"] for s in per_prompt]
+    got = [rollout.tokens[i, rollout.prompt_lengths[i]:rollout.lengths[i]].tolist() for i in range(len(rollout))]
+    assert len(got) == 9 and got == expected
+    assert len({tuple(r) for r in got[:3]}) > 1  # the first prompt's 3 samples are 3 draws, not copies
+    assert rollout.versions.tolist() == [engine.version] * 9  # stamped by the server
+
+
 def test_engine_rollout_has_the_native_layout(engine, policy):
-    prompts = policy.encode_prompts([p for p in sentiment.prompts(4) for _ in range(2)])  # k=2 per prompt
-    rollout = engine.generate(prompts, GenerationConfig(max_new_tokens=8), torch.Generator().manual_seed(0))
+    prompts = policy.encode_prompts(sentiment.prompts(4))
+    rollout = engine.generate(prompts, 2, Sampling(max_new_tokens=8), torch.Generator().manual_seed(0))
     assert rollout.tokens.shape[0] == 8 and rollout.sample_logprobs.shape == (8, rollout.tokens.shape[1] - 1)
-    for i, ids in enumerate(prompts):
+    for i in range(8):
+        ids = prompts[i // 2]
         p, n = int(rollout.prompt_lengths[i]), int(rollout.lengths[i])
         assert rollout.tokens[i, :p].tolist() == ids
         assert (rollout.tokens[i, n:] == policy.pad_id).all()
@@ -105,39 +143,107 @@ def test_engine_rollout_has_the_native_layout(engine, policy):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_logprobs_match_the_trainer_before_and_after_refits(engine, tiny_models, temperature):
+def test_logprobs_match_the_trainer_before_and_after_refits_over_both_transports(server, tiny_models, temperature):
     """Engine logprobs (processed: the tempered distribution actually sampled) against the trainer's recomputation on
-    the same tokens, on the initial weights and after three refits with perturbed weights; each refit moves the
-    engine's logprobs by far more than the agreement tolerance, so a refit that did not land would fail."""
+    the same tokens, on the initial weights and after refits with perturbed weights, alternating the transports; each
+    refit moves the engine's logprobs by far more than the agreement tolerance, so a refit that did not land would
+    fail. The versions are the server's: one more per refit."""
     policy = Policy.load(tiny_models["policy"])
     prompts = policy.encode_prompts(sentiment.prompts(8))
-    gen = GenerationConfig(max_new_tokens=10, temperature=temperature)
+    sampling = Sampling(max_new_tokens=10, temperature=temperature)
     generator = torch.Generator().manual_seed(0)
-    torch.manual_seed(0)
+    engines = {transport: connected(server, policy, transport) for transport in ("http", "dist")}
+    start = engines["dist"].version
     for refit in range(4):
+        engine = engines["http" if refit % 2 else "dist"]  # dist connected last: it holds the newest version
         if refit:
-            with torch.no_grad():
-                for param in policy.model.parameters():
-                    param.add_(torch.randn_like(param) * 0.02)
+            perturb(policy, 0.02, refit)
+            engine.version = RolloutClient(server.url, RUN).version()  # the other engine moved the server on
             engine.update_weights(policy.engine_weights())
-        rollout = engine.generate(prompts, gen, generator)
-        mine = trainer_logprobs(policy, rollout, temperature)
-        diff = (mine - rollout.sample_logprobs).abs().max().item()
+        rollout = engine.generate(prompts, 1, sampling, generator)
+        diff = (trainer_logprobs(policy, rollout, temperature) - rollout.sample_logprobs).abs().max().item()
         assert diff < 1e-3, (refit, diff)
-    assert engine.version == 4
+    assert engine.version == start + 3
+    for e in engines.values():
+        e.close()
+
+
+def test_a_refit_over_dist_and_over_http_gives_the_same_logprobs(server, tiny_models):
+    """The same weights sent over each transport: the same sampled tokens, logprobs within 1e-5 (float32)."""
+    policy = Policy.load(tiny_models["policy"])
+    perturb(policy, 0.03, 11)
+    prompts = policy.encode_prompts(sentiment.prompts(8))
+    answers = {}
+    for transport in ("http", "dist"):
+        engine = connected(server, policy, transport)  # a full refit of the same weights
+        answers[transport] = engine.generate(prompts, 2, Sampling(max_new_tokens=10), torch.Generator().manual_seed(9))
+        assert engine.last_refit["transport"] == transport and engine.last_refit["bytes"] > 0
+        engine.close()
+    http, dist = answers["http"], answers["dist"]
+    assert torch.equal(http.tokens, dist.tokens)
+    assert (http.sample_logprobs - dist.sample_logprobs).abs().max().item() < 1e-5
+    assert dist.versions[0] == http.versions[0] + 1
+
+
+def test_the_server_serves_one_run_and_issues_the_versions(engine, server, policy):
+    """The server is bound to the run that first sent it weights: another run's generate, update or transfer set-up is
+    refused with 409 naming both runs, as is an update whose version is not the next one; the engine refuses to
+    sample from weights it did not apply (another trainer of the same run moved the server on)."""
+    ids = policy.encode_prompts(sentiment.prompts(2))
+    other = RolloutClient(server.url, "another-run/7")
+    with pytest.raises(EngineRequestError, match=r"409: run: this rollout server serves run 'test-rollout-server/1', "
+                                                 r"not 'another-run/7'"):
+        other.generate({"prompt_token_ids": ids, "max_new_tokens": 2})
+    with pytest.raises(EngineRequestError, match="409: run: this rollout server serves run"):
+        other.load_weights(policy.engine_weights(), engine.version + 1)
+    with pytest.raises(EngineRequestError, match="409: run: this rollout server serves run"):
+        other.use_dist("127.0.0.1", timeout_s=30)
+    same_run = RolloutClient(server.url, RUN)
+    with pytest.raises(EngineRequestError, match=rf"409: version: the server holds weights version {engine.version}; "
+                                                 rf"an update makes version {engine.version + 1}, not {engine.version + 2}"):
+        same_run.load_weights(policy.engine_weights(), engine.version + 2)
+    assert same_run.version() == engine.version  # nothing applied
+    same_run.load_weights(policy.engine_weights(), engine.version + 1)  # a second trainer of this run
+    with pytest.raises(EngineRequestError, match=rf"holds weights version {engine.version + 1}, not {engine.version}"):
+        engine.generate(ids, 1, Sampling(max_new_tokens=2), torch.Generator())
+    for client in (other, same_run):
+        client.close()
+
+
+def test_a_failed_update_breaks_health_until_a_full_update_and_never_advances_the_version(server, policy):
+    """A weight update that fails half way (here: the trainer announces a dist update and never sends a tensor, so
+    the server's receive times out) leaves some weights new and some old: /health answers 503 naming why, the
+    server's death check says it is not healthy, generation is refused, the version stays; a full update mends it."""
+    client = RolloutClient(server.url, RUN, timeout_s=60)
+    client.use_dist("127.0.0.1", timeout_s=2)
+    version = client.version()
+    weights = policy.engine_weights()
+    response = client.http.post("/weights/update", params={"ready_key": "never-sent"}, json={
+        "run": RUN, "version": version + 1, "names": [n for n, _, _ in weights.specs],
+        "dtype_names": [str(d).removeprefix("torch.") for _, d, _ in weights.specs],
+        "shapes": [list(s) for _, _, s in weights.specs]})
+    assert response.status_code == 500 and "update to version" in response.json()["detail"]
+    health = httpx.get(f"{server.url}/health", timeout=10)
+    assert health.status_code == 503 and health.json()["weights_version"] == version
+    assert "failed" in health.json()["broken"]
+    assert server.death(settle_s=1).startswith(f"rollout server (pid {server.pid}, {server.url}) is not healthy: "
+                                               f"/health answered 503")
+    with pytest.raises(EngineRequestError, match="503: weights: inconsistent after a failed update"):
+        client.generate({"prompt_token_ids": policy.encode_prompts(sentiment.prompts(1)), "max_new_tokens": 2})
+    client.transport = HTTPWeights(client)
+    assert client.load_weights(policy.engine_weights(), version + 1)["weights_version"] == version + 1
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200 and server.death() is None
+    client.close()
 
 
 def test_a_skipped_refit_is_caught_by_the_mismatch_metric(engine, tiny_models):
     policy = Policy.load(tiny_models["policy"])
     prompts = policy.encode_prompts(sentiment.prompts(8))
-    gen = GenerationConfig(max_new_tokens=10)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for param in policy.model.parameters():
-            param.add_(torch.randn_like(param) * 0.05)
-    stale = engine.generate(prompts, gen, torch.Generator().manual_seed(1))  # refit skipped on purpose
+    sampling = Sampling(max_new_tokens=10)
+    perturb(policy, 0.05, 1)
+    stale = engine.generate(prompts, 1, sampling, torch.Generator().manual_seed(1))  # refit skipped on purpose
     engine.update_weights(policy.engine_weights())
-    fresh = engine.generate(prompts, gen, torch.Generator().manual_seed(1))
+    fresh = engine.generate(prompts, 1, sampling, torch.Generator().manual_seed(1))
     metrics = {}
     for name, ro in (("stale", stale), ("fresh", fresh)):
         old = trainer_logprobs(policy, ro, 1.0)
@@ -154,10 +260,8 @@ def test_lora_weights_reach_the_engine_merged(server, tiny_models):
         for name, param in policy.model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.05)  # adapters that change the outputs
-    engine = VLLMEngine(policy.pad_id, policy.stop_ids)
-    engine.connect(RolloutClient(server.url))
-    engine.update_weights(policy.engine_weights())
-    rollout = engine.generate(policy.encode_prompts(sentiment.prompts(6)), GenerationConfig(max_new_tokens=8),
+    engine = connected(server, policy, "dist")
+    rollout = engine.generate(policy.encode_prompts(sentiment.prompts(6)), 1, Sampling(max_new_tokens=8),
                               torch.Generator().manual_seed(2))
     policy.model.eval()
     mine = trainer_logprobs(policy, rollout, 1.0)
@@ -171,8 +275,8 @@ def test_lora_weights_reach_the_engine_merged(server, tiny_models):
 def test_bad_input_is_refused_naming_the_field_and_the_server_keeps_serving(server, policy):
     http = httpx.Client(base_url=server.url, timeout=60)
     good = {"prompt_token_ids": policy.encode_prompts(sentiment.prompts(1)), "max_new_tokens": 4}
-    version = http.get("/health").json()["weights_version"]
-    vocab, limit = http.get("/health").json()["vocab_size"], http.get("/health").json()["max_model_len"]
+    health = http.get("/health").json()
+    version, vocab, limit = health["weights_version"], health["vocab_size"], health["max_model_len"]
     cases = [
         ({**good, "prompt_token_ids": [[1, vocab + 5]]}, 400, "prompt_token_ids[0]: token id"),
         ({**good, "prompt_token_ids": [[]]}, 400, "prompt_token_ids[0]: a prompt needs at least one token"),
@@ -188,28 +292,38 @@ def test_bad_input_is_refused_naming_the_field_and_the_server_keeps_serving(serv
         response = http.post("/generate", json=body)
         assert response.status_code == status, (body, response.text)
         assert fragment in str(response.json()["detail"]), response.text
-    state = {name: t.clone() for name, t in policy.engine_weights()}
-    no_head = safetensors_bytes((n, t) for n, t in state.items() if n != "lm_head.weight")
-    response = http.post("/update_weights", params={"version": 99}, content=no_head)
+    weights = policy.engine_weights()
+    state = dict(weights)
+    no_head = Weights([s for s in weights.specs if s[0] != "lm_head.weight"],
+                      [t for n, t in state.items() if n != "lm_head.weight"])
+    response = http.post("/update_weights", params={"version": version + 1, "run": RUN},
+                         content=b"".join(safetensors_stream(no_head)))
     assert response.status_code == 400 and "missing ['lm_head.weight']" in response.json()["detail"]
-    response = http.post("/update_weights", params={"version": 99}, content=b"not safetensors")
+    response = http.post("/update_weights", params={"version": version + 1, "run": RUN}, content=b"not safetensors")
     assert response.status_code == 400 and response.json()["detail"].startswith("body: not a safetensors file")
+    wrong = Weights([(n, d, (1,) + tuple(s)) if n == "lm_head.weight" else (n, d, s) for n, d, s in weights.specs],
+                    [t.unsqueeze(0) if n == "lm_head.weight" else t for n, t in state.items()])
+    response = http.post("/update_weights", params={"version": version + 1, "run": RUN},
+                         content=b"".join(safetensors_stream(wrong)))
+    assert response.status_code == 400 and response.json()["detail"].startswith("shapes: lm_head.weight has shape")
+    response = http.post("/update_weights", params={"version": version + 1})
+    assert response.status_code == 422 and "run" in response.text
     assert http.get("/health").json()["weights_version"] == version  # nothing half-applied
     assert http.post("/generate", json=good).status_code == 200
     with pytest.raises(EngineRequestError, match="answered 400: prompt_token_ids"):
-        RolloutClient(server.url).generate({**good, "prompt_token_ids": [[vocab]]})
+        RolloutClient(server.url, RUN).generate({**good, "prompt_token_ids": [[vocab]]})
     http.close()
 
 
 def test_a_killed_server_is_named_with_its_exit_code(tiny_models, tmp_path, policy):
     cfg = config(tiny_models, tmp_path)
-    with RolloutServer(cfg, tmp_path / "rollout-server.log") as proc:
+    with launch_rollout(cfg, tmp_path / "rollout-server.log") as proc:
         proc.wait_until_ready(300)
         engine = VLLMEngine(policy.pad_id, policy.stop_ids)
-        engine.connect(RolloutClient(proc.url, timeout_s=30))
+        engine.connect(RolloutClient(proc.url, RUN, timeout_s=30))
         os.kill(proc.pid, signal.SIGKILL)
         with pytest.raises(httpx.HTTPError):
-            engine.generate(policy.encode_prompts(sentiment.prompts(2)), GenerationConfig(), torch.Generator())
+            engine.generate(policy.encode_prompts(sentiment.prompts(2)), 1, Sampling(), torch.Generator())
         message = proc.death(settle_s=30)
         assert message.startswith(f"rollout server (pid {proc.pid}, {proc.url}) exited with code -9")
         assert "engine loaded" in message  # the log tail
@@ -219,6 +333,7 @@ def test_a_killed_server_is_named_with_its_exit_code(tiny_models, tmp_path, poli
 
 def test_a_server_that_cannot_load_fails_readiness_with_its_log(tiny_models, tmp_path):
     cfg = config(tiny_models, tmp_path, max_model_len=10**7)  # more than the model's positions
-    with RolloutServer(cfg, tmp_path / "rollout-server.log") as proc:
-        with pytest.raises(RolloutServerNotReady, match=r"rollout server exited with code \d+ before it was ready"):
+    with launch_rollout(cfg, tmp_path / "rollout-server.log") as proc:
+        with pytest.raises(ServerNotReady, match=r"rollout server exited with code \d+ before .* was ready") as err:
             proc.wait_until_ready(300)
+        assert err.value.reason == "process_exited" and "max_model_len" in str(err.value)

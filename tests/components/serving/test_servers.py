@@ -13,7 +13,7 @@ import tritonclient.http as http
 from tritonclient.utils import InferenceServerException
 
 from components.launch.processes import find_free_ports
-from components.serving.launcher import ServerProcess
+from components.serving.launcher import triton_server
 from components.serving.servers import CRITIC_MODELS, REWARD_MODELS, CriticCallables, RewardCallables, critic_specs
 
 TRAIN_SETTINGS = ["--set", "critic.optim.lr=1e-3", "--set", "critic.train_batch_size=16", "--set", "critic.epochs=2"]
@@ -35,9 +35,9 @@ def servers(tiny_models, tmp_path_factory):
         reward_port = find_free_ports()
     ckpt = tmp_path_factory.mktemp("critic-ckpt") / "critic"
     store = tmp_path_factory.mktemp("store")
-    critic = ServerProcess(critic_argv(tiny_models, critic_port, ckpt, store), "127.0.0.1", critic_port, CRITIC_MODELS,
+    critic = triton_server(critic_argv(tiny_models, critic_port, ckpt, store), "127.0.0.1", critic_port, CRITIC_MODELS,
                            logs / "critic.log", name="critic")
-    reward = ServerProcess([sys.executable, "-m", "components.cli.main", "serve", "reward", "--model", tiny_models["reward"],
+    reward = triton_server([sys.executable, "-m", "components.cli.main", "serve", "reward", "--model", tiny_models["reward"],
                             "--port", str(reward_port)], "127.0.0.1", reward_port, REWARD_MODELS, logs / "reward.log",
                            name="reward")
     state = {"critic": critic, "reward": reward, "ckpt": ckpt, "store": store, "logs": logs}
@@ -203,7 +203,7 @@ def test_save_stop_restart_restores_step_and_weights(servers, tiny_models):
     assert len(members) >= 5 and not critic.group_members()  # server, tritonserver, 3 stubs: all gone
     assert all(not m.is_running() or m.status() == "zombie" for m in members)
     argv = critic_argv(tiny_models, critic.port, servers["ckpt"], servers["store"])
-    restarted = ServerProcess(argv, "127.0.0.1", critic.port, CRITIC_MODELS, servers["logs"] / "critic-restarted.log",
+    restarted = triton_server(argv, "127.0.0.1", critic.port, CRITIC_MODELS, servers["logs"] / "critic-restarted.log",
                               name="critic")
     servers["critic"] = restarted  # the fixture stops it
     restarted.wait_until_ready(120)  # same port: the old server freed it
