@@ -5,9 +5,12 @@ save_pretrained, loaded by both sides through from_pretrained, as a user's model
 (float32, bfloat16):
 - generation tokens/s: the same prompt token ids (32 prompts), 64 new tokens at temperature 1, alternating sides;
   the vLLM side's time is the whole HTTP round trip from rank 0 (request, sampling, answer, unpacking).
-- refit seconds: gather the state dict, pack it as safetensors, send it, reload it in vLLM, clear the prefix cache.
+- refit over each weight transfer (`http`: a safetensors body streamed as the tensors come; `dist`: a gloo group of
+  two, tensors broadcast one at a time and loaded as they arrive): seconds (gather, send, reload in vLLM, clear the
+  prefix cache), and the peak RSS above its level before the refit of both processes, rank 0 (this one) and the
+  server, as read from the kernel's high-water mark (VmHWM, reset before each refit through /proc/<pid>/clear_refs).
 And the whole RLOO iteration (rollout_batch_size 8 prompts x k 4, 64-token responses, reward from a function) on the
-tiny policy with each engine, alternating, with the share of the iteration the refit takes.
+110M model with each engine (vLLM over each transfer), alternating, with the share of the iteration the refit takes.
 
 Both sides get every core, as in a run: the native side torch's default, the server its default on a CPU host
 (rollout.vllm.threads; the actor waits while the server generates). On a GPU, the server takes 30% of the GPU memory
@@ -16,6 +19,7 @@ Both sides get every core, as in a run: the native side torch's default, the ser
 
 from __future__ import annotations
 
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -24,12 +28,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from benchmarks.common import log, quick_flag, stats, tiny_config, write_result
-from components.serving.rollout import RolloutServer, server_env
+from components.serving.launcher import launch_rollout, rollout_env
+from components.serving.rollout_client import RolloutClient
+from models.config import Sampling, merge
+from models.engines import NativeEngine, VLLMEngine
 from models.loop import Leader, batch_size, build_actor, build_local_reward, load_prompts, prompt_batches
-from models.config import merge
 from models.policy import Policy
-from models.rollout import NativeEngine, VLLMEngine
-from models.rollout.vllm import RolloutClient
+
+TRANSPORTS = ("http", "dist")
+RUN = "benchmark/rollout-engine"
 
 
 def qwen2_110m(vocab_size: int) -> Qwen2Config:
@@ -52,32 +59,65 @@ def build_random_model(directory: Path, tokenizer_dir: str, vocab_size: int = 32
 
 def time_generation(engine, prompt_ids, gen, generator) -> dict:
     start = time.perf_counter()
-    rollout = engine.generate(prompt_ids, gen, generator)
+    rollout = engine.generate(prompt_ids, 1, gen, generator)
     if rollout.tokens.is_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "tokens": int(rollout.response_lengths.sum())}
 
 
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident set (VmRSS) or its peak since the last reset (VmHWM), from /proc, in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_peak(pid: int) -> None:
+    Path(f"/proc/{pid}/clear_refs").write_text("5")  # the kernel's peak-RSS reset (Linux >= 4.0)
+
+
+def measured_refit(engine: VLLMEngine, policy: Policy, server_pid: int) -> dict:
+    """One refit of the policy's weights, with the peak RSS above the level before it of this process and the
+    server's."""
+    pids = {"rank0": os.getpid(), "server": server_pid}
+    before = {}
+    for name, pid in pids.items():
+        reset_peak(pid)
+        before[name] = rss_bytes(pid)
+    engine.update_weights(policy.engine_weights())
+    peaks = {name: rss_bytes(pid, "VmHWM") - before[name] for name, pid in pids.items()}
+    return {**engine.last_refit, **{f"{name}_peak_extra_bytes": peak for name, peak in peaks.items()}}
+
+
 def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list[str], new_tokens: int,
                        device: str = "cpu") -> dict:
     """Native engine (on `device`) against the vLLM server (its own process, GPU when there is one) on `model_dir`:
-    tokens/s over alternating repetitions after a warm-up each, and the refit time."""
+    tokens/s over alternating repetitions after a warm-up each, and the refit over each transport (seconds, peak
+    RSS of both sides)."""
     policy = Policy.load(model_dir, dtype=dtype, device=device)
     ids = policy.encode_prompts(prompts)
-    gen = cfg.generation.model_copy(update={"max_new_tokens": new_tokens, "temperature": 1.0})
+    gen = Sampling(max_new_tokens=new_tokens, temperature=1.0)
     native = NativeEngine.for_policy(policy)
-    vcfg = merge(cfg, {"model.policy": model_dir, "rollout.vllm.dtype": dtype})
-    with tempfile.TemporaryDirectory(prefix="rollout-bench-") as logs, RolloutServer(vcfg, Path(logs) / "server.log") as server:
+    vcfg = merge(cfg, {"model.policy": model_dir, "rollout.vllm.dtype": dtype, "rollout.vllm.port": 0})
+    with tempfile.TemporaryDirectory(prefix="rollout-bench-") as logs, launch_rollout(vcfg, Path(logs) / "server.log") as server:
         started = time.perf_counter()
         server.wait_until_ready(vcfg.rollout.vllm.ready_timeout_s)
         ready_s = time.perf_counter() - started
         vllm = VLLMEngine(policy.pad_id, policy.stop_ids, weights_dtype=dtype)
-        vllm.connect(RolloutClient(server.url))
-        refits = []
-        for _ in range(max(2, reps // 2)):
-            vllm.update_weights(policy.engine_weights())
-            refits.append(vllm.last_refit)
+        client = RolloutClient(server.url, RUN)
+        vllm.connect(client)
+        http = client.transport
+        client.use_dist("127.0.0.1")
+        dist = client.transport
+        refits = {transport: [] for transport in TRANSPORTS}
+        for rep in range(max(3, reps)):  # alternating transports, the first of each a warm-up
+            for transport in (TRANSPORTS if rep % 2 == 0 else TRANSPORTS[::-1]):
+                client.transport = http if transport == "http" else dist
+                refit = measured_refit(vllm, policy, server.pid)
+                if rep:
+                    refits[transport].append(refit)
         generator = torch.Generator().manual_seed(0)  # on the CPU, as ActorState passes it
         runs = {"native": [], "vllm": []}
         for side in ("native", "vllm"):  # warm-up
@@ -87,63 +127,77 @@ def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list
                 runs[side].append(time_generation(native if side == "native" else vllm, ids, gen, generator))
         vllm.close()
     tps = {side: [r["tokens"] / r["seconds"] for r in rs] for side, rs in runs.items()}
+    model_bytes = refits["http"][0]["bytes"]
     case = {"dtype": dtype, "prompts": len(ids), "max_new_tokens": gen.max_new_tokens, "server_ready_s": ready_s,
-            "server_threads": server_env(vcfg).get("OMP_NUM_THREADS", "vLLM default"),
+            "server_threads": rollout_env(vcfg).get("OMP_NUM_THREADS", "vLLM default"),
             "native_threads": torch.get_num_threads(),
             "native_tokens_per_s": stats(tps["native"]), "vllm_tokens_per_s": stats(tps["vllm"]),
             "native_tokens": stats([r["tokens"] for r in runs["native"]]),
             "vllm_tokens": stats([r["tokens"] for r in runs["vllm"]]),
             "speedup_vllm_over_native": stats(tps["vllm"])["median"] / stats(tps["native"])["median"],
-            "refit_s": stats([r["total_s"] for r in refits]),
-            "refit_gather_pack_s": stats([r["gather_pack_s"] for r in refits]),
-            "refit_server_s": stats([r["server_s"] for r in refits]), "refit_bytes": refits[0]["bytes"]}
+            "refit_bytes": model_bytes,
+            "refit": {transport: {"seconds": stats([r["total_s"] for r in rs]),
+                                  "server_seconds": stats([r["seconds"] for r in rs]),
+                                  "rank0_peak_extra_bytes": stats([r["rank0_peak_extra_bytes"] for r in rs]),
+                                  "server_peak_extra_bytes": stats([r["server_peak_extra_bytes"] for r in rs]),
+                                  "rank0_peak_extra_model_copies": max(r["rank0_peak_extra_bytes"] for r in rs) / model_bytes,
+                                  "server_peak_extra_model_copies": max(r["server_peak_extra_bytes"] for r in rs) / model_bytes}
+                      for transport, rs in refits.items()}}
     log(f"rollout {Path(model_dir).name} {dtype}: native {case['native_tokens_per_s']['median']:.0f} tok/s, vLLM "
-        f"{case['vllm_tokens_per_s']['median']:.0f} tok/s (x{case['speedup_vllm_over_native']:.2f}), refit "
-        f"{case['refit_s']['median']:.2f}s")
+        f"{case['vllm_tokens_per_s']['median']:.0f} tok/s (x{case['speedup_vllm_over_native']:.2f}); refit "
+        + ", ".join(f"{t} {r['seconds']['median']:.2f}s (peak +{r['rank0_peak_extra_model_copies']:.2f} / "
+                    f"+{r['server_peak_extra_model_copies']:.2f} model copies on rank 0 / the server)"
+                    for t, r in case["refit"].items()))
     return case
 
 
 def rloo_iteration(model_dir: str, reps: int) -> dict:
     """Whole RLOO iterations (8 prompts x 4 samples, 64-token responses, reward from the gold function, float32) with
-    each engine, alternating, after one warm-up iteration each."""
-    times, refit_share, refit_s, states, servers = {"native": [], "vllm": []}, [], [], {}, []
+    the native engine and vLLM over each weight transfer, alternating, after one warm-up iteration each."""
+    sides = ("native",) + tuple(f"vllm-{t}" for t in TRANSPORTS)
+    times, refit_share, refit_s, states, servers = {side: [] for side in sides}, {}, {}, {}, []
     try:
-        for engine in ("native", "vllm"):
+        for side in sides:
             cfg = tiny_config(algorithm="rloo", **{
-                "model.policy": model_dir, "generation.max_new_tokens": 64, "rollout.engine": engine,
-                "reinforce.rollout_batch_size": 8, "reward.source": "function",
+                "model.policy": model_dir, "generation.max_new_tokens": 64, "rollout.engine": side.split("-")[0],
+                "reinforce.rollout_batch_size": 8, "reward.source": "function", "rollout.vllm.port": 0,
                 "reward.function": "models.tasks.sentiment:gold_reward"})
             actor = Leader(cfg, build_actor(cfg))
-            if engine == "vllm":
-                server = RolloutServer(cfg, Path(tempfile.mkdtemp(prefix="rollout-bench-")) / "server.log")
+            if side != "native":
+                server = launch_rollout(cfg, Path(tempfile.mkdtemp(prefix="rollout-bench-")) / "server.log")
                 servers.append(server)
                 server.wait_until_ready(cfg.rollout.vllm.ready_timeout_s)
-                actor.state.engine.connect(RolloutClient(server.url))
+                client = RolloutClient(server.url, RUN)
+                if side.endswith("dist"):
+                    client.use_dist("127.0.0.1")
+                actor.state.engine.connect(client)
                 actor.refit()
-            states[engine] = (actor, build_local_reward(cfg), prompt_batches(load_prompts(cfg), batch_size(cfg), 0))
+                refit_s[side], refit_share[side] = [], []
+            states[side] = (actor, build_local_reward(cfg), prompt_batches(load_prompts(cfg), batch_size(cfg), 0))
         for rep in range(reps + 1):
-            for engine in (("native", "vllm") if rep % 2 == 0 else ("vllm", "native")):
-                actor, reward, batches = states[engine]
+            for side in (sides if rep % 2 == 0 else sides[::-1]):
+                actor, reward, batches = states[side]
                 start = time.perf_counter()
                 metrics, _ = actor.step(next(batches), None, reward)
                 seconds = time.perf_counter() - start
                 if rep == 0:
                     continue  # warm-up
-                times[engine].append({"seconds": seconds, "generate_s": metrics["time/generate"]})
-                if engine == "vllm":
-                    refit_s.append(metrics["time/refit"])
-                    refit_share.append(metrics["time/refit"] / metrics["time/step"])
+                times[side].append({"seconds": seconds, "generate_s": metrics["time/generate"]})
+                if side != "native":
+                    refit_s[side].append(metrics["time/refit"])
+                    refit_share[side].append(metrics["time/refit"] / metrics["time/step"])
     finally:
         for server in servers:
             server.stop()
     result = {"model": model_dir, "prompts": 8, "samples_per_prompt": 4, "max_new_tokens": 64, "dtype": "float32",
               **{f"{side}_seconds_per_iteration": stats([r["seconds"] for r in rs]) for side, rs in times.items()},
               **{f"{side}_generate_seconds": stats([r["generate_s"] for r in rs]) for side, rs in times.items()},
-              "refit_seconds": stats(refit_s), "refit_share_of_iteration": stats(refit_share)}
-    result["time_ratio_vllm_over_native"] = (result["vllm_seconds_per_iteration"]["median"]
-                                             / result["native_seconds_per_iteration"]["median"])
-    log(f"RLOO iteration (64-token responses): native {result['native_seconds_per_iteration']['median']:.2f}s, vLLM "
-        f"{result['vllm_seconds_per_iteration']['median']:.2f}s, refit {100 * result['refit_share_of_iteration']['median']:.1f}% of it")
+              **{f"{side}_refit_seconds": stats(v) for side, v in refit_s.items()},
+              **{f"{side}_refit_share_of_iteration": stats(v) for side, v in refit_share.items()}}
+    log("RLOO iteration (64-token responses): " + ", ".join(
+        f"{side} {result[f'{side}_seconds_per_iteration']['median']:.2f}s" + (
+            f" (refit {100 * result[f'{side}_refit_share_of_iteration']['median']:.1f}%)" if side != "native" else "")
+        for side in sides))
     return result
 
 

@@ -142,6 +142,25 @@ def test_no_cycles_between_the_subpackages_of_components():
     assert found == [], "cycles between the parts of components/:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
+TRANSPORT = ("httpx", "requests", "urllib", "http", "aiohttp", "tritonclient", "pytriton", "fastapi", "uvicorn",
+             "prefect", "mlflow", "boto3")
+
+
+def test_models_import_no_transport_and_nothing_of_components_or_flows():
+    """models/ holds the torch/transformers/peft code and the RL math: how requests and weights travel (HTTP,
+    Triton) and orchestration live in components/; models/ speaks to them through protocols."""
+    bad = []
+    for name, path in project_modules().items():
+        if not name.startswith("models"):
+            continue
+        for module, names, line, _, text in imports(path, name):
+            full = [module] + [f"{module}.{n}" for n in names]
+            if module.split(".")[0] in ("components", "flows") or any(
+                    m == t or m.startswith(f"{t}.") for m in full for t in TRANSPORT):
+                bad.append(f"{path.relative_to(ROOT)}:{line}: {text[0].strip()}")
+    assert bad == [], "models/ imports what belongs to components/:\n" + "\n".join(bad)
+
+
 def test_imports_inside_functions_are_third_party_and_explained():
     known = project_modules()
     bad = []

@@ -16,8 +16,8 @@ still runs, a shared deployment) cannot both pass.
 
 Weights arrive two ways (the trainer's `rollout.vllm.weight_transfer`), both in the actor's Hugging Face names with a
 tied lm_head included (without it vLLM silently keeps the old head):
-- `http`: POST /update_weights with a safetensors file as the body, read into one buffer and handed to vLLM as views
-  of it (one copy of the model held here during the update);
+- `http`: POST /update_weights with a safetensors file as the body, read as it arrives: its header is checked, then
+  each tensor is read into a buffer of its own and loaded at once (the body is never held whole);
 - `dist`: vLLM's own weight-transfer API (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
   `finish_weight_update`) with a backend of ours registered in its factory: a torch.distributed group of two (gloo on
   CPU, NCCL where the engine is on a GPU) with actor rank 0, which broadcasts the tensors one at a time; each is loaded
@@ -39,10 +39,12 @@ Start: python -m components.serving.rollout_server --model DIR --port P [--dtype
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
 import json
 import logging
 import os
+import queue
 import socket
 import threading
 import time
@@ -67,6 +69,8 @@ from vllm import LLM, SamplingParams, TokensPrompt  # noqa: E402
 from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,  # noqa: E402
                                                    WeightTransferUpdateInfo)
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: E402
+from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,  # noqa: E402
+                                                   initialize_layerwise_reload)
 
 log = logging.getLogger("rlhf.rollout_server")
 
@@ -127,13 +131,9 @@ class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateIn
         self.group = process_group(init_info.backend, self.store, 1, timeout)
 
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
         finalize_layerwise_reload(self.model, self.model_config)
 
     def receive_weights(self, update_info: GroupUpdateInfo) -> None:
@@ -307,29 +307,36 @@ class ServedModel:
                 load()
                 if not self.llm.reset_prefix_cache():  # mandatory: cached KV of the old weights would be reused
                     raise RuntimeError("the prefix cache could not be reset")
-            except HTTPException:
-                raise
             except Exception as exc:  # noqa: BLE001 - some weights may be new, some old: refuse to sample
-                self.broken = f"update to version {version} failed: {type(exc).__name__}: {exc}"
+                why = exc.detail if isinstance(exc, HTTPException) else f"{type(exc).__name__}: {exc}"
+                self.broken = f"update to version {version} failed: {why}"
                 log.exception(self.broken)
-                raise HTTPException(500, f"weights: {self.broken}") from None
+                raise HTTPException(exc.status_code if isinstance(exc, HTTPException) else 500,
+                                    f"weights: {self.broken}") from None
             self.run, self.version, self.broken = run, version, None
         return {"weights_version": version, "run": run, "seconds": time.perf_counter() - started}
 
-    def update_http(self, body: bytearray, version: int, run: str) -> dict:
-        """The safetensors file in `body`, handed to vLLM as views of the buffer (no second copy)."""
-        self.check_update(run, version)  # early, before parsing: the same check runs again under the lock
-        tensors = safetensors_views(body)
-        self.check_tensors(list(tensors), [list(t.shape) for t in tensors.values()],
-                           [str(t.dtype).removeprefix("torch.") for t in tensors.values()])
-
-        def load():
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(tensors.items()),
-                                                              "is_checkpoint_format": True})
+    def update_http(self, body: "BodyReader", version: int, run: str) -> dict:
+        """A safetensors file read from the request body as it arrives: the header first (checked against the
+        model before anything loads), then each tensor into a buffer of its own, handed to vLLM at once."""
         try:
+            header = safetensors_header(body)
+            self.check_tensors([name for name, _, _ in header], [shape for _, _, shape in header],
+                               [str(dtype).removeprefix("torch.") for _, dtype, _ in header])
+
+            def arriving():
+                for name, dtype, shape in header:
+                    tensor = torch.empty(shape, dtype=dtype)
+                    body.read_into(tensor.view(-1).view(torch.uint8).numpy() if tensor.numel() else bytearray())
+                    yield name, tensor
+
+            def load():
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": arriving(),
+                                                                  "is_checkpoint_format": True})
+                body.read_end()
             return self._apply(run, version, load)
         finally:
-            tensors.clear()
+            body.close()  # whatever was not read is dropped: the request's reader never blocks on us
 
     def init_group(self, req: InitRequest) -> dict:
         with self.lock:
@@ -360,23 +367,80 @@ class ServedModel:
         return self._apply(req.run, req.version, load)
 
 
-def safetensors_views(body: bytearray) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file held in `body`, as views of it (no copy); 400 naming what is wrong."""
+def safetensors_header(body: "BodyReader") -> list[tuple[str, torch.dtype, list[int]]]:
+    """(name, dtype, shape) of each tensor of a safetensors file, in the order of their data; 400 naming what is
+    wrong with a file that is not one, or not laid out back to back."""
     try:
-        size = int.from_bytes(body[:8], "little")
-        header = json.loads(bytes(body[8:8 + size]))
-        data = memoryview(body)[8 + size:]
-        tensors = {}
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            begin, end = entry["data_offsets"]
-            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-            tensors[name] = (torch.frombuffer(data[begin:end], dtype=dtype).reshape(entry["shape"]) if end > begin
-                             else torch.empty(entry["shape"], dtype=dtype))
-        return tensors
+        size = int.from_bytes(body.read(8), "little")
+        if not 0 < size < 1 << 26:
+            raise ValueError(f"a header of {size} bytes")
+        header = json.loads(body.read(size))
+        entries = sorted((e["data_offsets"], name, SAFETENSORS_DTYPES[e["dtype"]], list(e["shape"]))
+                         for name, e in header.items() if name != "__metadata__")
+        at = 0
+        for (begin, end), name, dtype, shape in entries:
+            if begin != at or end - begin != torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size():
+                raise ValueError(f"{name}: data at [{begin}, {end}) does not follow at {at} with its size")
+            at = end
+        return [(name, dtype, shape) for _, name, dtype, shape in entries]
+    except HTTPException:
+        raise
     except Exception as exc:  # noqa: BLE001 - any parse failure is the client's bytes
         raise HTTPException(400, f"body: not a safetensors file ({type(exc).__name__}: {exc})") from None
+
+
+class BodyReader:
+    """Blocking reads of a request body that the event loop feeds in chunks (a bounded queue: the body is never held
+    whole). `close()` from the reading side makes the feeding side drop the rest."""
+
+    def __init__(self, length: int, depth: int = 64):
+        self.length, self.left = length, length
+        self.chunks: queue.Queue = queue.Queue(depth)
+        self.pending, self.closed = memoryview(b""), False
+
+    # -- the event loop's side
+    async def feed(self, chunk: Optional[bytes]) -> None:
+        """Queue a chunk (None: the end); when the queue is full, wait for the reader off the event loop."""
+        try:
+            self.chunks.put_nowait(chunk)
+        except queue.Full:
+            await run_in_threadpool(self._put, chunk)
+
+    def _put(self, chunk: Optional[bytes]) -> None:
+        while not self.closed:
+            try:
+                self.chunks.put(chunk, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    # -- the reading side
+    def read_into(self, out) -> None:
+        view, at = memoryview(out).cast("B"), 0
+        while at < len(view):
+            if not self.pending:
+                chunk = self.chunks.get()
+                if chunk is None:
+                    raise HTTPException(400, f"body: ended after {self.length - self.left} of its "
+                                             f"content-length {self.length} bytes")
+                self.pending = memoryview(chunk)
+            n = min(len(view) - at, len(self.pending))
+            view[at:at + n] = self.pending[:n]
+            self.pending, at = self.pending[n:], at + n
+            self.left -= n
+
+    def read(self, n: int) -> bytes:
+        out = bytearray(n)
+        self.read_into(out)
+        return bytes(out)
+
+    def read_end(self) -> None:
+        """The body must end where the file does."""
+        if self.left or self.pending:
+            raise HTTPException(400, f"body: {self.left} bytes after the safetensors file")
+
+    def close(self) -> None:
+        self.closed = True
 
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:
@@ -389,22 +453,6 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:
     if not shapes:
         raise FileNotFoundError(f"--model: no safetensors weights in {model_dir}")
     return shapes
-
-
-async def read_body(request: Request) -> bytearray:
-    """The request body in one preallocated buffer (the body's only copy here)."""
-    length = request.headers.get("content-length")
-    if length is None:
-        raise HTTPException(411, "content-length: required (the body is read into one buffer of that size)")
-    body, at = bytearray(int(length)), 0
-    async for chunk in request.stream():
-        if at + len(chunk) > len(body):
-            raise HTTPException(400, f"body: longer than its content-length {length}")
-        body[at:at + len(chunk)] = chunk
-        at += len(chunk)
-    if at != len(body):
-        raise HTTPException(400, f"body: {at} bytes, content-length said {length}")
-    return body
 
 
 def build_app(served: ServedModel) -> FastAPI:
@@ -421,9 +469,17 @@ def build_app(served: ServedModel) -> FastAPI:
     @app.post("/update_weights")
     async def update_weights(request: Request, version: int = Query(..., ge=1), run: str = Query(..., min_length=1)) -> dict:
         served.check_update(run, version)  # before reading the body
-        body = await read_body(request)
-        # the engine call blocks for seconds: off the event loop, so /health keeps answering
-        return await run_in_threadpool(served.update_http, body, version, run)
+        length = request.headers.get("content-length")
+        if length is None:
+            raise HTTPException(411, "content-length: required")
+        body = BodyReader(int(length))
+        # the engine reads and loads the tensors as they arrive, in a thread: /health keeps answering meanwhile
+        applied = asyncio.ensure_future(run_in_threadpool(served.update_http, body, version, run))
+        async for chunk in request.stream():
+            if chunk and not body.closed:
+                await body.feed(chunk)
+        await body.feed(None)
+        return await applied
 
     @app.post("/weights/init")
     def init(req: InitRequest) -> dict:

@@ -16,17 +16,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from models import distributed  # noqa: E402
-from models.config import GenerationConfig  # noqa: E402
-from models.rollout.vllm import RolloutClient, VLLMEngine  # noqa: E402
+from components.serving.rollout_client import RolloutClient  # noqa: E402
+from models.config import Sampling  # noqa: E402
+from models.engines.vllm import VLLMEngine  # noqa: E402
 
 if __name__ == "__main__":
     url, out = sys.argv[1], Path(sys.argv[2])
     me = distributed.init(distributed.from_env(), "gloo", 60, torch.device("cpu"))
     engine = VLLMEngine(pad_id=0, stop_ids=torch.tensor([1]), me=me)
     if me.is_leader:
-        engine.connect(RolloutClient(url, timeout_s=10))
+        engine.server = RolloutClient(url, "test/1", timeout_s=10)  # nothing listens there: no version to ask
     try:
-        engine.generate([[5, 6, 7]] * (me.rank + 1), GenerationConfig(), torch.Generator().manual_seed(0))
+        engine.generate([[5, 6, 7]] * (me.rank + 1), 2, Sampling(), torch.Generator().manual_seed(0))
         raised = None
     except Exception as exc:  # noqa: BLE001 - recorded for the test
         raised = {"type": type(exc).__name__, "message": str(exc)}

@@ -19,20 +19,20 @@ from models.backends import LocalCritic, LocalRewardModel  # noqa: E402
 from models.config import RLHFConfig  # noqa: E402
 from models.loop import build_actor, build_critic_trainer  # noqa: E402
 from models.reward import load_reward_model  # noqa: E402
-from models.rollout.base import Rollout  # noqa: E402
+from models.engines.base import Rollout  # noqa: E402
 from models.step import train_step  # noqa: E402
 
 
 class Replay:
-    """A rollout engine (models/rollout/base.RolloutEngine) that hands out this rank's fixed rollouts."""
+    """A rollout engine (models/engines/base.RolloutEngine) that hands out this rank's fixed rollouts."""
 
     name, shares_actor_weights = "replay", True
 
     def __init__(self, rollout: Rollout):
         self.rollout = rollout
 
-    def generate(self, prompt_ids, gen, generator=None) -> Rollout:
-        assert len(prompt_ids) == len(self.rollout), (len(prompt_ids), len(self.rollout))
+    def generate(self, prompt_ids, n, sampling, generator=None) -> Rollout:
+        assert len(prompt_ids) * n == len(self.rollout), (len(prompt_ids), n, len(self.rollout))
         return self.rollout
 
     def update_weights(self, weights) -> None:

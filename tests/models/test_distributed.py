@@ -14,7 +14,7 @@ import torch
 
 from models import distributed
 from models.algorithms import ALGORITHMS
-from models.config import preset
+from models.config import Sampling, preset
 from models.loop import build_actor, load_prompts
 from models.prepare import prepare_run
 from tests.models.dist_update import update
@@ -53,8 +53,8 @@ def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
 
     prompts = load_prompts(cfg)[:n_prompts]
     actor = build_actor(cfg)
-    rollout = actor.engine.generate(actor.policy.encode_prompts([p for p in prompts for _ in range(k)]),
-                                    cfg.generation, torch.Generator().manual_seed(5))
+    rollout = actor.engine.generate(actor.policy.encode_prompts(prompts), k, Sampling.of(cfg.generation),
+                                    torch.Generator().manual_seed(5))
     fixture = {"prompts": prompts, "tokens": rollout.tokens, "prompt_lengths": rollout.prompt_lengths,
                "lengths": rollout.lengths, "is_end": rollout.is_end, "sample_logprobs": rollout.sample_logprobs}
     torch.save(fixture, tmp_path / "fixture.pt")

@@ -136,12 +136,19 @@ def test_bfloat16_compute_keeps_float32_master_weights(tiny_models, tmp_path):
 
 
 def test_chat_template_prompts(tiny_models):
+    """data.chat_template wraps a plain prompt as a user turn of the policy's template: a template that changes the
+    text (a word before the turn, a generation prompt after it) changes the ids, exactly as the rendered text."""
     from models.policy import Policy
 
     policy = Policy.load(tiny_models["policy"])
-    policy.tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    ids = policy.encode_prompts(["review the cat :"], chat_template=True)
-    assert ids == policy.encode_prompts(["review the cat :"]) and all(isinstance(i, int) for i in ids[0])
+    policy.tokenizer.chat_template = ("{% for m in messages %}review {{ m['content'] }}{% endfor %}"
+                                      "{% if add_generation_prompt %} :{% endif %}")
+    ids = policy.encode_prompts(["the cat"], chat_template=True)
+    plain = policy.encode_prompts(["the cat"])
+    rendered = policy.tokenizer("review the cat :", add_special_tokens=False)["input_ids"]
+    assert policy.tokenizer.unk_token_id not in rendered
+    assert ids == [rendered] and ids != plain and len(ids[0]) > len(plain[0])
+    assert all(isinstance(i, int) for i in ids[0])
 
 
 TARGETED = "models.tasks.sentiment:targeted_reward"

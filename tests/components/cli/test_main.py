@@ -114,6 +114,20 @@ def test_bad_data_fails_the_run_before_any_model_loads(tiny_models, tmp_path):
     assert not (tmp_path / "state" / "logs" / "train").exists()
 
 
+def test_an_eval_set_smaller_than_the_actor_ranks_is_refused_before_any_model_loads(tiny_models, tmp_path):
+    """Every actor rank evaluates its share of eval.prompts: with 2 ranks and 1 eval prompt, `rlhf train` exits naming
+    eval.prompts when the data is read, before any rank starts (it used to die on rank 1 with 'max() arg is an empty
+    sequence' and leave rank 0 waiting in the next collective)."""
+    (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "review the cat :"}) + "\n")
+    proc = run("train", "--set", "actor.nproc_per_node=2", "--set", f"eval.prompts={tmp_path / 'eval.jsonl'}",
+               "--set", "eval.every=2", "--set", f"model.policy={tiny_models['policy']}",
+               "--set", f"model.reward={tiny_models['reward']}", check=False, env={"RLHF_STATE_DIR": str(tmp_path / "state")})
+    assert proc.returncode != 0
+    assert f"eval.prompts: '{tmp_path / 'eval.jsonl'}' has 1 prompt(s) (split 'test') for 2 actor ranks: every rank " \
+           "needs at least one" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "state" / "logs" / "train").exists()  # no rank was started
+
+
 def test_train_in_process(tiny_models, tmp_path):
     metrics = tmp_path / "m.json"
     proc = run("train", "--set", "algorithm=rloo", "--set", "iterations=2", "--set", f"model.policy={tiny_models['policy']}",
