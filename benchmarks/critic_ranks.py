@@ -20,6 +20,7 @@ from benchmarks.common import RESULTS, log, quick_flag, stats, tiny_config, writ
 from components.launch.processes import find_free_ports
 from components.serving.launcher import launch
 from components.serving.servers import ServerSpec
+from models.config import Sampling
 from models.loop import build_actor, load_prompts
 
 
@@ -44,7 +45,8 @@ def rollouts(cfg, n: int = 64):
     actor = build_actor(cfg)
     policy = actor.policy
     prompts = load_prompts(cfg)[:n]
-    rollout = actor.engine.generate(policy.encode_prompts(prompts), cfg.generation, torch.Generator().manual_seed(0))
+    rollout = actor.engine.generate(policy.encode_prompts(prompts), 1, Sampling.of(cfg.generation),
+                                    torch.Generator().manual_seed(0))
     return rollout, prompts, policy.decode_responses(rollout)
 
 

@@ -14,7 +14,8 @@ import torch
 from benchmarks.common import log, quick_flag, stats, tiny_config, write_result
 from models.loop import load_prompts
 from models.policy import Policy
-from models.rollout import NativeEngine
+from models.config import Sampling
+from models.engines import NativeEngine
 
 
 def hf_generate(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float) -> int:
@@ -55,16 +56,16 @@ def main(argv=None) -> dict:
         ids = policy.encode_prompts([prompts[i % len(prompts)] for i in range(batch)])
         if max(map(len, ids)) + new_tokens > limit:
             continue
-        g = gen.model_copy(update={"max_new_tokens": new_tokens})
+        g = Sampling.of(gen, max_new_tokens=new_tokens)
         ours, hf = [], []
         # warm-up both paths once
-        engine.generate(ids, g, generator)
+        engine.generate(ids, 1, g, generator)
         hf_generate(model, tokenizer, ids, new_tokens, gen.temperature)
         for rep in range(reps):
             for side in (("ours", "hf") if rep % 2 == 0 else ("hf", "ours")):
                 start = time.perf_counter()
                 if side == "ours":
-                    tokens = int(engine.generate(ids, g, generator).response_lengths.sum())
+                    tokens = int(engine.generate(ids, 1, g, generator).response_lengths.sum())
                 else:
                     with torch.no_grad():
                         tokens = hf_generate(model, tokenizer, ids, new_tokens, gen.temperature)

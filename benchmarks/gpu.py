@@ -32,12 +32,12 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from benchmarks.common import RESULTS, log, stats, tiny_config, write_result
 from benchmarks.rollout_engine import compare_generation
-from components.serving.rollout import server_python
-from models.config import GenerationConfig, OptimConfig
+from components.serving.launcher import rollout_python
+from models.config import OptimConfig, Sampling
 from models.loading import make_optimizer
 from models.loop import load_prompts
 from models.policy import Policy
-from models.rollout import NativeEngine
+from models.engines import NativeEngine
 from models.tiny import build_tokenizer
 
 # name fragment -> (peak dense bf16 FLOP/s, nominal memory bandwidth B/s)
@@ -95,7 +95,7 @@ def matmul_params(cfg) -> int:
 
 
 def decode_bench(policy, cfg, device, batches, prompt_len, new_tokens, reps, weight_bytes, bandwidth):
-    gen = GenerationConfig(max_new_tokens=new_tokens, temperature=1.0, micro_batch_size=max(batches))
+    gen = Sampling(max_new_tokens=new_tokens, temperature=1.0)
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     kv_bytes_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * 2  # K and V, bf16
     out, engine = [], NativeEngine.for_policy(policy)
@@ -103,12 +103,12 @@ def decode_bench(policy, cfg, device, batches, prompt_len, new_tokens, reps, wei
         prompts = torch.randint(2, cfg.vocab_size, (batch, prompt_len)).tolist()
         for label, generator in (("device sampling (generator=None)", None),
                                  ("CPU generator (as ActorState passes)", torch.Generator().manual_seed(0))):
-            engine.generate(prompts, gen.model_copy(update={"max_new_tokens": 4}), generator)  # warm-up
+            engine.generate(prompts, 1, Sampling(max_new_tokens=4), generator)  # warm-up
             rates = []
             for _ in range(reps):
                 sync(device)
                 start = time.perf_counter()
-                rollout = engine.generate(prompts, gen, generator)
+                rollout = engine.generate(prompts, 1, gen, generator)
                 sync(device)
                 rates.append(int(rollout.response_lengths.sum()) / (time.perf_counter() - start))
             avg_context = prompt_len + new_tokens / 2
@@ -179,7 +179,7 @@ def vllm_bench(model_dir: str, device, smoke: bool, reps: int) -> dict:
     seconds. Needs the server's environment (`VLLM_PACKAGE=vllm make vllm-venv` on a GPU host)."""
     cfg = tiny_config()
     try:
-        server_python(cfg)
+        rollout_python(cfg)
     except FileNotFoundError as exc:
         log(f"gpu vLLM: skipped ({exc})")
         return {"skipped": str(exc)}
