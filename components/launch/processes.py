@@ -236,6 +236,10 @@ class ServerProcess(ChildProcess):
         self.name, self.url, self.probe, self._on_stop = name, url, probe, on_stop
         super().__init__(argv, log_path, env)
 
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1].split("/", 1)[0])
+
     def wait_until_ready(self, timeout: float = 180.0) -> Health:
         return wait_until_ready(self.probe, timeout, f"{self.name} server", self.url, self)
 

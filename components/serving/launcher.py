@@ -131,8 +131,10 @@ def triton_server(argv: Sequence[str], host: str, port: int, models: Iterable[st
             leftover.unlink(missing_ok=True)
 
     try:
-        return ServerProcess(name, argv, url, log_path, triton_probe(url, models, token),
-                             child_env(home, token, env), on_stop=cleanup)
+        server = ServerProcess(name, argv, url, log_path, triton_probe(url, models, token),
+                               child_env(home, token, env), on_stop=cleanup)
+        server.access_token = token  # for Triton's restricted endpoints (repository index, statistics)
+        return server
     except BaseException:
         shutil.rmtree(home, ignore_errors=True)
         raise

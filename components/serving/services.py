@@ -31,7 +31,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, NoReturn, Optional
-from urllib.parse import urlparse
 
 import torch
 from prefect import get_client, get_run_logger
@@ -396,7 +395,7 @@ def host_server(kind: str, cfg: RLHFConfig, checkpoint_uri: Optional[str] = None
     try:
         with local_server(kind, cfg, server_dir / f"{kind}-server.log", **fields) as server:
             server.wait_until_ready(section(kind, cfg).ready_timeout_s)
-            serve_published(kind, server, f"http://{advertised_host(section(kind, cfg).host)}:{urlparse(server.url).port}")
+            serve_published(kind, server, f"http://{advertised_host(section(kind, cfg).host)}:{server.port}")
     finally:
         shutil.rmtree(server_dir / "critic", ignore_errors=True)  # every save is in the store
         get_run_logger().info(f"{kind} server stopped")

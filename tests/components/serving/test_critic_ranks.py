@@ -148,7 +148,7 @@ def test_a_dead_rank_stops_the_server_with_an_error_naming_it(pair):
     while server.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
     assert server.poll() == 1
-    assert "critic rank 1" in server.log_tail(200) and "exited with code -9" in server.log_tail(200)
+    assert "critic rank 1" in server.tail(200) and "exited with code -9" in server.tail(200)
     with pytest.raises(ServerNotReady):
         server.wait_until_ready(5)
 
