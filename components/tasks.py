@@ -61,7 +61,7 @@ def flow_hooks(cfg: RLHFConfig, session: RunSession, services: RunServices) -> H
     """The training loop's parts as this flow run's tasks: an iteration, the held-out eval, metrics, checkpoints; a
     failure while a server of the run is gone names that server."""
     step, guard, critic, reward = iteration_task(cfg), services.guard, services.critic, services.reward
-    return Hooks(step=lambda actor, batch, data: guard(step, actor, batch, data, critic, reward),
+    return Hooks(step=lambda actor, batch, data, ahead: guard(step, actor, batch, data, critic, reward, ahead),
                  evaluate=lambda actor, batch, i: guard(held_out_eval, actor, batch, critic, reward, i),
                  log=lambda i, metrics, samples: log_metrics(session, i, metrics, samples),
                  logged_eval=lambda i, metrics, rows: log_eval(session, i, metrics, rows),
@@ -94,11 +94,12 @@ def restore_actor(session: RunSession, actor: Leader) -> None:
 
 
 @task(name="iteration", cache_policy=NONE)
-def iteration(actor: Leader, prompts: Batch, data: dict, critic, reward):
+def iteration(actor: Leader, prompts: Batch, data: dict, critic, reward, ahead: list[Batch]):
     """One training iteration (models/step.py) on every actor rank, each with its share of the prompts: rollout ->
     logprobs + reference, scores (and values) requested meanwhile -> advantages -> actor (and critic) update.
-    `data`: the prompt stream's state after this batch, saved with the actor's next checkpoint."""
-    return actor.step(prompts, critic, reward, data)
+    `data`: the prompt stream's state after this batch, saved with the actor's next checkpoint; `ahead`: the next
+    batches, asked for now (asynchronous rollouts)."""
+    return actor.step(prompts, critic, reward, data, ahead)
 
 
 @task(name="eval", cache_policy=NONE)
@@ -142,9 +143,10 @@ def iteration_task(cfg: RLHFConfig):
 def log_metrics(session: RunSession, iteration: int, metrics: dict, samples: list[dict]) -> None:
     session.log(iteration, metrics, samples)
     m = metrics
+    stale = f" staleness {m['rollout/staleness_max']:g}" if "rollout/staleness_max" in m else ""
     get_run_logger().info(
         f"iteration {iteration}/{session.cfg.iterations}: gold {m.get('objective/gold_reward', float('nan')):+.3f} "
-        f"score {m['objective/scores']:+.3f} KL {m['objective/kl']:.3f} step {m['time/step']:.2f}s")
+        f"score {m['objective/scores']:+.3f} KL {m['objective/kl']:.3f} step {m['time/step']:.2f}s{stale}")
 
 
 @task(name="checkpoint", cache_policy=NONE)

@@ -193,15 +193,25 @@ class VLLMConfig(Section):
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="Share of the GPU's memory vLLM may take (weights + KV cache) on a GPU host; the rest is left to a trainer on the same GPU and to NCCL.")
     enforce_eager: bool = Field(True, description="Run without CUDA graphs / torch.compile: starts in seconds instead of ~1 min; turn off for long runs on a GPU.")
     threads: Optional[PositiveInt] = Field(None, description="CPU threads of the engine (OMP_NUM_THREADS); None = every core on a CPU-only host (the actor waits while the server generates, the server idles while the actor trains), vLLM's default otherwise. Set it lower when other work shares the cores.")
+    cpu_cores: Optional[str] = Field(None, description="CPU cores the engine's threads are bound to on a CPU host (VLLM_CPU_OMP_THREADS_BIND, e.g. '1' or '2-3'); None = vLLM's default. With asynchronous rollouts, keep the server and the actor on cores of their own (as separate pods would be).")
     ready_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the server to load the model and answer /health; with launch=deployment, also how long its flow run may take to start and publish its address (pod scheduling and the image pull count here: raise it for a cold GPU pool).")
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generate or weight-update request.")
     weight_transfer: Literal["http", "dist"] = Field("dist", description="How the actor's weights reach the server after every update: 'dist' = a torch.distributed group of two (actor rank 0 and the server; gloo on CPU, NCCL on GPUs), tensors broadcast one at a time and loaded as they arrive; 'http' = a safetensors body streamed to POST /update_weights (a server the actor cannot reach with a process group: only its HTTP port is open).")
 
 
 class RolloutConfig(Section):
-    engine: Literal["native", "vllm"] = Field("native", description="What samples the rollouts: 'native' = the KV-cache sampling loop on the actor's own module; 'vllm' = the vLLM rollout server, refitted with the actor's weights after every update (models/rollout/).")
-    tis_cap: float = Field(2.0, gt=0, description="Truncated importance sampling for an engine with its own weights (vllm): each token's policy loss is weighted by min(pi_trainer_old / pi_engine, tis_cap), as veRL and TRL do; the native engine samples with the trainer's own weights (weight exactly 1).")
+    engine: Literal["native", "vllm"] = Field("native", description="What samples the rollouts: 'native' = the KV-cache sampling loop on the actor's own module; 'vllm' = the vLLM rollout server, refitted with the actor's weights after every update (models/engines/).")
+    max_off_policy_steps: int = Field(0, ge=0, description="Asynchronous rollouts (an engine with its own weights): k >= 1 lets the rollout server generate the next k batches while the actor trains, so the actor at weights version v trains on rollouts sampled with version v-k or newer (at most k batches in flight beyond the one being trained on: staleness bounded by construction, no data dropped); the loss corrects for it per token (rollout.tis_cap). 0 = synchronous: each batch is sampled with the current weights.")
+    tis_cap: float = Field(2.0, gt=0, description="Truncated importance sampling for an engine with its own weights (vllm): each token's policy loss is weighted by min(pi_proximal / pi_behaviour, tis_cap), where pi_behaviour is the engine's logprob of the token (the weights version that sampled it) and pi_proximal the trainer's, recomputed when the batch is trained on (the policy PPO's ratio is clipped around: decoupled PPO); as veRL, TRL and AReaL do. The native engine samples with the trainer's own weights (weight exactly 1).")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="The vLLM rollout server (rollout.engine=vllm).")
+
+    @model_validator(mode="after")
+    def _async_needs_an_engine_of_its_own(self) -> "RolloutConfig":
+        if self.max_off_policy_steps and self.engine == "native":
+            raise ValueError(f"rollout.max_off_policy_steps={self.max_off_policy_steps} needs an engine with its own "
+                             f"weights (rollout.engine=vllm): the native engine samples with the actor's module, which "
+                             f"cannot generate while it trains")
+        return self
 
 
 class _Tree(Section):

@@ -14,6 +14,7 @@ benchmarks), the Prefect flows hand in their tasks (components/tasks.py).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Optional
@@ -132,7 +133,8 @@ def execute(state: ActorState, cfg: RLHFConfig, command: dict, critic=None, rewa
     """Run one command on this rank (rank 0 passes its backends; the others None)."""
     op = command["op"]
     if op == "step":
-        out = train_step(state, command["prompts"], cfg, Backends(critic, reward), gold_function(cfg))
+        out = train_step(state, command["prompts"], cfg, Backends(critic, reward), gold_function(cfg),
+                         command.get("ahead"))
         state.data = command.get("data")
         return out
     if op == "evaluate":
@@ -212,10 +214,12 @@ class Leader:
                 raise RankFailed(reason) from exc
             raise
 
-    def step(self, prompts: list[str] | Batch, critic=None, reward=None, data: dict | None = None) -> tuple[dict, list[dict]]:
+    def step(self, prompts: list[str] | Batch, critic=None, reward=None, data: dict | None = None,
+             ahead: list[Batch] | None = None) -> tuple[dict, list[dict]]:
         """One training iteration on the global batch `prompts`; `data` (the prompt stream's state after drawing
-        it) is kept with the actor's state for its next checkpoint."""
-        return self.run({"op": "step", "prompts": prompts, "data": data}, critic, reward)
+        it) is kept with the actor's state for its next checkpoint; `ahead`: the next iterations' batches, asked for
+        now (asynchronous rollouts)."""
+        return self.run({"op": "step", "prompts": prompts, "data": data, "ahead": ahead}, critic, reward)
 
     def evaluate(self, prompts: Batch, critic, reward, iteration: int) -> tuple[dict, list[dict]]:
         """The held-out eval (models/eval.py) on every rank, scored as training is (`critic` for PPO's combined
@@ -245,7 +249,7 @@ class Hooks:
     samples) after each step, `logged_eval` (iteration, metrics, rows) after each eval; `checkpoint` (None: no
     checkpoints) saves the actor's state."""
 
-    step: Callable[[Leader, Batch, dict], tuple[dict, list[dict]]]
+    step: Callable[[Leader, Batch, dict, list[Batch]], tuple[dict, list[dict]]]
     evaluate: Callable[[Leader, Batch, int], tuple[dict, list[dict]]]
     log: Callable[[int, dict, list[dict]], None] = lambda iteration, metrics, samples: None
     logged_eval: Callable[[int, dict, list[dict]], None] = lambda iteration, metrics, rows: None
@@ -255,7 +259,7 @@ class Hooks:
     def direct(cls, critic=None, reward=None, guard: Callable = lambda fn, *args: fn(*args), **hooks) -> "Hooks":
         """Hooks that call the actor in this process, scoring with these backends; `guard(fn, *args)` runs each
         call (the run's services name a server that went away)."""
-        return cls(step=lambda actor, batch, data: guard(actor.step, batch, critic, reward, data),
+        return cls(step=lambda actor, batch, data, ahead: guard(actor.step, batch, critic, reward, data, ahead),
                    evaluate=lambda actor, batch, i: guard(actor.evaluate, batch, critic, reward, i), **hooks)
 
 
@@ -264,9 +268,15 @@ def run_loop(cfg: RLHFConfig, actor: Leader, prompts: PromptSet, evals: PromptSe
     cfg.iterations: one step per iteration on the next batch of the prompt stream; a held-out eval before the first
     update, every eval.every iterations and at the end (not again at the iteration a run resumes from, which the run
     it resumes evaluated); a checkpoint every checkpoint.every iterations and at the end. Returns the metrics of the
-    iterations it ran."""
+    iterations it ran.
+
+    With asynchronous rollouts (rollout.max_off_policy_steps = k) the stream is drawn up to k batches ahead, in order,
+    and each step is told them (the engine asks for them while the actor trains); each batch keeps the stream's
+    position after it, so a checkpoint records the last *trained* batch and a resumed run asks again for the ones
+    that were in flight: no prompt skipped, none trained twice."""
     stream = PromptStream.resume(prompts, batch_size(cfg), cfg.seed, actor.state.data, actor.state.iteration)
     start, history = actor.state.iteration, []
+    queued: deque[tuple[Batch, dict]] = deque()  # the next batches, each with the stream's position after it
 
     def evaluate(iteration: int) -> None:
         hooks.logged_eval(iteration, *hooks.evaluate(actor, evals.all(), iteration))
@@ -275,8 +285,10 @@ def run_loop(cfg: RLHFConfig, actor: Leader, prompts: PromptSet, evals: PromptSe
         i = actor.state.iteration
         if evals is not None and is_eval_iteration(cfg, i) and (i == 0 or i != start):
             evaluate(i)
-        batch = next(stream)
-        metrics, samples = hooks.step(actor, batch, stream.state())
+        while len(queued) < min(1 + cfg.rollout.max_off_policy_steps, cfg.iterations - i):
+            queued.append((next(stream), stream.state()))
+        batch, data = queued.popleft()
+        metrics, samples = hooks.step(actor, batch, data, [b for b, _ in queued])
         history.append(metrics)
         hooks.log(actor.state.iteration, metrics, samples)
         if hooks.checkpoint is not None and (actor.state.iteration % cfg.checkpoint.every == 0

@@ -1,7 +1,9 @@
 """One training iteration, the same for every algorithm (models/algorithms/ supplies what differs), on every actor
 rank with its share of the prompts:
 
-1. rollout     the rollout engine samples k responses per prompt (a rank samples all k of each of its prompts)
+1. rollout     the rollout engine samples k responses per prompt (a rank samples all k of each of its prompts); with
+               asynchronous rollouts (rollout.max_off_policy_steps) rank 0 first submits the next batches (`ahead`)
+               and this batch's answer was asked for up to that many iterations ago
 2. score       rank 0 asks the critic/reward backends about every rank's rollouts (async), while every rank
                computes its behaviour and reference logprobs; the answers reach every rank
 3. advantages  per-token KL penalty against the reference, then the algorithm's estimator, on the rows of all ranks
@@ -33,10 +35,10 @@ from models.update import micro_batches
 
 
 def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, backends: Backends,
-               gold_fn: RewardFn | None = None) -> tuple[dict[str, float], list[dict]]:
+               gold_fn: RewardFn | None = None, ahead: list[Batch] | None = None) -> tuple[dict[str, float], list[dict]]:
     """Run one iteration of `cfg.algorithm` on this rank's share of `prompts` (the global batch: prompt strings, or a
     models/data.Batch with each row's columns for the reward functions); returns (metrics, sample rows). `backends`
-    are used on rank 0 only."""
+    are used on rank 0 only; `ahead`: the next iterations' batches (asynchronous rollouts), submitted by rank 0."""
     algorithm = ALGORITHMS[cfg.algorithm]
     settings = algorithm.settings(cfg)
     policy, me, timers = state.policy, state.me, Timers()
@@ -47,10 +49,16 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
     columns = [c for c in prompts.columns[share] for _ in range(k)]
     timers.begin("step")
 
-    # 1. rollout: k samples of each of this rank's prompts
+    # 1. rollout: k samples of each of this rank's prompts (asked for ahead, with asynchronous rollouts)
+    sampling = Sampling.of(cfg.generation)
+    pipelined = cfg.rollout.max_off_policy_steps > 0
+    if pipelined and me.is_leader:
+        for j, batch in enumerate([prompts, *(ahead or [])]):  # the first of a run (or after a resume) and the next
+            state.engine.submit(state.iteration + j, prompt_ids(policy, batch.prompts, batch.templated, cfg), k,
+                                sampling, state.generator)
     with timers("generate"):
         rollout = state.engine.generate(prompt_ids(policy, prompts.prompts[share], prompts.templated, cfg), k,
-                                        Sampling.of(cfg.generation), state.generator)
+                                        sampling, state.generator, **({"iteration": state.iteration} if pipelined else {}))
     responses = policy.decode_responses(rollout)
 
     # 2. score every rank's rollouts on rank 0, overlapping this rank's logprobs
@@ -60,6 +68,7 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
         chunks = micro_batches(len(batch["lengths"]), cfg.generation.micro_batch_size)
         collect = algorithm.request_scores(batch, chunks, backends)
     own_weights = not state.engine.shares_actor_weights
+    trained_version = state.engine.version if own_weights else None  # the weights this iteration trains from
     old_logp, ref_logp = rollout_logprobs(policy, rollout, cfg, timers, me, engine_weights=own_weights)
     with timers(algorithm.wait_phase):
         scored = me.broadcast_object(collect() if collect is not None else None)  # all ranks' rows, rank order
@@ -87,8 +96,10 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
         with timers("critic_train_wait"):
             critic_stats = me.broadcast_object(critic_future.result() if critic_future is not None else None)
     if own_weights:
+        idle_before = state.engine.last_refit.get("idle_s")
         with timers("refit"):
             state.engine.update_weights(policy.engine_weights())
+        rollout_clock = engine_clock(me, state.engine, idle_before)
 
     # 5. metrics
     state.iteration += 1
@@ -106,6 +117,9 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
     metrics.update(algorithm.metrics(data, adv, critic_stats))
     if own_weights:
         metrics.update(engine_mismatch(me, old_logp, rollout.sample_logprobs, mask, tis, cfg.rollout.tis_cap))
+        staleness = me.all_gather_cat(trained_version - rollout.versions).double()
+        metrics.update({"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": float(staleness.max()),
+                        **rollout_clock})
     state.kl_ctl.update(metrics["objective/kl"], len(prompts) * k)
     return metrics, sample_rows(mine, responses, adv.scores[rows], gold)
 
@@ -118,6 +132,17 @@ def all_ranks(me: Dist, local: StepData, scored: dict) -> tuple[StepData, slice]
     sizes = everyone.pop("sizes")
     start = sum(sizes[:me.rank])
     return replace(local, scored=scored, **everyone), slice(start, start + sizes[me.rank])
+
+
+def engine_clock(me: Dist, engine, idle_before: float | None) -> dict[str, float]:
+    """time/rollout_wait: how long rank 0 waited for this iteration's rollouts (asynchronous rollouts: the answer asked
+    for ahead); time/engine_idle: how long the rollout server neither generated nor loaded weights between the
+    previous refit and this one (its own clock)."""
+    idle = engine.last_refit.get("idle_s")
+    clock = torch.tensor([engine.wait_s if me.is_leader else 0.0,
+                          idle - idle_before if me.is_leader and None not in (idle, idle_before) else 0.0])
+    wait, engine_idle = me.all_reduce(clock, op="max").tolist()
+    return {"time/rollout_wait": wait, "time/engine_idle": engine_idle}
 
 
 def engine_mismatch(me: Dist, old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,

@@ -192,6 +192,8 @@ def rollout_env(cfg: RLHFConfig) -> dict[str, str]:
     extra = {"VLLM_CPU_KVCACHE_SPACE": f"{v.kv_cache_gib:g}", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if threads:
         extra["OMP_NUM_THREADS"] = str(threads)
+    if v.cpu_cores:
+        extra["VLLM_CPU_OMP_THREADS_BIND"] = v.cpu_cores
     env = project_env(extra)
     for leaked in ("VIRTUAL_ENV", "PYTHONHOME"):  # the server's interpreter brings its own environment
         env.pop(leaked, None)

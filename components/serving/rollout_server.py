@@ -23,9 +23,14 @@ tied lm_head included (without it vLLM silently keeps the old head):
   CPU, NCCL where the engine is on a GPU) with actor rank 0, which broadcasts the tensors one at a time; each is loaded
   as it arrives (vLLM's own backends need CUDA on both ends and vLLM on the trainer's side, which has none).
 
+Generations and weight updates take one lock: an update waits for the generation in
+flight (the offline `LLM` cannot pause one; AsyncLLM's pause/resume would interrupt it, but the actor needs those
+samples anyway) and the ones after it sample with the new weights. Every answer stamps the version a generation
+started with, and the engine's idle seconds so far (neither generating nor loading weights).
+
 Endpoints:
-  GET  /health             200 with model, weights version, run, vocabulary size, max model length; 503 while the
-                           weights are broken (a failed update), with why
+  GET  /health             200 with model, weights version, run, vocabulary size, max model length, idle seconds;
+                           503 while the weights are broken (a failed update), with why
   POST /generate           token ids in; per prompt n samples: token ids, per-token logprobs, whether each ended; the
                            weights version it sampled with
   POST /update_weights     ?version=<next>&run=<token>, body: a safetensors file of the full state dict
@@ -48,6 +53,7 @@ import queue
 import socket
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -223,11 +229,25 @@ class ServedModel:
         self.version = 0
         self.group_ready = False
         self.lock = threading.Lock()
+        self.started, self.busy_s = time.monotonic(), 0.0  # the engine's busy time (generating, loading weights)
 
     def describe(self) -> dict:
         return {"status": "broken" if self.broken else "ok", "model": self.model_dir, "weights_version": self.version,
                 "run": self.run, "instance": self.instance, "vocab_size": self.vocab_size,
-                "max_model_len": self.max_model_len, "broken": self.broken}
+                "max_model_len": self.max_model_len, "broken": self.broken, "idle_s": self.idle_s()}
+
+    def idle_s(self) -> float:
+        """Seconds since the engine loaded during which it neither generated nor loaded weights (cumulative: a
+        client takes differences)."""
+        return time.monotonic() - self.started - self.busy_s
+
+    @contextmanager
+    def busy(self):
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.busy_s += time.monotonic() - started
 
     # -- checks
     def check_run(self, run: Optional[str], field: str = "run") -> None:
@@ -285,7 +305,8 @@ class ServedModel:
                 raise HTTPException(409, f"expected_version: the engine holds weights version {self.version}, "
                                          f"not {req.expected_version}")
             version = self.version  # stamped when the generation starts: the weights it samples with
-            outputs = self.llm.generate(prompts, params, use_tqdm=False)
+            with self.busy():
+                outputs = self.llm.generate(prompts, params, use_tqdm=False)
         samples = []
         for out in outputs:
             rows = []
@@ -294,7 +315,7 @@ class ServedModel:
                 logprobs = [step[t].logprob for step, t in zip(c.logprobs, ids)]
                 rows.append({"token_ids": ids, "logprobs": logprobs, "is_end": c.finish_reason == "stop"})
             samples.append(rows)
-        return {"weights_version": version, "samples": samples}
+        return {"weights_version": version, "samples": samples, "idle_s": self.idle_s()}
 
     # -- weights
     def _apply(self, run: str, version: int, load) -> dict:
@@ -302,9 +323,11 @@ class ServedModel:
         marks the weights broken (some may be new, some old) and leaves the version where it was."""
         started = time.perf_counter()
         with self.lock:
+            waited = time.perf_counter() - started  # for generations in flight: an update waits for them
             self.check_update(run, version)
             try:
-                load()
+                with self.busy():
+                    load()
                 if not self.llm.reset_prefix_cache():  # mandatory: cached KV of the old weights would be reused
                     raise RuntimeError("the prefix cache could not be reset")
             except Exception as exc:  # noqa: BLE001 - some weights may be new, some old: refuse to sample
@@ -314,7 +337,8 @@ class ServedModel:
                 raise HTTPException(exc.status_code if isinstance(exc, HTTPException) else 500,
                                     f"weights: {self.broken}") from None
             self.run, self.version, self.broken = run, version, None
-        return {"weights_version": version, "run": run, "seconds": time.perf_counter() - started}
+        return {"weights_version": version, "run": run, "seconds": time.perf_counter() - started, "lock_wait_s": waited,
+                "idle_s": self.idle_s()}
 
     def update_http(self, body: "BodyReader", version: int, run: str) -> dict:
         """A safetensors file read from the request body as it arrives: the header first (checked against the

@@ -14,12 +14,20 @@ those of the sampled distribution (vLLM `processed_logprobs`: temperature, top-k
 policy's, so the step can compare them with the trainer's own (rollout/logprob_diff_*) and weight the loss by
 truncated importance sampling (models/losses.py: tis_weights).
 
+Asynchronous rollouts (rollout.max_off_policy_steps = k >= 1): rank 0 submits the next batches' requests ahead
+(`submit`: a request in a thread of its own, at most k beyond the batch being trained on: the step says which), and
+`generate` then takes the answer of its batch instead of asking. The server stamps the version each batch was
+sampled with; it is never older than the version at submission (k refits at most before its batch is trained on) and
+never newer than the last this engine applied.
+
 How requests and weights travel is not this module's business: it talks to a `RolloutServer` (the HTTP client and
 its weight transports are components/serving/rollout_client.py).
 """
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
 import torch
@@ -58,7 +66,12 @@ class VLLMEngine:
         self.weights_dtype = getattr(torch, weights_dtype)
         self.server: RolloutServer | None = None
         self.version: int | None = None  # the weights version the server holds, as this engine last saw it
+        self.applied: list[int] = []  # every version this engine made the server apply (rank 0)
         self.last_refit: dict = {}
+        self.idle_s: float | None = None  # the server's idle seconds as of its last answer (cumulative)
+        self.pending: dict[int, Future] = {}  # rank 0: batches submitted ahead, by the iteration they are for
+        self.wait_s = 0.0  # how long the last `generate` waited for its answer (rank 0)
+        self._pool: ThreadPoolExecutor | None = None
 
     @classmethod
     def for_policy(cls, policy, rollout) -> "VLLMEngine":
@@ -69,14 +82,31 @@ class VLLMEngine:
         self.server = server
         self.version = server.version()
 
+    def submit(self, iteration: int, prompts: list[list[int]], n: int, sampling, generator: torch.Generator | None) -> None:
+        """Rank 0: ask for iteration `iteration`'s batch now (every rank's prompts, rank order), answered in the
+        background; `generate` for that iteration takes the answer."""
+        if iteration in self.pending:
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(4, thread_name_prefix="rollouts")
+        seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
+        floor = self.version
+        self.pending[iteration] = self._pool.submit(self.sample, prompts, n, sampling, seed, floor)
+
+    def in_flight(self) -> list[int]:
+        """The iterations whose batches are submitted and not taken yet."""
+        return sorted(self.pending)
+
     def _server(self) -> RolloutServer:
         if self.server is None:
             raise RuntimeError("rollout.engine=vllm: no rollout server connected on rank 0 (the run's services "
                                "connect it: components/serving/services.py)")
         return self.server
 
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling, generator: torch.Generator | None = None) -> Rollout:
-        """`n` samples of each of every rank's prompts in one request from rank 0; each rank gets its own rows."""
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling, generator: torch.Generator | None = None,
+                 iteration: int | None = None) -> Rollout:
+        """`n` samples of each of every rank's prompts in one request from rank 0 (or the answer submitted ahead for
+        `iteration`); each rank gets its own rows, stamped with the version that sampled them."""
         everyone = self.me.gather_object(prompt_ids)
         per_rank = None
         if everyone is not None:
@@ -84,11 +114,19 @@ class VLLMEngine:
                 flat = [p for part in everyone for p in part]
                 if min(len(p) for p in flat) == 0:
                     raise ValueError("prompts: every prompt must have at least one token")
-                seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
-                samples, version = self.sample(flat, n, sampling, seed)
+                started = time.perf_counter()
+                if iteration is not None and iteration in self.pending:
+                    samples, version, prompts = self.pending.pop(iteration).result()
+                    if prompts != flat:
+                        raise EngineRequestError(f"the batch submitted for iteration {iteration} holds other prompts "
+                                                 f"than the one trained on")
+                else:
+                    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
+                    samples, version, _ = self.sample(flat, n, sampling, seed)
+                self.wait_s = time.perf_counter() - started
                 per_rank, start = [], 0
                 for part in everyone:
-                    per_rank.append((samples[start * n:(start + len(part)) * n], version))
+                    per_rank.append((samples[start * n:(start + len(part)) * n], version, self.version))
                     start += len(part)
             except Exception as exc:  # noqa: BLE001 - every rank must leave the scatter, then all raise
                 if not self.me.active:
@@ -100,24 +138,29 @@ class VLLMEngine:
             if self.me.is_leader:
                 raise failure
             raise EngineRequestError(f"rank 0 could not sample from the rollout server: {mine['error']}")
-        rows, version = mine
+        rows, version, self.version = mine  # every rank knows the version its actor's weights are
         return from_responses([p for p in prompt_ids for _ in range(n)], [r["token_ids"] for r in rows],
                               [r["logprobs"] for r in rows], [r["is_end"] for r in rows], self.pad_id,
                               [version] * len(rows))
 
-    def sample(self, prompts: list[list[int]], n: int, sampling, seed: int | None) -> tuple[list[dict], int]:
-        """One request for all prompts (rank 0): n samples each, as consecutive rows; and the version they were
-        sampled with. The answer is checked: the version this engine applied, n samples per prompt, each one a
-        well-formed response."""
+    def sample(self, prompts: list[list[int]], n: int, sampling, seed: int | None,
+               floor: int | None = None) -> tuple[list[dict], int, list[list[int]]]:
+        """One request for all prompts (rank 0): n samples each, as consecutive rows; the version they were sampled
+        with; the prompts. The answer is checked: the version this engine applied (for a request submitted ahead:
+        one it applied since `floor`, the version at submission), n samples per prompt, each a well-formed response."""
         stop_ids = [int(t) for t in self.stop_ids]
         answer = self._server().generate({
             "prompt_token_ids": prompts, "n": n, "temperature": sampling.temperature, "top_k": sampling.top_k,
             "top_p": sampling.top_p, "max_new_tokens": sampling.max_new_tokens, "stop_token_ids": stop_ids,
-            "seed": seed, "expected_version": self.version})
+            "seed": seed, "expected_version": self.version if floor is None else None})
         version = answer["weights_version"]
-        if self.version is not None and version != self.version:
+        self.idle_s = answer.get("idle_s", self.idle_s)
+        if floor is None and self.version is not None and version != self.version:
             raise EngineRequestError(f"rollout server sampled with weights version {version}, this engine applied "
                                      f"version {self.version}")
+        if floor is not None and not (floor <= version and (version in self.applied or version == floor)):
+            raise EngineRequestError(f"rollout server sampled with weights version {version}, not one this engine "
+                                     f"applied since version {floor} (submission)")
         if len(answer["samples"]) != len(prompts) or any(len(s) != n for s in answer["samples"]):
             raise EngineRequestError(f"rollout server answered {[len(s) for s in answer['samples']]} samples for "
                                      f"{len(prompts)} prompts x n={n}")
@@ -127,7 +170,7 @@ class VLLMEngine:
                           self.stop_ids, sampling.max_new_tokens)
         except SampleError as exc:
             raise EngineRequestError(f"rollout server answered a malformed sample: {exc}") from None
-        return rows, version
+        return rows, version, prompts
 
     def update_weights(self, weights: Weights) -> None:
         """Every rank iterates `weights` (gathering FSDP2 shards is a collective); rank 0 sends them, one tensor at a
@@ -143,8 +186,12 @@ class VLLMEngine:
             raise EngineRequestError(f"rollout server applied weights version {answer['weights_version']}, "
                                      f"expected {expected}")
         self.version = answer["weights_version"]
+        self.applied.append(self.version)
+        self.idle_s = answer.get("idle_s", self.idle_s)
         self.last_refit = {k: v for k, v in answer.items() if k != "weights_version"}
 
     def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:
             self.server.close()

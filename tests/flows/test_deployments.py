@@ -224,37 +224,61 @@ def test_killed_critic_fails_the_run_and_a_rerun_resumes(local_stack):
     assert server_processes(s, str(run_dir)) == []
 
 
-def test_vllm_rollout_server_killed_fails_the_run_within_60s_and_a_rerun_resumes_from_the_checkpoint(local_stack):
-    """reinforce/default with rollout.engine=vllm: kill -9 of the rollout server fails the run within 60 s, naming it
-    with its exit code, and leaves nothing; the rerun resumes, and its server samples with the checkpointed actor
-    (the trainer's logprobs agree with the engine's on the first resumed iteration, while the actor had moved away
-    from the base checkpoint the server loads)."""
+def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_within_60s_and_resume_in_order(local_stack):
+    """reinforce/default with rollout.engine=vllm as the rollout-server/default deployment and asynchronous rollouts
+    (k=1: the next batch is generated while the actor trains). kill -9 of the rollout server mid-pipeline fails the
+    run within 60 s, naming it with its exit code, and leaves nothing. The rerun resumes from the checkpoint: its
+    server samples with the checkpointed actor (the trainer's logprobs agree with the engine's on the first resumed
+    batch, while the actor had moved away from the base checkpoint the server loads), staleness starts from 0 again
+    (the rerun's log, every iteration it ran), and every iteration, before the kill and after it, trained on the
+    prompt stream's batch of its own number: no prompt skipped, none trained twice (the sample tables, logged every
+    iteration by whichever attempt logged it first, against the stream)."""
+    from models.config import RLHFConfig
+    from models.data import PromptStream
+    from models.loop import read_data
+
     s = local_stack
     latest = s["state_dir"] / "checkpoints" / "e2e-vllm" / "latest.json"
-    config = {"iterations": 200, "run_name": "e2e-vllm", "checkpoint": {"every": 2},
-              "rollout": {"engine": "vllm", "vllm": {"threads": 1}}}  # 1 thread: the suite's other worker shares the cores
+    config = {"iterations": 200, "run_name": "e2e-vllm", "checkpoint": {"every": 2}, "tracking": {"table_every": 1},
+              "rollout": {"engine": "vllm", "max_off_policy_steps": 1,
+                          "vllm": {"threads": 1, "launch": "deployment"}}}  # 1 thread: the other worker shares the cores
     first = flow_run_id(deployment_run(s, "reinforce/default", config))
     _wait_for(lambda: latest.exists() and json.loads(latest.read_text())["iteration"] >= 2, 300, "first checkpoint")
     server = _wait_for(lambda: stack_processes(s, "components.serving.rollout_server"), 30, "rollout server")[0]
     server.kill()
     run = wait_final(s, first, timeout=60)  # a dead rollout server fails the run within 60 s
     assert run["state"]["type"] == "FAILED"
-    assert re.search(r"rollout server \(pid \d+, http://[^)]+\) exited with code -9", run["state"]["message"] or ""), \
+    assert re.search(r"rollout server .*\(pid \d+, http://[^)]+\) exited with code -9", run["state"]["message"] or ""), \
         run["state"]["message"]
     _wait_for(lambda: not stack_processes(s, "components.serving.rollout_server"), 30, "no rollout server left")
     checkpointed = json.loads(latest.read_text())["iteration"]
-
-    rerun = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {**config, "iterations": checkpointed + 1})))
-    assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     client, mrun = mlflow_run(s, "e2e-vllm")
+    logged = max(m.step for m in client.get_metric_history(mrun.info.run_id, "objective/kl"))  # >= checkpointed
+
+    # the rerun redoes the iterations after the checkpoint (MLflow keeps the first attempt's steps) and two more
+    rerun = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {**config, "iterations": logged + 2})))
+    assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
+    assert not stack_processes(s, "components.serving.rollout_server")
+    lines = [log["message"] for log in httpx.post(f"{s['api']}/logs/filter", json={
+        "logs": {"flow_run_id": {"any_": [rerun["id"]]}}, "limit": 200}, timeout=10).json()]
+    staleness = {int(m.split()[1].split("/")[0]): float(m.rsplit("staleness ", 1)[1]) for m in lines
+                 if m.startswith("iteration ") and "staleness " in m}
+    assert staleness == {i: (0.0 if i == checkpointed + 1 else 1.0) for i in range(checkpointed + 1, logged + 3)}
 
     def last_values(key):  # the killed run may have logged the same step before the rerun did: the rerun's is the last
         return {m.step: m.value for m in sorted(client.get_metric_history(mrun.info.run_id, key),
                                                 key=lambda m: m.timestamp)}
 
-    diff, kl = last_values("rollout/logprob_diff_max"), last_values("objective/kl")
+    diff, kl, stale = (last_values(k) for k in ("rollout/logprob_diff_max", "objective/kl", "rollout/staleness_max"))
     assert diff[checkpointed + 1] < 1e-3 and kl[checkpointed + 1] > 1e-3, (diff, kl)
-    assert not stack_processes(s, "components.serving.rollout_server")
+    assert [stale[i] for i in range(1, logged + 1)] == [0.0] + [1.0] * (logged - 1), stale  # the first attempt
+    cfg = RLHFConfig.model_validate({**config, "state_dir": str(s["state_dir"]), "algorithm": "rloo"})
+    stream = PromptStream(read_data(cfg)[0], cfg.reinforce.rollout_batch_size, cfg.seed)
+    expected = [next(stream).prompts for _ in range(logged + 2)]
+    for step in range(1, logged + 3):
+        table = json.loads(Path(client.download_artifacts(mrun.info.run_id, f"tables/samples_{step:06d}.json")).read_text())
+        logged = [row[table["columns"].index("prompt")] for row in table["data"]]
+        assert list(dict.fromkeys(logged)) == expected[step - 1][:len(dict.fromkeys(logged))], step
 
 
 def test_cancelled_run_leaves_no_critic_server(local_stack):

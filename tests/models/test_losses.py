@@ -136,3 +136,62 @@ def test_weights_of_one_change_nothing():
     logp, adv, mask = old + 0.1, torch.randn(2, 4, generator=gen), torch.ones(2, 4)
     assert torch.equal(tis_weights(old, old, mask, 2.0), torch.ones(2, 4))
     assert torch.equal(ppo_policy_loss(logp, old, adv, mask, 0.2, torch.ones(2, 4))[0], ppo_policy_loss(logp, old, adv, mask, 0.2)[0])
+
+
+def test_decoupled_ppo_with_stale_rollouts_matches_a_float64_reference(tiny_models):
+    """Asynchronous rollouts: a batch sampled by the weights of 2 updates ago (the behaviour policy, the engine's
+    logprobs) is trained on by the current weights. The clip is around the proximal policy, the trainer's logprobs
+    recomputed when the batch is consumed (AReaL's decoupled PPO), and each token is weighted by
+    min(pi_proximal / pi_behaviour, cap) (truncated importance sampling toward the behaviour policy). Checked
+    token by token in float64 against a loop written here, loss and gradient, for PPO's clipped loss and REINFORCE's;
+    anchoring the clip on the behaviour policy instead would give another loss (the test would see it)."""
+    from models.config import Sampling
+    from models.engines import NativeEngine
+    from models.policy import Policy
+    from models.tasks import sentiment
+
+    policy = Policy.load(tiny_models["policy"])
+    ids = policy.encode_prompts(sentiment.prompts(4))
+    ro = NativeEngine.for_policy(policy).generate(ids, 2, Sampling(max_new_tokens=6), torch.Generator().manual_seed(0))
+    mask = ro.response_mask.double()
+
+    def logprobs():
+        with torch.no_grad():
+            return policy.logprobs(ro.tokens, ro.lengths)[0].double() * mask
+
+    behaviour = ro.sample_logprobs.double()  # version v-2: what sampled the tokens
+    torch.manual_seed(0)
+    for _ in range(2):  # two updates since (staleness 2)
+        with torch.no_grad():
+            for p in policy.model.parameters():
+                p.add_(torch.randn_like(p) * 0.02)
+    proximal = logprobs()  # version v: the weights the batch is trained from
+    with torch.no_grad():
+        for p in policy.model.parameters():
+            p.add_(torch.randn_like(p) * 0.01)  # a minibatch step into the update
+    theta = logprobs().clone().requires_grad_()
+    assert (proximal - behaviour).abs().max() > 0.05 and (theta - proximal).abs().max() > 0.01  # really stale
+    adv = torch.randn(len(ro), generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    token_adv = adv.unsqueeze(1).expand_as(mask)
+    cap, eps = 1.5, 0.2
+    w = tis_weights(proximal, behaviour, mask, cap)
+    loss, _ = ppo_policy_loss(theta, proximal, token_adv, mask, eps, w)
+    loss.backward()
+    terms, grads, n = [], torch.zeros_like(mask), mask.sum().item()
+    for b in range(len(ro)):
+        for t in range(mask.shape[1]):
+            if mask[b, t] == 0:
+                continue
+            weight = min(math.exp(proximal[b, t].item() - behaviour[b, t].item()), cap)
+            r, a = math.exp(theta[b, t].item() - proximal[b, t].item()), adv[b].item()
+            unclipped, clipped = -a * r, -a * min(max(r, 1 - eps), 1 + eps)
+            terms.append(weight * max(unclipped, clipped))
+            grads[b, t] = weight * (-a * r if unclipped >= clipped else 0.0) / n  # d/d logp of the max
+    assert loss.item() == pytest.approx(sum(terms) / n, rel=1e-12)
+    torch.testing.assert_close(theta.grad, grads, rtol=1e-10, atol=1e-14)
+    behaviour_anchored, _ = ppo_policy_loss(theta.detach(), behaviour, token_adv, mask, eps, w)
+    assert abs(behaviour_anchored.item() - loss.item()) > 1e-3
+    # REINFORCE (RLOO with clip_eps=None, GRPO, REINFORCE++): -logp * A per token, weighted alike
+    reference = sum(min(math.exp(proximal[b, t].item() - behaviour[b, t].item()), cap) * -theta[b, t].item() * adv[b].item()
+                    for b in range(len(ro)) for t in range(mask.shape[1]) if mask[b, t]) / n
+    assert reinforce_loss(theta, adv, mask, w).item() == pytest.approx(reference, rel=1e-12)

@@ -1,45 +1,108 @@
 """Training through the vLLM rollout engine, as a user runs it: `rlhf train --set rollout.engine=vllm` starts the
 rollout server (.venv-vllm) beside the actor's ranks, sends it the actor's weights before the first rollout and after
 every update, and the run learns the shipped task by the margin of the native learning test; the held-out eval samples
-through the same engine."""
+through the same engine. With asynchronous rollouts (rollout.max_off_policy_steps = k) the server generates the next
+batches while the actor trains: staleness never exceeds k and reaches it, and the runs still learn."""
 
+import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
 import pytest
 
+from components.launch.processes import wait_for
 from tests.conftest import assert_learned_with_eval
 
 RLHF = str(Path(sys.executable).parent / "rlhf")
+NON_DETERMINISTIC = ("time/", "throughput/")
+
+
+def train_args(tiny_models, **overrides) -> list[str]:
+    base = {"rollout.engine": "vllm", "rollout.vllm.threads": 1, "model.policy": tiny_models["policy"],
+            "model.reward": tiny_models["reward"], **overrides}  # 1 thread: the suite's other worker shares the cores
+    return [RLHF, "train", *[arg for key, value in base.items() for arg in ("--set", f"{key}={value}")]]
+
+
+def rlhf_train(args: list[str], state: Path, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout,
+                          env=dict(os.environ, HF_HUB_OFFLINE="1", RLHF_STATE_DIR=str(state)))
 
 
 @pytest.mark.parametrize("algorithm,ranks", [("rloo", 1), ("rloo", 2), ("ppo", 1), ("ppo", 2)])
-def test_training_through_the_vllm_engine_learns(tiny_models, tmp_path, algorithm, ranks):
-    """Gold gain >= 0.3 over 12 iterations (as tests/models/test_steps.py); every iteration refitted (time/refit) and
-    the engine agreed with the trainer on the sampled tokens (float32 on both sides: logprob_diff_max < 1e-4 (seen: 4e-6 to 2e-5), so
-    truncated importance sampling changed next to nothing); nothing of the server is left afterwards."""
-    metrics, evals = tmp_path / "m.json", tmp_path / "e.json"
-    state = tmp_path / "state"
-    overrides = {"algorithm": algorithm, "actor.nproc_per_node": ranks, "iterations": 12,
-                 "rollout.engine": "vllm", "rollout.vllm.threads": 1, "model.policy": tiny_models["policy"],
-                 "model.reward": tiny_models["reward"], "eval.prompts": "builtin:sentiment", "eval.every": 6}
-    args = [arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}")]
-    proc = subprocess.run([RLHF, "train", *args, "--metrics-out", str(metrics), "--eval-out", str(evals)],
-                          capture_output=True, text=True, timeout=900,
-                          env=dict(os.environ, HF_HUB_OFFLINE="1", RLHF_STATE_DIR=str(state)))
+def test_training_with_asynchronous_rollouts_learns(tiny_models, tmp_path, algorithm, ranks):
+    """k=1: the server generates the next batch while the actor trains. Gold gain >= 0.3 over 12 iterations (as
+    tests/models/test_steps.py); every iteration refitted (time/refit); staleness 0 on the first batch (asked for with
+    the initial weights), then exactly 1 (really one step off, never more); the truncated importance weights corrected
+    a real mismatch (the trainer's logprobs differ from the stale engine's by far more than float32 noise); the
+    held-out eval samples through the same engine; nothing of the server is left afterwards."""
+    metrics, evals, state = tmp_path / "m.json", tmp_path / "e.json", tmp_path / "state"
+    proc = rlhf_train(train_args(tiny_models, **{
+        "algorithm": algorithm, "actor.nproc_per_node": ranks, "iterations": 12, "rollout.max_off_policy_steps": 1,
+        "eval.prompts": "builtin:sentiment", "eval.every": 6}) + ["--metrics-out", str(metrics), "--eval-out", str(evals)],
+        state)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # the held-out eval through the engine (greedy: temperature 0 on the server)
     history = assert_learned_with_eval(metrics, evals)
     assert {m["dist/world_size"] for m in history} == {float(ranks)}
     assert all(m["time/refit"] > 0 for m in history)
-    assert max(m["rollout/logprob_diff_max"] for m in history) < 1e-4, [m["rollout/logprob_diff_max"] for m in history]
-    assert all(abs(m["rollout/tis_weight_mean"] - 1) < 1e-3 for m in history)
+    assert [m["rollout/staleness_max"] for m in history] == [0.0] + [1.0] * 11
+    assert [m["rollout/staleness_mean"] for m in history] == [0.0] + [1.0] * 11
+    assert max(m["rollout/logprob_diff_max"] for m in history[1:]) > 1e-2  # stale: the correction had work to do
+    assert all("time/rollout_wait" in m and "time/engine_idle" in m for m in history)
     log = (state / "logs" / "train" / "rollout-server.log").read_text()
     assert "engine loaded" in log and "stopped with code" in log
     assert not leftovers(state)
+
+
+def test_synchronous_rollouts_match_an_unset_field_number_for_number_and_k2_reaches_its_bound(tiny_models, tmp_path):
+    """k=0 is today's synchronous step: the same metrics, number for number, as a run that does not set the field
+    (float32, the same seed, the engine's logprobs equal to the trainer's: diff < 1e-4, so nothing was stale). k=2:
+    staleness 0, 1, then 2 on every later iteration, never more."""
+    runs = {}
+    for name, extra in (("unset", {}), ("k0", {"rollout.max_off_policy_steps": 0}),
+                        ("k2", {"rollout.max_off_policy_steps": 2})):
+        out = tmp_path / f"{name}.json"
+        proc = rlhf_train(train_args(tiny_models, **{"algorithm": "rloo", "iterations": 5, "seed": 3, **extra})
+                          + ["--metrics-out", str(out)], tmp_path / f"state-{name}")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        runs[name] = json.loads(out.read_text())
+    keys = [k for k in runs["unset"][0] if not k.startswith(NON_DETERMINISTIC)]
+    assert [{k: m[k] for k in keys} for m in runs["k0"]] == [{k: m[k] for k in keys} for m in runs["unset"]]
+    assert all(m["rollout/staleness_max"] == 0 and m["rollout/logprob_diff_max"] < 1e-4 for m in runs["k0"])
+    assert [m["rollout/staleness_max"] for m in runs["k2"]] == [0.0, 1.0, 2.0, 2.0, 2.0]
+
+
+def test_a_killed_rollout_server_fails_an_asynchronous_run_within_60s_naming_it(tiny_models, tmp_path):
+    """kill -9 of the local rollout server while batches are in flight: `rlhf train` fails within 60 s with the
+    server named (pid, address, exit code), and no process of the run is left."""
+    state = tmp_path / "state"
+    proc = subprocess.Popen(train_args(tiny_models, **{"algorithm": "rloo", "iterations": 500,
+                                                       "rollout.max_off_policy_steps": 2}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, HF_HUB_OFFLINE="1", RLHF_STATE_DIR=str(state)))
+    try:
+        lines = []
+        while not any("iteration 3/500" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line, "".join(lines[-50:])
+            lines.append(line)
+        server = wait_for(lambda: [p for p in leftovers(state) if "rollout_server" in " ".join(p.cmdline())], 30)[0]
+        os.kill(server.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        out, _ = proc.communicate(timeout=120)
+        assert time.monotonic() - killed < 60
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 1
+    reason = out.strip().splitlines()[-1]
+    assert re.search(rf"rollout server \(pid {server.pid}, http://[^)]+\) exited with code -9", reason), reason
+    assert wait_for(lambda: not leftovers(state), 30)
 
 
 def leftovers(state: Path) -> list[psutil.Process]:
