@@ -258,7 +258,8 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_wi
     # the rerun redoes the iterations after the checkpoint (MLflow keeps the first attempt's steps) and two more
     rerun = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {**config, "iterations": logged + 2})))
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
-    assert not stack_processes(s, "components.serving.rollout_server")
+    # the training run cancels its server's flow run at the end, which stops the server
+    _wait_for(lambda: not stack_processes(s, "components.serving.rollout_server"), 60, "rollout server stopped")
     lines = [log["message"] for log in httpx.post(f"{s['api']}/logs/filter", json={
         "logs": {"flow_run_id": {"any_": [rerun["id"]]}}, "limit": 200}, timeout=10).json()]
     staleness = {int(m.split()[1].split("/")[0]): float(m.rsplit("staleness ", 1)[1]) for m in lines
