@@ -54,11 +54,16 @@ def train(overrides: dict, out: Path, pin_actor: str | None, env: dict) -> list[
     return json.loads(out.read_text())
 
 
-def throughput(model_dir: str, iterations: int, env: dict, tmp: Path) -> dict:
+RUNS = [("k0_shared_cores", 0, None), ("k0", 0, "0"), ("k1", 1, "0"), ("k2", 2, "0")]  # (name, k, actor's cores)
+
+
+def throughput(model_dir: str, iterations: int, env: dict, tmp: Path, runs=RUNS, sizes: dict | None = None) -> dict:
+    """Each run of `runs` (the actor pinned to its cores and the server to core 1, or both sharing): iterations per
+    minute and the phases."""
     cases = {}
-    runs = [("k0_shared_cores", 0, None), ("k0", 0, "0"), ("k1", 1, "0"), ("k2", 2, "0")]
     for name, k, pin in runs:
-        overrides = {**SIZES, "model.policy": model_dir, "iterations": iterations, "rollout.max_off_policy_steps": k,
+        overrides = {**SIZES, **(sizes or {}), "model.policy": model_dir, "iterations": iterations,
+                     "rollout.max_off_policy_steps": k,
                      **({"rollout.vllm.threads": 1, "rollout.vllm.cpu_cores": "1"} if pin else {})}
         log(f"async_rollouts: {name} ({iterations} iterations)")
         history = train(overrides, tmp / f"{name}.json", pin, env)[2:]  # the first two warm the engine up
@@ -73,15 +78,16 @@ def throughput(model_dir: str, iterations: int, env: dict, tmp: Path) -> dict:
             "generate_s": stats(generate), "train_s": stats(train_s), "refit_s": stats([m["time/refit"] for m in history]),
             "staleness_max": max(m["rollout/staleness_max"] for m in history),
             "staleness_mean": statistics.mean(m["rollout/staleness_mean"] for m in history),
+            "refit_wait_s": stats([m["time/refit_wait"] for m in history]),
             "measured_iterations": len(history)}
     base = cases["k0"]
     gen, tr = base["generate_s"]["median"], base["train_s"]["median"]
     ideal = (gen + tr) / max(gen, tr)
-    for name in ("k1", "k2"):
+    for name in [n for n in ("k1", "k2") if n in cases]:
         speedup = cases[name]["iterations_per_minute"] / base["iterations_per_minute"]
         cases[name].update(speedup_over_k0=speedup, ideal_speedup=ideal, share_of_ideal=speedup / ideal)
     log("async_rollouts: " + ", ".join(f"{n} {c['iterations_per_minute']:.2f} it/min" for n, c in cases.items())
-        + f"; ideal x{ideal:.2f}, k=1 x{cases['k1']['speedup_over_k0']:.2f}")
+        + f"; ideal x{ideal:.2f}" + (f", k=1 x{cases['k1']['speedup_over_k0']:.2f}" if "k1" in cases else ""))
     return cases
 
 

@@ -24,13 +24,16 @@ CPU (checks the script; its numbers are meaningless and are written to results/t
 from __future__ import annotations
 
 import argparse
-import time
+import os
 import tempfile
+import time
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from benchmarks.common import RESULTS, log, stats, tiny_config, write_result
+from benchmarks.async_rollouts import throughput as async_throughput
 from benchmarks.rollout_engine import compare_generation
 from components.serving.launcher import rollout_python
 from models.config import OptimConfig, Sampling
@@ -191,8 +194,24 @@ def vllm_bench(model_dir: str, device, smoke: bool, reps: int) -> dict:
         cases.append({"batch": batch, **case})
         log(f"gpu vLLM B={batch}: {case['vllm_tokens_per_s']['median']:.0f} tok/s vs native "
             f"{case['native_tokens_per_s']['median']:.0f} (x{case['speedup_vllm_over_native']:.2f}), refit "
-            f"{case['refit_s']['median']:.2f}s")
+            + ", ".join(f"{t} {r['seconds']['median']:.2f}s" for t, r in case["refit"].items()))
     return {"dtype": "bfloat16", "gpu_memory_utilization": cfg.rollout.vllm.gpu_memory_utilization, "cases": cases}
+
+
+def async_bench(model_dir: str, smoke: bool) -> dict:
+    """Asynchronous rollouts (benchmarks/async_rollouts.py) on the GPU: RLOO with k = 0 and 1, the actor and the vLLM
+    server sharing the one GPU (30% of its memory for the server); iterations per minute, rollout wait, engine idle."""
+    cfg = tiny_config()
+    try:
+        rollout_python(cfg)
+    except FileNotFoundError as exc:
+        return {"skipped": str(exc)}
+    sizes = {"generation.max_new_tokens": 16 if smoke else 512, "reinforce.rollout_batch_size": 4 if smoke else 64,
+             "reinforce.minibatch_size": 8 if smoke else 64, "generation.micro_batch_size": 8 if smoke else 16,
+             "rollout.vllm.dtype": "bfloat16", "model.dtype": "bfloat16"}
+    with tempfile.TemporaryDirectory(prefix="gpu-async-") as tmp:
+        return async_throughput(model_dir, 4 if smoke else 10, dict(os.environ, HF_HUB_OFFLINE="1"), Path(tmp),
+                                runs=[("k0", 0, None), ("k1", 1, None)], sizes=sizes)
 
 
 def main(argv=None) -> dict:
@@ -237,6 +256,7 @@ def main(argv=None) -> dict:
         torch.cuda.empty_cache()
     with tmp:
         vllm = vllm_bench(tmp.name, device, small, reps)
+        asynchronous = async_bench(tmp.name, small)
     result = {
         "quick": args.quick,
         "what": "decode tokens/s vs weight-bandwidth roofline, training MFU (~0.5B model, random weights, bf16)",
@@ -247,6 +267,7 @@ def main(argv=None) -> dict:
                   "matmul_parameters": matmul_params(cfg)},
         "repetitions": {"reps": reps, "warmup": 1},
         "decode": decode, "reference_logprobs": reference, "train": train, "vllm_rollout_server": vllm,
+        "async_rollouts": asynchronous,
         "notes": ["roofline uses the measured copy bandwidth and the weights as Policy.load stores them (float32 "
                   "master weights, bf16 autocast compute: each step reads the float32 weights); tokens/s counts every "
                   "generated token",

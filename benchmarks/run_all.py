@@ -18,7 +18,8 @@ import traceback
 
 from benchmarks.common import ROOT, load_average, log, machine, results_dir, versions
 
-BENCHMARKS = ("generate", "rollout_engine", "rloo_vs_trl", "critic_http", "overlap", "what_if", "distributed", "critic_ranks", "gpu")
+BENCHMARKS = ("generate", "rollout_engine", "async_rollouts", "rloo_vs_trl", "critic_http", "overlap", "what_if",
+              "distributed", "critic_ranks", "gpu")
 MARK_START, MARK_END = "<!-- results:start (written by python -m benchmarks.run_all) -->", "<!-- results:end -->"
 
 

@@ -137,12 +137,14 @@ def all_ranks(me: Dist, local: StepData, scored: dict) -> tuple[StepData, slice]
 def engine_clock(me: Dist, engine, idle_before: float | None) -> dict[str, float]:
     """time/rollout_wait: how long rank 0 waited for this iteration's rollouts (asynchronous rollouts: the answer asked
     for ahead); time/engine_idle: how long the rollout server neither generated nor loaded weights between the
-    previous refit and this one (its own clock)."""
+    previous refit and this one (its own clock); time/refit_wait: how long this refit waited on the server for the
+    generation in flight."""
     idle = engine.last_refit.get("idle_s")
     clock = torch.tensor([engine.wait_s if me.is_leader else 0.0,
-                          idle - idle_before if me.is_leader and None not in (idle, idle_before) else 0.0])
-    wait, engine_idle = me.all_reduce(clock, op="max").tolist()
-    return {"time/rollout_wait": wait, "time/engine_idle": engine_idle}
+                          idle - idle_before if me.is_leader and None not in (idle, idle_before) else 0.0,
+                          engine.last_refit.get("lock_wait_s", 0.0) if me.is_leader else 0.0])
+    wait, engine_idle, refit_wait = me.all_reduce(clock, op="max").tolist()
+    return {"time/rollout_wait": wait, "time/engine_idle": engine_idle, "time/refit_wait": refit_wait}
 
 
 def engine_mismatch(me: Dist, old_logp: torch.Tensor, engine_logp: torch.Tensor, mask: torch.Tensor,

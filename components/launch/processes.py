@@ -244,9 +244,10 @@ class ServerProcess(ChildProcess):
         return wait_until_ready(self.probe, timeout, f"{self.name} server", self.url, self)
 
     def death(self, settle_s: float = 20.0) -> Optional[str]:
-        """Why the server cannot serve, or None while it does: called after a request failed. A killed server drops
-        its connections a moment before its exit is seen, and one that lost a rank stops serving before it exits:
-        an unhealthy server gets `settle_s` to exit. One that stays up but unhealthy is named with what it says."""
+        """Why the server cannot serve, or None while it does (its probe says so): called after a request failed. A
+        killed server drops its connections a moment before its exit is seen, and one that lost a rank stops serving
+        before it exits: an unhealthy server gets `settle_s` to exit. One that stays up but unhealthy is named with
+        what it says. (Whoever asks decides how long a healthy server is watched: RunServices.guard.)"""
         if self.poll() is None:
             health = self.probe()
             if health.ok:

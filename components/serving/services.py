@@ -101,14 +101,18 @@ class RunServices:
     critic: object = None
     reward: object = None
 
-    def guard(self, fn, *args, **kwargs):
-        """Call a step; if it fails and one of the servers is gone, fail with a message naming it and its exit."""
+    def guard(self, fn, *args, settle_s: float = 20.0, **kwargs):
+        """Call a step; if it fails and one of the servers is gone, fail with a message naming it and its exit. A
+        server that is going away may answer for a moment more (one that lost a rank fails its request first, then
+        stops serving, then exits): its servers are looked at for `settle_s` before the step's own error stands."""
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
-            for service in self.services:
-                if death := service.death():
-                    raise ServerDied(death) from exc
+            def gone() -> Optional[str]:
+                return next((death for service in self.services if (death := service.death())), None)
+
+            if death := wait_for(gone, settle_s if self.services else 0, poll_s=0.5):
+                raise ServerDied(death) from exc
             raise
 
 
