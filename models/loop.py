@@ -244,10 +244,11 @@ class RankFailed(RuntimeError):
 
 @dataclass
 class Hooks:
-    """How each part of an iteration runs: directly (the defaults, `rlhf train`), or as the flow's Prefect tasks
-    (components/tasks.py). `step` and `evaluate` get the actor and do the work; `log` gets (iteration, metrics,
-    samples) after each step, `logged_eval` (iteration, metrics, rows) after each eval; `checkpoint` (None: no
-    checkpoints) saves the actor's state."""
+    """How each part of an iteration runs: directly (`Hooks.direct`: `rlhf train`, the learning tests), or as the
+    flow's Prefect tasks (components/tasks.flow_hooks). `step` (actor, batch, the stream's position after it, the
+    batches queued after it) and `evaluate` (actor, eval batch, iteration) do the work; `log` gets (iteration,
+    metrics, samples) after each step, `logged_eval` (iteration, metrics, rows) after each eval; `checkpoint` (None:
+    no checkpoints) saves the actor's state."""
 
     step: Callable[[Leader, Batch, dict, list[Batch]], tuple[dict, list[dict]]]
     evaluate: Callable[[Leader, Batch, int], tuple[dict, list[dict]]]
