@@ -1,0 +1,88 @@
+"""A hyperparameter sweep as a Prefect flow (`sweep/default`, and `rlhf sweep` in one shell): an Optuna study whose
+trials are runs of the algorithm's training deployment (ppo/default or reinforce/default), at most
+`sweep.concurrency` at a time, pruned by the study's pruner, all nested under one MLflow run named after the sweep.
+
+    check the space against the config (bad input fails here, before any trial starts)
+    open the study (rerunning a name resumes it) and the MLflow parent run
+    follow the trials an earlier, dead run of this sweep left running
+    while trials are left or running: start trials while a slot is free; read their states and metrics (report,
+        prune, tell the ones that ended)
+    record the table of trials, the best trial, the plots and the comparison; fail only if every trial failed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from components.environment import quiet
+from components.sweep.config import SweepConfig
+from components.sweep.space import SweepError, check_sweep
+from components.sweep.study import Plan, open_study, unfinished
+from components.sweep.tracking import SweepRun, table_artifact
+from components.sweep.trials import Trials, require_deployment
+from components.tasks import reported_failure
+from flows.ppo import ppo
+from flows.reinforce import reinforce
+from models.config import RLHFConfig
+
+# the deployment that trains each algorithm (flows/ppo.py, flows/reinforce.py)
+TRAINING_DEPLOYMENTS = {"ppo": f"{ppo.name}/default", "rloo": f"{reinforce.name}/default"}
+
+# the deployment's defaults: RLOO with a held-out eval every 4 iterations, a 2 x 2 grid over the learning rate and the
+# initial KL coefficient (`prefect deployment run sweep/default` runs it; any parameter can be replaced)
+EXAMPLE_CONFIG = RLHFConfig(algorithm="rloo", eval={"prompts": "builtin:sentiment", "every": 4})
+EXAMPLE_SWEEP = SweepConfig(name="rloo-lr-kl", space={"reinforce.optim.lr": [3e-5, 1e-3], "kl.init": [0.01, 0.1]},
+                            concurrency=2)
+
+
+def sweep_name() -> str:
+    """The sweep's flow run is named after the sweep."""
+    sweep = flow_run.get_parameters().get("sweep")
+    return sweep.name if isinstance(sweep, SweepConfig) else str((sweep or {}).get("name", "sweep"))
+
+
+@flow(name="sweep", log_prints=True, flow_run_name=sweep_name)
+def sweep_flow(config: RLHFConfig = EXAMPLE_CONFIG, sweep: SweepConfig = EXAMPLE_SWEEP) -> dict:
+    """Search `sweep.space` over the base `config`: every trial is a run of the training deployment of
+    `config.algorithm`, named '<sweep>-t<N>'; returns the summary (counts, best trial)."""
+    with reported_failure():
+        space = check_sweep(config, sweep)
+        deployment = training_deployment(config)
+        study = open_study(config, sweep, space)
+        with SweepRun.open(config, sweep, {"prefect.flow_run_id": flow_run.get_id()}) as parent, \
+                Trials(config, sweep, space, study, parent, deployment) as trials:
+            trials.follow(unfinished(study))
+            plan = Plan(study, space, sweep, followed=[r.trial for r in trials.running.values()])
+            while plan or trials.running:
+                while plan and trials.has_room():
+                    trials.start(plan.ask())
+                trials.poll()
+            summary = parent.record(study)
+            table_artifact(sweep, summary)
+            if summary["complete"] + summary["pruned"] == 0 and summary["failed"]:
+                raise RuntimeError(f"every trial of sweep {sweep.name} failed; {summary['summary']}")
+        return {k: v for k, v in summary.items() if k != "rows"}
+
+
+def training_deployment(config: RLHFConfig) -> str:
+    """The deployment that runs the trials of `config.algorithm`; it must be served."""
+    if config.algorithm not in TRAINING_DEPLOYMENTS:
+        raise SweepError(f"config.algorithm: {config.algorithm} has no training deployment "
+                         f"(known: {', '.join(TRAINING_DEPLOYMENTS)})")
+    require_deployment(TRAINING_DEPLOYMENTS[config.algorithm])
+    return TRAINING_DEPLOYMENTS[config.algorithm]
+
+
+if __name__ == "__main__":  # what `rlhf sweep` runs: the flow in this process, its trials on the deployments
+    quiet()
+    parser = argparse.ArgumentParser(description="Run a sweep flow (rlhf sweep): --config and --sweep as JSON.")
+    parser.add_argument("--config", required=True, help="the base run config (JSON)")
+    parser.add_argument("--sweep", required=True, help="the sweep section (JSON)")
+    args = parser.parse_args()
+    result = sweep_flow(config=RLHFConfig.model_validate(json.loads(args.config)),
+                   sweep=SweepConfig.model_validate(json.loads(args.sweep)))
+    print(json.dumps(result, indent=1, default=str))
