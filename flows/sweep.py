@@ -35,7 +35,7 @@ TRAINING_DEPLOYMENTS = {"ppo": f"{ppo.name}/default", "rloo": f"{reinforce.name}
 # the deployment's defaults: RLOO with a held-out eval every 4 iterations, a 2 x 2 grid over the learning rate and the
 # initial KL coefficient (`prefect deployment run sweep/default` runs it; any parameter can be replaced)
 EXAMPLE_CONFIG = RLHFConfig(algorithm="rloo", eval={"prompts": "builtin:sentiment", "every": 4})
-EXAMPLE_SWEEP = SweepConfig(name="rloo-lr-kl", space={"reinforce.optim.lr": [3e-5, 1e-3], "kl.init": [0.01, 0.1]},
+EXAMPLE_SWEEP = SweepConfig(name="rloo-lr-kl", space={"reinforce.optim.lr": [1e-6, 1e-3], "kl.init": [0.01, 0.1]},
                             concurrency=2)
 
 
@@ -50,18 +50,18 @@ def sweep_flow(config: RLHFConfig = EXAMPLE_CONFIG, sweep: SweepConfig = EXAMPLE
     """Search `sweep.space` over the base `config`: every trial is a run of the training deployment of
     `config.algorithm`, named '<sweep>-t<N>'; returns the summary (counts, best trial)."""
     with reported_failure():
-        space = check_sweep(config, sweep)
-        deployment = training_deployment(config)
-        study = open_study(config, sweep, space)
+        space = check_sweep(config, sweep)  # bad input fails here, before any trial starts
+        deployment = training_deployment(config)  # ppo/default or reinforce/default, which must exist
+        study = open_study(config, sweep, space)  # created, or resumed by name: its finished trials are kept
         with SweepRun.open(config, sweep, {"prefect.flow_run_id": flow_run.get_id()}) as parent, \
-                Trials(config, sweep, space, study, parent, deployment) as trials:
-            trials.follow(unfinished(study))
-            plan = Plan(study, space, sweep, followed=[r.trial for r in trials.running.values()])
+                Trials(config, sweep, space, study, parent, deployment) as trials:  # on failure: trials cancelled
+            trials.follow(unfinished(study))  # left running by an earlier run of this sweep that died
+            plan = Plan(study, space, sweep, trials.followed())  # the combinations (or the count) still to run
             while plan or trials.running:
-                while plan and trials.has_room():
-                    trials.start(plan.ask())
-                trials.poll()
-            summary = parent.record(study)
+                while plan and trials.has_room():  # at most sweep.concurrency at once
+                    trials.start(plan.ask())  # a flow run of the deployment, a child of this one
+                trials.poll()  # states and metric steps -> Optuna; prune (cancel); tell the ones that ended
+            summary = parent.record(study)  # table, best trial, plots, comparison on the parent run
             table_artifact(sweep, summary)
             if summary["complete"] + summary["pruned"] == 0 and summary["failed"]:
                 raise RuntimeError(f"every trial of sweep {sweep.name} failed; {summary['summary']}")

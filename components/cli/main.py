@@ -93,7 +93,7 @@ SWEEP_HELP = """Run a hyperparameter sweep (an Optuna study) as a Prefect flow i
 algorithm's deployment (ppo/default or reinforce/default) on the local stack that `rlhf up` started.
 
     rlhf sweep --set algorithm=rloo --set eval.prompts=builtin:sentiment --set eval.every=4 --name lr-kl \\
-        --space 'reinforce.optim.lr=[3e-5, 1e-3]' --space 'kl.init=[0.01, 0.1]' --concurrency 2
+        --space 'reinforce.optim.lr=[1e-6, 1e-3]' --space 'kl.init=[0.01, 0.1]' --concurrency 2
     rlhf sweep --config run.yaml --sweep sweep.yaml --pruner median
 
 The base config: the 'tiny' preset, then --config YAML, then --set (as `rlhf train`). The sweep section: --sweep YAML

@@ -61,7 +61,7 @@ def open_study(config: RLHFConfig, sweep: SweepConfig, space: Space) -> optuna.S
         differ = [key for key, value in json.loads(mine).items() if json.loads(stored).get(key) != value]
         raise SweepError(f"sweep.name: the study '{sweep.name}' in {url} was started with another {' and '.join(differ)}; "
                          f"rerun it with the same ones to resume it, or give the sweep another name")
-    for waiting in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):  # enqueued by a run that died
+    for _ in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):  # enqueued by a run that died
         trial = study.ask()
         trial.set_user_attr("reason", "enqueued by a run of the sweep that stopped before starting it")
         study.tell(trial, state=TrialState.FAIL)
@@ -78,7 +78,7 @@ class Plan:
     has, in the lists' order; for random and tpe, `sweep.trials` minus the kept and followed ones. `ask()` starts the
     next one in the study."""
 
-    def __init__(self, study: optuna.Study, space: Space, sweep: SweepConfig, followed: list[FrozenTrial]):
+    def __init__(self, study: optuna.Study, space: Space, sweep: SweepConfig, followed: list):
         self.study, self.space = study, space
         done = study.get_trials(deepcopy=False, states=KEPT) + list(followed)
         if space.grid is not None:

@@ -36,6 +36,8 @@ from components.sweep.space import Space, SweepError, trial_config
 from components.sweep.tracking import SweepRun
 from models.config import RLHFConfig
 
+MAX_POLL_ERRORS = 10
+
 
 def require_deployment(name: str) -> None:
     """Trials run on the training deployment: refuse a sweep whose deployment the Prefect API does not have."""
@@ -76,6 +78,7 @@ class Trials:
         self.config, self.sweep, self.space, self.study, self.parent = config, sweep, space, study, parent
         self.deployment = deployment
         self.running: dict[int, Running] = {}
+        self.errors = 0  # failed polls in a row
         self.logger = get_run_logger()
 
     def __enter__(self) -> "Trials":
@@ -123,18 +126,31 @@ class Trials:
             self.logger.info(f"trial {frozen.number} ({running.run_name}) was left running by an earlier run of the "
                              f"sweep: following its flow run {running.flow_run_id}")
 
+    def followed(self) -> list[optuna.Trial]:
+        return [r.trial for r in self.running.values()]
+
     # ------------------------------------------------------------------------------------------- follow them
     def poll(self) -> None:
-        """After `sweep.poll_s`: every running trial's state and new metric steps; prune; tell the ones that ended."""
+        """After `sweep.poll_s`: every running trial's state and new metric steps; prune; tell the ones that ended.
+        A failed reading (Prefect or MLflow unreachable for a moment) is tried again at the next poll; the sweep
+        fails after MAX_POLL_ERRORS in a row."""
         time.sleep(self.sweep.poll_s)
-        with get_client(sync_client=True) as client:
-            states = {number: client.read_flow_run(r.flow_run_id).state for number, r in self.running.items()}
-        for number, state in states.items():
-            running = self.running[number]
-            ended = state is not None and state.is_final()
-            self._report(running, judge=not ended)
-            if ended:
-                self._end(running, state)
+        try:
+            with get_client(sync_client=True) as client:
+                states = {number: client.read_flow_run(r.flow_run_id).state for number, r in self.running.items()}
+            for number, state in states.items():
+                running = self.running[number]
+                ended = state is not None and state.is_final()
+                self._report(running, judge=not ended)
+                if ended:
+                    self._end(running, state)
+            self.errors = 0
+        except Exception as exc:  # noqa: BLE001 - counted; raised once it keeps failing
+            self.errors += 1
+            if self.errors >= MAX_POLL_ERRORS:
+                raise
+            self.logger.warning(f"could not read the trials ({self.errors} time(s) in a row), trying again: "
+                                f"{first_line(exc)}")
 
     def _report(self, r: Running, judge: bool) -> None:
         """New steps of the metric -> Optuna; then ask the pruner (`judge`: not for a flow run that has ended)."""

@@ -150,6 +150,17 @@ def test_the_study_lives_in_sqlite_in_the_state_dir_and_a_rerun_keeps_finished_t
     assert Plan(again, space, sweep, unfinished(again)).left == 0  # the followed trial holds the last combination
 
 
+def test_a_combination_enqueued_by_a_run_that_died_before_asking_for_it_is_failed_and_run_again(tmp_path):
+    config, sweep = sweep_in(tmp_path)
+    space = check_sweep(config, sweep)
+    study = open_study(config, sweep, space)
+    study.enqueue_trial(space.grid[0])  # the run died between enqueue_trial and ask
+    again = open_study(config, sweep, space)
+    assert [(t.state, t.user_attrs["reason"]) for t in again.trials] == [
+        (TrialState.FAIL, "enqueued by a run of the sweep that stopped before starting it")]
+    assert Plan(again, space, sweep, []).left == 4
+
+
 def test_random_and_tpe_count_the_kept_trials_toward_sweep_trials(tmp_path):
     config = base(state_dir=str(tmp_path))
     sweep = SweepConfig(name="r", sampler="random", trials=3, space={"reinforce.optim.lr": {"low": 1e-5, "high": 1e-3, "log": True}})
