@@ -23,9 +23,9 @@ from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig, merge
 
 SET_BY_THE_SWEEP = ("algorithm", "run_name", "tracking.parent_run_id")  # one deployment per sweep; trials are named
-# A trial's servers and ranks take these ports (+ a stride per concurrent trial, `trial_config`), so that two trials
-# starting together on one machine never pick the same free port.
-PORTS = {"critic.http_port": 3, "reward.http_port": 3, "rollout.vllm.port": 3, "actor.master_port": 1}
+# The ports a trial's servers and actor ranks prefer (field -> how many from there): each trial gets its own
+# (components/sweep/trials.py), so that two trials starting together on one machine never race for the same port.
+PORTS = {"critic.http_port": 3, "reward.http_port": 3, "rollout.vllm.port": 1, "actor.master_port": 1}
 
 
 class SweepError(ValueError):
@@ -104,17 +104,10 @@ def metric_problem(cfg: RLHFConfig, metric: str) -> Optional[str]:
 
 
 def trial_config(config: RLHFConfig, sweep: SweepConfig, number: int, params: dict, parent_run_id: str,
-                 slot: int = 0) -> RLHFConfig:
+                 ports: Optional[dict[str, int]] = None) -> RLHFConfig:
     """The config of trial `number`: the base config with the trial's values, named '<sweep>-t<number>', nested under
-    the sweep's MLflow run; concurrent trials (`slot` = 0 .. concurrency-1) get disjoint preferred ports."""
-    current = config.model_dump()
-    ports = {}
-    for field, stride in PORTS.items():
-        section, _, name = field.rpartition(".")
-        value = _get(current, section)[name]
-        if field not in params and value + stride * slot <= 65535 - 2:
-            ports[field] = value + stride * slot
-    return merge(config, {**ports, **params, "run_name": f"{sweep.name}-t{number}",
+    the sweep's MLflow run, with its own preferred `ports` (fields of PORTS; a swept port field keeps its value)."""
+    return merge(config, {**(ports or {}), **params, "run_name": f"{sweep.name}-t{number}",
                           "tracking.parent_run_id": parent_run_id})
 
 
@@ -163,9 +156,3 @@ def _type_name(kind) -> str:
     if typing.get_origin(kind) is typing.Literal:
         return "one of " + ", ".join(map(repr, typing.get_args(kind)))
     return f"of type {getattr(kind, '__name__', kind)}"
-
-
-def _get(data: dict, dotted: str) -> dict:
-    for part in dotted.split("."):
-        data = data[part]
-    return data

@@ -20,6 +20,7 @@ from components.sweep.config import SweepConfig
 from components.sweep.space import SweepError, check_sweep, distribution, trial_config
 from components.sweep.study import Plan, open_study, unfinished
 from components.sweep.tracking import SweepRun, trial_runs
+from components.sweep.trials import trial_ports
 from models.config import RLHFConfig
 
 EVAL = {"prompts": "builtin:sentiment", "every": 2}
@@ -107,13 +108,24 @@ def test_the_sweep_section_refuses_bad_input_naming_the_field(sweep, field, expe
 
 
 def test_a_trial_config_has_the_values_its_name_its_parent_and_ports_of_its_own():
-    sweep = SweepConfig(name="lr-kl", space={**GRID, "reward.http_port": [9100]})
-    first = trial_config(base(), sweep, 3, {"reinforce.optim.lr": 3e-4, "kl.init": 0.1, "reward.http_port": 9100}, "p1")
-    second = trial_config(base(), sweep, 4, {"reinforce.optim.lr": 1e-4, "kl.init": 0.1, "reward.http_port": 9100}, "p1", slot=1)
-    assert (first.run_name, first.tracking.parent_run_id, first.reinforce.optim.lr, first.kl.init) == ("lr-kl-t3", "p1", 3e-4, 0.1)
-    assert (first.critic.http_port, first.actor.master_port, first.rollout.vllm.port) == (8400, 29511, 8600)
-    assert (second.critic.http_port, second.actor.master_port, second.rollout.vllm.port) == (8403, 29512, 8603)
-    assert first.reward.http_port == second.reward.http_port == 9100  # a swept port is the trial's own choice
+    sweep = SweepConfig(name="lr-kl", space=GRID)
+    ports = {"critic.http_port": 21000, "reward.http_port": 21003, "rollout.vllm.port": 21006, "actor.master_port": 21007}
+    cfg = trial_config(base(), sweep, 3, {"reinforce.optim.lr": 3e-4, "kl.init": 0.1}, "p1", ports)
+    assert (cfg.run_name, cfg.tracking.parent_run_id, cfg.reinforce.optim.lr, cfg.kl.init) == ("lr-kl-t3", "p1", 3e-4, 0.1)
+    assert (cfg.critic.http_port, cfg.reward.http_port, cfg.rollout.vllm.port, cfg.actor.master_port) == (21000, 21003, 21006, 21007)
+    swept = trial_config(base(), sweep, 4, {"reward.http_port": 9100}, "p1", {"critic.http_port": 21000})
+    assert swept.reward.http_port == 9100 and swept.critic.http_port == 21000
+
+
+def test_each_trial_gets_free_ports_of_its_own():
+    """Two trials starting together must not race for the same port (nor with runs preferring the defaults)."""
+    first = trial_ports({}, set())
+    assert set(first) == {"critic.http_port", "reward.http_port", "rollout.vllm.port", "actor.master_port"}
+    blocks = [set(range(first[f], first[f] + n)) for f, n in (("critic.http_port", 3), ("reward.http_port", 3))]
+    assert not blocks[0] & blocks[1] and all(20000 <= port < 32000 for port in first.values())
+    taken = {p for b in blocks for p in b} | {first["rollout.vllm.port"], first["actor.master_port"]}
+    second = trial_ports({"reward.http_port": 9100}, taken)
+    assert "reward.http_port" not in second and not taken & {second["critic.http_port"] + i for i in range(3)}
 
 
 # ------------------------------------------------------------------------------------------------ the study
