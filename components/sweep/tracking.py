@@ -31,7 +31,7 @@ from components.sweep.config import SweepConfig
 from components.sweep.study import label
 from components.tracking.compare import DEFAULT_METRICS, EVAL_METRICS, compare_runs
 from components.tracking.run import default_tracking_uri
-from components.tracking.tracker import check_reachable, get_or_create_experiment
+from components.tracking.tracker import check_reachable, flatten, get_or_create_experiment
 from models.config import RLHFConfig
 
 TABLE = "trials.json"
@@ -63,10 +63,10 @@ class SweepRun:
         else:
             run_id = client.create_run(experiment_id, run_name=sweep.name,
                                        tags={"kind": "sweep", "sweep": sweep.name, "algorithm": config.algorithm}).info.run_id
-            params = {"sweep.space": json.dumps(sweep.model_dump(mode="json")["space"]), "sweep.sampler": sweep.sampler,
-                      "sweep.seed": sweep.seed, "sweep.metric": sweep.metric, "sweep.direction": sweep.direction}
-            client.log_batch(run_id, params=[Param(k, str(v)) for k, v in params.items()])
+            definition = sweep.model_dump(mode="json", include={"space", "sampler", "seed", "metric", "direction"})
+            client.log_batch(run_id, params=[Param(k, v) for k, v in flatten({"sweep": definition}).items()])
             client.log_text(run_id, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), "config.yaml")
+            client.log_text(run_id, yaml.safe_dump(sweep.model_dump(mode="json"), sort_keys=False), "sweep.yaml")
         settings = {"sweep.concurrency": sweep.concurrency, "sweep.trials": sweep.trials, "sweep.pruner": sweep.pruner,
                     **(tags or {})}
         client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in settings.items()])
@@ -222,9 +222,9 @@ def find_sweep(client: MlflowClient, experiment: str, name: str, uri: str) -> tu
                               max_results=1) if found else []
     if not runs:
         raise LookupError(f"no sweep named '{name}' in experiment '{experiment}' at {uri}")
-    params = runs[0].data.params
-    sweep = SweepConfig(name=name, space=json.loads(params["sweep.space"]), sampler=params["sweep.sampler"],
-                        metric=params["sweep.metric"], direction=params["sweep.direction"])
+    with tempfile.TemporaryDirectory() as tmp:
+        sweep = SweepConfig.model_validate(yaml.safe_load(
+            Path(client.download_artifacts(runs[0].info.run_id, "sweep.yaml", tmp)).read_text()))
     return found.experiment_id, runs[0].info.run_id, sweep
 
 

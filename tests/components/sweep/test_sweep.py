@@ -19,7 +19,7 @@ from components.cli.main import main
 from components.sweep.config import SweepConfig
 from components.sweep.space import SweepError, check_sweep, distribution, trial_config
 from components.sweep.study import Plan, open_study, unfinished
-from components.sweep.tracking import SweepRun, trial_runs
+from components.sweep.tracking import SweepRun, find_sweep, trial_runs
 from components.sweep.trials import trial_ports
 from models.config import RLHFConfig
 
@@ -247,6 +247,8 @@ def test_the_parent_run_is_found_again_and_the_table_gets_each_finished_trial_on
     assert run.data.tags["best.trial"] == "1" and run.data.tags["best.kl.init"] == "0.1" and run.data.metrics["sweep/best_value"] == 0.9
     pruned = client.get_run(table["data"][2][table["columns"].index("mlflow_run_id")])
     assert pruned.data.tags["sweep.state"] == "pruned" and pruned.info.status == "KILLED"
+    assert find_sweep(client, "rlhf-flows", "lr-kl", mlflow_uri)[1:] == (parent.run_id, sweep)  # rlhf compare --sweep
+    assert run.data.params["sweep.space.kl.init"] == "[0.01, 0.1]" and run.data.params["sweep.sampler"] == "grid"
     labels = trial_runs(client, parent.experiment_id, parent.run_id, sweep)
     assert list(labels.values())[1] == "lr-kl-t1: reinforce.optim.lr=0.0001, kl.init=0.1, complete"
 
