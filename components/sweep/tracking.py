@@ -24,7 +24,9 @@ import yaml
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+from optuna.importance import FanovaImportanceEvaluator
 from optuna.trial import FrozenTrial, TrialState
+from optuna.visualization import matplotlib as plots
 from prefect.artifacts import create_table_artifact
 
 from components.sweep.config import SweepConfig
@@ -35,10 +37,12 @@ from components.tracking.tracker import check_reachable, flatten, get_or_create_
 from models.config import RLHFConfig
 
 TABLE = "trials.json"
-PLOTS = {"optimization_history": optuna.visualization.matplotlib.plot_optimization_history,
-         "parallel_coordinate": optuna.visualization.matplotlib.plot_parallel_coordinate,
-         "param_importances": optuna.visualization.matplotlib.plot_param_importances,
-         "intermediate_values": optuna.visualization.matplotlib.plot_intermediate_values}
+PLOTS = {  # Optuna's matplotlib plots (name -> draw(study, seed)); the importances by fANOVA (a random forest over the
+    # trials, scikit-learn: MLflow's dependency), which reads a handful of grid trials sensibly
+    "optimization_history": lambda study, seed: plots.plot_optimization_history(study),
+    "parallel_coordinate": lambda study, seed: plots.plot_parallel_coordinate(study),
+    "param_importances": lambda study, seed: plots.plot_param_importances(study, FanovaImportanceEvaluator(seed=seed)),
+    "intermediate_values": lambda study, seed: plots.plot_intermediate_values(study)}
 
 
 class SweepRun:
@@ -122,7 +126,7 @@ class SweepRun:
             self.client.log_batch(self.run_id, metrics=metrics, tags=[RunTag(k, str(v)) for k, v in tags.items()])
         else:
             self.client.log_batch(self.run_id, metrics=metrics)
-        plots = self._log_plots(study, complete)
+        drawn = self._log_plots(study, complete)
         compared = self._log_comparison()
         summary = f"{len(trials)} trials: " + ", ".join(f"{n} {name}" for name, n in counts.items())
         if best is not None:
@@ -130,7 +134,7 @@ class SweepRun:
         return {"sweep": self.sweep.name, "mlflow_run_id": self.run_id, **counts, "summary": summary,
                 "best": None if best is None else {"trial": best.number, "value": best.value, "params": best.params,
                                                     "run_name": best.user_attrs.get("run_name")},
-                "plots": plots, "comparison": compared, "rows": rows}
+                "plots": drawn, "comparison": compared, "rows": rows}
 
     def _append_table(self, rows: list[dict]) -> None:
         """Add the rows of trials the table does not have yet (MLflow appends to an existing table artifact)."""
@@ -154,7 +158,7 @@ class SweepRun:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # Optuna marks its matplotlib plots experimental
                 try:
-                    axes = plot(study)
+                    axes = plot(study, self.sweep.seed)
                 except (ValueError, RuntimeError, ZeroDivisionError):  # too few trials for this plot
                     continue
             figure = _figure(axes)

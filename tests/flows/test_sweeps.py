@@ -257,6 +257,8 @@ def test_failed_trials_are_recorded_with_their_reason_and_a_sweep_whose_trials_a
 
 
 def test_a_sweep_killed_mid_way_resumes_keeping_its_finished_trial_and_following_the_running_one(sweep_stack):
+    """The sweep's flow run is killed while its second trial runs; `rlhf sweep` with the same config and sweep (the
+    flow in a shell, the trials on the deployments) resumes it: no trial is run again."""
     s = sweep_stack
     sweep = {"name": "resume", "space": {"reinforce.optim.lr": [1e-3, 3e-4]}}
     first = flow_run_id(start_sweep(s, sweep, IN_PROCESS))
@@ -267,8 +269,12 @@ def test_a_sweep_killed_mid_way_resumes_keeping_its_finished_trial_and_following
     assert wait_final(s, first, timeout=60)["state"]["type"] == "CRASHED"
     assert [t.state.name for t in study(s, "resume").trials] == ["COMPLETE", "RUNNING"]
 
-    second = wait_final(s, flow_run_id(start_sweep(s, sweep, IN_PROCESS)))
-    assert second["state"]["type"] == "COMPLETED", second["state"]
+    config = [f"--set={key}={value}" for key, value in (("algorithm", "rloo"), ("iterations", 2), ("reward.launch", "in_process"),
+              *((f"eval.{k}", v) for k, v in EVAL.items()))]
+    proc = subprocess.run([str(BIN / "rlhf"), "sweep", *config, "--name", "resume", "--space", "reinforce.optim.lr=[1e-3, 3e-4]",
+                           "--poll-s", "1"], env=s["env"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "trial 1 (resume-t1) was left running by an earlier run of the sweep" in proc.stdout + proc.stderr
     runs = trial_runs(s, "resume")
     assert [r["name"] for r in runs] == ["resume-t0", "resume-t1"]  # nothing run again
     assert all(r["state"]["type"] == "COMPLETED" for r in runs)
