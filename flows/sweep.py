@@ -24,13 +24,11 @@ from components.sweep.space import SweepError, check_sweep
 from components.sweep.study import Plan, open_study, unfinished
 from components.sweep.tracking import SweepRun, table_artifact
 from components.sweep.trials import Trials, require_deployment
-from components.tasks import reported_failure
-from flows.ppo import ppo
-from flows.reinforce import reinforce
 from models.config import RLHFConfig
 
-# the deployment that trains each algorithm (flows/ppo.py, flows/reinforce.py)
-TRAINING_DEPLOYMENTS = {"ppo": f"{ppo.name}/default", "rloo": f"{reinforce.name}/default"}
+# the deployment that trains each algorithm: the flows of flows/ppo.py and flows/reinforce.py, served as 'default'
+# (named, not imported: the sweep's flow run loads no model code; tests/flows/test_sweeps.py checks the names)
+TRAINING_DEPLOYMENTS = {"ppo": "ppo/default", "rloo": "reinforce/default"}
 
 # the deployment's defaults: RLOO with a held-out eval every 4 iterations, a 2 x 2 grid over the learning rate and the
 # initial KL coefficient (`prefect deployment run sweep/default` runs it; any parameter can be replaced)
@@ -49,23 +47,22 @@ def sweep_name() -> str:
 def sweep_flow(config: RLHFConfig = EXAMPLE_CONFIG, sweep: SweepConfig = EXAMPLE_SWEEP) -> dict:
     """Search `sweep.space` over the base `config`: every trial is a run of the training deployment of
     `config.algorithm`, named '<sweep>-t<N>'; returns the summary (counts, best trial)."""
-    with reported_failure():
-        space = check_sweep(config, sweep)  # bad input fails here, before any trial starts
-        deployment = training_deployment(config)  # ppo/default or reinforce/default, which must exist
-        study = open_study(config, sweep, space)  # created, or resumed by name: its finished trials are kept
-        with SweepRun.open(config, sweep, {"prefect.flow_run_id": flow_run.get_id()}) as parent, \
-                Trials(config, sweep, space, study, parent, deployment) as trials:  # on failure: trials cancelled
-            trials.follow(unfinished(study))  # left running by an earlier run of this sweep that died
-            plan = Plan(study, space, sweep, trials.followed())  # the combinations (or the count) still to run
-            while plan or trials.running:
-                while plan and trials.has_room():  # at most sweep.concurrency at once
-                    trials.start(plan.ask())  # a flow run of the deployment, a child of this one
-                trials.poll()  # states and metric steps -> Optuna; prune (cancel); tell the ones that ended
-            summary = parent.record(study)  # table, best trial, plots, comparison on the parent run
-            table_artifact(sweep, summary)
-            if summary["complete"] + summary["pruned"] == 0 and summary["failed"]:
-                raise RuntimeError(f"every trial of sweep {sweep.name} failed; {summary['summary']}")
-        return {k: v for k, v in summary.items() if k != "rows"}
+    space = check_sweep(config, sweep)  # bad input fails here, before any trial starts
+    deployment = training_deployment(config)  # ppo/default or reinforce/default, which must exist
+    study = open_study(config, sweep, space)  # created, or resumed by name: its finished trials are kept
+    with SweepRun.open(config, sweep, {"prefect.flow_run_id": flow_run.get_id()}) as parent, \
+            Trials(config, sweep, space, study, parent, deployment) as trials:  # on failure: trials cancelled
+        trials.follow(unfinished(study))  # left running by an earlier run of this sweep that died
+        plan = Plan(study, space, sweep, trials.followed())  # the combinations (or the count) still to run
+        while plan or trials.running:
+            while plan and trials.has_room():  # at most sweep.concurrency at once
+                trials.start(plan.ask())  # a flow run of the deployment, a child of this one
+            trials.poll()  # states and metric steps -> Optuna; prune (cancel); tell the ones that ended
+        summary = parent.record(study)  # table, best trial, plots, comparison on the parent run
+        table_artifact(sweep, summary)
+        if summary["complete"] + summary["pruned"] == 0 and summary["failed"]:
+            raise RuntimeError(f"every trial of sweep {sweep.name} failed; {summary['summary']}")
+    return {k: v for k, v in summary.items() if k != "rows"}
 
 
 def training_deployment(config: RLHFConfig) -> str:

@@ -16,7 +16,7 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from prefect.runtime import flow_run
@@ -25,7 +25,9 @@ from components.launch.stack import running_mlflow_uri
 from components.storage.checkpoints import CheckpointStore
 from components.tracking.tracker import Tracker, resolve_tracking_uri
 from models.config import RLHFConfig
-from models.loop import Leader
+
+if TYPE_CHECKING:  # only annotations here: what reads a run's record (a sweep, rlhf compare) loads no model code
+    from models.loop import Leader
 
 
 def run_name_for(cfg: RLHFConfig) -> str:

@@ -126,6 +126,18 @@ def most_at_once(runs: list[dict]) -> int:
     return most
 
 
+def test_every_algorithm_has_its_training_deployment():
+    """The sweep names the training deployments without importing them (its flow run loads no model code)."""
+    from flows.ppo import ppo
+    from flows.reinforce import reinforce
+    from flows.sweep import TRAINING_DEPLOYMENTS
+    from models.algorithms import ALGORITHMS
+
+    assert set(TRAINING_DEPLOYMENTS) == set(ALGORITHMS)
+    assert TRAINING_DEPLOYMENTS == {"ppo": f"{ppo.name}/default", "rloo": f"{reinforce.name}/default"}
+    assert set(TRAINING_DEPLOYMENTS.values()) <= set(stack.DEPLOYMENTS)
+
+
 # ------------------------------------------------------------------------------------------------ bad input
 def test_bad_input_is_refused_before_any_trial_starts(sweep_stack):
     """What the deployment's parameter schema can say is refused before a flow run exists; the rest fails the sweep's
