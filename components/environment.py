@@ -10,7 +10,8 @@ def quiet() -> None:
     """No telemetry (no internet here) and no download/progress noise from the model libraries."""
     for key, value in (("DO_NOT_TRACK", "1"), ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
                        ("MLFLOW_DISABLE_TELEMETRY", "true"), ("TRANSFORMERS_VERBOSITY", "error"),
-                       ("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+                       ("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TOKENIZERS_PARALLELISM", "false"),
+                       ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")):
         os.environ.setdefault(key, value)
 
 

@@ -9,6 +9,7 @@ from flows.compare import compare
 from flows.ppo import ppo
 from flows.reinforce import reinforce
 from flows.servers import critic_server, reward_server, rollout_server
+from flows.sweep import EXAMPLE_CONFIG, EXAMPLE_SWEEP, sweep_flow
 from models.config import RLHFConfig
 
 
@@ -22,6 +23,10 @@ def deployments():
         reward_server.to_deployment(name="default", description="PyTriton reward server (reward_model)"),
         rollout_server.to_deployment(name="default", description="vLLM rollout server (generate, update_weights)"),
         compare.to_deployment(name="default", description="PPO vs RLOO curves and table"),
+        sweep_flow.to_deployment(name="default", parameters={"config": EXAMPLE_CONFIG.model_dump(mode="json"),
+                                                              "sweep": EXAMPLE_SWEEP.model_dump(mode="json")},
+                                 description="A hyperparameter sweep (Optuna): trials are runs of ppo/default or "
+                                             "reinforce/default; the defaults are a 2 x 2 grid of RLOO runs"),
     ]
 
 

@@ -170,6 +170,7 @@ class TrackingConfig(Section):
     experiment: str = Field("rlhf-flows", description="MLflow experiment name.")
     system_metrics: bool = Field(True, description="Log CPU/GPU/memory system metrics with the run.")
     table_every: PositiveInt = Field(5, description="Log a table of sample prompts/responses/rewards every N iterations.")
+    parent_run_id: Optional[str] = Field(None, description="MLflow run id to nest this run under (tag mlflow.parentRunId); a sweep sets it to its parent run for every trial. None = a top-level run.")
 
 
 class CheckpointConfig(Section):

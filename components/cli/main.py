@@ -4,7 +4,8 @@ it runs, so `rlhf up`, `status` and `--help` start without loading torch, Triton
     rlhf models tiny | config | train          components/cli/commands.py
     rlhf serve critic|reward                    components/cli/serve.py (a server in the foreground)
     rlhf up | down | status | demo              components/launch/stack.py (the local Prefect + MLflow + deployments stack)
-    rlhf compare                                components/cli/compare.py (PPO vs RLOO from MLflow)
+    rlhf compare                                components/cli/compare.py (PPO vs RLOO from MLflow; a sweep's trials)
+    rlhf sweep                                  components/cli/sweep.py (a sweep flow here, its trials on the deployments)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import traceback
 from components.environment import first_line, quiet
 from components.cli.options import add_config_args
 from components.launch import stack
+from components.sweep.config import SweepConfig
 
 SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-5 ...] [--model PATH] [--reward PATH] [--no-combine]
                       [--port 8400] [--checkpoint-dir DIR] [--checkpoint-uri s3://bucket/run] [--restore-iteration N]
@@ -83,7 +85,37 @@ def add_compare_parser(sub) -> None:
     p.add_argument("--runs", nargs="*", help="MLflow run ids (default: latest finished run per algorithm)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: local stack, $MLFLOW_TRACKING_URI or sqlite)")
     p.add_argument("--out", default=".rlhf/compare", help="output directory")
+    p.add_argument("--sweep", metavar="NAME", help="every trial of the sweep NAME instead (logged on its parent run)")
     p.set_defaults(run="components.cli.compare:cmd_compare")
+
+
+SWEEP_HELP = """Run a hyperparameter sweep (an Optuna study) as a Prefect flow in this shell; its trials are runs of the
+algorithm's deployment (ppo/default or reinforce/default) on the local stack that `rlhf up` started.
+
+    rlhf sweep --set algorithm=rloo --set eval.prompts=builtin:sentiment --set eval.every=4 --name lr-kl \\
+        --space 'reinforce.optim.lr=[1e-6, 1e-3]' --space 'kl.init=[0.01, 0.1]' --concurrency 2
+    rlhf sweep --config run.yaml --sweep sweep.yaml --pruner median
+
+The base config: the 'tiny' preset, then --config YAML, then --set (as `rlhf train`). The sweep section: --sweep YAML
+(any of its fields), then the flags below. Bad input is refused before any trial starts, naming the field."""
+
+
+def add_sweep_parser(sub) -> None:
+    """`rlhf sweep`: the config flags of `rlhf train`, and the sweep section from a YAML file and/or flags (one per
+    field of components/sweep/config.py)."""
+    p = sub.add_parser("sweep", help="run a hyperparameter sweep (Optuna); its trials run on the local stack's deployments",
+                       description=SWEEP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_config_args(p)
+    p.add_argument("--sweep", metavar="YAML", help="the sweep section as a YAML file (the flags below override it)")
+    p.add_argument("--space", action="append", metavar="FIELD=VALUES",
+                   help="a dotted config field and its values as YAML: a list ('kl.init=[0.01, 0.1]') or a range "
+                        "('reinforce.optim.lr={low: 1e-5, high: 1e-3, log: true}'); repeatable")
+    for name, field in SweepConfig.model_fields.items():
+        if name != "space":
+            default = "" if field.is_required() else f" (default: {field.default})"
+            p.add_argument(f"--{name.replace('_', '-')}", dest=f"sweep_{name}", metavar=name.upper(),
+                           help=f"{field.description}{default}")
+    p.set_defaults(run="components.cli.sweep:cmd_sweep")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,6 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     add_stack_parsers(sub)
     add_compare_parser(sub)
+    add_sweep_parser(sub)
     return parser
 
 

@@ -50,6 +50,12 @@ def running_mlflow_uri(state_dir: Path) -> str | None:
     return f"http://127.0.0.1:{_ports(state).get('mlflow', MLFLOW_PORT)}" if _pid(state, "mlflow") else None
 
 
+def running_prefect_api(state_dir: Path) -> str | None:
+    """The local stack's Prefect API URL if `rlhf up` started a Prefect server that is still alive."""
+    state = stack_dir(state_dir)
+    return f"http://127.0.0.1:{_ports(state).get('prefect', PREFECT_PORT)}/api" if _pid(state, "prefect") else None
+
+
 def _healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
@@ -148,7 +154,7 @@ def _require_free(port: int, what: str) -> None:
 
 
 DEPLOYMENTS = ("ppo/default", "reinforce/default", "critic-server/default", "reward-server/default",
-               "rollout-server/default", "compare/default")
+               "rollout-server/default", "compare/default", "sweep/default")
 
 
 def _wait_deployments(api_url: str, pid: int, state: Path, timeout: float) -> None:

@@ -23,10 +23,11 @@ class _Series:
 
     run: Run
     points: dict[str, list[tuple[int, float, float]]] = field(default_factory=dict)
+    name: str | None = None  # the legend's label; default '<run name> (<algorithm>)'
 
     @property
     def label(self) -> str:
-        return f"{self.run.info.run_name} ({self.run.data.tags.get('algorithm', '?')})"
+        return self.name or f"{self.run.info.run_name} ({self.run.data.tags.get('algorithm', '?')})"
 
     def wall_clock(self) -> float | None:
         info = self.run.info
@@ -65,13 +66,15 @@ def compare_runs(
     run_ids: list[str] | None,
     out_dir: Path,
     metrics: tuple[str, ...] = DEFAULT_METRICS,
+    labels: dict[str, str] | None = None,
 ) -> tuple[Path, Path]:
     """Write comparison.png and comparison.md for `run_ids` (default: latest finished run per algorithm): `metrics`,
-    then the eval curves (EVAL_METRICS) that any of the runs logged."""
+    then the eval curves (EVAL_METRICS) that any of the runs logged. `labels`: run id -> its name in the legend and
+    the table (e.g. a sweep's trial with its values)."""
     client = MlflowClient(tracking_uri)
     series = []
     for run in _select_runs(client, experiment, run_ids, tracking_uri):
-        s = _Series(run)
+        s = _Series(run, name=(labels or {}).get(run.info.run_id))
         for key in (*metrics, *EVAL_METRICS):
             history = client.get_metric_history(run.info.run_id, key)
             if history:
@@ -111,7 +114,7 @@ def compare_runs(
     for s in series:
         steps = {step for key in training if key in s.points for step, _, _ in s.points[key]}
         finals = [_fmt(s.points[k][-1][2]) if k in s.points else "absent" for k in metrics]
-        cells = [s.run.info.run_name, s.run.info.run_id, s.run.data.tags.get("algorithm", "?"), str(len(steps)), *finals]
+        cells = [s.name or s.run.info.run_name, s.run.info.run_id, s.run.data.tags.get("algorithm", "?"), str(len(steps)), *finals]
         lines.append("| " + " | ".join([*cells, _fmt(s.wall_clock())]) + " |")
     md.write_text(f"# Run comparison: {experiment}\n\n![comparison](comparison.png)\n\n" + "\n".join(lines) + "\n")
     return png, md

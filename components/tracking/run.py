@@ -16,18 +16,38 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import torch
+from prefect.runtime import flow_run
 
 from components.launch.stack import running_mlflow_uri
 from components.storage.checkpoints import CheckpointStore
 from components.tracking.tracker import Tracker, resolve_tracking_uri
 from models.config import RLHFConfig
-from models.loop import Leader
+
+if TYPE_CHECKING:  # only annotations here: what reads a run's record (a sweep, rlhf compare) loads no model code
+    from models.loop import Leader
 
 
 def run_name_for(cfg: RLHFConfig) -> str:
     return cfg.run_name or f"{cfg.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def flow_run_namer(algorithm: str) -> Callable[[], str]:
+    """Prefect's `flow_run_name` of the training flow of `algorithm`: the run's name (its config's run_name, or
+    '<algorithm>-<timestamp>' decided here, once), so that the flow run, its MLflow run and its checkpoints carry one
+    name in both UIs. The flow reads it back with `named_after_flow_run`."""
+    def name() -> str:
+        config = flow_run.get_parameters().get("config")
+        config = config if isinstance(config, RLHFConfig) else RLHFConfig.model_validate(config or {})
+        return run_name_for(config.model_copy(update={"algorithm": algorithm}))
+    return name
+
+
+def named_after_flow_run(config: RLHFConfig, algorithm: str) -> RLHFConfig:
+    """The config a training flow runs: its algorithm, and the flow run's name as run_name when none was given."""
+    return config.model_copy(update={"algorithm": algorithm, "run_name": config.run_name or flow_run.get_name()})
 
 
 def checkpoint_uri(cfg: RLHFConfig, run_name: str) -> str:
@@ -81,9 +101,10 @@ class RunSession:
             manifest = from_jsonable(store.load(restore_dir, resumed_from, parts=parts))
             if (restore_dir / "critic").exists():
                 shutil.copytree(restore_dir / "critic", local_dir / "critic")
+        nested = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
         tracker = Tracker(default_tracking_uri(cfg), cfg.tracking.experiment, name, run_id=manifest.get("tracking_run_id"),
                           tags={"algorithm": cfg.algorithm, "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
-                                "reward_transport": cfg.reward.transport, **(tags or {})},
+                                "reward_transport": cfg.reward.transport, **nested, **(tags or {})},
                           system_metrics=cfg.tracking.system_metrics)
         tracker.start(cfg.model_dump(mode="json"))
         return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest)

@@ -99,3 +99,11 @@ def test_no_runs_names_the_experiment(mlflow_uri: str, tmp_path: Path) -> None:
     get_or_create_experiment(MlflowClient(mlflow_uri), "empty", mlflow_uri)
     with pytest.raises(TrackingError, match="no finished ppo/rloo runs .* experiment 'empty'"):
         compare_runs(mlflow_uri, "empty", None, tmp_path)
+
+
+def test_labels_name_the_runs_in_the_table(mlflow_uri: str, runs: dict[str, str], tmp_path: Path) -> None:
+    """A sweep names its trials by their values (components/sweep/tracking.py); unlabelled runs keep their names."""
+    _, md = compare_runs(mlflow_uri, "cmp", [runs["ppo-run"], runs["rloo-run"]], tmp_path, metrics=("objective/kl",),
+                         labels={runs["ppo-run"]: "t0: lr=0.001, complete"})
+    text = md.read_text()
+    assert f"| t0: lr=0.001, complete | {runs['ppo-run']} |" in text and f"| rloo-run | {runs['rloo-run']} |" in text

@@ -1,0 +1,68 @@
+"""`rlhf sweep`: check the sweep here (bad input is refused before anything starts), then run the sweep flow
+(flows/sweep.py) in a child process of this shell, in the foreground; its trials are runs of the training deployment
+on the Prefect server of the active profile, or of the local stack (`rlhf up`) when none is configured."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from prefect.settings import PREFECT_API_URL
+from pydantic import ValidationError
+
+from components.cli.commands import load_cli_config
+from components.launch.processes import project_env
+from components.launch.stack import running_prefect_api
+from components.sweep.config import SweepConfig
+from components.sweep.space import SweepError, check_sweep
+
+
+class NumberLoader(yaml.SafeLoader):
+    """YAML that reads 1e-5 as a number, as JSON does (PyYAML's floats need a dot: '1e-5' would be a string, and a
+    categorical of strings)."""
+
+
+NumberLoader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                                   list("-+0123456789."))
+
+
+def load_sweep(args) -> SweepConfig:
+    """The sweep section of --sweep YAML, then --space FIELD=VALUES and the other flags; exits naming a bad field."""
+    data = {}
+    if args.sweep:
+        data = yaml.load(Path(args.sweep).read_text(), NumberLoader) or {}
+        if not isinstance(data, dict):
+            raise SystemExit(f"invalid sweep: {args.sweep} must hold a mapping, got {type(data).__name__}")
+    for item in args.space or []:
+        field, equals, values = item.partition("=")
+        if not equals:
+            raise SystemExit(f"invalid sweep: --space expects FIELD=VALUES, got {item!r}")
+        data.setdefault("space", {})[field.strip()] = yaml.load(values, NumberLoader)
+    for name in SweepConfig.model_fields:
+        if (value := getattr(args, f"sweep_{name}", None)) is not None:
+            data[name] = value
+    try:
+        return SweepConfig.model_validate(data)
+    except ValidationError as exc:
+        raise SystemExit(f"invalid sweep: {exc}") from None
+
+
+def cmd_sweep(args) -> int:
+    config = load_cli_config(args)
+    sweep = load_sweep(args)
+    try:
+        check_sweep(config, sweep)
+    except SweepError as exc:
+        raise SystemExit(f"invalid sweep: {exc}") from None
+    env = project_env()
+    if not PREFECT_API_URL.value():
+        api = running_prefect_api(config.resolved_state_dir())
+        if api is None:
+            raise SystemExit("no Prefect server to run the trials on: start the local stack with `rlhf up` "
+                             "(or set PREFECT_API_URL)")
+        env["PREFECT_API_URL"] = api
+    command = [sys.executable, "-m", "flows.sweep", "--config", config.model_dump_json(), "--sweep", sweep.model_dump_json()]
+    return subprocess.run(command, env=env).returncode

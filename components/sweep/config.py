@@ -1,0 +1,96 @@
+"""The `sweep` section: what a sweep searches, how, and what it optimises (the second parameter of `sweep/default`
+and of `rlhf sweep`). Light (pydantic only): the CLI's parser builds its flags from these fields.
+
+The checks here need no run config (names, shapes, bounds); components/sweep/space.py checks the space against the
+run config (each field exists, each combination is a valid config, the config logs the metric).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import (Discriminator, Field, PositiveFloat, PositiveInt, StrictBool, StrictInt, Tag, field_validator,
+                      model_validator)
+
+from models.sections import Section
+
+SWEEP_STORAGE_ENV = "RLHF_SWEEP_STORAGE"
+Value = Union[StrictBool, StrictInt, float, str, None]  # what Optuna stores as a categorical choice
+
+
+class Range(Section):
+    """A numeric range of one config field: ints for an int field (Optuna's IntDistribution), floats otherwise."""
+
+    low: float = Field(description="Smallest value (included).")
+    high: float = Field(description="Largest value (included).")
+    log: bool = Field(False, description="Sample on a log scale (learning rates, KL coefficients); needs low > 0.")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> "Range":
+        if not (math.isfinite(self.low) and math.isfinite(self.high)) or self.low >= self.high:
+            raise ValueError(f"needs finite low < high, got low={self.low}, high={self.high}")
+        if self.log and self.low <= 0:
+            raise ValueError(f"log=true needs low > 0, got low={self.low}")
+        return self
+
+
+# a list is categorical, anything else is read as a range (so an error names the one it was meant to be)
+Values = Annotated[Union[Annotated[list[Value], Tag("values")], Annotated[Range, Tag("range")]],
+                   Discriminator(lambda v: "values" if isinstance(v, (list, tuple)) else "range")]
+
+
+class SweepConfig(Section):
+    """A hyperparameter sweep: an Optuna study whose trials are runs of the algorithm's training deployment."""
+
+    name: str = Field(description="Names the Optuna study, the MLflow parent run, the trial runs '<name>-t<N>' and the "
+                                  "Prefect artifact 'sweep-<name>'; lowercase letters, digits and dashes. Rerunning a "
+                                  "name resumes its study: finished trials are kept, unfinished ones are followed or run again.",
+                      pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+    space: dict[str, Values] = Field(
+        description="Dotted config field -> a list of values (categorical; grid takes every combination) or "
+                    "{low, high, log} (a float or int range, by the field's type; random and tpe only), e.g. "
+                    "{'reinforce.optim.lr': {'low': 1e-5, 'high': 1e-3, 'log': true}, 'kl.init': [0.01, 0.1]}.")
+    sampler: Literal["grid", "random", "tpe"] = Field("grid", description="grid = every combination of the lists, in "
+                                                      "their order; random = Optuna's RandomSampler; tpe = Optuna's TPESampler.")
+    trials: PositiveInt = Field(8, description="How many trials random and tpe run in all (finished trials of an earlier "
+                                               "run of this sweep count); ignored by grid.")
+    seed: int = Field(0, description="Seed of the random and tpe samplers.")
+    concurrency: int = Field(1, ge=1, le=32, description="Trials running at once (each is a flow run of the training "
+                                                         "deployment: on a cluster, its own GPU nodes).")
+    metric: str = Field("eval/score", description="The MLflow metric to optimise: any metric the runs log; a trial's "
+                                                  "value is the metric at its last logged step, and its earlier steps "
+                                                  "are what the pruner compares.")
+    direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether a larger or a smaller metric is better.")
+    pruner: Literal["none", "median"] = Field("none", description="median = Optuna's MedianPruner: a trial whose best "
+                                              "value so far is worse than the median of the completed trials at the "
+                                              "same step is cancelled and recorded as pruned.")
+    warmup_steps: int = Field(1, ge=0, description="The pruner judges no step below this one (step = iteration; the "
+                                                   "eval at step 0 comes before any update and is the same for every trial).")
+    startup_trials: int = Field(1, ge=0, description="Completed trials needed before the pruner stops any.")
+    storage: Optional[str] = Field(None, description="SQLAlchemy URL of the Optuna study storage, e.g. "
+                                   "postgresql+psycopg2://user:pass@host/optuna for a database every pod reaches; None "
+                                   f"= ${SWEEP_STORAGE_ENV}, else sqlite:///<state_dir>/sweeps/optuna.db.")
+    poll_s: PositiveFloat = Field(5.0, description="Seconds between two readings of the trials' states and metrics.")
+
+    @field_validator("space")
+    @classmethod
+    def _not_empty(cls, space: dict) -> dict:
+        if not space:
+            raise ValueError("is empty: give at least one dotted config field and its values, "
+                             "e.g. {'reinforce.optim.lr': [1e-4, 3e-4]}")
+        for field, values in space.items():
+            if isinstance(values, list) and not values:
+                raise ValueError(f"'{field}' has an empty list of values")
+            if isinstance(values, list) and len(set(map(repr, values))) < len(values):
+                raise ValueError(f"'{field}' lists a value twice: {values}")
+        return space
+
+    @model_validator(mode="after")
+    def _grid_takes_lists(self) -> "SweepConfig":
+        if self.sampler == "grid":
+            ranges = [field for field, values in self.space.items() if isinstance(values, Range)]
+            if ranges:
+                raise ValueError(f"space: {', '.join(ranges)}: sampler 'grid' needs a list of values; a range "
+                                 f"{{low, high}} needs sampler 'random' or 'tpe'")
+        return self

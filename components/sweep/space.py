@@ -1,0 +1,158 @@
+"""A sweep's space checked against the run config, before any trial starts (pure: no server, no storage).
+
+`check_sweep(config, sweep)` refuses, naming the field: a dotted field the config does not have, a field the sweep
+itself sets (algorithm, run_name, tracking.parent_run_id), a range on a field that is not a number, a value or a
+combination of values the config refuses (every grid combination; for random and tpe every combination of the lists'
+values and the ranges' ends), and a metric that a trial's config cannot produce. It returns the space as Optuna
+distributions (and the grid's combinations), and `trial_config` makes a trial's config from the base config.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
+from pydantic import BaseModel, ValidationError
+
+from components.sweep.config import Range, SweepConfig
+from models.algorithms import ALGORITHMS
+from models.config import RLHFConfig, merge
+
+SET_BY_THE_SWEEP = ("algorithm", "run_name", "tracking.parent_run_id")  # one deployment per sweep; trials are named
+# The ports a trial's servers and actor ranks prefer (field -> how many from there): each trial gets its own
+# (components/sweep/trials.py), so that two trials starting together on one machine never race for the same port.
+PORTS = {"critic.http_port": 3, "reward.http_port": 3, "rollout.vllm.port": 1, "actor.master_port": 1}
+
+
+class SweepError(ValueError):
+    """A sweep that cannot run as given; the message names the field."""
+
+
+@dataclass
+class Space:
+    """A checked space: an Optuna distribution per dotted field, and for grid every combination in the lists' order."""
+
+    distributions: dict[str, BaseDistribution]
+    grid: Optional[list[dict[str, Any]]] = None
+
+
+def check_sweep(config: RLHFConfig, sweep: SweepConfig) -> Space:
+    """The space of `sweep` over `config`, or a SweepError naming what is wrong (before any trial starts)."""
+    distributions = {field: distribution(field, values) for field, values in sweep.space.items()}
+    corners = {field: values if isinstance(values, list) else [_number(field, values.low), _number(field, values.high)]
+               for field, values in sweep.space.items()}
+    combinations = [dict(zip(corners, values)) for values in itertools.product(*corners.values())]
+    for combination in combinations:
+        if problem := metric_problem(_valid(config, combination), sweep.metric):
+            where = "" if metric_problem(config, sweep.metric) else f" (with {_show(combination)})"
+            raise SweepError(f"sweep.metric: {problem}{where}")
+    return Space(distributions, combinations if sweep.sampler == "grid" else None)
+
+
+def distribution(field: str, values) -> BaseDistribution:
+    """The Optuna distribution of one entry of the space: a list -> categorical; a range -> int or float, by the
+    type of the config field."""
+    kind = field_type(field)
+    if isinstance(values, list):
+        return CategoricalDistribution(values)
+    if kind is int:
+        return IntDistribution(_number(field, values.low), _number(field, values.high), log=values.log)
+    if kind is float:
+        return FloatDistribution(values.low, values.high, log=values.log)
+    raise SweepError(f"sweep.space['{field}']: a range {{low, high}} needs a numeric field, and {field} is "
+                     f"{_type_name(kind)}: give a list of values")
+
+
+def field_type(field: str) -> type:
+    """The type of a dotted config field (Optional and constraints stripped); a SweepError when it does not exist."""
+    if field in SET_BY_THE_SWEEP:
+        raise SweepError(f"sweep.space: '{field}' cannot be swept (the sweep sets it: one algorithm and deployment "
+                         f"per sweep, and the trials' names and parent run)")
+    model: type[BaseModel] = RLHFConfig
+    parts = field.split(".")
+    for depth, part in enumerate(parts):
+        where = ".".join(parts[:depth]) or "the config"
+        if part not in model.model_fields:
+            raise SweepError(f"sweep.space: '{field}' is not a config field: {where} has no field '{part}' "
+                             f"(its fields: {', '.join(model.model_fields)})")
+        kind = _strip(model.model_fields[part].annotation)
+        if depth < len(parts) - 1:
+            if not _is_section(kind):
+                raise SweepError(f"sweep.space: '{field}' is not a config field: {'.'.join(parts[:depth + 1])} is a "
+                                 f"value, not a section")
+            model = kind
+        elif _is_section(kind):
+            raise SweepError(f"sweep.space: '{field}' is a section, not a field: name one of its fields "
+                             f"({', '.join(kind.model_fields)})")
+    return kind
+
+
+def metric_problem(cfg: RLHFConfig, metric: str) -> Optional[str]:
+    """Why a run of `cfg` would never log `metric` (None when it can)."""
+    if metric.startswith("eval/") and not (cfg.eval.prompts and cfg.eval.every):
+        return (f"'{metric}' is logged by the held-out eval, which this config does not run: set eval.prompts and "
+                f"eval.every > 0 (eval.prompts={cfg.eval.prompts!r}, eval.every={cfg.eval.every})")
+    if metric.endswith("gold_reward") and not cfg.reward.gold:
+        return f"'{metric}' needs a gold reward, and reward.gold is None"
+    if metric.startswith(("critic/", "loss/value")) and not ALGORITHMS[cfg.algorithm].needs_critic:
+        return f"'{metric}' comes from a critic, and {cfg.algorithm} has none"
+    return None
+
+
+def trial_config(config: RLHFConfig, sweep: SweepConfig, number: int, params: dict, parent_run_id: str,
+                 ports: Optional[dict[str, int]] = None) -> RLHFConfig:
+    """The config of trial `number`: the base config with the trial's values, named '<sweep>-t<number>', nested under
+    the sweep's MLflow run, with its own preferred `ports` (fields of PORTS; a swept port field keeps its value)."""
+    return merge(config, {**(ports or {}), **params, "run_name": f"{sweep.name}-t{number}",
+                          "tracking.parent_run_id": parent_run_id})
+
+
+def _valid(config: RLHFConfig, combination: dict) -> RLHFConfig:
+    try:
+        return merge(config, combination)
+    except ValidationError as exc:
+        reasons = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        raise SweepError(f"sweep.space: the config refuses {_show(combination)}: {reasons}") from None
+
+
+def _number(field: str, value: float):
+    """A range end as the field's type: an int field takes whole numbers only."""
+    if field_type(field) is int:
+        if value != int(value):
+            raise SweepError(f"sweep.space['{field}']: {field} is an int field, so the range needs whole numbers, "
+                             f"got {value}")
+        return int(value)
+    return value
+
+
+def _show(combination: dict) -> str:
+    return ", ".join(f"{field}={value!r}" for field, value in combination.items())
+
+
+def _strip(annotation):
+    """int from Optional[Annotated[int, ...]], a section class from itself."""
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is typing.Annotated:
+            annotation = typing.get_args(annotation)[0]
+        elif origin in (typing.Union, types.UnionType):
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(args) != 1:
+                return annotation
+            annotation = args[0]
+        else:
+            return annotation
+
+
+def _is_section(kind) -> bool:
+    return isinstance(kind, type) and issubclass(kind, BaseModel)
+
+
+def _type_name(kind) -> str:
+    if typing.get_origin(kind) is typing.Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(kind)))
+    return f"of type {getattr(kind, '__name__', kind)}"

@@ -1,0 +1,85 @@
+"""A hyperparameter sweep as a Prefect flow (`sweep/default`, and `rlhf sweep` in one shell): an Optuna study whose
+trials are runs of the algorithm's training deployment (ppo/default or reinforce/default), at most
+`sweep.concurrency` at a time, pruned by the study's pruner, all nested under one MLflow run named after the sweep.
+
+    check the space against the config (bad input fails here, before any trial starts)
+    open the study (rerunning a name resumes it) and the MLflow parent run
+    follow the trials an earlier, dead run of this sweep left running
+    while trials are left or running: start trials while a slot is free; read their states and metrics (report,
+        prune, tell the ones that ended)
+    record the table of trials, the best trial, the plots and the comparison; fail only if every trial failed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from prefect import flow
+from prefect.runtime import flow_run
+
+from components.environment import quiet
+from components.sweep.config import SweepConfig
+from components.sweep.space import SweepError, check_sweep
+from components.sweep.study import Plan, open_study, unfinished
+from components.sweep.tracking import SweepRun, table_artifact
+from components.sweep.trials import Trials, require_deployment
+from models.config import RLHFConfig
+
+# the deployment that trains each algorithm: the flows of flows/ppo.py and flows/reinforce.py, served as 'default'
+# (named, not imported: the sweep's flow run loads no model code; tests/flows/test_sweeps.py checks the names)
+TRAINING_DEPLOYMENTS = {"ppo": "ppo/default", "rloo": "reinforce/default"}
+
+# the deployment's defaults: RLOO with a held-out eval every 4 iterations, a 2 x 2 grid over the learning rate and the
+# initial KL coefficient (`prefect deployment run sweep/default` runs it; any parameter can be replaced)
+EXAMPLE_CONFIG = RLHFConfig(algorithm="rloo", eval={"prompts": "builtin:sentiment", "every": 4})
+EXAMPLE_SWEEP = SweepConfig(name="rloo-lr-kl", space={"reinforce.optim.lr": [1e-6, 1e-3], "kl.init": [0.01, 0.1]},
+                            concurrency=2)
+
+
+def sweep_name() -> str:
+    """The sweep's flow run is named after the sweep."""
+    sweep = flow_run.get_parameters().get("sweep")
+    return sweep.name if isinstance(sweep, SweepConfig) else str((sweep or {}).get("name", "sweep"))
+
+
+@flow(name="sweep", log_prints=True, flow_run_name=sweep_name)
+def sweep_flow(config: RLHFConfig = EXAMPLE_CONFIG, sweep: SweepConfig = EXAMPLE_SWEEP) -> dict:
+    """Search `sweep.space` over the base `config`: every trial is a run of the training deployment of
+    `config.algorithm`, named '<sweep>-t<N>'; returns the summary (counts, best trial)."""
+    space = check_sweep(config, sweep)  # bad input fails here, before any trial starts
+    deployment = training_deployment(config)  # ppo/default or reinforce/default, which must exist
+    study = open_study(config, sweep, space)  # created, or resumed by name: its finished trials are kept
+    with SweepRun.open(config, sweep, {"prefect.flow_run_id": flow_run.get_id()}) as parent, \
+            Trials(config, sweep, space, study, parent, deployment) as trials:  # on failure: trials cancelled
+        trials.follow(unfinished(study))  # left running by an earlier run of this sweep that died
+        plan = Plan(study, space, sweep, trials.followed())  # the combinations (or the count) still to run
+        while plan or trials.running:
+            while plan and trials.has_room():  # at most sweep.concurrency at once
+                trials.start(plan.ask())  # a flow run of the deployment, a child of this one
+            trials.poll()  # states and metric steps -> Optuna; prune (cancel); tell the ones that ended
+        summary = parent.record(study)  # table, best trial, plots, comparison on the parent run
+        table_artifact(sweep, summary)
+        if summary["complete"] + summary["pruned"] == 0 and summary["failed"]:
+            raise RuntimeError(f"every trial of sweep {sweep.name} failed; {summary['summary']}")
+    return {k: v for k, v in summary.items() if k != "rows"}
+
+
+def training_deployment(config: RLHFConfig) -> str:
+    """The deployment that runs the trials of `config.algorithm`; it must be served."""
+    if config.algorithm not in TRAINING_DEPLOYMENTS:
+        raise SweepError(f"config.algorithm: {config.algorithm} has no training deployment "
+                         f"(known: {', '.join(TRAINING_DEPLOYMENTS)})")
+    require_deployment(TRAINING_DEPLOYMENTS[config.algorithm])
+    return TRAINING_DEPLOYMENTS[config.algorithm]
+
+
+if __name__ == "__main__":  # what `rlhf sweep` runs: the flow in this process, its trials on the deployments
+    quiet()
+    parser = argparse.ArgumentParser(description="Run a sweep flow (rlhf sweep): --config and --sweep as JSON.")
+    parser.add_argument("--config", required=True, help="the base run config (JSON)")
+    parser.add_argument("--sweep", required=True, help="the sweep section (JSON)")
+    args = parser.parse_args()
+    result = sweep_flow(config=RLHFConfig.model_validate(json.loads(args.config)),
+                   sweep=SweepConfig.model_validate(json.loads(args.sweep)))
+    print(json.dumps(result, indent=1, default=str))

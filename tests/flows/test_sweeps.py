@@ -1,0 +1,295 @@
+"""Sweeps end to end through a real local stack of their own (Prefect server, MLflow server, the served deployments:
+what `rlhf up` starts), driven with `prefect deployment run sweep/default` as a user does; the trials are runs of
+reinforce/default on the tiny default, kept short (2-6 iterations, a 16-prompt held-out eval)."""
+
+import json
+import re
+import subprocess
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+import httpx
+import optuna
+import psutil
+import pytest
+from mlflow.tracking import MlflowClient
+
+from components.cli.main import main
+from components.launch import stack
+from tests.conftest import free_port_block, link_tiny
+
+pytestmark = pytest.mark.slow
+BIN = Path(sys.executable).parent
+FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
+EVAL = {"prompts": "builtin:sentiment", "every": 2, "max_prompts": 16}
+CONFIG = {"algorithm": "rloo", "iterations": 2, "eval": EVAL}
+IN_PROCESS = {**CONFIG, "reward": {"launch": "in_process"}}  # no reward server: quicker, where the test is not about it
+
+
+@pytest.fixture(scope="module")
+def sweep_stack(tmp_path_factory, request):
+    state_dir = tmp_path_factory.mktemp("sweep-state")
+    prefect_port, mlflow_port = free_port_block(1), free_port_block(1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PREFECT_RUNNER_POLL_FREQUENCY", "1")  # runs start, and cancellations land, within a second
+        urls = stack.up(state_dir, prefect_port, mlflow_port, set_profile=False, log=lambda *_: None)
+    link_tiny(state_dir, request.getfixturevalue("tiny_dir"))
+    env = {**stack.base_env(state_dir, prefect_port, mlflow_port), "COLUMNS": "1000"}
+    yield {"state_dir": state_dir, "urls": urls, "env": env, "api": env["PREFECT_API_URL"],
+           "mlflow": MlflowClient(urls["mlflow"]), "storage": f"sqlite:///{state_dir / 'sweeps' / 'optuna.db'}"}
+    stack.down(state_dir, log=lambda *_: None)
+    assert not stack_processes(state_dir), "a process of the sweep stack outlived `rlhf down`"
+
+
+def start_sweep(s, sweep: dict, config: dict = CONFIG, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "prefect"), "deployment", "run", "sweep/default", "--param",
+                           f"config={json.dumps(config)}", "--param", f"sweep={json.dumps({'poll_s': 1, **sweep})}"],
+                          env=s["env"], capture_output=True, text=True, timeout=120, check=check)
+
+
+def flow_run_id(proc: subprocess.CompletedProcess) -> str:
+    return re.search(r"UUID: ([0-9a-f-]{36})", proc.stdout).group(1)
+
+
+def flow_run(s, run_id: str) -> dict:
+    return httpx.get(f"{s['api']}/flow_runs/{run_id}", timeout=10).json()
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.5)
+    raise TimeoutError(what)
+
+
+def wait_final(s, run_id: str, timeout: float = 600) -> dict:
+    return wait_until(lambda: (r := flow_run(s, run_id))["state"]["type"] in FINAL and r, timeout, f"flow run {run_id} final")
+
+
+def trial_runs(s, name: str) -> list[dict]:
+    """The trials' flow runs of sweep `name` (tagged sweep-<name>), by name."""
+    body = {"flow_runs": {"tags": {"all_": [f"sweep-{name}"]}}, "limit": 50}
+    return sorted(httpx.post(f"{s['api']}/flow_runs/filter", json=body, timeout=10).json(), key=lambda r: r["name"])
+
+
+def flow_runs_of(s, flow: str) -> list[dict]:
+    body = {"flows": {"name": {"any_": [flow]}}, "limit": 200}
+    return httpx.post(f"{s['api']}/flow_runs/filter", json=body, timeout=10).json()
+
+
+def study(s, name: str) -> optuna.Study:
+    return optuna.load_study(study_name=name, storage=s["storage"])
+
+
+def stack_processes(state_dir: Path, flow_run: str | None = None) -> list[psutil.Process]:
+    """Live processes of this module's stack (their environment names its state directory; other pytest workers'
+    never count); with `flow_run`, those of that flow run: its process and everything it started (they inherit
+    PREFECT__FLOW_RUN_ID): its reward server, its actor ranks, its rollout server."""
+    found = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            env = p.environ()
+            if (p.info["status"] != psutil.STATUS_ZOMBIE and env.get("RLHF_STATE_DIR") == str(state_dir)
+                    and (flow_run is None or env.get("PREFECT__FLOW_RUN_ID") == flow_run)):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
+def parent_and_trials(s, name: str):
+    client = s["mlflow"]
+    experiment = client.get_experiment_by_name("rlhf-flows").experiment_id
+    parents = client.search_runs([experiment], f"tags.kind = 'sweep' and tags.sweep = '{name}'")
+    assert len(parents) == 1, f"expected one parent run for sweep {name}, got {len(parents)}"
+    children = client.search_runs([experiment], f"tags.`mlflow.parentRunId` = '{parents[0].info.run_id}'")
+    return parents[0], sorted(children, key=lambda r: r.info.run_name)
+
+
+def table(s, run_id: str, tmp_path: Path) -> list[dict]:
+    data = json.loads(Path(s["mlflow"].download_artifacts(run_id, "trials.json", str(tmp_path))).read_text())
+    return [dict(zip(data["columns"], row)) for row in data["data"]]
+
+
+def most_at_once(runs: list[dict]) -> int:
+    """The most flow runs that were running at the same moment, from their Prefect start and end times."""
+    events = sorted([(datetime.fromisoformat(r["start_time"]), 1) for r in runs]
+                    + [(datetime.fromisoformat(r["end_time"]), -1) for r in runs])
+    running = most = 0
+    for _, change in events:
+        running += change
+        most = max(most, running)
+    return most
+
+
+def test_every_algorithm_has_its_training_deployment():
+    """The sweep names the training deployments without importing them (its flow run loads no model code)."""
+    from flows.ppo import ppo
+    from flows.reinforce import reinforce
+    from flows.sweep import TRAINING_DEPLOYMENTS
+    from models.algorithms import ALGORITHMS
+
+    assert set(TRAINING_DEPLOYMENTS) == set(ALGORITHMS)
+    assert TRAINING_DEPLOYMENTS == {"ppo": f"{ppo.name}/default", "rloo": f"{reinforce.name}/default"}
+    assert set(TRAINING_DEPLOYMENTS.values()) <= set(stack.DEPLOYMENTS)
+
+
+# ------------------------------------------------------------------------------------------------ bad input
+def test_bad_input_is_refused_before_any_trial_starts(sweep_stack):
+    """What the deployment's parameter schema can say is refused before a flow run exists; the rest fails the sweep's
+    flow run at once, naming the field, before any trial (no reinforce flow run, no study)."""
+    s = sweep_stack
+    before = len(flow_runs_of(s, "sweep"))
+    proc = start_sweep(s, {"name": "Bad_Name", "space": {"kl.init": [0.1]}}, check=False)
+    assert proc.returncode != 0 and "name" in proc.stdout + proc.stderr
+    proc = start_sweep(s, {"name": "bad", "space": {"kl.init": [0.1]}, "sampler": "bayes"}, check=False)
+    assert proc.returncode != 0 and "sampler" in proc.stdout + proc.stderr
+    assert len(flow_runs_of(s, "sweep")) == before
+
+    cases = {  # name: (sweep, config, what the failed state says); every message: tests/components/sweep
+        "unknown-field": ({"space": {"reinforce.optim.lrr": [1e-3]}}, CONFIG,
+                          "'reinforce.optim.lrr' is not a config field: reinforce.optim has no field 'lrr'"),
+        "no-eval": ({"space": {"kl.init": [0.1]}}, {**CONFIG, "eval": {**EVAL, "every": 0}},
+                    "sweep.metric: 'eval/score' is logged by the held-out eval, which this config does not run"),
+    }
+    runs = {name: flow_run_id(start_sweep(s, {"name": name, **sweep}, config)) for name, (sweep, config, _) in cases.items()}
+    for name, run_id in runs.items():
+        state = wait_final(s, run_id, timeout=180)["state"]
+        assert state["type"] == "FAILED" and cases[name][2] in state["message"], (name, state)
+    assert flow_runs_of(s, "reinforce") == []  # no trial ever started
+    names = optuna.get_all_study_names(s["storage"]) if (s["state_dir"] / "sweeps" / "optuna.db").exists() else []
+    assert not set(names) & set(cases)
+
+
+# ------------------------------------------------------------------------------------------------ a 2 x 2 grid
+GRID = {"name": "grid", "space": {"reinforce.optim.lr": [1e-8, 1e-3], "kl.init": [0.01, 0.1]}, "concurrency": 2}
+
+
+def test_a_2x2_grid_runs_its_trials_two_at_a_time_as_nested_runs_with_a_table_the_best_trial_and_plots(sweep_stack, tmp_path):
+    s = sweep_stack
+    sweep = wait_final(s, flow_run_id(start_sweep(s, GRID)))
+    assert sweep["state"]["type"] == "COMPLETED", sweep["state"]
+    assert sweep["name"] == "grid"
+
+    # Prefect: four trials named after the sweep, children of its flow run, never more than two at once
+    runs = trial_runs(s, "grid")
+    assert [r["name"] for r in runs] == ["grid-t0", "grid-t1", "grid-t2", "grid-t3"]
+    assert all(r["state"]["type"] == "COMPLETED" for r in runs), [r["state"] for r in runs]
+    parents = {httpx.get(f"{s['api']}/task_runs/{r['parent_task_run_id']}", timeout=10).json()["flow_run_id"] for r in runs}
+    assert parents == {sweep["id"]}
+    assert most_at_once(runs) == 2
+
+    # MLflow: the parent run, four nested runs with the swept values as params, in the grid's order
+    parent, children = parent_and_trials(s, "grid")
+    combinations = [(lr, kl) for lr in (1e-8, 1e-3) for kl in (0.01, 0.1)]
+    assert [c.info.run_name for c in children] == ["grid-t0", "grid-t1", "grid-t2", "grid-t3"]
+    assert [(float(c.data.params["reinforce.optim.lr"]), float(c.data.params["kl.init"])) for c in children] == combinations
+    assert all(c.data.tags["sweep.state"] == "complete" and c.info.status == "FINISHED" for c in children)
+    assert [c.data.tags["prefect.flow_run_id"] for c in children] == [r["id"] for r in runs]
+
+    # the table, the best trial, the plots, the comparison
+    rows = table(s, parent.info.run_id, tmp_path)
+    assert [(r["trial"], r["state"], r["mlflow_run_id"]) for r in rows] == [
+        (i, "complete", c.info.run_id) for i, c in enumerate(children)]
+    for row, child in zip(rows, children):  # a trial's value: the metric at its last step (the eval at iteration 2)
+        last = max(s["mlflow"].get_metric_history(child.info.run_id, "eval/score"), key=lambda m: m.step)
+        assert last.step == 2 and row["value"] == pytest.approx(last.value, rel=1e-6)
+    best = rows[int(parent.data.tags["best.trial"])]  # (two trials may tie)
+    assert best["value"] == max(r["value"] for r in rows) > min(r["value"] for r in rows)
+    assert best["reinforce.optim.lr"] == float(parent.data.tags["best.reinforce.optim.lr"]) == 1e-3  # 1e-8 learns nothing
+    assert parent.data.metrics["sweep/best_value"] == pytest.approx(best["value"])
+    plots = {a.path for a in s["mlflow"].list_artifacts(parent.info.run_id, "plots")}
+    assert {"plots/optimization_history.png", "plots/parallel_coordinate.png", "plots/param_importances.png"} <= plots
+    png = Path(s["mlflow"].download_artifacts(parent.info.run_id, "plots/param_importances.png", str(tmp_path)))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    artifact = httpx.post(f"{s['api']}/artifacts/latest/filter", json={"artifacts": {"key": {"any_": ["sweep-grid"]}}},
+                          timeout=10).json()
+    assert artifact[0]["type"] == "table" and len(json.loads(artifact[0]["data"])) == 4, artifact
+
+    # `rlhf compare --sweep grid`: every trial's curves side by side
+    assert main(["compare", "--sweep", "grid", "--tracking-uri", s["urls"]["mlflow"], "--out", str(tmp_path / "compare")]) == 0
+    markdown = (tmp_path / "compare" / "sweep-grid" / "comparison.md").read_text()
+    for child, (lr, kl) in zip(children, combinations):
+        assert f"| {child.info.run_name}: reinforce.optim.lr={lr}, kl.init={kl}, complete | {child.info.run_id} |" in markdown
+    assert all(not stack_processes(s["state_dir"], r["id"]) for r in runs)
+
+
+def test_a_rerun_of_a_finished_sweep_starts_no_trial_and_another_space_under_its_name_is_refused(sweep_stack, tmp_path):
+    s = sweep_stack
+    rerun, other = flow_run_id(start_sweep(s, GRID)), flow_run_id(start_sweep(s, {**GRID, "space": {"kl.init": [0.01, 0.1]}}))
+    rerun = wait_final(s, rerun, timeout=300)
+    assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
+    assert len(trial_runs(s, "grid")) == 4  # no new trial
+    parent, children = parent_and_trials(s, "grid")  # the same parent run, its table not doubled
+    assert len(children) == 4 and len(table(s, parent.info.run_id, tmp_path)) == 4
+    assert [t.state.name for t in study(s, "grid").trials] == ["COMPLETE"] * 4
+
+    other = wait_final(s, other, timeout=300)
+    assert other["state"]["type"] == "FAILED"
+    assert "sweep.name: the study 'grid'" in other["state"]["message"] and "another space" in other["state"]["message"]
+    assert len(trial_runs(s, "grid")) == 4
+
+
+# ------------------------------------------------------------------------------------------------ pruning
+def test_a_trial_that_cannot_learn_is_pruned_at_an_eval_step_cancelled_and_leaves_nothing_running(sweep_stack):
+    """lr 1e-3 completes first (concurrency 1); lr 1e-8 learns nothing: at the eval of step 2 its best is below the
+    median of the completed trial's at that step, so it is pruned, and its flow run (with its reward server) is
+    cancelled long before its 6th iteration."""
+    s = sweep_stack
+    sweep = {"name": "prune", "space": {"reinforce.optim.lr": [1e-3, 1e-8]}, "pruner": "median"}
+    run = wait_final(s, flow_run_id(start_sweep(s, sweep, {**CONFIG, "iterations": 6})))
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    good, bad = trial_runs(s, "prune")
+    assert good["state"]["type"] == "COMPLETED" and bad["state"]["type"] == "CANCELLED", (good["state"], bad["state"])
+    assert [t.state.name for t in study(s, "prune").trials] == ["COMPLETE", "PRUNED"]
+    assert study(s, "prune").trials[1].user_attrs["reason"].startswith("pruned at step 2: its best eval/score so far")
+    _, (good_run, bad_run) = parent_and_trials(s, "prune")
+    assert bad_run.data.tags["sweep.state"] == "pruned" and bad_run.info.status == "KILLED"
+    steps = sorted(m.step for m in s["mlflow"].get_metric_history(bad_run.info.run_id, "eval/score"))
+    assert steps[:2] == [0, 2] and steps[-1] < 6, steps
+    assert not stack_processes(s["state_dir"], bad["id"])  # no flow-run process, reward server or rank of it
+
+
+# ------------------------------------------------------------------------------------------------ failures, kill
+def test_failed_trials_are_recorded_with_their_reason_and_a_sweep_whose_trials_all_fail_fails(sweep_stack, tmp_path):
+    s = sweep_stack
+    sweep = {"name": "fail", "space": {"model.policy": ["/no/such/policy", "/no/other/policy"]}, "concurrency": 2}
+    run = wait_final(s, flow_run_id(start_sweep(s, sweep, IN_PROCESS)))
+    assert run["state"]["type"] == "FAILED" and "every trial of sweep fail failed" in run["state"]["message"], run["state"]
+    trials = study(s, "fail").trials
+    assert [t.state.name for t in trials] == ["FAIL", "FAIL"]
+    assert "model.policy: model path '/no/such/policy' does not exist" in trials[0].user_attrs["reason"]
+    assert [r["state"]["type"] for r in trial_runs(s, "fail")] == ["FAILED", "FAILED"]
+    parent, _ = parent_and_trials(s, "fail")
+    assert [r["state"] for r in table(s, parent.info.run_id, tmp_path)] == ["failed", "failed"]
+
+
+def test_a_sweep_killed_mid_way_resumes_keeping_its_finished_trial_and_following_the_running_one(sweep_stack):
+    """The sweep's flow run is killed while its second trial runs; `rlhf sweep` with the same config and sweep (the
+    flow in a shell, the trials on the deployments) resumes it: no trial is run again."""
+    s = sweep_stack
+    sweep = {"name": "resume", "space": {"reinforce.optim.lr": [1e-3, 3e-4]}}
+    first = flow_run_id(start_sweep(s, sweep, IN_PROCESS))
+    wait_until(lambda: [r["name"] for r in trial_runs(s, "resume")] == ["resume-t0", "resume-t1"], 300, "trial 1 started")
+    assert trial_runs(s, "resume")[0]["state"]["type"] == "COMPLETED"
+    for process in wait_until(lambda: stack_processes(s["state_dir"], first), 30, "the sweep's process"):
+        process.kill()  # the sweep dies without a word; its trial 1 goes on
+    assert wait_final(s, first, timeout=60)["state"]["type"] == "CRASHED"
+    assert [t.state.name for t in study(s, "resume").trials] == ["COMPLETE", "RUNNING"]
+
+    config = [f"--set={key}={value}" for key, value in (("algorithm", "rloo"), ("iterations", 2), ("reward.launch", "in_process"),
+              *((f"eval.{k}", v) for k, v in EVAL.items()))]
+    proc = subprocess.run([str(BIN / "rlhf"), "sweep", *config, "--name", "resume", "--space", "reinforce.optim.lr=[1e-3, 3e-4]",
+                           "--poll-s", "1"], env=s["env"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "trial 1 (resume-t1) was left running by an earlier run of the sweep" in proc.stdout + proc.stderr
+    runs = trial_runs(s, "resume")
+    assert [r["name"] for r in runs] == ["resume-t0", "resume-t1"]  # nothing run again
+    assert all(r["state"]["type"] == "COMPLETED" for r in runs)
+    assert [t.state.name for t in study(s, "resume").trials] == ["COMPLETE", "COMPLETE"]
+    _, children = parent_and_trials(s, "resume")
+    assert [c.data.tags["sweep.state"] for c in children] == ["complete", "complete"]
