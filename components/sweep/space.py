@@ -18,7 +18,7 @@ from typing import Any, Optional
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from pydantic import BaseModel, ValidationError
 
-from components.sweep.config import Range, SweepConfig
+from components.sweep.config import SweepConfig
 from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig, merge
 

@@ -62,11 +62,11 @@ def trial_ports(params: dict, taken: set[int]) -> dict[str, int]:
     """Preferred ports of a new trial's servers and actor rendezvous (PORTS; not the ones it sweeps): free now, away
     from the defaults that every other run on this machine prefers, and none of them in `taken` (the running trials')."""
     ports, taken = {}, set(taken)
-    for field, count in PORTS.items():
+    for name, count in PORTS.items():
         block = set()
-        while field not in params and (not block or block & taken):  # a random free block each time
-            ports[field] = find_free_ports("127.0.0.1", count)
-            block = set(range(ports[field], ports[field] + count))
+        while name not in params and (not block or block & taken):  # a random free block each time
+            ports[name] = find_free_ports("127.0.0.1", count)
+            block = set(range(ports[name], ports[name] + count))
         taken |= block
     return ports
 
