@@ -46,8 +46,10 @@ def cmd_train(args) -> int:
 
     def show(i: int, m: dict, samples: list) -> None:
         history.append(m)
+        stale = f"  staleness {m['rollout/staleness_max']:g}" if "rollout/staleness_max" in m else ""
         print(f"[{cfg.algorithm}] iteration {i}/{cfg.iterations}  gold {m.get('objective/gold_reward', float('nan')):+.3f}"
-              f"  score {m['objective/scores']:+.3f}  kl {m['objective/kl']:.3f}  step {m['time/step']:.2f}s", flush=True)
+              f"  score {m['objective/scores']:+.3f}  kl {m['objective/kl']:.3f}  step {m['time/step']:.2f}s{stale}",
+              flush=True)
 
     def show_eval(i: int, m: dict, rows: list) -> None:
         evaluations.append({"iteration": i, **m})

@@ -51,6 +51,7 @@ from models.engines import ENGINES
 from models.loop import build_critic_trainer, build_local_reward, critic_text_reward
 
 ADVERTISE_ENV = "RLHF_ADVERTISE_HOST"
+TEARDOWN_GRACE_S = 2.0
 
 
 class ServerDied(RuntimeError):
@@ -235,7 +236,9 @@ def started(kind: str, cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT):
     try:
         yield server
     finally:
-        code = server.stop()
+        # the run is done with it (a critic's saves are complete and atomic): a local server gets TEARDOWN_GRACE_S to
+        # stop by itself, then it is killed (PyTriton's graceful stop spends ~6 s polling its unloaded models)
+        code = server.stop(TEARDOWN_GRACE_S) if isinstance(server, ServerProcess) else server.stop()
         steps.log(f"{kind} server stopped" + (f" (pid {server.pid}, exit code {code})" if isinstance(server, ServerProcess)
                                               else f" (flow run {server.flow_run_id} cancelled)"))
 

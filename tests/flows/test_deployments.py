@@ -324,10 +324,11 @@ def critic_followers(s) -> list[psutil.Process]:
     return stack_processes(s, "components.serving.main --follow")
 
 
-def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_and_on_one(local_stack):
+def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_loses_a_rank_and_resumes_on_one(local_stack):
     """actor.nproc_per_node=2 with critic.launch=deployment: the PPO flow starts critic-server/default, finds its
     address and cancels it at the end, and the checkpoint holds the critic of its own iteration (adopted from the
-    store). The same run name then resumes on 2 ranks (the local critic restored from the checkpoint) and on 1."""
+    store). The same run name then resumes on 2 ranks (the local critic restored from the checkpoint), where rank 1
+    (rank 0 is the flow run) is killed mid-run: the run fails naming it and leaves nothing. It resumes on 1 rank."""
     s = local_stack
     config = {"iterations": 2, "run_name": "e2e-dist", "actor": {"nproc_per_node": 2}, "checkpoint": {"every": 1}}
     run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", {**config, "critic": {"launch": "deployment"}})))
@@ -349,40 +350,36 @@ def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_a
     assert json.loads((ckpt / "iter_2" / "critic" / "critic.json").read_text())["step"] == manifest["state"]["critic_step"] > 0
     assert not (ckpt / "critic-pending").exists() or not any((ckpt / "critic-pending").iterdir())
 
-    # the same run name resumes with the same world size: one more iteration, nothing redone
-    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": 3})))
-    assert run["state"]["type"] == "COMPLETED", run["state"]
-    assert sum(n.startswith("ppo-iteration") for n in task_names(s, run["id"])) == 1
-    # ... and on one rank from the 2-rank checkpoint: full weights, a fresh optimizer, a warning
-    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": 4,
-                                                                         "actor": {"nproc_per_node": 1}})))
-    assert run["state"]["type"] == "COMPLETED", run["state"]
-    assert sum(n.startswith("ppo-iteration") for n in task_names(s, run["id"])) == 1
-    logs = httpx.post(f"{s['api']}/logs/filter", json={"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200},
-                      timeout=10).json()
-    assert any("saved by 2 rank(s), resuming on 1" in log["message"] for log in logs)
-    client, mrun = mlflow_run(s, "e2e-dist")
-    assert [m.value for m in client.get_metric_history(mrun.info.run_id, "dist/world_size")] == [2.0, 2.0, 2.0, 1.0]
-
-
-def test_a_killed_actor_rank_fails_the_run_naming_it_and_leaves_nothing(local_stack):
-    """Rank 1 of the actor (actor.nproc_per_node=2; rank 0 is the flow run) is killed mid-run: the run fails within
-    60 s naming the rank, and no process of the run is left. (A killed rank of the critic server:
-    test_a_killed_critic_rank_fails_the_run_naming_it_leaves_nothing_and_a_rerun_resumes.)"""
-    s = local_stack
-    run_dir = s["state_dir"] / "runs" / "e2e-actor-rank-kill"
-    run_id = flow_run_id(deployment_run(s, "ppo/default", {"iterations": 200, "run_name": "e2e-actor-rank-kill",
-                                                           "actor": {"nproc_per_node": 2}}))
-    _wait_for(lambda: any(n.startswith("ppo-iteration") for n in task_names(s, run_id)), 180, "first iteration")
+    # the same run name resumes with the same world size, nothing redone (its first iteration is the 3rd), until its
+    # rank 1 is killed: the run fails within 60 s naming the rank, and no process of it is left
+    latest = ckpt / "latest.json"
+    run_id = flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": 200}))
+    _wait_for(lambda: json.loads(latest.read_text())["iteration"] >= 3, 240, "a checkpoint of the resumed run")
     follower = _wait_for(lambda: actor_followers(s), 30, "actor rank 1")[0]
     assert follower.environ()["RANK"] == "1"
     follower.kill()
     run = wait_final(s, run_id, timeout=60)  # a dead rank fails the run within 60 s
     assert run["state"]["type"] == "FAILED"
-    message = run["state"]["message"]
-    assert re.search(r"actor rank 1 \(pid \d+\) exited with code -9", message), message
-    _wait_for(lambda: not actor_followers(s) and not critic_followers(s) and not server_processes(s, str(run_dir)), 60,
-              "no process of the run left")
+    assert re.search(r"actor rank 1 \(pid \d+\) exited with code -9", run["state"]["message"]), run["state"]["message"]
+    _wait_for(lambda: not actor_followers(s) and not critic_followers(s) and not server_processes(s, str(s["state_dir"] / "runs" / "e2e-dist")),
+              60, "no process of the run left")
+    said = [log["message"] for log in httpx.post(f"{s['api']}/logs/filter", json={
+        "logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}, timeout=10).json()]
+    assert [m.split(":")[0] for m in said if m.startswith("iteration ")][0] == "iteration 3/200"
+    # ... and on one rank from the 2-rank checkpoint: full weights, a fresh optimizer, a warning
+    checkpointed = json.loads(latest.read_text())["iteration"]
+    client, mrun = mlflow_run(s, "e2e-dist")
+    logged = max(m.step for m in client.get_metric_history(mrun.info.run_id, "dist/world_size"))  # MLflow keeps these
+    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": logged + 1,
+                                                                         "actor": {"nproc_per_node": 1}})))
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert sum(n.startswith("ppo-iteration") for n in task_names(s, run["id"])) == logged + 1 - checkpointed
+    logs = httpx.post(f"{s['api']}/logs/filter", json={"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200},
+                      timeout=10).json()
+    assert any("saved by 2 rank(s), resuming on 1" in log["message"] for log in logs)
+    client, mrun = mlflow_run(s, "e2e-dist")
+    sizes = [m.value for m in sorted(client.get_metric_history(mrun.info.run_id, "dist/world_size"), key=lambda m: m.step)]
+    assert sizes == [2.0] * logged + [1.0]
 
 
 def test_ppo_deployment_with_a_two_rank_critic_server_completes_learns_and_leaves_no_server(local_stack):

@@ -171,7 +171,7 @@ GRID = {"name": "grid", "space": {"reinforce.optim.lr": [1e-8, 1e-3], "kl.init":
 
 def test_a_2x2_grid_runs_its_trials_two_at_a_time_as_nested_runs_with_a_table_the_best_trial_and_plots(sweep_stack, tmp_path):
     s = sweep_stack
-    sweep = wait_final(s, flow_run_id(start_sweep(s, GRID)))
+    sweep = wait_final(s, flow_run_id(start_sweep(s, GRID, IN_PROCESS)))  # the sweep's mechanics: no reward server
     assert sweep["state"]["type"] == "COMPLETED", sweep["state"]
     assert sweep["name"] == "grid"
 
@@ -220,7 +220,8 @@ def test_a_2x2_grid_runs_its_trials_two_at_a_time_as_nested_runs_with_a_table_th
 
 def test_a_rerun_of_a_finished_sweep_starts_no_trial_and_another_space_under_its_name_is_refused(sweep_stack, tmp_path):
     s = sweep_stack
-    rerun, other = flow_run_id(start_sweep(s, GRID)), flow_run_id(start_sweep(s, {**GRID, "space": {"kl.init": [0.01, 0.1]}}))
+    rerun = flow_run_id(start_sweep(s, GRID, IN_PROCESS))
+    other = flow_run_id(start_sweep(s, {**GRID, "space": {"kl.init": [0.01, 0.1]}}, IN_PROCESS))
     rerun = wait_final(s, rerun, timeout=300)
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     assert len(trial_runs(s, "grid")) == 4  # no new trial
