@@ -54,7 +54,7 @@ demo: venv models
 # The three environments are built side by side first (mostly downloads and unpacking: about a minute saved).
 test:
 	$(MAKE) -j3 venv tools vllm-venv
-	$(PY) -m pytest -q -n auto --dist loadfile
+	$(PY) -m pytest -q -n auto --dist loadfile --durations=25
 
 bench: venv models
 	$(PY) -m pip install -q -e ".[bench]"

@@ -169,7 +169,7 @@ def test_bad_input_is_refused_before_any_trial_starts(sweep_stack):
 GRID = {"name": "grid", "space": {"reinforce.optim.lr": [1e-8, 1e-3], "kl.init": [0.01, 0.1]}, "concurrency": 2}
 
 
-def test_a_2x2_grid_runs_its_trials_two_at_a_time_as_nested_runs_with_a_table_the_best_trial_and_plots(sweep_stack, tmp_path):
+def test_a_2x2_grid_runs_its_trials_at_most_two_at_a_time_as_nested_runs_with_a_table_the_best_trial_and_plots(sweep_stack, tmp_path):
     s = sweep_stack
     sweep = wait_final(s, flow_run_id(start_sweep(s, GRID, IN_PROCESS)))  # the sweep's mechanics: no reward server
     assert sweep["state"]["type"] == "COMPLETED", sweep["state"]
@@ -181,7 +181,11 @@ def test_a_2x2_grid_runs_its_trials_two_at_a_time_as_nested_runs_with_a_table_th
     assert all(r["state"]["type"] == "COMPLETED" for r in runs), [r["state"] for r in runs]
     parents = {httpx.get(f"{s['api']}/task_runs/{r['parent_task_run_id']}", timeout=10).json()["flow_run_id"] for r in runs}
     assert parents == {sweep["id"]}
-    assert most_at_once(runs) == 2
+    # the sweep submits two at once and the third only when one has ended (whether the two then overlap on the
+    # deployment's runner depends on how fast a trial is, so that is not asserted)
+    created, ended = ([datetime.fromisoformat(r[key]) for r in runs] for key in ("created", "end_time"))
+    assert created[1] < ended[0] and created[2] >= min(ended[:2]) and created[3] >= sorted(ended[:3])[1]
+    assert most_at_once(runs) <= 2
 
     # MLflow: the parent run, four nested runs with the swept values as params, in the grid's order
     parent, children = parent_and_trials(s, "grid")
