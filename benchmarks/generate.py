@@ -16,20 +16,16 @@ from models.loop import load_prompts
 from models.policy import Policy
 from models.config import Sampling
 from models.engines import NativeEngine
+from models.engines.native import left_pad
 
 
 def hf_generate(model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, temperature: float) -> int:
     """The baseline: left-pad, `model.generate(do_sample=True, use_cache=True)`; returns generated tokens."""
-    B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
-    input_ids = torch.full((B, P), tokenizer.pad_token_id, dtype=torch.long)
-    attention = torch.zeros((B, P), dtype=torch.long)
-    for i, ids in enumerate(prompt_ids):
-        input_ids[i, P - len(ids):] = torch.tensor(ids)
-        attention[i, P - len(ids):] = 1
+    input_ids, attention = left_pad(prompt_ids, tokenizer.pad_token_id)
     out = model.generate(input_ids=input_ids, attention_mask=attention, do_sample=True, temperature=temperature,
                          top_k=0, top_p=1.0, max_new_tokens=max_new_tokens, use_cache=True,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
-    return response_tokens(out[:, P:], tokenizer.eos_token_id)
+    return response_tokens(out[:, input_ids.shape[1]:], tokenizer.eos_token_id)
 
 
 def response_tokens(new: torch.Tensor, eos_id: int) -> int:

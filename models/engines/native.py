@@ -14,6 +14,17 @@ from models.loading import autocast
 from models.engines.base import Rollout, from_responses
 
 
+def left_pad(prompt_ids: list[list[int]], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Token ids right-aligned in one (rows, longest) tensor, and their attention mask (0 over the padding)."""
+    B, P = len(prompt_ids), max(len(p) for p in prompt_ids)
+    input_ids = torch.full((B, P), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, P), dtype=torch.long)
+    for i, ids in enumerate(prompt_ids):
+        input_ids[i, P - len(ids):] = torch.tensor(ids)
+        attention[i, P - len(ids):] = 1
+    return input_ids, attention
+
+
 class NativeEngine:
     name = "native"
     shares_actor_weights = True
@@ -36,13 +47,8 @@ class NativeEngine:
         if min(len(p) for p in prompt_ids) == 0:
             raise ValueError("prompts: every prompt must have at least one token")
         rows = [p for p in prompt_ids for _ in range(n)]
-        B, P = len(rows), max(len(p) for p in rows)
-        input_ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((B, P), dtype=torch.long)
-        for i, ids in enumerate(rows):
-            input_ids[i, P - len(ids):] = torch.tensor(ids)
-            attention[i, P - len(ids):] = 1
-        input_ids, attention = input_ids.to(self.device), attention.to(self.device)
+        input_ids, attention = (t.to(self.device) for t in left_pad(rows, self.pad_id))
+        B = input_ids.shape[0]
         finished = torch.zeros(B, dtype=torch.bool, device=self.device)
         new_tokens, new_logps = [], []
         past, step_input, position = None, input_ids, (attention.cumsum(1) - 1).clamp(min=0)
