@@ -102,6 +102,16 @@ def test_config_errors_name_the_field():
     assert proc.returncode != 0 and "num_rollouts_per_prompt" in proc.stderr
 
 
+def test_a_core_list_of_one_core_given_as_a_number_is_read_as_the_string_vllm_takes():
+    """`--set rollout.vllm.cpu_cores=1` reads 1 as a YAML number; the field takes it as the core list '1'."""
+    from components.cli.options import parse_overrides
+    from models.config import RLHFConfig, merge
+
+    for given in ("1", "2-3", "0,1"):
+        overrides = parse_overrides([f"rollout.vllm.cpu_cores={given}"])
+        assert merge(RLHFConfig(), overrides).rollout.vllm.cpu_cores == given
+
+
 def test_bad_data_fails_the_run_before_any_model_loads(tiny_models, tmp_path):
     """A data set without the prompt column: `rlhf train` exits naming the file and the columns there are, before the
     actor or a server starts (no rank log, no rollout server)."""
