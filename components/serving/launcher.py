@@ -181,6 +181,7 @@ def rollout_argv(cfg: RLHFConfig, port: int, host: Optional[str] = None, instanc
             "--host", host or v.host, "--port", str(port), "--dtype", v.dtype, "--seed", str(cfg.seed),
             "--gpu-memory-utilization", str(v.gpu_memory_utilization), "--instance", instance]
     argv += ["--max-model-len", str(v.max_model_len)] if v.max_model_len else []
+    argv += ["--cpu-cores", v.cpu_cores] if v.cpu_cores else []
     return argv + (["--enforce-eager"] if v.enforce_eager else [])
 
 

@@ -516,6 +516,20 @@ def build_app(served: ServedModel) -> FastAPI:
     return app
 
 
+def pin_to_cores(spec: str) -> set[int]:
+    """Bind every thread of this process to the cores of `spec` (a Linux core list: "1", "2-3", "0,4-5"), as a pod's
+    CPU set would: vLLM's own binding (VLLM_CPU_OMP_THREADS_BIND) reaches only the thread that built the engine, while
+    generation runs in the web server's worker threads."""
+    try:
+        cores = {core for part in spec.split(",") for core in
+                 (range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))}
+    except ValueError:
+        raise SystemExit(f"--cpu-cores: {spec!r} is not a core list like 1, 2-3 or 0,4-5") from None
+    for task in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(task), cores)
+    return cores
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="Hugging Face model directory (config, tokenizer, weights).")
@@ -527,7 +541,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--instance", default="", help="Token echoed by /health (the launcher checks it).")
+    parser.add_argument("--cpu-cores", default=None, help="Cores every thread of this process runs on, e.g. 1 or 2-3,6.")
     args = parser.parse_args(argv)
+    if args.cpu_cores:  # before any worker thread starts: the threads started later inherit it
+        pin_to_cores(args.cpu_cores)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     # the port first, before the model loads: a port taken by someone else fails at once, naming it
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

@@ -38,9 +38,22 @@ def test_the_server_gets_every_core_of_a_cpu_host_unless_told(tiny_models, tmp_p
     assert rollout_env(default)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
+SERVER_CORE = os.cpu_count() - 1  # the module's server runs on one core (rollout.vllm.cpu_cores), as in a pod
+
+
+def threads_cores(pid: int) -> dict[str, str]:
+    """Each thread of process `pid` (its name and id) -> the cores it may run on (a Linux core list)."""
+    cores = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        status = dict(line.split(":\t", 1) for line in open(f"/proc/{pid}/task/{tid}/status").read().splitlines()
+                      if ":\t" in line)
+        cores[f"{status['Name']} {tid}"] = status["Cpus_allowed_list"].strip()
+    return cores
+
+
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
-    cfg = config(tiny_models, tmp_path_factory.mktemp("rollout"))
+    cfg = config(tiny_models, tmp_path_factory.mktemp("rollout"), cpu_cores=str(SERVER_CORE))
     rollout_python(cfg)  # a missing .venv-vllm fails here, naming `make vllm-venv`
     with launch_rollout(cfg, tmp_path_factory.mktemp("logs") / "rollout-server.log") as proc:
         proc.wait_until_ready(300)
@@ -111,6 +124,14 @@ def test_generation_contract_shapes_eos_and_n_samples(server, policy):
                              "seed": 1})
     assert [[s["token_ids"] for s in p] for p in again["samples"]] == [[s["token_ids"] for s in p] for p in answer["samples"]]
     client.close()
+
+
+def test_every_thread_of_the_server_runs_on_its_cores(server):
+    """rollout.vllm.cpu_cores binds the whole process, the web server's worker threads that generate included (vLLM's
+    own binding reaches only the thread that built the engine; on a shared host the server then competes with the
+    actor for its cores). The module's first test has generated, so those threads exist."""
+    cores = threads_cores(server.pid)
+    assert len(cores) > 1 and set(cores.values()) == {str(SERVER_CORE)}, cores
 
 
 def test_equal_neighbouring_prompts_keep_k_samples_each(engine, policy, server):
