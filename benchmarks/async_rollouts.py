@@ -15,11 +15,15 @@ sharing both cores (the default on one machine).
 Learning at equal samples: the tiny policy on the shipped task, RLOO, 12 iterations, k=0 and k=1 over 3 seeds (the
 server sharing the cores, 1 thread): the mean gold gain (the last two iterations' mean minus the first two's).
 
-    python -m benchmarks.async_rollouts [--quick]
+And the same k=0 / k=1 pair at sizes where generation and training take closer to equal time (BALANCED: 2 prompts x 2
+samples x 256 tokens), where overlapping can gain more.
+
+    python -m benchmarks.async_rollouts [--quick] [--parts throughput throughput_balanced learning]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -29,7 +33,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import log, quick_flag, state_dir, stats, tiny_config, write_result
+from benchmarks.common import log, results_dir, state_dir, stats, tiny_config, write_result
 from benchmarks.rollout_engine import build_random_model
 
 RLHF = [sys.executable, "-m", "components.cli.main", "train"]
@@ -55,6 +59,10 @@ def train(overrides: dict, out: Path, pin_actor: str | None, env: dict) -> list[
 
 
 RUNS = [("k0_shared_cores", 0, None), ("k0", 0, "0"), ("k1", 1, "0"), ("k2", 2, "0")]  # (name, k, actor's cores)
+# the same model with generation and training closer to equal (ideal speed-up nearer 2x): 2 prompts x 2 samples x 256
+# tokens (fewer sequences make training shorter; on a CPU a decoding step costs about the same for 4 rows as for 8)
+BALANCED = {"reinforce.rollout_batch_size": 2, "reinforce.minibatch_size": 4, "generation.micro_batch_size": 4,
+            "generation.max_new_tokens": 256}
 
 
 def throughput(model_dir: str, iterations: int, env: dict, tmp: Path, runs=RUNS, sizes: dict | None = None) -> dict:
@@ -111,18 +119,36 @@ def learning(seeds: list[int], iterations: int, env: dict, tmp: Path) -> dict:
     return result
 
 
+PARTS = ("throughput", "throughput_balanced", "learning")
+
+
 def main(argv=None) -> dict:
-    quick = quick_flag(argv)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RLHF_STATE_DIR=str(state_dir()))
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer repetitions (a check, not for reporting)")
+    parser.add_argument("--parts", nargs="+", choices=PARTS, default=list(PARTS),
+                        help="run only these parts; the others keep their results from the last full run's file")
+    args = parser.parse_args(argv)
+    quick, env = args.quick, dict(os.environ, HF_HUB_OFFLINE="1", RLHF_STATE_DIR=str(state_dir()))
     tiny_config()  # the tiny models exist before the runs start
+    previous = results_dir(quick) / "async_rollouts.json"
+    result = json.loads(previous.read_text()) if set(args.parts) != set(PARTS) and previous.exists() else {}
+    for stale in ("benchmark", "created", "machine", "versions", "load_average_1_5_15_min_at_end"):
+        result.pop(stale, None)
+    result.update(quick=quick, what="RLOO with asynchronous rollouts (rollout.max_off_policy_steps) through the vLLM "
+                                    "rollout server", parts_run_last=args.parts)
     with tempfile.TemporaryDirectory(prefix="async-bench-") as tmp:
         model = Path(tmp) / "qwen2_110m"
         params = build_random_model(model, tiny_config().resolve_model_path("tiny/policy"))
-        result = {"quick": quick, "what": "RLOO with asynchronous rollouts (rollout.max_off_policy_steps) through the "
-                                          "vLLM rollout server",
-                  "throughput": {"model": "qwen2_110m_random", "parameters": params, "sizes": SIZES,
-                                 "cases": throughput(str(model), 5 if quick else 10, env, Path(tmp))},
-                  "learning": learning([0] if quick else [0, 1, 2], 4 if quick else 12, env, Path(tmp))}
+        iterations = 5 if quick else 10
+        if "throughput" in args.parts:
+            result["throughput"] = {"model": "qwen2_110m_random", "parameters": params, "sizes": SIZES,
+                                    "cases": throughput(str(model), iterations, env, Path(tmp))}
+        if "throughput_balanced" in args.parts:
+            result["throughput_balanced"] = {
+                "model": "qwen2_110m_random", "parameters": params, "sizes": {**SIZES, **BALANCED},
+                "cases": throughput(str(model), iterations, env, Path(tmp), runs=RUNS[1:3], sizes=BALANCED)}
+        if "learning" in args.parts:
+            result["learning"] = learning([0] if quick else [0, 1, 2], 4 if quick else 12, env, Path(tmp))
     write_result("async_rollouts", result)
     return result
 
