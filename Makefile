@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 
 include infra/terraform/tools.mk
 
-.PHONY: venv vllm-venv demo test test-models bench models clean
+.PHONY: venv vllm-venv demo test bench models clean
 
 # torch is installed first, pinned, so pip takes the CPU wheel and never resolves a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -49,18 +49,12 @@ models: venv
 demo: venv models
 	$(VENV)/bin/rlhf demo
 
-# The tests' tiny models (the four of the embedded default, reward-chars included), built once as a run builds them
-# (models.tiny.ensure_tiny), while the other environments are still downloading (tests/conftest.py: RLHF_TEST_TINY_DIR).
-TEST_TINY := .rlhf/test/models/tiny
-test-models: venv
-	$(PY) -c "from models.tiny import NAMES, ensure_tiny; ensure_tiny('$(TEST_TINY)', names=NAMES)"
-
 # Test files run in parallel, one pytest worker per core (pytest-xdist); a file's tests stay on one worker, in order,
 # because modules share expensive fixtures (a whole local stack, a critic server).
-# The three environments and the tests' models are built side by side first (mostly downloads and unpacking).
+# The three environments are built side by side first (mostly downloads and unpacking: about a minute saved).
 test:
-	$(MAKE) -j3 venv tools vllm-venv test-models
-	RLHF_TEST_TINY_DIR=$(CURDIR)/$(TEST_TINY) $(PY) -m pytest -q -n auto --dist loadfile --durations=25
+	$(MAKE) -j3 venv tools vllm-venv
+	$(PY) -m pytest -q -n auto --dist loadfile --durations=25
 
 bench: venv models
 	$(PY) -m pip install -q -e ".[bench]"

@@ -173,12 +173,13 @@ class Trials:
         if r.mlflow_run_id is None:
             return
         new = [(step, value) for step, value in self.parent.history(r.mlflow_run_id) if step not in r.reported]
-        for step, value in new:
-            r.trial.report(value, step)
+        for step, value in new:  # the pruner is asked at every step, as the trial itself would ask it, however many
+            r.trial.report(value, step)  # steps one poll finds
             r.reported[step] = value
             self.logger.info(f"trial {r.trial.number} ({r.run_name}) step {step}: {self.sweep.metric} {value:.4g}")
-        if judge and new and self.sweep.pruner != "none" and r.trial.should_prune():
-            self._prune(r, new[-1][0])
+            if judge and self.sweep.pruner != "none" and r.trial.should_prune():
+                self._prune(r, step)
+                return
 
     def _prune(self, r: Running, step: int) -> None:
         best = (max if self.sweep.direction == "maximize" else min)(r.reported.values())
