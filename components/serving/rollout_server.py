@@ -525,8 +525,12 @@ def pin_to_cores(spec: str) -> set[int]:
                  (range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))}
     except ValueError:
         raise SystemExit(f"--cpu-cores: {spec!r} is not a core list like 1, 2-3 or 0,4-5") from None
-    for task in os.listdir("/proc/self/task"):
-        os.sched_setaffinity(int(task), cores)
+    try:
+        for task in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(task), cores)
+    except OSError as exc:
+        raise SystemExit(f"--cpu-cores: cannot run on cores {sorted(cores)} ({exc.strerror}); this process may use "
+                         f"{sorted(os.sched_getaffinity(0))}") from None
     return cores
 
 

@@ -38,7 +38,7 @@ def test_the_server_gets_every_core_of_a_cpu_host_unless_told(tiny_models, tmp_p
     assert rollout_env(default)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
-SERVER_CORE = os.cpu_count() - 1  # the module's server runs on one core (rollout.vllm.cpu_cores), as in a pod
+SERVER_CORE = max(os.sched_getaffinity(0))  # the module's server runs on one core (rollout.vllm.cpu_cores), as in a pod
 
 
 def threads_cores(pid: int) -> dict[str, str]:
@@ -352,9 +352,11 @@ def test_a_killed_server_is_named_with_its_exit_code(tiny_models, tmp_path, poli
     assert not proc.group_members()
 
 
-def test_a_server_that_cannot_load_fails_readiness_with_its_log(tiny_models, tmp_path):
-    cfg = config(tiny_models, tmp_path, max_model_len=10**7)  # more than the model's positions
+@pytest.mark.parametrize("vllm, words", [({"max_model_len": 10**7}, "max_model_len"),  # more than the model's positions
+                                          ({"cpu_cores": "4096"}, "--cpu-cores: cannot run on cores [4096]")])
+def test_a_server_that_cannot_load_fails_readiness_with_its_log(tiny_models, tmp_path, vllm, words):
+    cfg = config(tiny_models, tmp_path, **vllm)
     with launch_rollout(cfg, tmp_path / "rollout-server.log") as proc:
         with pytest.raises(ServerNotReady, match=r"rollout server exited with code \d+ before .* was ready") as err:
             proc.wait_until_ready(300)
-        assert err.value.reason == "process_exited" and "max_model_len" in str(err.value)
+        assert err.value.reason == "process_exited" and words in str(err.value)
