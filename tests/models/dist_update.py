@@ -6,6 +6,7 @@ tests/models/test_distributed.py: in the test process for 1 rank, under torchrun
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -75,7 +76,13 @@ def main() -> None:
     weights, metrics, engine_weights = update(cfg, torch.load(fixture_path, weights_only=False), me)
     if me.is_leader:
         torch.save({"weights": weights, "metrics": metrics, "engine_weights": engine_weights}, out)
-    distributed.shutdown(me, graceful=True)
+    # Both ranks are done with collectives; leave without the interpreter's teardown, where gloo's threads
+    # occasionally abort a rank ("terminate called without an active exception", CI 2026-11-25; pytorch PR 179291)
+    # after the result is written. What this test checks is the result, not the exit.
+    torch.distributed.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
