@@ -72,7 +72,7 @@ def throughput(model_dir: str, iterations: int, env: dict, tmp: Path, runs=RUNS,
     for name, k, pin in runs:
         overrides = {**SIZES, **(sizes or {}), "model.policy": model_dir, "iterations": iterations,
                      "rollout.max_off_policy_steps": k,
-                     **({"rollout.vllm.threads": 1, "rollout.vllm.cpu_cores": "1"} if pin else {})}
+                     **({"deploy.rollout.threads": 1, "deploy.rollout.cpu_cores": "1"} if pin else {})}
         log(f"async_rollouts: {name} ({iterations} iterations)")
         history = train(overrides, tmp / f"{name}.json", pin, env)[2:]  # the first two warm the engine up
         step = [m["time/step"] for m in history]
@@ -105,7 +105,7 @@ def learning(seeds: list[int], iterations: int, env: dict, tmp: Path) -> dict:
     for k in (0, 1):
         for seed in seeds:
             overrides = {"algorithm": "rloo", "iterations": iterations, "seed": seed, "rollout.engine": "vllm",
-                         "rollout.vllm.threads": 1, "rollout.max_off_policy_steps": k,
+                         "deploy.rollout.threads": 1, "rollout.max_off_policy_steps": k,
                          "model.policy": cfg.resolve_model_path(cfg.model.policy),
                          "model.reward": cfg.resolve_model_path(cfg.model.reward)}
             log(f"async_rollouts: learning k={k} seed={seed}")

@@ -1,7 +1,7 @@
 """The critic server on 1 vs 2 ranks, and rewards as text vs tokens, through a raw tritonclient.
 
 1. Round-trip time of critic_infer (64 x 32 tokens) and critic_train (the same batch, 2 epochs) against a critic
-   server with critic.nproc_per_node = 1 and 2 (the tiny critic, one torch thread per rank), alternated. On 2 cores a
+   server with deploy.critic.nproc_per_node = 1 and 2 (the tiny critic, one torch thread per rank), alternated. On 2 cores a
    tiny critic gains nothing from 2 ranks: the figure shows the cost of the broadcast and the collectives.
 2. Text transport overhead: reward_text (64 prompt/response strings, tokenized by the server) against reward_model
    (the same rollouts as token ids) on one reward server, alternated.

@@ -100,7 +100,7 @@ def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list
     ids = policy.encode_prompts(prompts)
     gen = Sampling(max_new_tokens=new_tokens, temperature=1.0)
     native = NativeEngine.for_policy(policy)
-    vcfg = merge(cfg, {"model.policy": model_dir, "rollout.vllm.dtype": dtype, "rollout.vllm.port": 0})
+    vcfg = merge(cfg, {"model.policy": model_dir, "rollout.vllm.dtype": dtype, "deploy.rollout.port": 0})
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as logs, launch_rollout(vcfg, Path(logs) / "server.log") as server:
         started = time.perf_counter()
         server.wait_until_ready(vcfg.rollout.vllm.ready_timeout_s)
@@ -160,7 +160,7 @@ def rloo_iteration(model_dir: str, reps: int) -> dict:
         for side in sides:
             cfg = tiny_config(algorithm="rloo", **{
                 "model.policy": model_dir, "generation.max_new_tokens": 64, "rollout.engine": side.split("-")[0],
-                "reinforce.rollout_batch_size": 8, "reward.source": "function", "rollout.vllm.port": 0,
+                "reinforce.rollout_batch_size": 8, "reward.source": "function", "deploy.rollout.port": 0,
                 "reward.function": "models.tasks.sentiment:gold_reward"})
             actor = Leader(cfg, build_actor(cfg))
             if side != "native":

@@ -1,170 +1,110 @@
-"""Prefect tasks the flows are made of, and how a flow hands them to the one training loop (models/loop.run_loop) and
-to the run's services (components/serving/services.py). Retries only where I/O can fail transiently (tracking,
-checkpoint upload)."""
+"""How a training flow runs the run builder (components/runs.py) as Prefect sees it: each named step a task of the
+flow run, each message in its log, each table and the progress an artifact; the flow run's config deep-merged over
+its deployment's parameters; a failure's first line as the flow run's state message."""
 
 from __future__ import annotations
 
-import re
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable
+from uuid import UUID
 
-from prefect import get_run_logger, task
-from prefect.artifacts import create_table_artifact
+from prefect import get_client, get_run_logger, task
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 from prefect.cache_policies import NONE
+from prefect.context import FlowRunContext
 from prefect.runtime import deployment, flow_run
 
 from components.environment import first_line
-from components.launch.ranks import actor_ranks
-from components.serving.services import RunPlace, RunServices, Steps
-from components.tracking.run import RunSession
-from models.config import RLHFConfig
-from models.data import Batch, PromptSet
-from models.loop import Hooks, Leader
+from components.runs import train
+from models.config import RLHFConfig, deep_merge, run_name_for
+from models.loop import Steps
+
+FLOW_PARAMETERS = ("config", "deploy")  # a training flow's parameters: what the run trains, where it runs
 
 
 class FlowSteps(Steps):
-    """The steps of starting a run's servers as Prefect tasks of the flow run (named as the UI shows them), their
-    messages in the run's log."""
+    """The steps of a run as Prefect tasks of the flow run (named as the UI shows them), its messages in the run's
+    log, its tables and its progress as artifacts of the flow run."""
 
-    def __call__(self, name: str, fn, *args, **kwargs):
-        return task(fn, name=name, cache_policy=NONE)(*args, **kwargs)
+    def __init__(self):
+        self.progress_id: UUID | None = None
+
+    def __call__(self, name: str, fn: Callable, *args, retries: int = 0, **kwargs):
+        return task(fn, name=name, cache_policy=NONE, retries=retries, retry_delay_seconds=2)(*args, **kwargs)
 
     def log(self, message: str) -> None:
         get_run_logger().info(message)
 
+    def table(self, key: str, rows: list[dict], description: str) -> None:
+        create_table_artifact(table=rows, key=key, description=description)
 
-STEPS = FlowSteps()
+    def progress(self, done: int, total: int, what: str) -> None:
+        percent = 100.0 * done / max(total, 1)
+        if self.progress_id is None:
+            self.progress_id = create_progress_artifact(percent, description=f"{done}/{total} {what}")
+        else:
+            update_progress_artifact(self.progress_id, percent, description=f"{done}/{total} {what}")
 
-
-@contextmanager
-def training_run(cfg: RLHFConfig) -> Iterator[tuple[RunSession, RunPlace]]:
-    """Open (or resume) the run of a prepared config; on the way out close the MLflow run as FINISHED or FAILED."""
-    session = open_run(cfg, run_tags())
-    status = "FAILED"
-    try:
-        yield session, RunPlace(session.name, session.local_dir / "logs", session.critic_dir, session.store.uri,
-                                session.critic_restore_iteration)
-        status = "FINISHED"
-    finally:
-        session.close(status)
+    def tags(self) -> dict[str, str]:
+        return {"prefect.flow_run_id": str(flow_run.get_id() or ""),
+                "prefect.deployment": str(deployment.get_name() or "")}
 
 
-@contextmanager
-def actor_on_ranks(cfg: RLHFConfig, session: RunSession) -> Iterator[Leader]:
-    """The actor on all its ranks, restored from the run's checkpoint; every rank stopped on the way out."""
-    with actor_ranks(cfg, session.local_dir / "logs") as actor:
-        restore_actor(session, actor)
-        yield actor
+def deployment_parameters() -> dict:
+    """The parameters the flow run's deployment was given (prefect.yaml, `rlhf up`, or edited in the UI); {} for a
+    flow called directly."""
+    if (deployment_id := deployment.get_id()) is None:
+        return {}
+    with get_client(sync_client=True) as client:
+        return client.read_deployment(UUID(str(deployment_id))).parameters or {}
 
 
-def flow_hooks(cfg: RLHFConfig, session: RunSession, services: RunServices) -> Hooks:
-    """The training loop's parts as this flow run's tasks: an iteration, the held-out eval, metrics, checkpoints; a
-    failure while a server of the run is gone names that server."""
-    step, guard, critic, reward = iteration_task(cfg), services.guard, services.critic, services.reward
-    return Hooks(step=lambda actor, batch, data, ahead: guard(step, actor, batch, data, critic, reward, ahead),
-                 evaluate=lambda actor, batch, i: guard(held_out_eval, actor, batch, critic, reward, i),
-                 log=lambda i, metrics, samples: log_metrics(session, i, metrics, samples),
-                 logged_eval=lambda i, metrics, rows: log_eval(session, i, metrics, rows),
-                 checkpoint=lambda actor: guard(save_checkpoint, session, actor, critic))
+def given_parameters() -> dict:
+    """The flow run's parameters as they were given (partial JSON), before Prefect filled in the defaults."""
+    context = FlowRunContext.get()
+    return dict(context.flow_run.parameters or {}) if context is not None else {}
 
 
-def run_tags() -> dict[str, str]:
-    return {"prefect.flow_run_id": str(flow_run.get_id() or ""), "prefect.deployment": str(deployment.get_name() or "")}
+def train_flow(algorithm: str, config, deploy) -> dict:
+    """The body of a training flow: its run (named after the flow run unless it has a name) built and run with its
+    steps as this flow run's tasks."""
+    with reported_failure():
+        cfg = flow_config(config, deploy, algorithm)
+        return train(cfg.model_copy(update={"run_name": cfg.run_name or flow_run.get_name()}), FlowSteps())
 
 
-@task(name="open-run", cache_policy=NONE, retries=2, retry_delay_seconds=5)
-def open_run(cfg: RLHFConfig, tags: dict[str, str]) -> RunSession:
-    """Resolve the run name, download the last complete checkpoint if there is one, start/continue the MLflow run."""
-    session = RunSession.open(cfg, tags)
-    logger = get_run_logger()
-    if session.resumed_from is not None:
-        logger.info(f"run {session.name}: resuming from checkpoint iteration {session.resumed_from} ({session.store.uri})")
+def flow_run_namer(algorithm: str) -> Callable[[], str]:
+    """Prefect's `flow_run_name` of the training flow of `algorithm`: the run's name (its merged config's run_name,
+    or '<algorithm>-<timestamp>-<random>' decided here, once), so that the flow run, its MLflow run and its
+    checkpoints carry one name in both UIs. `train_flow` reads it back from the flow run."""
+    def name() -> str:
+        parameters = flow_run.get_parameters()
+        return run_name_for(flow_config(parameters.get("config"), parameters.get("deploy"), algorithm))
+    return name
+
+
+def flow_config(config, deploy, algorithm: str | None = None) -> RLHFConfig:
+    """The config a flow run runs: each of its parameters (`config`: what the run trains, `deploy`: where its parts
+    run) deep-merged over its deployment's own, so `--param config='{"iterations": 50}'` keeps what the deployment
+    says of every other field (Prefect itself replaces a parameter as a whole); a flow called without a deployment
+    runs what it was called with. `algorithm`: the flow's own."""
+    base, given = deployment_parameters(), given_parameters()
+    if base:
+        merged = {name: deep_merge(_plain(base.get(name)), _plain(given.get(name))) for name in FLOW_PARAMETERS}
     else:
-        logger.info(f"run {session.name}: new run, checkpoints in {session.store.uri}")
-    logger.info(f"MLflow run {session.tracker.run_id} at {session.tracker.tracking_uri}")
-    return session
+        merged = {"config": _plain(config), "deploy": _plain(deploy)}
+    if algorithm:
+        merged["config"]["algorithm"] = algorithm
+    return RLHFConfig.model_validate({**merged["config"], "deploy": merged["deploy"]})
 
 
-@task(name="restore-actor", cache_policy=NONE)
-def restore_actor(session: RunSession, actor: Leader) -> None:
-    """Weights, optimizer and RNGs of the last checkpoint into the actor on all its ranks (a new run: nothing)."""
-    warning = session.restore_actor(actor)
-    if warning:
-        get_run_logger().warning(warning)
-
-
-@task(name="iteration", cache_policy=NONE)
-def iteration(actor: Leader, prompts: Batch, data: dict, critic, reward, ahead: list[Batch]):
-    """One training iteration (models/step.py) on every actor rank, each with its share of the prompts: rollout ->
-    logprobs + reference, scores (and values) requested meanwhile -> advantages -> actor (and critic) update.
-    `data`: the prompt stream's state after this batch, saved with the actor's next checkpoint; `ahead`: the next
-    batches, asked for now (asynchronous rollouts)."""
-    return actor.step(prompts, critic, reward, data, ahead)
-
-
-@task(name="eval", cache_policy=NONE)
-def held_out_eval(actor: Leader, prompts: Batch, critic, reward, iteration: int) -> tuple[dict, list[dict]]:
-    """The held-out eval (models/eval.py) before iteration + 1 (or at the end) on every actor rank."""
-    return actor.evaluate(prompts, critic, reward, iteration)
-
-
-@task(name="log-eval", cache_policy=NONE, retries=2, retry_delay_seconds=2)
-def log_eval(session: RunSession, iteration: int, metrics: dict, rows: list[dict]) -> None:
-    """An eval's metrics to MLflow at step=iteration, its samples as an MLflow table and as the Prefect table
-    artifact 'eval-<run name>'."""
-    session.log_eval(iteration, metrics, rows)
-    key = re.sub(r"[^a-z0-9-]+", "-", f"eval-{session.name}".lower()).strip("-")
-    summary = f"eval at iteration {iteration}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
-    create_table_artifact(table=rows, key=key[:128], description=f"Held-out {summary} (run {session.name})")
-    get_run_logger().info(summary)
-
-
-def log_data(session: RunSession, prompts: PromptSet, evals: PromptSet | None) -> None:
-    """What the run reads: counts in the log and in MLflow (data/rows, data/filtered_rows, eval/rows at step 0)."""
-    counts = {"data/rows": len(prompts), "data/filtered_rows": prompts.filtered,
-              "data/truncated_rows": prompts.truncated}
-    note = f"data: {len(prompts)} prompts from {prompts.source}"
-    if prompts.filtered or prompts.truncated:
-        note += (f" ({prompts.filtered} filtered, {prompts.truncated} truncated: longer than "
-                 f"data.max_prompt_length={session.cfg.data.max_prompt_length})")
-    if evals is not None:
-        counts.update({"eval/rows": len(evals), "eval/filtered_rows": evals.filtered})
-        note += f"; eval: {len(evals)} prompts from {evals.source}"
-    session.tracker.log_side_metrics(counts, step=0)
-    get_run_logger().info(note)
-
-
-def iteration_task(cfg: RLHFConfig):
-    """The iteration task as the run shows it in Prefect: '<algorithm>-iteration'."""
-    return iteration.with_options(name=f"{cfg.algorithm}-iteration")
-
-
-@task(name="log-metrics", cache_policy=NONE, retries=2, retry_delay_seconds=2)
-def log_metrics(session: RunSession, iteration: int, metrics: dict, samples: list[dict]) -> None:
-    session.log(iteration, metrics, samples)
-    m = metrics
-    stale = f" staleness {m['rollout/staleness_max']:g}" if "rollout/staleness_max" in m else ""
-    get_run_logger().info(
-        f"iteration {iteration}/{session.cfg.iterations}: gold {m.get('objective/gold_reward', float('nan')):+.3f} "
-        f"score {m['objective/scores']:+.3f} KL {m['objective/kl']:.3f} step {m['time/step']:.2f}s{stale}")
-
-
-@task(name="checkpoint", cache_policy=NONE)
-def save_checkpoint(session: RunSession, actor: Leader, critic=None) -> str:
-    """critic_save on the critic server, then actor (all ranks) + critic + manifest into the store; `latest` last."""
-    critic_info = critic.save() if critic is not None else None
-    uri = session.save(actor, critic_info)
-    get_run_logger().info(f"checkpoint iteration {actor.state.iteration}: {uri}")
-    return uri
-
-
-def run_summary(session: RunSession, actor: Leader, history: list[dict]) -> dict:
-    """What a training flow returns (shown as the flow run's result)."""
-    metrics = history[-1] if history else {}
-    get_run_logger().info(f"run {session.name} finished: {actor.state.iteration} iterations on "
-                          f"{actor.me.world_size} actor rank(s)")
-    return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": actor.state.iteration,
-            "final": {k: v for k, v in metrics.items() if k.startswith("objective/")}}
+def _plain(value) -> dict:
+    """A parameter as a JSON mapping (a pydantic model dumped with only what was set in it)."""
+    if value is None:
+        return {}
+    if hasattr(value, "model_dump"):
+        return value.model_dump(mode="json", exclude_unset=True)
+    return dict(value)
 
 
 class RunFailed(RuntimeError):

@@ -10,20 +10,20 @@ from flows.ppo import ppo
 from flows.reinforce import reinforce
 from flows.servers import critic_server, reward_server, rollout_server
 from flows.sweep import EXAMPLE_CONFIG, EXAMPLE_SWEEP, sweep_flow
-from models.config import RLHFConfig
 
 
 def deployments():
     return [
-        ppo.to_deployment(name="default", parameters={"config": RLHFConfig(algorithm="ppo").model_dump(mode="json")},
-                          description="PPO on the embedded default (tiny local models); override any field with --param config=..."),
-        reinforce.to_deployment(name="default", parameters={"config": RLHFConfig(algorithm="rloo").model_dump(mode="json")},
-                                description="REINFORCE/RLOO on the embedded default"),
+        ppo.to_deployment(name="default", parameters={"config": {"algorithm": "ppo"}, "deploy": {}},
+                          description="PPO on the embedded default (tiny local models); --param config='{...}' sets any "
+                                      "run field, --param deploy='{...}' where its parts run (both merged over these)"),
+        reinforce.to_deployment(name="default", parameters={"config": {"algorithm": "rloo"}, "deploy": {}},
+                                description="REINFORCE/RLOO on the embedded default (merged as ppo/default's)"),
         critic_server.to_deployment(name="default", description="PyTriton critic server (critic_infer/train/save)"),
         reward_server.to_deployment(name="default", description="PyTriton reward server (reward_model)"),
         rollout_server.to_deployment(name="default", description="vLLM rollout server (generate, update_weights)"),
         compare.to_deployment(name="default", description="PPO vs RLOO curves and table"),
-        sweep_flow.to_deployment(name="default", parameters={"config": EXAMPLE_CONFIG.model_dump(mode="json"),
+        sweep_flow.to_deployment(name="default", parameters={"config": EXAMPLE_CONFIG.model_dump(mode="json", exclude_unset=True),
                                                               "sweep": EXAMPLE_SWEEP.model_dump(mode="json")},
                                  description="A hyperparameter sweep (Optuna): trials are runs of ppo/default or "
                                              "reinforce/default; the defaults are a 2 x 2 grid of RLOO runs"),

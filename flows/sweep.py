@@ -24,7 +24,8 @@ from components.sweep.space import SweepError, check_sweep
 from components.sweep.study import Plan, open_study, unfinished
 from components.sweep.tracking import SweepRun, table_artifact
 from components.sweep.trials import Trials, require_deployment
-from models.config import RLHFConfig
+from models.config import RLHFConfig, RunConfig
+from models.deploy import DeployConfig
 
 # the deployment that trains each algorithm: the flows of flows/ppo.py and flows/reinforce.py, served as 'default'
 # (named, not imported: the sweep's flow run loads no model code; tests/flows/test_sweeps.py checks the names)
@@ -32,7 +33,7 @@ TRAINING_DEPLOYMENTS = {"ppo": "ppo/default", "rloo": "reinforce/default"}
 
 # the deployment's defaults: RLOO with a held-out eval every 4 iterations, a 2 x 2 grid over the learning rate and the
 # initial KL coefficient (`prefect deployment run sweep/default` runs it; any parameter can be replaced)
-EXAMPLE_CONFIG = RLHFConfig(algorithm="rloo", eval={"prompts": "builtin:sentiment", "every": 4})
+EXAMPLE_CONFIG = RunConfig(algorithm="rloo", eval={"prompts": "builtin:sentiment", "every": 4})
 EXAMPLE_SWEEP = SweepConfig(name="rloo-lr-kl", space={"reinforce.optim.lr": [1e-6, 1e-3], "kl.init": [0.01, 0.1]},
                             concurrency=2)
 
@@ -44,9 +45,12 @@ def sweep_name() -> str:
 
 
 @flow(name="sweep", log_prints=True, flow_run_name=sweep_name)
-def sweep_flow(config: RLHFConfig = EXAMPLE_CONFIG, sweep: SweepConfig = EXAMPLE_SWEEP) -> dict:
+def sweep_flow(config: RunConfig = EXAMPLE_CONFIG, sweep: SweepConfig = EXAMPLE_SWEEP,
+               deploy: DeployConfig = DeployConfig()) -> dict:
     """Search `sweep.space` over the base `config`: every trial is a run of the training deployment of
-    `config.algorithm`, named '<sweep>-t<N>'; returns the summary (counts, best trial)."""
+    `config.algorithm`, named '<sweep>-t<N>', where that deployment runs its runs; returns the summary (counts, best
+    trial). `deploy`: where the sweep itself records (its state directory, the MLflow server)."""
+    config = RLHFConfig.of(config, deploy)
     space = check_sweep(config, sweep)  # bad input fails here, before any trial starts
     deployment = training_deployment(config)  # ppo/default or reinforce/default, which must exist
     study = open_study(config, sweep, space)  # created, or resumed by name: its finished trials are kept
@@ -77,9 +81,9 @@ def training_deployment(config: RLHFConfig) -> str:
 if __name__ == "__main__":  # what `rlhf sweep` runs: the flow in this process, its trials on the deployments
     quiet()
     parser = argparse.ArgumentParser(description="Run a sweep flow (rlhf sweep): --config and --sweep as JSON.")
-    parser.add_argument("--config", required=True, help="the base run config (JSON)")
+    parser.add_argument("--config", required=True, help="the base run config (JSON; its deploy section: where the sweep records)")
     parser.add_argument("--sweep", required=True, help="the sweep section (JSON)")
     args = parser.parse_args()
-    result = sweep_flow(config=RLHFConfig.model_validate(json.loads(args.config)),
-                   sweep=SweepConfig.model_validate(json.loads(args.sweep)))
+    given = RLHFConfig.model_validate(json.loads(args.config))
+    result = sweep_flow(config=given.run, sweep=SweepConfig.model_validate(json.loads(args.sweep)), deploy=given.deploy)
     print(json.dumps(result, indent=1, default=str))

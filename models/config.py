@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import math
 import re
+import secrets
+import time
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -19,9 +21,9 @@ import yaml
 from pydantic import Field, PositiveInt, create_model, model_validator
 
 from models.algorithms import ALGORITHMS
+from models.deploy import DeployConfig
 from models.sections import STATE_DIR_ENV, OptimConfig, Section, default_state_dir  # noqa: F401 (re-exported)
-
-TINY_PREFIX = "tiny"  # model paths "tiny/<name>" name the embedded default, built under <state_dir>/models/tiny
+from models.tiny_files import TINY_PREFIX, embedded_model_path, is_embedded  # noqa: F401 (re-exported)
 
 
 class LoraConfig(Section):
@@ -33,31 +35,11 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    policy: str = Field("tiny/policy", description="Actor checkpoint: a local directory or hub id loaded with from_pretrained. Relative paths resolve against <state_dir>/models.")
+    policy: str = Field("tiny/policy", description="Actor checkpoint: a local directory or hub id loaded with from_pretrained; 'tiny/<name>' = the embedded default shipped with the package (tiny/policy, tiny/reward, tiny/critic, tiny/reward-chars).")
     reward: str = Field("tiny/reward", description="Sequence-classification reward model (num_labels=1) for reward.source='model'.")
     critic: Optional[str] = Field(None, description="Critic checkpoint (token-classification, num_labels=1); None initialises the critic from the reward model, as NeMo-Aligner does.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA settings for the actor.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of actor and critic.")
-    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'. With several actor ranks, 'auto'/'cuda' mean each rank's own GPU (LOCAL_RANK).")
-    reference_device: Literal["auto", "actor", "cpu"] = Field("auto", description="Where the frozen reference of a full fine-tune lives: 'actor' = the actor's device, sharded like the actor; 'cpu' = a CPU copy on every rank; 'auto' = the actor's device when its free memory holds the reference shard with a 20% margin, else CPU. (LoRA has no copy: adapters disabled.)")
-
-
-class ActorConfig(Section):
-    """How many processes train the actor, and how they talk. Rank 0 runs the flow (or `rlhf train`); the others
-    follow its commands. One node: rank 0 starts ranks 1..N-1 itself. Several nodes: every pod runs torchrun."""
-
-    nproc_per_node: PositiveInt = Field(1, description="Actor ranks per node (one per GPU; on CPU, each gets cores / ranks threads).")
-    nnodes: PositiveInt = Field(1, description="Nodes; more than one needs torchrun on every pod (the actor-gpu job template does it).")
-    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="torch.distributed backend: 'auto' = nccl with CUDA, gloo on CPU.")
-    fsdp: Literal["auto", "off"] = Field("auto", description="'auto' shards a full fine-tune with FSDP2 (fully_shard per transformer block) when world size > 1; 'off' replicates it and sums gradients. LoRA always replicates the frozen base and syncs only the adapters.")
-    mixed_precision: bool = Field(False, description="FSDP2 mixed precision on GPU: bf16 compute with fp32 gradient reduction (master weights stay fp32).")
-    master_addr: str = Field("127.0.0.1", description="Address of rank 0 for ranks started by rank 0 itself (torchrun sets its own).")
-    master_port: int = Field(29511, ge=1024, le=65535, description="Port of rank 0's rendezvous; a busy port makes rank 0 pick a free one (single node).")
-    collective_timeout_s: float = Field(300.0, gt=0, description="A collective (and the rendezvous at start) that waits longer than this, because a rank died or hangs, fails the run.")
-
-    @property
-    def world_size(self) -> int:
-        return self.nproc_per_node * self.nnodes
 
 
 class GenerationConfig(Section):
@@ -93,20 +75,14 @@ class KLConfig(Section):
 
 
 class CriticConfig(Section):
-    launch: Literal["in_process", "local", "deployment"] = Field("local", description="Where the critic runs: in this process, as a local PyTriton child process, or as the critic-server/default Prefect deployment.")
+    """How the critic (value model) trains; where its server runs is the deployment's (deploy.critic)."""
+
     combine_reward: bool = Field(True, description="Serve the reward model in the critic server: critic_infer returns values and rewards in one call.")
-    nproc_per_node: PositiveInt = Field(1, description="Ranks of the critic server (one node): rank 0 serves HTTP, every rank holds an FSDP2 shard of the critic and computes its block of each batch (collectives: actor.backend, actor.collective_timeout_s).")
-    host: str = Field("127.0.0.1", description="Interface the critic server binds (and the client connects to for launch=local).")
-    http_port: int = Field(8400, ge=1, le=65535, description="HTTP port of the critic server (gRPC = +1, metrics = +2).")
-    max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic-batching queue delay of critic_infer.")
     loss_clip_val: float = Field(0.2, gt=0, description="Clip range of the value loss.")
     train_batch_size: PositiveInt = Field(32, description="Sequences per critic optimizer step (global batch).")
     micro_batch_size: PositiveInt = Field(32, description="Sequences per critic forward pass (inference chunks and gradient accumulation).")
     epochs: PositiveInt = Field(2, description="Critic epochs per critic_train call.")
     optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3), description="Critic optimiser (1e-3 suits the tiny critic; ~1e-5 for a 1B critic).")
-    torch_threads: Optional[PositiveInt] = Field(None, description="torch intra-op threads of the server process; None = 1 on a CPU-only host (it usually shares the cores with the actor; 2+2 threads on 2 cores ran ~4x slower), torch's default with CUDA.")
-    ready_timeout_s: float = Field(180.0, gt=0, description="How long to wait for the critic server to become ready.")
-    request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one critic request.")
 
 
 class RewardConfig(Section):
@@ -115,13 +91,6 @@ class RewardConfig(Section):
     gold: Optional[str] = Field("models.tasks.sentiment:gold_reward", description="Gold reward function logged as objective/gold_reward (None to skip).")
     transport: Literal["auto", "tokens", "text"] = Field("auto", description="How rollouts reach the reward model: 'tokens' (the policy's ids: the RM must share the policy's tokenizer), 'text' (reward_text: prompt and response strings the RM tokenizes itself), 'auto' = text when the RM's tokenizer differs from the policy's, else tokens.")
     chat_template: bool = Field(False, description="With text transport, format (prompt, response) with the reward model's chat template (user, assistant) when it has one; otherwise 'prompt response' + EOS.")
-    launch: Literal["in_process", "local", "deployment"] = Field("local", description="Where the REINFORCE reward server runs.")
-    host: str = Field("127.0.0.1", description="Interface of the reward server.")
-    http_port: int = Field(8500, ge=1, le=65535, description="HTTP port of the reward server (gRPC = +1, metrics = +2).")
-    max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic-batching queue delay of reward_model.")
-    torch_threads: Optional[PositiveInt] = Field(None, description="torch intra-op threads of the reward server process (None: as for the critic).")
-    ready_timeout_s: float = Field(180.0, gt=0, description="How long to wait for the reward server to become ready.")
-    request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one reward request.")
 
     @model_validator(mode="after")
     def _function_given(self) -> "RewardConfig":
@@ -166,38 +135,22 @@ class EvalConfig(Section):
 
 
 class TrackingConfig(Section):
-    uri: Optional[str] = Field(None, description="MLflow tracking URI; None uses $MLFLOW_TRACKING_URI, else the local stack's server, else sqlite in state_dir.")
     experiment: str = Field("rlhf-flows", description="MLflow experiment name.")
-    system_metrics: bool = Field(True, description="Log CPU/GPU/memory system metrics with the run.")
     table_every: PositiveInt = Field(5, description="Log a table of sample prompts/responses/rewards every N iterations.")
     parent_run_id: Optional[str] = Field(None, description="MLflow run id to nest this run under (tag mlflow.parentRunId); a sweep sets it to its parent run for every trial. None = a top-level run.")
 
 
 class CheckpointConfig(Section):
-    uri: Optional[str] = Field(None, description="file:///dir, a path, or s3://bucket/prefix; None uses <state_dir>/checkpoints. The run name is appended.")
+    """How often a run checkpoints; where the checkpoints go is the deployment's (deploy.checkpoint)."""
+
     every: PositiveInt = Field(5, description="Checkpoint every N iterations (and at the end).")
     keep_last: PositiveInt = Field(2, description="Keep this many newest checkpoints.")
-    s3_endpoint_url: Optional[str] = Field(None, description="Endpoint of an S3-compatible store (None = AWS or $AWS_ENDPOINT_URL_S3).")
 
 
 class VLLMConfig(Section):
-    """The vLLM rollout server (components/serving/rollout_server.py): its own process and environment (.venv-vllm;
-    on a cluster its own pod), with its own copy of the actor's weights, refitted after every update."""
+    """What the vLLM rollout engine computes with; where its server runs is the deployment's (deploy.rollout)."""
 
-    launch: Literal["local", "deployment"] = Field("local", description="Where the server runs: 'local' = a child process of the flow (own process group, stopped with it); 'deployment' = the rollout-server/default Prefect deployment (its own GPU node on a cluster).")
-    python: str = Field(".venv-vllm/bin/python", description="Interpreter of the server's environment (`make vllm-venv`; an image with `vllm` on a cluster). Relative paths resolve against the project root.")
-    host: str = Field("127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
-    port: int = Field(8600, ge=0, le=65535, description="HTTP port of the server; a busy port (or 0) makes a local server pick a free one.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the engine's weights and compute; the weights sent at each refit are cast to it.")
-    max_model_len: Optional[PositiveInt] = Field(None, description="Longest prompt + response the engine accepts (its KV cache is sized for it); None = the model's own limit (max_position_embeddings).")
-    kv_cache_gib: float = Field(1.0, gt=0, description="KV-cache space in GiB on a CPU host (VLLM_CPU_KVCACHE_SPACE).")
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="Share of the GPU's memory vLLM may take (weights + KV cache) on a GPU host; the rest is left to a trainer on the same GPU and to NCCL.")
-    enforce_eager: bool = Field(True, description="Run without CUDA graphs / torch.compile: starts in seconds instead of ~1 min; turn off for long runs on a GPU.")
-    threads: Optional[PositiveInt] = Field(None, description="CPU threads of the engine (OMP_NUM_THREADS); None = every core on a CPU-only host (the actor waits while the server generates, the server idles while the actor trains), vLLM's default otherwise. Set it lower when other work shares the cores.")
-    cpu_cores: Optional[str] = Field(None, coerce_numbers_to_str=True, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$", description="CPU cores the server runs on on a CPU host, every thread of its process (and vLLM's OpenMP threads bound to them: VLLM_CPU_OMP_THREADS_BIND), a Linux core list, e.g. '1', '2-3' or '0,4-5'; None = every core, vLLM's default binding. With asynchronous rollouts, keep the server and the actor on cores of their own (as separate pods would be).")
-    ready_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the server to load the model and answer /health; with launch=deployment, also how long its flow run may take to start and publish its address (pod scheduling and the image pull count here: raise it for a cold GPU pool).")
-    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generate or weight-update request.")
-    weight_transfer: Literal["http", "dist"] = Field("dist", description="How the actor's weights reach the server after every update: 'dist' = a torch.distributed group of two (actor rank 0 and the server; gloo on CPU, NCCL on GPUs), tensors broadcast one at a time and loaded as they arrive; 'http' = a safetensors body streamed to POST /update_weights (a server the actor cannot reach with a process group: only its HTTP port is open).")
 
 
 class RolloutConfig(Section):
@@ -215,48 +168,71 @@ class RolloutConfig(Section):
         return self
 
 
+RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"  # a directory name and an S3 key part: no '/', no '..'
+
+
 class _Tree(Section):
-    """Root of the config tree (one per run); every registered algorithm adds its own section (models/algorithms/)."""
+    """What a run trains (one per run); every registered algorithm adds its own section (models/algorithms/). Where its
+    parts run is the deployment's (models/deploy.py)."""
 
     algorithm: Literal[tuple(ALGORITHMS)] = Field("ppo", description="ppo (actor + critic server) or rloo (REINFORCE with leave-one-out baseline); see models/algorithms/.")
-    run_name: Optional[str] = Field(None, description="Name of the run; re-running with the same name resumes it. None = '<algorithm>-<timestamp>'.")
+    run_name: Optional[str] = Field(None, pattern=RUN_NAME_PATTERN, description="Name of the run (letters, digits, '.', '_', '-'; at most 100): re-running with the same name resumes it. None = '<algorithm>-<timestamp>-<random>'.")
     iterations: PositiveInt = Field(12, description="Training iterations (rollout + update).")
     seed: int = Field(0, description="Seed of prompts order, sampling and initialisation.")
-    state_dir: Optional[str] = Field(None, description="Local state directory; None = $RLHF_STATE_DIR or ./.rlhf.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Models.")
-    actor: ActorConfig = Field(default_factory=ActorConfig, description="Actor processes (data parallel, FSDP2).")
     data: DataConfig = Field(default_factory=DataConfig, description="Training prompts.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine.")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Rollout sampling.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty against the frozen reference policy.")
-    critic: CriticConfig = Field(default_factory=CriticConfig, description="Critic (value model) settings and server (algorithms with a critic).")
-    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward source and server.")
+    critic: CriticConfig = Field(default_factory=CriticConfig, description="Critic (value model) training (algorithms with a critic).")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward source.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resume.")
 
+
+RunConfig = create_model(
+    "RunConfig", __base__=_Tree, __module__=__name__, __doc__=_Tree.__doc__,
+    **{a.section: (a.Config, Field(default_factory=a.Config, description=a.description)) for a in ALGORITHMS.values()})
+
+
+class RLHFConfig(RunConfig):
+    """A run as its processes receive it: what it trains (the run's config) and where its parts run (`deploy`)."""
+
+    deploy: DeployConfig = Field(default_factory=DeployConfig, description="Where the run's parts run (set by the deployment).")
+
     @model_validator(mode="after")
     def _every_rank_gets_prompts(self):
-        world, section = self.actor.world_size, ALGORITHMS[self.algorithm].section
+        world, section = self.deploy.actor.world_size, ALGORITHMS[self.algorithm].section
         batch = getattr(self, section).rollout_batch_size
         if batch < world:
             raise ValueError(f"{section}.rollout_batch_size={batch} is smaller than the actor's world size {world} "
-                             f"(actor.nnodes x actor.nproc_per_node): every rank needs at least one prompt")
+                             f"(deploy.actor.nnodes x deploy.actor.nproc_per_node): every rank needs at least one prompt")
         return self
 
+    @classmethod
+    def of(cls, run: "RunConfig", deploy: DeployConfig | None = None) -> "RLHFConfig":
+        """A run's config with the deployment's settings."""
+        return cls.model_validate({**run.model_dump(), "deploy": (deploy or DeployConfig()).model_dump()})
+
+    @property
+    def run(self) -> "RunConfig":
+        """What the run trains, without the deployment's settings."""
+        return RunConfig.model_validate(self.model_dump(exclude={"deploy"}))
+
     def resolved_state_dir(self) -> Path:
-        return Path(self.state_dir).absolute() if self.state_dir else default_state_dir()
+        return self.deploy.resolved_state_dir()
 
     def resolve_model_path(self, value: str) -> str:
-        """A relative path that exists under <state_dir>/models wins; otherwise the value is returned as given.
-        (The embedded default `tiny/...` is built before, by models/setup.prepare_run.)"""
-        candidate = self.resolved_state_dir() / "models" / value
-        return str(candidate) if not Path(value).is_absolute() and candidate.exists() else value
+        """`tiny/<name>`: the embedded default shipped with the package (models/tiny.py); otherwise the value as
+        given (a local directory, or a hub id)."""
+        return str(embedded_model_path(value)) if is_embedded(value) else value
 
 
-RLHFConfig = create_model(
-    "RLHFConfig", __base__=_Tree, __module__=__name__, __doc__=_Tree.__doc__,
-    **{a.section: (a.Config, Field(default_factory=a.Config, description=a.description)) for a in ALGORITHMS.values()})
+def run_name_for(cfg: RunConfig) -> str:
+    """The run's name: its run_name, or '<algorithm>-<timestamp>-<random>' (two unnamed runs started in the same
+    second get names of their own)."""
+    return cfg.run_name or f"{cfg.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def with_schedule_lengths(cfg: RLHFConfig) -> RLHFConfig:
@@ -283,8 +259,9 @@ def preset(name: str = "tiny", **overrides) -> RLHFConfig:
     return merge(base, overrides) if overrides else base
 
 
-def merge(config: RLHFConfig, overrides: dict) -> RLHFConfig:
-    """Deep-merge a (possibly dotted-key) dict into a config and re-validate."""
+def merge(config, overrides: dict):
+    """Deep-merge a (possibly dotted-key) dict into a config (an RLHFConfig, a RunConfig, any section) and
+    re-validate it as its own class."""
     data = config.model_dump()
     for key, value in overrides.items():
         target = data
@@ -295,7 +272,12 @@ def merge(config: RLHFConfig, overrides: dict) -> RLHFConfig:
             target[parts[-1]] = _deep_update(target[parts[-1]], value)
         else:
             target[parts[-1]] = value
-    return RLHFConfig.model_validate(data)
+    return type(config).model_validate(data)
+
+
+def deep_merge(base: dict, new: dict) -> dict:
+    """`new` over `base`, mappings merged key by key at every depth (a value that is not a mapping replaces)."""
+    return _deep_update(base, new)
 
 
 def _deep_update(base: dict, new: dict) -> dict:
@@ -305,9 +287,11 @@ def _deep_update(base: dict, new: dict) -> dict:
     return out
 
 
-def load_config(path: str | Path | None = None, preset_name: str = "tiny", overrides: dict | None = None) -> RLHFConfig:
-    """Preset, then a YAML file (any subset of the tree), then dotted-key overrides."""
-    config = preset(preset_name)
+def load_config(path: str | Path | None = None, preset_name: str = "tiny", overrides: dict | None = None,
+                defaults: dict | None = None) -> RLHFConfig:
+    """Preset, then an entry point's own `defaults` (e.g. where `rlhf train` runs its parts), then a YAML file (any
+    subset of the tree: what the run trains, and its `deploy` section), then dotted-key overrides."""
+    config = preset(preset_name, **(defaults or {}))
     if path is not None:
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):

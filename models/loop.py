@@ -6,9 +6,9 @@ receive and execute in step with it, so every collective is entered by all ranks
 no-ops.
 
 `run_loop` is the one training loop: the iteration, the held-out eval schedule (at 0, every eval.every, at the end;
-not repeated at a resume point) and the checkpoint cadence. How each part runs is the caller's `Hooks`: `rlhf train`
-calls them directly (`train_in_process` builds in-process backends around the same loop, for tests and
-benchmarks), the Prefect flows hand in their tasks (components/tasks.py).
+not repeated at a resume point) and the checkpoint cadence. How each part runs is the caller's `Steps`: directly
+(`rlhf train`), or as the flow's Prefect tasks (components/tasks.py); the run builder (components/runs.py) composes
+the run around it for both.
 """
 
 from __future__ import annotations
@@ -17,20 +17,19 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Iterator, Protocol
 
 import torch
 
 from models.actor import ActorState
 from models.algorithms import ALGORITHMS, Backends
-from models.backends import FunctionReward, LocalCritic, LocalRewardModel
+from models.backends import FunctionReward, LocalRewardModel
 from models.config import RLHFConfig
 from models.critic import CriticTrainer
 from models.data import Batch, DataError, PromptSet, PromptStream, load_prompt_set
 from models.eval import evaluate, is_eval_iteration
 from models.distributed import SINGLE, Dist, local_device
 from models.policy import Policy, load_policy_tokenizer
-from models.prepare import prepare_run
 from models.reward import load_reward_function, load_reward_model, load_reward_tokenizer
 from models.step import train_step
 
@@ -46,10 +45,10 @@ def read_data(cfg: RLHFConfig) -> tuple[PromptSet, PromptSet | None]:
         return prompts, None
     evals = checked_prompt_set(cfg, tokenizer, e.prompts, e.split, e.prompt_key, "eval.prompts")
     evals = evals.head(e.max_prompts) if e.max_prompts else evals
-    if len(evals) < cfg.actor.world_size:  # as training: every rank evaluates its share, none may be empty
+    if len(evals) < cfg.deploy.actor.world_size:  # as training: every rank evaluates its share, none may be empty
         raise DataError(f"eval.prompts: '{e.prompts}' has {len(evals)} prompt(s) (split '{e.split}'"
                         + (f", eval.max_prompts={e.max_prompts}" if e.max_prompts else "")
-                        + f") for {cfg.actor.world_size} actor ranks: every rank needs at least one")
+                        + f") for {cfg.deploy.actor.world_size} actor ranks: every rank needs at least one")
     return prompts, evals
 
 
@@ -83,14 +82,14 @@ def batch_size(cfg: RLHFConfig) -> int:
 
 
 def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
-    """This rank's actor: the policy (FSDP2-sharded over the ranks for a full fine-tune unless actor.fsdp='off'), the
+    """This rank's actor: the policy (FSDP2-sharded over the ranks for a full fine-tune unless deploy.actor.fsdp='off'), the
     frozen reference, optimizer and generators."""
     torch.manual_seed(cfg.seed)
-    shard = me.active and cfg.actor.fsdp == "auto" and not cfg.model.lora.enabled
+    shard = me.active and cfg.deploy.actor.fsdp == "auto" and not cfg.model.lora.enabled
     policy = Policy.load(cfg.resolve_model_path(cfg.model.policy), cfg.model.lora, cfg.model.dtype,
-                         local_device(cfg.model.device, me), me=me, shard=shard,
-                         reference_device=cfg.model.reference_device,
-                         mixed_precision=cfg.actor.mixed_precision and torch.cuda.is_available())
+                         local_device(cfg.deploy.device, me), me=me, shard=shard,
+                         reference_device=cfg.deploy.reference_device,
+                         mixed_precision=cfg.deploy.actor.mixed_precision and torch.cuda.is_available())
     optim = ALGORITHMS[cfg.algorithm].settings(cfg).optim
     return ActorState.create(policy, optim, cfg.kl, cfg.seed, me, rollout=cfg.rollout)
 
@@ -98,7 +97,7 @@ def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
 def build_critic_trainer(cfg: RLHFConfig, checkpoint_dir: str | Path | None = None) -> CriticTrainer:
     critic_path = cfg.resolve_model_path(cfg.model.critic) if cfg.model.critic else None
     return CriticTrainer(cfg.critic, critic_path, cfg.resolve_model_path(cfg.model.reward), cfg.critic.combine_reward,
-                         cfg.model.dtype, local_device(cfg.model.device, SINGLE), checkpoint_dir,
+                         cfg.model.dtype, local_device(cfg.deploy.device, SINGLE), checkpoint_dir,
                          token_rewards=cfg.reward.transport == "tokens")
 
 
@@ -114,7 +113,7 @@ def critic_text_reward(cfg: RLHFConfig, trainer: CriticTrainer):
 def build_local_reward(cfg: RLHFConfig):
     if cfg.reward.source == "function":
         return FunctionReward(load_reward_function(cfg.reward.function))
-    model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, local_device(cfg.model.device, SINGLE))
+    model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, local_device(cfg.deploy.device, SINGLE))
     if cfg.reward.transport == "text":
         return LocalRewardModel(model, load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward)), cfg.reward.chat_template)
     return LocalRewardModel(model)
@@ -242,87 +241,86 @@ class RankFailed(RuntimeError):
     """An actor rank died or stopped answering; the message names it, its exit code and the end of its log."""
 
 
-@dataclass
-class Hooks:
-    """How each part of an iteration runs: directly (`Hooks.direct`: `rlhf train`, the learning tests), or as the
-    flow's Prefect tasks (components/tasks.flow_hooks). `step` (actor, batch, the stream's position after it, the
-    batches queued after it) and `evaluate` (actor, eval batch, iteration) do the work; `log` gets (iteration,
-    metrics, samples) after each step, `logged_eval` (iteration, metrics, rows) after each eval; `checkpoint` (None:
-    no checkpoints) saves the actor's state."""
+class Steps:
+    """How the named steps of a run execute and where its messages go: here, directly (`rlhf train`: printed). A
+    flow passes components.tasks.FlowSteps: each step a Prefect task of the flow run (named as the UI shows it),
+    each message in the run's log, each table a Prefect artifact. The one seam between a run and what executes it:
+    the run builder (components/runs.py), the training loop and the servers' start-up all go through it."""
 
-    step: Callable[[Leader, Batch, dict, list[Batch]], tuple[dict, list[dict]]]
-    evaluate: Callable[[Leader, Batch, int], tuple[dict, list[dict]]]
-    log: Callable[[int, dict, list[dict]], None] = lambda iteration, metrics, samples: None
-    logged_eval: Callable[[int, dict, list[dict]], None] = lambda iteration, metrics, rows: None
-    checkpoint: Optional[Callable[[Leader], None]] = None
+    def __call__(self, name: str, fn: Callable, *args, retries: int = 0, **kwargs):
+        return fn(*args, **kwargs)
 
-    @classmethod
-    def direct(cls, critic=None, reward=None, guard: Callable = lambda fn, *args: fn(*args), **hooks) -> "Hooks":
-        """Hooks that call the actor in this process, scoring with these backends; `guard(fn, *args)` runs each
-        call (the run's services name a server that went away)."""
-        return cls(step=lambda actor, batch, data, ahead: guard(actor.step, batch, critic, reward, data, ahead),
-                   evaluate=lambda actor, batch, i: guard(actor.evaluate, batch, critic, reward, i), **hooks)
+    def log(self, message: str) -> None:
+        print(message, flush=True)
+
+    def table(self, key: str, rows: list[dict], description: str) -> None:
+        """A table worth showing beside the run (a flow: a Prefect table artifact); nothing here."""
+
+    def progress(self, done: int, total: int, what: str) -> None:
+        """How far the run is (a flow: a Prefect progress artifact); nothing here."""
+
+    def tags(self) -> dict[str, str]:
+        """What the run's record should say about who runs it (a flow: its flow run and deployment)."""
+        return {}
 
 
-def run_loop(cfg: RLHFConfig, actor: Leader, prompts: PromptSet, evals: PromptSet | None, hooks: Hooks) -> list[dict]:
+DIRECT = Steps()
+
+
+class Record(Protocol):
+    """Where the loop's results go and how it checkpoints (components/runs.RunRecord: MLflow and the run's
+    checkpoint store), and what it scores with: the run's `critic` and `reward` backends, each call made through
+    `guard` (a failure while a server of the run is gone names that server)."""
+
+    critic: object
+    reward: object
+
+    def guard(self, fn: Callable, *args, **kwargs): ...
+
+    def log(self, iteration: int, metrics: dict, samples: list[dict]) -> None: ...
+
+    def log_eval(self, iteration: int, metrics: dict, rows: list[dict]) -> None: ...
+
+    def checkpoint(self, actor: Leader) -> str: ...
+
+
+def run_loop(cfg: RLHFConfig, actor: Leader, prompts: PromptSet, evals: PromptSet | None, record: Record,
+             steps: Steps = DIRECT) -> tuple[list[dict], list[dict]]:
     """Train `actor` from where its state stands (a resumed run: its checkpoint's iteration and prompt position) to
     cfg.iterations: one step per iteration on the next batch of the prompt stream; a held-out eval before the first
     update, every eval.every iterations and at the end (not again at the iteration a run resumes from, which the run
-    it resumes evaluated); a checkpoint every checkpoint.every iterations and at the end. Returns the metrics of the
-    iterations it ran.
+    it resumes evaluated); a checkpoint every checkpoint.every iterations and at the end. Each part is a named step
+    (`steps`). Returns the metrics of the iterations it ran, and its evals ({iteration, metrics...}).
 
     With asynchronous rollouts (rollout.max_off_policy_steps = k) the stream is drawn up to k batches ahead, in order,
     and each step is told them (the engine asks for them while the actor trains); each batch keeps the stream's
     position after it, so a checkpoint records the last *trained* batch and a resumed run asks again for the ones
     that were in flight: no prompt skipped, none trained twice."""
     stream = PromptStream.resume(prompts, batch_size(cfg), cfg.seed, actor.state.data, actor.state.iteration)
-    start, history = actor.state.iteration, []
+    start, history, evaluations = actor.state.iteration, [], []
     queued: deque[tuple[Batch, dict]] = deque()  # the next batches, each with the stream's position after it
+    critic, reward = record.critic, record.reward
 
     def evaluate(iteration: int) -> None:
-        hooks.logged_eval(iteration, *hooks.evaluate(actor, evals.all(), iteration))
+        metrics, rows = steps("eval", record.guard, actor.evaluate, evals.all(), critic, reward, iteration)
+        steps("log-eval", record.log_eval, iteration, metrics, rows, retries=2)
+        evaluations.append({"iteration": iteration, **metrics})
 
     while actor.state.iteration < cfg.iterations:
         i = actor.state.iteration
+        steps.progress(i, cfg.iterations, "iterations")
         if evals is not None and is_eval_iteration(cfg, i) and (i == 0 or i != start):
             evaluate(i)
         while len(queued) < min(1 + cfg.rollout.max_off_policy_steps, cfg.iterations - i):
             queued.append((next(stream), stream.state()))
         batch, data = queued.popleft()
-        metrics, samples = hooks.step(actor, batch, data, [b for b, _ in queued])
+        metrics, samples = steps(f"{cfg.algorithm}-iteration", record.guard, actor.step, batch, critic, reward, data,
+                                 [b for b, _ in queued])
         history.append(metrics)
-        hooks.log(actor.state.iteration, metrics, samples)
-        if hooks.checkpoint is not None and (actor.state.iteration % cfg.checkpoint.every == 0
-                                             or actor.state.iteration == cfg.iterations):
-            hooks.checkpoint(actor)
+        steps("log-metrics", record.log, actor.state.iteration, metrics, samples, retries=2)
+        if actor.state.iteration % cfg.checkpoint.every == 0 or actor.state.iteration == cfg.iterations:
+            steps("checkpoint", record.guard, record.checkpoint, actor)
     if evals is not None and start < cfg.iterations:
         evaluate(cfg.iterations)
-    return history
-
-
-def in_process_backends(cfg: RLHFConfig) -> tuple[object | None, object]:
-    """(critic, reward) backends in this process: the algorithm's critic (when it has one; its reward model reads
-    text with its own tokenizer when the transport says so) and the reward (unless the critic carries it)."""
-    if not ALGORITHMS[cfg.algorithm].needs_critic:
-        return None, build_local_reward(cfg)
-    critic = LocalCritic(build_critic_trainer(cfg))
-    return critic, (build_local_reward(cfg) if not cfg.critic.combine_reward else critic_text_reward(cfg, critic.trainer))
-
-
-def train_in_process(cfg: RLHFConfig, on_iteration: Callable[[int, dict], None] | None = None,
-                     on_eval: Callable[[int, dict], None] = lambda iteration, metrics: None) -> list[dict]:
-    """The whole run on one rank in this process, native engine, critic/reward in process, no checkpoints: the
-    learning tests and benchmarks. Returns the metrics per iteration; the held-out evals (eval.*) go to
-    `on_eval(iteration, metrics)`."""
-    cfg = prepare_run(cfg)
-    prompts, evals = read_data(cfg)  # bad data fails before the models load
-    actor = Leader(cfg, build_actor(cfg))
-    critic, reward = in_process_backends(cfg)
-    try:
-        return run_loop(cfg, actor, prompts, evals, Hooks.direct(
-            critic, reward, log=lambda i, metrics, samples: on_iteration and on_iteration(i - 1, metrics),
-            logged_eval=lambda i, metrics, rows: on_eval(i, metrics)))
-    finally:
-        for backend in (critic, reward):
-            if backend is not None:
-                backend.close()
+    steps.progress(cfg.iterations, cfg.iterations, "iterations")
+    return history, evaluations

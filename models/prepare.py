@@ -1,7 +1,7 @@
 """What a run derives from its config, computed once at the entry point and carried with the run.
 
-`prepare_run(cfg)` is the one explicit place that builds the embedded default models a config names (`tiny/...`,
-once per state directory, under a lock: models/tiny.py), fills in the LR schedule lengths, decides the reward
+`prepare_run(cfg)` is the one explicit place that checks the models a config names exist (a path, a cached hub id or
+the embedded default `tiny/...` shipped with the package), fills in the LR schedule lengths, decides the reward
 transport ('auto' -> 'tokens' or 'text') and makes the state directory absolute. Every entry point calls it (`rlhf
 train`, the training flows, the server children and `rlhf serve`); what it returns is the config the actor's ranks,
 the servers and the tracker receive, so nobody derives these facts again.
@@ -9,33 +9,28 @@ the servers and the tracker receive, so nobody derives these facts again.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from models.algorithms import ALGORITHMS
-from models.config import TINY_PREFIX, RLHFConfig, merge, with_schedule_lengths
+from models.config import RLHFConfig, merge, with_schedule_lengths
 from models.loading import check_model_path
 from models.reward import load_reward_tokenizer, same_tokenizer
-from models.tiny import ensure_tiny
 
 
-def prepare_run(cfg: RLHFConfig, log=print) -> RLHFConfig:
+def prepare_run(cfg: RLHFConfig) -> RLHFConfig:
     """The config with its derived values filled in (idempotent: a prepared config comes back unchanged)."""
-    build_embedded_models(cfg, log=log)
+    check_models(cfg)
     cfg = with_schedule_lengths(cfg)
-    return merge(cfg, {"state_dir": str(cfg.resolved_state_dir()), "reward.transport": reward_transport(cfg)})
+    return merge(cfg, {"deploy.state_dir": str(cfg.resolved_state_dir()), "reward.transport": reward_transport(cfg)})
 
 
-def build_embedded_models(cfg: RLHFConfig, fields: tuple[str, ...] = ("policy", "reward", "critic"), log=print) -> None:
-    """Build the `tiny/<name>` models that the `model.<field>`s this process loads name and the state directory
-    lacks (a path that exists wins). A path the user gave that does not exist fails first, naming its field, before
-    anything is built."""
-    given = {field: getattr(cfg.model, field) for field in fields if getattr(cfg.model, field)}
-    named = [value for value in given.values() if value.startswith(f"{TINY_PREFIX}/") and not Path(value).exists()]
-    for field, value in given.items():
-        if value not in named:
-            check_model_path(cfg.resolve_model_path(value), f"model.{field}")
-    if named:
-        ensure_tiny(cfg.resolved_state_dir() / "models" / TINY_PREFIX, names=[v.split("/", 1)[1] for v in named], log=log)
+def check_models(cfg: RLHFConfig, fields: tuple[str, ...] = ("policy", "reward", "critic")) -> None:
+    """Every model a `model.<field>` names exists, before anything loads; the first that does not fails, naming its
+    field."""
+    for field in fields:
+        if value := getattr(cfg.model, field):
+            try:
+                check_model_path(cfg.resolve_model_path(value), f"model.{field}")
+            except FileNotFoundError as exc:
+                raise FileNotFoundError(f"model.{field}: {exc}" if not str(exc).startswith("model.") else str(exc)) from None
 
 
 def reward_transport(cfg: RLHFConfig, reader: str | None = None) -> str:

@@ -1,4 +1,5 @@
-"""`rlhf models tiny`: build, offline and from a seed, a tiny policy, reward model and critic for the shipped task.
+"""`rlhf models tiny`: the script that built the embedded default (models/assets/tiny, shipped with the package:
+models/tiny_files.py), offline and from a seed: a tiny policy, reward model and critic for the shipped task.
 
 The policy is a GPT-2-style causal LM briefly pretrained on the task's synthetic review corpus (so it writes
 grammatical, sentiment-balanced reviews and ends them with EOS); the reward model is trained to regress the gold
@@ -7,21 +8,18 @@ reward with a tokenizer of its own (characters, a Llama backbone): a reward mode
 tokenizer, so the text transport (`reward_text`) runs end to end offline. Everything is written with
 `save_pretrained`, and is loaded back through the same `from_pretrained` code a user's real checkpoint takes.
 
-`ensure_tiny(out, names)` is what a run calls on first use: the policy, reward and critic are built together (~40 s on
-2 cores), `reward-chars` (~55 s) only when a run names it, from a random stream of its own, so the other three are
-bit-for-bit the same whether it is built or not. `rlhf models tiny --out DIR` (`build_tiny`) builds all four.
+The policy, reward and critic are built together (~40 s on 2 cores), `reward-chars` (~55 s) from a random stream of
+its own. What they come out as depends on the CPU's kernels (AVX2 and AVX-512 machines, and ATEN_CPU_CAPABILITY,
+give other weights): runs never build them; they load the shipped files, the same bytes on every machine.
+`rlhf models tiny --out DIR` builds all four and writes DIR/MANIFEST.json (how they were built, the sha256 of every
+file and of every tensor as it loads); `--out models/assets/tiny` replaces the shipped ones.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import json
-import os
 import random
-import shutil
-import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,6 +30,7 @@ from transformers import (GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadM
                           LlamaForSequenceClassification, PreTrainedTokenizerFast, get_cosine_schedule_with_warmup)
 
 from models.critic import init_critic
+from models.tiny_files import file_digests
 from models.tasks import sentiment
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
@@ -108,7 +107,7 @@ def prefix_rewards(text: str) -> list[float]:
     return [sentiment.gold_reward([""], [text[:i]])[0] if c == " " else float("nan") for i, c in enumerate(text + " ")]
 
 
-VERSION = 2  # of the embedded default's recipe; bump when a rebuild must replace existing builds (2: policy 2 heads x 32)
+VERSION = 2  # of the embedded default's recipe (2: policy 2 heads x 32)
 BASE = ("policy", "reward", "critic")  # built together: the reward model's data follow the policy's in one stream
 CHARS = "reward-chars"  # built only when named, from a random stream of its own
 NAMES = BASE + (CHARS,)
@@ -130,8 +129,8 @@ def _stream_seed(seed: int, name: str) -> int:
 
 def build_tiny(out: str | Path, seed: int = 0, policy_steps: int | None = None, reward_steps: int | None = None,
                log=print, names: Iterable[str] = NAMES) -> dict:
-    """Build the named tiny models under `out` (`out/<name>`) and record them in `out/tiny.json`; returns their paths
-    and final losses.
+    """Build the named tiny models under `out` (`out/<name>`) and record them in `out/MANIFEST.json`; returns their
+    paths and final losses.
 
     Naming any of policy, reward and critic builds all three (the critic is initialised from the reward model, whose
     data are drawn after the policy's from one stream of `seed`); `reward-chars` is built only when named, from a
@@ -154,7 +153,7 @@ def build_tiny(out: str | Path, seed: int = 0, policy_steps: int | None = None, 
         built.append(CHARS)
     info["seconds"] = round(time.time() - started, 1)
     info["paths"] = {name: str(out / name) for name in built}
-    (out / "tiny.json").write_text(json.dumps(info, indent=2))
+    write_manifest(out, info)
     return info
 
 
@@ -249,78 +248,37 @@ def _scores_with_grad(model, ids, lengths):
     return model.score(hidden[torch.arange(ids.shape[0]), lengths - 1]).squeeze(-1)
 
 
-@contextlib.contextmanager
-def _locked(path: Path):
-    """An exclusive lock on the file `path`, released when it closes, also when this process dies."""
-    with open(path, "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        yield
+def state_digest(model) -> str:
+    """sha256 over a model's state dict as it loaded (names, dtypes, shapes and bytes, in name order): equal only
+    for bitwise-equal weights."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        tensor = tensor.detach().contiguous().cpu()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
 
 
-def is_current(out: Path) -> bool:
-    """Whether `out` holds a complete base build of this VERSION (an older build, e.g. the 4-head policy that vLLM
-    cannot serve, is rebuilt)."""
-    try:
-        return json.loads((out / "tiny.json").read_text()).get("version") == VERSION
-    except (OSError, ValueError):
-        return False
+LOADERS = {"policy": "AutoModelForCausalLM", "reward": "AutoModelForSequenceClassification",
+           "critic": "AutoModelForTokenClassification", CHARS: "AutoModelForSequenceClassification"}
 
 
-def ensure_tiny(out: str | Path, names: Iterable[str] = BASE, seed: int = 0, log=print) -> Path:
-    """Build the named models of the embedded default under `out` unless they are there: once, even when several runs
-    start together. Returns `out`.
+def load_digests(out: str | Path) -> dict[str, str]:
+    """state_digest of each model under `out` as `from_pretrained` loads it (the class a run loads it with)."""
+    import transformers  # heavy (~3 s): its model registry, only to check what the build wrote
 
-    Any of policy, reward, critic: the three are built together under an exclusive lock on the sibling file
-    `.<out's name>.lock`, into a temporary sibling directory that is renamed into place (`tiny.json` last when `out`
-    already holds reward-chars), so `out/tiny.json` exists only once the three are complete. `reward-chars` is built
-    only when named, under a lock of its own (`out/.reward-chars.lock`), into a temporary directory inside `out`
-    renamed to `out/reward-chars`, so that directory is complete whenever it exists.
-    """
+    return {name: state_digest(getattr(transformers, cls).from_pretrained(Path(out) / name))
+            for name, cls in LOADERS.items() if (Path(out) / name).is_dir()}
+
+
+def write_manifest(out: str | Path, info: dict) -> dict:
+    """out/MANIFEST.json: the build's info, where it was built (torch, CPU capability), and per model the sha256 of
+    its files and of its state dict as it loads."""
     out = Path(out)
-    names = _names(names)
-    if names & set(BASE) and not is_current(out):
-        _ensure_base(out, seed, log)
-    if CHARS in names and not (out / CHARS).exists():
-        _ensure_reward_chars(out, seed, log)
-    return out
-
-
-def _ensure_base(out: Path, seed: int, log) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with _locked(out.parent / f".{out.name}.lock"):
-        if is_current(out):  # another process built it while we waited
-            return
-        log(f"building the embedded default models (tiny policy, reward, critic) in {out} (once, ~40 s)")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-        try:
-            info = build_tiny(tmp, seed=seed, names=BASE, log=lambda *_: None)
-            info["paths"] = {k: str(out / k) for k in info["paths"]}
-            (tmp / "tiny.json").write_text(json.dumps(info, indent=2))
-            try:
-                os.replace(tmp, out)  # out absent: one atomic rename
-            except OSError:  # out exists: it holds reward-chars (built first), or is a partial older build
-                for name in BASE:
-                    if (out / name).is_dir() and not (out / name).is_symlink():
-                        shutil.rmtree(out / name)
-                    elif (out / name).exists() or (out / name).is_symlink():
-                        (out / name).unlink()
-                    os.replace(tmp / name, out / name)
-                os.replace(tmp / "tiny.json", out / "tiny.json")  # last: the base is complete
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _ensure_reward_chars(out: Path, seed: int, log) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    with _locked(out / f".{CHARS}.lock"):
-        if (out / CHARS).exists():  # another process built it while we waited
-            return
-        log(f"building the embedded character-level reward model ({CHARS}) in {out / CHARS} (once, ~55 s)")
-        tmp = Path(tempfile.mkdtemp(prefix=f".{CHARS}.tmp-", dir=out))
-        try:
-            info = build_tiny(tmp, seed=seed, names=(CHARS,), log=lambda *_: None)
-            info["paths"] = {CHARS: str(out / CHARS)}
-            (tmp / CHARS / "tiny.json").write_text(json.dumps(info, indent=2))
-            os.replace(tmp / CHARS, out / CHARS)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+    manifest = {"recipe": {k: v for k, v in info.items() if k not in ("paths", "seconds")},
+                "built_with": {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+                               "threads": torch.get_num_threads()},
+                "models": {name: {"files": file_digests(out / name), "state_sha256": digest}
+                           for name, digest in load_digests(out).items()}}
+    (out / "MANIFEST.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return manifest

@@ -16,54 +16,31 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 @pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory) -> Path:
-    """The embedded default (tiny policy, reward, critic), built once per test session by `models.tiny.ensure_tiny`
-    (what a run does on first use) into one directory every test shares; set RLHF_TEST_TINY_DIR to reuse one across
-    sessions. A test that needs a state directory holding the models links this one in (`link_tiny`).
+def tiny_dir() -> Path:
+    """The embedded default as shipped with the package (models/assets/tiny: tiny policy, reward, critic,
+    reward-chars), the same files on every machine."""
+    from models.tiny_files import EMBEDDED_DIR
 
-    Under pytest-xdist the directory is the session's, not the worker's (the parent of the worker's base temp): the
-    first worker to ask builds it under ensure_tiny's lock, the other waits for it and reuses it."""
-    from models.tiny import ensure_tiny
-
-    cached = os.environ.get("RLHF_TEST_TINY_DIR")
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    return ensure_tiny(Path(cached) if cached else shared / "models" / "tiny", log=lambda *_: None)
+    return EMBEDDED_DIR
 
 
 @pytest.fixture(scope="session")
 def tiny_models(tiny_dir) -> dict[str, str]:
-    """Paths of the tiny policy / reward / critic (the session's build of the embedded default)."""
+    """Paths of the tiny policy / reward / critic."""
     return {name: str(tiny_dir / name) for name in ("policy", "reward", "critic")}
 
 
 @pytest.fixture(scope="session")
 def tiny_reward_chars(tiny_dir) -> str:
-    """Path of tiny/reward-chars, built (once, ~55 s) beside the others only when a test asks for it."""
-    from models.tiny import ensure_tiny
-
-    ensure_tiny(tiny_dir, names=("reward-chars",), log=lambda *_: None)
+    """Path of tiny/reward-chars (a reward model with a character tokenizer of its own)."""
     return str(tiny_dir / "reward-chars")
-
-
-TINY_FIXTURES = {"tiny_dir", "tiny_models", "tiny_reward_chars"}
 
 
 def pytest_collection_modifyitems(items):
     """Modules marked slow first (they start whole stacks and run for minutes), so that under pytest-xdist's
-    `--dist loadfile` the longest module starts at once and the short ones fill the other worker around it; then the
-    modules that need no tiny model (they run while the session's first worker builds them), then the rest. The order
-    inside a module is kept."""
-    needs_tiny = {item.module.__name__ for item in items if TINY_FIXTURES & set(getattr(item, "fixturenames", ()))}
-    items.sort(key=lambda item: (item.get_closest_marker("slow") is None, item.module.__name__ in needs_tiny))
-
-
-def link_tiny(state_dir: Path, tiny_dir: Path) -> Path:
-    """Give `state_dir` the session's models without building them again: <state_dir>/models/tiny is a symlink to
-    `tiny_dir`, so `tiny/<name>` resolves there (and a reward-chars built later by either side is seen by both)."""
-    (state_dir / "models").mkdir(parents=True, exist_ok=True)
-    (state_dir / "models" / "tiny").symlink_to(tiny_dir, target_is_directory=True)
-    return state_dir
+    `--dist loadfile` the longest module starts at once and the short ones fill the other worker around it. The
+    order inside a module is kept."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def free_port_block(n: int = 3) -> int:

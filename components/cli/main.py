@@ -55,7 +55,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     source.add_argument("--function", default=None, help="'package.module:function(prompts, responses) -> list[float]'.")
     reward.add_argument("--tokenizer", default=None, help="Tokenizer that decodes tokens for --function (model.policy). "
                         "Clients that send no prompt_lengths (NeMo-Aligner's) get the whole sequence scored as the response.")
-    for sub, port in ((critic, "critic.http_port, 8400"), (reward, "reward.http_port, 8500")):
+    for sub, port in ((critic, "8400"), (reward, "8500")):
         add_config_args(sub)
         sub.add_argument("--host", default=None, help="Interface to bind (default: the config's host, 127.0.0.1).")
         sub.add_argument("--port", type=int, default=None, help=f"HTTP port P; gRPC P+1, metrics P+2 (default: {port}).")
@@ -132,10 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(config)
     config.set_defaults(run="components.cli.commands:cmd_config")
 
-    train = sub.add_parser("train", help="train in this process (no servers, no Prefect)")
+    train = sub.add_parser("train", help="a training run in this process (checkpoints, resume by run_name, MLflow, eval; no Prefect)")
     add_config_args(train)
     train.add_argument("--metrics-out", help="write the per-iteration metrics as JSON")
     train.add_argument("--eval-out", help="write the held-out evals (eval.*) as JSON: [{iteration, metrics...}]")
+    train.add_argument("--summary-out", help="write the run's summary as JSON (run name, MLflow run, checkpoint, metrics)")
     train.set_defaults(run="components.cli.commands:cmd_train")
 
     add_serve_parser(sub)

@@ -23,4 +23,4 @@ def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file with any subset of the config tree")
     p.add_argument("--preset", default="tiny", help="named preset the file and --set apply on (default: tiny)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="override, e.g. --set ppo.optim.lr=1e-5 or --set actor.nproc_per_node=2 (repeatable)")
+                   help="override, e.g. --set ppo.optim.lr=1e-5 or --set deploy.actor.nproc_per_node=2 (repeatable)")

@@ -17,7 +17,7 @@ def spec_from_args(args) -> ServerSpec:
         if args.no_combine:
             overrides["critic.combine_reward"] = False
         if args.nproc_per_node:
-            overrides["critic.nproc_per_node"] = args.nproc_per_node
+            overrides["deploy.critic.nproc_per_node"] = args.nproc_per_node
     else:
         if args.model:
             overrides.update({"reward.source": "model", "model.reward": args.model})
@@ -26,12 +26,13 @@ def spec_from_args(args) -> ServerSpec:
         if args.tokenizer:
             overrides["model.policy"] = args.tokenizer
     cfg = load_cli_config(args, overrides)
-    section = cfg.critic if args.server == "critic" else cfg.reward
+    section = cfg.deploy.critic if args.server == "critic" else cfg.deploy.reward
+    default_port = 8400 if args.server == "critic" else 8500
     extra = {}
     if args.server == "critic":
         extra = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_uri": args.checkpoint_uri,
                  "restore_iteration": args.restore_iteration}
-    return ServerSpec(kind=args.server, config=cfg, host=args.host or section.host, port=args.port or section.http_port,
+    return ServerSpec(kind=args.server, config=cfg, host=args.host or section.host, port=args.port or section.port or default_port,
                       max_batch_size=args.max_batch_size, torch_threads=args.torch_threads, **extra)
 
 

@@ -1,13 +1,13 @@
 """The actor's ranks as processes: rank 0 is this process (the flow run, or `rlhf train`); the others follow it.
 
-One node (`actor.nproc_per_node` = N > 1, no torchrun around us): rank 0 starts ranks 1..N-1 as child processes in a
+One node (`deploy.actor.nproc_per_node` = N > 1, no torchrun around us): rank 0 starts ranks 1..N-1 as child processes in a
 process group of their own, with the standard environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), and watches them. Several nodes: every pod runs
 `torchrun ... -m components.launch.ranks -- <command of rank 0>`; the process that torchrun makes rank 0 execs the command
 (the Prefect flow run), every other rank follows. Either way a follower joins the process group, receives the run's
 config from rank 0, builds the same actor, and executes rank 0's commands until told to stop (models/loop.py).
 
-Faults: collectives time out after `actor.collective_timeout_s`; rank 0 names a follower that died (rank, exit code,
+Faults: collectives time out after `deploy.actor.collective_timeout_s`; rank 0 names a follower that died (rank, exit code,
 log tail) or went silent; followers exit when rank 0 disappears; no process of the run outlives it.
 """
 
@@ -55,7 +55,7 @@ class Followers:
 
     @classmethod
     def for_actor(cls, cfg: RLHFConfig, log_dir: Path) -> "Followers":
-        actor = cfg.actor
+        actor = cfg.deploy.actor
         return cls("actor", actor.world_size, actor.master_addr, actor.master_port,
                    [sys.executable, "-m", "components.launch.ranks"],
                    {BACKEND_ENV: actor.backend, TIMEOUT_ENV: str(actor.collective_timeout_s)}, log_dir)
@@ -89,21 +89,21 @@ def actor_ranks(cfg: RLHFConfig, log_dir: Path) -> Iterator[Leader]:
     if outer.active:
         if outer.rank != 0:
             raise RuntimeError(f"the flow run must be actor rank 0, but RANK={outer.rank}")
-        if outer.world_size != cfg.actor.world_size:
+        if outer.world_size != cfg.deploy.actor.world_size:
             raise ValueError(f"actor: torchrun started {outer.world_size} ranks, the config asks for "
-                             f"{cfg.actor.world_size} (nnodes x nproc_per_node)")
+                             f"{cfg.deploy.actor.world_size} (deploy.actor.nnodes x nproc_per_node)")
         me, init_method = outer, None
-    elif cfg.actor.world_size > 1:
-        if cfg.actor.nnodes > 1:
-            raise ValueError("actor.nnodes > 1: start every node under torchrun (the actor-gpu job template does)")
+    elif cfg.deploy.actor.world_size > 1:
+        if cfg.deploy.actor.nnodes > 1:
+            raise ValueError("deploy.actor.nnodes > 1: start every node under torchrun (the actor-gpu job template does)")
         followers = Followers.for_actor(cfg, log_dir)
-        me, init_method = distributed.Dist(0, cfg.actor.world_size, 0, cfg.actor.world_size), followers.init_method
+        me, init_method = distributed.Dist(0, cfg.deploy.actor.world_size, 0, cfg.deploy.actor.world_size), followers.init_method
     else:
         me, init_method = distributed.SINGLE, None
     try:
         if me.active:
-            device = distributed.local_device(cfg.model.device, me)
-            distributed.init(me, distributed.resolve_backend(cfg.actor.backend, device), cfg.actor.collective_timeout_s,
+            device = distributed.local_device(cfg.deploy.device, me)
+            distributed.init(me, distributed.resolve_backend(cfg.deploy.actor.backend, device), cfg.deploy.actor.collective_timeout_s,
                              device, init_method)
             me.broadcast_object(cfg.model_dump_json())
             distributed.check_shared_directory(me, cfg.resolved_state_dir() / "runs")

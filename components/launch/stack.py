@@ -100,6 +100,8 @@ def base_env(state_dir: Path, prefect_port: int, mlflow_port: int) -> dict:
         "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}", "DO_NOT_TRACK": "1",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error",
+        # MLflow 3's job runners (huey consumers, ~6 per server, ~7% of a core each): nothing here uses MLflow jobs
+        "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
         # `prefect deployment run --watch` streams a run's logs only when the server publishes them, and
         # stops 3 s after the run's final state: flows ship their logs (a failure's reason) within 0.5 s
         "PREFECT_SERVER_LOGS_STREAM_OUT_ENABLED": "true", "PREFECT_SERVER_LOGS_STREAM_PUBLISHING_ENABLED": "true",

@@ -292,12 +292,12 @@ def columns_input(columns: list[dict] | None, batch: int) -> dict:
 
 def critic_backend(cfg, url: Optional[str] = None, **kwargs) -> CriticClient:
     """A CriticClient for an RLHFConfig: the local server's address unless `url` is given."""
-    url = url or f"http://{cfg.critic.host}:{cfg.critic.http_port}"
-    return CriticClient(url, timeout_s=cfg.critic.request_timeout_s, **kwargs)
+    url = url or f"http://{cfg.deploy.critic.host}:{cfg.deploy.critic.port or 8400}"
+    return CriticClient(url, timeout_s=cfg.deploy.critic.request_timeout_s, **kwargs)
 
 
 def reward_backend(cfg, url: Optional[str] = None, **kwargs) -> RewardClient:
     """A RewardClient for an RLHFConfig: the local reward server's address unless `url` is given."""
-    url = url or f"http://{cfg.reward.host}:{cfg.reward.http_port}"
+    url = url or f"http://{cfg.deploy.reward.host}:{cfg.deploy.reward.port or 8500}"
     kwargs.setdefault("text", cfg.reward.transport == "text")
-    return RewardClient(url, timeout_s=cfg.reward.request_timeout_s, **kwargs)
+    return RewardClient(url, timeout_s=cfg.deploy.reward.request_timeout_s, **kwargs)

@@ -10,7 +10,7 @@ readiness is Triton's server and model readiness (`triton_probe`). The launcher 
   (health, metadata, model config and inference stay open). The launcher chooses the token and hands it to the child
   in the environment, so readiness checks can read the repository index (a model's state and failure reason).
 
-The rollout server (vLLM, components/serving/rollout_server.py) runs in its own environment (`rollout.vllm.python`,
+The rollout server (vLLM, components/serving/rollout_server.py) runs in its own environment (`deploy.rollout.python`,
 `.venv-vllm` from `make vllm-venv`); readiness is GET /health answering 200 with the launcher's token (`rollout_probe`:
 another server at the port is named as such; a server whose weights broke after a failed update answers 503, so it
 is not healthy).
@@ -34,7 +34,7 @@ import torch
 from components.launch.processes import (PROJECT_ROOT, Health, Probe, ServerNotReady, ServerProcess, free_port,
                                          project_env)
 from components.serving.servers import ACCESS_HEADER, TOKEN_ENV, ServerSpec, model_state_summary, triton_client
-from models.config import RLHFConfig
+from models.config import RLHFConfig, merge
 
 ROLLOUT_SERVER_MODULE = "components.serving.rollout_server"
 
@@ -151,7 +151,7 @@ def launch(spec: ServerSpec, log_path: str | Path, wait: bool = True) -> ServerP
     The child resolves model paths against the same state directory as this process (made explicit in the spec).
     """
     cfg = spec.config
-    spec = spec.model_copy(update={"config": cfg.model_copy(update={"state_dir": str(cfg.resolved_state_dir())})})
+    spec = spec.model_copy(update={"config": merge(cfg, {"deploy.state_dir": str(cfg.resolved_state_dir())})})
     proc = triton_server(server_argv(spec), spec.host, spec.port, spec.models, log_path, name=spec.kind)
     if not wait:
         return proc
@@ -167,18 +167,18 @@ def launch(spec: ServerSpec, log_path: str | Path, wait: bool = True) -> ServerP
 
 def rollout_python(cfg: RLHFConfig) -> str:
     """The interpreter of the rollout server's environment; a clear error when it is missing."""
-    python = Path(cfg.rollout.vllm.python)
+    python = Path(cfg.deploy.rollout.python)
     python = python if python.is_absolute() else PROJECT_ROOT / python
     if not python.exists():
-        raise FileNotFoundError(f"rollout.vllm.python: {python} does not exist; build the vLLM environment with "
+        raise FileNotFoundError(f"deploy.rollout.python: {python} does not exist; build the vLLM environment with "
                                 f"`make vllm-venv` (or point it at an interpreter that has vllm)")
     return str(python)
 
 
 def rollout_argv(cfg: RLHFConfig, port: int, host: Optional[str] = None, instance: str = "") -> list[str]:
-    v = cfg.rollout.vllm
+    v = cfg.deploy.rollout
     argv = [rollout_python(cfg), "-m", ROLLOUT_SERVER_MODULE, "--model", str(cfg.resolve_model_path(cfg.model.policy)),
-            "--host", host or v.host, "--port", str(port), "--dtype", v.dtype, "--seed", str(cfg.seed),
+            "--host", host or v.host, "--port", str(port), "--dtype", cfg.rollout.vllm.dtype, "--seed", str(cfg.seed),
             "--gpu-memory-utilization", str(v.gpu_memory_utilization), "--instance", instance]
     argv += ["--max-model-len", str(v.max_model_len)] if v.max_model_len else []
     argv += ["--cpu-cores", v.cpu_cores] if v.cpu_cores else []
@@ -186,7 +186,7 @@ def rollout_argv(cfg: RLHFConfig, port: int, host: Optional[str] = None, instanc
 
 
 def rollout_env(cfg: RLHFConfig) -> dict[str, str]:
-    v = cfg.rollout.vllm
+    v = cfg.deploy.rollout
     # a CPU-only host: every core (the actor's ranks wait while the server generates, and the server idles while they
     # train); vLLM on 1 of 2 cores generated 1.27x the native engine's tokens/s, on both 1.89x (benchmarks/rollout_engine)
     threads = v.threads or (os.cpu_count() if not torch.cuda.is_available() else None)
@@ -230,10 +230,10 @@ def rollout_probe(url: str, instance: Optional[str] = None, timeout_s: float = 2
 
 
 def launch_rollout(cfg: RLHFConfig, log_path: str | Path, host: Optional[str] = None) -> ServerProcess:
-    """Start the rollout server of `cfg` as a child process (not waiting for it): on `rollout.vllm.port`, or a free
-    port when that one is busy or 0."""
-    host = host or cfg.rollout.vllm.host
-    port = free_port(host, cfg.rollout.vllm.port)
+    """Start the rollout server of `cfg` as a child process (not waiting for it): on `deploy.rollout.port`, or a free
+    port when that one is busy, 0 or None."""
+    host = host or cfg.deploy.rollout.host
+    port = free_port(host, cfg.deploy.rollout.port)
     instance = secrets.token_hex(8)
     url = f"http://{connect_host(host)}:{port}"
     return ServerProcess("rollout", rollout_argv(cfg, port, host, instance), url, log_path,

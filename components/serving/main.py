@@ -12,7 +12,7 @@ import sys
 from typing import Optional
 
 from components.serving.servers import ServerSpec, configure_logging, follow_critic, serve
-from models.prepare import build_embedded_models
+from models.prepare import check_models
 
 USAGE = "usage: python -m components.serving.main --spec '<ServerSpec JSON>' | --follow"
 
@@ -20,7 +20,7 @@ USAGE = "usage: python -m components.serving.main --spec '<ServerSpec JSON>' | -
 def run(spec: ServerSpec) -> int:
     """Serve until SIGTERM/SIGINT (blocking); returns the exit code."""
     configure_logging()
-    build_embedded_models(spec.config, spec.loaded_models)  # a fresh node builds the embedded models it loads
+    check_models(spec.config, spec.loaded_models)  # a model that is not there fails the start, naming its field
     return serve(spec)
 
 

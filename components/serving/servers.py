@@ -430,7 +430,8 @@ class ServerSpec(BaseModel):
 
     @property
     def section(self):
-        return self.config.critic if self.kind == "critic" else self.config.reward
+        """Where this server runs: the deployment's critic or reward section."""
+        return self.config.deploy.critic if self.kind == "critic" else self.config.deploy.reward
 
     @property
     def loaded_models(self) -> tuple[str, ...]:
@@ -598,7 +599,7 @@ def _load_critic(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], ob
         raise ValueError("critic server: combining rewards needs a reward model (model.reward) or critic.combine_reward=false")
     store = None
     if spec.checkpoint_uri:
-        store = CheckpointStore.from_uri(spec.checkpoint_uri, s3_endpoint_url=cfg.checkpoint.s3_endpoint_url)
+        store = CheckpointStore.from_uri(spec.checkpoint_uri, s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
         if spec.restore_iteration is not None:
             if not spec.checkpoint_dir:
                 raise ValueError("critic server: restore_iteration needs a checkpoint_dir to restore into")
@@ -606,7 +607,7 @@ def _load_critic(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], ob
             LOG.info("critic: restored iter_%d/critic from %s", spec.restore_iteration, store.uri)
     group = None
     me = None
-    if cfg.critic.nproc_per_node > 1:
+    if cfg.deploy.critic.nproc_per_node > 1:
         group, me = _start_critic_ranks(spec)
     trainer, reward_tokenizer = _critic_trainer(spec, me)
     LOG.info("critic: %d rank(s), step %d, checkpoint dir %s, reward model %s", trainer.me.world_size, trainer.step,
@@ -614,11 +615,11 @@ def _load_critic(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], ob
              if trainer.reward_model is not None else "not loaded")
     if trainer.warning:
         LOG.warning(trainer.warning)
-    bindings = CriticCallables(trainer, store).bindings(spec.max_batch_size, cfg.critic.max_queue_delay_us)
+    bindings = CriticCallables(trainer, store).bindings(spec.max_batch_size, cfg.deploy.critic.max_queue_delay_us)
     if trainer.reward_model is not None:
         text = RewardCallables(model=trainer.reward_model, reward_tokenizer=reward_tokenizer,
                                chat_template=cfg.reward.chat_template, lock=trainer.lock)
-        bindings.append((reward_text_spec(spec.max_batch_size, cfg.critic.max_queue_delay_us), text.text))
+        bindings.append((reward_text_spec(spec.max_batch_size, cfg.deploy.critic.max_queue_delay_us), text.text))
     return bindings, group
 
 
@@ -633,7 +634,7 @@ def _critic_trainer(spec: ServerSpec, me=None):
     # transport is tokens (a flow's config carries it decided; a server started on its own decides it for its critic)
     token_rewards = reward_transport(cfg, reader=cfg.model.critic or cfg.model.reward) == "tokens"
     trainer = CriticTrainer(cfg.critic, critic_path, reward_path, cfg.critic.combine_reward, cfg.model.dtype,
-                            distributed.local_device(cfg.model.device, me), spec.checkpoint_dir,
+                            distributed.local_device(cfg.deploy.device, me), spec.checkpoint_dir,
                             token_rewards=token_rewards, me=me)
     return trainer, reward_tokenizer
 
@@ -641,14 +642,14 @@ def _critic_trainer(spec: ServerSpec, me=None):
 def _start_critic_ranks(spec: ServerSpec):
     """Start ranks 1..N-1 of the critic server (in this server's process group), join them, hand them the spec."""
     cfg = spec.config
-    world = cfg.critic.nproc_per_node
+    world = cfg.deploy.critic.nproc_per_node
     log_dir = Path(spec.checkpoint_dir).parent if spec.checkpoint_dir else cfg.resolved_state_dir() / "servers"
     group = Followers("critic", world, "127.0.0.1", spec.port + 3, [sys.executable, "-m", "components.serving.main", "--follow"],
-                      {BACKEND_ENV: cfg.actor.backend, TIMEOUT_ENV: str(cfg.actor.collective_timeout_s)},
+                      {BACKEND_ENV: cfg.deploy.actor.backend, TIMEOUT_ENV: str(cfg.deploy.actor.collective_timeout_s)},
                       log_dir / "logs", own_group=False)
     me = distributed.Dist(0, world, 0, world)
-    device = distributed.local_device(cfg.model.device, me)
-    distributed.init(me, distributed.resolve_backend(cfg.actor.backend, device), cfg.actor.collective_timeout_s, device,
+    device = distributed.local_device(cfg.deploy.device, me)
+    distributed.init(me, distributed.resolve_backend(cfg.deploy.actor.backend, device), cfg.deploy.actor.collective_timeout_s, device,
                      group.init_method)
     me.broadcast_object(spec.model_dump_json())
     return group, me
@@ -679,12 +680,12 @@ def _load_reward(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], ob
     cfg = spec.config
     if cfg.reward.source == "model":
         path = cfg.resolve_model_path(cfg.model.reward)
-        callables = RewardCallables(model=load_reward_model(path, cfg.model.dtype, resolve_device(cfg.model.device)),
+        callables = RewardCallables(model=load_reward_model(path, cfg.model.dtype, resolve_device(cfg.deploy.device)),
                                     reward_tokenizer=load_reward_tokenizer(path), chat_template=cfg.reward.chat_template)
     else:
         tokenizer = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")
         callables = RewardCallables(function=load_reward_function(cfg.reward.function), tokenizer=tokenizer)
-    return callables.bindings(spec.max_batch_size, cfg.reward.max_queue_delay_us), None
+    return callables.bindings(spec.max_batch_size, cfg.deploy.reward.max_queue_delay_us), None
 
 
 def model_state_summary(index: list[dict], name: str) -> str | None:

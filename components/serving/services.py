@@ -16,8 +16,8 @@ Both kinds of started server answer the same three questions: `wait_until_ready`
 exited, its flow run ended, or it answers but is unhealthy) and `stop()`. `RunServices.guard` asks every server of the
 run after a failed step, so a run fails naming the server that went away, not the broken connection.
 
-How the steps of starting them execute is the caller's `Steps`: directly (`rlhf train`), or as Prefect tasks whose
-messages go to the run's log (the flows: components.tasks.FlowSteps). Everything is torn down on success, failure
+How the steps of starting them execute is the caller's `Steps` (models/loop.py): directly (`rlhf train`), or as
+Prefect tasks whose messages go to the run's log (the flows: components.tasks.FlowSteps). Everything is torn down on success, failure
 and cancellation (SIGTERM in a flow process raises, so the `finally` blocks run).
 """
 
@@ -44,11 +44,12 @@ from components.serving.clients import RewardClient, critic_backend, reward_back
 from components.serving.launcher import launch, launch_rollout, rollout_probe, triton_probe
 from components.serving.rollout_client import RolloutClient, run_token
 from components.serving.servers import ServerSpec
+from components.tracking.run import RunPlace
 from models.algorithms import ALGORITHMS
 from models.backends import LocalCritic
 from models.config import RLHFConfig
 from models.engines import ENGINES
-from models.loop import build_critic_trainer, build_local_reward, critic_text_reward
+from models.loop import DIRECT, Steps, build_critic_trainer, build_local_reward, critic_text_reward
 
 ADVERTISE_ENV = "RLHF_ADVERTISE_HOST"
 TEARDOWN_GRACE_S = 2.0
@@ -56,32 +57,6 @@ TEARDOWN_GRACE_S = 2.0
 
 class ServerDied(RuntimeError):
     """A server of the run went away during the run; the message names it, its exit code and its log tail."""
-
-
-@dataclass
-class RunPlace:
-    """What a run's servers need of the run: its name, where logs go, where a local critic saves, the run's
-    checkpoint store (a deployment critic uploads there) and the checkpoint iteration a resumed critic starts from."""
-
-    run_name: str
-    log_dir: Path
-    critic_dir: Optional[Path] = None
-    store_uri: Optional[str] = None
-    critic_restore_iteration: Optional[int] = None
-
-
-class Steps:
-    """How the named steps of a run execute and where their messages go: here, directly (`rlhf train`, printed).
-    The flows pass components.tasks.FlowSteps: each step a Prefect task, each message in the run's log."""
-
-    def __call__(self, name: str, fn: Callable, *args, **kwargs):
-        return fn(*args, **kwargs)
-
-    def log(self, message: str) -> None:
-        print(message, flush=True)
-
-
-DIRECT = Steps()
 
 
 @dataclass
@@ -118,8 +93,8 @@ class RunServices:
 
 
 def section(kind: str, cfg: RLHFConfig):
-    """The config section of a server kind: its launch mode, host, port, timeouts."""
-    return {"critic": cfg.critic, "reward": cfg.reward, "rollout": cfg.rollout.vllm}[kind]
+    """The deployment section of a server kind: its launch mode, host, port, timeouts."""
+    return {"critic": cfg.deploy.critic, "reward": cfg.deploy.reward, "rollout": cfg.deploy.rollout}[kind]
 
 
 def _threads(section) -> Optional[int]:
@@ -132,7 +107,7 @@ def _threads(section) -> Optional[int]:
 def server_spec(kind: str, cfg: RLHFConfig, **fields) -> ServerSpec:
     """The spec of a critic/reward server: its section's host, a free port block P..P+2, its thread count."""
     s = section(kind, cfg)
-    return ServerSpec(kind=kind, config=cfg, host=s.host, port=free_port(s.host, s.http_port, count=3),
+    return ServerSpec(kind=kind, config=cfg, host=s.host, port=free_port(s.host, s.port, count=3),
                       torch_threads=_threads(s), **fields)
 
 
@@ -255,7 +230,7 @@ def wait_ready(kind: str, server, cfg: RLHFConfig, steps: Steps = DIRECT) -> str
 # ------------------------------------------------------------------------------------------------ the services of a run
 @contextmanager
 def critic_service(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT) -> Iterator[Service]:
-    if cfg.critic.launch == "in_process":
+    if cfg.deploy.critic.launch == "in_process":
         backend = LocalCritic(build_critic_trainer(cfg, checkpoint_dir=place.critic_dir))
         reward = critic_text_reward(cfg, backend.trainer)
         try:
@@ -269,7 +244,7 @@ def critic_service(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT) -> I
         url = wait_ready("critic", server, cfg, steps)
         backend = critic_backend(cfg, url)
         # a critic carrying a reward model that reads text serves rewards through reward_text, not critic_infer
-        text = (RewardClient(url, timeout_s=cfg.critic.request_timeout_s, text=True)
+        text = (RewardClient(url, timeout_s=cfg.deploy.critic.request_timeout_s, text=True)
                 if cfg.critic.combine_reward and cfg.reward.transport == "text" else None)
         try:
             yield Service("critic server", backend, server.death, reward=text)
@@ -284,7 +259,7 @@ def reward_service(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT, need
     if not needed:
         yield None
         return
-    if cfg.reward.launch == "in_process":
+    if cfg.deploy.reward.launch == "in_process":
         backend = build_local_reward(cfg)
         try:
             yield Service("reward (in process)", backend)
@@ -313,15 +288,15 @@ def rollout_server(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT):
 def trainer_host(cfg: RLHFConfig) -> str:
     """Where the rollout server reaches this process (the weight-transfer group's store): loopback for a local
     server, this pod's address for a deployment."""
-    return "127.0.0.1" if cfg.rollout.vllm.launch == "local" else advertised_host("0.0.0.0")
+    return "127.0.0.1" if cfg.deploy.rollout.launch == "local" else advertised_host("0.0.0.0")
 
 
 def connect_engine(actor, url: str, cfg: RLHFConfig, place: RunPlace) -> RolloutClient:
     """Rank 0's engine talks to the server (as this run, over the configured weight transfer) and sends it the actor's
     current weights (a new run's, a resumed run's checkpoint, LoRA merged; all ranks gather them)."""
-    client = RolloutClient(url, run_token(place.run_name), cfg.rollout.vllm.request_timeout_s)
+    client = RolloutClient(url, run_token(place.run_name), cfg.deploy.rollout.request_timeout_s)
     try:
-        if cfg.rollout.vllm.weight_transfer == "dist":
+        if cfg.deploy.rollout.weight_transfer == "dist":
             client.use_dist(trainer_host(cfg))
         actor.state.engine.connect(client)
         actor.refit()

@@ -20,12 +20,9 @@ from pydantic import BaseModel, ValidationError
 
 from components.sweep.config import SweepConfig
 from models.algorithms import ALGORITHMS
-from models.config import RLHFConfig, merge
+from models.config import RLHFConfig, RunConfig, merge
 
 SET_BY_THE_SWEEP = ("algorithm", "run_name", "tracking.parent_run_id")  # one deployment per sweep; trials are named
-# The ports a trial's servers and actor ranks prefer (field -> how many from there): each trial gets its own
-# (components/sweep/trials.py), so that two trials starting together on one machine never race for the same port.
-PORTS = {"critic.http_port": 3, "reward.http_port": 3, "rollout.vllm.port": 1, "actor.master_port": 1}
 
 
 class SweepError(ValueError):
@@ -72,7 +69,7 @@ def field_type(field: str) -> type:
     if field in SET_BY_THE_SWEEP:
         raise SweepError(f"sweep.space: '{field}' cannot be swept (the sweep sets it: one algorithm and deployment "
                          f"per sweep, and the trials' names and parent run)")
-    model: type[BaseModel] = RLHFConfig
+    model: type[BaseModel] = RunConfig  # what a run trains: where a trial runs is its deployment's
     parts = field.split(".")
     for depth, part in enumerate(parts):
         where = ".".join(parts[:depth]) or "the config"
@@ -103,12 +100,10 @@ def metric_problem(cfg: RLHFConfig, metric: str) -> Optional[str]:
     return None
 
 
-def trial_config(config: RLHFConfig, sweep: SweepConfig, number: int, params: dict, parent_run_id: str,
-                 ports: Optional[dict[str, int]] = None) -> RLHFConfig:
+def trial_config(config: RLHFConfig, sweep: SweepConfig, number: int, params: dict, parent_run_id: str) -> RLHFConfig:
     """The config of trial `number`: the base config with the trial's values, named '<sweep>-t<number>', nested under
-    the sweep's MLflow run, with its own preferred `ports` (fields of PORTS; a swept port field keeps its value)."""
-    return merge(config, {**(ports or {}), **params, "run_name": f"{sweep.name}-t{number}",
-                          "tracking.parent_run_id": parent_run_id})
+    the sweep's MLflow run. (Where it runs is its deployment's: its servers pick free ports of their own.)"""
+    return merge(config, {**params, "run_name": f"{sweep.name}-t{number}", "tracking.parent_run_id": parent_run_id})
 
 
 def _valid(config: RLHFConfig, combination: dict) -> RLHFConfig:

@@ -36,7 +36,7 @@ def storage_url(config: RLHFConfig, sweep: SweepConfig) -> str:
 
 def definition(config: RLHFConfig, sweep: SweepConfig) -> str:
     """What a rerun under the same name must repeat: the base config and what and how the sweep searches."""
-    return json.dumps({"config": config.model_dump(mode="json"), "space": sweep.model_dump(mode="json")["space"],
+    return json.dumps({"config": config.run.model_dump(mode="json"), "space": sweep.model_dump(mode="json")["space"],
                        "sampler": sweep.sampler, "seed": sweep.seed, "metric": sweep.metric,
                        "direction": sweep.direction}, sort_keys=True)
 

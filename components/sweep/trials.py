@@ -31,9 +31,8 @@ from prefect.settings import PREFECT_API_URL
 from prefect.states import Cancelling
 
 from components.environment import first_line
-from components.launch.processes import find_free_ports
 from components.sweep.config import SweepConfig
-from components.sweep.space import PORTS, Space, SweepError, trial_config
+from components.sweep.space import Space, SweepError, trial_config
 from components.sweep.tracking import SweepRun
 from models.config import RLHFConfig
 
@@ -58,19 +57,6 @@ def cancel(flow_run_id: UUID, message: str) -> None:
             client.set_flow_run_state(flow_run_id, Cancelling(message=message), force=True)
 
 
-def trial_ports(params: dict, taken: set[int]) -> dict[str, int]:
-    """Preferred ports of a new trial's servers and actor rendezvous (PORTS; not the ones it sweeps): free now, away
-    from the defaults that every other run on this machine prefers, and none of them in `taken` (the running trials')."""
-    ports, taken = {}, set(taken)
-    for name, count in PORTS.items():
-        block = set()
-        while name not in params and (not block or block & taken):  # a random free block each time
-            ports[name] = find_free_ports("127.0.0.1", count)
-            block = set(range(ports[name], ports[name] + count))
-        taken |= block
-    return ports
-
-
 @dataclass
 class Running:
     """A trial holding a slot: its Optuna trial, its flow run, its MLflow run once the flow run created it."""
@@ -78,7 +64,6 @@ class Running:
     trial: optuna.Trial
     flow_run_id: UUID
     run_name: str
-    ports: set[int]
     mlflow_run_id: Optional[str] = None
     reported: dict[int, float] = field(default_factory=dict)  # step -> value of the metric, reported to Optuna
     pruned: Optional[FrozenTrial] = None  # told PRUNED and cancelled; holds its slot until its flow run has ended
@@ -110,17 +95,16 @@ class Trials:
     # ------------------------------------------------------------------------------------------- start and follow
     def start(self, trial: optuna.Trial) -> None:
         """A flow run of the training deployment with the trial's config, named '<sweep>-t<number>'."""
-        ports = trial_ports(trial.params, {port for r in self.running.values() for port in r.ports})
-        cfg = trial_config(self.config, self.sweep, trial.number, trial.params, self.parent.run_id, ports)
+        cfg = trial_config(self.config, self.sweep, trial.number, trial.params, self.parent.run_id)
         trial.set_user_attr("run_name", cfg.run_name)
         try:
-            run = run_deployment(self.deployment, parameters={"config": cfg.model_dump(mode="json")}, timeout=0,
+            run = run_deployment(self.deployment, parameters={"config": cfg.run.model_dump(mode="json")}, timeout=0,
                                  flow_run_name=cfg.run_name, tags=[f"sweep-{self.sweep.name}"])
         except Exception as exc:  # noqa: BLE001 - the trial fails, the sweep goes on
             self._tell(trial, TrialState.FAIL, reason=f"could not start a run of {self.deployment}: {first_line(exc)}")
             return
         trial.set_user_attr("flow_run_id", str(run.id))
-        self.running[trial.number] = Running(trial, run.id, cfg.run_name, set(ports.values()))
+        self.running[trial.number] = Running(trial, run.id, cfg.run_name)
         self.logger.info(f"trial {trial.number} started: {cfg.run_name} ({_show(trial.params)}), flow run {run.id} "
                          f"of {self.deployment}")
 
@@ -131,7 +115,7 @@ class Trials:
             if "flow_run_id" not in frozen.user_attrs:
                 self._tell(trial, TrialState.FAIL, reason="a run of the sweep stopped before starting its flow run")
                 continue
-            running = Running(trial, UUID(frozen.user_attrs["flow_run_id"]), frozen.user_attrs["run_name"], set(),
+            running = Running(trial, UUID(frozen.user_attrs["flow_run_id"]), frozen.user_attrs["run_name"],
                               frozen.user_attrs.get("mlflow_run_id"), dict(frozen.intermediate_values))
             self.running[frozen.number] = running
             self.logger.info(f"trial {frozen.number} ({running.run_name}) was left running by an earlier run of the "

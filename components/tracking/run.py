@@ -16,53 +16,44 @@ import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
-from prefect.runtime import flow_run
 
 from components.launch.stack import running_mlflow_uri
 from components.storage.checkpoints import CheckpointStore
 from components.tracking.tracker import Tracker, resolve_tracking_uri
-from models.config import RLHFConfig
+from models.config import RLHFConfig, run_name_for
 
 if TYPE_CHECKING:  # only annotations here: what reads a run's record (a sweep, rlhf compare) loads no model code
     from models.loop import Leader
 
 
-def run_name_for(cfg: RLHFConfig) -> str:
-    return cfg.run_name or f"{cfg.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
-
-
-def flow_run_namer(algorithm: str) -> Callable[[], str]:
-    """Prefect's `flow_run_name` of the training flow of `algorithm`: the run's name (its config's run_name, or
-    '<algorithm>-<timestamp>' decided here, once), so that the flow run, its MLflow run and its checkpoints carry one
-    name in both UIs. The flow reads it back with `named_after_flow_run`."""
-    def name() -> str:
-        config = flow_run.get_parameters().get("config")
-        config = config if isinstance(config, RLHFConfig) else RLHFConfig.model_validate(config or {})
-        return run_name_for(config.model_copy(update={"algorithm": algorithm}))
-    return name
-
-
-def named_after_flow_run(config: RLHFConfig, algorithm: str) -> RLHFConfig:
-    """The config a training flow runs: its algorithm, and the flow run's name as run_name when none was given."""
-    return config.model_copy(update={"algorithm": algorithm, "run_name": config.run_name or flow_run.get_name()})
-
-
 def checkpoint_uri(cfg: RLHFConfig, run_name: str) -> str:
-    base = cfg.checkpoint.uri or (cfg.resolved_state_dir() / "checkpoints").as_uri()
+    base = cfg.deploy.checkpoint.uri or (cfg.resolved_state_dir() / "checkpoints").as_uri()
     return f"{base.rstrip('/')}/{run_name}"
 
 
 def default_tracking_uri(cfg: RLHFConfig) -> str:
     """Config > $MLFLOW_TRACKING_URI > the local stack's MLflow server (if `rlhf up` runs) > sqlite in state_dir."""
-    if cfg.tracking.uri:
-        return cfg.tracking.uri
+    if cfg.deploy.tracking.uri:
+        return cfg.deploy.tracking.uri
     local = running_mlflow_uri(cfg.resolved_state_dir())
     if not os.environ.get("MLFLOW_TRACKING_URI") and local:
         return local
     return resolve_tracking_uri(None, cfg.resolved_state_dir())
+
+
+@dataclass
+class RunPlace:
+    """What a run's servers need of the run: its name, where logs go, where a local critic saves, the run's
+    checkpoint store (a deployment critic uploads there) and the checkpoint iteration a resumed critic starts from."""
+
+    run_name: str
+    log_dir: Path
+    critic_dir: Optional[Path] = None
+    store_uri: Optional[str] = None
+    critic_restore_iteration: Optional[int] = None
 
 
 @dataclass
@@ -84,20 +75,24 @@ class RunSession:
     def critic_dir(self) -> Path:
         return self.local_dir / "critic"
 
+    @property
+    def place(self) -> RunPlace:
+        return RunPlace(self.name, self.local_dir / "logs", self.critic_dir, self.store.uri, self.critic_restore_iteration)
+
     @classmethod
     def open(cls, cfg: RLHFConfig, tags: dict[str, str] | None = None) -> "RunSession":
         """Resolve the run; if its store has a complete checkpoint, download it and remember the manifest."""
         name = run_name_for(cfg)
         local_dir = cfg.resolved_state_dir() / "runs" / name
         local_dir.mkdir(parents=True, exist_ok=True)
-        store = CheckpointStore.from_uri(checkpoint_uri(cfg, name), s3_endpoint_url=cfg.checkpoint.s3_endpoint_url)
+        store = CheckpointStore.from_uri(checkpoint_uri(cfg, name), s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
         manifest, resumed_from = {}, store.latest()
         restore_dir = local_dir / "restore"
         shutil.rmtree(local_dir / "critic", ignore_errors=True)  # never resume a critic newer/older than the actor
         if resumed_from is not None:
             shutil.rmtree(restore_dir, ignore_errors=True)
             # launch=deployment: the critic server (maybe on another node) restores its part from the store itself
-            parts = ("actor",) if cfg.critic.launch == "deployment" else None
+            parts = ("actor",) if cfg.deploy.critic.launch == "deployment" else None
             manifest = from_jsonable(store.load(restore_dir, resumed_from, parts=parts))
             if (restore_dir / "critic").exists():
                 shutil.copytree(restore_dir / "critic", local_dir / "critic")
@@ -105,7 +100,7 @@ class RunSession:
         tracker = Tracker(default_tracking_uri(cfg), cfg.tracking.experiment, name, run_id=manifest.get("tracking_run_id"),
                           tags={"algorithm": cfg.algorithm, "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
                                 "reward_transport": cfg.reward.transport, **nested, **(tags or {})},
-                          system_metrics=cfg.tracking.system_metrics)
+                          system_metrics=cfg.deploy.tracking.system_metrics)
         tracker.start(cfg.model_dump(mode="json"))
         return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest)
 

@@ -279,7 +279,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_wi
     diff, kl, stale = (last_values(k) for k in ("rollout/logprob_diff_max", "objective/kl", "rollout/staleness_max"))
     assert diff[checkpointed + 1] < 1e-3 and kl[checkpointed + 1] > 1e-3, (diff, kl)
     assert [stale[i] for i in range(1, logged + 1)] == [0.0] + [1.0] * (logged - 1), stale  # the first attempt
-    cfg = RLHFConfig.model_validate({**config, "state_dir": str(s["state_dir"]), "algorithm": "rloo"})
+    cfg = RLHFConfig.model_validate({**config, "deploy.state_dir": str(s["state_dir"]), "algorithm": "rloo"})
     stream = PromptStream(read_data(cfg)[0], cfg.reinforce.rollout_batch_size, cfg.seed)
     expected = [next(stream).prompts for _ in range(logged + 2)]
     for step in range(1, logged + 3):
@@ -325,7 +325,7 @@ def critic_followers(s) -> list[psutil.Process]:
 
 
 def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_loses_a_rank_and_resumes_on_one(local_stack):
-    """actor.nproc_per_node=2 with critic.launch=deployment: the PPO flow starts critic-server/default, finds its
+    """deploy.actor.nproc_per_node=2 with deploy.critic.launch=deployment: the PPO flow starts critic-server/default, finds its
     address and cancels it at the end, and the checkpoint holds the critic of its own iteration (adopted from the
     store). The same run name then resumes on 2 ranks (the local critic restored from the checkpoint), where rank 1
     (rank 0 is the flow run) is killed mid-run: the run fails naming it and leaves nothing. It resumes on 1 rank."""
@@ -383,7 +383,7 @@ def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_l
 
 
 def test_ppo_deployment_with_a_two_rank_critic_server_completes_learns_and_leaves_no_server(local_stack):
-    """ppo/default with critic.nproc_per_node=2: the critic server's rank 0 serves, rank 1 follows. The flow run shows
+    """ppo/default with deploy.critic.nproc_per_node=2: the critic server's rank 0 serves, rank 1 follows. The flow run shows
     its tasks (the critic server deployed and waited for, one task per iteration), MLflow has every iteration's
     metrics under the run's tags, PPO learns by the margin of the single-process learning test
     (tests/models/test_steps.py), and no server or rank is left."""

@@ -44,7 +44,7 @@ def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
     """N ranks x B/N rollouts give the same update as 1 rank x B: actor weights to 1e-5 (float32), loss, KL and the
     grad norm (which would show gradients averaged instead of summed) to 1e-4 relative."""
     cfg = prepare_run(preset("tiny", **{
-        "state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "algorithm": algorithm,
+        "deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "algorithm": algorithm,
         "model.reward": tiny_models["reward"], "ppo.rollout_batch_size": 12, "ppo.minibatch_size": 6,
         "reinforce.rollout_batch_size": 6, "reinforce.minibatch_size": 8, "generation.max_new_tokens": 8,
         "generation.micro_batch_size": 4, "critic.micro_batch_size": 8}))
@@ -131,7 +131,7 @@ def test_splitting_a_minibatch_into_micro_batches_does_not_change_the_step(tiny_
     """The shared update loop: one optimizer step over 12 rows, as 1 micro-batch or as 5, gives the same weights."""
     from models.update import minibatch_update
 
-    cfg = preset("tiny", **{"state_dir": str(tmp_path), "model.policy": tiny_models["policy"]})
+    cfg = preset("tiny", **{"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"]})
     tokens = torch.randint(4, 40, (12, 10), generator=torch.Generator().manual_seed(0))
     lengths = torch.randint(4, 11, (12,), generator=torch.Generator().manual_seed(1))
     results = []

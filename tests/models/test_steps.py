@@ -12,7 +12,7 @@ pytestmark = pytest.mark.slow  # ~4 min of learning runs: started first, beside 
 
 
 def tiny_cfg(tiny_models, tmp_path, **overrides):
-    base = {"state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "model.reward": tiny_models["reward"]}
+    base = {"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "model.reward": tiny_models["reward"]}
     return preset("tiny", **{**base, **overrides})
 
 

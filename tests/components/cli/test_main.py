@@ -103,12 +103,12 @@ def test_config_errors_name_the_field():
 
 
 def test_a_core_list_of_one_core_given_as_a_number_is_read_as_the_string_vllm_takes():
-    """`--set rollout.vllm.cpu_cores=1` reads 1 as a YAML number; the field takes it as the core list '1'."""
+    """`--set deploy.rollout.cpu_cores=1` reads 1 as a YAML number; the field takes it as the core list '1'."""
     from components.cli.options import parse_overrides
     from models.config import RLHFConfig, merge
 
     for given in ("1", "2-3", "0,1"):
-        overrides = parse_overrides([f"rollout.vllm.cpu_cores={given}"])
+        overrides = parse_overrides([f"deploy.rollout.cpu_cores={given}"])
         assert merge(RLHFConfig(), overrides).rollout.vllm.cpu_cores == given
 
 
@@ -129,7 +129,7 @@ def test_an_eval_set_smaller_than_the_actor_ranks_is_refused_before_any_model_lo
     eval.prompts when the data is read, before any rank starts (it used to die on rank 1 with 'max() arg is an empty
     sequence' and leave rank 0 waiting in the next collective)."""
     (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "review the cat :"}) + "\n")
-    proc = run("train", "--set", "actor.nproc_per_node=2", "--set", f"eval.prompts={tmp_path / 'eval.jsonl'}",
+    proc = run("train", "--set", "deploy.actor.nproc_per_node=2", "--set", f"eval.prompts={tmp_path / 'eval.jsonl'}",
                "--set", "eval.every=2", "--set", f"model.policy={tiny_models['policy']}",
                "--set", f"model.reward={tiny_models['reward']}", check=False, env={"RLHF_STATE_DIR": str(tmp_path / "state")})
     assert proc.returncode != 0
@@ -176,11 +176,11 @@ def test_a_model_path_that_does_not_exist_fails_fast_naming_the_field(tmp_path):
 
 @pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
 def test_train_on_two_ranks_learns_the_shipped_task(tiny_models, tmp_path, algorithm):
-    """`rlhf train --set actor.nproc_per_node=2`: rank 0 starts rank 1, both shard the actor (FSDP2 over gloo) and
+    """`rlhf train --set deploy.actor.nproc_per_node=2`: rank 0 starts rank 1, both shard the actor (FSDP2 over gloo) and
     the run learns by the margin of the single-process learning test (tests/models/test_steps.py). The held-out eval
     (the task's 40 test prompts, greedy) runs on both ranks at 0, 6 and 12, over every prompt, and rises."""
     metrics, evals = tmp_path / "m.json", tmp_path / "e.json"
-    run("train", "--set", f"algorithm={algorithm}", "--set", "actor.nproc_per_node=2", "--set", "iterations=12",
+    run("train", "--set", f"algorithm={algorithm}", "--set", "deploy.actor.nproc_per_node=2", "--set", "iterations=12",
         "--set", f"model.policy={tiny_models['policy']}", "--set", f"model.reward={tiny_models['reward']}",
         "--set", "eval.prompts=builtin:sentiment", "--set", "eval.every=6",
         "--metrics-out", str(metrics), "--eval-out", str(evals), env={"RLHF_STATE_DIR": str(tmp_path / "state")})

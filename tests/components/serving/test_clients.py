@@ -44,10 +44,10 @@ def assert_implements(obj, protocol) -> bool:
 
 def ppo_cfg(tiny_models, state_dir, port):
     return prepare_run(preset("tiny", **{
-        "state_dir": str(state_dir), "model.policy": tiny_models["policy"], "model.reward": tiny_models["reward"],
+        "deploy.state_dir": str(state_dir), "model.policy": tiny_models["policy"], "model.reward": tiny_models["reward"],
         "seed": 3, "ppo.rollout_batch_size": 24, "ppo.minibatch_size": 12, "ppo.epochs": 1,
         "generation.micro_batch_size": 8, "generation.max_new_tokens": 8, "critic.train_batch_size": 12,
-        "critic.http_port": port, "critic.max_queue_delay_us": 1000, "reward.http_port": port + 10}))
+        "deploy.critic.port": port, "deploy.critic.max_queue_delay_us": 1000, "deploy.reward.port": port + 10}))
 
 
 @pytest.fixture(scope="module")

@@ -30,11 +30,11 @@ from models.step import train_step
 def cfg(tiny_models, tmp_path, s3_bucket, mlflow_uri):
     endpoint, bucket = s3_bucket
     return prepare_run(preset("tiny", **{
-        "state_dir": str(tmp_path / "state"), "model.policy": tiny_models["policy"],
+        "deploy.state_dir": str(tmp_path / "state"), "model.policy": tiny_models["policy"],
         "model.reward": tiny_models["reward"], "run_name": "dep-critic", "algorithm": "ppo",
-        "critic.launch": "deployment", "checkpoint.uri": f"s3://{bucket}/ckpt",
-        "checkpoint.s3_endpoint_url": endpoint, "tracking.uri": mlflow_uri,
-        "tracking.system_metrics": False, "ppo.rollout_batch_size": 8, "ppo.minibatch_size": 8,
+        "deploy.critic.launch": "deployment", "deploy.checkpoint.uri": f"s3://{bucket}/ckpt",
+        "deploy.checkpoint.s3_endpoint_url": endpoint, "deploy.tracking.uri": mlflow_uri,
+        "deploy.tracking.system_metrics": False, "ppo.rollout_batch_size": 8, "ppo.minibatch_size": 8,
         "ppo.epochs": 1, "generation.max_new_tokens": 6, "critic.train_batch_size": 8}))
 
 

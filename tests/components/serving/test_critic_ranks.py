@@ -39,8 +39,8 @@ def raw(url, model, **arrays):
 
 def critic(tiny_models, directory: Path, ranks: int):
     cfg = preset("tiny", **{"model.reward": tiny_models["reward"], "model.policy": tiny_models["policy"],
-                            "critic.nproc_per_node": ranks, "critic.train_batch_size": 8, "critic.micro_batch_size": 4,
-                            "state_dir": str(directory / "state")})
+                            "deploy.critic.nproc_per_node": ranks, "critic.train_batch_size": 8, "critic.micro_batch_size": 4,
+                            "deploy.state_dir": str(directory / "state")})
     spec = ServerSpec(kind="critic", config=cfg, port=find_free_ports(count=4), checkpoint_dir=str(directory / "critic"),
                       torch_threads=1)
     return launch(spec, directory / "server.log")
@@ -167,7 +167,7 @@ def test_reward_chars_serves_the_gold_reward_from_text_with_its_own_tokenizer(ti
     from models.tiny import _reward_texts
 
     cfg = preset("tiny", **{"algorithm": "rloo", "model.policy": tiny_models["policy"],
-                            "model.reward": tiny_reward_chars, "state_dir": str(tmp_path / "state")})
+                            "model.reward": tiny_reward_chars, "deploy.state_dir": str(tmp_path / "state")})
     assert reward_transport(cfg) == "text"
     assert reward_transport(preset("tiny", **{"algorithm": "rloo", "model.reward": tiny_models["reward"],
                                               "model.policy": tiny_models["policy"]})) == "tokens"
@@ -196,7 +196,7 @@ def test_critic_server_carrying_reward_chars_gives_values_from_tokens_and_reward
     from models.tasks import sentiment
 
     cfg = preset("tiny", **{"model.policy": tiny_models["policy"], "model.reward": tiny_reward_chars,
-                            "model.critic": tiny_models["critic"], "state_dir": str(tmp_path / "state")})
+                            "model.critic": tiny_models["critic"], "deploy.state_dir": str(tmp_path / "state")})
     spec = ServerSpec(kind="critic", config=cfg, port=find_free_ports(count=4), checkpoint_dir=str(tmp_path / "critic"),
                       torch_threads=1)
     prompts, responses = ["review the cat :", "describe the movie :"], ["the cat is good .", "it was awful and sad ."]

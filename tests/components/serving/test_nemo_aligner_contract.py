@@ -40,7 +40,7 @@ def critic_argv(tiny, port, checkpoint_dir):
     dynamic batcher; 12 rows / batch 4 x 2 epochs = 6 optimizer steps per critic_train."""
     return [sys.executable, "-m", "components.cli.main", "serve", "critic", "--model", tiny["critic"], "--reward", tiny["reward"], "--port", str(port),
             "--checkpoint-dir", str(checkpoint_dir), "--set", f"model.policy={tiny['policy']}",
-            "--set", "critic.max_queue_delay_us=100000",
+            "--set", "deploy.critic.max_queue_delay_us=100000",
             "--set", "critic.optim.lr=1e-3", "--set", "critic.train_batch_size=4", "--set", "critic.epochs=2"]
 
 

@@ -25,10 +25,11 @@ from models.tasks import sentiment
 RUN = "test-rollout-server/1"  # the run every test of this module speaks as (the server serves one run)
 
 
-def config(tiny_models, tmp_path, **vllm) -> RLHFConfig:
+def config(tiny_models, tmp_path, **placement) -> RLHFConfig:
     """Any free port; 1 thread: the suite's other worker shares the cores (a run's default is every core)."""
-    return RLHFConfig.model_validate({"state_dir": str(tmp_path), "model": {"policy": tiny_models["policy"]},
-                                      "rollout": {"engine": "vllm", "vllm": {"port": 0, "threads": 1, **vllm}}})
+    return RLHFConfig.model_validate({"model": {"policy": tiny_models["policy"]}, "rollout": {"engine": "vllm"},
+                                      "deploy": {"state_dir": str(tmp_path),
+                                                 "rollout": {"port": 0, "threads": 1, **placement}}})
 
 
 def test_the_server_gets_every_core_of_a_cpu_host_unless_told(tiny_models, tmp_path):
@@ -38,7 +39,7 @@ def test_the_server_gets_every_core_of_a_cpu_host_unless_told(tiny_models, tmp_p
     assert rollout_env(default)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
-SERVER_CORE = max(os.sched_getaffinity(0))  # the module's server runs on one core (rollout.vllm.cpu_cores), as in a pod
+SERVER_CORE = max(os.sched_getaffinity(0))  # the module's server runs on one core (deploy.rollout.cpu_cores), as in a pod
 
 
 def threads_cores(pid: int) -> dict[str, str]:
@@ -127,7 +128,7 @@ def test_generation_contract_shapes_eos_and_n_samples(server, policy):
 
 
 def test_every_thread_of_the_server_runs_on_its_cores(server):
-    """rollout.vllm.cpu_cores binds the whole process, the web server's worker threads that generate included (vLLM's
+    """deploy.rollout.cpu_cores binds the whole process, the web server's worker threads that generate included (vLLM's
     own binding reaches only the thread that built the engine; on a shared host the server then competes with the
     actor for its cores). The module's first test has generated, so those threads exist."""
     cores = threads_cores(server.pid)

@@ -23,7 +23,7 @@ def critic_argv(tiny, port, checkpoint_dir, store):
     """`rlhf serve critic` as a user types it (the flags, not the launcher's JSON spec)."""
     return [sys.executable, "-m", "components.cli.main", "serve", "critic", "--model", tiny["critic"], "--reward",
             tiny["reward"], "--port", str(port), "--checkpoint-dir", str(checkpoint_dir),
-            "--set", "critic.max_queue_delay_us=500", "--checkpoint-uri", store.as_uri(), *TRAIN_SETTINGS]
+            "--set", "deploy.critic.max_queue_delay_us=500", "--checkpoint-uri", store.as_uri(), *TRAIN_SETTINGS]
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ NON_DETERMINISTIC = ("time/", "throughput/")
 
 
 def train_args(tiny_models, **overrides) -> list[str]:
-    base = {"rollout.engine": "vllm", "rollout.vllm.threads": 1, "model.policy": tiny_models["policy"],
+    base = {"rollout.engine": "vllm", "deploy.rollout.threads": 1, "model.policy": tiny_models["policy"],
             "model.reward": tiny_models["reward"], **overrides}  # 1 thread: the suite's other worker shares the cores
     return [RLHF, "train", *[arg for key, value in base.items() for arg in ("--set", f"{key}={value}")]]
 
@@ -43,7 +43,7 @@ def test_training_with_asynchronous_rollouts_learns(tiny_models, tmp_path, algor
     held-out eval samples through the same engine; nothing of the server is left afterwards."""
     metrics, evals, state = tmp_path / "m.json", tmp_path / "e.json", tmp_path / "state"
     proc = rlhf_train(train_args(tiny_models, **{
-        "algorithm": algorithm, "actor.nproc_per_node": ranks, "iterations": 12, "rollout.max_off_policy_steps": 1,
+        "algorithm": algorithm, "deploy.actor.nproc_per_node": ranks, "iterations": 12, "rollout.max_off_policy_steps": 1,
         "eval.prompts": "builtin:sentiment", "eval.every": 6}) + ["--metrics-out", str(metrics), "--eval-out", str(evals)],
         state)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -20,15 +20,14 @@ from components.sweep.config import SweepConfig
 from components.sweep.space import SweepError, check_sweep, distribution, trial_config
 from components.sweep.study import Plan, open_study, unfinished
 from components.sweep.tracking import SweepRun, find_sweep, trial_runs
-from components.sweep.trials import trial_ports
-from models.config import RLHFConfig
+from models.config import RLHFConfig, merge
 
 EVAL = {"prompts": "builtin:sentiment", "every": 2}
 GRID = {"reinforce.optim.lr": [1e-4, 3e-4], "kl.init": [0.01, 0.1]}
 
 
 def base(**overrides) -> RLHFConfig:
-    return RLHFConfig(**{"algorithm": "rloo", "eval": EVAL, **overrides})
+    return merge(RLHFConfig(algorithm="rloo", eval=EVAL), overrides)
 
 
 def refused(space: dict, config: RLHFConfig | None = None, **sweep) -> str:
@@ -79,7 +78,7 @@ def test_bad_spaces_are_refused_naming_the_field(space, sweep, expected):
 
 def test_a_combination_the_config_refuses_as_a_whole_is_named():
     """Each value alone is fine; together with the base config's 2 actor ranks, a batch of 1 prompt is not."""
-    message = refused({"reinforce.rollout_batch_size": [4, 1]}, base(actor={"nproc_per_node": 2}))
+    message = refused({"reinforce.rollout_batch_size": [4, 1]}, base(**{"deploy.actor.nproc_per_node": 2}))
     assert "refuses reinforce.rollout_batch_size=1" in message and "actor's world size 2" in message
 
 
@@ -107,30 +106,21 @@ def test_the_sweep_section_refuses_bad_input_naming_the_field(sweep, field, expe
     assert field in [".".join(map(str, e["loc"])) for e in err.value.errors()] and expected in str(err.value)
 
 
-def test_a_trial_config_has_the_values_its_name_its_parent_and_ports_of_its_own():
+def test_a_trial_config_has_the_values_its_name_and_its_parent_and_nothing_of_where_it_runs():
+    """A trial is given what it trains only: where it runs (its servers' ports among it) is its deployment's, whose
+    servers pick free ports of their own, so two trials starting together never race for one."""
     sweep = SweepConfig(name="lr-kl", space=GRID)
-    ports = {"critic.http_port": 21000, "reward.http_port": 21003, "rollout.vllm.port": 21006, "actor.master_port": 21007}
-    cfg = trial_config(base(), sweep, 3, {"reinforce.optim.lr": 3e-4, "kl.init": 0.1}, "p1", ports)
+    cfg = trial_config(base(), sweep, 3, {"reinforce.optim.lr": 3e-4, "kl.init": 0.1}, "p1")
     assert (cfg.run_name, cfg.tracking.parent_run_id, cfg.reinforce.optim.lr, cfg.kl.init) == ("lr-kl-t3", "p1", 3e-4, 0.1)
-    assert (cfg.critic.http_port, cfg.reward.http_port, cfg.rollout.vllm.port, cfg.actor.master_port) == (21000, 21003, 21006, 21007)
-    swept = trial_config(base(), sweep, 4, {"reward.http_port": 9100}, "p1", {"critic.http_port": 21000})
-    assert swept.reward.http_port == 9100 and swept.critic.http_port == 21000
-
-
-def test_each_trial_gets_free_ports_of_its_own():
-    """Two trials starting together must not race for the same port (nor with runs preferring the defaults)."""
-    first = trial_ports({}, set())
-    assert set(first) == {"critic.http_port", "reward.http_port", "rollout.vllm.port", "actor.master_port"}
-    blocks = [set(range(first[f], first[f] + n)) for f, n in (("critic.http_port", 3), ("reward.http_port", 3))]
-    assert not blocks[0] & blocks[1] and all(20000 <= port < 32000 for port in first.values())
-    taken = {p for b in blocks for p in b} | {first["rollout.vllm.port"], first["actor.master_port"]}
-    second = trial_ports({"reward.http_port": 9100}, taken)
-    assert "reward.http_port" not in second and not taken & {second["critic.http_port"] + i for i in range(3)}
+    assert "deploy" not in cfg.run.model_dump() and cfg.run.run_name == "lr-kl-t3"
+    assert (cfg.deploy.critic.port, cfg.deploy.reward.port, cfg.deploy.rollout.port, cfg.deploy.actor.master_port) == (None,) * 4
+    with pytest.raises(SweepError, match="'deploy.critic.port' is not a config field"):
+        check_sweep(base(), SweepConfig(name="ports", space={"deploy.critic.port": [9100, 9200]}))
 
 
 # ------------------------------------------------------------------------------------------------ the study
 def sweep_in(tmp_path: Path, **fields) -> tuple[RLHFConfig, SweepConfig]:
-    return base(state_dir=str(tmp_path)), SweepConfig(name="lr-kl", space=GRID, **fields)
+    return base(**{"deploy.state_dir": str(tmp_path)}), SweepConfig(name="lr-kl", space=GRID, **fields)
 
 
 def run_plan(study, space, sweep, outcomes: list, followed=()) -> list[optuna.Trial]:
@@ -174,7 +164,7 @@ def test_a_combination_enqueued_by_a_run_that_died_before_asking_for_it_is_faile
 
 
 def test_random_and_tpe_count_the_kept_trials_toward_sweep_trials(tmp_path):
-    config = base(state_dir=str(tmp_path))
+    config = base(**{"deploy.state_dir": str(tmp_path)})
     sweep = SweepConfig(name="r", sampler="random", trials=3, space={"reinforce.optim.lr": {"low": 1e-5, "high": 1e-3, "log": True}})
     space = check_sweep(config, sweep)
     study = open_study(config, sweep, space)
@@ -190,7 +180,7 @@ def test_a_study_of_the_same_name_with_another_definition_is_refused(tmp_path):
     with pytest.raises(SweepError, match=r"sweep\.name: the study 'lr-kl' in sqlite:///.*optuna\.db was started with another space"):
         open_study(config, other, check_sweep(config, other))
     with pytest.raises(SweepError, match="another config"):
-        open_study(base(state_dir=str(tmp_path), iterations=3), sweep, check_sweep(config, sweep))
+        open_study(base(**{"deploy.state_dir": str(tmp_path)}, iterations=3), sweep, check_sweep(config, sweep))
     open_study(config, sweep.model_copy(update={"concurrency": 4, "pruner": "median"}), check_sweep(config, sweep))
 
 
@@ -207,7 +197,7 @@ def test_the_storage_can_be_any_sqlalchemy_url(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ tracking
 def test_the_parent_run_is_found_again_and_the_table_gets_each_finished_trial_once(tmp_path, mlflow_uri):
-    config = base(state_dir=str(tmp_path), tracking={"uri": mlflow_uri})
+    config = base(**{"deploy.state_dir": str(tmp_path), "deploy.tracking.uri": mlflow_uri})
     sweep = SweepConfig(name="lr-kl", space=GRID)
     space = check_sweep(config, sweep)
     study = open_study(config, sweep, space)

@@ -21,10 +21,10 @@ NON_DETERMINISTIC = ("time/", "throughput/")
 def cfg(tiny_models, tmp_path, s3_bucket, mlflow_uri):
     endpoint, bucket = s3_bucket
     return prepare_run(preset("tiny", **{
-        "state_dir": str(tmp_path / "state"), "model.policy": tiny_models["policy"],
+        "deploy.state_dir": str(tmp_path / "state"), "model.policy": tiny_models["policy"],
         "model.reward": tiny_models["reward"], "run_name": "resume-me", "algorithm": "ppo",
-        "checkpoint.uri": f"s3://{bucket}/ckpt", "checkpoint.s3_endpoint_url": endpoint,
-        "tracking.uri": mlflow_uri, "tracking.system_metrics": False,
+        "deploy.checkpoint.uri": f"s3://{bucket}/ckpt", "deploy.checkpoint.s3_endpoint_url": endpoint,
+        "deploy.tracking.uri": mlflow_uri, "deploy.tracking.system_metrics": False,
         "ppo.rollout_batch_size": 16, "ppo.minibatch_size": 8}))
 
 

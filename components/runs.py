@@ -1,0 +1,143 @@
+"""The one run builder: a training run composed from its config, for `rlhf train` and the Prefect flows alike.
+
+    prepare the run (models/prepare.py) and read its data (models/data.py): bad input fails before any model loads
+    open or resume its record: the MLflow run and the checkpoint store (components/tracking/run.py)
+    start the rollout server when the engine holds its own weights (it loads beside the actor)
+    start the actor on its ranks, restored from the run's last checkpoint
+    the run's services: the rollout server given the actor's weights, and what the algorithm scores with (a critic
+        server, a reward server unless the critic carries the reward model), each ready
+    the one training loop (models/loop.py): iterations, held-out evals, metrics, checkpoints
+    the summary; everything torn down on success, failure and cancellation
+
+How each named step executes is the caller's `Steps` (models/loop.py): directly here (`rlhf train`), as Prefect tasks
+in a flow (components/tasks.py). Where the servers run is the config's `deploy` section.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+from components.launch.ranks import actor_ranks
+from components.serving.services import RunServices, rollout_server, run_services
+from components.tracking.run import RunSession
+from models.config import RLHFConfig
+from models.data import PromptSet
+from models.loop import DIRECT, Leader, Steps, read_data, run_loop
+from models.prepare import prepare_run
+
+
+def train(cfg: RLHFConfig, steps: Steps = DIRECT) -> dict:
+    """Run (or resume, by run name) the training run of `cfg` to its last iteration; returns its summary: run name,
+    MLflow run id, iterations, the metrics of each iteration this attempt ran (`history`), its evals and the last
+    checkpoint."""
+    cfg = prepare_run(cfg)
+    prompts, evals = read_data(cfg)  # bad data fails here, before any model loads
+    with recorded_run(cfg, steps) as session, rollout_server(cfg, session.place, steps) as rollout, \
+            actor_on_ranks(cfg, session, steps) as actor, \
+            run_services(cfg, session.place, actor, steps, rollout) as services:
+        log_data(session, prompts, evals, steps)
+        history, evaluations = run_loop(cfg, actor, prompts, evals, RunRecord(session, services, steps), steps)
+        return summary(session, actor, history, evaluations, steps)
+
+
+@contextmanager
+def recorded_run(cfg: RLHFConfig, steps: Steps = DIRECT) -> Iterator[RunSession]:
+    """Open (or resume) the run of a prepared config; on the way out close its MLflow run as FINISHED or FAILED."""
+    session = steps("open-run", open_session, cfg, steps, retries=2)
+    status = "FAILED"
+    try:
+        yield session
+        status = "FINISHED"
+    finally:
+        session.close(status)
+
+
+def open_session(cfg: RLHFConfig, steps: Steps) -> RunSession:
+    """Resolve the run name, download the last complete checkpoint if there is one, start or continue the MLflow run."""
+    session = RunSession.open(cfg, steps.tags())
+    if session.resumed_from is not None:
+        steps.log(f"run {session.name}: resuming from checkpoint iteration {session.resumed_from} ({session.store.uri})")
+    else:
+        steps.log(f"run {session.name}: new run, checkpoints in {session.store.uri}")
+    steps.log(f"MLflow run {session.tracker.run_id} at {session.tracker.tracking_uri}")
+    return session
+
+
+@contextmanager
+def actor_on_ranks(cfg: RLHFConfig, session: RunSession, steps: Steps = DIRECT) -> Iterator[Leader]:
+    """The actor on all its ranks, restored from the run's checkpoint; every rank stopped on the way out."""
+    with actor_ranks(cfg, session.local_dir / "logs") as actor:
+        if warning := steps("restore-actor", session.restore_actor, actor):
+            steps.log(f"warning: {warning}")
+        yield actor
+
+
+@dataclass
+class RunRecord:
+    """What the training loop records into (models/loop.Record): the run's MLflow run and checkpoint store, scored by
+    the run's services."""
+
+    session: RunSession
+    services: RunServices
+    steps: Steps
+
+    @property
+    def critic(self):
+        return self.services.critic
+
+    @property
+    def reward(self):
+        return self.services.reward
+
+    def guard(self, fn, *args, **kwargs):
+        return self.services.guard(fn, *args, **kwargs)
+
+    def log(self, iteration: int, metrics: dict, samples: list[dict]) -> None:
+        self.session.log(iteration, metrics, samples)
+        m = metrics
+        stale = f" staleness {m['rollout/staleness_max']:g}" if "rollout/staleness_max" in m else ""
+        self.steps.log(f"iteration {iteration}/{self.session.cfg.iterations}: gold "
+                       f"{m.get('objective/gold_reward', float('nan')):+.3f} score {m['objective/scores']:+.3f} "
+                       f"KL {m['objective/kl']:.3f} step {m['time/step']:.2f}s{stale}")
+
+    def log_eval(self, iteration: int, metrics: dict, rows: list[dict]) -> None:
+        """An eval's metrics at step=iteration, its samples as an MLflow table and a table beside the run."""
+        self.session.log_eval(iteration, metrics, rows)
+        text = f"eval at iteration {iteration}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+        key = re.sub(r"[^a-z0-9-]+", "-", f"eval-{self.session.name}".lower()).strip("-")
+        self.steps.table(key[:128], rows, f"Held-out {text} (run {self.session.name})")
+        self.steps.log(text)
+
+    def checkpoint(self, actor: Leader) -> str:
+        """critic_save on the critic, then actor (all ranks) + critic + manifest into the store; `latest` last."""
+        critic_info = self.critic.save() if self.critic is not None else None
+        uri = self.session.save(actor, critic_info)
+        self.steps.log(f"checkpoint iteration {actor.state.iteration}: {uri}")
+        return uri
+
+
+def log_data(session: RunSession, prompts: PromptSet, evals: PromptSet | None, steps: Steps = DIRECT) -> None:
+    """What the run reads: counts in the log and in MLflow (data/rows, data/filtered_rows, eval/rows at step 0)."""
+    counts = {"data/rows": len(prompts), "data/filtered_rows": prompts.filtered, "data/truncated_rows": prompts.truncated}
+    note = f"data: {len(prompts)} prompts from {prompts.source}"
+    if prompts.filtered or prompts.truncated:
+        note += (f" ({prompts.filtered} filtered, {prompts.truncated} truncated: longer than "
+                 f"data.max_prompt_length={session.cfg.data.max_prompt_length})")
+    if evals is not None:
+        counts.update({"eval/rows": len(evals), "eval/filtered_rows": evals.filtered})
+        note += f"; eval: {len(evals)} prompts from {evals.source}"
+    session.tracker.log_side_metrics(counts, step=0)
+    steps.log(note)
+
+
+def summary(session: RunSession, actor: Leader, history: list[dict], evaluations: list[dict],
+            steps: Steps = DIRECT) -> dict:
+    """What a run returns (a flow run's result; `rlhf train --summary-out`)."""
+    steps.log(f"run {session.name} finished: {actor.state.iteration} iterations on {actor.me.world_size} actor rank(s)")
+    final = history[-1] if history else {}
+    return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": actor.state.iteration,
+            "checkpoint": session.store.uri, "final": {k: v for k, v in final.items() if k.startswith("objective/")},
+            "history": history, "evals": evaluations}

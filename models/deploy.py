@@ -1,0 +1,102 @@
+"""Where a run's parts run: the deployment settings, apart from what a run trains (models/config.py).
+
+A deployment sets these once: prefect.yaml on a cluster (critic and rollout servers as deployments on their own GPU
+nodes, checkpoints in S3), `rlhf up` locally, `rlhf train` for one process. A run's own config never needs to name a
+host, a port, an interpreter or a bucket, and a flow run given a partial config keeps its deployment's settings (the
+flows deep-merge what a run is given over what its deployment says: components/runs.py).
+
+Ports: None (the default) = a free port picked when the server starts (the OS's choice, so runs started together on
+one machine never race for one); a number = that port, or a free one when it is busy.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import Field, PositiveInt
+
+from models.sections import Section, default_state_dir
+
+Launch = Literal["in_process", "local", "deployment"]
+
+
+class ActorPlacement(Section):
+    """How many processes train the actor, and how they talk. Rank 0 runs the flow (or `rlhf train`); the others
+    follow its commands. One node: rank 0 starts ranks 1..N-1 itself. Several nodes: every pod runs torchrun."""
+
+    nproc_per_node: PositiveInt = Field(1, description="Actor ranks per node (one per GPU; on CPU, each gets cores / ranks threads).")
+    nnodes: PositiveInt = Field(1, description="Nodes; more than one needs torchrun on every pod (the actor-gpu job template does it).")
+    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="torch.distributed backend: 'auto' = nccl with CUDA, gloo on CPU.")
+    fsdp: Literal["auto", "off"] = Field("auto", description="'auto' shards a full fine-tune with FSDP2 (fully_shard per transformer block) when world size > 1; 'off' replicates it and sums gradients. LoRA always replicates the frozen base and syncs only the adapters.")
+    mixed_precision: bool = Field(False, description="FSDP2 mixed precision on GPU: bf16 compute with fp32 gradient reduction (master weights stay fp32).")
+    master_addr: str = Field("127.0.0.1", description="Address of rank 0 for ranks started by rank 0 itself (torchrun sets its own).")
+    master_port: Optional[int] = Field(None, ge=1024, le=65535, description="Port of rank 0's rendezvous; None = a free one (single node); a busy port makes rank 0 pick a free one.")
+    collective_timeout_s: float = Field(300.0, gt=0, description="A collective (and the rendezvous at start) that waits longer than this, because a rank died or hangs, fails the run.")
+
+    @property
+    def world_size(self) -> int:
+        return self.nproc_per_node * self.nnodes
+
+
+class ServerPlacement(Section):
+    """Where a PyTriton server of the run (critic or reward) runs and how it is reached."""
+
+    launch: Launch = Field("local", description="'in_process' = no server (the model runs in the actor's rank 0); 'local' = a PyTriton child process of the run (own process group, stopped with it); 'deployment' = its Prefect deployment (critic-server/default, reward-server/default; on a cluster its own GPU node).")
+    host: str = Field("127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
+    port: Optional[int] = Field(None, ge=1, le=65533, description="HTTP port P of the server (gRPC P+1, metrics P+2); None = a free block picked at start.")
+    max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic-batching queue delay of the server's batched models.")
+    torch_threads: Optional[PositiveInt] = Field(None, description="torch intra-op threads of the server process; None = 1 on a CPU-only host (it usually shares the cores with the actor; 2+2 threads on 2 cores ran ~4x slower), torch's default with CUDA.")
+    ready_timeout_s: float = Field(180.0, gt=0, description="How long to wait for the server to become ready (with launch=deployment, also for its flow run to start: raise it for a cold GPU pool).")
+    request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
+
+
+class CriticPlacement(ServerPlacement):
+    nproc_per_node: PositiveInt = Field(1, description="Ranks of the critic server (one node): rank 0 serves HTTP, every rank holds an FSDP2 shard of the critic and computes its block of each batch (collectives: actor.backend, actor.collective_timeout_s).")
+
+
+class RolloutPlacement(Section):
+    """The vLLM rollout server (components/serving/rollout_server.py; rollout.engine=vllm): its own process and
+    environment (.venv-vllm; on a cluster its own pod), with its own copy of the actor's weights."""
+
+    launch: Literal["local", "deployment"] = Field("local", description="'local' = a child process of the run (own process group, stopped with it); 'deployment' = the rollout-server/default Prefect deployment (its own GPU node on a cluster).")
+    python: str = Field(".venv-vllm/bin/python", description="Interpreter of the server's environment (`make vllm-venv`; an image with `vllm` on a cluster). Relative paths resolve against the project root.")
+    host: str = Field("127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
+    port: Optional[int] = Field(None, ge=0, le=65535, description="HTTP port of the server; None or 0 = a free one picked at start; a busy port makes a local server pick a free one.")
+    max_model_len: Optional[PositiveInt] = Field(None, description="Longest prompt + response the engine accepts (its KV cache is sized for it); None = the model's own limit (max_position_embeddings).")
+    kv_cache_gib: float = Field(1.0, gt=0, description="KV-cache space in GiB on a CPU host (VLLM_CPU_KVCACHE_SPACE).")
+    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="Share of the GPU's memory vLLM may take (weights + KV cache) on a GPU host; the rest is left to a trainer on the same GPU and to NCCL.")
+    enforce_eager: bool = Field(True, description="Run without CUDA graphs / torch.compile: starts in seconds instead of ~1 min; turn off for long runs on a GPU.")
+    threads: Optional[PositiveInt] = Field(None, description="CPU threads of the engine (OMP_NUM_THREADS); None = every core on a CPU-only host (the actor waits while the server generates, the server idles while the actor trains), vLLM's default otherwise. Set it lower when other work shares the cores.")
+    cpu_cores: Optional[str] = Field(None, coerce_numbers_to_str=True, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$", description="CPU cores the server runs on on a CPU host, every thread of its process (and vLLM's OpenMP threads bound to them: VLLM_CPU_OMP_THREADS_BIND), a Linux core list, e.g. '1', '2-3' or '0,4-5'; None = every core, vLLM's default binding. With asynchronous rollouts, keep the server and the actor on cores of their own (as separate pods would be).")
+    ready_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the server to load the model and answer /health; with launch=deployment, also how long its flow run may take to start and publish its address (pod scheduling and the image pull count here: raise it for a cold GPU pool).")
+    request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generate or weight-update request.")
+    weight_transfer: Literal["http", "dist"] = Field("dist", description="How the actor's weights reach the server after every update: 'dist' = a torch.distributed group of two (actor rank 0 and the server; gloo on CPU, NCCL on GPUs), tensors broadcast one at a time and loaded as they arrive; 'http' = a safetensors body streamed to POST /update_weights (a server the actor cannot reach with a process group: only its HTTP port is open).")
+
+
+class TrackingPlacement(Section):
+    uri: Optional[str] = Field(None, description="MLflow tracking URI; None uses $MLFLOW_TRACKING_URI, else the local stack's server, else sqlite in state_dir.")
+    system_metrics: bool = Field(True, description="Log CPU/GPU/memory system metrics with the run.")
+
+
+class CheckpointPlacement(Section):
+    uri: Optional[str] = Field(None, description="file:///dir, a path, or s3://bucket/prefix; None uses <state_dir>/checkpoints. The run name is appended.")
+    s3_endpoint_url: Optional[str] = Field(None, description="Endpoint of an S3-compatible store (None = AWS or $AWS_ENDPOINT_URL_S3).")
+
+
+class DeployConfig(Section):
+    """Where a run's parts run: processes, devices, hosts, ports, interpreters, cores, timeouts, tracking and storage
+    URIs. Set by the deployment (prefect.yaml, `rlhf up`, `rlhf train`); a run's config never needs them."""
+
+    state_dir: Optional[str] = Field(None, description="Local state directory (logs, local checkpoints and MLflow store, the local stack); None = $RLHF_STATE_DIR or ./.rlhf.")
+    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'. With several actor ranks, 'auto'/'cuda' mean each rank's own GPU (LOCAL_RANK).")
+    reference_device: Literal["auto", "actor", "cpu"] = Field("auto", description="Where the frozen reference of a full fine-tune lives: 'actor' = the actor's device, sharded like the actor; 'cpu' = a CPU copy on every rank; 'auto' = the actor's device when its free memory holds the reference shard with a 20% margin, else CPU. (LoRA has no copy: adapters disabled.)")
+    actor: ActorPlacement = Field(default_factory=ActorPlacement, description="Actor processes (data parallel, FSDP2).")
+    critic: CriticPlacement = Field(default_factory=CriticPlacement, description="The critic server (algorithms with a critic).")
+    reward: ServerPlacement = Field(default_factory=ServerPlacement, description="The reward server (algorithms without a critic, or a critic that does not carry the reward model).")
+    rollout: RolloutPlacement = Field(default_factory=RolloutPlacement, description="The vLLM rollout server (rollout.engine=vllm).")
+    tracking: TrackingPlacement = Field(default_factory=TrackingPlacement, description="The MLflow tracking server.")
+    checkpoint: CheckpointPlacement = Field(default_factory=CheckpointPlacement, description="The checkpoint store.")
+
+    def resolved_state_dir(self) -> Path:
+        return Path(self.state_dir).absolute() if self.state_dir else default_state_dir()

@@ -1,0 +1,43 @@
+"""The embedded default as files: the tiny policy, reward model, critic and reward-chars ship with the package
+(models/assets/tiny/<name>, ~1.7 MB in all), so every machine runs the same model whatever CPU kernels it has.
+
+`rlhf models tiny --out DIR` (models/tiny.py) is the script that made them; what it trains depends on the CPU's
+kernels (AVX2 vs AVX-512 give other weights), which is why the result is shipped instead of rebuilt on each machine.
+`MANIFEST.json` records how they were built and the sha256 of every file, and of every tensor as it loads; a test
+checks them (tests/models/test_tiny.py). Light: no torch import (the CLI resolves model paths with it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+TINY_PREFIX = "tiny"  # model paths "tiny/<name>" name the embedded default
+EMBEDDED_DIR = Path(__file__).parent / "assets" / "tiny"
+MANIFEST = EMBEDDED_DIR / "MANIFEST.json"
+NAMES = ("policy", "reward", "critic", "reward-chars")
+
+
+def is_embedded(value: str | None) -> bool:
+    """Whether a model field names the embedded default ('tiny/<name>')."""
+    return bool(value) and value.startswith(f"{TINY_PREFIX}/")
+
+
+def embedded_model_path(value: str) -> Path:
+    """The shipped directory of 'tiny/<name>'; an unknown name is refused, naming the known ones."""
+    name = value.split("/", 1)[1]
+    if name not in NAMES:
+        raise FileNotFoundError(f"'{value}' is not an embedded model; the embedded default is "
+                                f"{', '.join(f'{TINY_PREFIX}/{n}' for n in NAMES)}")
+    return EMBEDDED_DIR / name
+
+
+def file_digests(directory: Path) -> dict[str, str]:
+    """sha256 of every file under `directory`, by path relative to it."""
+    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def manifest() -> dict:
+    return json.loads(MANIFEST.read_text())
