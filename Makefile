@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 
 include infra/terraform/tools.mk
 
-.PHONY: venv vllm-venv demo test bench models clean
+.PHONY: venv vllm-venv demo test test-fast bench models clean
 
 # torch is installed first, pinned, so pip takes the CPU wheel and never resolves a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -43,10 +43,12 @@ $(VLLM_STAMP):
 
 vllm-venv: $(VLLM_STAMP)
 
+# The embedded tiny models ship with the package (models/assets/tiny); this rebuilds them (the script that made them:
+# what it trains depends on the CPU's kernels, so the shipped files change only when this is run on purpose).
 models: venv
-	@test -f .rlhf/models/tiny/tiny.json || $(VENV)/bin/rlhf models tiny --out .rlhf/models/tiny
+	$(VENV)/bin/rlhf models tiny --out models/assets/tiny
 
-demo: venv models
+demo: venv
 	$(VENV)/bin/rlhf demo
 
 # Test files run in parallel, one pytest worker per core (pytest-xdist); a file's tests stay on one worker, in order,
@@ -56,7 +58,12 @@ test:
 	$(MAKE) -j3 venv tools vllm-venv
 	$(PY) -m pytest -q -n auto --dist loadfile --durations=25
 
-bench: venv models
+# The contributors' inner loop: the modules that start no server, stack or second process (math, config, data,
+# storage, the house rules), marked `fast`; about a minute on 2 cores. `make test` stays the whole suite (what CI runs).
+test-fast: venv
+	$(PY) -m pytest -q -m fast
+
+bench: venv
 	$(PY) -m pip install -q -e ".[bench]"
 	$(PY) -m benchmarks.run_all
 

@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from models.config import preset
 from models.prepare import prepare_run
-from models.tiny import build_tiny
+from models.tiny_files import EMBEDDED_DIR
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -107,18 +107,14 @@ def state_dir() -> Path:
 
 
 def ensure_tiny_models() -> Path:
-    """The tiny policy/reward/critic under <state_dir>/models/tiny, built once (~40 s) if missing."""
-    out = state_dir() / "models" / "tiny"
-    if not (out / "tiny.json").exists():
-        log(f"building tiny models into {out} (once, ~40 s)")
-        build_tiny(out, seed=0, log=log)
-    return out
+    """The embedded tiny policy/reward/critic, as shipped with the package (models/assets/tiny)."""
+    return EMBEDDED_DIR
 
 
 def tiny_config(**overrides):
     """The embedded default config ('tiny' preset) pointing at this checkout's state dir, prepared for a run
-    (models/prepare.py: the tiny models built if missing, schedule lengths, reward transport)."""
-    return prepare_run(preset("tiny", state_dir=str(state_dir()), **overrides), log=log)
+    (models/prepare.py: the models checked, schedule lengths, reward transport)."""
+    return prepare_run(preset("tiny", **{"deploy.state_dir": str(state_dir()), **overrides}))
 
 
 def top_ops(fn, repeat: int = 5, top: int = 12) -> list[dict]:

@@ -38,16 +38,16 @@ def bench_config():
 def server_threads(cfg) -> int | None:
     """The flows' default for a local critic server (CriticConfig.torch_threads): as configured, else 1 on a
     CPU-only host (it shares the cores with the actor), else torch's default."""
-    return cfg.critic.torch_threads or (None if torch.cuda.is_available() else 1)
+    return cfg.deploy.critic.torch_threads or (None if torch.cuda.is_available() else 1)
 
 
 @contextmanager
 def http_critic(cfg):
     """A critic server child process for `cfg` on free ports, and a CriticClient to it; both closed on exit."""
     started = time.perf_counter()
-    port = find_free_ports(cfg.critic.host)
+    port = find_free_ports(cfg.deploy.critic.host)
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
-    spec = ServerSpec(kind="critic", config=cfg, host=cfg.critic.host, port=port, torch_threads=server_threads(cfg))
+    spec = ServerSpec(kind="critic", config=cfg, host=cfg.deploy.critic.host, port=port, torch_threads=server_threads(cfg))
     server = launch(spec, RESULTS / "tmp" / "critic-server.log")
     log(f"critic server ready at {server.url} in {time.perf_counter() - started:.1f} s")
     client = critic_backend(cfg, url=server.url)
@@ -117,7 +117,7 @@ def main(argv=None) -> dict:
                      "epochs": cfg.ppo.epochs, "max_new_tokens": cfg.generation.max_new_tokens,
                      "micro_batch_size": cfg.generation.micro_batch_size, "critic_epochs": cfg.critic.epochs,
                      "critic_train_batch_size": cfg.critic.train_batch_size,
-                     "combine_reward": cfg.critic.combine_reward, "max_queue_delay_us": cfg.critic.max_queue_delay_us,
+                     "combine_reward": cfg.critic.combine_reward, "max_queue_delay_us": cfg.deploy.critic.max_queue_delay_us,
                      "critic_micro_batch_size": cfg.critic.micro_batch_size,
                      "server_torch_threads": server_threads(cfg), "actor_torch_threads": torch.get_num_threads()},
         "in_process": summarize(got["in_process"]),

@@ -195,7 +195,7 @@ def vllm_bench(model_dir: str, device, smoke: bool, reps: int) -> dict:
         log(f"gpu vLLM B={batch}: {case['vllm_tokens_per_s']['median']:.0f} tok/s vs native "
             f"{case['native_tokens_per_s']['median']:.0f} (x{case['speedup_vllm_over_native']:.2f}), refit "
             + ", ".join(f"{t} {r['seconds']['median']:.2f}s" for t, r in case["refit"].items()))
-    return {"dtype": "bfloat16", "gpu_memory_utilization": cfg.rollout.vllm.gpu_memory_utilization, "cases": cases}
+    return {"dtype": "bfloat16", "gpu_memory_utilization": cfg.deploy.rollout.gpu_memory_utilization, "cases": cases}
 
 
 def async_bench(model_dir: str, smoke: bool) -> dict:

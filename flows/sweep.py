@@ -48,14 +48,16 @@ def sweep_name() -> str:
 def sweep_flow(config: RunConfig = EXAMPLE_CONFIG, sweep: SweepConfig = EXAMPLE_SWEEP,
                deploy: DeployConfig = DeployConfig()) -> dict:
     """Search `sweep.space` over the base `config`: every trial is a run of the training deployment of
-    `config.algorithm`, named '<sweep>-t<N>', where that deployment runs its runs; returns the summary (counts, best
-    trial). `deploy`: where the sweep itself records (its state directory, the MLflow server)."""
+    `config.algorithm`, named '<sweep>-t<N>'; returns the summary (counts, best trial). `deploy`: where the sweep
+    records (its state directory, the MLflow server); what of it was given is also given to every trial, merged
+    over the training deployment's own (e.g. `{"reward": {"launch": "in_process"}}`: trials without a reward server)."""
+    given_deploy = deploy.model_dump(mode="json", exclude_unset=True)
     config = RLHFConfig.of(config, deploy)
     space = check_sweep(config, sweep)  # bad input fails here, before any trial starts
     deployment = training_deployment(config)  # ppo/default or reinforce/default, which must exist
     study = open_study(config, sweep, space)  # created, or resumed by name: its finished trials are kept
     with SweepRun.open(config, sweep, {"prefect.flow_run_id": flow_run.get_id()}) as parent, \
-            Trials(config, sweep, space, study, parent, deployment) as trials:  # on failure: trials cancelled
+            Trials(config, sweep, space, study, parent, deployment, given_deploy) as trials:  # on failure: trials cancelled
         trials.follow(unfinished(study))  # left running by an earlier run of this sweep that died
         plan = Plan(study, space, sweep, trials.followed())  # the combinations (or the count) still to run
         while plan or trials.running:
@@ -81,9 +83,11 @@ def training_deployment(config: RLHFConfig) -> str:
 if __name__ == "__main__":  # what `rlhf sweep` runs: the flow in this process, its trials on the deployments
     quiet()
     parser = argparse.ArgumentParser(description="Run a sweep flow (rlhf sweep): --config and --sweep as JSON.")
-    parser.add_argument("--config", required=True, help="the base run config (JSON; its deploy section: where the sweep records)")
+    parser.add_argument("--config", required=True, help="the base run config (JSON)")
+    parser.add_argument("--deploy", default="{}", help="where the sweep records and its trials run (JSON, partial)")
     parser.add_argument("--sweep", required=True, help="the sweep section (JSON)")
     args = parser.parse_args()
-    given = RLHFConfig.model_validate(json.loads(args.config))
-    result = sweep_flow(config=given.run, sweep=SweepConfig.model_validate(json.loads(args.sweep)), deploy=given.deploy)
+    result = sweep_flow(config=RunConfig.model_validate(json.loads(args.config)),
+                        sweep=SweepConfig.model_validate(json.loads(args.sweep)),
+                        deploy=DeployConfig.model_validate(json.loads(args.deploy)))
     print(json.dumps(result, indent=1, default=str))

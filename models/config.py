@@ -262,17 +262,19 @@ def preset(name: str = "tiny", **overrides) -> RLHFConfig:
 def merge(config, overrides: dict):
     """Deep-merge a (possibly dotted-key) dict into a config (an RLHFConfig, a RunConfig, any section) and
     re-validate it as its own class."""
-    data = config.model_dump()
+    return type(config).model_validate(_deep_update(config.model_dump(), nested(overrides)))
+
+
+def nested(overrides: dict) -> dict:
+    """{"a.b": 1, "a": {"c": 2}} -> {"a": {"b": 1, "c": 2}}: dotted keys as the mappings they name, merged."""
+    out: dict = {}
     for key, value in overrides.items():
-        target = data
-        parts = key.split(".")
-        for part in parts[:-1]:
-            target = target.setdefault(part, {})
-        if isinstance(value, dict) and isinstance(target.get(parts[-1]), dict):
-            target[parts[-1]] = _deep_update(target[parts[-1]], value)
-        else:
-            target[parts[-1]] = value
-    return type(config).model_validate(data)
+        *parents, last = key.split(".")
+        part = {last: value}
+        for parent in reversed(parents):
+            part = {parent: part}
+        out = _deep_update(out, part)
+    return out
 
 
 def deep_merge(base: dict, new: dict) -> dict:

@@ -254,8 +254,10 @@ class CriticTrainer:
             weights = full_state_dict(self.model)
             if self.me.is_leader:
                 self.model.save_pretrained(tmp / "model", state_dict=weights)
+            # a critic of its own (one rank) in a process whose actor has a group (`rlhf train` on N ranks, the critic
+            # in process) saves alone: the actor's other ranks take no part
             dcp.save({"optimizer": get_optimizer_state_dict(self.model, self.optimizer)},
-                     checkpoint_id=str(tmp / "optimizer"))
+                     checkpoint_id=str(tmp / "optimizer"), no_dist=not self.me.active)
             self.me.barrier()
             if self.me.is_leader:
                 torch.save({"scheduler": self.scheduler.state_dict(), "step": self.step,
@@ -286,5 +288,5 @@ class CriticTrainer:
                             f"{self.me.world_size}: weights restored, optimizer states start fresh")
             return
         shards = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-        dcp.load(shards, checkpoint_id=str(directory / "optimizer"))
+        dcp.load(shards, checkpoint_id=str(directory / "optimizer"), no_dist=not self.me.active)
         set_optimizer_state_dict(self.model, self.optimizer, shards["optimizer"])

@@ -64,15 +64,39 @@ def free_port_block(n: int = 3) -> int:
     raise RuntimeError("no free block of ports")
 
 
-def assert_learned_with_eval(metrics_path: Path, evals_path: Path) -> list[dict]:
-    """What an `rlhf train --metrics-out M --eval-out E` run of 12 iterations with eval.every=6 on the shipped task
-    must show: the held-out eval at 0, 6 and 12 over the 40 test prompts, rising by >= 0.2, and the training gold
-    reward rising by the margin of tests/models/test_steps.py (>= 0.3). Returns the per-iteration metrics."""
-    evals = json.loads(evals_path.read_text())
-    assert [e["iteration"] for e in evals] == [0, 6, 12] and {e["eval/samples"] for e in evals} == {40.0}
-    assert evals[-1]["eval/gold_reward"] - evals[0]["eval/gold_reward"] >= 0.2, evals
-    history = json.loads(metrics_path.read_text())
-    gold = [m["objective/gold_reward"] for m in history]
-    assert (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.3, gold
-    return history
+GOLD_BEST = 1.0  # the shipped task's gold reward (sentiment polarity, and the 0/1 targeted reward) is at most 1
 
+
+def headroom_closed(start: float, end: float, best: float = GOLD_BEST) -> float:
+    """The share of what was left to gain that a run gained, (end - start) / (best - start): a learning check that
+    holds wherever the run starts (another CPU's kernels move the start, never the ceiling)."""
+    return (end - start) / (best - start)
+
+
+def assert_learned(gold: list[float], share: float = 0.3) -> float:
+    """The training gold reward, its mean over the last 2 iterations against the first 2, closed at least `share` of
+    the headroom. Why 0.3: the gold reward has std ~0.75 at the start, a mean over 2 iterations of 64 rollouts a
+    standard error of ~0.07, so a difference of two such means ~0.09; from a start of ~0.1, 0.3 of the headroom is
+    ~0.27, about 3 standard errors above noise (seen on the shipped models, seed 0: 0.66 for PPO, 0.XX for RLOO)."""
+    start, end = sum(gold[:2]) / 2, sum(gold[-2:]) / 2
+    closed = headroom_closed(start, end)
+    assert closed >= share, f"closed {closed:.2f} of the headroom (< {share}): {gold}"
+    return closed
+
+
+EVAL_SAMPLED = {"eval.prompts": "builtin:sentiment", "eval.every": 6, "eval.temperature": 1.0, "eval.samples_per_prompt": 4}
+# The held-out eval of the learning checks: the task's 40 test prompts, 4 samples each at temperature 1 (greedy decoding
+# of the shipped policy already writes positive reviews: its greedy gold reward starts at ~0.95, where no rise can show).
+
+
+def assert_learned_with_eval(metrics_path: Path, evals_path: Path) -> list[dict]:
+    """What an `rlhf train --metrics-out M --eval-out E` run of 12 iterations with EVAL_SAMPLED must show: the held-out
+    eval at 0, 6 and 12 over the 40 test prompts x 4 samples, closing >= 0.2 of its headroom, and the training gold
+    reward learned as `assert_learned` says. Returns the per-iteration metrics."""
+    evals = json.loads(evals_path.read_text())
+    assert [e["iteration"] for e in evals] == [0, 6, 12] and {e["eval/samples"] for e in evals} == {160.0}
+    closed = headroom_closed(evals[0]["eval/gold_reward"], evals[-1]["eval/gold_reward"])
+    assert closed >= 0.2, (closed, evals)
+    history = json.loads(metrics_path.read_text())
+    assert_learned([m["objective/gold_reward"] for m in history])
+    return history

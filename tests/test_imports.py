@@ -13,6 +13,10 @@ import ast
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("components", "models", "flows", "benchmarks")
 

@@ -4,6 +4,7 @@ on the Prefect server of the active profile, or of the local stack (`rlhf up`) w
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -14,10 +15,13 @@ from prefect.settings import PREFECT_API_URL
 from pydantic import ValidationError
 
 from components.cli.commands import load_cli_config
+from components.cli.options import parse_overrides
 from components.launch.processes import project_env
 from components.launch.stack import running_prefect_api
 from components.sweep.config import SweepConfig
 from components.sweep.space import SweepError, check_sweep
+from models.config import nested
+from models.deploy import DeployConfig
 
 
 class NumberLoader(yaml.SafeLoader):
@@ -64,5 +68,8 @@ def cmd_sweep(args) -> int:
             raise SystemExit("no Prefect server to run the trials on: start the local stack with `rlhf up` "
                              "(or set PREFECT_API_URL)")
         env["PREFECT_API_URL"] = api
-    command = [sys.executable, "-m", "flows.sweep", "--config", config.model_dump_json(), "--sweep", sweep.model_dump_json()]
+    given = nested(parse_overrides(args.set)).get("deploy", {})  # what --set said of where the sweep and trials run
+    deploy = DeployConfig.model_validate(given).model_dump(mode="json", exclude_unset=True)
+    command = [sys.executable, "-m", "flows.sweep", "--config", config.run.model_dump_json(),
+               "--sweep", sweep.model_dump_json(), "--deploy", json.dumps(deploy)]
     return subprocess.run(command, env=env).returncode

@@ -73,9 +73,9 @@ class Trials:
     """The trials this run of the sweep started or follows."""
 
     def __init__(self, config: RLHFConfig, sweep: SweepConfig, space: Space, study: optuna.Study, parent: SweepRun,
-                 deployment: str):
+                 deployment: str, deploy: Optional[dict] = None):
         self.config, self.sweep, self.space, self.study, self.parent = config, sweep, space, study, parent
-        self.deployment = deployment
+        self.deployment, self.deploy = deployment, deploy or {}
         self.running: dict[int, Running] = {}
         self.errors = 0  # failed polls in a row
         self.logger = get_run_logger()
@@ -94,11 +94,13 @@ class Trials:
 
     # ------------------------------------------------------------------------------------------- start and follow
     def start(self, trial: optuna.Trial) -> None:
-        """A flow run of the training deployment with the trial's config, named '<sweep>-t<number>'."""
+        """A flow run of the training deployment with the trial's config, named '<sweep>-t<number>', and what the
+        sweep was told of where trials run (`deploy`: merged over the deployment's own by the flow run)."""
         cfg = trial_config(self.config, self.sweep, trial.number, trial.params, self.parent.run_id)
         trial.set_user_attr("run_name", cfg.run_name)
         try:
-            run = run_deployment(self.deployment, parameters={"config": cfg.run.model_dump(mode="json")}, timeout=0,
+            parameters = {"config": cfg.run.model_dump(mode="json"), **({"deploy": self.deploy} if self.deploy else {})}
+            run = run_deployment(self.deployment, parameters=parameters, timeout=0,
                                  flow_run_name=cfg.run_name, tags=[f"sweep-{self.sweep.name}"])
         except Exception as exc:  # noqa: BLE001 - the trial fails, the sweep goes on
             self._tell(trial, TrialState.FAIL, reason=f"could not start a run of {self.deployment}: {first_line(exc)}")

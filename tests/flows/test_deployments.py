@@ -1,7 +1,6 @@
 """End to end through a real local stack: Prefect server, MLflow server and the served deployments (what `rlhf up`
-starts), driven with `prefect deployment run` exactly as a user does, on a state directory that holds only the
-session's embedded default models (linked in: a first run on an empty state directory builds them, which
-tests/components/cli/test_main.py checks)."""
+starts), driven with `prefect deployment run` exactly as a user does, on an empty state directory (the embedded
+default models ship with the package)."""
 
 import json
 import os
@@ -19,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from components.launch import stack
 from components.launch.processes import can_bind
-from tests.conftest import free_port_block, link_tiny
+from tests.conftest import assert_learned, free_port_block, headroom_closed
 
 pytestmark = pytest.mark.slow
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -34,8 +33,6 @@ def local_stack(tmp_path_factory, request):
         # 10 s: ~20 runs here, each of which would otherwise wait 5 s on average before it starts.
         mp.setenv("PREFECT_RUNNER_POLL_FREQUENCY", "1")
         urls = stack.up(state_dir, prefect_port, mlflow_port, set_profile=False, log=lambda *_: None)
-    # the session's models, nothing else; asked for after the stack is up, so that it starts while they are built
-    link_tiny(state_dir, request.getfixturevalue("tiny_dir"))
     # the prefect CLI prints through Rich, which wraps lines at $COLUMNS (80 without a terminal), e.g. a watched run's
     # log line after a prefix holding the flow run's random name: text the tests look for could break anywhere
     env = {**stack.base_env(state_dir, prefect_port, mlflow_port), "COLUMNS": "1000"}
@@ -44,8 +41,10 @@ def local_stack(tmp_path_factory, request):
     stack.down(state_dir, log=lambda *_: None)
 
 
-def deployment_run(s, name: str, config: dict, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([PREFECT, "deployment", "run", name, "--param", f"config={json.dumps(config)}"],
+def deployment_run(s, name: str, config: dict, deploy: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    """`prefect deployment run NAME --param config=... [--param deploy=...]`, as a user types it."""
+    params = ["--param", f"config={json.dumps(config)}"] + (["--param", f"deploy={json.dumps(deploy)}"] if deploy else [])
+    return subprocess.run([PREFECT, "deployment", "run", name, *params],
                           env=s["env"], capture_output=True, text=True, timeout=120, check=check)
 
 
@@ -108,19 +107,53 @@ def test_up_returns_once_every_deployment_is_registered(local_stack):
         assert httpx.get(f"{local_stack['api']}/deployments/name/{name}", timeout=10).status_code == 200, name
 
 
+def test_a_partial_config_keeps_what_the_operator_set_on_the_deployment(local_stack):
+    """An operator sets reinforce/default's parameters as the UI's 'Edit deployment' does (PATCH /deployments/{id}):
+    run settings (run_name, checkpoint.every, the batch) and where the run's parts run (the reward model in the flow
+    run's process, no server). A run given only `--param config='{"iterations": 2}'` keeps every one of them: Prefect
+    replaces a parameter as a whole, the flow deep-merges what it is given over its deployment's. The UI's form shows
+    both parameters, each field with its description."""
+    s = local_stack
+    deployment = httpx.get(f"{s['api']}/deployments/name/reinforce/default", timeout=10).json()
+    schema = deployment["parameter_openapi_schema"]
+    assert set(schema["properties"]) == {"config", "deploy"}
+    definitions = schema["definitions"]
+    assert definitions["DeployConfig"]["properties"]["state_dir"]["description"]
+    assert definitions["CheckpointConfig"]["properties"]["every"]["description"]
+    operator = {"config": {"algorithm": "rloo", "run_name": "operator-run", "checkpoint": {"every": 1},
+                           "reinforce": {"rollout_batch_size": 8}},
+                "deploy": {"reward": {"launch": "in_process"}}}
+    patch = f"{s['api']}/deployments/{deployment['id']}"
+    httpx.patch(patch, json={"parameters": operator}, timeout=10).raise_for_status()
+    try:
+        run = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {"iterations": 2})))
+    finally:
+        httpx.patch(patch, json={"parameters": deployment["parameters"]}, timeout=10).raise_for_status()
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    assert run["name"] == "operator-run"  # the deployment's run_name, kept
+    ckpt = s["state_dir"] / "checkpoints" / "operator-run"
+    assert (ckpt / "iter_1" / "state.json").exists() and (ckpt / "iter_2" / "state.json").exists()  # every 1, kept
+    assert not (s["state_dir"] / "runs" / "operator-run" / "logs" / "reward-server.log").exists()  # in process, kept
+    client, mrun = mlflow_run(s, "operator-run")
+    params = mrun.data.params
+    assert (params["iterations"], params["checkpoint.every"], params["reinforce.rollout_batch_size"]) == ("2", "1", "8")
+    assert params["deploy.reward.launch"] == "in_process"
+    assert [m.value for m in client.get_metric_history(mrun.info.run_id, "episode")] == [32.0, 64.0]  # 8 prompts x 4
+
+
 TARGETED = "models.tasks.sentiment:targeted_reward"
 
 
 def test_reinforce_deployment_starts_no_critic_and_learns_a_reward_that_reads_a_column(local_stack):
     """reinforce/default on builtin:sentiment_target: the reward function reads the rows' `target` column, which
     reaches it through the reward server (the optional `columns` input); RLOO learns it (the margin of
-    tests/models/test_steps.py), and the held-out eval runs at 0, 4, 8 and 12 (MLflow metrics and tables, a Prefect
-    table artifact) and rises."""
+    tests/models/test_steps.py), and the held-out eval (4 samples a prompt at temperature 1) runs at 0, 4, 8 and 12
+    (MLflow metrics and tables, a Prefect table artifact) and rises."""
     s = local_stack
     proc = deployment_run(s, "reinforce/default", {
         "iterations": 12, "run_name": "e2e-rloo", "data": {"prompts": "builtin:sentiment_target"},
         "reward": {"source": "function", "function": TARGETED, "gold": TARGETED},
-        "eval": {"prompts": "builtin:sentiment_target", "every": 4}})
+        "eval": {"prompts": "builtin:sentiment_target", "every": 4, "temperature": 1.0, "samples_per_prompt": 4}})
     run = wait_final(s, flow_run_id(proc))
     assert run["state"]["type"] == "COMPLETED", run["state"]["message"]
     names = task_names(s, run["id"])
@@ -136,10 +169,11 @@ def test_reinforce_deployment_starts_no_critic_and_learns_a_reward_that_reads_a_
         return [(m.step, m.value) for m in sorted(client.get_metric_history(mrun.info.run_id, key), key=lambda m: m.step)]
 
     gold = [v for _, v in history("objective/gold_reward")]
-    assert len(gold) == 12 and (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.2, gold
+    assert len(gold) == 12
+    assert_learned(gold)
     evals = history("eval/gold_reward")
-    assert [step for step, _ in evals] == [0, 4, 8, 12] and evals[-1][1] - evals[0][1] >= 0.2, evals
-    assert [step for step, _ in history("eval/pass_at_1")] == [0, 4, 8, 12]
+    assert [step for step, _ in evals] == [0, 4, 8, 12] and headroom_closed(evals[0][1], evals[-1][1]) >= 0.2, evals
+    assert [step for step, _ in history("eval/pass_at_4")] == [0, 4, 8, 12]
     assert history("data/rows") == [(0, 200.0)] and history("data/filtered_rows") == [(0, 0.0)]
     tables = {a.path for a in client.list_artifacts(mrun.info.run_id, "tables")}
     assert {"tables/eval_000000.json", "tables/eval_000012.json"} <= tables
@@ -170,7 +204,8 @@ def test_reinforce_with_a_reward_model_of_another_tokenizer_learns_through_text(
     assert mrun.data.tags["reward_transport"] == "text"
     gold = [m.value for m in sorted(client.get_metric_history(mrun.info.run_id, "objective/gold_reward"),
                                     key=lambda m: m.step)]
-    assert len(gold) == 12 and (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.3, gold
+    assert len(gold) == 12
+    assert_learned(gold)
     scores = [m.value for m in sorted(client.get_metric_history(mrun.info.run_id, "objective/scores"),
                                       key=lambda m: m.step)]
     assert len(scores) == 12 and max(abs(s - g) for s, g in zip(scores, gold)) < 0.1, (scores, gold)
@@ -206,8 +241,8 @@ def test_a_killed_critic_rank_fails_the_run_naming_it_leaves_nothing_and_a_rerun
     s = local_stack
     run_dir = s["state_dir"] / "runs" / "e2e-kill"
     latest = s["state_dir"] / "checkpoints" / "e2e-kill" / "latest.json"
-    config = {"iterations": 6, "run_name": "e2e-kill", "checkpoint": {"every": 2}, "critic": {"nproc_per_node": 2}}
-    first = flow_run_id(deployment_run(s, "ppo/default", config))
+    config, deploy = {"iterations": 6, "run_name": "e2e-kill", "checkpoint": {"every": 2}}, {"critic": {"nproc_per_node": 2}}
+    first = flow_run_id(deployment_run(s, "ppo/default", config, deploy))
     _wait_for(lambda: latest.exists() and json.loads(latest.read_text())["iteration"] >= 2, 240, "first checkpoint")
     server = _wait_for(lambda: server_processes(s, str(run_dir)), 30, "critic server")[0]
     next(p for p in server.children() if "--follow" in " ".join(p.cmdline())).kill()
@@ -219,7 +254,7 @@ def test_a_killed_critic_rank_fails_the_run_naming_it_leaves_nothing_and_a_rerun
     checkpointed = json.loads(latest.read_text())["iteration"]
     assert checkpointed in (2, 4)
 
-    second = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", config)))
+    second = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", config, deploy)))
     assert second["state"]["type"] == "COMPLETED", second["state"]
     names = task_names(s, second["id"])
     assert sum(n.startswith("ppo-iteration") for n in names) == 6 - checkpointed  # nothing before the checkpoint redone
@@ -246,9 +281,9 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_wi
     s = local_stack
     latest = s["state_dir"] / "checkpoints" / "e2e-vllm" / "latest.json"
     config = {"iterations": 200, "run_name": "e2e-vllm", "checkpoint": {"every": 2}, "tracking": {"table_every": 1},
-              "rollout": {"engine": "vllm", "max_off_policy_steps": 1,
-                          "vllm": {"threads": 1, "launch": "deployment"}}}  # 1 thread: the other worker shares the cores
-    first = flow_run_id(deployment_run(s, "reinforce/default", config))
+              "rollout": {"engine": "vllm", "max_off_policy_steps": 1}}
+    deploy = {"rollout": {"threads": 1, "launch": "deployment"}}  # 1 thread: the other worker shares the cores
+    first = flow_run_id(deployment_run(s, "reinforce/default", config, deploy))
     _wait_for(lambda: latest.exists() and json.loads(latest.read_text())["iteration"] >= 2, 300, "first checkpoint")
     server = _wait_for(lambda: stack_processes(s, "components.serving.rollout_server"), 30, "rollout server")[0]
     server.kill()
@@ -262,7 +297,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_wi
     logged = max(m.step for m in client.get_metric_history(mrun.info.run_id, "objective/kl"))  # >= checkpointed
 
     # the rerun redoes the iterations after the checkpoint (MLflow keeps the first attempt's steps) and two more
-    rerun = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {**config, "iterations": logged + 2})))
+    rerun = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {**config, "iterations": logged + 2}, deploy)))
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     # the training run cancels its server's flow run at the end, which stops the server
     _wait_for(lambda: not stack_processes(s, "components.serving.rollout_server"), 60, "rollout server stopped")
@@ -279,7 +314,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_wi
     diff, kl, stale = (last_values(k) for k in ("rollout/logprob_diff_max", "objective/kl", "rollout/staleness_max"))
     assert diff[checkpointed + 1] < 1e-3 and kl[checkpointed + 1] > 1e-3, (diff, kl)
     assert [stale[i] for i in range(1, logged + 1)] == [0.0] + [1.0] * (logged - 1), stale  # the first attempt
-    cfg = RLHFConfig.model_validate({**config, "deploy.state_dir": str(s["state_dir"]), "algorithm": "rloo"})
+    cfg = RLHFConfig.model_validate({**config, "deploy": {"state_dir": str(s["state_dir"])}, "algorithm": "rloo"})
     stream = PromptStream(read_data(cfg)[0], cfg.reinforce.rollout_batch_size, cfg.seed)
     expected = [next(stream).prompts for _ in range(logged + 2)]
     for step in range(1, logged + 3):
@@ -330,8 +365,8 @@ def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_l
     store). The same run name then resumes on 2 ranks (the local critic restored from the checkpoint), where rank 1
     (rank 0 is the flow run) is killed mid-run: the run fails naming it and leaves nothing. It resumes on 1 rank."""
     s = local_stack
-    config = {"iterations": 2, "run_name": "e2e-dist", "actor": {"nproc_per_node": 2}, "checkpoint": {"every": 1}}
-    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", {**config, "critic": {"launch": "deployment"}})))
+    config, two = {"iterations": 2, "run_name": "e2e-dist", "checkpoint": {"every": 1}}, {"actor": {"nproc_per_node": 2}}
+    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", config, {**two, "critic": {"launch": "deployment"}})))
     assert run["state"]["type"] == "COMPLETED", run["state"]
     client, mrun = mlflow_run(s, "e2e-dist")
     assert [m.value for m in client.get_metric_history(mrun.info.run_id, "dist/world_size")] == [2.0, 2.0]
@@ -353,7 +388,7 @@ def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_l
     # the same run name resumes with the same world size, nothing redone (its first iteration is the 3rd), until its
     # rank 1 is killed: the run fails within 60 s naming the rank, and no process of it is left
     latest = ckpt / "latest.json"
-    run_id = flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": 200}))
+    run_id = flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": 200}, two))
     _wait_for(lambda: json.loads(latest.read_text())["iteration"] >= 3, 240, "a checkpoint of the resumed run")
     follower = _wait_for(lambda: actor_followers(s), 30, "actor rank 1")[0]
     assert follower.environ()["RANK"] == "1"
@@ -370,8 +405,8 @@ def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_l
     checkpointed = json.loads(latest.read_text())["iteration"]
     client, mrun = mlflow_run(s, "e2e-dist")
     logged = max(m.step for m in client.get_metric_history(mrun.info.run_id, "dist/world_size"))  # MLflow keeps these
-    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": logged + 1,
-                                                                         "actor": {"nproc_per_node": 1}})))
+    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": logged + 1},
+                                                   {"actor": {"nproc_per_node": 1}})))
     assert run["state"]["type"] == "COMPLETED", run["state"]
     assert sum(n.startswith("ppo-iteration") for n in task_names(s, run["id"])) == logged + 1 - checkpointed
     logs = httpx.post(f"{s['api']}/logs/filter", json={"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200},
@@ -389,8 +424,8 @@ def test_ppo_deployment_with_a_two_rank_critic_server_completes_learns_and_leave
     (tests/models/test_steps.py), and no server or rank is left."""
     s = local_stack
     run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", {"iterations": 12, "run_name": "e2e-critic2",
-                                                                       "critic": {"nproc_per_node": 2},
-                                                                       "checkpoint": {"every": 5}})), timeout=900)
+                                                                       "checkpoint": {"every": 5}},
+                                                   {"critic": {"nproc_per_node": 2}})), timeout=900)
     assert run["state"]["type"] == "COMPLETED", run["state"]
     names = task_names(s, run["id"])
     assert any(n.startswith("deploy-critic-server") for n in names) and any(n.startswith("wait-until-ready") for n in names)
@@ -401,8 +436,7 @@ def test_ppo_deployment_with_a_two_rank_critic_server_completes_learns_and_leave
     assert [m.step for m in history] == list(range(1, 13))
     assert "loss/value_avg" in mrun.data.metrics and mrun.data.tags["algorithm"] == "ppo"
     assert mrun.data.tags["prefect.flow_run_id"] == run["id"]
-    gold = [m.value for m in history]
-    assert (gold[-1] + gold[-2]) / 2 - (gold[0] + gold[1]) / 2 >= 0.3, gold
+    assert_learned([m.value for m in history])
     assert "critic-rank1.log" in {p.name for p in (s["state_dir"] / "runs" / "e2e-critic2" / "logs").iterdir()}
     assert server_processes(s, str(s["state_dir"] / "runs" / "e2e-critic2")) == [] and not critic_followers(s)
 

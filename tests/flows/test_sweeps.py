@@ -18,14 +18,14 @@ from mlflow.tracking import MlflowClient
 
 from components.cli.main import main
 from components.launch import stack
-from tests.conftest import free_port_block, link_tiny
+from tests.conftest import free_port_block
 
 pytestmark = pytest.mark.slow
 BIN = Path(sys.executable).parent
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
 EVAL = {"prompts": "builtin:sentiment", "every": 2, "max_prompts": 16}
 CONFIG = {"algorithm": "rloo", "iterations": 2, "eval": EVAL}
-IN_PROCESS = {**CONFIG, "reward": {"launch": "in_process"}}  # no reward server: quicker, where the test is not about it
+IN_PROCESS = {"reward": {"launch": "in_process"}}  # trials with no reward server: quicker, where the test is not about it
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,6 @@ def sweep_stack(tmp_path_factory, request):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("PREFECT_RUNNER_POLL_FREQUENCY", "1")  # runs start, and cancellations land, within a second
         urls = stack.up(state_dir, prefect_port, mlflow_port, set_profile=False, log=lambda *_: None)
-    link_tiny(state_dir, request.getfixturevalue("tiny_dir"))
     env = {**stack.base_env(state_dir, prefect_port, mlflow_port), "COLUMNS": "1000"}
     yield {"state_dir": state_dir, "urls": urls, "env": env, "api": env["PREFECT_API_URL"],
            "mlflow": MlflowClient(urls["mlflow"]), "storage": f"sqlite:///{state_dir / 'sweeps' / 'optuna.db'}"}
@@ -43,9 +42,13 @@ def sweep_stack(tmp_path_factory, request):
     assert not stack_processes(state_dir), "a process of the sweep stack outlived `rlhf down`"
 
 
-def start_sweep(s, sweep: dict, config: dict = CONFIG, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "prefect"), "deployment", "run", "sweep/default", "--param",
-                           f"config={json.dumps(config)}", "--param", f"sweep={json.dumps({'poll_s': 1, **sweep})}"],
+def start_sweep(s, sweep: dict, config: dict = CONFIG, deploy: dict | None = None,
+                check: bool = True) -> subprocess.CompletedProcess:
+    """`prefect deployment run sweep/default` with the base run config, the sweep, and (`deploy`) what its trials are
+    told of where they run."""
+    params = ["--param", f"config={json.dumps(config)}", "--param", f"sweep={json.dumps({'poll_s': 1, **sweep})}"]
+    params += ["--param", f"deploy={json.dumps(deploy)}"] if deploy else []
+    return subprocess.run([str(BIN / "prefect"), "deployment", "run", "sweep/default", *params],
                           env=s["env"], capture_output=True, text=True, timeout=120, check=check)
 
 
@@ -171,7 +174,7 @@ GRID = {"name": "grid", "space": {"reinforce.optim.lr": [1e-8, 1e-3], "kl.init":
 
 def test_a_2x2_grid_runs_its_trials_at_most_two_at_a_time_as_nested_runs_with_a_table_the_best_trial_and_plots(sweep_stack, tmp_path):
     s = sweep_stack
-    sweep = wait_final(s, flow_run_id(start_sweep(s, GRID, IN_PROCESS)))  # the sweep's mechanics: no reward server
+    sweep = wait_final(s, flow_run_id(start_sweep(s, GRID, CONFIG, IN_PROCESS)))  # the sweep's mechanics: no reward server
     assert sweep["state"]["type"] == "COMPLETED", sweep["state"]
     assert sweep["name"] == "grid"
 
@@ -224,8 +227,8 @@ def test_a_2x2_grid_runs_its_trials_at_most_two_at_a_time_as_nested_runs_with_a_
 
 def test_a_rerun_of_a_finished_sweep_starts_no_trial_and_another_space_under_its_name_is_refused(sweep_stack, tmp_path):
     s = sweep_stack
-    rerun = flow_run_id(start_sweep(s, GRID, IN_PROCESS))
-    other = flow_run_id(start_sweep(s, {**GRID, "space": {"kl.init": [0.01, 0.1]}}, IN_PROCESS))
+    rerun = flow_run_id(start_sweep(s, GRID, CONFIG, IN_PROCESS))
+    other = flow_run_id(start_sweep(s, {**GRID, "space": {"kl.init": [0.01, 0.1]}}, CONFIG, IN_PROCESS))
     rerun = wait_final(s, rerun, timeout=300)
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     assert len(trial_runs(s, "grid")) == 4  # no new trial
@@ -263,7 +266,7 @@ def test_a_trial_that_cannot_learn_is_pruned_at_an_eval_step_cancelled_and_leave
 def test_failed_trials_are_recorded_with_their_reason_and_a_sweep_whose_trials_all_fail_fails(sweep_stack, tmp_path):
     s = sweep_stack
     sweep = {"name": "fail", "space": {"model.policy": ["/no/such/policy", "/no/other/policy"]}, "concurrency": 2}
-    run = wait_final(s, flow_run_id(start_sweep(s, sweep, IN_PROCESS)))
+    run = wait_final(s, flow_run_id(start_sweep(s, sweep, CONFIG, IN_PROCESS)))
     assert run["state"]["type"] == "FAILED" and "every trial of sweep fail failed" in run["state"]["message"], run["state"]
     trials = study(s, "fail").trials
     assert [t.state.name for t in trials] == ["FAIL", "FAIL"]
@@ -278,7 +281,7 @@ def test_a_sweep_killed_mid_way_resumes_keeping_its_finished_trial_and_following
     flow in a shell, the trials on the deployments) resumes it: no trial is run again."""
     s = sweep_stack
     sweep = {"name": "resume", "space": {"reinforce.optim.lr": [1e-3, 3e-4]}}
-    first = flow_run_id(start_sweep(s, sweep, IN_PROCESS))
+    first = flow_run_id(start_sweep(s, sweep, CONFIG, IN_PROCESS))
     wait_until(lambda: [r["name"] for r in trial_runs(s, "resume")] == ["resume-t0", "resume-t1"], 300, "trial 1 started")
     assert trial_runs(s, "resume")[0]["state"]["type"] == "COMPLETED"
     for process in wait_until(lambda: stack_processes(s["state_dir"], first), 30, "the sweep's process"):

@@ -12,6 +12,8 @@ from pydantic import BaseModel
 from models.algorithms import ALGORITHMS, Algorithm
 from models.config import RLHFConfig, preset, with_schedule_lengths
 
+pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

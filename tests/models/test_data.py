@@ -16,6 +16,8 @@ from models.reward import load_reward_function
 from models.step import prompt_ids
 from models.tasks import sentiment
 
+pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
+
 ROWS = [{"question": f"tell me about the {noun} :", "answer": i, "target": "positive" if i % 2 else "negative"}
         for i, noun in enumerate(sentiment.NOUNS)]
 

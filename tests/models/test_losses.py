@@ -7,6 +7,8 @@ import torch
 
 from models.losses import entropy_bonus, explained_variance, ppo_policy_loss, reinforce_loss, tis_weights, value_loss
 
+pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
+
 
 def test_ppo_loss_matches_reference():
     gen = torch.Generator().manual_seed(1)

@@ -13,6 +13,8 @@ from models.losses import tis_weights
 from models.policy import Policy
 from models.tasks import sentiment
 
+pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
+
 
 @pytest.fixture(scope="module")
 def policy(tiny_models):

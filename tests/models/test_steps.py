@@ -1,39 +1,50 @@
-"""In-process PPO and RLOO: they learn the shipped task, are deterministic, and refuse bad input up front."""
+"""PPO and RLOO through the run builder (components/runs.py) with the critic and reward model in process, as `rlhf
+train` runs them: they learn the shipped task, are deterministic, and refuse bad input up front."""
+
+import itertools
 
 import pytest
 import torch
 
+from components.runs import train
 from models.config import preset
 from models.eval import eval_metrics
-from models.loop import build_actor, build_local_reward, train_in_process
+from models.loop import build_actor, build_local_reward
+from tests.conftest import assert_learned, headroom_closed
 
 NON_DETERMINISTIC = ("time/", "throughput/")
 pytestmark = pytest.mark.slow  # ~4 min of learning runs: started first, beside tests/flows/test_deployments.py
+RUNS = itertools.count()
 
 
 def tiny_cfg(tiny_models, tmp_path, **overrides):
-    base = {"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "model.reward": tiny_models["reward"]}
+    """A run of the embedded default in this process (critic and reward model in process, as `rlhf train`), its own
+    name, the module's state directory."""
+    base = {"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "model.reward": tiny_models["reward"],
+            "deploy.critic.launch": "in_process", "deploy.reward.launch": "in_process",
+            "deploy.tracking.system_metrics": False, "run_name": f"steps-{next(RUNS)}"}
     return preset("tiny", **{**base, **overrides})
 
 
-def mean(xs):
-    return sum(xs) / len(xs)
+def train_in_process(cfg, on_eval=None) -> list[dict]:
+    """The run's metrics per iteration (its evals to `on_eval(iteration, metrics)`)."""
+    result = train(cfg)
+    for evaluation in result["evals"]:
+        on_eval and on_eval(evaluation["iteration"], {k: v for k, v in evaluation.items() if k != "iteration"})
+    return result["history"]
 
 
 @pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
 def test_learns_the_shipped_task(tiny_models, tmp_path, algorithm):
-    """Mean gold reward over the last 2 iterations beats the first 2 by >= 0.3.
-
-    Why 0.3: the gold reward has std ~0.75 at the start; a mean over 2 iterations of 64 rollouts has a standard error
-    of ~0.07, so the difference of two such means has ~0.09: 0.3 is > 3 standard errors above noise. (Seen here:
-    +0.6 to +0.8 after 12 iterations.) The KL to the reference must be reported and positive once the policy moved.
-    """
+    """The mean gold reward over the last 2 iterations closes >= 0.3 of the headroom left after the first 2
+    (tests/conftest.assert_learned says why 0.3). The KL to the reference must be reported and positive once the
+    policy moved."""
     cfg = tiny_cfg(tiny_models, tmp_path, algorithm=algorithm, iterations=12, seed=0)
     history = train_in_process(cfg)
     gold = [m["objective/gold_reward"] for m in history]
-    gain = mean(gold[-2:]) - mean(gold[:2])
-    print(f"{algorithm}: gold {gold[0]:+.3f} -> {gold[-1]:+.3f} (gain {gain:+.3f}), final KL {history[-1]['objective/kl']:.3f}")
-    assert gain >= 0.3, gold
+    closed = assert_learned(gold)
+    print(f"{algorithm}: gold {gold[0]:+.3f} -> {gold[-1]:+.3f} ({closed:.2f} of the headroom closed), "
+          f"final KL {history[-1]['objective/kl']:.3f}")
     assert history[-1]["objective/kl"] > 0.05
     assert all("objective/kl" in m and "time/generate" in m for m in history)
 
@@ -42,8 +53,7 @@ def test_learns_the_shipped_task(tiny_models, tmp_path, algorithm):
 def test_learns_from_a_reward_model_of_another_tokenizer(tiny_models, tiny_reward_chars, tmp_path, algorithm):
     """model.reward=reward-chars (characters, not the policy's words): rewards go as text (for PPO, through the
     critic's resident reward model; the critic is tiny/critic, which reads the policy's tokens), the scores are
-    reward-chars' own, and both algorithms learn by the margin of test_learns_the_shipped_task. (Seen here: +0.63 for
-    PPO, +0.52 for RLOO after 12 iterations.) RLOO's 12-iteration run through reward-chars is made once, by
+    reward-chars' own, and both algorithms learn by the margin of test_learns_the_shipped_task. RLOO's 12-iteration run through reward-chars is made once, by
     tests/flows/test_deployments.py (the same config and seed, scored by a reward server), which asserts its learning
     and its scores; here RLOO runs 2 iterations in process, for the in-process text path."""
     iterations = 12 if algorithm == "ppo" else 2
@@ -54,7 +64,7 @@ def test_learns_from_a_reward_model_of_another_tokenizer(tiny_models, tiny_rewar
     scores = [m["objective/scores"] for m in history]
     assert len(history) == iterations
     if iterations == 12:
-        assert mean(gold[-2:]) - mean(gold[:2]) >= 0.3, gold
+        assert_learned(gold)
     assert max(abs(s - g) for s, g in zip(scores, gold)) < 0.1, (scores, gold)  # the scores are reward-chars' own
 
 
@@ -89,19 +99,6 @@ def test_function_reward_rloo(tiny_models, tmp_path):
                    **{"reward.source": "function", "reward.function": "tests.models.bad_rewards:length_reward"})
     m = train_in_process(cfg)[0]
     assert m["objective/scores"] == pytest.approx(m["val/response_length"] - 1, abs=1.0)
-
-
-@pytest.mark.parametrize("overrides,message", [
-    ({"ppo.optim.lr": -1.0}, "lr"),
-    ({"reinforce.num_rollouts_per_prompt": 1}, "num_rollouts_per_prompt"),
-    ({"reward.source": "function"}, "reward.function is required"),
-    ({"reward.function": "no colon here"}, "package.module:function"),
-    ({"generation.temperature": 0}, "temperature"),
-    ({"ppo.not_a_field": 1}, "not_a_field"),
-])
-def test_invalid_config_names_the_field(overrides, message):
-    with pytest.raises(ValueError, match=message):
-        preset("tiny", **overrides)
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -156,29 +153,32 @@ TARGETED = "models.tasks.sentiment:targeted_reward"
 
 def test_a_reward_reading_a_column_learns_and_the_held_out_eval_rises_without_changing_training(tiny_models, tmp_path):
     """builtin:sentiment_target: the reward (a 0/1 verifiable reward, the gold one too) reads the `target` column.
-    RLOO learns it in 12 iterations, the held-out eval (other prompts: the `test` split) runs at 0, 4, 8 and 12 with
-    its metrics, rises, and the training curve is the same as without the eval, number for number (same process,
-    same kernels, same data: the eval samples from a generator of its own).
+    RLOO learns it in 12 iterations, the held-out eval (other prompts: the `test` split, 4 samples each at temperature
+    1: greedy decoding of the shipped policy already scores ~0.95) runs at 0, 4, 8 and 12 with its metrics, rises,
+    and the training curve is the same as without the eval, number for number (same process, same kernels, same
+    data: the eval samples from a generator of its own).
 
-    Why a gain >= 0.2: with p ~0.35 a 0/1 reward has std ~0.48; a mean over 2 iterations of 64 samples has a standard
-    error of ~0.04, the difference of two such means ~0.06: 0.2 is > 3 of them. (Seen here: +0.30 at seed 0, +0.38 at
-    seed 1; the greedy eval 0.70 -> 1.00.)"""
+    Why 0.3 of the headroom (the training curve): with p ~0.35 a 0/1 reward has std ~0.48; a mean over 2 iterations
+    of 64 samples has a standard error of ~0.04, the difference of two such means ~0.06; from ~0.37 a third of the
+    headroom is ~0.2, > 3 of them. The eval's 160 samples: a standard error of ~0.04 each, so 0.2 of its headroom
+    (~0.14 from ~0.3) is > 2.5 of the difference's. (Seen here, shipped models, seed 0: training 0.52 of the
+    headroom, the eval 0.31 -> 0.68, 0.53 of it.)"""
     task = {"algorithm": "rloo", "iterations": 12, "seed": 0, "data.prompts": "builtin:sentiment_target",
             "reward.source": "function", "reward.function": TARGETED, "reward.gold": TARGETED}
     evals = []
     with_eval = train_in_process(tiny_cfg(tiny_models, tmp_path, **task, **{
-        "eval.prompts": "builtin:sentiment_target", "eval.every": 4}), on_eval=lambda i, m: evals.append((i, m)))
+        "eval.prompts": "builtin:sentiment_target", "eval.every": 4, "eval.temperature": 1.0,
+        "eval.samples_per_prompt": 4}), on_eval=lambda i, m: evals.append((i, m)))
     without = train_in_process(tiny_cfg(tiny_models, tmp_path, **task))
     keys = [k for k in without[0] if not k.startswith(NON_DETERMINISTIC)]
     assert [{k: m[k] for k in keys} for m in with_eval] == [{k: m[k] for k in keys} for m in without]
-    gold = [m["objective/gold_reward"] for m in with_eval]
-    assert mean(gold[-2:]) - mean(gold[:2]) >= 0.2, gold
+    assert_learned([m["objective/gold_reward"] for m in with_eval])
     assert [i for i, _ in evals] == [0, 4, 8, 12]
     first, last = evals[0][1], evals[-1][1]
-    assert {"eval/score", "eval/gold_reward", "eval/response_length", "eval/accuracy", "eval/pass_at_1"} <= set(first)
-    assert first["eval/samples"] == 40  # the test split: 40 held-out prompts x 1 greedy sample
-    assert last["eval/gold_reward"] - first["eval/gold_reward"] >= 0.2, evals
-    assert first["eval/accuracy"] == first["eval/score"] == first["eval/pass_at_1"]  # one 0/1 sample per prompt
+    assert {"eval/score", "eval/gold_reward", "eval/response_length", "eval/accuracy", "eval/pass_at_4"} <= set(first)
+    assert first["eval/samples"] == 160  # the test split: 40 held-out prompts x 4 samples
+    assert headroom_closed(first["eval/gold_reward"], last["eval/gold_reward"]) >= 0.2, evals
+    assert first["eval/accuracy"] == first["eval/score"] <= first["eval/pass_at_4"]  # 0/1 samples, any of 4 passes
 
 
 def test_eval_metrics_against_a_float64_reference():

@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from components.launch.processes import wait_for
-from tests.conftest import assert_learned_with_eval
+from tests.conftest import EVAL_SAMPLED, assert_learned_with_eval
 
 RLHF = str(Path(sys.executable).parent / "rlhf")
 NON_DETERMINISTIC = ("time/", "throughput/")
@@ -44,7 +44,7 @@ def test_training_with_asynchronous_rollouts_learns(tiny_models, tmp_path, algor
     metrics, evals, state = tmp_path / "m.json", tmp_path / "e.json", tmp_path / "state"
     proc = rlhf_train(train_args(tiny_models, **{
         "algorithm": algorithm, "deploy.actor.nproc_per_node": ranks, "iterations": 12, "rollout.max_off_policy_steps": 1,
-        "eval.prompts": "builtin:sentiment", "eval.every": 6}) + ["--metrics-out", str(metrics), "--eval-out", str(evals)],
+        "run_name": f"async-{algorithm}-{ranks}", **EVAL_SAMPLED}) + ["--metrics-out", str(metrics), "--eval-out", str(evals)],
         state)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     history = assert_learned_with_eval(metrics, evals)
@@ -54,24 +54,25 @@ def test_training_with_asynchronous_rollouts_learns(tiny_models, tmp_path, algor
     assert [m["rollout/staleness_mean"] for m in history] == [0.0] + [1.0] * 11
     assert max(m["rollout/logprob_diff_max"] for m in history[1:]) > 1e-2  # stale: the correction had work to do
     assert all("time/rollout_wait" in m and "time/engine_idle" in m for m in history)
-    log = (state / "logs" / "train" / "rollout-server.log").read_text()
+    log = (state / "runs" / f"async-{algorithm}-{ranks}" / "logs" / "rollout-server.log").read_text()
     assert "engine loaded" in log and "stopped with code" in log
     assert not leftovers(state)
 
 
-def test_synchronous_rollouts_match_an_unset_field_number_for_number(tiny_models, tmp_path):
-    """k=0 is today's synchronous step: the same metrics, number for number, as a run that does not set the field
-    (float32, the same seed, the engine's logprobs equal to the trainer's: diff < 1e-4, so nothing was stale)."""
-    runs = {}
-    for name, extra in (("unset", {}), ("k0", {"rollout.max_off_policy_steps": 0})):
-        out = tmp_path / f"{name}.json"
-        proc = rlhf_train(train_args(tiny_models, **{"algorithm": "rloo", "iterations": 4, "seed": 3, **extra})
-                          + ["--metrics-out", str(out)], tmp_path / f"state-{name}")
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        runs[name] = json.loads(out.read_text())
-    keys = [k for k in runs["unset"][0] if not k.startswith(NON_DETERMINISTIC)]
-    assert [{k: m[k] for k in keys} for m in runs["k0"]] == [{k: m[k] for k in keys} for m in runs["unset"]]
-    assert all(m["rollout/staleness_max"] == 0 and m["rollout/logprob_diff_max"] < 1e-4 for m in runs["k0"])
+def test_synchronous_rollouts_sample_every_batch_with_the_current_weights(tiny_models, tmp_path):
+    """k=0 (the default) is the synchronous step: every batch is sampled after the refit of the update before it, so
+    nothing is stale (staleness 0 every iteration) and the engine's logprobs of the sampled tokens equal the trainer's
+    (float32: diff < 1e-4, against > 1e-2 for the stale k=1 batches of test_training_with_asynchronous_rollouts_learns),
+    every iteration refits, and the run goes on moving the policy (KL > 0 after the first update)."""
+    out = tmp_path / "k0.json"
+    proc = rlhf_train(train_args(tiny_models, **{"algorithm": "rloo", "iterations": 4, "seed": 3,
+                                                 "rollout.max_off_policy_steps": 0})
+                      + ["--metrics-out", str(out)], tmp_path / "state")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    history = json.loads(out.read_text())
+    assert len(history) == 4
+    assert all(m["rollout/staleness_max"] == 0 and m["rollout/logprob_diff_max"] < 1e-4 for m in history), history
+    assert all(m["time/refit"] > 0 for m in history) and history[-1]["objective/kl"] > 0
 
 
 def test_k2_reaches_its_bound_and_a_killed_rollout_server_fails_the_run_within_60s_naming_it(tiny_models, tmp_path):
@@ -89,7 +90,7 @@ def test_k2_reaches_its_bound_and_a_killed_rollout_server_fails_the_run_within_6
             line = proc.stdout.readline()
             assert line, "".join(lines[-50:])
             lines.append(line)
-        staleness = [float(line.rsplit("staleness ", 1)[1]) for line in lines if re.search(r"iteration \d+/500 ", line)]
+        staleness = [float(line.rsplit("staleness ", 1)[1]) for line in lines if re.search(r"iteration \d+/500\b", line)]
         assert staleness == [0.0, 1.0, 2.0], lines[-10:]
         server = wait_for(lambda: [p for p in leftovers(state) if "rollout_server" in " ".join(p.cmdline())], 30)[0]
         os.kill(server.pid, signal.SIGKILL)

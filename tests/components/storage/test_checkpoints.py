@@ -15,6 +15,8 @@ import pytest
 
 from components.storage.checkpoints import CheckpointError, CheckpointStore
 
+pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
+
 REPO = Path(__file__).resolve().parents[3]
 
 

@@ -22,6 +22,8 @@ from components.sweep.study import Plan, open_study, unfinished
 from components.sweep.tracking import SweepRun, find_sweep, trial_runs
 from models.config import RLHFConfig, merge
 
+pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
+
 EVAL = {"prompts": "builtin:sentiment", "every": 2}
 GRID = {"reinforce.optim.lr": [1e-4, 3e-4], "kl.init": [0.01, 0.1]}
 

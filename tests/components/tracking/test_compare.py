@@ -12,6 +12,8 @@ from mlflow.tracking import MlflowClient
 from components.tracking.compare import compare_runs, log_comparison
 from components.tracking.tracker import TrackingError, get_or_create_experiment
 
+pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
+
 T0 = 1_700_000_000_000  # ms
 
 

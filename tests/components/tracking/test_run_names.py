@@ -5,29 +5,36 @@ import re
 
 from mlflow.tracking import MlflowClient
 
-from components.tracking import run
-from components.tracking.run import RunSession, flow_run_namer, named_after_flow_run
-from models.config import RLHFConfig
+import pytest
+
+from components import tasks
+from components.tracking.run import RunSession
+from components.tasks import flow_config, flow_run_namer
+from models.config import RLHFConfig, RunConfig
+from models.deploy import DeployConfig
+
+pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
 
 
 def test_a_training_flow_run_is_named_after_its_run(monkeypatch):
-    monkeypatch.setattr(run.flow_run, "get_parameters", lambda: {"config": {"run_name": "mine", "algorithm": "ppo"}})
+    """A flow called without a deployment (no deployment parameters to merge over): its run_name, else
+    '<the flow's algorithm>-<timestamp>-<random>', decided once by the namer (the flow reads it back from the flow
+    run)."""
+    monkeypatch.setattr(tasks.deployment, "get_id", lambda: None)
+    monkeypatch.setattr(tasks.flow_run, "get_parameters", lambda: {"config": {"run_name": "mine", "algorithm": "ppo"}})
     assert flow_run_namer("rloo")() == "mine"
-    # no run_name: '<the flow's algorithm>-<timestamp>', decided once by the namer; the flow reads it back
-    monkeypatch.setattr(run.flow_run, "get_parameters", lambda: {"config": RLHFConfig(algorithm="ppo")})
+    monkeypatch.setattr(tasks.flow_run, "get_parameters", lambda: {"config": RunConfig(algorithm="ppo")})
     name = flow_run_namer("rloo")()
-    assert re.fullmatch(r"rloo-\d{8}-\d{6}", name), name
-    monkeypatch.setattr(run.flow_run, "get_name", lambda: name)
-    cfg = named_after_flow_run(RLHFConfig(algorithm="ppo"), "rloo")
-    assert (cfg.run_name, cfg.algorithm) == (name, "rloo")
-    assert named_after_flow_run(RLHFConfig(run_name="given"), "ppo").run_name == "given"
+    assert re.fullmatch(r"rloo-\d{8}-\d{6}-[0-9a-f]{4}", name), name
+    cfg = flow_config(RunConfig(algorithm="ppo", iterations=3), DeployConfig(state_dir="/tmp/s"), "rloo")
+    assert (cfg.algorithm, cfg.iterations, cfg.deploy.state_dir) == ("rloo", 3, "/tmp/s")
 
 
 def test_a_run_with_a_parent_is_nested_under_it(tmp_path, mlflow_uri):
     client = MlflowClient(mlflow_uri)
     parent = client.create_run(client.create_experiment("nest"), run_name="sweep").info.run_id
-    cfg = RLHFConfig(state_dir=str(tmp_path), run_name="sweep-t0",
-                     tracking={"uri": mlflow_uri, "experiment": "nest", "parent_run_id": parent, "system_metrics": False})
+    cfg = RLHFConfig(run_name="sweep-t0", tracking={"experiment": "nest", "parent_run_id": parent},
+                     deploy={"state_dir": str(tmp_path), "tracking": {"uri": mlflow_uri, "system_metrics": False}})
     session = RunSession.open(cfg)
     session.close("FINISHED")
     child = client.get_run(session.tracker.run_id)

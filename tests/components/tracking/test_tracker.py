@@ -13,6 +13,8 @@ from mlflow.tracking import MlflowClient
 
 from components.tracking.tracker import PARAM_VALUE_LIMIT, Tracker, TrackingError, check_reachable, resolve_tracking_uri
 
+pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
+
 CONFIG = {"algorithm": "ppo", "ppo": {"lr": 1e-5, "clip": {"ratio": 0.2}}, "layers": [4, 256], "prompt": "x" * 2000}
 
 
