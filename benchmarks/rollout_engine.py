@@ -103,7 +103,7 @@ def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list
     vcfg = merge(cfg, {"model.policy": model_dir, "rollout.vllm.dtype": dtype, "deploy.rollout.port": 0})
     with tempfile.TemporaryDirectory(prefix="rollout-bench-") as logs, launch_rollout(vcfg, Path(logs) / "server.log") as server:
         started = time.perf_counter()
-        server.wait_until_ready(vcfg.rollout.vllm.ready_timeout_s)
+        server.wait_until_ready(vcfg.deploy.rollout.ready_timeout_s)
         ready_s = time.perf_counter() - started
         vllm = VLLMEngine(policy.pad_id, policy.stop_ids, weights_dtype=dtype)
         client = RolloutClient(server.url, RUN)
@@ -166,7 +166,7 @@ def rloo_iteration(model_dir: str, reps: int) -> dict:
             if side != "native":
                 server = launch_rollout(cfg, Path(tempfile.mkdtemp(prefix="rollout-bench-")) / "server.log")
                 servers.append(server)
-                server.wait_until_ready(cfg.rollout.vllm.ready_timeout_s)
+                server.wait_until_ready(cfg.deploy.rollout.ready_timeout_s)
                 client = RolloutClient(server.url, RUN)
                 if side.endswith("dist"):
                     client.use_dist("127.0.0.1")
