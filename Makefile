@@ -64,7 +64,7 @@ test:
 # from the nav fails it). The site goes to .rlhf/site.
 docs: venv
 	$(PY) -m tools.docs --check
-	$(VENV)/bin/mkdocs build --strict --quiet --site-dir .rlhf/site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir .rlhf/site
 
 # The cluster's two images (prefect.yaml: $$RLHF_IMAGE, $$RLHF_VLLM_IMAGE), from the pins above: the actor image
 # (CUDA torch, the project) and the vLLM image built on it (the rollout server's environment in /opt/vllm, vLLM's
