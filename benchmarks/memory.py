@@ -158,7 +158,6 @@ def main(argv=None) -> dict | None:
     args = parser.parse_args(argv)
     if args.one:
         model_dir, dtype, checkpointing, batch, seq_len, reps, device = args.one
-        torch.set_num_threads(torch.get_num_threads())
         row = one_setting(model_dir, dtype, checkpointing == "1", int(batch), int(seq_len), int(reps),
                           torch.device(device))
         print(json.dumps(row))
