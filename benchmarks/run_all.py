@@ -1,6 +1,6 @@
-"""Run every benchmark, write benchmarks/results/*.json and the results table in BENCHMARKS.md.
+"""Run every benchmark, write benchmarks/results/*.json and the results table in docs/benchmarks.md.
 
-    python -m benchmarks.run_all            # full run (~5 min on a 2-core CPU), updates BENCHMARKS.md
+    python -m benchmarks.run_all            # full run (~5 min on a 2-core CPU), updates docs/benchmarks.md
     python -m benchmarks.run_all --quick    # fewer repetitions (~2 min); results go to benchmarks/results/tmp/quick/
     python -m benchmarks.run_all --only rloo_vs_trl critic_http
 
@@ -19,7 +19,8 @@ import traceback
 from benchmarks.common import ROOT, load_average, log, machine, results_dir, versions
 
 BENCHMARKS = ("generate", "rollout_engine", "async_rollouts", "rloo_vs_trl", "critic_http", "overlap", "what_if",
-              "distributed", "critic_ranks", "gpu")
+              "distributed", "critic_ranks", "memory", "gpu")
+PAGE = ROOT / "docs" / "benchmarks.md"
 MARK_START, MARK_END = "<!-- results:start (written by python -m benchmarks.run_all) -->", "<!-- results:end -->"
 
 
@@ -28,7 +29,33 @@ def fmt(s: dict, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:
     return (f"{s['median'] * scale:.{digits}f} [{s['min'] * scale:.{digits}f}–{s['max'] * scale:.{digits}f}]{unit}")
 
 
-def table(results: dict, summary: dict) -> str:
+def load_results(directory=None) -> dict:
+    """Every benchmark's latest result file (benchmarks/results/<name>.json), by name."""
+    directory = directory or results_dir(False)
+    return {name: json.loads((directory / f"{name}.json").read_text()) for name in BENCHMARKS
+            if (directory / f"{name}.json").exists()}
+
+
+def memory_rows(r: dict, label: str) -> list[list[str]]:
+    rows = []
+    for row in r:
+        setting = f"{row['dtype']}{' + checkpointing' if row['gradient_checkpointing'] else ''}"
+        shape = f"B={row['batch']} L={row['seq_len']}"
+        if "failed" in row:
+            rows.append([f"{label}, {shape}: {setting}", "peak memory; saved for backward; s/step",
+                         "out of memory" if row.get("out_of_memory") else f"failed: {row['failed']}", "—", "—", ""])
+            continue
+        peak = row.get("peak_bytes", row.get("peak_rss_bytes"))
+        kind = "peak allocated" if "peak_bytes" in row else "peak RSS"
+        rows.append([f"{label}, {shape}: {setting}", f"{kind}; activations saved for backward; s/step",
+                     f"{peak / 2**30:.2f} GiB; {row['saved_for_backward_bytes'] / 2**20:.0f} MiB; "
+                     f"{fmt(row['seconds_per_step'])}", f"{row['seconds_per_step']['n']} steps", "—", ""])
+    return rows
+
+
+def table(results: dict) -> str:
+    """The generated part of docs/benchmarks.md: when and where each result was measured, the results table and the
+    phase tables, from the result files alone."""
     rows = []
     r = results.get("rloo_vs_trl")
     if r:
@@ -156,6 +183,10 @@ def table(results: dict, summary: dict) -> str:
         rows.append(["Rewards as text vs tokens (same rollouts)", "reward_text vs reward_model round trip",
                      f"{fmt(t['text'], 1e3, 1, ' ms')} vs {fmt(t['tokens'], 1e3, 1, ' ms')} (x{t['text_over_tokens']:.2f})",
                      n, "—", ""])
+    r = results.get("memory")
+    if r:
+        params = r["model"]["parameters"]
+        rows += memory_rows(r["settings"], f"Memory, {params / 1e6:.0f}M Qwen2-shaped, {r['device']}")
     r = results.get("gpu")
     if r:
         if r.get("skipped"):
@@ -169,22 +200,21 @@ def table(results: dict, summary: dict) -> str:
                 mfu = f"{t['mfu']:.0%}" if t["mfu"] is not None else "n/a"
                 rows.append([f"GPU train B={t['batch']} L={t['seq_len']}", "TFLOP/s (MFU)",
                              f"{t['achieved_tflops']:.1f} ({mfu})", f"{t['seconds_per_step']['n']} reps", "—", ""])
-    m, v = summary["machine"], summary["versions"]
-    lines = [MARK_START, "",
-             f"Measured {summary['finished']} on {m['cpu']}, {m['cores']} cores ({m['torch_threads']} torch threads), "
-             f"{m.get('memory_gib', '?')} GiB, GPU: {m['gpu'] or 'none'}; torch {v['torch']}, transformers "
-             f"{v['transformers']}, trl {v['trl']}, nvidia-pytriton {v['nvidia-pytriton']}, Python {m['python']}. " +
-             (f"`python -m benchmarks.run_all --only {' '.join(summary['only'])}` took "
-              f"{summary['total_seconds'] / 60:.1f} min (the other rows keep the results of an earlier full run, each "
-              f"file in benchmarks/results/ says when it was made). " if summary.get("only") else
-              f"`python -m benchmarks.run_all` took {summary['total_seconds'] / 60:.1f} min. ") +
-             "Values: median [min–max].",
-             "", "| Benchmark | Measure | Result | Repetitions | Target | Met |", "|---|---|---|---|---|---|"]
+            rows += memory_rows(r.get("memory", []), "GPU memory, ~0.5B")
+    lines = [MARK_START, "", "Generated from benchmarks/results/*.json (`python -m tools.docs`; `python -m "
+             "benchmarks.run_all` after a run). Each file says when, where and under what load it was measured:", "",
+             "| Result file | Measured | Machine | torch | Load average (1 min) at the end |", "|---|---|---|---|---|"]
+    for name, r in results.items():
+        m = r.get("machine", {})
+        machine = f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores, GPU: {m.get('gpu') or 'none'}"
+        load = (r.get("load_average_1_5_15_min_at_end") or ["?"])[0]
+        lines.append(f"| {name}.json | {r.get('created', '?')[:16].replace('T', ' ')} | {machine} | "
+                     f"{r.get('versions', {}).get('torch', '?')} | {load} |")
+    lines += ["", "Values: median [min–max].", "",
+              "| Benchmark | Measure | Result | Repetitions | Target | Met |", "|---|---|---|---|---|---|"]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     lines += phase_tables(results)
-    lines += ["", "Per-benchmark wall time (s): " + ", ".join(f"{k} {v:.0f}" for k, v in summary["seconds"].items())
-              + ". Load average (1 min) before each: " + ", ".join(
-                  f"{k} {v[0] if v else '?'}" for k, v in summary["load_before"].items()) + ".", "", MARK_END]
+    lines += ["", MARK_END]
     return "\n".join(lines)
 
 
@@ -226,8 +256,7 @@ def _met(r: dict) -> str:
     return "yes" if r.get("target_met") else "**no**"
 
 
-def update_markdown(text: str) -> None:
-    path = ROOT / "BENCHMARKS.md"
+def update_markdown(text: str, path=PAGE) -> None:
     current = path.read_text() if path.exists() else "# Benchmarks\n\n" + MARK_START + "\n" + MARK_END + "\n"
     if MARK_START in current and MARK_END in current:
         before, rest = current.split(MARK_START, 1)
@@ -245,14 +274,14 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="+", choices=BENCHMARKS, help="run only these benchmarks")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    results, seconds, load_before, failed = {}, {}, {}, []
+    seconds, load_before, failed = {}, {}, []
     for name in args.only or BENCHMARKS:
         load_before[name] = load_average()
         log(f"=== {name} (load average {load_before[name]})")
         t0 = time.perf_counter()
         try:
             module = importlib.import_module(f"benchmarks.{name}")
-            results[name] = module.main(["--quick"] if args.quick else [])
+            module.main(["--quick"] if args.quick else [])
         except Exception:  # noqa: BLE001 - report, run the others, exit non-zero at the end
             traceback.print_exc()
             failed.append(name)
@@ -263,12 +292,9 @@ def main(argv=None) -> int:
                "failed": failed, "machine": machine(), "versions": versions()}
     directory = results_dir(args.quick)
     directory.mkdir(parents=True, exist_ok=True)
-    # a partial run (--only) keeps the other benchmarks' previous results in the table
-    for name in BENCHMARKS:
-        if name not in results and (directory / f"{name}.json").exists() and name not in failed:
-            results[name] = json.loads((directory / f"{name}.json").read_text())
     (directory / "run_all.json").write_text(json.dumps(summary, indent=2) + "\n")
-    text = table(results, summary)
+    # the table from the files (a partial run, --only, keeps the other benchmarks' previous results)
+    text = table(load_results(directory))
     if args.quick:
         print(text)
     else:

@@ -1,4 +1,4 @@
-"""What-if experiments behind the recommendations in BENCHMARKS.md. The library is unchanged; each change is applied
+"""What-if experiments behind the recommendations in docs/benchmarks.md. The library is unchanged; each change is applied
 here, in the benchmark process only, and measured against the default in the same interleaved way as the benchmarks.
 
 (Fused AdamW, measured here before as a what-if at 0.68-0.70x TRL's time per RLOO iteration, is now the default:

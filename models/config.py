@@ -39,7 +39,8 @@ class ModelConfig(Section):
     reward: str = Field("tiny/reward", description="Sequence-classification reward model (num_labels=1) for reward.source='model'.")
     critic: Optional[str] = Field(None, description="Critic checkpoint (token-classification, num_labels=1); None initialises the critic from the reward model, as NeMo-Aligner does.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA settings for the actor.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Parameter dtype of actor and critic.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype of the actor, critic and reward model (mixed precision): 'bfloat16' computes under autocast while the trained weights, their gradients and AdamW states stay float32 (master weights); with FSDP2 the weights are also all-gathered in it and gradients reduced in float32; the frozen reference is stored in it. 'float16' has no loss scaling: prefer bfloat16 (docs/memory.md).")
+    gradient_checkpointing: bool = Field(False, description="Activation (gradient) checkpointing of the actor and the critic: each transformer block keeps only its input for the backward pass and recomputes the rest there, so activation memory drops to about one block's for roughly one more forward pass of compute (docs/memory.md).")
 
 
 class GenerationConfig(Section):

@@ -27,7 +27,7 @@ from transformers import AutoModelForSequenceClassification, AutoModelForTokenCl
 from models.advantages import last_token_index
 from models.config import CriticConfig
 from models.distributed import SINGLE, Dist, full_state_dict, shard_model
-from models.loading import DTYPES, autocast, disable_dropout, from_pretrained, make_optimizer
+from models.loading import DTYPES, autocast, checkpoint_activations, disable_dropout, from_pretrained, make_optimizer
 from models.losses import explained_variance, value_loss
 from models.reward import _head, load_reward_model, reward_model_scores
 from models.update import micro_batches, minibatch_update
@@ -140,7 +140,7 @@ class CriticTrainer:
 
     def __init__(self, cfg: CriticConfig, critic_path: str | None, reward_path: str | None, combine_reward: bool,
                  dtype: str = "float32", device: str | torch.device = "cpu", checkpoint_dir: str | Path | None = None,
-                 token_rewards: bool = True, me: Dist = SINGLE):
+                 token_rewards: bool = True, me: Dist = SINGLE, gradient_checkpointing: bool = False):
         self.cfg, self.device, self.me = cfg, torch.device(device), me
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.lock = threading.RLock()
@@ -150,10 +150,12 @@ class CriticTrainer:
         source = str(self.checkpoint_dir / "model") if resume else critic_path
         self.dtype = dtype  # compute dtype (autocast); the trainable weights and AdamW states stay float32
         self.model = init_critic(source, reward_path, "float32").to(self.device)
+        if gradient_checkpointing:
+            checkpoint_activations(self.model, "model.critic")
         self.model.train()
         self.sharded = me.active
         if self.sharded:
-            self.model = shard_model(self.model)
+            self.model = shard_model(self.model, dtype)
         self.reward_model = load_reward_model(reward_path, dtype, self.device) if combine_reward else None
         # the resident reward model also scores the critic's (= the policy's) tokens only if it shares their tokenizer;
         # otherwise it scores text (reward_text) with its own

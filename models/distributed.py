@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from models.loading import DTYPES
+
 
 @dataclass(frozen=True)
 class Dist:
@@ -169,14 +171,16 @@ def transformer_blocks(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
-def shard_model(model: nn.Module, mixed_precision: bool = False, reshard_after_forward: bool = True) -> nn.Module:
+def shard_model(model: nn.Module, compute_dtype: str = "float32", reshard_after_forward: bool = True) -> nn.Module:
     """FSDP2: `fully_shard` every transformer block, then the root. Its reduce-scatter averages gradients over ranks
-    (callers scale their loss by the world size to get the sum). `mixed_precision`: bf16 compute, fp32 reduction."""
+    (callers scale their loss by the world size to get the sum). `compute_dtype` other than float32 (model.dtype):
+    FSDP2's MixedPrecisionPolicy, the float32 shards all-gathered in that dtype for the forward and backward (half the
+    unsharded block's memory and traffic) and gradients reduced in float32 into the float32 shards."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # heavy: FSDP (~1.2 s), only when sharding
 
     kwargs = {"reshard_after_forward": reshard_after_forward}
-    if mixed_precision:
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if compute_dtype != "float32":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=DTYPES[compute_dtype], reduce_dtype=torch.float32)
     for block in transformer_blocks(model):
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)

@@ -14,7 +14,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def autocast(device: torch.device, dtype: str):
     """Compute in `dtype` while trainable weights and optimizer states stay float32 (AdamW in bf16 loses updates
-    below the weight's precision; in fp16 its eps underflows)."""
+    below the weight's precision; in fp16 its eps underflows). model.dtype; docs/memory.md."""
     if dtype == "float32":
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=DTYPES[dtype])
@@ -46,6 +46,18 @@ def from_pretrained(auto_class, path: str, field: str, **kwargs):
         return auto_class.from_pretrained(path, **kwargs)
     except Exception as exc:  # noqa: BLE001 - re-raised with the field that pointed here
         raise RuntimeError(f"{field}: could not load '{path}' with {auto_class.__name__}: {exc}") from exc
+
+
+def checkpoint_activations(model: nn.Module, field: str) -> nn.Module:
+    """model.gradient_checkpointing: each transformer block keeps only its input for the backward pass and recomputes
+    the rest there (transformers' activation checkpointing, non-reentrant `torch.utils.checkpoint`), so activation
+    memory holds one block's activations instead of every block's, for about one more forward pass of compute. Only
+    in training mode: sampling (eval mode) and frozen models are untouched."""
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"model.gradient_checkpointing: {field} is a {type(model).__name__}, which does not support "
+                         f"activation checkpointing; set model.gradient_checkpointing=false")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    return model
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:

@@ -89,7 +89,7 @@ def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
     policy = Policy.load(cfg.resolve_model_path(cfg.model.policy), cfg.model.lora, cfg.model.dtype,
                          local_device(cfg.deploy.device, me), me=me, shard=shard,
                          reference_device=cfg.deploy.reference_device,
-                         mixed_precision=cfg.deploy.actor.mixed_precision and torch.cuda.is_available())
+                         gradient_checkpointing=cfg.model.gradient_checkpointing)
     optim = ALGORITHMS[cfg.algorithm].settings(cfg).optim
     return ActorState.create(policy, optim, cfg.kl, cfg.seed, me, rollout=cfg.rollout)
 
@@ -98,7 +98,8 @@ def build_critic_trainer(cfg: RLHFConfig, checkpoint_dir: str | Path | None = No
     critic_path = cfg.resolve_model_path(cfg.model.critic) if cfg.model.critic else None
     return CriticTrainer(cfg.critic, critic_path, cfg.resolve_model_path(cfg.model.reward), cfg.critic.combine_reward,
                          cfg.model.dtype, local_device(cfg.deploy.device, SINGLE), checkpoint_dir,
-                         token_rewards=cfg.reward.transport == "tokens")
+                         token_rewards=cfg.reward.transport == "tokens",
+                         gradient_checkpointing=cfg.model.gradient_checkpointing)
 
 
 def critic_text_reward(cfg: RLHFConfig, trainer: CriticTrainer):

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from models.config import LoraConfig
 from models.data import encode
 from models.distributed import SINGLE, Dist, full_state_dict, is_sharded, shard_model
-from models.loading import DTYPES, autocast, disable_dropout, freeze, from_pretrained
+from models.loading import DTYPES, autocast, checkpoint_activations, disable_dropout, freeze, from_pretrained
 from models.engines.base import Rollout, Weights
 
 
@@ -52,23 +52,31 @@ class Policy:
     @classmethod
     def load(cls, path: str, lora: LoraConfig | None = None, dtype: str = "float32", device: str | torch.device = "cpu",
              field: str = "model.policy", me: Dist = SINGLE, shard: bool = False, reference_device: str = "auto",
-             mixed_precision: bool = False) -> "Policy":
+             gradient_checkpointing: bool = False) -> "Policy":
         """Actor + tokenizer + frozen reference on this rank. `shard`: FSDP2 over the ranks (a full fine-tune); the
-        reference then lives on the actor's device sharded alike, or as a CPU copy (`reference_device`)."""
+        reference then lives on the actor's device sharded alike, or as a CPU copy (`reference_device`).
+
+        Memory (docs/memory.md): the trainable weights, their gradients and AdamW states stay float32 (master
+        weights); `dtype` is the compute dtype (autocast; with FSDP2 also the dtype the blocks are all-gathered in,
+        gradients reduced in float32) and the frozen reference's storage dtype. `gradient_checkpointing` recomputes
+        each block's activations in the backward pass instead of keeping them."""
         device = torch.device(device)
         tokenizer = load_policy_tokenizer(path, field)
-        # trainable weights stay float32; `dtype` is the compute dtype (autocast) and the frozen reference's dtype
         model = disable_dropout(from_pretrained(AutoModelForCausalLM, path, field, dtype=torch.float32)).to(device)
         if lora is not None and lora.enabled:  # replicated on every rank; only the adapters train and sync
             from peft import LoraConfig as PeftLoraConfig, get_peft_model  # heavy: peft is needed only with LoRA
 
+            if gradient_checkpointing:
+                checkpoint_activations(model, field)
             model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                          target_modules=lora.target_modules, task_type="CAUSAL_LM"))
             return cls(model, tokenizer, lora=True, dtype=dtype, me=me, device=device)
         on_actor = reference_on_actor_device(model, device, reference_device, me.world_size if shard else 1)
         reference = freeze(copy.deepcopy(model).to(device if on_actor else "cpu", DTYPES[dtype]))
+        if gradient_checkpointing:  # the trainable model only: the reference never runs a backward pass
+            checkpoint_activations(model, field)
         if shard:
-            model = shard_model(model, mixed_precision)
+            model = shard_model(model, dtype)
             if on_actor:
                 reference = shard_model(reference, reshard_after_forward=True)
         return cls(model, tokenizer, lora=False, reference=reference, dtype=dtype, me=me, device=device)
@@ -173,7 +181,8 @@ def _token_logprobs(model, tokens: Tensor, lengths: Tensor, temperature: float, 
                     entropy_grad: bool = False):
     positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
     attention_mask = (positions < lengths.unsqueeze(1)).long()
-    logits = model(input_ids=tokens, attention_mask=attention_mask).logits[:, :-1].float() / temperature
+    # no KV cache: a scoring pass never decodes further (and a cache would keep every layer's keys and values)
+    logits = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float() / temperature
     log_norm = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(2, tokens[:, 1:].unsqueeze(2)).squeeze(2) - log_norm
     entropy = None

@@ -635,7 +635,7 @@ def _critic_trainer(spec: ServerSpec, me=None):
     token_rewards = reward_transport(cfg, reader=cfg.model.critic or cfg.model.reward) == "tokens"
     trainer = CriticTrainer(cfg.critic, critic_path, reward_path, cfg.critic.combine_reward, cfg.model.dtype,
                             distributed.local_device(cfg.deploy.device, me), spec.checkpoint_dir,
-                            token_rewards=token_rewards, me=me)
+                            token_rewards=token_rewards, me=me, gradient_checkpointing=cfg.model.gradient_checkpointing)
     return trainer, reward_tokenizer
 
 

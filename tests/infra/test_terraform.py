@@ -4,7 +4,9 @@
 * structure/wiring checks on the HCL parsed with python-hcl2,
 * the Prefect work-pool job templates rendered and inspected as JSON,
 * checkov (in its own virtualenv, ``make tools``) with zero failed checks,
-* prefect.yaml job_variables against the work-pool templates, once prefect.yaml exists.
+* prefect.yaml against the work pools (job variables valid for the pool's schema, pods that fit a node of the
+  pool's instance types: infra/terraform/node_types.json), the training deployments' parameters against the config
+  tree, and the infra README against prefect.yaml.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ import sys
 from pathlib import Path
 
 import hcl2  # python-hcl2, part of the test extras
+import jsonschema
 import pytest
+import yaml
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,6 +160,7 @@ def _sample_values(pool_name: str, role: str) -> dict:
         "namespace": "rlhf",
         "service_account_name": f"rlhf-{role}",
         "gpu_count": 1,
+        "min_gpu_count": 1 if role == "actor" else 0,
         "cpu": "3",
         "memory": "12Gi",
         "shm_size": "2Gi",
@@ -196,6 +201,91 @@ def _job_container(template: dict) -> dict:
     containers = pod["containers"]
     assert len(containers) == 1, containers
     return containers[0]
+
+
+PREFECT_YAML = REPO / "prefect.yaml"
+NODE_TYPES = TF / "node_types.json"
+INFRA_README = TF / "README.md"
+TRAINING_FLOWS = ("ppo", "reinforce")
+
+
+def _prefect_yaml() -> dict:
+    """prefect.yaml, which must exist (the cluster path ships it)."""
+    assert PREFECT_YAML.is_file(), f"{PREFECT_YAML} is missing: the deployments of the cluster path"
+    return yaml.safe_load(PREFECT_YAML.read_text(encoding="utf-8")) or {}
+
+
+def _rendered(node, values: dict):
+    """Prefect's `{{ $VAR }}` templating of prefect.yaml, with `values` for the variables."""
+    if isinstance(node, dict):
+        return {k: _rendered(v, values) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_rendered(v, values) for v in node]
+    if isinstance(node, str):
+        return re.sub(r"\{\{\s*\$(\w+)\s*\}\}", lambda m: values[m.group(1)], node)
+    return node
+
+
+def _flow_name(entrypoint: str) -> str:
+    """The @flow(name=...) of a deployment's entrypoint ('flows/ppo.py:ppo' -> 'ppo'), read from its source."""
+    path, function = entrypoint.split(":")
+    source = (REPO / path).read_text(encoding="utf-8")
+    match = re.search(r'@flow\(name="([^"]+)"[^\n]*\n(?:@[^\n]*\n)*def ' + re.escape(function) + r"\(", source)
+    assert match, f"{entrypoint}: no @flow(name=...) on def {function}"
+    return match.group(1)
+
+
+def _quantity(value: str | int | float, what: str) -> float:
+    """A Kubernetes quantity as a number: CPU in cores ('3', '500m'), memory in bytes ('12Gi', '512Mi')."""
+    text = str(value)
+    units = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([A-Za-z]*)", text)
+    assert match and (match.group(2) in units or not match.group(2)), f"{what}: {text!r} is not a Kubernetes quantity"
+    return float(match.group(1)) * units.get(match.group(2), 1)
+
+
+def _allocatable(instance_type: str) -> dict[str, float]:
+    """What pods may request of one node of `instance_type` (cores, bytes, GPUs), from node_types.json: capacity
+    minus the EKS AMI's kube-reserved, the eviction threshold and the daemonsets' requests."""
+    table = json.loads(NODE_TYPES.read_text(encoding="utf-8"))
+    assert instance_type in table["instance_types"], (
+        f"instance type {instance_type} is not in {NODE_TYPES.relative_to(REPO)}: add its vCPUs, memory, GPUs and max "
+        f"pods, so the pods' requests can be checked against it")
+    node = table["instance_types"][instance_type]
+    millicores = 1000 * node["vcpu"]
+    reserved_m = sum(share * min(max(node["vcpu"] - first, 0), count) * 1000
+                     for first, count, share in ((0, 1, 0.06), (1, 1, 0.01), (2, 2, 0.005), (4, 10**6, 0.0025)))
+    daemons = table["daemonset_requests"].values()
+    cpu = (millicores - reserved_m) / 1000 - sum(_quantity(d["cpu"], "daemonset cpu") for d in daemons)
+    memory = (node["memory_gib"] * 2**30 * table["kernel_visible_memory_fraction"]
+              - (255 + 11 * node["max_pods"]) * 2**20 - table["eviction_hard_memory_mib"] * 2**20
+              - sum(_quantity(d["memory"], "daemonset memory") for d in daemons))
+    return {"cpu": cpu, "memory": memory, "gpus": node["gpus"]}
+
+
+def _misfits(resources: dict, instance_type: str) -> list[str]:
+    """Why a pod requesting `resources` (cpu, memory, gpu_count) cannot be placed on one node of `instance_type`."""
+    node = _allocatable(instance_type)
+    asked = {"cpu": _quantity(resources["cpu"], "cpu"), "memory": _quantity(resources["memory"], "memory"),
+             "gpus": int(resources["gpu_count"])}
+    shown = {"cpu": lambda v: f"{v:.4g} CPUs", "memory": lambda v: f"{v / 2**30:.2f} GiB", "gpus": lambda v: f"{v:g} GPUs"}
+    return [f"{what} {shown[what](asked[what])} > allocatable {shown[what](node[what])}"
+            for what in ("cpu", "memory", "gpus") if asked[what] > node[what]]
+
+
+def _pool_instance_types() -> dict[str, dict[str, list[str]]]:
+    """role -> {where: instance types} for the defaults in variables.tf and the tfvars example."""
+    default = _blocks(ENV_DEV, "variable")["gpu_pools"]["default"]
+    with open(ENV_DEV / "terraform.tfvars.example", encoding="utf-8") as fh:
+        example = _normalise(hcl2.load(fh)).get("gpu_pools", {})
+    return {role: {"variables.tf default": default[role]["instance_types"],
+                   "terraform.tfvars.example": example.get(role, {}).get("instance_types", [])} for role in ROLES}
+
+
+def _default_job_resources() -> dict[str, dict]:
+    """role -> the pool's default job resources (envs/dev variables actor_job_resources / critic_job_resources)."""
+    variables = _blocks(ENV_DEV, "variable")
+    return {role: variables[f"{role}_job_resources"]["default"] for role in ROLES}
 
 
 # --------------------------------------------------------------------------- formatting & layout
@@ -370,7 +460,6 @@ def test_job_template_requests_gpus_tolerates_taint_and_selects_role(pool_name: 
 
 @pytest.mark.parametrize("pool_name,role", sorted(POOLS.items()))
 def test_job_template_variables_schema_matches_job_configuration(pool_name: str, role: str):
-    jsonschema = pytest.importorskip("jsonschema")
     values = _sample_values(pool_name, role)
     template = _render_template(values)
     schema = template["variables"]
@@ -434,12 +523,7 @@ def test_job_variables_json_matches_templates():
 
 
 def test_prefect_yaml_job_variables_are_declared_by_the_work_pools():
-    prefect_yaml = REPO / "prefect.yaml"
-    if not prefect_yaml.is_file():
-        pytest.skip("prefect.yaml not written yet; this check runs once it exists")
-    yaml = pytest.importorskip("yaml")
-    config = yaml.safe_load(prefect_yaml.read_text(encoding="utf-8")) or {}
-    deployments = config.get("deployments") or []
+    deployments = _prefect_yaml().get("deployments") or []
     assert deployments, "prefect.yaml has no deployments"
     checked = []
     for deployment in deployments:
@@ -453,6 +537,133 @@ def test_prefect_yaml_job_variables_are_declared_by_the_work_pools():
         assert not unknown, f"deployment {deployment.get('name')!r} sets {unknown}, unknown to work pool {pool_name}"
         checked.append((deployment.get("name"), pool_name))
     assert {p for _, p in checked} == set(POOLS), f"expected deployments on both GPU pools, found {checked}"
+
+
+SAMPLE_ENV = {"RLHF_IMAGE": "registry.example.com/rlhf-flows:1", "RLHF_VLLM_IMAGE": "registry.example.com/vllm:1",
+              "AWS_REGION": "us-east-1", "MLFLOW_TRACKING_URI": "https://mlflow.example.com",
+              "RLHF_S3_BUCKET": "bucket", "RLHF_SWEEP_STORAGE": "postgresql+psycopg2://db/optuna"}
+
+
+def test_prefect_yaml_job_variables_are_valid_for_their_pool():
+    """Each deployment's job_variables pass its work pool's variables schema, as the Prefect server checks them at
+    `prefect deploy`; e.g. gpu_count 0 is refused on the actor pool (torchrun would start no rank)."""
+    for deployment in _prefect_yaml()["deployments"]:
+        pool = deployment["work_pool"]
+        schema = _render_template(_sample_values(pool["name"], POOLS[pool["name"]]))["variables"]
+        jsonschema.validate(_rendered(pool.get("job_variables") or {}, SAMPLE_ENV), schema)
+    actor = _render_template(_sample_values("actor-gpu", "actor"))["variables"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"gpu_count": 0}, actor)
+    jsonschema.validate({"gpu_count": 0}, _render_template(_sample_values("critic-gpu", "critic"))["variables"])
+
+
+def test_allocatable_resources_follow_the_eks_reservations():
+    """The reservations node_types.json describes, on g5.xlarge: 4 vCPU - 80m kube-reserved - 125m daemonsets; 16 GiB
+    x 0.95 - (255 + 11 x 58) MiB - 100 MiB."""
+    node = _allocatable("g5.xlarge")
+    assert node["cpu"] == pytest.approx(4 - 0.080 - 0.125)
+    assert node["memory"] == pytest.approx(16 * 2**30 * 0.95 - (255 + 638 + 100) * 2**20)
+    assert node["gpus"] == 1
+    assert _misfits({"cpu": "8", "memory": "60Gi", "gpu_count": 1}, "g5.xlarge") == [  # prefect.yaml before issue 31
+        "cpu 8 CPUs > allocatable 3.795 CPUs", "memory 60.00 GiB > allocatable 14.23 GiB"]
+    assert _misfits({"cpu": "3", "memory": "12Gi", "gpu_count": 2}, "g5.xlarge") == ["gpus 2 GPUs > allocatable 1 GPUs"]
+    assert _misfits({"cpu": "3800m", "memory": "14Gi", "gpu_count": 1}, "g5.xlarge") == [
+        "cpu 3.8 CPUs > allocatable 3.795 CPUs"]
+
+
+def test_every_pod_fits_a_node_of_its_pool():
+    """A deployment's pod (prefect.yaml's cpu/memory/gpu_count, else the pool's default job resources) fits one node
+    of every instance type its pool may choose (the defaults and the tfvars example); otherwise it stays Pending and
+    the autoscaler can never place it."""
+    instance_types, defaults = _pool_instance_types(), _default_job_resources()
+    with open(ENV_DEV / "terraform.tfvars.example", encoding="utf-8") as fh:
+        example = _normalise(hcl2.load(fh))
+    problems, checked = [], 0
+    for role in ROLES:
+        pods = {f"default {role}_job_resources": defaults[role],
+                f"tfvars example {role}_job_resources": {**defaults[role], **example.get(f"{role}_job_resources", {})}}
+        for deployment in _prefect_yaml()["deployments"]:
+            pool = deployment["work_pool"]
+            if POOLS[pool["name"]] == role:
+                variables = pool.get("job_variables") or {}
+                pods[f"{_flow_name(deployment['entrypoint'])}/{deployment['name']}"] = {
+                    key: variables.get(key, defaults[role][key]) for key in ("cpu", "memory", "gpu_count")}
+        for where, types in instance_types[role].items():
+            for instance_type in types:
+                for pod, resources in pods.items():
+                    checked += 1
+                    problems += [f"{pod} on {instance_type} ({role} pool, {where}): {why}"
+                                 for why in _misfits(resources, instance_type)]
+    assert checked >= 2 * 7 and not problems, "\n".join(problems)
+
+
+def test_gpus_per_node_and_nnodes_match_the_pools():
+    """The autoscaler's GPU hint (gpu_pools.gpus_per_node) is the instance type's GPU count, and an actor job's pods
+    (nnodes, one per node) fit within the pool's max_size."""
+    table = json.loads(NODE_TYPES.read_text(encoding="utf-8"))["instance_types"]
+    default = _blocks(ENV_DEV, "variable")["gpu_pools"]["default"]
+    with open(ENV_DEV / "terraform.tfvars.example", encoding="utf-8") as fh:
+        example = _normalise(hcl2.load(fh)).get("gpu_pools", {})
+    for where, pools in (("default", default), ("tfvars example", example)):
+        for role, pool in pools.items():
+            gpus = pool.get("gpus_per_node", 1)
+            for instance_type in pool["instance_types"]:
+                assert table[instance_type]["gpus"] == gpus, f"{where} {role}: {instance_type} has " \
+                    f"{table[instance_type]['gpus']} GPUs, gpus_per_node says {gpus}"
+            for deployment in _prefect_yaml()["deployments"]:
+                if POOLS[deployment["work_pool"]["name"]] == role:
+                    nnodes = (deployment["work_pool"].get("job_variables") or {}).get("nnodes", 1)
+                    assert nnodes <= pool.get("max_size", 2), (where, deployment["entrypoint"], nnodes)
+
+
+def _training_deployments() -> dict[str, dict]:
+    found = {_flow_name(d["entrypoint"]): d for d in _prefect_yaml()["deployments"]}
+    assert set(TRAINING_FLOWS) <= set(found), f"prefect.yaml lacks {set(TRAINING_FLOWS) - set(found)}"
+    return {name: _rendered(found[name], SAMPLE_ENV) for name in TRAINING_FLOWS}
+
+
+def test_training_deployments_take_config_and_deploy_and_keep_deploy_under_a_partial_config():
+    """ppo/default and reinforce/default: `config` (what a run trains) and `deploy` (where its parts run: the servers as
+    deployments on their own pods, the rollout server's interpreter in the vLLM image, checkpoints in S3 under the
+    prefix the pods' role may write, the tracking server). A run given a partial `--param config=...` keeps every
+    deploy setting and the rest of the deployment's config: its parameters are deep-merged over the deployment's,
+    as components/tasks.flow_config does (run end to end against a Prefect server in tests/flows)."""
+    from models.config import RLHFConfig, RunConfig, deep_merge
+    from models.deploy import DeployConfig
+
+    checkpoint_prefix = _blocks(ENV_DEV, "variable")["checkpoint_prefix"]["default"]
+    vllm_python = re.search(r"python -m venv (\S+)", (REPO / "docker" / "vllm.Dockerfile").read_text()).group(1)
+    for name, deployment in _training_deployments().items():
+        parameters = deployment["parameters"]
+        assert set(parameters) == {"config", "deploy"}, (name, set(parameters))
+        RunConfig.model_validate(parameters["config"])
+        deploy = DeployConfig.model_validate(parameters["deploy"])
+        for server in (deploy.critic, deploy.reward, deploy.rollout):
+            assert server.launch == "deployment" and server.host == "0.0.0.0", (name, server)
+        assert deploy.rollout.python == f"{vllm_python}/bin/python", name
+        assert deploy.checkpoint.uri.rstrip("/") + "/" == f"s3://{SAMPLE_ENV['RLHF_S3_BUCKET']}/{checkpoint_prefix}", name
+        assert deploy.tracking.uri == SAMPLE_ENV["MLFLOW_TRACKING_URI"], name
+
+        given = {"config": {"iterations": 3, "model": {"policy": "org/model"}}}
+        merged = {key: deep_merge(parameters[key], given.get(key, {})) for key in ("config", "deploy")}
+        run = RLHFConfig.model_validate({**merged["config"], "deploy": merged["deploy"]})
+        assert run.iterations == 3 and run.model.policy == "org/model"
+        assert run.model.dtype == parameters["config"]["model"]["dtype"]  # the deployment's own config kept
+        assert run.deploy == deploy  # every deploy setting kept
+
+
+def test_infra_readme_agrees_with_prefect_yaml():
+    """The infra README names every deployment, gives their real count, and the image variables prefect.yaml reads."""
+    text = INFRA_README.read_text(encoding="utf-8")
+    deployments = _prefect_yaml()["deployments"]
+    words = {5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine"}
+    assert f"{words[len(deployments)]} deployments" in text.lower(), f"README must say {len(deployments)} deployments"
+    for deployment in deployments:
+        name = f"{_flow_name(deployment['entrypoint'])}/{deployment['name']}"
+        assert f"`{name}`" in text, f"README does not name {name}"
+    used = set(re.findall(r"\$(\w*IMAGE\w*)", PREFECT_YAML.read_text(encoding="utf-8")))
+    named = set(re.findall(r"\$(\w*IMAGE\w*)", text))
+    assert used == {"RLHF_IMAGE", "RLHF_VLLM_IMAGE"} and named == used, (used, named)
 
 
 # --------------------------------------------------------------------------- storage, cluster, IAM

@@ -13,6 +13,7 @@ locals {
       service_account_name = var.actor_service_account_name
       resources            = var.actor_resources
       launch               = local.actor_launch
+      min_gpu_count        = 1 # torchrun starts gpu_count ranks per pod
       description          = "RLHF actor flows (PPO / REINFORCE policy rollouts and updates) on the actor GPU node group."
     }
     (var.critic_pool_name) = {
@@ -20,7 +21,8 @@ locals {
       service_account_name = var.critic_service_account_name
       resources            = var.critic_resources
       launch               = "exec {{ command }}"
-      description          = "RLHF critic and reward model servers (PyTriton) on the critic GPU node group."
+      min_gpu_count        = 0 # flows that need no GPU (compare, sweep) run here with gpu_count 0
+      description          = "RLHF critic, reward and rollout servers, and the flows that need no GPU, on the critic GPU node group."
     }
   }
 
@@ -32,6 +34,7 @@ locals {
       namespace                 = var.namespace
       service_account_name      = pool.service_account_name
       gpu_count                 = pool.resources.gpu_count
+      min_gpu_count             = pool.min_gpu_count
       cpu                       = pool.resources.cpu
       memory                    = pool.resources.memory
       shm_size                  = pool.resources.shm_size

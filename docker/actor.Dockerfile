@@ -1,0 +1,45 @@
+# syntax=docker/dockerfile:1
+# The actor image ($RLHF_IMAGE in prefect.yaml): rlhf-flows with CUDA torch, for every pod of the actor-gpu and
+# critic-gpu work pools (training flows and their actor ranks, critic and reward servers, compare, sweep).
+#
+#   make image                                  # builds this and docker/vllm.Dockerfile with the project's pins
+#
+# The pins are the project's own: torch from TORCH_VERSION (make passes pyproject.toml's pin; the default here is the
+# same, tests/infra/test_images.py checks), every other dependency read from pyproject.toml at build time. PyPI's
+# Linux wheel of torch is the CUDA build (its CUDA libraries come as nvidia-* wheels); the driver comes from the
+# node (the AL2023 NVIDIA AMI of the GPU pools). Python 3.11 as in CI; glibc 2.36 (PyTriton's Triton needs >= 2.35)
+# and a shared libpython (Triton's python backend links it) come with the official image.
+ARG PYTHON_VERSION=3.11
+FROM python:${PYTHON_VERSION}-slim-bookworm
+
+ARG TORCH_VERSION=2.13.0
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    DO_NOT_TRACK=1 \
+    PREFECT_SERVER_ANALYTICS_ENABLED=false \
+    MLFLOW_DISABLE_TELEMETRY=true
+
+# Prefect's pull step runs every flow from here (prefect.yaml: set_working_directory /opt/rlhf-flows); the package is
+# installed editable from it, so the project root the servers' children import from is this directory.
+WORKDIR /opt/rlhf-flows
+
+# torch first and alone, pinned: nothing later may resolve another build of it
+RUN pip install "torch==${TORCH_VERSION}"
+
+# the dependencies exactly as pyproject.toml lists them (a layer of their own: code changes do not reinstall them)
+COPY pyproject.toml README.md ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']))" \
+        > /tmp/requirements.txt \
+    && pip install -r /tmp/requirements.txt \
+    && rm /tmp/requirements.txt
+
+COPY models/ models/
+COPY components/ components/
+COPY flows/ flows/
+COPY prefect.yaml ./
+RUN pip install --no-deps -e . && python -c "import components, flows, models"
+
+# not root: the pod needs no privilege (S3 comes from the service account's IRSA role, state under RLHF_STATE_DIR)
+RUN useradd --create-home --uid 1000 rlhf
+USER 1000

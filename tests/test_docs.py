@@ -1,0 +1,52 @@
+"""The docs site (docs/, mkdocs.yml): its generated pages are what the code and the measurements say, and it builds
+with `mkdocs build --strict` (a broken link or anchor, or a page left out of the nav, fails it)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from pydantic import BaseModel
+
+from benchmarks.run_all import PAGE
+from models.config import RunConfig
+from models.deploy import DeployConfig
+from tools.docs import CONFIG_REFERENCE, benchmarks_page, config_reference
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def leaves(model: type[BaseModel], prefix: str) -> list[str]:
+    """Dotted names of every field below `model` that is not itself a section."""
+    out = []
+    for name, field in model.model_fields.items():
+        dotted = f"{prefix}{name}"
+        default = field.get_default(call_default_factory=True)
+        out += leaves(type(default), f"{dotted}.") if isinstance(default, BaseModel) else [dotted]
+    return out
+
+
+def test_config_reference_is_current_and_lists_every_field():
+    page = config_reference()
+    assert CONFIG_REFERENCE.read_text() == page, "docs/reference/config.md is stale: run `python -m tools.docs`"
+    names = leaves(RunConfig, "") + leaves(DeployConfig, "deploy.")
+    assert len(names) > 100 and "deploy.actor.nproc_per_node" in names and "model.gradient_checkpointing" in names
+    missing = [name for name in names if f"| `{name}` |" not in page]
+    assert not missing, missing
+
+
+def test_benchmarks_page_is_generated_from_the_results():
+    current = PAGE.read_text()
+    assert benchmarks_page(current) == current, "docs/benchmarks.md is stale: run `python -m tools.docs`"
+    assert "| memory.json |" in current and "| rloo_vs_trl.json |" in current  # one row per result file
+
+
+def test_docs_build_strict(tmp_path):
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (tmp_path / "site" / "reference" / "config" / "index.html").is_file()
+    assert (tmp_path / "site" / "memory" / "index.html").is_file()
