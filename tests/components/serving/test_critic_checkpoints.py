@@ -19,7 +19,7 @@ from components.serving.launcher import launch
 from components.serving.servers import PENDING_PREFIX, ServerSpec
 from components.storage.checkpoints import CheckpointError
 from components.tracking.run import RunSession
-from models.config import preset
+from models.config import merge, preset
 from models.algorithms import Backends
 from models.loop import Leader, build_actor, gold_function, load_prompts, prompt_batches
 from models.prepare import prepare_run
@@ -138,7 +138,7 @@ def forbidding_endpoint(s3_bucket):
 
 
 def test_a_403_on_the_critic_checkpoint_fails_the_run_naming_the_uri(cfg, forbidding_endpoint, tmp_path):
-    local = cfg.model_copy(update={"critic": cfg.critic.model_copy(update={"launch": "in_process"})})
+    local = merge(cfg, {"deploy.critic.launch": "in_process"})
     session = RunSession.open(local)
     state = build_actor(local)
     from models.backends import LocalCritic
@@ -149,17 +149,17 @@ def test_a_403_on_the_critic_checkpoint_fails_the_run_naming_the_uri(cfg, forbid
     session.save(Leader(local, state), critic.save())
     critic.close()
     session.close("KILLED")
-    bucket = urlparse(cfg.checkpoint.uri).netloc
+    bucket = urlparse(cfg.deploy.checkpoint.uri).netloc
     critic_uri = f"s3://{bucket}/ckpt/dep-critic/iter_1/critic/"
 
     # the run (critic local or in process) downloads the critic part itself
-    forbidden = local.model_copy(update={"checkpoint": local.checkpoint.model_copy(update={"s3_endpoint_url": forbidding_endpoint})})
+    forbidden = merge(local, {"deploy.checkpoint.s3_endpoint_url": forbidding_endpoint})
     with pytest.raises(CheckpointError) as err:
         RunSession.open(forbidden)
     assert critic_uri in str(err.value) and "403" in str(err.value)
 
     # launch=deployment: the run reads only the actor; the critic server's restore fails, naming the URI and the 403
-    deployment = forbidden.model_copy(update={"critic": cfg.critic})
+    deployment = merge(forbidden, {"deploy.critic.launch": cfg.deploy.critic.launch})
     resumed = RunSession.open(deployment)
     assert resumed.critic_restore_iteration == 1
     with pytest.raises(ServerNotReady) as err:
