@@ -99,8 +99,8 @@ class RunRecord:
         self.session.log(iteration, metrics, samples)
         m = metrics
         stale = f" staleness {m['rollout/staleness_max']:g}" if "rollout/staleness_max" in m else ""
-        self.steps.log(f"iteration {iteration}/{self.session.cfg.iterations}: gold "
-                       f"{m.get('objective/gold_reward', float('nan')):+.3f} score {m['objective/scores']:+.3f} "
+        gold = f"gold {m['objective/gold_reward']:+.3f} " if "objective/gold_reward" in m else ""
+        self.steps.log(f"iteration {iteration}/{self.session.cfg.iterations}: {gold}score {m['objective/scores']:+.3f} "
                        f"KL {m['objective/kl']:.3f} step {m['time/step']:.2f}s{stale}")
 
     def log_eval(self, iteration: int, metrics: dict, rows: list[dict]) -> None:

@@ -115,6 +115,7 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
         "val/ratio": train_stats["ratio"],
     })
     metrics.update(algorithm.metrics(data, adv, critic_stats))
+    metrics.update(function_reward_metrics(data.scored, cfg.reward.function_names()))
     if own_weights:
         metrics.update(engine_mismatch(me, old_logp, rollout.sample_logprobs, mask, tis, cfg.rollout.tis_cap))
         staleness = me.all_gather_cat(trained_version - rollout.versions).double()
@@ -122,6 +123,20 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
                         **rollout_clock})
     state.kl_ctl.update(metrics["objective/kl"], len(prompts) * k)
     return metrics, sample_rows(mine, responses, adv.scores[rows], gold)
+
+
+def function_reward_metrics(scored: dict, names: list[str]) -> dict[str, float]:
+    """rewards/<name>/mean and /std of each reward function (TRL's names) over the rows of all ranks, when the
+    scores came from reward functions (their weighted sum is the score)."""
+    each = scored.get("function_rewards")
+    if each is None or each.shape[1] != len(names):
+        return {}
+    each = each.double()
+    out = {}
+    for i, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = float(each[:, i].mean())
+        out[f"rewards/{name}/std"] = float(each[:, i].std()) if len(each) > 1 else 0.0
+    return out
 
 
 def all_ranks(me: Dist, local: StepData, scored: dict) -> tuple[StepData, slice]:

@@ -9,7 +9,7 @@ import yaml
 
 from components.cli.options import parse_overrides
 from components.runs import train
-from models.config import load_config
+from models.config import PRESETS, describe, load_config
 from models.tiny import build_tiny
 
 # Where `rlhf train`'s parts run unless its config says otherwise: the critic and reward model in this process (no
@@ -35,6 +35,14 @@ def cmd_models_tiny(args) -> int:
 
 
 def cmd_config(args) -> int:
+    """The resolved config as YAML, or with --describe every field with its type, default and description."""
+    if args.describe:
+        tiny = PRESETS["tiny"]()
+        for field, kind, default, description in describe():
+            preset = f"; tiny preset {tiny[field]!r}" if field in tiny else ""
+            print(f"{field}:" if kind == "section" else f"{field}  ({kind}, default {default}{preset})")
+            print(f"    {description}")
+        return 0
     cfg = load_cli_config(args)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return 0

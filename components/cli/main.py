@@ -128,8 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(run="components.cli.commands:cmd_models_tiny")
 
-    config = sub.add_parser("config", help="print the resolved config")
+    config = sub.add_parser("config", help="print the resolved config (or, with --describe, every field and what it means)")
     add_config_args(config)
+    config.add_argument("--describe", action="store_true", help="print every field of the config tree with its type, "
+                        "default and description instead")
     config.set_defaults(run="components.cli.commands:cmd_config")
 
     train = sub.add_parser("train", help="a training run in this process (checkpoints, resume by run_name, MLflow, eval; no Prefect)")
