@@ -55,11 +55,11 @@ def check_models(cfg: RLHFConfig, fields: tuple[str, ...] = ("policy", "reward",
     """Every model a `model.<field>` names exists (a hub id: in the Hugging Face cache, or fetched into it where the
     hub is reachable), before anything loads; the first that does not fails, naming its field. A reward model that
     is needed and not given fails too."""
-    if "reward" in fields and cfg.reward.source == "model" and not cfg.model.reward:
-        raise ValueError(f"model.reward: not set, and reward.source='model' needs a reward model for the policy "
-                         f"'{cfg.model.policy}' (a sequence-classification checkpoint with one label); or score with "
-                         f"Python functions: reward.source=function, reward.function=path/to/rewards.py:fn")
     for field in fields:
+        if field == "reward" and cfg.reward.source == "model" and not cfg.model.reward:
+            raise ValueError(f"model.reward: not set, and reward.source='model' needs a reward model for the policy "
+                             f"'{cfg.model.policy}' (a sequence-classification checkpoint with one label); or score "
+                             f"with Python functions: reward.source=function, reward.function=path/to/rewards.py:fn")
         if value := getattr(cfg.model, field):
             try:
                 check_model_path(cfg.resolve_model_path(value), f"model.{field}")
