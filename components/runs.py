@@ -7,6 +7,8 @@
     the run's services: the rollout server given the actor's weights, and what the algorithm scores with (a critic
         server, a reward server unless the critic carries the reward model), each ready
     the one training loop (models/loop.py): iterations, held-out evals, metrics, checkpoints
+    the trained model out (components/export.py): the last checkpoint's policy as a Hugging Face model in the run's
+        store and as the MLflow run's model
     the summary; everything torn down on success, failure and cancellation
 
 How each named step executes is the caller's `Steps` (models/loop.py): directly here (`rlhf train`), as Prefect tasks
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+from components.export import publish_model
 from components.launch.ranks import actor_ranks
 from components.serving.services import RunServices, rollout_server, run_services
 from components.tracking.run import RunSession
@@ -40,7 +43,10 @@ def train(cfg: RLHFConfig, steps: Steps = DIRECT) -> dict:
             run_services(cfg, session.place, actor, steps, rollout) as services:
         log_data(session, prompts, evals, steps)
         history, evaluations = run_loop(cfg, actor, prompts, evals, RunRecord(session, services, steps), steps)
-        return summary(session, actor, history, evaluations, steps)
+        model = steps("export-model", publish_model, session, retries=1)  # the trained model out: store + MLflow
+        steps.log(f"model of iteration {model['iteration']}: {model['model']} (MLflow logged model "
+                  f"{model['mlflow_model_id']})")
+        return {**summary(session, actor, history, evaluations, steps), **model}
 
 
 @contextmanager

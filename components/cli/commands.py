@@ -8,6 +8,7 @@ from pathlib import Path
 import yaml
 
 from components.cli.options import parse_overrides
+from components.cli.progress import ProgressSteps
 from components.runs import train
 from models.config import PRESETS, describe, load_config
 from models.tiny import build_tiny
@@ -53,7 +54,11 @@ def cmd_train(args) -> int:
     checkpoints, resumes by run_name, logs to MLflow (the local stack's server when `rlhf up` runs, else the state
     directory's store) and runs the held-out eval. Its critic and reward model run in this process unless
     `--set deploy.critic.launch=local` (etc.) says otherwise."""
-    result = train(load_cli_config(args, defaults=TRAIN_DEPLOY))
+    steps = ProgressSteps()  # a progress bar of the iterations with the time left, the run's messages above it
+    try:
+        result = train(load_cli_config(args, defaults=TRAIN_DEPLOY), steps)
+    finally:
+        steps.close()
     if args.metrics_out:
         Path(args.metrics_out).write_text(json.dumps(result["history"], indent=1))
     if args.eval_out:
