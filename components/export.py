@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from components.storage.checkpoints import CheckpointError, CheckpointStore
+from components.tracking.run import checkpoint_uri
 from models.config import RLHFConfig
 from models.export import export_policy
 
@@ -24,8 +25,6 @@ MODEL_KEY = "model"  # where a run keeps its exported model in its store
 def run_store(cfg: RLHFConfig, run: str) -> CheckpointStore:
     """The checkpoint store of `run`: a run name (in the config's checkpoint location: deploy.checkpoint.uri, else
     <state_dir>/checkpoints) or a store's own URI or path (file:///..., s3://bucket/prefix/run, a directory)."""
-    from components.tracking.run import checkpoint_uri  # light enough; kept here so the CLI's import stays small
-
     if "://" in run or Path(run).expanduser().is_dir():
         uri = run
     else:

@@ -29,10 +29,11 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import yaml
-from pydantic import Field, PositiveInt, create_model, model_validator
+from pydantic import BaseModel, Field, PositiveInt, create_model, model_validator
 
 from models.algorithms import ALGORITHMS
 from models.deploy import DeployConfig
+from models.hub import resolve_model
 from models.sections import STATE_DIR_ENV, OptimConfig, Section, default_state_dir  # noqa: F401 (re-exported)
 from models.tiny_files import TINY_PREFIX, embedded_model_path, is_embedded, is_tiny_policy  # noqa: F401 (re-exported)
 
@@ -294,8 +295,6 @@ class RLHFConfig(RunConfig):
         """The local directory of a model field's value (models/hub.py): `tiny/<name>` = the embedded default shipped
         with the package, a local directory as it is, a hub id = its snapshot in the Hugging Face cache (at
         model.revision when it is the policy's id). A missing model fails naming its field."""
-        from models.hub import resolve_model
-
         field = next((f"model.{name}" for name in ("policy", "reward", "critic") if getattr(self.model, name) == value),
                      "model")
         return resolve_model(value, field, self.model.revision if value == self.model.policy else None)
@@ -413,8 +412,6 @@ def load_config(path: str | Path | None = None, preset_name: str = "auto", overr
 def describe(section=None, prefix: str = "") -> list[tuple[str, str, str, str]]:
     """(dotted field, type, default, description) of every field of the tree (an RLHFConfig of field defaults unless
     `section` is given), depth first: what `rlhf config --describe` prints."""
-    from pydantic import BaseModel
-
     section = section if section is not None else RLHFConfig()
     rows = []
     for name, field in type(section).model_fields.items():

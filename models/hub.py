@@ -65,8 +65,8 @@ def resolve_model(value: str, field: str = "model", revision: str | None = None)
         raise FileNotFoundError(
             f"{field}: model path '{value}' does not exist (expected a directory saved with save_pretrained, a hub id "
             f"'org/name' in the Hugging Face cache, or tiny/<name>, the embedded default)")
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub import snapshot_download  # only a hub id needs it (~0.3 s)
+    from huggingface_hub.errors import LocalEntryNotFoundError  # as above
 
     cache = cache_dir()
     try:

@@ -24,11 +24,11 @@ FAMILY_REWARD = "tiny/reward"  # the reward model of the embedded tiny policy's 
 
 def prepare_run(cfg: RLHFConfig) -> RLHFConfig:
     """The config with its derived values filled in (idempotent: a prepared config comes back unchanged)."""
+    cfg = merge(cfg, {**family_reward(cfg), **absolute_reward_files(cfg)})
+    check_models(cfg)
     if not cfg.data.prompts:
         raise DataError("data.prompts: not set; name the training prompts (a local file or folder, a hub data set "
                         "id, or builtin:<task>: models/data.py)")
-    cfg = merge(cfg, {**family_reward(cfg), **absolute_reward_files(cfg)})
-    check_models(cfg)
     cfg = merge(cfg, critic_source(cfg))
     check_tokenizers(cfg)
     cfg = with_schedule_lengths(cfg)

@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -133,8 +134,6 @@ def _as_number(value: Any) -> float | None:
 def _model_requirements() -> list[str]:
     """What loading a logged model needs: the installed transformers, torch and safetensors (pinned as installed;
     given explicitly, so MLflow does not infer them by importing the model in a subprocess)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     out = []
     for package in ("transformers", "torch", "safetensors", "accelerate"):
         try:
@@ -281,9 +280,9 @@ class Tracker:
         model/), linked to the run at `step`; with `register_as`, a new version of that registered model. Returns
         the logged model's id."""
         import mlflow.transformers  # heavy (~2 s): only logging a model needs it
-        from mlflow.entities import LoggedModelOutput, LoggedModelStatus
-        from mlflow.models import Model
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from mlflow.entities import LoggedModelOutput, LoggedModelStatus  # with mlflow.transformers: a model to log
+        from mlflow.models import Model  # as above
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: the model MLflow's flavor saves
 
         run = self.client.get_run(self.run_id)
         with tempfile.TemporaryDirectory(prefix="mlflow-model-") as tmp:
