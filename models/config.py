@@ -6,7 +6,7 @@ Every field carries its default and a one-line description (shown in the Prefect
 Defaults: the field defaults fit a real model (a ~0.5B-7B instruct model on GPUs, the settings TRL, OpenRLHF and veRL
 use: actor learning rate 1e-6, critic 1e-5, bf16 compute, 256 new tokens, micro-batches of 8). The embedded tiny
 models need other settings (learning rates 3e-4 / 1e-3, 16 new tokens, float32, the shipped task's prompts): those
-are the `tiny` preset's alone (TINY below). The preset is chosen by the policy: a config whose `model.policy` is the
+are the `tiny` preset's alone (`_tiny` below). The preset is chosen by the policy: a config whose `model.policy` is the
 embedded tiny policy (or unset) gets the `tiny` preset's values for every field it leaves unset, any other policy the
 field defaults (`preset_for`; `rlhf ... --preset tiny|none` chooses explicitly). So a partial config runs the demo end
 to end on a 2-core CPU, and a user's model never inherits the tiny model's settings.
