@@ -106,8 +106,8 @@ class RunRecord:
         m = metrics
         stale = f" staleness {m['rollout/staleness_max']:g}" if "rollout/staleness_max" in m else ""
         gold = f"gold {m['objective/gold_reward']:+.3f} " if "objective/gold_reward" in m else ""
-        self.steps.log(f"iteration {iteration}/{self.session.cfg.iterations}: {gold}score {m['objective/scores']:+.3f} "
-                       f"KL {m['objective/kl']:.3f} step {m['time/step']:.2f}s{stale}")
+        self.steps.log(f"iteration {iteration}/{self.session.cfg.iterations}: {gold}reward {m['reward']:+.3f} "
+                       f"KL {m['objective/kl']:.3f} step {m['step_time']:.2f}s{stale}")
 
     def log_eval(self, iteration: int, metrics: dict, rows: list[dict]) -> None:
         """An eval's metrics at step=iteration, its samples as an MLflow table and a table beside the run."""
@@ -139,11 +139,15 @@ def log_data(session: RunSession, prompts: PromptSet, evals: PromptSet | None, s
     steps.log(note)
 
 
+HEADLINE = ("reward", "reward_std", "kl")  # with objective/* and rewards/*: the last iteration's, in a summary
+
+
 def summary(session: RunSession, actor: Leader, history: list[dict], evaluations: list[dict],
             steps: Steps = DIRECT) -> dict:
     """What a run returns (a flow run's result; `rlhf train --summary-out`)."""
     steps.log(f"run {session.name} finished: {actor.state.iteration} iterations on {actor.me.world_size} actor rank(s)")
     final = history[-1] if history else {}
     return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": actor.state.iteration,
-            "checkpoint": session.store.uri, "final": {k: v for k, v in final.items() if k.startswith("objective/")},
+            "checkpoint": session.store.uri,
+            "final": {k: v for k, v in final.items() if k in HEADLINE or k.startswith(("objective/", "rewards/"))},
             "history": history, "evals": evaluations}

@@ -3,7 +3,7 @@ the gold reward, on every actor rank with its share of the prompts, through the 
 
 It adds no trainer step and leaves the training stream as it is: it samples from a generator of its own (seeded from
 the run's seed and the iteration), never the actor's, and touches neither the optimizer, the KL controller nor the
-counters. Metrics (rank 0): eval/score, eval/gold_reward, eval/response_length; when every score is 0 or 1 (a
+counters. Metrics (rank 0): eval/reward, eval/gold_reward, eval/completions/mean_length; when every score is 0 or 1 (a
 verifiable reward), eval/accuracy and eval/pass_at_k (pass@k, k = eval.samples_per_prompt: a prompt passes when one
 of its k samples scores 1); with reward functions, eval/rewards/<name>/mean and /std of each.
 """
@@ -64,7 +64,7 @@ def eval_seed(seed: int, iteration: int, rank: int) -> int:
 def eval_metrics(scores: torch.Tensor, gold: torch.Tensor | None, response_lengths: torch.Tensor, k: int) -> dict:
     """Means over every eval sample; accuracy and pass@k when the scores are all 0 or 1 (samples of a prompt are
     consecutive, k each)."""
-    metrics = {"eval/score": float(scores.mean()), "eval/response_length": float(response_lengths.mean()),
+    metrics = {"eval/reward": float(scores.mean()), "eval/completions/mean_length": float(response_lengths.mean()),
                "eval/samples": float(len(scores))}
     if gold is not None:
         metrics["eval/gold_reward"] = float(gold.mean())

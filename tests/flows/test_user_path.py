@@ -99,7 +99,7 @@ def test_a_users_model_data_and_reward_through_the_deployments(walk, deployment,
     client = MlflowClient(walk["urls"]["mlflow"])
     experiment = client.get_experiment_by_name("rlhf-flows")
     mrun = client.search_runs([experiment.experiment_id], filter_string=f"attributes.run_name = '{config['run_name']}'")[0]
-    assert "objective/gold_reward" not in mrun.data.metrics and "objective/scores" in mrun.data.metrics
+    assert "objective/gold_reward" not in mrun.data.metrics and "reward" in mrun.data.metrics
     models = client.search_logged_models(experiment_ids=[experiment.experiment_id],
                                          filter_string=f"source_run_id = '{mrun.info.run_id}'")
     assert [str(m.status) for m in models] == ["READY"]
