@@ -75,9 +75,9 @@ def throughput(model_dir: str, iterations: int, env: dict, tmp: Path, runs=RUNS,
                      **({"deploy.rollout.threads": 1, "deploy.rollout.cpu_cores": "1"} if pin else {})}
         log(f"async_rollouts: {name} ({iterations} iterations)")
         history = train(overrides, tmp / f"{name}.json", pin, env)[2:]  # the first two warm the engine up
-        step = [m["time/step"] for m in history]
+        step = [m["step_time"] for m in history]
         generate = [m["time/generate"] for m in history]
-        train_s = [m["time/step"] - m["time/generate"] for m in history]
+        train_s = [m["step_time"] - m["time/generate"] for m in history]
         cases[name] = {
             "max_off_policy_steps": k, "actor_cores": pin or "0,1 (shared)", "server_cores": "1" if pin else "0,1 (shared)",
             "seconds_per_iteration": stats(step), "iterations_per_minute": 60 / statistics.median(step),

@@ -1,7 +1,7 @@
 """The actor on 1 vs 2 ranks (FSDP2 over gloo on this CPU): seconds per iteration, and per-rank memory.
 
 1. Seconds per iteration: `rlhf train` (in-process critic / reward, the embedded default) for PPO and RLOO with
-   deploy.actor.nproc_per_node = 1 and 2, alternated; the median of time/step over the iterations after the first. On a
+   deploy.actor.nproc_per_node = 1 and 2, alternated; the median of step_time over the iterations after the first. On a
    2-core CPU there is no speed-up to expect (2 ranks x 1 thread vs 1 rank x 2 threads, plus the collectives): the
    figure shows the overhead of the distributed path.
 2. Per-rank bytes of parameters, gradients and AdamW states, counted from each rank's local shards
@@ -81,7 +81,7 @@ def seconds_per_iteration(algorithm: str, world: int, iterations: int) -> list[f
                         "--set", f"iterations={iterations}", "--set", f"deploy.actor.nproc_per_node={world}",
                         "--metrics-out", str(out)], check=True, capture_output=True, text=True, env=env, timeout=1800)
         history = json.loads(out.read_text())
-    return [m["time/step"] for m in history[1:]]
+    return [m["step_time"] for m in history[1:]]
 
 
 def main(argv=None) -> dict:

@@ -185,7 +185,7 @@ def rloo_iteration(model_dir: str, reps: int) -> dict:
                 times[side].append({"seconds": seconds, "generate_s": metrics["time/generate"]})
                 if side != "native":
                     refit_s[side].append(metrics["time/refit"])
-                    refit_share[side].append(metrics["time/refit"] / metrics["time/step"])
+                    refit_share[side].append(metrics["time/refit"] / metrics["step_time"])
     finally:
         for server in servers:
             server.stop()

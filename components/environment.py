@@ -6,12 +6,17 @@ from __future__ import annotations
 import os
 
 
-def quiet() -> None:
-    """No telemetry (no internet here) and no download/progress noise from the model libraries."""
-    for key, value in (("DO_NOT_TRACK", "1"), ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
-                       ("MLFLOW_DISABLE_TELEMETRY", "true"), ("TRANSFORMERS_VERBOSITY", "error"),
-                       ("HF_HUB_DISABLE_PROGRESS_BARS", "1"), ("TOKENIZERS_PARALLELISM", "false"),
-                       ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")):
+def quiet(progress_bars: bool = False) -> None:
+    """No telemetry (no internet here) and no noise from the model libraries. `progress_bars`: keep the Hugging
+    Face libraries' bars (a model download into the cache, loading its weights): a terminal command a user watches
+    (`rlhf train`, `rlhf export`); every other process (servers, ranks, the deployments' runs, whose output goes to
+    log files) runs without them, and so do the children of a command (components/launch/processes.project_env)."""
+    settings = [("DO_NOT_TRACK", "1"), ("PREFECT_SERVER_ANALYTICS_ENABLED", "false"),
+                ("MLFLOW_DISABLE_TELEMETRY", "true"), ("TRANSFORMERS_VERBOSITY", "error"),
+                ("TOKENIZERS_PARALLELISM", "false"), ("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")]
+    if not progress_bars:
+        settings.append(("HF_HUB_DISABLE_PROGRESS_BARS", "1"))
+    for key, value in settings:
         os.environ.setdefault(key, value)
 
 

@@ -7,6 +7,8 @@
     the run's services: the rollout server given the actor's weights, and what the algorithm scores with (a critic
         server, a reward server unless the critic carries the reward model), each ready
     the one training loop (models/loop.py): iterations, held-out evals, metrics, checkpoints
+    the trained model out (components/export.py): the last checkpoint's policy as a Hugging Face model in the run's
+        store and as the MLflow run's model
     the summary; everything torn down on success, failure and cancellation
 
 How each named step executes is the caller's `Steps` (models/loop.py): directly here (`rlhf train`), as Prefect tasks
@@ -20,6 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
 
+from components.export import publish_model
 from components.launch.ranks import actor_ranks
 from components.serving.services import RunServices, rollout_server, run_services
 from components.tracking.run import RunSession
@@ -40,7 +43,10 @@ def train(cfg: RLHFConfig, steps: Steps = DIRECT) -> dict:
             run_services(cfg, session.place, actor, steps, rollout) as services:
         log_data(session, prompts, evals, steps)
         history, evaluations = run_loop(cfg, actor, prompts, evals, RunRecord(session, services, steps), steps)
-        return summary(session, actor, history, evaluations, steps)
+        model = steps("export-model", publish_model, session, retries=1)  # the trained model out: store + MLflow
+        steps.log(f"model of iteration {model['iteration']}: {model['model']} (MLflow logged model "
+                  f"{model['mlflow_model_id']})")
+        return {**summary(session, actor, history, evaluations, steps), **model}
 
 
 @contextmanager
@@ -99,9 +105,9 @@ class RunRecord:
         self.session.log(iteration, metrics, samples)
         m = metrics
         stale = f" staleness {m['rollout/staleness_max']:g}" if "rollout/staleness_max" in m else ""
-        self.steps.log(f"iteration {iteration}/{self.session.cfg.iterations}: gold "
-                       f"{m.get('objective/gold_reward', float('nan')):+.3f} score {m['objective/scores']:+.3f} "
-                       f"KL {m['objective/kl']:.3f} step {m['time/step']:.2f}s{stale}")
+        gold = f"gold {m['objective/gold_reward']:+.3f} " if "objective/gold_reward" in m else ""
+        self.steps.log(f"iteration {iteration}/{self.session.cfg.iterations}: {gold}reward {m['reward']:+.3f} "
+                       f"KL {m['objective/kl']:.3f} step {m['step_time']:.2f}s{stale}")
 
     def log_eval(self, iteration: int, metrics: dict, rows: list[dict]) -> None:
         """An eval's metrics at step=iteration, its samples as an MLflow table and a table beside the run."""
@@ -133,11 +139,15 @@ def log_data(session: RunSession, prompts: PromptSet, evals: PromptSet | None, s
     steps.log(note)
 
 
+HEADLINE = ("reward", "reward_std", "kl")  # with objective/* and rewards/*: the last iteration's, in a summary
+
+
 def summary(session: RunSession, actor: Leader, history: list[dict], evaluations: list[dict],
             steps: Steps = DIRECT) -> dict:
     """What a run returns (a flow run's result; `rlhf train --summary-out`)."""
     steps.log(f"run {session.name} finished: {actor.state.iteration} iterations on {actor.me.world_size} actor rank(s)")
     final = history[-1] if history else {}
     return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": actor.state.iteration,
-            "checkpoint": session.store.uri, "final": {k: v for k, v in final.items() if k.startswith("objective/")},
+            "checkpoint": session.store.uri,
+            "final": {k: v for k, v in final.items() if k in HEADLINE or k.startswith(("objective/", "rewards/"))},
             "history": history, "evals": evaluations}

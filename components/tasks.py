@@ -16,7 +16,7 @@ from prefect.runtime import deployment, flow_run
 
 from components.environment import first_line
 from components.runs import train
-from models.config import RLHFConfig, deep_merge, run_name_for
+from models.config import RLHFConfig, deep_merge, from_layers, run_name_for
 from models.loop import Steps
 
 FLOW_PARAMETERS = ("config", "deploy")  # a training flow's parameters: what the run trains, where it runs
@@ -95,7 +95,7 @@ def flow_config(config, deploy, algorithm: str | None = None) -> RLHFConfig:
         merged = {"config": _plain(config), "deploy": _plain(deploy)}
     if algorithm:
         merged["config"]["algorithm"] = algorithm
-    return RLHFConfig.model_validate({**merged["config"], "deploy": merged["deploy"]})
+    return from_layers({**merged["config"], "deploy": merged["deploy"]})  # unset fields: the policy's preset
 
 
 def _plain(value) -> dict:

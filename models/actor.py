@@ -156,26 +156,33 @@ def actor_update(state: ActorState, rollout: Rollout, loss_fn: LossFn, minibatch
 
 def common_metrics(state: ActorState, rollout: Rollout, scores: Tensor, gold: Tensor | None, kl_seq: Tensor,
                    non_score: Tensor, old_logp: Tensor, timers: Timers) -> dict[str, float]:
-    """Metrics that mean the same for PPO and RLOO (TRL's names where one exists), over the rollouts of all ranks."""
+    """Metrics that mean the same for PPO and RLOO, over the rollouts of all ranks: TRL 1.x's names where TRL has
+    the concept (reward, reward_std, kl, completions/*, learning_rate, step_time), ours where it has none
+    (objective/*, episode, time/*; docs/metrics.md)."""
     me = state.me
     gather = me.all_gather_cat
     mask = rollout.response_mask
     scores, kl_seq, non_score = gather(scores), gather(kl_seq), gather(non_score)
     entropy = gather((-old_logp * mask).sum(1))
-    response_lengths = gather(rollout.response_lengths)
+    response_lengths = gather(rollout.response_lengths).float()
+    ended = gather(rollout.is_end.long()).bool()
     response_tokens = int(response_lengths.sum())
     seconds = {k: float(v) for k, v in zip(timers.seconds, me.all_reduce(torch.tensor(list(timers.seconds.values())), "max"))}
     metrics = {
+        "reward": float(scores.mean()),
+        "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
+        "kl": float(kl_seq.sum()) / max(response_tokens, 1),  # per response token (TRL's); objective/kl per sequence
         "objective/kl": float(kl_seq.mean()),
         "objective/kl_coef": float(state.kl_ctl.value),
         "objective/entropy": float(entropy.mean()),
         "objective/non_score_reward": float(non_score.mean()),
         "objective/rlhf_reward": float((scores + non_score).mean()),
-        "objective/scores": float(scores.mean()),
-        "objective/scores_std": float(scores.std()) if len(scores) > 1 else 0.0,
-        "val/num_eos_tokens": float(gather(rollout.is_end.long()).sum()),
-        "val/response_length": float(response_lengths.float().mean()),
-        "lr": float(state.scheduler.get_last_lr()[0]),
+        "completions/mean_length": float(response_lengths.mean()),
+        "completions/min_length": float(response_lengths.min()),
+        "completions/max_length": float(response_lengths.max()),
+        "completions/clipped_ratio": float((~ended).float().mean()),  # hit max_new_tokens without a stop token
+        "completions/mean_terminated_length": float(response_lengths[ended].mean()) if bool(ended.any()) else 0.0,
+        "learning_rate": float(state.scheduler.get_last_lr()[0]),
         "episode": float(state.episode),
         "iteration": float(state.iteration),
         "tokens/generated": float(response_tokens),
@@ -183,7 +190,9 @@ def common_metrics(state: ActorState, rollout: Rollout, scores: Tensor, gold: Te
     }
     if gold is not None:
         metrics["objective/gold_reward"] = float(gather(gold).mean())
-    metrics.update({f"time/{k}": v for k, v in seconds.items()})  # the slowest rank's
+    metrics.update({f"time/{k}": v for k, v in seconds.items() if k != "step"})  # the slowest rank's
+    if "step" in seconds:
+        metrics["step_time"] = seconds["step"]
     if "generate" in seconds:
         metrics["throughput/generate_tokens_per_s"] = response_tokens / max(seconds["generate"], 1e-9)
     return metrics

@@ -30,8 +30,9 @@ class CriticBackend(Protocol):
 
 class RewardBackend(Protocol):
     def score_async(self, tokens: Tensor, lengths: Tensor, prompt_lengths: Tensor, prompts: list[str],
-                    responses: list[str], columns: list[dict] | None = None) -> "Future[Tensor]":
-        """Scores [B]; `columns`: each sample's data set row besides the prompt (for reward functions)."""
+                    responses: list[str], columns: list[dict] | None = None) -> "Future[Tensor | dict]":
+        """Scores [B], or from reward functions {"scores": [B], "function_rewards": [B, F]} (each function's
+        scores); `columns`: each sample's data set row besides the prompt (for reward functions)."""
 
 
 class LocalCritic:
@@ -77,7 +78,9 @@ class LocalRewardModel:
 
 
 class FunctionReward:
-    """A Python reward function over decoded text (verifiable rewards); computed at once, returned as a done future."""
+    """Python reward functions over decoded text (verifiable rewards); computed at once, returned as a done future:
+    the scores [B], or for reward functions with names (models/reward.WeightedRewards) {"scores": [B],
+    "function_rewards": [B, F]} (each function's scores, in reward.functions order)."""
 
     def __init__(self, fn: RewardFn):
         self.fn = fn
@@ -85,7 +88,12 @@ class FunctionReward:
     def score_async(self, tokens, lengths, prompt_lengths, prompts, responses, columns=None):
         future: Future = Future()
         try:
-            future.set_result(torch.tensor(self.fn(prompts, responses, columns), dtype=torch.float32))
+            if hasattr(self.fn, "score_all"):
+                total, each = self.fn.score_all(prompts, responses, columns)
+                future.set_result({"scores": torch.tensor(total, dtype=torch.float32),
+                                   "function_rewards": torch.tensor(each, dtype=torch.float32).reshape(len(each), -1).T})
+            else:
+                future.set_result(torch.tensor(self.fn(prompts, responses, columns), dtype=torch.float32))
         except Exception as exc:  # noqa: BLE001 - delivered through the future like a remote error
             future.set_exception(exc)
         return future

@@ -1,11 +1,22 @@
 """One pydantic config tree for every flow, server and script.
 
-Every field carries its default and a one-line description (shown in the Prefect UI form and by `rlhf config`).
-The defaults ARE the embedded default: tiny local models and batch sizes that run end to end on a 2-core CPU in
-minutes (so a partial `--param config=...` fills the rest with something that runs). Algorithm hyperparameters follow
+Every field carries its default and a one-line description (shown in the Prefect UI form, by `rlhf config` and
+`rlhf config --describe`).
+
+Defaults: the field defaults fit a real model (a ~0.5B-7B instruct model on GPUs, the settings TRL, OpenRLHF and veRL
+use: actor learning rate 1e-6, critic 1e-5, bf16 compute, 256 new tokens, micro-batches of 8). The embedded tiny
+models need other settings (learning rates 3e-4 / 1e-3, 16 new tokens, float32, the shipped task's prompts): those
+are the `tiny` preset's alone (`_tiny` below). The preset is chosen by the policy: a config whose `model.policy` is the
+embedded tiny policy (or unset) gets the `tiny` preset's values for every field it leaves unset, any other policy the
+field defaults (`preset_for`; `rlhf ... --preset tiny|none` chooses explicitly). So a partial config runs the demo end
+to end on a 2-core CPU, and a user's model never inherits the tiny model's settings.
+
+Models that are not given follow the policy's family or must be given: model.reward = the family's own (tiny/reward
+for the tiny policy; any other policy needs one for reward.source='model'); model.critic = the reward model when it
+shares the policy's tokenizer, else the policy (models/prepare.py). The gold reward is the shipped task's only when
+the data is the shipped task (reward.gold None + data.prompts builtin:*). Algorithm hyperparameters follow
 NeMo-Aligner where it has one (ratio_eps 0.2, gae_lambda 0.95, discount 1.0, initial KL 0.01, critic loss_clip_val
-0.2, 4 rollouts per prompt for RLOO, grad clip 1.0). For a real (1B+) model set the model paths and lower the
-learning rates (e.g. actor 1e-6, critic 1e-5) and raise batch sizes.
+0.2, 4 rollouts per prompt for RLOO, grad clip 1.0). examples/ holds complete configs for a ~0.5B instruct model.
 """
 
 from __future__ import annotations
@@ -18,12 +29,13 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import yaml
-from pydantic import Field, PositiveInt, create_model, model_validator
+from pydantic import BaseModel, Field, PositiveInt, create_model, model_validator
 
 from models.algorithms import ALGORITHMS
 from models.deploy import DeployConfig
+from models.hub import resolve_model
 from models.sections import STATE_DIR_ENV, OptimConfig, Section, default_state_dir  # noqa: F401 (re-exported)
-from models.tiny_files import TINY_PREFIX, embedded_model_path, is_embedded  # noqa: F401 (re-exported)
+from models.tiny_files import TINY_PREFIX, embedded_model_path, is_embedded, is_tiny_policy  # noqa: F401 (re-exported)
 
 
 class LoraConfig(Section):
@@ -35,21 +47,22 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    policy: str = Field("tiny/policy", description="Actor checkpoint: a local directory or hub id loaded with from_pretrained; 'tiny/<name>' = the embedded default shipped with the package (tiny/policy, tiny/reward, tiny/critic, tiny/reward-chars).")
-    reward: str = Field("tiny/reward", description="Sequence-classification reward model (num_labels=1) for reward.source='model'.")
-    critic: Optional[str] = Field(None, description="Critic checkpoint (token-classification, num_labels=1); None initialises the critic from the reward model, as NeMo-Aligner does.")
+    policy: str = Field("tiny/policy", description="The actor: a local directory saved with save_pretrained, a hub id 'org/name' (read from the Hugging Face cache offline; fetched into it where the hub is reachable), or 'tiny/<name>', the embedded default shipped with the package (tiny/policy, tiny/reward, tiny/critic, tiny/reward-chars), which brings the `tiny` preset's settings.")
+    revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of model.policy when it is a hub id, and of model.reward / model.critic when they name the same id; None = the repository's main branch.")
+    reward: Optional[str] = Field(None, description="Sequence-classification reward model (num_labels=1) for reward.source='model' (a directory, hub id or tiny/<name>); None = the policy family's own: tiny/reward for the embedded tiny policy, required for any other policy.")
+    critic: Optional[str] = Field(None, description="Critic checkpoint, read as token classification with one label (a critic saved by a run, or a checkpoint of the policy's family, given a new value head); it reads the policy's tokens, so it must share the policy's tokenizer. None = initialised from model.reward when that shares the policy's tokenizer (NeMo-Aligner), else from model.policy (veRL, OpenRLHF).")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA settings for the actor.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype of the actor, critic and reward model (mixed precision): 'bfloat16' computes under autocast while the trained weights, their gradients and AdamW states stay float32 (master weights); with FSDP2 the weights are also all-gathered in it and gradients reduced in float32; the frozen reference is stored in it. 'float16' has no loss scaling: prefer bfloat16 (docs/memory.md).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Compute dtype of the actor, critic and reward model (mixed precision; the tiny preset uses float32, and the exported model is saved in it): 'bfloat16' computes under autocast while the trained weights, their gradients and AdamW states stay float32 (master weights); with FSDP2 the weights are also all-gathered in it and gradients reduced in float32; the frozen reference is stored in it. 'float16' has no loss scaling: prefer bfloat16 (docs/memory.md).")
     gradient_checkpointing: bool = Field(False, description="Activation (gradient) checkpointing of the actor and the critic: each transformer block keeps only its input for the backward pass and recomputes the rest there, so activation memory drops to about one block's for roughly one more forward pass of compute (docs/memory.md).")
 
 
 class GenerationConfig(Section):
-    max_new_tokens: PositiveInt = Field(16, description="Longest response in tokens; a response without EOS by then is truncated (is_end=False).")
+    max_new_tokens: PositiveInt = Field(256, description="Longest response in tokens; a response without EOS by then is truncated (is_end=False). 256 as veRL's GSM8K quickstart; the tiny preset uses 16.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; logprobs for training use the same temperature.")
     top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens (0 disables).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1.0 disables).")
     recompute_logprobs: Optional[bool] = Field(None, description="Recompute behaviour logprobs with a full forward pass after sampling; None = only when dtype is not float32 (in float32 without dropout they equal the sampling-time logprobs).")
-    micro_batch_size: PositiveInt = Field(64, description="Sequences per forward pass for logprobs, critic requests and training micro-batches.")
+    micro_batch_size: PositiveInt = Field(8, description="Sequences per forward pass for logprobs, critic requests and training micro-batches (memory, not the math: raise it while it fits); the tiny preset uses 64.")
 
 
 class Sampling(Section):
@@ -78,30 +91,74 @@ class KLConfig(Section):
 class CriticConfig(Section):
     """How the critic (value model) trains; where its server runs is the deployment's (deploy.critic)."""
 
-    combine_reward: bool = Field(True, description="Serve the reward model in the critic server: critic_infer returns values and rewards in one call.")
+    combine_reward: bool = Field(True, description="Serve the reward model in the critic server: critic_infer returns values and rewards in one call (reward.source='model' only: reward functions are scored where deploy.reward says).")
     loss_clip_val: float = Field(0.2, gt=0, description="Clip range of the value loss.")
     train_batch_size: PositiveInt = Field(32, description="Sequences per critic optimizer step (global batch).")
-    micro_batch_size: PositiveInt = Field(32, description="Sequences per critic forward pass (inference chunks and gradient accumulation).")
+    micro_batch_size: PositiveInt = Field(8, description="Sequences per critic forward pass (inference chunks and gradient accumulation); the tiny preset uses 32.")
     epochs: PositiveInt = Field(2, description="Critic epochs per critic_train call.")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3), description="Critic optimiser (1e-3 suits the tiny critic; ~1e-5 for a 1B critic).")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5), description="Critic optimiser (lr 1e-5 as veRL's and OpenRLHF's critics; the tiny preset uses 1e-3).")
+
+
+FUNCTION_SPEC = re.compile(r"^(?:[\w.]+|.+\.py):\w+$")  # 'package.module:fn' or 'path/to/rewards.py:fn'
 
 
 class RewardConfig(Section):
-    source: Literal["model", "function"] = Field("model", description="Score responses with the reward model or a Python function.")
-    function: Optional[str] = Field(None, description="'package.module:function(prompts, responses) -> list[float]' for source='function'.")
-    gold: Optional[str] = Field("models.tasks.sentiment:gold_reward", description="Gold reward function logged as objective/gold_reward (None to skip).")
-    transport: Literal["auto", "tokens", "text"] = Field("auto", description="How rollouts reach the reward model: 'tokens' (the policy's ids: the RM must share the policy's tokenizer), 'text' (reward_text: prompt and response strings the RM tokenizes itself), 'auto' = text when the RM's tokenizer differs from the policy's, else tokens.")
+    """What scores the responses: a reward model, or Python reward functions (TRL's reward_funcs / reward_weights).
+    A function is 'package.module:fn' (importable where it scores) or 'path/to/rewards.py:fn' (a file loaded by
+    path in every process that scores: in process, the reward server); a relative path is resolved against the
+    working directory of the process that starts the run. On a cluster the file must exist at that path in every pod
+    that scores: in the image, or in the code the deployment pulls."""
+
+    source: Literal["model", "function"] = Field("model", description="Score responses with the reward model or with reward functions (reward.function / reward.functions).")
+    function: Optional[str] = Field(None, description="One reward function for source='function': 'package.module:fn' or 'path/to/rewards.py:fn', called as fn(prompts, responses, **columns) -> list[float] (columns: the data set's other columns it names).")
+    functions: Optional[list[str]] = Field(None, description="Several reward functions (TRL's reward_funcs), each as reward.function; each is logged as rewards/<name>/mean and /std, their weighted sum is the score. Use reward.function or this, not both.")
+    weights: Optional[list[float]] = Field(None, description="Weight of each of reward.functions in the score (TRL's reward_weights); None = 1 each.")
+    gold: Optional[str] = Field(None, description="Gold reward function logged as objective/gold_reward (format as reward.function); None = the shipped task's own when the data is a builtin task, else none.")
+    transport: Literal["auto", "tokens", "text"] = Field("auto", description="How rollouts reach the reward model: 'tokens' (the policy's ids: the RM must share the policy's tokenizer, checked before anything loads), 'text' (reward_text: prompt and response strings the RM tokenizes itself), 'auto' = text when the RM's tokenizer differs from the policy's, else tokens.")
     chat_template: bool = Field(False, description="With text transport, format (prompt, response) with the reward model's chat template (user, assistant) when it has one; otherwise 'prompt response' + EOS.")
 
     @model_validator(mode="after")
     def _function_given(self) -> "RewardConfig":
-        if self.source == "function" and not self.function:
-            raise ValueError("reward.function is required when reward.source='function' (format 'package.module:function')")
-        for name in ("function", "gold"):
-            value = getattr(self, name)
-            if value is not None and not re.fullmatch(r"[\w.]+:\w+", value):
-                raise ValueError(f"reward.{name} must look like 'package.module:function', got {value!r}")
+        if self.function and self.functions:
+            raise ValueError("reward.function and reward.functions are both set: give one function as "
+                             "reward.function, or several as reward.functions (with reward.weights)")
+        if self.source == "function" and not (self.function or self.functions):
+            raise ValueError("reward.function (or reward.functions) is required when reward.source='function' "
+                             "(format 'package.module:function' or 'path/to/rewards.py:function')")
+        for name, value in (("function", self.function), ("gold", self.gold),
+                            *((f"functions[{i}]", v) for i, v in enumerate(self.functions or []))):
+            if value is not None and not FUNCTION_SPEC.match(value):
+                raise ValueError(f"reward.{name} must look like 'package.module:function' or "
+                                 f"'path/to/rewards.py:function', got {value!r}")
+        if self.weights is not None:
+            if not self.functions:
+                raise ValueError("reward.weights weighs reward.functions; it is set without reward.functions")
+            if len(self.weights) != len(self.functions):
+                raise ValueError(f"reward.weights has {len(self.weights)} weight(s) for {len(self.functions)} "
+                                 f"reward.functions: give one per function")
+            if not all(math.isfinite(w) for w in self.weights):
+                raise ValueError(f"reward.weights must be finite numbers, got {self.weights}")
         return self
+
+    def specs(self) -> list[str]:
+        """The reward functions of source='function', in order (reward.function or reward.functions)."""
+        return [self.function] if self.function else list(self.functions or [])
+
+    def function_weights(self) -> list[float]:
+        return list(self.weights) if self.weights is not None else [1.0] * len(self.specs())
+
+    def function_names(self) -> list[str]:
+        """Each reward function's name in metrics (rewards/<name>/mean): its function name, '_2', '_3'... added to
+        a name already taken."""
+        names: list[str] = []
+        for spec in self.specs():
+            base = spec.rpartition(":")[2]
+            name, n = base, 1
+            while name in names:
+                n += 1
+                name = f"{base}_{n}"
+            names.append(name)
+        return names
 
 
 PROMPT_SOURCES = ("'builtin:<task>' (sentiment, sentiment_target), a local .parquet/.jsonl/.json/.csv/.arrow file, a .txt "
@@ -113,7 +170,8 @@ class DataConfig(Section):
     """The training prompts (models/data.py): read with HF `datasets`; every column besides the prompt reaches the
     reward functions."""
 
-    prompts: str = Field("builtin:sentiment", description=f"Where the prompts come from: {PROMPT_SOURCES}.")
+    prompts: Optional[str] = Field(None, description=f"Where the prompts come from: {PROMPT_SOURCES}; the tiny preset uses builtin:sentiment, any other policy must name its data.")
+    subset: Optional[str] = Field(None, description="Configuration (subset) of a data set that has several, e.g. 'main' of openai/gsm8k: hub data sets, and local folders whose README declares configs; None = its only (or default) one.")
     split: str = Field("train", description="Split to read (folders, save_to_disk DatasetDicts, hub datasets; a single file is this split).")
     prompt_key: str = Field("prompt", description="Column holding the prompt: a string, or chat messages (a list of {role, content}) rendered with the policy's chat template.")
     chat_template: bool = Field(False, description="Wrap a plain-string prompt as a user turn of the policy's chat template (chat messages are always rendered with it).")
@@ -126,6 +184,7 @@ class EvalConfig(Section):
     gold reward. It adds no trainer step and leaves the training stream as it is (its own sampling seed)."""
 
     prompts: Optional[str] = Field(None, description=f"Eval prompts (None = no eval): {PROMPT_SOURCES}.")
+    subset: Optional[str] = Field(None, description="Configuration (subset) of eval.prompts, as data.subset.")
     split: str = Field("test", description="Split of eval.prompts to read (a single file is this split).")
     prompt_key: str = Field("prompt", description="Column holding the eval prompt (as data.prompt_key).")
     max_prompts: Optional[PositiveInt] = Field(None, description="Evaluate on the first N rows only (None = all).")
@@ -138,6 +197,7 @@ class EvalConfig(Section):
 class TrackingConfig(Section):
     experiment: str = Field("rlhf-flows", description="MLflow experiment name.")
     table_every: PositiveInt = Field(5, description="Log a table of sample prompts/responses/rewards every N iterations.")
+    register_as: Optional[str] = Field(None, description="Register the run's exported model in the MLflow model registry under this name (a new version per run); None = logged with the run only.")
     parent_run_id: Optional[str] = Field(None, description="MLflow run id to nest this run under (tag mlflow.parentRunId); a sweep sets it to its parent run for every trial. None = a top-level run.")
 
 
@@ -151,7 +211,7 @@ class CheckpointConfig(Section):
 class VLLMConfig(Section):
     """What the vLLM rollout engine computes with; where its server runs is the deployment's (deploy.rollout)."""
 
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Dtype of the engine's weights and compute; the weights sent at each refit are cast to it.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Dtype of the engine's weights and compute; the weights sent at each refit are cast to it (the tiny preset uses float32).")
 
 
 class RolloutConfig(Section):
@@ -213,21 +273,32 @@ class RLHFConfig(RunConfig):
 
     @classmethod
     def of(cls, run: "RunConfig", deploy: DeployConfig | None = None) -> "RLHFConfig":
-        """A run's config with the deployment's settings."""
-        return cls.model_validate({**run.model_dump(), "deploy": (deploy or DeployConfig()).model_dump()})
+        """A run's config with the deployment's settings; what the run config leaves unset gets its preset's
+        values (`preset_for` its policy)."""
+        return from_layers(run.model_dump(mode="json", exclude_unset=True),
+                           {"deploy": (deploy or DeployConfig()).model_dump(mode="json")})
 
     @property
     def run(self) -> "RunConfig":
         """What the run trains, without the deployment's settings."""
         return RunConfig.model_validate(self.model_dump(exclude={"deploy"}))
 
+    @property
+    def critic_carries_reward(self) -> bool:
+        """Whether the critic serves the reward model's scores too (critic.combine_reward with a reward model; a
+        reward function is scored where deploy.reward says)."""
+        return self.critic.combine_reward and self.reward.source == "model"
+
     def resolved_state_dir(self) -> Path:
         return self.deploy.resolved_state_dir()
 
     def resolve_model_path(self, value: str) -> str:
-        """`tiny/<name>`: the embedded default shipped with the package (models/tiny.py); otherwise the value as
-        given (a local directory, or a hub id)."""
-        return str(embedded_model_path(value)) if is_embedded(value) else value
+        """The local directory of a model field's value (models/hub.py): `tiny/<name>` = the embedded default shipped
+        with the package, a local directory as it is, a hub id = its snapshot in the Hugging Face cache (at
+        model.revision when it is the policy's id). A missing model fails naming its field."""
+        field = next((f"model.{name}" for name in ("policy", "reward", "critic") if getattr(self.model, name) == value),
+                     "model")
+        return resolve_model(value, field, self.model.revision if value == self.model.policy else None)
 
 
 def run_name_for(cfg: RunConfig) -> str:
@@ -252,12 +323,50 @@ def with_schedule_lengths(cfg: RLHFConfig) -> RLHFConfig:
     return merge(cfg, updates) if updates else cfg
 
 
+def _tiny() -> dict:
+    """The `tiny` preset: the settings of the embedded tiny models (a 2-core CPU trains them in minutes)."""
+    return {"model.policy": "tiny/policy", "model.reward": "tiny/reward", "model.dtype": "float32",
+            "data.prompts": "builtin:sentiment", "generation.max_new_tokens": 16, "generation.micro_batch_size": 64,
+            "critic.micro_batch_size": 32, "critic.optim.lr": 1e-3, "rollout.vllm.dtype": "float32",
+            **{f"{a.section}.optim.lr": 3e-4 for a in ALGORITHMS.values()}}
+
+
+PRESETS = {"tiny": _tiny, "none": dict}  # name -> the dotted overrides it applies over the field defaults
+
+
 def preset(name: str = "tiny", **overrides) -> RLHFConfig:
-    """Named presets; 'tiny' is the embedded default (the field defaults themselves)."""
-    if name != "tiny":
-        raise ValueError(f"unknown preset {name!r}; known: tiny")
-    base = RLHFConfig()
-    return merge(base, overrides) if overrides else base
+    """A named preset ('tiny': the embedded tiny models' settings; 'none': the field defaults), then `overrides`."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)} (or 'auto': chosen by model.policy)")
+    values = {**PRESETS[name](), **overrides}
+    return merge(RLHFConfig(), values) if values else RLHFConfig()
+
+
+def preset_for(policy: str | None) -> str:
+    """The preset a config gets by its policy: 'tiny' for the embedded tiny policy (or none given), else 'none'."""
+    return "tiny" if policy is None or is_tiny_policy(policy) else "none"
+
+
+def policy_of(layers: list[dict]) -> str | None:
+    """The model.policy the last layer naming it gives (a layer: nested and/or dotted keys), None if none does."""
+    policy = None
+    for layer in layers:
+        if "model.policy" in layer:
+            policy = layer["model.policy"]
+        elif isinstance(layer.get("model"), dict) and "policy" in layer["model"]:
+            policy = layer["model"]["policy"]
+    return policy
+
+
+def from_layers(*layers: dict, preset_name: str = "auto") -> RLHFConfig:
+    """A config from partial layers (nested and/or dotted keys), each over the one before, over a preset ('auto':
+    `preset_for` the policy they name)."""
+    name = preset_for(policy_of(list(layers))) if preset_name == "auto" else preset_name
+    config = preset(name)
+    for layer in layers:
+        if layer:
+            config = merge(config, layer)
+    return config
 
 
 def merge(config, overrides: dict):
@@ -290,14 +399,30 @@ def _deep_update(base: dict, new: dict) -> dict:
     return out
 
 
-def load_config(path: str | Path | None = None, preset_name: str = "tiny", overrides: dict | None = None,
+def load_config(path: str | Path | None = None, preset_name: str = "auto", overrides: dict | None = None,
                 defaults: dict | None = None) -> RLHFConfig:
-    """Preset, then an entry point's own `defaults` (e.g. where `rlhf train` runs its parts), then a YAML file (any
-    subset of the tree: what the run trains, and its `deploy` section), then dotted-key overrides."""
-    config = preset(preset_name, **(defaults or {}))
+    """A preset ('auto': chosen by the policy the layers name, see `preset_for`), then an entry point's own
+    `defaults` (e.g. where `rlhf train` runs its parts), then a YAML file (any subset of the tree: what the run
+    trains, and its `deploy` section), then dotted-key overrides."""
+    data = {}
     if path is not None:
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
-        config = merge(config, data)
-    return merge(config, overrides) if overrides else config
+    return from_layers(defaults or {}, data, overrides or {}, preset_name=preset_name)
+
+
+def describe(section=None, prefix: str = "") -> list[tuple[str, str, str, str]]:
+    """(dotted field, type, default, description) of every field of the tree (an RLHFConfig of field defaults unless
+    `section` is given), depth first: what `rlhf config --describe` prints."""
+    section = section if section is not None else RLHFConfig()
+    rows = []
+    for name, field in type(section).model_fields.items():
+        value, annotation = getattr(section, name), field.annotation
+        if isinstance(value, BaseModel):
+            rows.append((f"{prefix}{name}", "section", "", field.description or ""))
+            rows += describe(value, f"{prefix}{name}.")
+            continue
+        kind = annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+        rows.append((f"{prefix}{name}", kind, repr(value), field.description or ""))
+    return rows

@@ -2,8 +2,10 @@
 run reads them.
 
 A source is `builtin:<task>`, a local file (.parquet, .jsonl, .json, .csv, .arrow; .txt = one prompt a line), a folder
-of such files, a folder written by `Dataset.save_to_disk`, or a hub dataset id (where the hub is reachable). Rows are
-read with HF `datasets`. The prompt is the `prompt_key` column: a string, or chat messages (a list of {role, content})
+of such files, a folder written by `Dataset.save_to_disk`, or a hub dataset id (where the hub is reachable, or in the
+datasets cache). Rows are read with HF `datasets`. A data set with several configurations (subsets: GSM8K's `main`
+and `socratic`) is read at `subset` (data.subset): hub data sets, and local folders whose README.md declares
+`configs` as the hub's do. The prompt is the `prompt_key` column: a string, or chat messages (a list of {role, content})
 rendered with the policy's chat template. Every other column travels with its prompt to the reward functions
 (models/reward.py), one value per sample.
 
@@ -27,6 +29,12 @@ from models.tasks import sentiment
 
 DATA_FILES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
 BUILTIN = ("sentiment", "sentiment_target")
+BUILTIN_GOLD = "models.tasks.sentiment:gold_reward"  # the shipped tasks' gold reward (both: review positively)
+
+
+def builtin_gold(source: str | None) -> str | None:
+    """The gold reward a prompt source brings: the shipped task's for builtin:<task>, none for any other data."""
+    return BUILTIN_GOLD if source and source.startswith("builtin:") else None
 
 
 @dataclass
@@ -77,17 +85,22 @@ class DataError(ValueError):
 # ---------------------------------------------------------------- reading a source
 
 
-def read_rows(source: str, split: str = "train", field: str = "data.prompts"):
-    """The rows of `source` as a `datasets.Dataset` (see the module docstring for the forms a source takes)."""
+def read_rows(source: str, split: str = "train", field: str = "data.prompts", subset: str | None = None):
+    """The rows of `source` (at configuration `subset`) as a `datasets.Dataset` (see the module docstring for the
+    forms a source takes)."""
     import datasets  # heavy (pyarrow, pandas: ~1 s): only reading a data set needs it
 
     datasets.disable_progress_bars()
+    subset_field = field.rsplit(".", 1)[0] + ".subset"
+    path = Path(source).expanduser()
+    if subset is not None and (source.startswith("builtin:") or path.is_file()):
+        raise DataError(f"{subset_field}: '{source}' has no configurations (a builtin task or a single file); "
+                        f"leave {subset_field} unset")
     if source.startswith("builtin:"):
         return datasets.Dataset.from_list(builtin_rows(source.split(":", 1)[1], split, field))
-    path = Path(source).expanduser()
     try:
         if path.is_dir():
-            return _read_folder(path, split, field)
+            return _read_folder(path, split, field, subset)
         if path.is_file():
             return _read_file(path, split, field)
     except DataError:
@@ -98,7 +111,7 @@ def read_rows(source: str, split: str = "train", field: str = "data.prompts"):
         raise DataError(f"{field}: cannot read '{source}': {type(exc).__name__}: {exc}") from exc
     if path.suffix in DATA_FILES or path.suffix == ".txt" or source.startswith((".", "/", "~")):
         raise DataError(f"{field}: '{source}' does not exist (a file, a folder, builtin:<task> or a hub dataset id)")
-    return _read_hub(source, split, field)
+    return _read_hub(source, split, field, subset)
 
 
 def builtin_rows(name: str, split: str = "train", field: str = "data.prompts") -> list[dict]:
@@ -127,10 +140,13 @@ def _read_file(path: Path, split: str, field: str):
     return datasets.load_dataset(DATA_FILES[path.suffix], data_files={split: str(path)}, split=split)
 
 
-def _read_folder(path: Path, split: str, field: str):
+def _read_folder(path: Path, split: str, field: str, subset: str | None = None):
     import datasets  # heavy (pyarrow, pandas: ~1 s): only reading a data set needs it
 
-    if any((path / name).exists() for name in ("dataset_info.json", "dataset_dict.json", "state.json")):
+    saved = any((path / name).exists() for name in ("dataset_info.json", "dataset_dict.json", "state.json"))
+    if subset is not None:
+        return _read_configured_folder(path, split, field, subset, saved)
+    if saved:
         loaded = datasets.load_from_disk(str(path))  # a save_to_disk folder: a Dataset or a DatasetDict
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
@@ -146,18 +162,52 @@ def _read_folder(path: Path, split: str, field: str):
         raise DataError(f"{field}: folder '{path}' mixes formats ({', '.join(sorted(kinds))}); keep one per folder")
     try:  # file names decide the splits (train-*.parquet, test.jsonl, ...), as for a hub dataset
         found = datasets.load_dataset(str(path))
-    except ValueError:
+    except ValueError as exc:
+        if "pick one among the available configs" in str(exc):  # its README declares configurations
+            subset_field = field.rsplit(".", 1)[0] + ".subset"
+            raise DataError(f"{subset_field}: '{path}' has several configurations {_config_names(path)}: choose "
+                            f"one with {subset_field}") from None
         found = datasets.load_dataset(kinds.pop(), data_files=[str(f) for f in files])
     if split not in found:
         raise DataError(f"{field}: folder '{path}' has no split '{split}' (data.split); its splits: {list(found)}")
     return found[split]
 
 
-def _read_hub(source: str, split: str, field: str):
+def _read_configured_folder(path: Path, split: str, field: str, subset: str, saved: bool):
+    """Configuration `subset` of a folder whose README.md declares `configs` (the hub's layout: each config its own
+    files), read as the hub would."""
+    import datasets  # heavy (pyarrow, pandas: ~1 s): only reading a data set needs it
+
+    subset_field = field.rsplit(".", 1)[0] + ".subset"
+    if saved:
+        raise DataError(f"{subset_field}: '{path}' was written by save_to_disk and has no configurations; leave "
+                        f"{subset_field} unset")
+    try:
+        found = datasets.load_dataset(str(path), name=subset)
+    except ValueError as exc:
+        known = _config_names(path)
+        raise DataError(f"{subset_field}: '{path}' has no configuration '{subset}'"
+                        + (f"; its configurations: {known}" if known else
+                           " (configurations are declared as `configs` in its README.md, as on the hub)")) from exc
+    if split not in found:
+        raise DataError(f"{field}: configuration '{subset}' of '{path}' has no split '{split}'; its splits: {list(found)}")
+    return found[split]
+
+
+def _config_names(path: Path) -> list[str]:
+    try:
+        import datasets  # heavy (pyarrow, pandas: ~1 s): only reading a data set needs it
+
+        return list(datasets.get_dataset_config_names(str(path)))
+    except Exception:  # noqa: BLE001 - only for the message
+        return []
+
+
+def _read_hub(source: str, split: str, field: str, subset: str | None = None):
     import datasets  # heavy (pyarrow, pandas: ~1 s): only reading a data set needs it
 
     try:
-        return datasets.load_dataset(source, split=split)
+        return datasets.load_dataset(source, name=subset, split=split)
     except Exception as exc:  # noqa: BLE001 - offline, unknown id, no such split: all end the run here
         offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
         reason = ("; the hub is not reachable from here (HF_HUB_OFFLINE=1): copy the data set to a local file or "
@@ -170,10 +220,12 @@ def _read_hub(source: str, split: str, field: str):
 
 
 def load_prompt_set(source: str, split: str, prompt_key: str, tokenizer, max_prompt_length: int | None = None,
-                    long_prompts: str = "error", chat_template: bool = False, field: str = "data.prompts") -> PromptSet:
-    """Read `source` and turn its rows into prompts for the policy whose `tokenizer` is given: checks the prompt
-    column, renders chat messages, applies the length policy. Raises DataError naming what is wrong."""
-    rows = read_rows(source, split, field)
+                    long_prompts: str = "error", chat_template: bool = False, field: str = "data.prompts",
+                    subset: str | None = None) -> PromptSet:
+    """Read `source` (at configuration `subset`) and turn its rows into prompts for the policy whose `tokenizer` is
+    given: checks the prompt column, renders chat messages, applies the length policy. Raises DataError naming what
+    is wrong."""
+    rows = read_rows(source, split, field, subset)
     if prompt_key not in rows.column_names:
         raise DataError(f"{field}: '{source}' has no column '{prompt_key}' (the prompt_key); its columns: "
                         f"{rows.column_names}")

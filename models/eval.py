@@ -3,9 +3,9 @@ the gold reward, on every actor rank with its share of the prompts, through the 
 
 It adds no trainer step and leaves the training stream as it is: it samples from a generator of its own (seeded from
 the run's seed and the iteration), never the actor's, and touches neither the optimizer, the KL controller nor the
-counters. Metrics (rank 0): eval/score, eval/gold_reward, eval/response_length; when every score is 0 or 1 (a
+counters. Metrics (rank 0): eval/reward, eval/gold_reward, eval/completions/mean_length; when every score is 0 or 1 (a
 verifiable reward), eval/accuracy and eval/pass_at_k (pass@k, k = eval.samples_per_prompt: a prompt passes when one
-of its k samples scores 1).
+of its k samples scores 1); with reward functions, eval/rewards/<name>/mean and /std of each.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from models.algorithms import ALGORITHMS, Backends
 from models.config import RLHFConfig, Sampling
 from models.data import Batch
 from models.reward import RewardFn
-from models.step import prompt_ids, rollouts_on_leader, sample_rows
+from models.step import function_reward_metrics, prompt_ids, rollouts_on_leader, sample_rows
 from models.update import micro_batches
 
 
@@ -45,11 +45,15 @@ def evaluate(state: ActorState, prompts: Batch, cfg: RLHFConfig, backends: Backe
     if batch is None:
         return {}, []
     chunks = micro_batches(len(batch["lengths"]), cfg.generation.micro_batch_size)
-    scores = ALGORITHMS[cfg.algorithm].request_scores(batch, chunks, backends)()["scores"].double()
+    scored = ALGORITHMS[cfg.algorithm].request_scores(batch, chunks, backends)()
+    scores = scored["scores"].double()
     gold = (torch.tensor(gold_fn(batch["prompts"], batch["responses"], batch["columns"]), dtype=torch.float64)
             if gold_fn is not None else None)
     lengths = (batch["lengths"] - batch["prompt_lengths"]).double()
-    return eval_metrics(scores, gold, lengths, k), eval_rows(batch, scores, gold, e.table_rows)
+    metrics = eval_metrics(scores, gold, lengths, k)
+    metrics.update({f"eval/{name}": value for name, value in
+                    function_reward_metrics(scored, cfg.reward.function_names()).items()})
+    return metrics, eval_rows(batch, scores, gold, e.table_rows)
 
 
 def eval_seed(seed: int, iteration: int, rank: int) -> int:
@@ -60,7 +64,7 @@ def eval_seed(seed: int, iteration: int, rank: int) -> int:
 def eval_metrics(scores: torch.Tensor, gold: torch.Tensor | None, response_lengths: torch.Tensor, k: int) -> dict:
     """Means over every eval sample; accuracy and pass@k when the scores are all 0 or 1 (samples of a prompt are
     consecutive, k each)."""
-    metrics = {"eval/score": float(scores.mean()), "eval/response_length": float(response_lengths.mean()),
+    metrics = {"eval/reward": float(scores.mean()), "eval/completions/mean_length": float(response_lengths.mean()),
                "eval/samples": float(len(scores))}
     if gold is not None:
         metrics["eval/gold_reward"] = float(gold.mean())

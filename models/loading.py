@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import os
-from pathlib import Path
 
 import torch
 from torch import nn
+
+from models.hub import resolve_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,22 +26,15 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def check_model_path(path: str, field: str) -> str:
-    """Refuse a path that is neither a local directory nor a hub id before any weights are touched."""
-    p = Path(path)
-    looks_local = p.is_absolute() or path.startswith((".", "~")) or path.count("/") != 1
-    if p.is_dir():
-        return path
-    if looks_local or os.environ.get("HF_HUB_OFFLINE") == "1":
-        raise FileNotFoundError(
-            f"{field}: model path '{path}' does not exist (expected a directory saved with save_pretrained, "
-            f"or a hub id 'org/name'); build the tiny models with `rlhf models tiny`")
-    return path
+def check_model_path(path: str, field: str, revision: str | None = None) -> str:
+    """The local directory of `path` (a directory, a hub id in the Hugging Face cache, tiny/<name>: models/hub.py),
+    before any weights are touched; a missing one fails naming `field` and how to get it."""
+    return resolve_model(path, field, revision)
 
 
 def from_pretrained(auto_class, path: str, field: str, **kwargs):
     """`auto_class.from_pretrained(path)` with the config field named in any error."""
-    check_model_path(path, field)
+    path = check_model_path(path, field)
     try:
         return auto_class.from_pretrained(path, **kwargs)
     except Exception as exc:  # noqa: BLE001 - re-raised with the field that pointed here

@@ -26,11 +26,11 @@ from models.algorithms import ALGORITHMS, Backends
 from models.backends import FunctionReward, LocalRewardModel
 from models.config import RLHFConfig
 from models.critic import CriticTrainer
-from models.data import Batch, DataError, PromptSet, PromptStream, load_prompt_set
+from models.data import Batch, DataError, PromptSet, PromptStream, builtin_gold, load_prompt_set
 from models.eval import evaluate, is_eval_iteration
 from models.distributed import SINGLE, Dist, local_device
 from models.policy import Policy, load_policy_tokenizer
-from models.reward import load_reward_function, load_reward_model, load_reward_tokenizer
+from models.reward import load_reward_function, load_reward_functions, load_reward_model, load_reward_tokenizer
 from models.step import train_step
 
 
@@ -40,10 +40,13 @@ def read_data(cfg: RLHFConfig) -> tuple[PromptSet, PromptSet | None]:
     naming the source and what is wrong, before any model loads (the tokenizer only)."""
     tokenizer = load_policy_tokenizer(cfg.resolve_model_path(cfg.model.policy))
     d, e = cfg.data, cfg.eval
-    prompts = checked_prompt_set(cfg, tokenizer, d.prompts, d.split, d.prompt_key, "data.prompts")
+    if not d.prompts:
+        raise DataError("data.prompts: not set; name the training prompts (a local file or folder, a hub data set id, "
+                        "or builtin:<task>: models/data.py)")
+    prompts = checked_prompt_set(cfg, tokenizer, d.prompts, d.split, d.prompt_key, "data.prompts", d.subset)
     if not e.prompts or not e.every:
         return prompts, None
-    evals = checked_prompt_set(cfg, tokenizer, e.prompts, e.split, e.prompt_key, "eval.prompts")
+    evals = checked_prompt_set(cfg, tokenizer, e.prompts, e.split, e.prompt_key, "eval.prompts", e.subset)
     evals = evals.head(e.max_prompts) if e.max_prompts else evals
     if len(evals) < cfg.deploy.actor.world_size:  # as training: every rank evaluates its share, none may be empty
         raise DataError(f"eval.prompts: '{e.prompts}' has {len(evals)} prompt(s) (split '{e.split}'"
@@ -52,14 +55,15 @@ def read_data(cfg: RLHFConfig) -> tuple[PromptSet, PromptSet | None]:
     return prompts, evals
 
 
-def checked_prompt_set(cfg: RLHFConfig, tokenizer, source: str, split: str, prompt_key: str, field: str) -> PromptSet:
+def checked_prompt_set(cfg: RLHFConfig, tokenizer, source: str, split: str, prompt_key: str, field: str,
+                       subset: str | None = None) -> PromptSet:
     found = load_prompt_set(source, split, prompt_key, tokenizer, cfg.data.max_prompt_length, cfg.data.long_prompts,
-                            cfg.data.chat_template, field)
+                            cfg.data.chat_template, field, subset)
     names = sorted({k for row in found.columns for k in row})
-    for spec, name in ((cfg.reward.function if cfg.reward.source == "function" else None, "reward.function"),
-                       (cfg.reward.gold, "reward.gold")):
-        if spec:
-            load_reward_function(spec, name, probe=False).check_columns(names, f"{field} '{source}'")
+    if cfg.reward.source == "function":
+        load_reward_functions(cfg.reward, probe=False).check_columns(names, f"{field} '{source}'")
+    if spec := gold_spec(cfg):
+        load_reward_function(spec, "reward.gold", probe=False).check_columns(names, f"{field} '{source}'")
     return found
 
 
@@ -96,7 +100,8 @@ def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
 
 def build_critic_trainer(cfg: RLHFConfig, checkpoint_dir: str | Path | None = None) -> CriticTrainer:
     critic_path = cfg.resolve_model_path(cfg.model.critic) if cfg.model.critic else None
-    return CriticTrainer(cfg.critic, critic_path, cfg.resolve_model_path(cfg.model.reward), cfg.critic.combine_reward,
+    reward_path = cfg.resolve_model_path(cfg.model.reward) if cfg.model.reward else None
+    return CriticTrainer(cfg.critic, critic_path, reward_path, cfg.critic_carries_reward,
                          cfg.model.dtype, local_device(cfg.deploy.device, SINGLE), checkpoint_dir,
                          token_rewards=cfg.reward.transport == "tokens",
                          gradient_checkpointing=cfg.model.gradient_checkpointing)
@@ -113,15 +118,21 @@ def critic_text_reward(cfg: RLHFConfig, trainer: CriticTrainer):
 
 def build_local_reward(cfg: RLHFConfig):
     if cfg.reward.source == "function":
-        return FunctionReward(load_reward_function(cfg.reward.function))
+        return FunctionReward(load_reward_functions(cfg.reward))
     model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, local_device(cfg.deploy.device, SINGLE))
     if cfg.reward.transport == "text":
         return LocalRewardModel(model, load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward)), cfg.reward.chat_template)
     return LocalRewardModel(model)
 
 
+def gold_spec(cfg: RLHFConfig) -> str | None:
+    """The gold reward of the run: reward.gold, else the shipped task's own when the data is a builtin task (a
+    user's data set has none unless given)."""
+    return cfg.reward.gold or builtin_gold(cfg.data.prompts)
+
+
 def gold_function(cfg: RLHFConfig):
-    return load_reward_function(cfg.reward.gold, "reward.gold") if cfg.reward.gold else None
+    return load_reward_function(spec, "reward.gold") if (spec := gold_spec(cfg)) else None
 
 
 # ---------------------------------------------------------------- what every rank executes

@@ -1,36 +1,115 @@
 """What a run derives from its config, computed once at the entry point and carried with the run.
 
-`prepare_run(cfg)` is the one explicit place that checks the models a config names exist (a path, a cached hub id or
-the embedded default `tiny/...` shipped with the package), fills in the LR schedule lengths, decides the reward
-transport ('auto' -> 'tokens' or 'text') and makes the state directory absolute. Every entry point calls it (`rlhf
-train`, the training flows, the server children and `rlhf serve`); what it returns is the config the actor's ranks,
-the servers and the tracker receive, so nobody derives these facts again.
+`prepare_run(cfg)` is the one explicit place that checks the models a config names before any weights load: each
+exists (a path, a hub id in the Hugging Face cache, or the embedded default `tiny/...` shipped with the package), the
+models not given follow the policy's family (model.reward: the family's own or required; model.critic: the reward
+model when it shares the policy's tokenizer, else the policy), and every model that reads the policy's token ids (the
+critic, a reward model on the token transport) shares the policy's tokenizer (tokenizers only: nothing heavy loads).
+It also fills in the LR schedule lengths, decides the reward transport ('auto' -> 'tokens' or 'text'), makes reward
+files and the state directory absolute. Every entry point calls it (`rlhf train`, the training flows, the server
+children and `rlhf serve`); what it returns is the config the actor's ranks, the servers and the tracker receive, so
+nobody derives these facts again.
 """
 
 from __future__ import annotations
 
 from models.algorithms import ALGORITHMS
-from models.config import RLHFConfig, merge, with_schedule_lengths
+from models.config import RLHFConfig, is_tiny_policy, merge, with_schedule_lengths
+from models.data import DataError
 from models.loading import check_model_path
-from models.reward import load_reward_tokenizer, same_tokenizer
+from models.reward import absolute_spec, load_reward_tokenizer, same_tokenizer
+
+FAMILY_REWARD = "tiny/reward"  # the reward model of the embedded tiny policy's family
 
 
 def prepare_run(cfg: RLHFConfig) -> RLHFConfig:
     """The config with its derived values filled in (idempotent: a prepared config comes back unchanged)."""
+    cfg = merge(cfg, {**family_reward(cfg), **absolute_reward_files(cfg)})
     check_models(cfg)
+    if not cfg.data.prompts:
+        raise DataError("data.prompts: not set; name the training prompts (a local file or folder, a hub data set "
+                        "id, or builtin:<task>: models/data.py)")
+    cfg = merge(cfg, critic_source(cfg))
+    check_tokenizers(cfg)
     cfg = with_schedule_lengths(cfg)
     return merge(cfg, {"deploy.state_dir": str(cfg.resolved_state_dir()), "reward.transport": reward_transport(cfg)})
 
 
+def family_reward(cfg: RLHFConfig) -> dict:
+    """model.reward left unset follows the policy's family: the embedded tiny policy's own reward model."""
+    return {"model.reward": FAMILY_REWARD} if cfg.model.reward is None and is_tiny_policy(cfg.model.policy) else {}
+
+
+def absolute_reward_files(cfg: RLHFConfig) -> dict:
+    """Reward functions given as files ('path/to/rewards.py:fn') with their path made absolute, so every process of
+    the run (a server's working directory may be another) loads the same file."""
+    r = cfg.reward
+    out = {name: absolute_spec(value) for name, value in (("reward.function", r.function), ("reward.gold", r.gold))
+           if value and absolute_spec(value) != value}
+    if r.functions and [absolute_spec(s) for s in r.functions] != r.functions:
+        out["reward.functions"] = [absolute_spec(s) for s in r.functions]
+    return out
+
+
 def check_models(cfg: RLHFConfig, fields: tuple[str, ...] = ("policy", "reward", "critic")) -> None:
-    """Every model a `model.<field>` names exists, before anything loads; the first that does not fails, naming its
-    field."""
+    """Every model a `model.<field>` names exists (a hub id: in the Hugging Face cache, or fetched into it where the
+    hub is reachable), before anything loads; the first that does not fails, naming its field. A reward model that
+    is needed and not given fails too."""
     for field in fields:
+        if field == "reward" and cfg.reward.source == "model" and not cfg.model.reward:
+            raise ValueError(f"model.reward: not set, and reward.source='model' needs a reward model for the policy "
+                             f"'{cfg.model.policy}' (a sequence-classification checkpoint with one label); or score "
+                             f"with Python functions: reward.source=function, reward.function=path/to/rewards.py:fn")
         if value := getattr(cfg.model, field):
             try:
                 check_model_path(cfg.resolve_model_path(value), f"model.{field}")
             except FileNotFoundError as exc:
                 raise FileNotFoundError(f"model.{field}: {exc}" if not str(exc).startswith("model.") else str(exc)) from None
+
+
+def critic_source(cfg: RLHFConfig) -> dict:
+    """model.critic left unset, for an algorithm with a critic: initialised from the reward model when it shares the
+    policy's tokenizer (NeMo-Aligner: critic and reward model read the same ids), else from the policy itself (veRL,
+    OpenRLHF: the actor's checkpoint with a new value head), since the critic reads the policy's tokens."""
+    if cfg.model.critic or not ALGORITHMS[cfg.algorithm].needs_critic:
+        return {}
+    if cfg.reward.source == "model":
+        policy = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")
+        if same_tokenizer(policy, load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward))):
+            return {}
+    return {"model.critic": cfg.model.policy}
+
+
+def check_tokenizers(cfg: RLHFConfig) -> None:
+    """The models that read the policy's token ids share its tokenizer: the critic (an algorithm with one), and the
+    reward model when reward.transport is 'tokens'. A mismatch fails here, naming the field, instead of an
+    out-of-range index inside the model later. Tokenizers only: no weights load."""
+    readers = []
+    if ALGORITHMS[cfg.algorithm].needs_critic and cfg.model.critic and cfg.model.critic != cfg.model.policy:
+        readers.append(("model.critic", cfg.model.critic, "the critic reads the policy's token ids",
+                        "give a critic of the policy's family, or leave model.critic unset to initialise it from "
+                        "the policy"))
+    if cfg.reward.source == "model" and cfg.reward.transport == "tokens":
+        readers.append(("model.reward", cfg.model.reward, "reward.transport='tokens' sends it the policy's token ids",
+                        "set reward.transport to 'auto' or 'text' (the reward model tokenizes the text itself)"))
+    if not readers:
+        return
+    policy = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")
+    for field, value, why, fix in readers:
+        path = cfg.resolve_model_path(value)
+        try:
+            reader = load_reward_tokenizer(path, field)
+        except (OSError, RuntimeError, ValueError):  # a checkpoint without tokenizer files (a saved critic)
+            from transformers import AutoConfig  # light next to the models: a config file
+
+            vocab = getattr(AutoConfig.from_pretrained(path), "vocab_size", None)
+            if vocab is not None and vocab < len(policy):
+                raise ValueError(f"{field}: '{value}' has a vocabulary of {vocab} ids, the policy's tokenizer "
+                                 f"('{cfg.model.policy}') {len(policy)}; {why}: {fix}") from None
+            continue
+        if not same_tokenizer(policy, reader):
+            raise ValueError(f"{field}: '{value}' does not share the policy's tokenizer ('{cfg.model.policy}': "
+                             f"{len(reader)} vs {len(policy)} tokens, or other ids for them); {why}: {fix}")
 
 
 def reward_transport(cfg: RLHFConfig, reader: str | None = None) -> str:
@@ -40,7 +119,8 @@ def reward_transport(cfg: RLHFConfig, reader: str | None = None) -> str:
     critic, or the reward model it is initialised from).
 
     An algorithm with a critic and no `model.critic` initialises the critic from the reward model, and the critic
-    reads the policy's tokens: a reward model with another tokenizer is refused then, naming the field to set.
+    reads the policy's tokens: a reward model with another tokenizer is refused then, naming the field to set
+    (prepare_run sets model.critic to the policy first: `critic_source`).
     """
     critic_from_reward = reader is None and ALGORITHMS[cfg.algorithm].needs_critic and not cfg.model.critic
     if cfg.reward.source == "function" or (cfg.reward.transport != "auto" and not critic_from_reward):

@@ -1,10 +1,21 @@
-"""Rewards: a sequence-classification reward model, or a Python function named 'package.module:function'."""
+"""Rewards: a sequence-classification reward model, or Python reward functions.
+
+A function is named 'package.module:function' (imported: it must be importable in the process that scores) or
+'path/to/rewards.py:function' (the file loaded by path, under a module name of its own: no package, no sys.path
+entry needed). Several functions with weights (reward.functions / reward.weights, as TRL's reward_funcs /
+reward_weights) score as their weighted sum; each one's scores travel with it for the metrics rewards/<name>/mean.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import inspect
 import math
+import os
+import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -45,8 +56,52 @@ def reward_model_scores(model, tokens: Tensor, lengths: Tensor) -> Tensor:
     return _head(model)(last).squeeze(-1).float()
 
 
+def is_file_spec(spec: str) -> bool:
+    """Whether a reward function spec names a file ('path/to/rewards.py:fn') rather than a module."""
+    return spec.rpartition(":")[0].endswith(".py")
+
+
+def absolute_spec(spec: str) -> str:
+    """A file spec with its path made absolute (against this process's working directory); a module spec as it is."""
+    if not is_file_spec(spec):
+        return spec
+    target, _, attr = spec.rpartition(":")
+    return f"{Path(target).expanduser().absolute()}:{attr}"
+
+
+def import_function(spec: str, field: str = "reward.function"):
+    """The object a spec names: 'package.module:fn' imported, 'path/to/rewards.py:fn' loaded from the file (once per
+    process and path, as the module 'rlhf_rewards_<hash of the path>')."""
+    target, _, attr = spec.rpartition(":")
+    if is_file_spec(spec):
+        path = Path(target).expanduser().absolute()
+        if not path.is_file():
+            raise ValueError(f"{field}: reward file '{path}' does not exist in this process (working directory "
+                             f"{os.getcwd()}); the file must be at this path in every process that scores: on a "
+                             f"cluster, in the image or in the code the deployment pulls")
+        name = "rlhf_rewards_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+        module = sys.modules.get(name)
+        if module is None:
+            loader_spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(loader_spec)
+            sys.modules[name] = module  # before executing: dataclasses and pickling look the module up by name
+            try:
+                loader_spec.loader.exec_module(module)
+            except Exception as exc:
+                del sys.modules[name]
+                raise ValueError(f"{field}: loading '{path}' failed: {type(exc).__name__}: {exc}") from exc
+        if not hasattr(module, attr):
+            raise ValueError(f"{field}: '{path}' has no function '{attr}'")
+        return getattr(module, attr)
+    try:
+        return getattr(importlib.import_module(target), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{field}: cannot import '{spec}' ({exc}); expected 'package.module:function' importable "
+                         f"here, or a file 'path/to/rewards.py:function'") from exc
+
+
 def load_reward_function(spec: str, field: str = "reward.function", probe: bool = True) -> RewardFn:
-    """Import 'package.module:function' and wrap it so a wrong length or non-finite value fails loudly.
+    """Load a reward function (`import_function`) and wrap it so a wrong length or non-finite value fails loudly.
 
     The function is called as fn(prompts, responses, **columns): the data set's other columns (models/data.py), one
     list per column with a value per sample, for the parameters it names (all of them if it takes **kwargs). A
@@ -54,11 +109,8 @@ def load_reward_function(spec: str, field: str = "reward.function", probe: bool 
 
     With `probe`, a function that reads no column is called once on two dummy samples so a broken function fails
     before training starts; `check_columns` checks a data set's columns against what it needs."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{field}: cannot import '{spec}' ({exc}); expected 'package.module:function'") from exc
+    attr = spec.rpartition(":")[2]
+    fn = import_function(spec, field)
     if not callable(fn):
         raise ValueError(f"{field}: '{spec}' is not callable")
     required, optional, any_column = column_parameters(fn)
@@ -91,6 +143,41 @@ def load_reward_function(spec: str, field: str = "reward.function", probe: bool 
     if probe and not required and not any_column:  # fail before training starts, not at the first rollout
         checked(["probe prompt", "probe prompt"], ["probe response", "another response"])
     return checked
+
+
+class WeightedRewards:
+    """Reward functions with weights (reward.functions + reward.weights, or one reward.function): each scores every
+    sample; the score is their weighted sum (TRL's reward_funcs / reward_weights). Called like one reward function
+    (the score); `score_all` also gives each function's scores, by name (metrics rewards/<name>/mean and /std)."""
+
+    def __init__(self, functions: list[RewardFn], weights: list[float], names: list[str]):
+        self.functions, self.weights, self.names = functions, list(weights), list(names)
+
+    def score_all(self, prompts: list[str], responses: list[str],
+                  columns: list[dict] | None = None) -> tuple[list[float], list[list[float]]]:
+        """(score per sample, [each function's score per sample])."""
+        each = [fn(prompts, responses, columns) for fn in self.functions]
+        total = [math.fsum(w * s[i] for w, s in zip(self.weights, each)) for i in range(len(responses))]
+        return total, each
+
+    def __call__(self, prompts: list[str], responses: list[str], columns: list[dict] | None = None) -> list[float]:
+        return self.score_all(prompts, responses, columns)[0]
+
+    @property
+    def columns(self) -> set[str]:
+        return set().union(*(fn.columns for fn in self.functions))
+
+    def check_columns(self, names, source: str) -> None:
+        for fn in self.functions:
+            fn.check_columns(names, source)
+
+
+def load_reward_functions(reward, probe: bool = True) -> WeightedRewards:
+    """The reward functions of a RewardConfig (reward.function, or reward.functions with reward.weights), loaded."""
+    specs = reward.specs()
+    fields = ["reward.function"] if reward.function else [f"reward.functions[{i}]" for i in range(len(specs))]
+    return WeightedRewards([load_reward_function(s, f, probe) for s, f in zip(specs, fields)],
+                           reward.function_weights(), reward.function_names())
 
 
 def column_parameters(fn) -> tuple[set[str], set[str], bool]:

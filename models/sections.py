@@ -26,7 +26,7 @@ class Section(BaseModel):
 
 
 class OptimConfig(Section):
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate (AdamW); 3e-4 suits the tiny models, use ~1e-6 for a 1B actor.")
+    lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW); 1e-6 is the actor's in TRL's RLOO/GRPO and veRL's examples; the tiny preset uses 3e-4 (actor) and 1e-3 (critic).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
     warmup_steps: int = Field(0, ge=0, description="Linear warm-up steps.")

@@ -10,7 +10,8 @@ rank with its share of the prompts:
                (gathered here: an algorithm never sees a rank)
 4. update      the algorithm's critic update starts on rank 0 (if it has a critic) while the actor runs its loss on
                this rank's rows through the one update loop (models/update.py); then the engine gets the new weights
-5. metrics     shared metrics (TRL's names) over all ranks, plus the algorithm's own
+5. metrics     shared metrics (TRL 1.x's names where TRL has the concept: docs/metrics.md) over all ranks, plus the
+               algorithm's own
 
 Critic and reward requests go from rank 0 with the rollouts of all ranks: the critic sees the same global batch
 whatever the actor's world size (its updates do not depend on it), and one path serves every launch mode (in process,
@@ -107,21 +108,39 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
     timers.stop("step")
     metrics = common_metrics(state, rollout, adv.scores[rows], gold, kl_seq, adv.non_score[rows], old_logp, timers)
     metrics.update({
+        "loss": train_stats["loss"],
+        "grad_norm": train_stats["grad_norm"],
+        "entropy": train_stats["entropy"],
+        "clip_ratio/region_mean": train_stats["clipfrac"],
         "policy/approxkl_avg": train_stats["approx_kl"],
-        "policy/clipfrac_avg": train_stats["clipfrac"],
-        "policy/entropy_avg": train_stats["entropy"],
-        "policy/grad_norm": train_stats["grad_norm"],
-        "loss/policy_avg": train_stats["loss"],
         "val/ratio": train_stats["ratio"],
     })
+    if k > 1:  # prompts whose k samples all scored alike: no learning signal from their group
+        groups = adv.scores.double().view(-1, k)
+        metrics["frac_reward_zero_std"] = float(torch.isclose(groups.std(1), torch.zeros((), dtype=torch.float64)).double().mean())
     metrics.update(algorithm.metrics(data, adv, critic_stats))
+    metrics.update(function_reward_metrics(data.scored, cfg.reward.function_names()))
     if own_weights:
         metrics.update(engine_mismatch(me, old_logp, rollout.sample_logprobs, mask, tis, cfg.rollout.tis_cap))
         staleness = me.all_gather_cat(trained_version - rollout.versions).double()
         metrics.update({"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": float(staleness.max()),
                         **rollout_clock})
-    state.kl_ctl.update(metrics["objective/kl"], len(prompts) * k)
+    state.kl_ctl.update(metrics["objective/kl"], len(prompts) * k)  # the controller's unit: KL per sequence
     return metrics, sample_rows(mine, responses, adv.scores[rows], gold)
+
+
+def function_reward_metrics(scored: dict, names: list[str]) -> dict[str, float]:
+    """rewards/<name>/mean and /std of each reward function (TRL's names) over the rows of all ranks, when the
+    scores came from reward functions (their weighted sum is the score)."""
+    each = scored.get("function_rewards")
+    if each is None or each.shape[1] != len(names):
+        return {}
+    each = each.double()
+    out = {}
+    for i, name in enumerate(names):
+        out[f"rewards/{name}/mean"] = float(each[:, i].mean())
+        out[f"rewards/{name}/std"] = float(each[:, i].std()) if len(each) > 1 else 0.0
+    return out
 
 
 def all_ranks(me: Dist, local: StepData, scored: dict) -> tuple[StepData, slice]:
@@ -155,9 +174,11 @@ def engine_mismatch(me: Dist, old_logp: torch.Tensor, engine_logp: torch.Tensor,
     on = me.all_gather_cat(mask.flatten()) > 0
     weights = me.all_gather_cat(tis.flatten())[on]
     diff = diff[on]
-    return {"rollout/logprob_diff_mean": float(diff.mean()) if len(diff) else 0.0,
-            "rollout/logprob_diff_max": float(diff.max()) if len(diff) else 0.0,
-            "rollout/tis_weight_mean": float(weights.mean()) if len(weights) else 1.0,
+    return {"sampling/sampling_logp_difference/mean": float(diff.mean()) if len(diff) else 0.0,
+            "sampling/sampling_logp_difference/max": float(diff.max()) if len(diff) else 0.0,
+            "sampling/importance_sampling_ratio/min": float(weights.min()) if len(weights) else 1.0,
+            "sampling/importance_sampling_ratio/mean": float(weights.mean()) if len(weights) else 1.0,
+            "sampling/importance_sampling_ratio/max": float(weights.max()) if len(weights) else 1.0,
             "rollout/tis_capped_frac": float((weights >= cap).float().mean()) if len(weights) else 0.0}
 
 

@@ -24,6 +24,16 @@ def is_embedded(value: str | None) -> bool:
     return bool(value) and value.startswith(f"{TINY_PREFIX}/")
 
 
+def is_tiny_policy(value: str) -> bool:
+    """Whether a model.policy value is the embedded tiny policy ('tiny/policy', or its shipped directory)."""
+    if value == f"{TINY_PREFIX}/policy":
+        return True
+    try:
+        return Path(value).expanduser().resolve() == (EMBEDDED_DIR / "policy").resolve()
+    except (OSError, ValueError):
+        return False
+
+
 def embedded_model_path(value: str) -> Path:
     """The shipped directory of 'tiny/<name>'; an unknown name is refused, naming the known ones."""
     name = value.split("/", 1)[1]

@@ -8,8 +8,9 @@ from pathlib import Path
 import yaml
 
 from components.cli.options import parse_overrides
+from components.cli.progress import ProgressSteps
 from components.runs import train
-from models.config import load_config
+from models.config import PRESETS, describe, load_config
 from models.tiny import build_tiny
 
 # Where `rlhf train`'s parts run unless its config says otherwise: the critic and reward model in this process (no
@@ -35,6 +36,14 @@ def cmd_models_tiny(args) -> int:
 
 
 def cmd_config(args) -> int:
+    """The resolved config as YAML, or with --describe every field with its type, default and description."""
+    if args.describe:
+        tiny = PRESETS["tiny"]()
+        for field, kind, default, description in describe():
+            preset = f"; tiny preset {tiny[field]!r}" if field in tiny else ""
+            print(f"{field}:" if kind == "section" else f"{field}  ({kind}, default {default}{preset})")
+            print(f"    {description}")
+        return 0
     cfg = load_cli_config(args)
     print(yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False))
     return 0
@@ -45,7 +54,11 @@ def cmd_train(args) -> int:
     checkpoints, resumes by run_name, logs to MLflow (the local stack's server when `rlhf up` runs, else the state
     directory's store) and runs the held-out eval. Its critic and reward model run in this process unless
     `--set deploy.critic.launch=local` (etc.) says otherwise."""
-    result = train(load_cli_config(args, defaults=TRAIN_DEPLOY))
+    steps = ProgressSteps()  # a progress bar of the iterations with the time left, the run's messages above it
+    try:
+        result = train(load_cli_config(args, defaults=TRAIN_DEPLOY), steps)
+    finally:
+        steps.close()
     if args.metrics_out:
         Path(args.metrics_out).write_text(json.dumps(result["history"], indent=1))
     if args.eval_out:

@@ -2,6 +2,7 @@
 it runs, so `rlhf up`, `status` and `--help` start without loading torch, Triton or MLflow.
 
     rlhf models tiny | config | train          components/cli/commands.py
+    rlhf export                                 components/cli/export.py (a run's model as a Hugging Face directory)
     rlhf serve critic|reward                    components/cli/serve.py (a server in the foreground)
     rlhf up | down | status | demo              components/launch/stack.py (the local Prefect + MLflow + deployments stack)
     rlhf compare                                components/cli/compare.py (PPO vs RLOO from MLflow; a sweep's trials)
@@ -19,6 +20,8 @@ from components.environment import first_line, quiet
 from components.cli.options import add_config_args
 from components.launch import stack
 from components.sweep.config import SweepConfig
+
+PROGRESS_COMMANDS = ("train", "export")  # commands a user watches: the Hugging Face download bars stay on
 
 SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-5 ...] [--model PATH] [--reward PATH] [--no-combine]
                       [--port 8400] [--checkpoint-dir DIR] [--checkpoint-uri s3://bucket/run] [--restore-iteration N]
@@ -128,8 +131,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(run="components.cli.commands:cmd_models_tiny")
 
-    config = sub.add_parser("config", help="print the resolved config")
+    config = sub.add_parser("config", help="print the resolved config (or, with --describe, every field and what it means)")
     add_config_args(config)
+    config.add_argument("--describe", action="store_true", help="print every field of the config tree with its type, "
+                        "default and description instead")
     config.set_defaults(run="components.cli.commands:cmd_config")
 
     train = sub.add_parser("train", help="a training run in this process (checkpoints, resume by run_name, MLflow, eval; no Prefect)")
@@ -138,6 +143,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--eval-out", help="write the held-out evals (eval.*) as JSON: [{iteration, metrics...}]")
     train.add_argument("--summary-out", help="write the run's summary as JSON (run name, MLflow run, checkpoint, metrics)")
     train.set_defaults(run="components.cli.commands:cmd_train")
+
+    export = sub.add_parser("export", help="a run's trained policy (its latest checkpoint, or --iteration N) as a "
+                                           "Hugging Face model directory (LoRA merged, tokenizer and chat template)")
+    export.add_argument("run_name", metavar="RUN", help="a run name (its checkpoints in deploy.checkpoint.uri, else "
+                        "<state_dir>/checkpoints), or a run's checkpoint store: file:///..., s3://bucket/prefix/run, a "
+                        "directory")
+    export.add_argument("--iteration", type=int, default=None, help="checkpoint iteration (default: the latest)")
+    export.add_argument("--out", required=True, help="output directory (new or empty)")
+    add_config_args(export)
+    export.set_defaults(run="components.cli.export:cmd_export")
 
     add_serve_parser(sub)
     add_stack_parsers(sub)
@@ -156,8 +171,8 @@ def command(args):
 
 def main(argv: list[str] | None = None) -> int:
     """Run a command; a failure prints its traceback, then one last line saying why (what a user reads first)."""
-    quiet()  # before the model libraries are imported: they read these settings when they are
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # the parser loads no model library
+    quiet(progress_bars=args.command in PROGRESS_COMMANDS)  # before the model libraries read these settings
     try:
         return int(command(args)(args) or 0)
     except KeyboardInterrupt:

@@ -21,6 +21,9 @@ def parse_overrides(items: list[str]) -> dict:
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="YAML file with any subset of the config tree")
-    p.add_argument("--preset", default="tiny", help="named preset the file and --set apply on (default: tiny)")
+    p.add_argument("--preset", default="auto", choices=("auto", "tiny", "none"),
+                   help="preset the file and --set apply on: 'tiny' (the embedded tiny models' settings), 'none' (the "
+                        "field defaults, for a real model) or 'auto' (default: tiny when model.policy is the embedded "
+                        "tiny policy, else none)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override, e.g. --set ppo.optim.lr=1e-5 or --set deploy.actor.nproc_per_node=2 (repeatable)")

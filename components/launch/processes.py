@@ -111,10 +111,12 @@ def log_tail(path: Path, lines: int = 30) -> str:
 
 
 def project_env(extra: Optional[dict] = None) -> dict[str, str]:
-    """This environment for a child of ours: the project importable (first on PYTHONPATH), unbuffered output."""
+    """This environment for a child of ours: the project importable (first on PYTHONPATH), unbuffered output, no
+    progress bars (its output goes to a log file)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PROJECT_ROOT), env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # a child's output goes to a log file: no bars there
     env.update(extra or {})
     return env
 

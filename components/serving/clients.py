@@ -232,7 +232,7 @@ class RewardClient:
         self._http = TritonHTTP(url, timeout_s, connect_timeout_s, retries, max_workers=max_workers, name="reward")
         self._max_batch: Optional[int] = None
 
-    def score(self, tokens, lengths, prompt_lengths=None, columns: list[dict] | None = None) -> Tensor:
+    def score(self, tokens, lengths, prompt_lengths=None, columns: list[dict] | None = None) -> Tensor | dict:
         tokens = _numpy(tokens, np.int64)
         lengths = _numpy(lengths, np.int64).reshape(-1, 1)
         validate_tokens(tokens, lengths)
@@ -244,13 +244,9 @@ class RewardClient:
                                        f"got {list(inputs['prompt_lengths'].shape)}")
         if self._max_batch is None:
             self._max_batch = int(self._http.model_config(REWARD_MODEL).get("max_batch_size", 0)) or 1 << 30
-        scores = []
-        for start in range(0, tokens.shape[0], self._max_batch):
-            chunk = {name: array[start:start + self._max_batch] for name, array in inputs.items()}
-            scores.append(self._http.infer(REWARD_MODEL, chunk)["rewards"].reshape(-1))
-        return torch.from_numpy(np.concatenate(scores))
+        return self._scores(REWARD_MODEL, inputs, tokens.shape[0])
 
-    def score_text(self, prompts: list[str], responses: list[str], columns: list[dict] | None = None) -> Tensor:
+    def score_text(self, prompts: list[str], responses: list[str], columns: list[dict] | None = None) -> Tensor | dict:
         if len(prompts) != len(responses) or not prompts:
             raise CriticInputError(f"responses: expected as many as prompts (> 0), got {len(responses)} and {len(prompts)}")
         if self._max_batch is None:
@@ -258,11 +254,19 @@ class RewardClient:
         inputs = {name: np.array([[s.encode("utf-8")] for s in texts], dtype=np.object_)
                   for name, texts in (("prompts", prompts), ("responses", responses))}
         inputs.update(columns_input(columns, len(prompts)))
-        scores = []
-        for start in range(0, len(prompts), self._max_batch):
-            chunk = {name: array[start:start + self._max_batch] for name, array in inputs.items()}
-            scores.append(self._http.infer(REWARD_TEXT, chunk)["rewards"].reshape(-1))
-        return torch.from_numpy(np.concatenate(scores))
+        return self._scores(REWARD_TEXT, inputs, len(prompts))
+
+    def _scores(self, model: str, inputs: dict, batch: int) -> Tensor | dict:
+        """`model`'s scores of `inputs` in requests of at most max_batch_size rows: the scores [B], or from a server
+        of reward functions {"scores": [B], "function_rewards": [B, F]} (each function's scores)."""
+        scores, each = [], []
+        for start in range(0, batch, self._max_batch):
+            out = self._http.infer(model, {name: array[start:start + self._max_batch] for name, array in inputs.items()})
+            scores.append(out["rewards"].reshape(-1))
+            if "function_rewards" in out:
+                each.append(out["function_rewards"].reshape(len(scores[-1]), -1))
+        total = torch.from_numpy(np.concatenate(scores))
+        return {"scores": total, "function_rewards": torch.from_numpy(np.concatenate(each))} if each else total
 
     def score_async(self, tokens, lengths, prompt_lengths=None, prompts=None, responses=None,
                     columns: list[dict] | None = None) -> "Future[Tensor]":

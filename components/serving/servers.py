@@ -62,7 +62,7 @@ from models.config import RLHFConfig
 from models.critic import CriticInputError, CriticTrainer, train_arrays, validate_tokens
 from models.loading import resolve_device
 from models.prepare import reward_transport
-from models.reward import (load_reward_function, load_reward_model, load_reward_tokenizer, reward_model_scores,
+from models.reward import (load_reward_functions, load_reward_model, load_reward_tokenizer, reward_model_scores,
                            text_reward_scores)
 
 LOG = logging.getLogger("rlhf.server")
@@ -225,18 +225,24 @@ def critic_specs(combine_reward: bool, max_batch_size: int, max_queue_delay_us: 
     ]
 
 
-def reward_specs(max_batch_size: int, max_queue_delay_us: int) -> list[ModelSpec]:
+def reward_outputs(functions: bool) -> list:
+    """`rewards` [B,1]; a server of reward functions also answers `function_rewards` [B,F]: each function's score
+    (in reward.functions order), whose weighted sum `rewards` is."""
+    return [_tensor("rewards", np.float32, (1,))] + ([_tensor("function_rewards", np.float32, (-1,))] if functions else [])
+
+
+def reward_specs(max_batch_size: int, max_queue_delay_us: int, functions: bool = False) -> list[ModelSpec]:
     return [ModelSpec(REWARD_MODEL, [_tensor("tokens", np.int64, (-1,)), _tensor("sequence_lengths", np.int64, (1,)),
                                      _tensor("prompt_lengths", np.int64, (1,), optional=True),
                                      _tensor("columns", bytes, (1,), optional=True)],
-                      [_tensor("rewards", np.float32, (1,))], True, max_batch_size, max_queue_delay_us),
-            reward_text_spec(max_batch_size, max_queue_delay_us)]
+                      reward_outputs(functions), True, max_batch_size, max_queue_delay_us),
+            reward_text_spec(max_batch_size, max_queue_delay_us, functions)]
 
 
-def reward_text_spec(max_batch_size: int, max_queue_delay_us: int) -> ModelSpec:
+def reward_text_spec(max_batch_size: int, max_queue_delay_us: int, functions: bool = False) -> ModelSpec:
     return ModelSpec(REWARD_TEXT, [_tensor("prompts", bytes, (1,)), _tensor("responses", bytes, (1,)),
                                    _tensor("columns", bytes, (1,), optional=True)],
-                     [_tensor("rewards", np.float32, (1,))], True, max_batch_size, max_queue_delay_us)
+                     reward_outputs(functions), True, max_batch_size, max_queue_delay_us)
 
 
 class CriticCallables:
@@ -307,11 +313,12 @@ class CriticCallables:
 
 
 class RewardCallables:
-    """`reward_model` over a sequence-classification model, or over a Python function of decoded text.
+    """`reward_model` over a sequence-classification model, or over Python reward functions of decoded text.
 
     A function reward needs prompt and response text: they are decoded with the tokenizer from tokens[:prompt_length]
     and tokens[prompt_length:sequence_length]. NeMo-Aligner clients do not send `prompt_lengths`; the whole sequence
-    is then the response and the prompt is empty.
+    is then the response and the prompt is empty. Reward functions (models/reward.WeightedRewards) also answer each
+    function's scores (`function_rewards`).
     """
 
     def __init__(self, model=None, function=None, tokenizer=None, vocab_size: int | None = None, reward_tokenizer=None,
@@ -343,14 +350,33 @@ class RewardCallables:
         columns = [c for _, _, cs in parts for c in cs]
         with self.lock:
             if self.model is not None:
-                scores = text_reward_scores(self.model, self.reward_tokenizer, prompts, responses,
-                                            self.chat_template).numpy()
+                scores, each = text_reward_scores(self.model, self.reward_tokenizer, prompts, responses,
+                                                  self.chat_template).numpy(), None
             else:
-                scores = np.asarray(self.function(prompts, responses, columns), dtype=np.float32)
+                scores, each = self._score_functions(prompts, responses, columns)
+        return self._answers([len(ps) for ps, _, _ in parts], scores, each)
+
+    @property
+    def functions(self) -> bool:
+        """Whether this server scores with reward functions that answer each one's scores."""
+        return hasattr(self.function, "score_all")
+
+    def _score_functions(self, prompts, responses, columns) -> tuple[np.ndarray, np.ndarray | None]:
+        """The score of each sample, and with reward functions each function's [B, F]."""
+        if self.functions:
+            total, each = self.function.score_all(prompts, responses, columns)
+            return np.asarray(total, dtype=np.float32), np.asarray(each, dtype=np.float32).reshape(len(each), -1).T
+        return np.asarray(self.function(prompts, responses, columns), dtype=np.float32), None
+
+    def _answers(self, sizes: list[int], scores: np.ndarray, each: np.ndarray | None) -> list[dict]:
+        """One response per request of a dynamic batch: its rows of `rewards` (and `function_rewards`)."""
         out, start = [], 0
-        for ps, _, _ in parts:
-            out.append({"rewards": scores[start:start + len(ps)].astype(np.float32).reshape(-1, 1)})
-            start += len(ps)
+        for size in sizes:
+            answer = {"rewards": scores[start:start + size].astype(np.float32).reshape(-1, 1)}
+            if each is not None:
+                answer["function_rewards"] = np.ascontiguousarray(each[start:start + size], dtype=np.float32)
+            out.append(answer)
+            start += size
         return out
 
     def infer(self, requests):
@@ -367,29 +393,27 @@ class RewardCallables:
             column_parts.append(decode_columns(request, len(lengths)))
             parts.append((tokens, lengths))
         with self.lock:
+            each = None
             if self.model is not None:
                 tokens, lengths, _ = _stack(parts)
                 device = next(self.model.parameters()).device
                 scores = reward_model_scores(self.model, tokens.to(device), lengths.to(device)).cpu().numpy()
             else:
-                scores = np.concatenate([self._score_text(t, ln, p, c)
-                                         for (t, ln), p, c in zip(parts, prompt_parts, column_parts)])
-        responses, start = [], 0
-        for tokens, _ in parts:
-            responses.append({"rewards": scores[start:start + tokens.shape[0]].astype(np.float32).reshape(-1, 1)})
-            start += tokens.shape[0]
-        return responses
+                texts = [self._decode(t, ln, p) for (t, ln), p in zip(parts, prompt_parts)]
+                scores, each = self._score_functions([p for ps, _ in texts for p in ps], [r for _, rs in texts for r in rs],
+                                                     [c for cs in column_parts for c in cs])
+        return self._answers([tokens.shape[0] for tokens, _ in parts], scores, each)
 
-    def _score_text(self, tokens: np.ndarray, lengths: np.ndarray, prompt_lengths: np.ndarray,
-                    columns: list[dict]) -> np.ndarray:
+    def _decode(self, tokens: np.ndarray, lengths: np.ndarray, prompt_lengths: np.ndarray) -> tuple[list[str], list[str]]:
+        """The prompt and response texts of token rows (split at the prompt lengths)."""
         rows = tokens.tolist()
         prompts = [self.tokenizer.decode(r[:p], skip_special_tokens=True) for r, p in zip(rows, prompt_lengths)]
         responses = [self.tokenizer.decode(r[p:n], skip_special_tokens=True)
                      for r, p, n in zip(rows, prompt_lengths, lengths)]
-        return np.asarray(self.function(prompts, responses, columns), dtype=np.float32)
+        return prompts, responses
 
     def bindings(self, max_batch_size: int, max_queue_delay_us: int) -> list[tuple[ModelSpec, Callable]]:
-        return list(zip(reward_specs(max_batch_size, max_queue_delay_us), (self.infer, self.text)))
+        return list(zip(reward_specs(max_batch_size, max_queue_delay_us, self.functions), (self.infer, self.text)))
 
 
 # ---------------------------------------------------------------- serving
@@ -425,7 +449,7 @@ class ServerSpec(BaseModel):
     def models(self) -> tuple[str, ...]:
         """The models this server binds (what readiness waits for)."""
         if self.kind == "critic":
-            return CRITIC_MODELS + ((REWARD_TEXT,) if self.config.critic.combine_reward else ())
+            return CRITIC_MODELS + ((REWARD_TEXT,) if self.config.critic_carries_reward else ())
         return REWARD_MODELS
 
     @property
@@ -595,7 +619,7 @@ def _load_critic(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], ob
     """Rank 0 of the critic server: restore from the run's store if asked, start the other ranks (critic.nproc_per_node
     > 1), build the critic on every rank, and bind the callables (which tell the other ranks what to run)."""
     cfg = spec.config
-    if cfg.critic.combine_reward and not cfg.model.reward:
+    if cfg.critic_carries_reward and not cfg.model.reward:
         raise ValueError("critic server: combining rewards needs a reward model (model.reward) or critic.combine_reward=false")
     store = None
     if spec.checkpoint_uri:
@@ -629,11 +653,11 @@ def _critic_trainer(spec: ServerSpec, me=None):
     cfg = spec.config
     critic_path = cfg.resolve_model_path(cfg.model.critic) if cfg.model.critic else None
     reward_path = cfg.resolve_model_path(cfg.model.reward) if cfg.model.reward else None
-    reward_tokenizer = load_reward_tokenizer(reward_path) if cfg.critic.combine_reward else None
+    reward_tokenizer = load_reward_tokenizer(reward_path) if cfg.critic_carries_reward else None
     # critic_infer scores the critic's (= the policy's) tokens with the reward model only when the run's reward
     # transport is tokens (a flow's config carries it decided; a server started on its own decides it for its critic)
     token_rewards = reward_transport(cfg, reader=cfg.model.critic or cfg.model.reward) == "tokens"
-    trainer = CriticTrainer(cfg.critic, critic_path, reward_path, cfg.critic.combine_reward, cfg.model.dtype,
+    trainer = CriticTrainer(cfg.critic, critic_path, reward_path, cfg.critic_carries_reward, cfg.model.dtype,
                             distributed.local_device(cfg.deploy.device, me), spec.checkpoint_dir,
                             token_rewards=token_rewards, me=me, gradient_checkpointing=cfg.model.gradient_checkpointing)
     return trainer, reward_tokenizer
@@ -684,7 +708,7 @@ def _load_reward(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], ob
                                     reward_tokenizer=load_reward_tokenizer(path), chat_template=cfg.reward.chat_template)
     else:
         tokenizer = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")
-        callables = RewardCallables(function=load_reward_function(cfg.reward.function), tokenizer=tokenizer)
+        callables = RewardCallables(function=load_reward_functions(cfg.reward), tokenizer=tokenizer)
     return callables.bindings(spec.max_batch_size, cfg.deploy.reward.max_queue_delay_us), None
 
 

@@ -245,7 +245,7 @@ def critic_service(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT) -> I
         backend = critic_backend(cfg, url)
         # a critic carrying a reward model that reads text serves rewards through reward_text, not critic_infer
         text = (RewardClient(url, timeout_s=cfg.deploy.critic.request_timeout_s, text=True)
-                if cfg.critic.combine_reward and cfg.reward.transport == "text" else None)
+                if cfg.critic_carries_reward and cfg.reward.transport == "text" else None)
         try:
             yield Service("critic server", backend, server.death, reward=text)
         finally:
@@ -333,7 +333,7 @@ def run_services(cfg: RLHFConfig, place: RunPlace, actor, steps: Steps = DIRECT,
                 yield RunServices(rollouts + [reward], reward=reward.backend)
             return
         with critic_service(cfg, place, steps) as critic, \
-                reward_service(cfg, place, steps, needed=not cfg.critic.combine_reward) as reward:
+                reward_service(cfg, place, steps, needed=not cfg.critic_carries_reward) as reward:
             yield RunServices(rollouts + [s for s in (critic, reward) if s is not None], critic=critic.backend,
                               reward=reward.backend if reward else critic.reward)
 

@@ -58,7 +58,7 @@ class SweepConfig(Section):
     seed: int = Field(0, description="Seed of the random and tpe samplers.")
     concurrency: int = Field(1, ge=1, le=32, description="Trials running at once (each is a flow run of the training "
                                                          "deployment: on a cluster, its own GPU nodes).")
-    metric: str = Field("eval/score", description="The MLflow metric to optimise: any metric the runs log; a trial's "
+    metric: str = Field("eval/reward", description="The MLflow metric to optimise: any metric the runs log; a trial's "
                                                   "value is the metric at its last logged step, and its earlier steps "
                                                   "are what the pruner compares.")
     direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether a larger or a smaller metric is better.")

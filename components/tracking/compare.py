@@ -12,9 +12,9 @@ from mlflow.tracking import MlflowClient
 from components.tracking.tracker import TrackingError, get_or_create_experiment
 from models.algorithms import ALGORITHMS
 
-DEFAULT_METRICS = ("objective/gold_reward", "objective/scores", "objective/kl", "objective/entropy", "time/step")
+DEFAULT_METRICS = ("objective/gold_reward", "reward", "objective/kl", "objective/entropy", "step_time")
 # the held-out eval (eval.*): plotted below the training curves when a run has it
-EVAL_METRICS = ("eval/gold_reward", "eval/score", "eval/accuracy")
+EVAL_METRICS = ("eval/gold_reward", "eval/reward", "eval/accuracy")
 
 
 @dataclass

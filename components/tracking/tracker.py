@@ -9,13 +9,16 @@ interval follows MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL (default 10 s).
 from __future__ import annotations
 
 import json
+import logging
 import numbers
 import os
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -126,6 +129,18 @@ def _as_number(value: Any) -> float | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None
     return float(value)
+
+
+def _model_requirements() -> list[str]:
+    """What loading a logged model needs: the installed transformers, torch and safetensors (pinned as installed;
+    given explicitly, so MLflow does not infer them by importing the model in a subprocess)."""
+    out = []
+    for package in ("transformers", "torch", "safetensors", "accelerate"):
+        try:
+            out.append(f"{package}=={version(package).split('+')[0]}")
+        except PackageNotFoundError:
+            continue
+    return out
 
 
 class Tracker:
@@ -257,6 +272,57 @@ class Tracker:
             tags=[RunTag("checkpoint.latest", uri)],
         )
         self.client.log_text(self.run_id, uri + "\n", f"checkpoints/{step:06d}.txt")
+
+    def log_model(self, directory: str | Path, step: int, register_as: str | None = None,
+                  name: str = "model") -> str:
+        """Log a Hugging Face model directory (models/export.py) as this run's model: an MLflow 3 logged model in the
+        transformers flavor (loadable with mlflow.transformers.load_model('models:/<id>'), its files under
+        model/), linked to the run at `step`; with `register_as`, a new version of that registered model. Returns
+        the logged model's id."""
+        import mlflow.transformers  # heavy (~2 s): only logging a model needs it
+        from mlflow.entities import LoggedModelOutput, LoggedModelStatus  # with mlflow.transformers: a model to log
+        from mlflow.models import Model  # as above
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # heavy: the model MLflow's flavor saves
+
+        run = self.client.get_run(self.run_id)
+        with tempfile.TemporaryDirectory(prefix="mlflow-model-") as tmp:
+            local = Path(tmp) / name
+            # the model object, not the directory: MLflow 3.17's local-checkpoint path fails on transformers 5's
+            # lazily registered pipelines
+            components = {"model": AutoModelForCausalLM.from_pretrained(directory, dtype="auto"),
+                          "tokenizer": AutoTokenizer.from_pretrained(directory)}
+            quiet = logging.getLogger("mlflow.transformers")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)  # no hub here to fetch a model card or a license from: not worth a warning
+            try:
+                mlflow.transformers.save_model(components, str(local), task="text-generation",
+                                               pip_requirements=_model_requirements())
+            finally:
+                quiet.setLevel(level)
+            del components
+            model = self.client.create_logged_model(run.info.experiment_id, name=name, source_run_id=self.run_id,
+                                                    model_type="transformers", params={"step": str(step)})
+            meta = Model.load(str(local))
+            meta.model_id, meta.run_id, meta.artifact_path = model.model_id, self.run_id, name
+            meta.save(str(local / "MLmodel"))
+            try:
+                self.client.log_model_artifacts(model.model_id, str(local))
+            except Exception:
+                self.client.finalize_logged_model(model.model_id, LoggedModelStatus.FAILED)
+                raise
+        self.client.finalize_logged_model(model.model_id, LoggedModelStatus.READY)
+        self.client.log_outputs(self.run_id, models=[LoggedModelOutput(model.model_id, step=step)])
+        if register_as:
+            try:
+                self.client.create_registered_model(register_as)
+            except MlflowException as exc:  # it exists already: a new version of it
+                if "RESOURCE_ALREADY_EXISTS" not in str(exc) and "already exists" not in str(exc):
+                    raise
+            # the source is the logged model's storage location: a sqlite store resolves 'models:/<id>' through
+            # the process-global tracking URI, not this client's
+            self.client.create_model_version(register_as, model.artifact_location, run_id=self.run_id,
+                                             model_id=model.model_id)
+        return model.model_id
 
     def end(self, status: str = "FINISHED") -> None:
         """Stop system metrics and mark the run terminated (FINISHED, FAILED or KILLED)."""

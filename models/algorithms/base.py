@@ -100,9 +100,10 @@ class Algorithm:
 
     def request_scores(self, batch: dict, chunks: list[slice], backends: Backends) -> Callable[[], dict]:
         """On rank 0, fire the requests for every rank's rollouts (`batch`: tokens, lengths, prompt_lengths,
-        prompts, responses, columns) per micro-batch; return a function that waits for them and gives {"scores": [B]}."""
+        prompts, responses, columns) per micro-batch; return a function that waits for them and gives {"scores": [B]}
+        (and "function_rewards" [B, F] from reward functions: `collect_rewards`)."""
         futures = request_rewards(backends.reward, batch, chunks)
-        return lambda: {"scores": torch.cat([f.result() for f in futures]).float()}
+        return lambda: collect_rewards(futures)
 
     def advantages(self, data: StepData, settings) -> Advantages:
         raise NotImplementedError
@@ -122,3 +123,13 @@ def request_rewards(reward, batch: dict, chunks: list[slice]) -> list[Future]:
     """Reward requests for the rows of `batch` per micro-batch (futures), as tokens or texts: the backend decides."""
     return [reward.score_async(batch["tokens"][mb], batch["lengths"][mb], batch["prompt_lengths"][mb],
                                batch["prompts"][mb], batch["responses"][mb], batch["columns"][mb]) for mb in chunks]
+
+
+def collect_rewards(futures: list[Future]) -> dict:
+    """The answers of `request_rewards`, in order: {"scores": [B]}, and {"function_rewards": [B, F]} (each reward
+    function's scores) when the backend scores with reward functions."""
+    answers = [f.result() for f in futures]
+    out = {"scores": torch.cat([a["scores"] if isinstance(a, dict) else a for a in answers]).float()}
+    if answers and all(isinstance(a, dict) and "function_rewards" in a for a in answers):
+        out["function_rewards"] = torch.cat([a["function_rewards"] for a in answers]).float()
+    return out

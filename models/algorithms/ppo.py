@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from pydantic import Field, PositiveInt
 
 from models.advantages import gae, masked_mean, masked_whiten, shape_rewards
-from models.algorithms.base import Advantages, Algorithm, Backends, StepData, request_rewards
+from models.algorithms.base import Advantages, Algorithm, Backends, StepData, collect_rewards, request_rewards
 from models.losses import entropy_bonus, explained_variance, ppo_policy_loss
 from models.sections import OptimConfig, Section
 
@@ -50,9 +50,8 @@ class PPO(Algorithm):
 
         def collect() -> dict:
             answers = [f.result() for f in values]
-            scores = (torch.cat([r for _, r in answers]) if rewards is None
-                      else torch.cat([f.result() for f in rewards]))
-            return {"values": torch.cat([v for v, _ in answers]), "scores": scores}
+            scored = {"scores": torch.cat([r for _, r in answers])} if rewards is None else collect_rewards(rewards)
+            return {"values": torch.cat([v for v, _ in answers]), **scored}
         return collect
 
     def advantages(self, data: StepData, settings: PPOConfig) -> Advantages:

@@ -11,7 +11,7 @@ The server issues the weights version: each update asks for the next one, and ev
 sampled with, which must be the last one this engine applied. The samples are checked against what a rollout relies
 on (a response ends at its stop token when the server says it ended, else runs to max_new_tokens). Logprobs are
 those of the sampled distribution (vLLM `processed_logprobs`: temperature, top-k and top-p applied), the behaviour
-policy's, so the step can compare them with the trainer's own (rollout/logprob_diff_*) and weight the loss by
+policy's, so the step can compare them with the trainer's own (sampling/sampling_logp_difference/*) and weight the loss by
 truncated importance sampling (models/losses.py: tis_weights).
 
 Asynchronous rollouts (rollout.max_off_policy_steps = k >= 1): rank 0 submits the next batches' requests ahead

@@ -206,7 +206,7 @@ def test_reinforce_with_a_reward_model_of_another_tokenizer_learns_through_text(
                                     key=lambda m: m.step)]
     assert len(gold) == 12
     assert_learned(gold)
-    scores = [m.value for m in sorted(client.get_metric_history(mrun.info.run_id, "objective/scores"),
+    scores = [m.value for m in sorted(client.get_metric_history(mrun.info.run_id, "reward"),
                                       key=lambda m: m.step)]
     assert len(scores) == 12 and max(abs(s - g) for s, g in zip(scores, gold)) < 0.1, (scores, gold)
     assert server_processes(s, str(s["state_dir"] / "runs" / "e2e-rloo-text")) == []
@@ -311,7 +311,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_wi
         return {m.step: m.value for m in sorted(client.get_metric_history(mrun.info.run_id, key),
                                                 key=lambda m: m.timestamp)}
 
-    diff, kl, stale = (last_values(k) for k in ("rollout/logprob_diff_max", "objective/kl", "rollout/staleness_max"))
+    diff, kl, stale = (last_values(k) for k in ("sampling/sampling_logp_difference/max", "objective/kl", "rollout/staleness_max"))
     assert diff[checkpointed + 1] < 1e-3 and kl[checkpointed + 1] > 1e-3, (diff, kl)
     assert [stale[i] for i in range(1, logged + 1)] == [0.0] + [1.0] * (logged - 1), stale  # the first attempt
     cfg = RLHFConfig.model_validate({**config, "deploy": {"state_dir": str(s["state_dir"])}, "algorithm": "rloo"})

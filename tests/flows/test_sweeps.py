@@ -157,7 +157,7 @@ def test_bad_input_is_refused_before_any_trial_starts(sweep_stack):
         "unknown-field": ({"space": {"reinforce.optim.lrr": [1e-3]}}, CONFIG,
                           "'reinforce.optim.lrr' is not a config field: reinforce.optim has no field 'lrr'"),
         "no-eval": ({"space": {"kl.init": [0.1]}}, {**CONFIG, "eval": {**EVAL, "every": 0}},
-                    "sweep.metric: 'eval/score' is logged by the held-out eval, which this config does not run"),
+                    "sweep.metric: 'eval/reward' is logged by the held-out eval, which this config does not run"),
     }
     runs = {name: flow_run_id(start_sweep(s, {"name": name, **sweep}, config)) for name, (sweep, config, _) in cases.items()}
     for name, run_id in runs.items():
@@ -203,7 +203,7 @@ def test_a_2x2_grid_runs_its_trials_at_most_two_at_a_time_as_nested_runs_with_a_
     assert [(r["trial"], r["state"], r["mlflow_run_id"]) for r in rows] == [
         (i, "complete", c.info.run_id) for i, c in enumerate(children)]
     for row, child in zip(rows, children):  # a trial's value: the metric at its last step (the eval at iteration 2)
-        last = max(s["mlflow"].get_metric_history(child.info.run_id, "eval/score"), key=lambda m: m.step)
+        last = max(s["mlflow"].get_metric_history(child.info.run_id, "eval/reward"), key=lambda m: m.step)
         assert last.step == 2 and row["value"] == pytest.approx(last.value, rel=1e-6)
     best = rows[int(parent.data.tags["best.trial"])]  # (two trials may tie)
     assert best["value"] == max(r["value"] for r in rows) > min(r["value"] for r in rows)
@@ -254,10 +254,10 @@ def test_a_trial_that_cannot_learn_is_pruned_at_an_eval_step_cancelled_and_leave
     good, bad = trial_runs(s, "prune")
     assert good["state"]["type"] == "COMPLETED" and bad["state"]["type"] == "CANCELLED", (good["state"], bad["state"])
     assert [t.state.name for t in study(s, "prune").trials] == ["COMPLETE", "PRUNED"]
-    assert study(s, "prune").trials[1].user_attrs["reason"].startswith("pruned at step 2: its best eval/score so far")
+    assert study(s, "prune").trials[1].user_attrs["reason"].startswith("pruned at step 2: its best eval/reward so far")
     _, (good_run, bad_run) = parent_and_trials(s, "prune")
     assert bad_run.data.tags["sweep.state"] == "pruned" and bad_run.info.status == "KILLED"
-    steps = sorted(m.step for m in s["mlflow"].get_metric_history(bad_run.info.run_id, "eval/score"))
+    steps = sorted(m.step for m in s["mlflow"].get_metric_history(bad_run.info.run_id, "eval/reward"))
     assert steps[:2] == [0, 2] and steps[-1] < 6, steps
     assert not stack_processes(s["state_dir"], bad["id"])  # no flow-run process, reward server or rank of it
 

@@ -200,3 +200,33 @@ def test_the_stream_position_travels_with_the_actor_checkpoint(tiny_models, tmp_
     resumed = PromptStream.resume(rows, 4, 5, fresh.state.data, fresh.state.iteration)
     assert [next(resumed).columns for _ in range(3)] == [next(stream).columns for _ in range(3)]
     reward.close()
+
+
+def test_a_subset_picks_a_configuration_of_a_folder_that_declares_them(tmp_path, tokenizer):
+    """data.subset / eval.subset: a folder whose README declares `configs` as a hub data set does (GSM8K's `main` and
+    `socratic`) is read at the configuration asked for; leaving it out, or naming one it has not, says which it has;
+    a source without configurations refuses a subset, naming the field."""
+    main, other = ROWS[:6], ROWS[6:]
+    for name, rows in (("main", main), ("socratic", other)):
+        (tmp_path / "ds" / name).mkdir(parents=True)
+        datasets.Dataset.from_list(rows).to_json(str(tmp_path / "ds" / name / "train.jsonl"))
+    datasets.Dataset.from_list(other[:2]).to_json(str(tmp_path / "ds" / "main" / "test.jsonl"))
+    (tmp_path / "ds" / "README.md").write_text(
+        "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n"
+        "  - split: test\n    path: main/test.jsonl\n- config_name: socratic\n  data_files:\n  - split: train\n"
+        "    path: socratic/train.jsonl\n---\n")
+    expect_rows(load(tmp_path / "ds", tokenizer, subset="main"), main)
+    expect_rows(load(tmp_path / "ds", tokenizer, subset="socratic"), other)
+    expect_rows(load(tmp_path / "ds", tokenizer, split="test", subset="main", field="eval.prompts"), other[:2])
+    for kwargs, message in (({}, "data.subset: '{ds}' has several configurations ['main', 'socratic']: choose one"),
+                            ({"subset": "nope"}, "data.subset: '{ds}' has no configuration 'nope'; its "
+                                                 "configurations: ['main', 'socratic']"),
+                            ({"subset": "socratic", "split": "test"}, "data.prompts: configuration 'socratic' of "
+                                                                      "'{ds}' has no split 'test'")):
+        with pytest.raises(DataError) as failure:
+            load(tmp_path / "ds", tokenizer, **kwargs)
+        assert str(failure.value).startswith(message.format(ds=tmp_path / "ds")), str(failure.value)
+    with pytest.raises(DataError, match="^eval.subset: 'builtin:sentiment' has no configurations"):
+        read_rows("builtin:sentiment", "test", "eval.prompts", "main")
+    with pytest.raises(DataError, match="^data.subset: .* has no configurations"):
+        read_rows(str(tmp_path / "ds" / "main" / "train.jsonl"), "train", "data.prompts", "main")

@@ -20,7 +20,7 @@ from models.prepare import prepare_run
 from tests.models.dist_update import update
 
 SCRIPT = Path(__file__).with_name("dist_update.py")
-NON_DETERMINISTIC = ("time/", "throughput/", "dist/")
+NON_DETERMINISTIC = ("time/", "throughput/", "step_time", "dist/")
 
 
 def test_shards_cover_every_row_once_in_rank_order():
@@ -91,7 +91,7 @@ def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
         moved = max(moved, float((value - initial[name]).abs().max()))
     assert moved > 1e-4  # the update moved the weights far beyond the tolerance
     keys = [k for k in one_metrics if not k.startswith(NON_DETERMINISTIC)]
-    assert {"loss/policy_avg", "objective/kl", "policy/grad_norm", "policy/approxkl_avg"} <= set(keys)
+    assert {"loss", "objective/kl", "grad_norm", "policy/approxkl_avg"} <= set(keys)
     for key in keys:
         assert two["metrics"][key] == pytest.approx(one_metrics[key], rel=1e-4, abs=1e-6), key
     # what a rollout engine receives after the update: every weight, gathered from the FSDP2 shards, the tied

@@ -46,7 +46,8 @@ def test_tiny_names_resolve_to_the_shipped_files_and_unknown_ones_are_refused():
 
     cfg = RLHFConfig()
     assert cfg.resolve_model_path("tiny/policy") == str(EMBEDDED_DIR / "policy")
-    assert cfg.resolve_model_path("/elsewhere/policy") == "/elsewhere/policy"
+    with pytest.raises(FileNotFoundError, match="model: model path '/elsewhere/policy' does not exist"):
+        cfg.resolve_model_path("/elsewhere/policy")  # a missing model fails, naming its field, when it is resolved
     with pytest.raises(FileNotFoundError, match="tiny/policy, tiny/reward, tiny/critic, tiny/reward-chars"):
         embedded_model_path("tiny/nope")
 

@@ -271,9 +271,9 @@ def test_a_skipped_refit_is_caught_by_the_mismatch_metric(engine, tiny_models):
         old = trainer_logprobs(policy, ro, 1.0)
         tis = tis_weights(old, ro.sample_logprobs, ro.response_mask, 2.0)
         metrics[name] = engine_mismatch(policy.me, old, ro.sample_logprobs, ro.response_mask, tis, 2.0)
-    assert metrics["fresh"]["rollout/logprob_diff_max"] < 1e-3
-    assert metrics["stale"]["rollout/logprob_diff_mean"] > 0.05, metrics
-    assert metrics["stale"]["rollout/logprob_diff_max"] > 20 * metrics["fresh"]["rollout/logprob_diff_max"]
+    assert metrics["fresh"]["sampling/sampling_logp_difference/max"] < 1e-3
+    assert metrics["stale"]["sampling/sampling_logp_difference/mean"] > 0.05, metrics
+    assert metrics["stale"]["sampling/sampling_logp_difference/max"] > 20 * metrics["fresh"]["sampling/sampling_logp_difference/max"]
 
 
 def test_lora_weights_reach_the_engine_merged(server, tiny_models):

@@ -71,7 +71,7 @@ def test_a_range_takes_the_type_of_its_field():
     ({"kl.estimator": {"low": 0, "high": 1}}, {"sampler": "tpe"}, r"sweep\.space\['kl\.estimator'\]: a range \{low, high\} needs a numeric field, and kl\.estimator is one of 'k1', 'abs'"),
     ({"iterations": {"low": 2, "high": 4.5}}, {"sampler": "random"}, r"iterations is an int field, so the range needs whole numbers, got 4\.5"),
     ({"iterations": {"low": 0, "high": 4}}, {"sampler": "random"}, r"the config refuses iterations=0: iterations: Input should be greater than 0"),
-    ({"eval.every": [2, 0]}, {}, r"sweep\.metric: 'eval/score' is logged by the held-out eval, .* \(with eval\.every=0\)"),
+    ({"eval.every": [2, 0]}, {}, r"sweep\.metric: 'eval/reward' is logged by the held-out eval, .* \(with eval\.every=0\)"),
     ({"kl.init": [0.1]}, {"metric": "critic/step"}, r"sweep\.metric: 'critic/step' comes from a critic, and rloo has none"),
 ])
 def test_bad_spaces_are_refused_naming_the_field(space, sweep, expected):
@@ -87,7 +87,7 @@ def test_a_combination_the_config_refuses_as_a_whole_is_named():
 def test_a_metric_the_config_cannot_produce_is_refused():
     assert "set eval.prompts and eval.every > 0 (eval.prompts=None, eval.every=0)" in refused(GRID, RLHFConfig(algorithm="rloo"))
     assert "reward.gold is None" in refused(GRID, base(reward={"gold": None}), metric="objective/gold_reward")
-    check_sweep(RLHFConfig(algorithm="rloo"), SweepConfig(name="s", space=GRID, metric="objective/scores"))  # any step
+    check_sweep(RLHFConfig(algorithm="rloo"), SweepConfig(name="s", space=GRID, metric="reward"))  # any step
 
 
 @pytest.mark.parametrize("sweep, field, expected", [
@@ -247,8 +247,8 @@ def test_the_parent_run_is_found_again_and_the_table_gets_each_finished_trial_on
 
 # ------------------------------------------------------------------------------------------------ rlhf sweep
 @pytest.mark.parametrize("args, expected", [
-    (["--name", "x", "--space", "kl.init=[0.01, 0.1]"], "sweep.metric: 'eval/score' is logged by the held-out eval"),
-    (["--name", "x", "--space", "kl.inti=[0.01]", "--metric", "objective/scores"], "'kl.inti' is not a config field"),
+    (["--name", "x", "--space", "kl.init=[0.01, 0.1]"], "sweep.metric: 'eval/reward' is logged by the held-out eval"),
+    (["--name", "x", "--space", "kl.inti=[0.01]", "--metric", "reward"], "'kl.inti' is not a config field"),
     (["--name", "x"], "space\n  Field required"),
     (["--name", "x", "--space", "kl.init"], "--space expects FIELD=VALUES"),
     (["--name", "x", "--space", "kl.init=[0.1]", "--concurrency", "two"], "concurrency\n  Input should be a valid integer"),

@@ -42,12 +42,12 @@ def runs(mlflow_uri: str) -> dict[str, str]:
             mlflow_uri,
             "ppo-run",
             "ppo",
-            {"objective/gold_reward": [0.1, 0.5, 0.75], "objective/kl": [0.0, 0.02, 0.04], "time/step": [1, 1, 1],
+            {"objective/gold_reward": [0.1, 0.5, 0.75], "objective/kl": [0.0, 0.02, 0.04], "step_time": [1, 1, 1],
              "eval/gold_reward": [0.2, 0.6]},  # a held-out eval (plotted beside the training curves)
             start=T0 + 10_000,
         ),
         "rloo-run": make_run(  # no gold reward logged: shown as absent
-            mlflow_uri, "rloo-run", "rloo", {"objective/kl": [0.0, 0.01, 0.03, 0.06], "time/step": [0.5] * 4}, start=T0 + 20_000
+            mlflow_uri, "rloo-run", "rloo", {"objective/kl": [0.0, 0.01, 0.03, 0.06], "step_time": [0.5] * 4}, start=T0 + 20_000
         ),
         "running-rloo": make_run(mlflow_uri, "running-rloo", "rloo", {"objective/kl": [7.0]}, start=T0 + 30_000, finish=False),
     }
@@ -75,7 +75,7 @@ def test_compare_latest_finished_run_per_algorithm(mlflow_uri: str, runs: dict[s
     assert ppo[col["final objective/kl"]] == "0.04" and rloo[col["final objective/kl"]] == "0.06"
     assert ppo[col["final objective/entropy"]] == "absent"
     assert ppo[col["final eval/gold_reward"]] == "0.6" and rloo[col["final eval/gold_reward"]] == "absent"
-    assert "final eval/score" not in col  # no run logged it: no empty panel
+    assert "final eval/reward" not in col  # no run logged it: no empty panel
     assert ppo[col["wall-clock (s)"]] == "8" and rloo[col["wall-clock (s)"]] == "10"
 
 

@@ -25,7 +25,7 @@ def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, floa
 def test_new_run_logs_params_tags_and_config(mlflow_uri: str, tmp_path: Path) -> None:
     with Tracker(mlflow_uri, "exp", "ppo-1", tags={"algorithm": "ppo"}, system_metrics=False) as tracker:
         run_id = tracker.start(CONFIG)
-        tracker.log_metrics({"objective/kl": 0.5, "objective/scores": 1, "note": "text", "bad": None}, step=0)
+        tracker.log_metrics({"objective/kl": 0.5, "reward": 1, "note": "text", "bad": None}, step=0)
         tracker.log_metrics({"objective/kl": float("nan"), "loss/value_avg": 2.0}, step=1)
         tracker.log_table([{"prompt": "a", "reward": 1.0}, {"prompt": "b", "response": "c"}], step=1)
         tracker.log_checkpoint("s3://bucket/run/iter_1", step=1)
@@ -39,7 +39,7 @@ def test_new_run_logs_params_tags_and_config(mlflow_uri: str, tmp_path: Path) ->
     assert len(params["prompt"]) == PARAM_VALUE_LIMIT and params["prompt"].endswith("(truncated)")
     assert run.data.tags["algorithm"] == "ppo" and run.data.tags["mlflow.runName"] == "ppo-1"
     assert run.data.tags["checkpoint.latest"] == "s3://bucket/run/iter_1"
-    assert set(run.data.metrics) == {"objective/kl", "objective/scores", "loss/value_avg", "checkpoint/iteration"}
+    assert set(run.data.metrics) == {"objective/kl", "reward", "loss/value_avg", "checkpoint/iteration"}
     kl = history(client, run_id, "objective/kl")
     assert kl[0] == (0, 0.5) and kl[1][0] == 1 and math.isnan(kl[1][1])
 
