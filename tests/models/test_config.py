@@ -49,7 +49,8 @@ def test_a_run_and_its_deployment_compose_and_come_apart():
     deploy = DeployConfig.model_validate({"critic": {"launch": "in_process"}, "state_dir": "/tmp/x"})
     cfg = RLHFConfig.of(run, deploy)
     assert (cfg.algorithm, cfg.iterations, cfg.deploy.critic.launch, cfg.deploy.state_dir) == ("rloo", 3, "in_process", "/tmp/x")
-    assert cfg.run == run and "deploy" not in cfg.run.model_dump()
+    assert (cfg.run.algorithm, cfg.run.iterations) == ("rloo", 3) and "deploy" not in cfg.run.model_dump()
+    assert RLHFConfig.of(cfg.run, cfg.deploy) == cfg  # apart and composed again: the same run
 
 
 def test_dotted_overrides_and_nested_mappings_merge_at_every_depth():
@@ -87,7 +88,7 @@ def test_unnamed_runs_started_together_get_names_of_their_own():
 @pytest.mark.parametrize("overrides,message", [
     ({"ppo.optim.lr": -1.0}, "lr"),
     ({"reinforce.num_rollouts_per_prompt": 1}, "num_rollouts_per_prompt"),
-    ({"reward.source": "function"}, "reward.function is required"),
+    ({"reward.source": "function"}, r"reward.function \(or reward.functions\) is required"),
     ({"reward.function": "no colon here"}, "package.module:function"),
     ({"generation.temperature": 0}, "temperature"),
     ({"ppo.not_a_field": 1}, "not_a_field"),
