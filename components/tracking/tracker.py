@@ -8,6 +8,8 @@ interval follows MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL (default 10 s).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import numbers
@@ -143,6 +145,21 @@ def _model_requirements() -> list[str]:
     return out
 
 
+@contextlib.contextmanager
+def sqlite_created(uri: str):
+    """For a sqlite store (the state directory's): an exclusive lock on '<database>.lock' while the store is first
+    used, so two runs starting together on a new store do not both create its tables (the second would fail with
+    'table already exists'); any other store: nothing."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    database = Path(uri[len("sqlite:///"):])
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{database}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
 class Tracker:
     """One MLflow run: params, metrics (strictly increasing steps), tables, checkpoint records."""
 
@@ -176,9 +193,11 @@ class Tracker:
     def start(self, config: dict) -> str:
         """Create the run (or resume `run_id`); a new run logs config as params and config.yaml."""
         check_reachable(self.tracking_uri)
-        self._client = MlflowClient(tracking_uri=self.tracking_uri)
         tags = dict(self.tags)
         try:
+            with sqlite_created(self.tracking_uri):  # two runs starting on one new store create its tables once
+                self._client = MlflowClient(tracking_uri=self.tracking_uri)
+                get_or_create_experiment(self._client, self.experiment, self.tracking_uri)
             if self.run_id:
                 self._resume()
             else:

@@ -164,6 +164,25 @@ def test_rlhf_train_checkpoints_logs_to_mlflow_and_resumes_by_run_name(tmp_path)
     assert not (state / "models").exists()  # nothing built: the embedded models ship with the package
 
 
+def test_two_runs_started_together_on_an_empty_state_dir_both_complete(tmp_path):
+    """Two `rlhf train` runs (other names) started together on a new state directory share its MLflow store: they
+    create its tables once (a lock while a sqlite store is first used) and both complete, each its own MLflow run."""
+    from mlflow.tracking import MlflowClient
+
+    state = tmp_path / "state"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", RLHF_STATE_DIR=str(state))
+    procs = [subprocess.Popen([RLHF, "train", "--set", "algorithm=rloo", "--set", "iterations=1", "--set", f"run_name=both-{i}",
+                               "--set", "reinforce.rollout_batch_size=4", "--set", "generation.max_new_tokens=4",
+                               "--set", "deploy.tracking.system_metrics=false"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [out[-2000:] for out in outputs]
+    client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("rlhf-flows").experiment_id])
+    assert sorted(r.info.run_name for r in runs) == ["both-0", "both-1"]
+    assert all(r.info.status == "FINISHED" for r in runs)
+
+
 def test_a_model_path_that_does_not_exist_fails_fast_naming_the_field(tmp_path):
     proc = run("train", "--set", f"model.policy={tmp_path / 'no-such-model'}", "--set", "iterations=1",
                env={"RLHF_STATE_DIR": str(tmp_path / "state")}, check=False)
