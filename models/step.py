@@ -111,6 +111,7 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
         "policy/clipfrac_avg": train_stats["clipfrac"],
         "policy/entropy_avg": train_stats["entropy"],
         "policy/grad_norm": train_stats["grad_norm"],
+        "policy/skipped_steps": float(train_stats["skipped_steps"]),
         "loss/policy_avg": train_stats["loss"],
         "val/ratio": train_stats["ratio"],
     })

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from components.launch.stack import running_mlflow_uri
+from components.serving.auth import new_secret
 from components.storage.checkpoints import CheckpointStore
 from components.tracking.tracker import Tracker, resolve_tracking_uri
 from models.config import RLHFConfig, run_name_for
@@ -47,13 +48,15 @@ def default_tracking_uri(cfg: RLHFConfig) -> str:
 @dataclass
 class RunPlace:
     """What a run's servers need of the run: its name, where logs go, where a local critic saves, the run's
-    checkpoint store (a deployment critic uploads there) and the checkpoint iteration a resumed critic starts from."""
+    checkpoint store (a deployment critic uploads there), the checkpoint iteration a resumed critic starts from, and
+    the run's secret (every server of the run takes requests carrying it only: components/serving/auth.py)."""
 
     run_name: str
     log_dir: Path
     critic_dir: Optional[Path] = None
     store_uri: Optional[str] = None
     critic_restore_iteration: Optional[int] = None
+    secret: str = field(default_factory=new_secret, repr=False)
 
 
 @dataclass
@@ -65,6 +68,7 @@ class RunSession:
     tracker: Tracker
     resumed_from: int | None = None
     manifest: dict = field(default_factory=dict)
+    secret: str = field(default_factory=new_secret, repr=False)  # this attempt's; never logged, never a parameter
 
     @property
     def critic_restore_iteration(self) -> int | None:
@@ -77,7 +81,8 @@ class RunSession:
 
     @property
     def place(self) -> RunPlace:
-        return RunPlace(self.name, self.local_dir / "logs", self.critic_dir, self.store.uri, self.critic_restore_iteration)
+        return RunPlace(self.name, self.local_dir / "logs", self.critic_dir, self.store.uri, self.critic_restore_iteration,
+                        self.secret)
 
     @classmethod
     def open(cls, cfg: RLHFConfig, tags: dict[str, str] | None = None) -> "RunSession":
