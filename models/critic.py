@@ -35,6 +35,7 @@ from models.distributed import SINGLE, Dist, full_state_dict, shard_model
 from models.loading import DTYPES, autocast, disable_dropout, from_pretrained, make_optimizer
 from models.losses import explained_variance, value_loss
 from models.reward import _head, load_reward_model, reward_model_scores
+from models.safe_io import dcp_load, load_state
 from models.update import micro_batches, minibatch_update
 
 
@@ -286,10 +287,9 @@ class CriticTrainer:
     def _restore(self, directory: Path) -> None:
         """Scheduler and step from a save; the optimizer too when it was saved by as many ranks (else it starts
         fresh, with a warning: the weights are the full ones either way)."""
-        import torch.distributed.checkpoint as dcp  # heavy (~1.7 s): only sharded saves need it
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # heavy
 
-        state = torch.load(directory / "critic_state.pt", map_location="cpu", weights_only=False)
+        state = load_state(directory / "critic_state.pt")
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         saved = int(state.get("world_size", 1))
@@ -298,5 +298,5 @@ class CriticTrainer:
                             f"{self.me.world_size}: weights restored, optimizer states start fresh")
             return
         shards = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-        dcp.load(shards, checkpoint_id=str(directory / "optimizer"))
+        dcp_load(shards, directory / "optimizer")
         set_optimizer_state_dict(self.model, self.optimizer, shards["optimizer"])

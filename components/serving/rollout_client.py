@@ -176,10 +176,15 @@ class DistWeights:
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        self.listener = listening_socket(host)
-        port = self.listener.getsockname()[1]
-        self.store = torch.distributed.TCPStore(host, port, 2, is_master=True, wait_for_workers=False,
-                                                timeout=self.timeout, master_listen_fd=self.listener.fileno())
+        listener = listening_socket(host)
+        port = listener.getsockname()[1]
+        try:
+            self.store = torch.distributed.TCPStore(host, port, 2, is_master=True, wait_for_workers=False,
+                                                    timeout=self.timeout, master_listen_fd=listener.fileno())
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # the store owns the socket now (and closes it)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="weights")
         # our side of the group waits for the server's: in a thread of its own, so that a refused /weights/init
         # (another run's server) fails here at once instead of after the timeout
@@ -226,8 +231,7 @@ class DistWeights:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
-        self.group = self.store = None  # the store's server stops with it (it does not own the listening socket)
-        self.listener.close()
+        self.group = self.store = None
 
 
 def run_token(run_name: str) -> str:

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from components.launch.processes import ServerNotReady
+from components.serving.auth import bearer_headers
 from components.serving.launcher import launch_rollout, rollout_env, rollout_python
 from components.serving.rollout_client import HTTPWeights, RolloutClient, safetensors_stream
 from models.config import LoraConfig, RLHFConfig, Sampling
@@ -295,8 +296,8 @@ def test_lora_weights_reach_the_engine_merged(server, tiny_models):
 
 
 def test_bad_input_is_refused_naming_the_field_and_the_server_keeps_serving(server, policy):
-    http = httpx.Client(base_url=server.url, timeout=60)
-    good = {"prompt_token_ids": policy.encode_prompts(sentiment.prompts(1)), "max_new_tokens": 4}
+    http = httpx.Client(base_url=server.url, timeout=60, headers=bearer_headers(server.secret))
+    good = {"prompt_token_ids": policy.encode_prompts(sentiment.prompts(1)), "max_new_tokens": 4, "run": RUN}
     health = http.get("/health").json()
     version, vocab, limit = health["weights_version"], health["vocab_size"], health["max_model_len"]
     cases = [
