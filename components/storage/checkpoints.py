@@ -47,6 +47,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, found or verified."""
 
 
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint fails its checks (a file missing or not matching its sha256, an unreadable or unsafe manifest):
+    a resume passes over it. An error reaching the store (access denied, unreachable) is not one: it fails the run."""
+
+
 class _Backend(Protocol):
     """Key/value primitives over a store root; keys are '/'-separated relative paths."""
 
@@ -326,9 +331,9 @@ class CheckpointStore:
             pointer = {"iteration": int(pointer["iteration"]), "path": str(pointer.get("path") or
                                                                          f"iter_{int(pointer['iteration'])}")}
         except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"corrupt latest.json in {self.uri}: {exc}") from exc
+            raise CorruptCheckpoint(f"corrupt latest.json in {self.uri}: {exc}") from exc
         if not _ITER_RE.match(pointer["path"]):
-            raise CheckpointError(f"corrupt latest.json in {self.uri}: path {pointer['path']!r} is not a checkpoint")
+            raise CorruptCheckpoint(f"corrupt latest.json in {self.uri}: path {pointer['path']!r} is not a checkpoint")
         return pointer
 
     def latest(self) -> int | None:
@@ -355,7 +360,7 @@ class CheckpointStore:
         scan = self._scan() if scan is None else scan
         try:
             pointer = self._pointer()
-        except CheckpointError:
+        except CorruptCheckpoint:
             pointer = None
         current = {n: top for n, top, complete in scan if complete}  # oldest first: the newest of an iteration wins
         if pointer is not None and (pointer["iteration"], pointer["path"], True) in scan:
@@ -390,15 +395,15 @@ class CheckpointStore:
         where = self._checkpoint_uri(key)
         raw = self._backend.get_bytes(f"{key}/state.json")
         if raw is None:
-            raise CheckpointError(f"checkpoint {where} is missing or incomplete (no state.json)")
+            raise CorruptCheckpoint(f"checkpoint {where} is missing or incomplete (no state.json)")
         try:
             manifest = json.loads(raw)
             names, files, state = list(manifest.get("parts", [])), dict(manifest["files"]), manifest["state"]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"checkpoint {where} has an unreadable state.json ({type(exc).__name__}: {exc})") from None
+            raise CorruptCheckpoint(f"checkpoint {where} has an unreadable state.json ({type(exc).__name__}: {exc})") from None
         for name in names:
             if not isinstance(name, str) or not _PART_RE.match(name) or name in (".", ".."):
-                raise CheckpointError(f"checkpoint {where} names an invalid part {name!r}")
+                raise CorruptCheckpoint(f"checkpoint {where} names an invalid part {name!r}")
         wanted = [n for n in names if parts is None or n in parts]
         targets = {relpath: inside(dest, relpath, names, where) for relpath in files}
         for name in wanted:
@@ -408,20 +413,21 @@ class CheckpointStore:
                 continue
             local = targets[relpath]
             if not self._backend.get_file(f"{key}/{relpath}", local):
-                raise CheckpointError(f"file {relpath} is missing from checkpoint {where}")
+                raise CorruptCheckpoint(f"file {relpath} is missing from checkpoint {where}")
             if _sha256(local) != digest:
-                raise CheckpointError(f"file {relpath} of checkpoint {where} fails its sha256 check")
+                raise CorruptCheckpoint(f"file {relpath} of checkpoint {where} fails its sha256 check")
         return state
 
     def restore(self, dest: Path, parts: tuple[str, ...] | None = None,
                 log: Callable[[str], None] = lambda message: None) -> tuple[int, dict] | None:
         """Download the latest checkpoint that passes its checks into `dest` (emptied first): the one latest.json
-        names, else (it fails its sha256 check, a file or its state.json is missing or unreadable) the previous
-        complete one, and so on, each fallback said through `log`. Returns (iteration, state); None when the store
-        has no checkpoint. Raises when checkpoints exist and none passes."""
+        names, else (it fails its sha256 check, a file or its state.json is missing or unreadable: CorruptCheckpoint)
+        the previous complete one, and so on, each fallback said through `log`. Returns (iteration, state); None
+        when the store has no checkpoint. Raises when checkpoints exist and none passes, and at once on an error
+        reaching the store (access denied, unreachable: never a reason to go back to an older checkpoint)."""
         try:
             pointer = self._pointer()
-        except CheckpointError as exc:
+        except CorruptCheckpoint as exc:
             log(f"{exc}: looking for the newest complete checkpoint instead")
             pointer = None
         current = self._current()
@@ -435,7 +441,7 @@ class CheckpointStore:
             shutil.rmtree(dest, ignore_errors=True)
             try:
                 state = self._load_key(Path(dest), key, parts)
-            except CheckpointError as exc:
+            except CorruptCheckpoint as exc:
                 failures.append(str(exc))
                 log(f"checkpoint {self._checkpoint_uri(key)} cannot be restored ({exc}); falling back to the previous "
                     f"complete checkpoint")
@@ -445,7 +451,7 @@ class CheckpointStore:
                     f"passes its checks")
             return iteration, state
         shutil.rmtree(dest, ignore_errors=True)
-        raise CheckpointError(f"no checkpoint of {self.uri} passes its checks: " + "; ".join(failures))
+        raise CorruptCheckpoint(f"no checkpoint of {self.uri} passes its checks: " + "; ".join(failures))
 
     def load_part(self, iteration: int, name: str, dest: Path) -> Path:
         """Replace directory `dest` with part `name` of iter_<N> (sha256-checked); the checkpoint must hold it."""
@@ -558,9 +564,9 @@ def inside(dest: Path, relpath: str, parts: list[str], where: str) -> Path:
     pure = PurePosixPath(relpath) if isinstance(relpath, str) else None
     if (pure is None or not relpath or pure.is_absolute() or "\\" in relpath
             or any(p in ("", ".", "..") for p in relpath.split("/")) or len(pure.parts) < 2 or pure.parts[0] not in parts):
-        raise CheckpointError(f"checkpoint {where}: manifest path {relpath!r} is not a file below one of its parts "
-                              f"{sorted(parts)}: refused (it would be written outside {dest})")
+        raise CorruptCheckpoint(f"checkpoint {where}: manifest path {relpath!r} is not a file below one of its parts "
+                                f"{sorted(parts)}: refused (it would be written outside {dest})")
     target = (Path(dest) / relpath).resolve()
     if Path(dest).resolve() not in target.parents:
-        raise CheckpointError(f"checkpoint {where}: manifest path {relpath!r} would be written outside {dest}: refused")
+        raise CorruptCheckpoint(f"checkpoint {where}: manifest path {relpath!r} would be written outside {dest}: refused")
     return Path(dest) / relpath
