@@ -83,6 +83,7 @@ import torch  # noqa: E402
 import uvicorn  # noqa: E402
 from fastapi import FastAPI, HTTPException, Query, Request  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
+from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
 from starlette.requests import ClientDisconnect  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 from safetensors import safe_open  # noqa: E402
@@ -637,6 +638,14 @@ def build_app(served: ServedModel, secret: str, max_body: int = 64 << 20, body_t
     @app.post("/weights/update")
     def update(req: UpdateRequest, ready_key: str = Query(..., min_length=1)) -> dict:
         return served.update_group(req, ready_key)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def named(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Every refusal names what it refuses: FastAPI's own for a body that is not JSON says `body:` too."""
+        detail = exc.detail
+        if isinstance(detail, str) and detail.startswith("There was an error parsing the body"):
+            detail = f"body: not valid JSON ({detail})"
+        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
 
     app.add_middleware(Guard, secret=secret, max_body=max_body, max_upload=served.max_upload_bytes)
     return app
