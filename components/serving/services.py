@@ -18,7 +18,9 @@ block named per run (its name is the flow run's parameter, never the value; dele
 client of the run sends it. A server dies with its run: a local one watches its parent process
 (processes.exit_with_parent: a SIGKILLed run leaves no server behind), a deployment's flow run holds a lease the run
 renews (a Prefect variable named after the server's flow run, `RunLease`) and stops its server within
-`LEASE_TIMEOUT_S` of the run's end, cancellation or crash, or as soon as the training flow run's state is final.
+`LEASE_TIMEOUT_S` of the run's end, cancellation or crash, or as soon as the training flow run's state is final. On
+Kubernetes a deployment server's pod is labelled as the run's, and NetworkPolicies let only the run's own actor pods
+reach it (components/serving/network_policy.py).
 
 Both kinds of started server answer the same three questions: `wait_until_ready`, `death()` (why it cannot serve: it
 exited, its flow run ended, or it answers but is unhealthy) and `stop()`. `RunServices.guard` asks every server of the
@@ -54,6 +56,7 @@ from components.launch.processes import Health, Probe, ServerProcess, free_port,
 from components.serving.auth import new_secret
 from components.serving.clients import RewardClient, critic_backend, reward_backend
 from components.serving.launcher import launch, launch_rollout, rollout_probe, triton_probe
+from components.serving.network_policy import RUN_POLICIES, own_job
 from components.serving.rollout_client import RolloutClient, run_token
 from components.serving.servers import ServerSpec
 from components.tracking.run import RunPlace
@@ -249,9 +252,10 @@ class DeploymentServer:
     flow run publishes, probed like a local one, stopped by cancelling that flow run. It holds the run's lease while
     it lives, and its Secret block is deleted when it stops."""
 
-    def __init__(self, kind: str, flow_run_id, probe_for: Callable[[str], Probe], secret_block: Optional[str] = None):
+    def __init__(self, kind: str, flow_run_id, probe_for: Callable[[str], Probe], secret_block: Optional[str] = None,
+                 policies=None):
         self.name, self.flow_run_id, self.probe_for = kind, flow_run_id, probe_for
-        self.secret_block = secret_block
+        self.secret_block, self.policies = secret_block, policies
         self.url: Optional[str] = None
         self.probe: Optional[Probe] = None
         self.lease = RunLease(flow_run_id)
@@ -293,6 +297,8 @@ class DeploymentServer:
             self.lease.release()
             if self.secret_block:
                 delete_secret(self.secret_block)
+            if self.policies is not None:
+                self.policies.release()
 
 
 def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace) -> DeploymentServer:
@@ -301,6 +307,7 @@ def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace) -> DeploymentS
     weight transfers come from."""
     block = secret_block_name(place.run_name)
     save_secret(block, place.secret)
+    job = own_job()  # on Kubernetes: the server's pod is labelled as this run's, and takes traffic from it only
     try:
         parameters = {"config": cfg.model_dump(mode="json"), "secret_block": block,
                       "training_flow_run_id": str(flow_run.get_id()) if flow_run.get_id() else None}
@@ -308,11 +315,19 @@ def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace) -> DeploymentS
             parameters.update(checkpoint_uri=place.store_uri, restore_iteration=place.critic_restore_iteration)
         if kind == "rollout":
             parameters.update(trainer_host=trainer_host(cfg))
-        run = run_deployment(f"{kind}-server/default", parameters=parameters, timeout=0, as_subflow=False)
+        if job:
+            RUN_POLICIES.acquire(job)
+        try:
+            run = run_deployment(f"{kind}-server/default", parameters=parameters, timeout=0, as_subflow=False,
+                                 job_variables={"run_label": job} if job else None)
+        except BaseException:
+            if job:
+                RUN_POLICIES.release()
+            raise
     except BaseException:
         delete_secret(block)
         raise
-    return DeploymentServer(kind, run.id, probe_at(kind, cfg), block)
+    return DeploymentServer(kind, run.id, probe_at(kind, cfg), block, policies=RUN_POLICIES if job else None)
 
 
 # ------------------------------------------------------------------------------------------------ starting a server

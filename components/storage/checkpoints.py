@@ -59,6 +59,7 @@ class _Backend(Protocol):
     def get_file(self, key: str, local: Path) -> bool: ...
     def copy_file(self, source: str, target: str) -> None: ...
     def put_bytes(self, key: str, data: bytes) -> None: ...
+    def create_bytes(self, key: str, data: bytes) -> None: ...
     def get_bytes(self, key: str) -> bytes | None: ...
     def list_keys(self, prefix: str) -> list[str]: ...
     def delete_prefix(self, prefix: str) -> None: ...
@@ -107,6 +108,23 @@ class _LocalBackend:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
+        _fsync_dir(target.parent)
+
+    def create_bytes(self, key: str, data: bytes) -> None:
+        """Write `key` only if it does not exist (a hard link of a complete, fsynced file: all or nothing)."""
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            raise CheckpointError(f"{target} exists already: a checkpoint's commit point is written once") from None
+        finally:
+            tmp.unlink(missing_ok=True)
         _fsync_dir(target.parent)
 
     def get_bytes(self, key: str) -> bytes | None:
@@ -180,6 +198,12 @@ class _S3Backend:
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self.s3.put_bytes(key, data)
+
+    def create_bytes(self, key: str, data: bytes) -> None:
+        """A conditional create (If-None-Match: *): the bucket policy refuses any other write of a commit point."""
+        if self.s3.put_if(key, data, absent=True) is None:
+            raise CheckpointError(f"s3://{self.s3.location.bucket}/{self.s3._key(key)} exists already: a checkpoint's "
+                                  f"commit point is written once")
 
     def get_bytes(self, key: str) -> bytes | None:
         return self.s3.get_bytes(key)
@@ -317,7 +341,7 @@ class CheckpointStore:
                 self._backend.copy_file(f"{source}/{rel}", f"{key}/{name}/{rel}")
                 manifest["files"][f"{name}/{rel}"] = digest
         manifest["created"] = datetime.now(timezone.utc).isoformat()
-        self._backend.put_bytes(f"{key}/state.json", json.dumps(manifest, indent=1).encode())  # the commit point
+        self._backend.create_bytes(f"{key}/state.json", json.dumps(manifest, indent=1).encode())  # the commit point
         self._backend.put_bytes("latest.json", json.dumps({"iteration": iteration, "path": key}).encode())
         return self._checkpoint_uri(key)
 
