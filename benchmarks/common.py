@@ -118,7 +118,7 @@ def ensure_tiny_models() -> Path:
 def tiny_config(**overrides):
     """The embedded default config ('tiny' preset) pointing at this checkout's state dir, prepared for a run
     (models/prepare.py: the tiny models built if missing, schedule lengths, reward transport)."""
-    return prepare_run(preset("tiny", state_dir=str(state_dir()), **overrides), log=log)
+    return prepare_run(preset("tiny", **{"deploy.state_dir": str(state_dir())}, **overrides), log=log)
 
 
 def top_ops(fn, repeat: int = 5, top: int = 12) -> list[dict]:

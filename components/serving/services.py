@@ -53,7 +53,7 @@ from prefect.states import Cancelling
 from prefect.variables import Variable
 
 from components.launch.processes import Health, Probe, ServerProcess, free_port, wait_for, wait_until_ready
-from components.serving.auth import new_secret
+from components.serving.auth import new_secret, triton_token
 from components.serving.clients import RewardClient, critic_backend, reward_backend
 from components.serving.launcher import launch, launch_rollout, rollout_probe, triton_probe
 from components.serving.network_policy import RUN_POLICIES, own_job
@@ -137,12 +137,13 @@ def local_server(kind: str, cfg: RLHFConfig, log_path: Path, secret: str, traine
     return launch(server_spec(kind, cfg, **spec_fields), log_path, wait=False, secret=secret)
 
 
-def probe_at(kind: str, cfg: RLHFConfig) -> Callable[[str], Probe]:
-    """How to look at a `kind` server found at a URL (one we did not start: no launcher token)."""
+def probe_at(kind: str, cfg: RLHFConfig, secret: Optional[str] = None) -> Callable[[str], Probe]:
+    """How to look at a `kind` server found at a URL (one we did not start; with the run's `secret`, a model that
+    is not ready is looked up in the repository index, which names why)."""
     if kind == "rollout":
         return rollout_probe
     models = ServerSpec(kind=kind, config=cfg).models
-    return lambda url: triton_probe(url, models)
+    return lambda url: triton_probe(url, models, triton_token(secret) if secret else None)
 
 
 # ------------------------------------------------------------------------------------------------ deployments
@@ -327,7 +328,8 @@ def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace) -> DeploymentS
     except BaseException:
         delete_secret(block)
         raise
-    return DeploymentServer(kind, run.id, probe_at(kind, cfg), block, policies=RUN_POLICIES if job else None)
+    return DeploymentServer(kind, run.id, probe_at(kind, cfg, place.secret), block,
+                            policies=RUN_POLICIES if job else None)
 
 
 # ------------------------------------------------------------------------------------------------ starting a server
