@@ -20,7 +20,6 @@ import logging
 import os
 import random
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional

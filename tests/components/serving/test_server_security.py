@@ -12,8 +12,6 @@ PyTriton servers started as a run starts them):
 
 from __future__ import annotations
 
-import json
-import re
 import os
 import signal
 import socket
@@ -32,7 +30,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 from pytriton.client import ModelClient
-from pytriton.client.exceptions import PyTritonClientInferenceServerError
 from tritonclient.utils import InferenceServerException
 
 from components.launch.processes import find_free_ports, group_members, wait_for
@@ -42,7 +39,6 @@ from components.serving.launcher import launch
 from components.serving.servers import (CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, REWARD_TEXT,
                                         ServerSpec)
 from models.config import RLHFConfig
-from models.critic import CriticInputError
 from models.reward import load_reward_model, load_reward_tokenizer, reward_limit, text_char_budget, text_reward_scores
 
 REPO = Path(__file__).resolve().parents[3]
