@@ -22,15 +22,18 @@ import sys
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from benchmarks.common import RESULTS, log, quick_flag, stats, tiny_config, write_result
 from components.launch.processes import find_free_ports
-from components.serving.clients import critic_backend
+from components.serving.auth import new_secret
+from components.serving.clients import CriticClient, critic_backend
 from components.serving.launcher import launch
 from components.serving.servers import ServerSpec
 from models.algorithms import Backends
 from models.backends import LocalCritic
+from models.config import RLHFConfig, merge
 from models.loop import build_actor, build_critic_trainer, load_prompts, prompt_batches
 from models.step import train_step
 
@@ -102,12 +105,6 @@ def summarize(records: list[dict]) -> dict:
 
 def auth_round_trips(quick: bool, secret_first: bool = False) -> dict:
     """critic_infer round trips, open mode vs the run's secret, same build, same machine, alternating."""
-    import numpy as np
-
-    from components.serving.auth import new_secret
-    from components.serving.clients import CriticClient
-    from models.config import RLHFConfig, merge
-
     pairs, warmup = (60, 10) if quick else (400, 30)
     cfg = RLHFConfig.model_validate({"deploy": {"state_dir": str(RESULTS / "tmp" / "auth-state")}})
     secret = new_secret()

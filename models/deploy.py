@@ -75,7 +75,7 @@ class RolloutPlacement(Section):
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generate or weight-update request.")
     max_request_sequences: PositiveInt = Field(4096, description="Largest /generate request: prompts x n sampled sequences; a bigger one is refused (400) naming the fields.")
     max_request_tokens: PositiveInt = Field(1 << 23, description="Largest /generate request in new tokens: prompts x n x max_new_tokens; a bigger one is refused (400) naming the fields.")
-    max_body_mib: PositiveInt = Field(64, description="Largest JSON request body (MiB) the server reads, checked from Content-Length before reading (a weight upload is bounded by the model's own size instead).")
+    max_body_mib: PositiveInt = Field(32, description="Largest JSON request body (MiB) the server reads, checked from Content-Length before reading (a weight upload is bounded by the model's own size instead); 1,024 prompts of 2,048 tokens take ~13 MiB.")
     weight_transfer: Literal["http", "dist"] = Field("dist", description="How the actor's weights reach the server after every update: 'dist' = a torch.distributed group of two (actor rank 0 and the server; gloo on CPU, NCCL on GPUs), tensors broadcast one at a time and loaded as they arrive; 'http' = a safetensors body streamed to POST /update_weights (a server the actor cannot reach with a process group: only its HTTP port is open).")
 
 

@@ -62,7 +62,7 @@ def dcp_load(state_dict: dict, directory: str | Path) -> None:
             with self.fs.create_stream(path, "rb") as stream:
                 metadata = _MetadataUnpickler(stream).load()
             if getattr(metadata, "storage_meta", None) is None:
-                from torch.distributed.checkpoint.metadata import StorageMeta
+                from torch.distributed.checkpoint.metadata import StorageMeta  # heavy: as dcp above
 
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id

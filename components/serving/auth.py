@@ -20,8 +20,7 @@ How each server checks it:
   constant time (hmac.compare_digest), 401 without it, 403 with a wrong one (components/serving/rollout_server.py,
   which imports nothing from the project and keeps its own copy of the check).
 
-Also here: `redact`, which takes passwords out of URLs (a sweep's study storage, a tracking URI) before they are
-logged anywhere.
+What is logged has the passwords of URLs taken out (components/tracking/tracker.redact).
 """
 
 from __future__ import annotations
@@ -29,7 +28,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-import re
 import secrets
 from pathlib import Path
 from typing import Mapping, Optional
@@ -95,18 +93,3 @@ def secret_env(secret: str) -> dict[str, str]:
 def matches(given: Optional[str], expected: str) -> bool:
     """Whether a presented credential is the expected one, compared in constant time."""
     return given is not None and hmac.compare_digest(given.encode(), expected.encode())
-
-
-_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*:)(?P<password>[^@\s/]*)@")
-
-
-def redact(value):
-    """`value` with the password of every URL in it replaced by '***' (strings, and mappings/lists of them, at any
-    depth): scheme://user:password@host -> scheme://user:***@host."""
-    if isinstance(value, str):
-        return _URL_PASSWORD.sub(lambda m: f"{m.group('head')}***@", value)
-    if isinstance(value, Mapping):
-        return {k: redact(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(redact(v) for v in value)
-    return value

@@ -510,12 +510,13 @@ class BodyReader:
                 continue
 
     def abort(self, why: str) -> None:
-        """The body will not arrive: the reader stops at its next read (the queue's last slot is kept for this)."""
+        """The body will not arrive whole: the reader stops at its next read (a reader waiting on an empty queue is
+        woken by the None put here; one with chunks queued sees `aborted` before it takes the next)."""
         self.aborted = why
         try:
             self.chunks.put_nowait(None)
         except queue.Full:
-            pass  # the reader is behind a full queue: it sees `aborted` once it reaches the end of it
+            pass  # chunks are queued: the reader checks `aborted` before taking each
 
     # -- the reading side
     def read_into(self, out) -> None:
@@ -589,8 +590,9 @@ class Guard:
                 return await _refuse(send, 411, "content-length: required (a body of known size)")
             limit = self.max_upload if scope["path"] == "/update_weights" else self.max_body
             if int(length) > limit:
+                what = "the model's weights" if scope["path"] == "/update_weights" else "deploy.rollout.max_body_mib"
                 return await _refuse(send, 413, f"content-length: {int(length)} bytes exceed this endpoint's limit "
-                                                f"of {limit}")
+                                                f"of {limit} ({what})")
         return await self.app(scope, receive, send)
 
 
@@ -602,7 +604,7 @@ async def _refuse(send, status: int, detail: str, headers: Optional[dict] = None
     await send({"type": "http.response.body", "body": body})
 
 
-def build_app(served: ServedModel, secret: str, max_body: int = 64 << 20, body_timeout_s: float = 60.0) -> FastAPI:
+def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_timeout_s: float = 60.0) -> FastAPI:
     app = FastAPI(title="rlhf-flows rollout server")
 
     @app.get("/health")
@@ -718,7 +720,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--trainer-host", default="127.0.0.1", help="The one address POST /weights/init may name (the trainer's).")
     parser.add_argument("--max-request-sequences", type=int, default=4096, help="Cap on prompts x n per /generate.")
     parser.add_argument("--max-request-tokens", type=int, default=1 << 23, help="Cap on prompts x n x max_new_tokens per /generate.")
-    parser.add_argument("--max-body-mib", type=int, default=64, help="Largest JSON body; a weight upload is bounded by the model's size.")
+    parser.add_argument("--max-body-mib", type=int, default=32, help="Largest JSON body; a weight upload is bounded by the model's size.")
     parser.add_argument("--body-timeout-s", type=float, default=60.0, help="An upload that sends nothing for this long is dropped.")
     parser.add_argument("--limit-concurrency", type=int, default=64, help="Connections served at once (503 beyond).")
     args = parser.parse_args(argv)

@@ -12,10 +12,10 @@ server (unless the critic carries the reward model). Each runs where its section
   iteration's critic to start from;
 - `in_process` (critic and reward only): no server.
 
-Every server of a run takes requests of that run only (components/serving/auth.py): the run's secret (RunPlace.secret,
-one per run attempt) reaches a local server through its environment, and a deployment's through a Prefect Secret
-block named per run (its name is the flow run's parameter, never the value; deleted when the server stops); every
-client of the run sends it. A server dies with its run: a local one watches its parent process
+Every server of a run takes requests of that run only (components/serving/auth.py): the run's secret (made here,
+`run_secret`, once per run attempt, and kept in its RunPlace) reaches a local server through its environment, and a
+deployment's through a Prefect Secret block named per run (its name is the flow run's parameter, never the value;
+deleted when the server stops); every client of the run sends it. A server dies with its run: a local one watches its parent process
 (processes.exit_with_parent: a SIGKILLed run leaves no server behind), a deployment's flow run holds a lease the run
 renews (a Prefect variable named after the server's flow run, `RunLease`) and stops its server within
 `LEASE_TIMEOUT_S` of the run's end, cancellation or crash, or as soon as the training flow run's state is final. On
@@ -107,6 +107,14 @@ class RunServices:
             if death := wait_for(gone, settle_s if self.services else 0, poll_s=0.5):
                 raise ServerDied(death) from exc
             raise
+
+
+def run_secret(place: RunPlace) -> str:
+    """The run's secret (components/serving/auth.py): made here, where the run's servers start, the first time one
+    is asked for, and kept in the run's RunPlace for its other servers and clients."""
+    if place.secret is None:
+        place.secret = new_secret()
+    return place.secret
 
 
 def section(kind: str, cfg: RLHFConfig):
@@ -307,7 +315,7 @@ def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace) -> DeploymentS
     is the block's name), this flow run's id for the server to watch, and (a rollout server) the address the run's
     weight transfers come from."""
     block = secret_block_name(place.run_name)
-    save_secret(block, place.secret)
+    save_secret(block, run_secret(place))
     job = own_job()  # on Kubernetes: the server's pod is labelled as this run's, and takes traffic from it only
     try:
         parameters = {"config": cfg.model_dump(mode="json"), "secret_block": block,
@@ -328,7 +336,7 @@ def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace) -> DeploymentS
     except BaseException:
         delete_secret(block)
         raise
-    return DeploymentServer(kind, run.id, probe_at(kind, cfg, place.secret), block,
+    return DeploymentServer(kind, run.id, probe_at(kind, cfg, run_secret(place)), block,
                             policies=RUN_POLICIES if job else None)
 
 
@@ -337,10 +345,11 @@ def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace) -> DeploymentS
 def started(kind: str, cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT):
     """The `kind` server of the run, started where its section says (a child process, or its deployment), not yet
     ready; stopped after the block, first thing (a cancelled run must not wait on an in-flight request)."""
+    secret = run_secret(place)  # made here, before a step may see a copy of `place`
     if section(kind, cfg).launch == "local":
         critic_dir = {"checkpoint_dir": str(place.critic_dir)} if kind == "critic" and place.critic_dir else {}
         server = steps(f"deploy-{kind}-server", local_server, kind, cfg, place.log_dir / f"{kind}-server.log",
-                       place.secret, **critic_dir)
+                       secret, **critic_dir)
         steps.log(f"{kind} server starting: pid {server.pid}, {server.url}, log {server.log_path}")
     else:
         server = steps(f"deploy-{kind}-server", start_deployment, kind, cfg, place)
@@ -379,9 +388,9 @@ def critic_service(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT) -> I
         return
     with started("critic", cfg, place, steps) as server:
         url = wait_ready("critic", server, cfg, steps)
-        backend = critic_backend(cfg, url, secret=place.secret)
+        backend = critic_backend(cfg, url, secret=run_secret(place))
         # a critic carrying a reward model that reads text serves rewards through reward_text, not critic_infer
-        text = (RewardClient(url, timeout_s=cfg.deploy.critic.request_timeout_s, text=True, secret=place.secret)
+        text = (RewardClient(url, timeout_s=cfg.deploy.critic.request_timeout_s, text=True, secret=run_secret(place))
                 if cfg.critic.combine_reward and cfg.reward.transport == "text" else None)
         try:
             yield Service("critic server", backend, server.death, reward=text)
@@ -404,7 +413,7 @@ def reward_service(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT, need
             backend.close()
         return
     with started("reward", cfg, place, steps) as server:
-        backend = reward_backend(cfg, wait_ready("reward", server, cfg, steps), secret=place.secret)
+        backend = reward_backend(cfg, wait_ready("reward", server, cfg, steps), secret=run_secret(place))
         try:
             yield Service("reward server", backend, server.death)
         finally:
@@ -431,7 +440,7 @@ def trainer_host(cfg: RLHFConfig) -> str:
 def connect_engine(actor, url: str, cfg: RLHFConfig, place: RunPlace) -> RolloutClient:
     """Rank 0's engine talks to the server (as this run, over the configured weight transfer) and sends it the actor's
     current weights (a new run's, a resumed run's checkpoint, LoRA merged; all ranks gather them)."""
-    client = RolloutClient(url, run_token(place.run_name), cfg.deploy.rollout.request_timeout_s, secret=place.secret)
+    client = RolloutClient(url, run_token(place.run_name), cfg.deploy.rollout.request_timeout_s, secret=run_secret(place))
     try:
         if cfg.deploy.rollout.weight_transfer == "dist":
             client.use_dist(trainer_host(cfg))

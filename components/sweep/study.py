@@ -16,9 +16,9 @@ import os
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 
-from components.serving.auth import redact
 from components.sweep.config import SWEEP_STORAGE_ENV, SweepConfig
 from components.sweep.space import Space, SweepError
+from components.tracking.tracker import redact
 from models.config import RLHFConfig
 
 KEPT = (TrialState.COMPLETE, TrialState.PRUNED)  # what a rerun of the sweep does not run again

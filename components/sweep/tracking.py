@@ -29,12 +29,11 @@ from optuna.trial import FrozenTrial, TrialState
 from optuna.visualization import matplotlib as plots
 from prefect.artifacts import create_table_artifact
 
-from components.serving.auth import redact
 from components.sweep.config import SweepConfig
 from components.sweep.study import label
 from components.tracking.compare import DEFAULT_METRICS, EVAL_METRICS, compare_runs
 from components.tracking.run import default_tracking_uri
-from components.tracking.tracker import check_reachable, flatten, get_or_create_experiment
+from components.tracking.tracker import check_reachable, flatten, get_or_create_experiment, redact
 from models.config import RLHFConfig
 
 TABLE = "trials.json"

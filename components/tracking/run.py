@@ -10,12 +10,13 @@ each checkpoint and the cause; only "no checkpoint yet" starts a new run.
 
 One writer per run name: opening a run takes the lease of its store (components/storage/lease.py) before anything
 of the run is touched; another live run of the name is refused naming its holder, and the lease is released at close.
-The run's secret (components/serving/auth.py) is made here, once per attempt, for its servers (RunPlace.secret), and
-what is logged to MLflow has the passwords of URLs taken out.
+RunPlace has a slot for the run's secret, which the run's servers are started with (components/serving/services.py
+makes it, once per attempt); what is logged to MLflow has the passwords of URLs taken out (tracker.redact).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import random
@@ -27,7 +28,6 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from components.launch.stack import running_mlflow_uri
-from components.serving.auth import new_secret, redact
 from components.storage.lease import acquire as acquire_lease
 from components.storage.checkpoints import CheckpointStore
 from components.tracking.tracker import Tracker, resolve_tracking_uri
@@ -43,7 +43,7 @@ LOG = logging.getLogger("rlhf.run")
 def _flow_run_id() -> str | None:
     """The Prefect flow run this process runs, if any (named in the run's lease)."""
     try:
-        from prefect.runtime import flow_run
+        from prefect.runtime import flow_run  # heavy: Prefect, only to name the holder of the run's lease
 
         return str(flow_run.get_id()) if flow_run.get_id() else None
     except Exception:  # noqa: BLE001 - no Prefect context: a plain process
@@ -76,7 +76,7 @@ class RunPlace:
     critic_dir: Optional[Path] = None
     store_uri: Optional[str] = None
     critic_restore_iteration: Optional[int] = None
-    secret: str = field(default_factory=new_secret, repr=False)
+    secret: Optional[str] = field(default=None, repr=False)  # made where the servers start (services.run_secret)
 
 
 @dataclass
@@ -88,7 +88,6 @@ class RunSession:
     tracker: Tracker
     resumed_from: int | None = None
     manifest: dict = field(default_factory=dict)
-    secret: str = field(default_factory=new_secret, repr=False)  # this attempt's; never logged, never a parameter
     lease: object = None  # one writer per run name (components/storage/lease.py), released at close
 
     @property
@@ -100,10 +99,10 @@ class RunSession:
     def critic_dir(self) -> Path:
         return self.local_dir / "critic"
 
-    @property
+    @functools.cached_property
     def place(self) -> RunPlace:
-        return RunPlace(self.name, self.local_dir / "logs", self.critic_dir, self.store.uri, self.critic_restore_iteration,
-                        self.secret)
+        """One RunPlace per session: the servers of the run share it (and the secret made for them)."""
+        return RunPlace(self.name, self.local_dir / "logs", self.critic_dir, self.store.uri, self.critic_restore_iteration)
 
     @classmethod
     def open(cls, cfg: RLHFConfig, tags: dict[str, str] | None = None,
@@ -134,7 +133,7 @@ class RunSession:
                                     "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
                                     "reward_transport": cfg.reward.transport, **nested, **(tags or {})},
                               system_metrics=cfg.deploy.tracking.system_metrics)
-            tracker.start(redact(cfg.model_dump(mode="json")))
+            tracker.start(cfg.model_dump(mode="json"))  # URL passwords redacted by the tracker
         except BaseException:
             lease.release()
             raise

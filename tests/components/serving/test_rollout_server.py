@@ -374,7 +374,7 @@ def test_bodies_and_requests_are_bounded(server, policy):
     version = http.get("/health").json()["weights_version"]
     # refused from the Content-Length alone: nothing of the body is read (none is sent here)
     host, port = server.url.split("//")[1].split(":")
-    for path, size in (("/generate", (64 << 20) + 1), (f"/update_weights?version={version + 1}&run={RUN}", 1 << 40)):
+    for path, size in (("/generate", (32 << 20) + 1), (f"/update_weights?version={version + 1}&run={RUN}", 1 << 40)):
         with socket.create_connection((host, int(port)), timeout=30) as sock:
             sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.secret}\r\n"
                          f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n".encode())
