@@ -7,23 +7,33 @@ the flows choose them: 1 on a CPU-only host unless `critic.torch_threads` says o
 its own actor, seeded alike, and the same prompt sequence. The two sides alternate every iteration (ABBA), so they
 see the same background load; one warm-up iteration per side is discarded.
 Target: HTTP <= 1.10x in-process seconds per iteration (median of the per-pair ratios).
+
+`--auth` (issue 32) measures what the run's secret costs a critic round trip: two critic servers of the same build
+side by side, one in open mode (deploy.critic.auth=none, its client sends no header: what every server did before
+the secret) and one checking the secret on every API (Triton's restricted APIs; its client sends the derived token),
+critic_infer round trips alternating between them (ABBA), for a 1x8-token and a 32x64-token batch; warm-up discarded.
+Written to benchmarks/results/critic_http_auth.json.
 """
 
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from benchmarks.common import RESULTS, log, quick_flag, stats, tiny_config, write_result
 from components.launch.processes import find_free_ports
-from components.serving.clients import critic_backend
+from components.serving.auth import new_secret
+from components.serving.clients import CriticClient, critic_backend
 from components.serving.launcher import launch
 from components.serving.servers import ServerSpec
 from models.algorithms import Backends
 from models.backends import LocalCritic
+from models.config import RLHFConfig, merge
 from models.loop import build_actor, build_critic_trainer, load_prompts, prompt_batches
 from models.step import train_step
 
@@ -93,7 +103,64 @@ def summarize(records: list[dict]) -> dict:
             "phases_seconds": {p: stats([r["phases"][p] for r in records]) for p in PHASES}}
 
 
+def auth_round_trips(quick: bool, secret_first: bool = False) -> dict:
+    """critic_infer round trips, open mode vs the run's secret, same build, same machine, alternating."""
+    pairs, warmup = (60, 10) if quick else (400, 30)
+    cfg = RLHFConfig.model_validate({"deploy": {"state_dir": str(RESULTS / "tmp" / "auth-state")}})
+    secret = new_secret()
+    (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
+    ports = [find_free_ports()]
+    while len(ports) < 2:
+        if abs((port := find_free_ports()) - ports[0]) >= 3:
+            ports.append(port)
+    specs = {"open": ServerSpec(kind="critic", config=merge(cfg, {"deploy.critic.auth": "none"}), port=ports[0],
+                                torch_threads=1),
+             "secret": ServerSpec(kind="critic", config=cfg, port=ports[1], torch_threads=1)}
+    order = ("secret", "open") if secret_first else ("open", "secret")  # which server starts first (and its ports)
+    servers = {side: launch(specs[side].model_copy(update={"port": port}), RESULTS / "tmp" / f"critic-{side}.log",
+                            secret=secret) for side, port in zip(order, ports)}
+    clients = {"open": CriticClient(servers["open"].url, secret=""),  # no header, as every client sent before
+               "secret": CriticClient(servers["secret"].url, secret=secret)}
+    rng = np.random.default_rng(0)
+    out = {}
+    try:
+        for rows, width in ((1, 8), (32, 64)):
+            tokens = rng.integers(4, 40, (rows, width)).astype(np.int64)
+            lengths = np.full((rows, 1), width, np.int64)
+            seconds = {"open": [], "secret": []}
+            for i in range(warmup + pairs):
+                for side in (("open", "secret") if i % 2 == 0 else ("secret", "open")):  # ABBA
+                    started = time.perf_counter()
+                    clients[side].infer(tokens, lengths)
+                    if i >= warmup:
+                        seconds[side].append(time.perf_counter() - started)
+            ratio = stats([s / o for s, o in zip(seconds["secret"], seconds["open"])])
+            out[f"{rows}x{width}"] = {"open_ms": stats([1e3 * s for s in seconds["open"]]),
+                                      "secret_ms": stats([1e3 * s for s in seconds["secret"]]),
+                                      "per_pair_ratio_secret_over_open": ratio,
+                                      "median_overhead_ms": statistics.median(seconds["secret"]) * 1e3
+                                      - statistics.median(seconds["open"]) * 1e3}
+            log(f"critic_infer {rows}x{width}: open {statistics.median(seconds['open']) * 1e3:.2f} ms, secret "
+                f"{statistics.median(seconds['secret']) * 1e3:.2f} ms (median per-pair ratio {ratio['median']:.3f})")
+    finally:
+        for client in clients.values():
+            client.close()
+        for server in servers.values():
+            server.stop()
+    result = {"quick": quick, "what": "seconds per critic_infer round trip (tritonclient HTTP, a new connection per "
+                                      "call as CriticClient makes), open mode vs the run's secret, one server each",
+              "repetitions": {"pairs": pairs, "warmup_pairs_discarded": warmup, "order": "alternating, ABBA",
+                              "started_first": order[0]},
+              "settings": {"server_torch_threads": 1, "models": "tiny/critic + tiny/reward (combined)",
+                           "note": "the machine's 2 cores were shared with other engineers' work during the run"},
+              "round_trips": out}
+    write_result("critic_http_auth" + ("_secret_first" if secret_first else ""), result)
+    return result
+
+
 def main(argv=None) -> dict:
+    if argv is None and "--auth" in sys.argv:
+        return auth_round_trips("--quick" in sys.argv, "--secret-first" in sys.argv)
     quick = quick_flag(argv)
     pairs = 8 if quick else 80
     cfg = bench_config()

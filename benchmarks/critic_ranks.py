@@ -18,6 +18,8 @@ import tritonclient.http as http
 
 from benchmarks.common import RESULTS, log, quick_flag, stats, tiny_config, write_result
 from components.launch.processes import find_free_ports
+from components.serving.auth import read_secret
+from components.serving.clients import RunToken
 from components.serving.launcher import launch
 from components.serving.servers import ServerSpec
 from models.config import Sampling
@@ -25,7 +27,10 @@ from models.loop import build_actor, load_prompts
 
 
 def _client(url):
-    return http.InferenceServerClient(url.split("://")[1], network_timeout=300)
+    """A raw tritonclient with the run's token on every request (the servers hold this process's run secret)."""
+    client = http.InferenceServerClient(url.split("://")[1], network_timeout=300)
+    client.register_plugin(RunToken(read_secret()))
+    return client
 
 
 def _call(client, model, **arrays) -> float:

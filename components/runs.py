@@ -63,7 +63,7 @@ def recorded_run(cfg: RLHFConfig, steps: Steps = DIRECT) -> Iterator[RunSession]
 
 def open_session(cfg: RLHFConfig, steps: Steps) -> RunSession:
     """Resolve the run name, download the last complete checkpoint if there is one, start or continue the MLflow run."""
-    session = RunSession.open(cfg, steps.tags())
+    session = RunSession.open(cfg, steps.tags(), log=steps.log)  # a lease taken over, a checkpoint passed over
     if session.resumed_from is not None:
         steps.log(f"run {session.name}: resuming from checkpoint iteration {session.resumed_from} ({session.store.uri})")
     else:

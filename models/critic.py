@@ -8,6 +8,11 @@ the critic server: right-padded `tokens` [B, L] with `sequence_lengths` [B]; `re
 where position t holds the value of the prefix tokens[:t+1]. `critic_train` also takes them per action, [B, L-1]
 (NeMo-Aligner's layout: position t is the value of tokens[:t+1], the state before action t+1), which is the same
 thing without the last position; `train_arrays` turns it into [B, L] with a zero (masked) last column.
+
+Bounds: `returns` and `prev_values` are finite and at most VALUE_BOUND (1e6) in magnitude, or the request is refused
+naming the tensor: a finite 3e38 squares past float32's range in the value loss, and no return of a run is that
+large (rewards of a reward model are logits, a reward function's are checked against the same bound). A step whose
+loss or gradient norm is still not finite is skipped and counted (models/update.py: critic/skipped_steps).
 """
 
 from __future__ import annotations
@@ -30,7 +35,11 @@ from models.distributed import SINGLE, Dist, full_state_dict, shard_model
 from models.loading import DTYPES, autocast, checkpoint_activations, disable_dropout, from_pretrained, make_optimizer
 from models.losses import explained_variance, value_loss
 from models.reward import _head, load_reward_model, reward_model_scores
+from models.safe_io import dcp_load, load_state
 from models.update import micro_batches, minibatch_update
+
+
+VALUE_BOUND = 1e6  # |returns|, |prev_values| a critic_train accepts (and |reward| a reward function may return)
 
 
 class CriticInputError(ValueError):
@@ -102,6 +111,9 @@ def validate_train(tokens: np.ndarray, returns: np.ndarray, prev_values: np.ndar
                                    f"action, NeMo-Aligner's layout), got {list(array.shape)}")
         if not np.isfinite(array).all():
             raise CriticInputError(f"{name}: contains NaN or Inf")
+        if name != "mask" and array.size and np.abs(array).max() > VALUE_BOUND:
+            raise CriticInputError(f"{name}: |values| must be at most {VALUE_BOUND:g}, got {np.abs(array).max():.3g} "
+                                   f"(it would overflow the value loss)")
     widths = [a.shape[1] for a in arrays.values()]
     if len(set(widths)) > 1:  # three tensors, two widths: name the odd one out
         odd = next(n for n, w in zip(arrays, widths) if widths.count(w) == 1)
@@ -236,7 +248,8 @@ class CriticTrainer:
             values = self.me.all_gather_cat(self._values_no_grad(tok, ln, chunks).cpu())
             ev = float(explained_variance(values, returns, mask))
         return {"loss_mean": out["loss_mean"], "grad_norm": out["grad_norm"], "clipfrac": out["clipfrac"],
-                "explained_variance": ev, "step": self.step, "lr": self.scheduler.get_last_lr()[0]}
+                "explained_variance": ev, "step": self.step, "lr": self.scheduler.get_last_lr()[0],
+                "skipped_steps": out["skipped_steps"]}
 
     def save(self, directory: str | Path | None = None, staging: str | Path | None = None) -> Path:
         """Write full weights (rank 0, loadable by a 1-rank server) + the optimizer sharded through
@@ -278,10 +291,9 @@ class CriticTrainer:
     def _restore(self, directory: Path) -> None:
         """Scheduler and step from a save; the optimizer too when it was saved by as many ranks (else it starts
         fresh, with a warning: the weights are the full ones either way)."""
-        import torch.distributed.checkpoint as dcp  # heavy (~1.7 s): only sharded saves need it
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # heavy
 
-        state = torch.load(directory / "critic_state.pt", map_location="cpu", weights_only=False)
+        state = load_state(directory / "critic_state.pt")
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
         saved = int(state.get("world_size", 1))
@@ -290,5 +302,5 @@ class CriticTrainer:
                             f"{self.me.world_size}: weights restored, optimizer states start fresh")
             return
         shards = {"optimizer": get_optimizer_state_dict(self.model, self.optimizer)}
-        dcp.load(shards, checkpoint_id=str(directory / "optimizer"), no_dist=not self.me.active)
+        dcp_load(shards, directory / "optimizer", no_dist=not self.me.active)
         set_optimizer_state_dict(self.model, self.optimizer, shards["optimizer"])

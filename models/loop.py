@@ -31,6 +31,7 @@ from models.eval import evaluate, is_eval_iteration
 from models.distributed import SINGLE, Dist, local_device
 from models.policy import Policy, load_policy_tokenizer
 from models.reward import load_reward_function, load_reward_functions, load_reward_model, load_reward_tokenizer
+from models.safe_io import dcp_load, load_state
 from models.step import train_step
 
 
@@ -180,12 +181,11 @@ def save_actor(state: ActorState, directory: Path) -> None:
 def restore_actor(state: ActorState, directory: Path) -> str | None:
     """Load a `save_actor` directory. With the world size it was saved with: everything. With another: the full
     weights and the schedule/counters, a fresh optimizer and sampling streams; returns that warning."""
-    import torch.distributed.checkpoint as dcp  # heavy (~1.7 s): only checkpoints need it
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # heavy
 
     me = state.me
     state.policy.load_weights(directory)
-    saved = torch.load(directory / "actor_state.pt", weights_only=False)
+    saved = load_state(directory / "actor_state.pt")  # no pickle: models/safe_io.py
     state.load_state_dict(saved)
     if saved["world_size"] != me.world_size:
         warning = (f"actor checkpoint {directory} was saved by {saved['world_size']} rank(s), resuming on "
@@ -194,7 +194,7 @@ def restore_actor(state: ActorState, directory: Path) -> str | None:
         return warning
     shards = {"optimizer": get_optimizer_state_dict(state.policy.model, state.optimizer),
               f"sampling_rank{me.rank}": state.generator.get_state()}
-    dcp.load(shards, checkpoint_id=str(directory / "sharded"))
+    dcp_load(shards, directory / "sharded")
     set_optimizer_state_dict(state.policy.model, state.optimizer, shards["optimizer"])
     state.generator.set_state(shards[f"sampling_rank{me.rank}"])
     return None

@@ -27,6 +27,9 @@ from models.loading import DTYPES, disable_dropout, freeze, from_pretrained
 RewardFn = Callable[[list[str], list[str]], list[float]]
 
 
+REWARD_BOUND = 1e6  # |reward| a reward function may return (models/critic.VALUE_BOUND for the critic's inputs)
+
+
 def load_reward_model(path: str, dtype: str = "float32", device: str | torch.device = "cpu", field: str = "model.reward"):
     """A frozen AutoModelForSequenceClassification with one label (the scalar reward)."""
     model = from_pretrained(AutoModelForSequenceClassification, path, field, dtype=DTYPES[dtype])
@@ -128,6 +131,10 @@ def load_reward_function(spec: str, field: str = "reward.function", probe: bool 
         bad = [i for i, s in enumerate(scores) if not isinstance(s, (int, float)) or not math.isfinite(s)]
         if bad:
             raise ValueError(f"{field}: '{spec}' returned non-finite or non-numeric rewards at indices {bad[:5]}")
+        huge = [i for i, s in enumerate(scores) if abs(s) > REWARD_BOUND]
+        if huge:
+            raise ValueError(f"{field}: '{spec}' returned rewards beyond +-{REWARD_BOUND:g} at indices {huge[:5]} "
+                             f"(their squares overflow float32 in the critic's loss)")
         return [float(s) for s in scores]
 
     def check_columns(names, source: str) -> None:
@@ -218,7 +225,12 @@ def encode_pair(tokenizer, prompt: str, response: str, chat_template: bool = Fal
 def text_batch(tokenizer, prompts: list[str], responses: list[str], chat_template: bool = False,
                max_length: int | None = None) -> tuple[Tensor, Tensor]:
     """Right-padded tokens [B, L] and lengths [B] of (prompt, response) pairs; a pair longer than `max_length` keeps
-    its last `max_length` tokens (the response and its end are what is scored)."""
+    its last `max_length` tokens (the response and its end are what is scored). With `max_length`, each text first
+    keeps only its last `text_char_budget` characters: the tokenizer's work per pair is bounded whatever a request
+    sends, and the tokens kept are the same (the budget holds more than `max_length` tokens of any text)."""
+    if max_length is not None:
+        budget = text_char_budget(tokenizer, max_length)
+        prompts, responses = [p[-budget:] for p in prompts], [r[-budget:] for r in responses]
     rows = [encode_pair(tokenizer, p, r, chat_template) for p, r in zip(prompts, responses)]
     if max_length is not None:
         rows = [row[-max_length:] for row in rows]
@@ -229,18 +241,44 @@ def text_batch(tokenizer, prompts: list[str], responses: list[str], chat_templat
     return tokens, lengths
 
 
+def text_char_budget(tokenizer, max_length: int) -> int:
+    """Characters of a text that hold more than `max_length` of its tokens, whatever the text: every token covers at
+    most as many characters as its longest vocabulary entry has symbols (a byte-level entry has a symbol per byte),
+    plus a margin for the token the cut splits."""
+    longest = getattr(tokenizer, "_rlhf_longest_token", None)
+    if longest is None:
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1)
+        tokenizer._rlhf_longest_token = longest
+    return (max_length + 8) * max(longest, 1)
+
+
+def reward_limit(model) -> int | None:
+    """The longest sequence a reward model scores (its position table)."""
+    return getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
+
+
+def text_batches(tokenizer, prompts: list[str], responses: list[str], chat_template: bool = False,
+                 max_length: int | None = None, micro_batch_size: int = 64) -> list[tuple[Tensor, Tensor]]:
+    """`text_batch` per micro-batch: the tokenized pairs, ready to score (a server tokenizes before it takes the
+    model's lock)."""
+    return [text_batch(tokenizer, prompts[start:start + micro_batch_size], responses[start:start + micro_batch_size],
+                       chat_template, max_length) for start in range(0, len(prompts), micro_batch_size)]
+
+
+@torch.no_grad()
+def score_batches(model, batches: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """Scores [B] of tokenized (prompt, response) micro-batches (`text_batches`)."""
+    device = next(model.parameters()).device
+    out = [reward_model_scores(model, tokens.to(device), lengths.to(device)).cpu() for tokens, lengths in batches]
+    return torch.cat(out) if out else torch.zeros(0)
+
+
 @torch.no_grad()
 def text_reward_scores(model, tokenizer, prompts: list[str], responses: list[str], chat_template: bool = False,
                        micro_batch_size: int = 64) -> Tensor:
     """Scores [B] of (prompt, response) texts by a reward model with its own tokenizer."""
-    device = next(model.parameters()).device
-    limit = getattr(model.config, "max_position_embeddings", None) or getattr(model.config, "n_positions", None)
-    out = []
-    for start in range(0, len(prompts), micro_batch_size):
-        tokens, lengths = text_batch(tokenizer, prompts[start:start + micro_batch_size],
-                                     responses[start:start + micro_batch_size], chat_template, limit)
-        out.append(reward_model_scores(model, tokens.to(device), lengths.to(device)).cpu())
-    return torch.cat(out) if out else torch.zeros(0)
+    return score_batches(model, text_batches(tokenizer, prompts, responses, chat_template, reward_limit(model),
+                                             micro_batch_size))
 
 
 def same_tokenizer(a, b) -> bool:

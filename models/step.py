@@ -113,6 +113,7 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
         "entropy": train_stats["entropy"],
         "clip_ratio/region_mean": train_stats["clipfrac"],
         "policy/approxkl_avg": train_stats["approx_kl"],
+        "policy/skipped_steps": float(train_stats["skipped_steps"]),
         "val/ratio": train_stats["ratio"],
     })
     if k > 1:  # prompts whose k samples all scored alike: no learning signal from their group

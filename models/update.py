@@ -6,6 +6,13 @@ token-mean loss is weighted by its share of the minibatch's tokens over all rank
 (`sum_gradients` for replicated weights; FSDP2's reduce-scatter averages, so there the loss is also scaled by the
 world size) are the single-process gradient, whatever the split. Ranks with fewer micro-batches run zero-weight ones: with FSDP every forward is a
 collective, so all ranks must run the same number.
+
+A step whose loss or gradient norm is not finite never lands: its gradients are dropped and the optimizer does not
+step (the schedule does, so it stays where the run's length put it); it is counted (`skipped_steps`: the actor's
+policy/skipped_steps, the critic's critic/skipped_steps) and its stats are left out of the averages. The gradient
+norm is the global one on every rank, and a non-finite loss on any rank skips the step on all of them, so the ranks
+stay in step. (clip_grad_norm_ would otherwise scale every gradient by NaN, and AdamW would write it into every
+weight and moment: every later value NaN, and a save would keep it.)
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ def minibatch_update(params: list[torch.nn.Parameter], optimizer: torch.optim.Op
     names: list[str] = []
     sums: Tensor | None = None
     norms: list[float] = []
+    steps = skipped = 0
     for _ in range(epochs):
         order = torch.randperm(n_global, generator=generator)
         for start in range(0, n_global, minibatch_size):
@@ -48,6 +56,7 @@ def minibatch_update(params: list[torch.nn.Parameter], optimizer: torch.optim.Op
             total_tokens = me.all_reduce(row_tokens[local].sum().double()).clamp(min=1)
             count = me.all_reduce(torch.tensor(math.ceil(len(local) / micro_batch_size)), op="max")
             optimizer.zero_grad(set_to_none=True)
+            step_sums, finite_loss = None, True
             for m in range(int(count)):
                 idx = local[m * micro_batch_size:(m + 1) * micro_batch_size]
                 dummy = len(idx) == 0
@@ -56,17 +65,30 @@ def minibatch_update(params: list[torch.nn.Parameter], optimizer: torch.optim.Op
                 (loss * (share * scale)).backward()
                 if not names:
                     names = sorted(stats)
-                    sums = torch.zeros(len(names), dtype=torch.float64)
+                if step_sums is None:
+                    step_sums = torch.zeros(len(names), dtype=torch.float64)
                 if not dummy:
-                    sums += torch.tensor([float(stats[k]) for k in names], dtype=torch.float64) * share
+                    finite_loss &= bool(torch.isfinite(loss.detach()).all())
+                    step_sums += torch.tensor([float(stats[k]) for k in names], dtype=torch.float64) * share
             if not sharded:
                 sum_gradients(params, me)
             norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-            norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
-            optimizer.step()
+            norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+            bad = not math.isfinite(norm) or not finite_loss
+            if me.active:  # the norm is global already; a loss is not
+                bad = bool(me.all_reduce(torch.tensor(float(bad)), op="max"))
+            steps += 1
+            if bad:
+                optimizer.zero_grad(set_to_none=True)  # nothing of this step lands
+                skipped += 1
+            else:
+                optimizer.step()
+                norms.append(norm)
+                if step_sums is not None:
+                    sums = step_sums if sums is None else sums + step_sums
             scheduler.step()
-    steps = len(norms)
-    totals = me.all_reduce(sums) if sums is not None else torch.zeros(0)
-    out = {k: float(v) / max(steps, 1) for k, v in zip(names, totals)}
-    out.update(grad_norm=sum(norms) / max(steps, 1), steps=steps)
+    landed = steps - skipped
+    totals = me.all_reduce(sums if sums is not None else torch.zeros(len(names), dtype=torch.float64))
+    out = {k: float(v) / landed if landed else float("nan") for k, v in zip(names, totals)}
+    out.update(grad_norm=sum(norms) / landed if landed else float("nan"), steps=steps, skipped_steps=skipped)
     return out

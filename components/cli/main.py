@@ -32,6 +32,11 @@ SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-
 Settings: the config tree (the 'tiny' preset, then --config YAML, then --set overrides) supplies the models, dtype,
 device and the critic/reward sections; the flags are shortcuts for the model paths and the per-process settings.
 Without a model the embedded default is served (built on first use). HTTP port P, gRPC P+1, metrics P+2.
+
+Who may call: every request but liveness/readiness must carry the run's secret (deploy.<kind>.auth=secret, the
+default): give the server the secret in $RLHF_RUN_SECRET (or a file named by $RLHF_RUN_SECRET_FILE), never on the
+command line, and its clients the same variable; a server without one does not start. A client that sends no
+credentials (NeMo-Aligner's) needs open mode: --set deploy.critic.auth=none (the server says so when it starts).
 """
 
 

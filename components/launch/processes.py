@@ -275,18 +275,30 @@ class ServerProcess(ChildProcess):
         return f"ServerProcess({self.name}, url={self.url}, pid={self.pid}, log={self.log_path})"
 
 
-def exit_with_parent() -> None:
-    """In a child started with $RLHF_PARENT_PID: end this process when that parent is gone (killed without a chance
-    to stop us)."""
+def exit_with_parent(grace_s: float = 10.0, poll_s: float = 1.0) -> Optional[threading.Thread]:
+    """In a child started with $RLHF_PARENT_PID (a run's server, a follower rank): end this process within about
+    `poll_s` once that parent is gone (killed without a chance to stop us: SIGKILL, OOM). A watch thread, not
+    PR_SET_PDEATHSIG: that signal follows the parent *thread* that forked us, and a flow starts its servers from
+    task threads that end long before the run does.
+
+    A process that leads its own process group (a server: it started tritonserver, stubs, ranks) stops its group
+    as a stop request would (SIGTERM to the group: the server's handler stops Triton), then kills what is left after
+    `grace_s`; any other process exits at once (code 3). Returns the watch thread (None without a parent)."""
     parent = int(os.environ.get(PARENT_PID_ENV, "0"))
     if not parent:
-        return
+        return None
 
     def watch():
-        wait_for(lambda: os.getppid() != parent, None, poll_s=1.0)
-        os._exit(3)
+        wait_for(lambda: os.getppid() != parent, None, poll_s=poll_s)
+        if os.getpgid(0) != os.getpid():
+            os._exit(3)
+        signal_group(os.getpid(), signal.SIGTERM)
+        time.sleep(grace_s)
+        signal_group(os.getpid(), signal.SIGKILL)
 
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    thread = threading.Thread(target=watch, daemon=True, name="parent-watch")
+    thread.start()
+    return thread
 
 
 # ---------------------------------------------------------------- ports

@@ -4,6 +4,12 @@ State lives in <state_dir>/stack: pid files, ports, logs. `up` is idempotent and
 (`rlhf-local`) at the local server, so `prefect deployment run ppo/default` works from a new shell. `down` stops exactly
 the processes `up` started, also from another shell: each is stopped as a process group by the pid in its pid file
 (launch/processes.py). Default ports avoid Triton (8000-8002), MLflow's and moto's default (5000) and each other.
+
+Only this machine's own pages may drive the stack (a web page in the user's browser must not start runs with any
+config): Prefect's CORS allows its own UI origin only and its CSRF protection is on (every state-changing request
+carries a token the Prefect client fetches itself: `prefect deployment run`, the flows, the UI all keep working;
+a raw HTTP client takes one through `prefect_post`); MLflow's server accepts its own Host names and CORS origins only
+(`--allowed-hosts`, `--cors-allowed-origins`). Both listen on 127.0.0.1 only.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import httpx
@@ -94,6 +101,35 @@ def bin_path(name: str) -> str:
     return str(Path(sys.executable).parent / name)
 
 
+def own_origins(port: int) -> list[str]:
+    """The origins of a local service's own UI (the browser's address for it)."""
+    return [f"http://127.0.0.1:{port}", f"http://localhost:{port}"]
+
+
+def prefect_server_env(prefect_port: int) -> dict[str, str]:
+    """Prefect server settings of the local stack: CORS limited to its own UI, CSRF protection on."""
+    return {"PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": ",".join(own_origins(prefect_port)),
+            "PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED": "true",
+            "PREFECT_SERVER_API_CORS_ALLOWED_METHODS": "GET,POST,PUT,PATCH,DELETE,OPTIONS"}
+
+
+def mlflow_security_args(mlflow_port: int) -> list[str]:
+    """MLflow server flags of the local stack: its own Host names and CORS origins only."""
+    return ["--allowed-hosts", f"127.0.0.1:{mlflow_port},localhost:{mlflow_port},127.0.0.1,localhost",
+            "--cors-allowed-origins", ",".join(own_origins(mlflow_port))]
+
+
+def prefect_post(api_url: str, path: str, body: dict, timeout: float = 10.0) -> httpx.Response:
+    """POST to the Prefect API as its own client does with CSRF protection on: a token for a client id of our own
+    first (GET /csrf-token), then the request with both headers."""
+    client_id = str(uuid.uuid4())
+    token = httpx.get(f"{api_url}/csrf-token", params={"client": client_id}, timeout=timeout)
+    headers = {}
+    if token.status_code == 200:  # a server without CSRF protection answers 422: nothing to send
+        headers = {"Prefect-Csrf-Token": token.json()["token"], "Prefect-Csrf-Client": client_id}
+    return httpx.post(f"{api_url}{path}", json=body, headers=headers, timeout=timeout)
+
+
 def base_env(state_dir: Path, prefect_port: int, mlflow_port: int) -> dict:
     return project_env({
         "RLHF_STATE_DIR": str(state_dir), "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
@@ -121,7 +157,7 @@ def up(state_dir: Path | None = None, prefect_port: int = PREFECT_PORT, mlflow_p
     started = []
     if _pid(state, "prefect") is None:
         _require_free(ports["prefect"], "Prefect")
-        server_env = dict(env, PREFECT_HOME=str(state_dir / "prefect"))
+        server_env = dict(env, PREFECT_HOME=str(state_dir / "prefect"), **prefect_server_env(ports["prefect"]))
         server_env.pop("PREFECT_API_URL")
         pid = _spawn(state, "prefect", [bin_path("prefect"), "server", "start", "--host", "127.0.0.1", "--port",
                                         str(ports["prefect"])], server_env)
@@ -132,7 +168,7 @@ def up(state_dir: Path | None = None, prefect_port: int = PREFECT_PORT, mlflow_p
         pid = _spawn(state, "mlflow", [bin_path("mlflow"), "server", "--host", "127.0.0.1", "--port", str(ports["mlflow"]),
                                        "--backend-store-uri", f"sqlite:///{state_dir / 'mlflow' / 'mlflow.db'}",
                                        "--artifacts-destination", str(state_dir / "mlflow" / "artifacts"),
-                                       "--workers", "1"], env)
+                                       "--workers", "1", *mlflow_security_args(ports["mlflow"])], env)
         started.append(("mlflow", f"{urls['mlflow']}/health", pid))
     for name, url, pid in started:
         _wait(name, url, pid, state, timeout)
@@ -241,7 +277,7 @@ def last_run_outcome(api_url: str, deployment: str) -> str:
     flow_name, name = deployment.split("/", 1)
     body = {"flows": {"name": {"any_": [flow_name]}}, "deployments": {"name": {"any_": [name]}},
             "sort": "EXPECTED_START_TIME_DESC", "limit": 1}
-    runs = httpx.post(f"{api_url}/flow_runs/filter", json=body, timeout=10).json()
+    runs = prefect_post(api_url, "/flow_runs/filter", body).json()
     if not runs:
         return "no flow run found"
     state = runs[0].get("state") or {}

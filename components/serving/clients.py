@@ -7,6 +7,10 @@ other connection failures are retried for idempotent calls (infer, score, save),
 have trained already. A server-side error is never retried: it raises ServerError carrying the server's message.
 Inputs are checked against the wire contract before sending, so our own malformed request cannot fail the other
 requests Triton batched with it.
+
+Every request carries the run's token (`triton-access-token`, derived from the run's `secret`: components/serving/
+auth.py), put on by a tritonclient plugin, so no call can forget it. `secret=None` reads $RLHF_RUN_SECRET (a client
+beside a server started by hand with it); a server in open mode ignores the header.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from components.serving.auth import read_secret, triton_headers
 from components.serving.servers import (CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, REWARD_TEXT,
                                         TRAIN_STATS)
 from models.critic import CriticInputError, validate_tokens, validate_train
@@ -59,12 +64,24 @@ def _numpy(t, dtype) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=dtype)
 
 
+class RunToken:
+    """A tritonclient plugin that puts the run's token on every request of a client."""
+
+    def __init__(self, secret: Optional[str]):
+        self.headers = triton_headers(secret)
+
+    def __call__(self, request) -> None:
+        request.headers.update(self.headers)
+
+
 class TritonHTTP:
-    """Synchronous calls with bounded timeouts and connection retries, and a thread pool for asynchronous ones."""
+    """Synchronous calls with bounded timeouts and connection retries, and a thread pool for asynchronous ones; every
+    request carries the run's token (`secret`; None: $RLHF_RUN_SECRET)."""
 
     def __init__(self, url: str, timeout_s: float = 300.0, connect_timeout_s: float = 10.0, retries: int = 3,
-                 retry_wait_s: float = 1.0, max_workers: int = 4, name: str = "triton"):
+                 retry_wait_s: float = 1.0, max_workers: int = 4, name: str = "triton", secret: Optional[str] = None):
         self.url = url.split("://", 1)[-1].rstrip("/")
+        self._token = RunToken(secret if secret is not None else read_secret())
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.retries, self.retry_wait_s = retries, retry_wait_s
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix=name)
@@ -76,8 +93,10 @@ class TritonHTTP:
     def _client(self):
         import tritonclient.http as http  # heavy: tritonclient, only once a call is made
 
-        return http.InferenceServerClient(self.url, connection_timeout=self.connect_timeout_s,
-                                          network_timeout=self.timeout_s)
+        client = http.InferenceServerClient(self.url, connection_timeout=self.connect_timeout_s,
+                                            network_timeout=self.timeout_s)
+        client.register_plugin(self._token)
+        return client
 
     def call(self, what: str, fn: Callable, idempotent: bool = True):
         """fn(client) with retries on connection failures only; server errors raise ServerError."""
@@ -150,9 +169,10 @@ class CriticClient:
     """
 
     def __init__(self, url: str, timeout_s: float = 300.0, connect_timeout_s: float = 10.0, retries: int = 3,
-                 max_workers: int = 4, combined_reward: Optional[bool] = None):
+                 max_workers: int = 4, combined_reward: Optional[bool] = None, secret: Optional[str] = None):
         self.url = url
-        self._http = TritonHTTP(url, timeout_s, connect_timeout_s, retries, max_workers=max_workers, name="critic")
+        self._http = TritonHTTP(url, timeout_s, connect_timeout_s, retries, max_workers=max_workers, name="critic",
+                                secret=secret)
         self._combined, self._max_batch = combined_reward, None
         self._config_lock = threading.Lock()
 
@@ -227,9 +247,11 @@ class RewardClient:
     """
 
     def __init__(self, url: str, timeout_s: float = 300.0, connect_timeout_s: float = 10.0, retries: int = 3,
-                 max_workers: int = 4, send_prompt_lengths: bool = True, text: bool = False):
+                 max_workers: int = 4, send_prompt_lengths: bool = True, text: bool = False,
+                 secret: Optional[str] = None):
         self.url, self.send_prompt_lengths, self.text = url, send_prompt_lengths, text
-        self._http = TritonHTTP(url, timeout_s, connect_timeout_s, retries, max_workers=max_workers, name="reward")
+        self._http = TritonHTTP(url, timeout_s, connect_timeout_s, retries, max_workers=max_workers, name="reward",
+                                secret=secret)
         self._max_batch: Optional[int] = None
 
     def score(self, tokens, lengths, prompt_lengths=None, columns: list[dict] | None = None) -> Tensor | dict:

@@ -6,14 +6,16 @@ readiness is Triton's server and model readiness (`triton_probe`). The launcher 
   8000-8002, and could share python-backend shared-memory names and workspaces. Each child gets its own ports
   (HTTP P, gRPC P+1, metrics P+2), its own PYTRITON_HOME (a fresh temp dir, removed on stop); PyTriton 0.7 already
   makes the shared-memory prefix unique per process. A killed Triton cannot remove its shared memory: stop does.
-- Security: PyTriton 0.7 protects the repository/statistics/trace/logging/shared-memory endpoints with an access token
-  (health, metadata, model config and inference stay open). The launcher chooses the token and hands it to the child
-  in the environment, so readiness checks can read the repository index (a model's state and failure reason).
+- Security (components/serving/auth.py): the child gets the run's secret in its environment ($RLHF_RUN_SECRET; a new
+  one when the caller gives none), never on its command line; with it, every Triton API but health needs the token
+  derived from it (open mode: the admin APIs only). Readiness checks use the health API, and the token to read the
+  repository index (a model's state and failure reason).
 
 The rollout server (vLLM, components/serving/rollout_server.py) runs in its own environment (`deploy.rollout.python`,
 `.venv-vllm` from `make vllm-venv`); readiness is GET /health answering 200 with the launcher's token (`rollout_probe`:
 another server at the port is named as such; a server whose weights broke after a failed update answers 503, so it
-is not healthy).
+is not healthy). It gets the run's secret in its environment too, and the one address its weight-transfer group may
+be set up with (--trainer-host: the trainer's).
 """
 
 from __future__ import annotations
@@ -31,9 +33,10 @@ from urllib.parse import urlparse
 import httpx
 import torch
 
-from components.launch.processes import (PROJECT_ROOT, Health, Probe, ServerNotReady, ServerProcess, free_port,
-                                         project_env)
-from components.serving.servers import ACCESS_HEADER, TOKEN_ENV, ServerSpec, model_state_summary, triton_client
+from components.launch.processes import (PARENT_PID_ENV, PROJECT_ROOT, Health, Probe, ServerNotReady, ServerProcess,
+                                         free_port, project_env)
+from components.serving.auth import TRITON_HEADER, new_secret, read_secret, secret_env, triton_token
+from components.serving.servers import ServerSpec, model_state_summary, triton_client
 from models.config import RLHFConfig, merge
 
 ROLLOUT_SERVER_MODULE = "components.serving.rollout_server"
@@ -46,10 +49,11 @@ def connect_host(host: str) -> str:
 
 # ---------------------------------------------------------------- PyTriton critic / reward servers
 
-def child_env(pytriton_home: Path, access_token: str, extra: Optional[dict] = None) -> dict[str, str]:
-    """Environment of a server child: own PYTRITON_HOME, token, project importable (the child itself puts this
-    interpreter's libpython first on LD_LIBRARY_PATH for Triton: servers.prepare_environment)."""
-    return project_env({"PYTRITON_HOME": str(pytriton_home), TOKEN_ENV: access_token,
+def child_env(pytriton_home: Path, secret: str, extra: Optional[dict] = None) -> dict[str, str]:
+    """Environment of a server child: own PYTRITON_HOME, the run's secret, this process as the parent it must not
+    outlive, project importable (the child itself puts this interpreter's libpython first on LD_LIBRARY_PATH for
+    Triton: servers.prepare_environment)."""
+    return project_env({"PYTRITON_HOME": str(pytriton_home), **secret_env(secret), PARENT_PID_ENV: str(os.getpid()),
                         "DO_NOT_TRACK": os.environ.get("DO_NOT_TRACK", "1"), **(extra or {})})
 
 
@@ -65,14 +69,14 @@ def _model_state(client, name: str, access_token: Optional[str]) -> tuple[str, b
 
     if access_token:
         try:
-            index = client.get_model_repository_index(headers={ACCESS_HEADER: access_token})
+            index = client.get_model_repository_index(headers={TRITON_HEADER: access_token})
         except InferenceServerException:
             index = []
         summary = model_state_summary(index, name)
         if summary is not None:
             return f"state {summary}", summary.startswith("UNAVAILABLE") and "unloaded" not in summary
     try:
-        client.get_model_config(name)
+        client.get_model_config(name, headers={TRITON_HEADER: access_token} if access_token else None)
         return "state unknown: its config is served but it is not ready", False
     except InferenceServerException as exc:
         error = exc.message() or str(exc)
@@ -117,10 +121,12 @@ def triton_probe(url: str, models: Iterable[str], access_token: Optional[str] = 
 
 
 def triton_server(argv: Sequence[str], host: str, port: int, models: Iterable[str], log_path: str | Path,
-                  name: str = "server", env: Optional[dict] = None) -> ServerProcess:
-    """A PyTriton server child (`argv` serves on host:port) with its own PYTRITON_HOME and access token, probed for
-    `models`; stopping it also removes its workspace and the shared memory a killed Triton leaves."""
-    token = secrets.token_urlsafe(32)
+                  name: str = "server", env: Optional[dict] = None, secret: Optional[str] = None) -> ServerProcess:
+    """A PyTriton server child (`argv` serves on host:port) with its own PYTRITON_HOME and the run's `secret` (None:
+    this process's $RLHF_RUN_SECRET, else a new one; `server.secret`), probed for `models`; stopping it also removes
+    its workspace and the shared memory a killed Triton leaves."""
+    secret = secret or read_secret() or new_secret()
+    token = triton_token(secret)
     home = Path(tempfile.mkdtemp(prefix=f"rlhf-{name}-"))  # short: unix socket paths live in here
     url = f"http://{connect_host(host)}:{port}"
 
@@ -132,8 +138,8 @@ def triton_server(argv: Sequence[str], host: str, port: int, models: Iterable[st
 
     try:
         server = ServerProcess(name, argv, url, log_path, triton_probe(url, models, token),
-                               child_env(home, token, env), on_stop=cleanup)
-        server.access_token = token  # for Triton's restricted endpoints (repository index, statistics)
+                               child_env(home, secret, env), on_stop=cleanup)
+        server.secret = secret  # what its clients send (components/serving/auth.py)
         return server
     except BaseException:
         shutil.rmtree(home, ignore_errors=True)
@@ -145,14 +151,16 @@ def server_argv(spec: ServerSpec) -> list[str]:
     return [sys.executable, "-m", "components.serving.main", "--spec", spec.model_dump_json()]
 
 
-def launch(spec: ServerSpec, log_path: str | Path, wait: bool = True) -> ServerProcess:
-    """Start the server of `spec` as a child process and, by default, wait until it is ready (stopping it if not).
+def launch(spec: ServerSpec, log_path: str | Path, wait: bool = True, secret: Optional[str] = None) -> ServerProcess:
+    """Start the server of `spec` as a child process holding the run's `secret` (a new one when None) and, by
+    default, wait until it is ready (stopping it if not).
 
     The child resolves model paths against the same state directory as this process (made explicit in the spec).
     """
     cfg = spec.config
     spec = spec.model_copy(update={"config": merge(cfg, {"deploy.state_dir": str(cfg.resolved_state_dir())})})
-    proc = triton_server(server_argv(spec), spec.host, spec.port, spec.models, log_path, name=spec.kind)
+    proc = triton_server(server_argv(spec), spec.host, spec.port, spec.models, log_path, name=spec.kind,
+                         secret=secret)
     if not wait:
         return proc
     try:
@@ -175,22 +183,29 @@ def rollout_python(cfg: RLHFConfig) -> str:
     return str(python)
 
 
-def rollout_argv(cfg: RLHFConfig, port: int, host: Optional[str] = None, instance: str = "") -> list[str]:
+def rollout_argv(cfg: RLHFConfig, port: int, host: Optional[str] = None, instance: str = "",
+                 trainer_host: str = "127.0.0.1") -> list[str]:
+    """The rollout server's command line (no secret on it: the secret goes in its environment, `rollout_env`)."""
     v = cfg.deploy.rollout
     argv = [rollout_python(cfg), "-m", ROLLOUT_SERVER_MODULE, "--model", str(cfg.resolve_model_path(cfg.model.policy)),
             "--host", host or v.host, "--port", str(port), "--dtype", cfg.rollout.vllm.dtype, "--seed", str(cfg.seed),
-            "--gpu-memory-utilization", str(v.gpu_memory_utilization), "--instance", instance]
+            "--gpu-memory-utilization", str(v.gpu_memory_utilization), "--instance", instance,
+            "--trainer-host", trainer_host, "--max-request-sequences", str(v.max_request_sequences),
+            "--max-request-tokens", str(v.max_request_tokens), "--max-body-mib", str(v.max_body_mib)]
     argv += ["--max-model-len", str(v.max_model_len)] if v.max_model_len else []
     argv += ["--cpu-cores", v.cpu_cores] if v.cpu_cores else []
     return argv + (["--enforce-eager"] if v.enforce_eager else [])
 
 
-def rollout_env(cfg: RLHFConfig) -> dict[str, str]:
+def rollout_env(cfg: RLHFConfig, secret: Optional[str] = None) -> dict[str, str]:
+    """The rollout server's environment: its threads and KV cache, the run's `secret`, this process as the parent it
+    must not outlive."""
     v = cfg.deploy.rollout
     # a CPU-only host: every core (the actor's ranks wait while the server generates, and the server idles while they
     # train); vLLM on 1 of 2 cores generated 1.27x the native engine's tokens/s, on both 1.89x (benchmarks/rollout_engine)
     threads = v.threads or (os.cpu_count() if not torch.cuda.is_available() else None)
-    extra = {"VLLM_CPU_KVCACHE_SPACE": f"{v.kv_cache_gib:g}", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    extra = {"VLLM_CPU_KVCACHE_SPACE": f"{v.kv_cache_gib:g}", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+             PARENT_PID_ENV: str(os.getpid()), **(secret_env(secret) if secret else {})}
     if threads:
         extra["OMP_NUM_THREADS"] = str(threads)
     if v.cpu_cores:
@@ -229,12 +244,17 @@ def rollout_probe(url: str, instance: Optional[str] = None, timeout_s: float = 2
     return probe
 
 
-def launch_rollout(cfg: RLHFConfig, log_path: str | Path, host: Optional[str] = None) -> ServerProcess:
-    """Start the rollout server of `cfg` as a child process (not waiting for it): on `deploy.rollout.port`, or a free
-    port when that one is busy, 0 or None."""
+def launch_rollout(cfg: RLHFConfig, log_path: str | Path, host: Optional[str] = None, secret: Optional[str] = None,
+                   trainer_host: str = "127.0.0.1") -> ServerProcess:
+    """Start the rollout server of `cfg` as a child process (not waiting for it) holding the run's `secret` (None:
+    this process's $RLHF_RUN_SECRET, else a new one; `server.secret`), setting up weight transfers with `trainer_host` only: on
+    `deploy.rollout.port`, or a free port when that one is busy, 0 or None."""
     host = host or cfg.deploy.rollout.host
     port = free_port(host, cfg.deploy.rollout.port)
     instance = secrets.token_hex(8)
+    secret = secret or read_secret() or new_secret()
     url = f"http://{connect_host(host)}:{port}"
-    return ServerProcess("rollout", rollout_argv(cfg, port, host, instance), url, log_path,
-                         rollout_probe(url, instance), rollout_env(cfg))
+    server = ServerProcess("rollout", rollout_argv(cfg, port, host, instance, trainer_host), url, log_path,
+                           rollout_probe(url, instance), rollout_env(cfg, secret))
+    server.secret = secret
+    return server

@@ -1,7 +1,8 @@
 """The rollout server's client (rank 0 of the actor): HTTP for requests, and the weight transfer, over HTTP or over a
 torch.distributed group. It is the `RolloutServer` that models/engines/vllm.py samples from.
 
-Every request carries the run's token (`run`): the server serves the run that first sent it weights and refuses any
+Every request carries the run's secret (`Authorization: Bearer`, components/serving/auth.py: the server refuses
+anyone else) and the run's token (`run`): the server serves the run that first sent it weights and refuses any
 other (409, naming both). Weights go as the server's next version; the server answers with the version it applied.
 
 Weight transfer (`rollout.vllm.weight_transfer`), one tensor at a time in the actor's Hugging Face names, the tied
@@ -9,7 +10,8 @@ lm_head included:
 - `http`: one POST /update_weights whose body is a safetensors file written as the tensors are gathered (the header
   comes first, from the tensors' names, dtypes and shapes known in advance), so the trainer holds one tensor at a
   time; the server reads the body into one buffer.
-- `dist`: a torch.distributed group of two, this process (rank 0, the TCPStore's master) and the server (rank 1),
+- `dist`: a torch.distributed group of two, this process (rank 0, the TCPStore's master, listening on the one address
+  the server reaches us at, never every interface) and the server (rank 1),
   joined once (POST /weights/init); per update, POST /weights/update names the tensors, and once the server holds its
   lock and receives (it sets a key in our store) each tensor is broadcast and loaded by vLLM as it arrives. gloo on
   CPU; NCCL when the tensors are on a GPU (not run here: no GPU was lent). The same shape as vLLM's weight-transfer
@@ -23,6 +25,7 @@ import datetime
 import json
 import os
 import secrets
+import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,7 +34,7 @@ from typing import Iterator
 import httpx
 import torch
 
-from components.launch.processes import free_port
+from components.serving.auth import bearer_headers, read_secret
 from models.engines.base import Weights
 from models.engines.vllm import EngineRequestError
 
@@ -40,11 +43,13 @@ SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16
 
 
 class RolloutClient:
-    """HTTP client of the rollout server for one run (`run`: its token); `transport` moves the weights."""
+    """HTTP client of the rollout server for one run (`run`: its token; `secret`: the run's secret, None:
+    $RLHF_RUN_SECRET); `transport` moves the weights."""
 
-    def __init__(self, url: str, run: str, timeout_s: float = 600.0):
+    def __init__(self, url: str, run: str, timeout_s: float = 600.0, secret: str | None = None):
         self.url, self.run = url.rstrip("/"), run
-        self.http = httpx.Client(base_url=self.url, timeout=timeout_s)
+        secret = secret if secret is not None else read_secret()
+        self.http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=bearer_headers(secret))
         self.timeout_s = timeout_s
         self.transport: HTTPWeights | DistWeights = HTTPWeights(self)
 
@@ -134,13 +139,31 @@ class HTTPWeights:
         pass
 
 
-def process_group(backend: str, store, rank: int, timeout: datetime.timedelta):
-    """A torch.distributed group of two over `store`, without a default process group: gloo, or NCCL (GPUs)."""
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+def process_group(backend: str, store, rank: int, timeout: datetime.timedelta, host: str = ""):
+    """A torch.distributed group of two over `store`, without a default process group: gloo (its sockets on loopback
+    when `host`, where the peer reaches us, is this machine), or NCCL (GPUs)."""
     if backend == "nccl":
         options = torch.distributed.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
-    return torch.distributed.ProcessGroupGloo(store, rank, 2, timeout)
+    Gloo = torch.distributed.ProcessGroupGloo
+    options = Gloo._Options()
+    options._timeout = timeout
+    options._devices = [Gloo.create_device(hostname="127.0.0.1") if host in LOOPBACK else Gloo.create_default_device()]
+    return Gloo(store, rank, 2, options)
+
+
+def listening_socket(host: str) -> socket.socket:
+    """A socket listening on `host` alone, on a free port: the store's master takes it (torch's TCPStore would
+    otherwise listen on every interface of the machine)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, 0))
+    sock.listen(64)
+    return sock
 
 
 class DistWeights:
@@ -153,9 +176,15 @@ class DistWeights:
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
         self.timeout = datetime.timedelta(seconds=timeout_s)
-        port = free_port("0.0.0.0", 0)
-        self.store = torch.distributed.TCPStore("0.0.0.0", port, 2, is_master=True, wait_for_workers=False,
-                                                timeout=self.timeout)
+        listener = listening_socket(host)
+        port = listener.getsockname()[1]
+        try:
+            self.store = torch.distributed.TCPStore(host, port, 2, is_master=True, wait_for_workers=False,
+                                                    timeout=self.timeout, master_listen_fd=listener.fileno())
+        except BaseException:
+            listener.close()
+            raise
+        listener.detach()  # the store owns the socket now (and closes it)
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="weights")
         # our side of the group waits for the server's: in a thread of its own, so that a refused /weights/init
         # (another run's server) fails here at once instead of after the timeout
@@ -163,7 +192,7 @@ class DistWeights:
 
         def join() -> None:
             try:
-                joined["group"] = process_group(self.backend, self.store, 0, self.timeout)
+                joined["group"] = process_group(self.backend, self.store, 0, self.timeout, host)
             except Exception as exc:  # noqa: BLE001 - the server never joined: said below, or by its refusal
                 joined["error"] = exc
 
@@ -202,7 +231,7 @@ class DistWeights:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False)
-        self.group = None
+        self.group = self.store = None
 
 
 def run_token(run_name: str) -> str:

@@ -28,9 +28,22 @@ flight (the offline `LLM` cannot pause one; AsyncLLM's pause/resume would interr
 samples anyway) and the ones after it sample with the new weights. Every answer stamps the version a generation
 started with, and the engine's idle seconds so far (neither generating nor loading weights).
 
+Who may call, and how much (components/serving/auth.py says the same for the whole run):
+- every endpoint but GET /health needs `Authorization: Bearer <the run's secret>` (the secret reaches this process
+  through $RLHF_RUN_SECRET or the file $RLHF_RUN_SECRET_FILE names, never its command line; a server given none
+  refuses to start): 401 without it, 403 with another, compared in constant time. /health shows no run token.
+- a body is refused (413) from its Content-Length before it is read: a JSON body over --max-body-mib, a weight upload
+  over the model's own size; a POST without Content-Length is refused (411); at most --limit-concurrency connections
+  (uvicorn answers 503 beyond). /generate takes at most --max-request-sequences prompts x n and
+  --max-request-tokens prompts x n x max_new_tokens.
+- an upload that stops sending (a dropped connection, a stalled client) ends its reader: on disconnect at once, on
+  silence after --body-timeout-s; the engine's lock and worker threads are never held by a gone client.
+- POST /weights/init connects only to the trainer address this server was started with (--trainer-host), with a
+  bounded connect timeout, and without holding the generation lock while it connects.
+
 Endpoints:
-  GET  /health             200 with model, weights version, run, vocabulary size, max model length, idle seconds;
-                           503 while the weights are broken (a failed update), with why
+  GET  /health             200 with model, weights version, whether a run is bound, vocabulary size, max model
+                           length, idle seconds; 503 while the weights are broken (a failed update), with why
   POST /generate           token ids in; per prompt n samples: token ids, per-token logprobs, whether each ended; the
                            weights version it sampled with
   POST /update_weights     ?version=<next>&run=<token>, body: a safetensors file of the full state dict
@@ -46,10 +59,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import hmac
 import json
 import logging
 import os
 import queue
+import signal
 import socket
 import threading
 import time
@@ -68,6 +83,8 @@ import torch  # noqa: E402
 import uvicorn  # noqa: E402
 from fastapi import FastAPI, HTTPException, Query, Request  # noqa: E402
 from fastapi.responses import JSONResponse  # noqa: E402
+from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
+from starlette.requests import ClientDisconnect  # noqa: E402
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from starlette.concurrency import run_in_threadpool  # noqa: E402
@@ -85,6 +102,11 @@ SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
                       "BOOL": torch.bool}
 WIRE_DTYPES = {"float32", "float16", "bfloat16", "float64"}
+SECRET_ENV, SECRET_FILE_ENV = "RLHF_RUN_SECRET", "RLHF_RUN_SECRET_FILE"  # as components/serving/auth.py
+PARENT_PID_ENV = "RLHF_PARENT_PID"  # as components/launch/processes.py: the run process this server must not outlive
+OPEN_PATHS = {("GET", "/health")}  # liveness/readiness: no secret needed
+INIT_CONNECT_TIMEOUT_S = 30.0  # /weights/init: how long joining the trainer's store may take (it listens already)
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 # ---------------------------------------------------------------- the dist transport as a vLLM weight-transfer engine
@@ -109,13 +131,18 @@ class GroupUpdateInfo(WeightTransferUpdateInfo):
     ready_key: str = ""  # set in the trainer's store once this side receives: the trainer broadcasts then
 
 
-def process_group(backend: str, store, rank: int, timeout: datetime.timedelta):
-    """A torch.distributed group of two over `store`, without a default process group: gloo, or NCCL (GPUs)."""
+def process_group(backend: str, store, rank: int, timeout: datetime.timedelta, peer: str = ""):
+    """A torch.distributed group of two over `store`, without a default process group: gloo (on loopback when the
+    peer is on this machine), or NCCL (GPUs). As rollout_client.process_group."""
     if backend == "nccl":
         options = torch.distributed.ProcessGroupNCCL.Options()
         options._timeout = timeout
         return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
-    return torch.distributed.ProcessGroupGloo(store, rank, 2, timeout)
+    Gloo = torch.distributed.ProcessGroupGloo
+    options = Gloo._Options()
+    options._timeout = timeout
+    options._devices = [Gloo.create_device(hostname="127.0.0.1") if peer in LOOPBACK else Gloo.create_default_device()]
+    return Gloo(store, rank, 2, options)
 
 
 class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
@@ -132,9 +159,11 @@ class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateIn
 
     def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
+        connect = datetime.timedelta(seconds=min(init_info.timeout_s, INIT_CONNECT_TIMEOUT_S))
         self.store = torch.distributed.TCPStore(init_info.master_address, init_info.master_port, 2, is_master=False,
-                                                timeout=timeout)
-        self.group = process_group(init_info.backend, self.store, 1, timeout)
+                                                timeout=connect)
+        self.store.set_timeout(timeout)
+        self.group = process_group(init_info.backend, self.store, 1, timeout, init_info.master_address)
 
     def start_weight_update(self) -> None:
         initialize_layerwise_reload(self.model)
@@ -179,17 +208,17 @@ class GenerateRequest(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end a response (kept in it).")
     seed: Optional[int] = Field(None, ge=0, description="Seed of this request's sampling: sample j of prompt i uses seed + i * n + j (every sample its own stream).")
     expected_version: Optional[int] = Field(None, description="Refuse (409) unless the engine holds this weights version.")
-    run: Optional[str] = Field(None, description="The caller's run token: refused (409) when the server is bound to another run.")
+    run: str = Field(min_length=1, description="The caller's run token: refused (409) when the server is bound to another run.")
 
 
 class InitRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run: str = Field(min_length=1, description="The caller's run token (binds an unbound server).")
-    master_address: str = Field(description="Host of the trainer's TCPStore (the trainer is rank 0 of the group).")
+    master_address: str = Field(description="Host of the trainer's TCPStore (the trainer is rank 0 of the group): the trainer address this server was started with (--trainer-host), nothing else.")
     master_port: int = Field(ge=1, le=65535, description="Port of the trainer's TCPStore.")
     backend: str = Field("gloo", pattern="^(gloo|nccl)$", description="torch.distributed backend of the group.")
-    timeout_s: float = Field(600.0, gt=0, description="How long a collective of the group may wait.")
+    timeout_s: float = Field(600.0, gt=0, le=3600, description="How long a collective of the group may wait (joining the store: at most 30 s).")
 
 
 class UpdateRequest(BaseModel):
@@ -209,8 +238,11 @@ class ServedModel:
     lock orders generations and weight updates."""
 
     def __init__(self, model: str, dtype: str, max_model_len: Optional[int], seed: int, enforce_eager: bool,
-                 gpu_memory_utilization: float, instance: str = ""):
-        self.instance = instance  # the launcher's token, echoed by /health: it knows it reached its own server
+                 gpu_memory_utilization: float, instance: str = "", trainer_host: str = "127.0.0.1",
+                 max_sequences: int = 4096, max_tokens: int = 1 << 23):
+        self.instance = instance  # the launcher's nonce, echoed by /health: it knows it reached its own server
+        self.trainer_host = trainer_host  # the one address a weight-transfer group is set up with
+        self.max_sequences, self.max_tokens = max_sequences, max_tokens
         self.broken: Optional[str] = None  # why the weights are inconsistent (a failed update), until the next one
         self.run: Optional[str] = None  # the run this server serves, bound by its first weight update
         self.model_dir = model
@@ -229,11 +261,12 @@ class ServedModel:
         self.version = 0
         self.group_ready = False
         self.lock = threading.Lock()
+        self.init_lock = threading.Lock()  # one transfer set-up at a time; never the generation lock while connecting
         self.started, self.busy_s = time.monotonic(), 0.0  # the engine's busy time (generating, loading weights)
 
     def describe(self) -> dict:
         return {"status": "broken" if self.broken else "ok", "model": self.model_dir, "weights_version": self.version,
-                "run": self.run, "instance": self.instance, "vocab_size": self.vocab_size,
+                "bound": self.run is not None, "instance": self.instance, "vocab_size": self.vocab_size,
                 "max_model_len": self.max_model_len, "broken": self.broken, "idle_s": self.idle_s()}
 
     def idle_s(self) -> float:
@@ -250,9 +283,9 @@ class ServedModel:
             self.busy_s += time.monotonic() - started
 
     # -- checks
-    def check_run(self, run: Optional[str], field: str = "run") -> None:
+    def check_run(self, run: str, field: str = "run") -> None:
         """Refuse a request of another run than the one this server serves (409, naming both)."""
-        if self.run is not None and run is not None and run != self.run:
+        if self.run is not None and run != self.run:
             raise HTTPException(409, f"{field}: this rollout server serves run {self.run!r}, not {run!r}: a server "
                                      f"takes the weights and requests of one run only")
 
@@ -274,8 +307,28 @@ class ServedModel:
             if dtype not in WIRE_DTYPES:
                 raise HTTPException(400, f"dtype_names: {name} has dtype {dtype}, expected one of {sorted(WIRE_DTYPES)}")
 
+    @property
+    def max_upload_bytes(self) -> int:
+        """The largest body POST /update_weights may have: a safetensors file of the model's tensors at 8 bytes an
+        element (F64), with a header of their names."""
+        header = 4096 + sum(len(name) + 160 for name in self.shapes)
+        return 8 + header + 8 * sum(torch.Size(shape).numel() for shape in self.shapes.values())
+
     # -- generation
+    def check_size(self, req: GenerateRequest) -> None:
+        """Refuse (400) a request over the server's caps, naming the fields, before anything is sampled."""
+        sequences = len(req.prompt_token_ids) * req.n
+        if sequences > self.max_sequences:
+            raise HTTPException(400, f"prompt_token_ids, n: {len(req.prompt_token_ids)} prompts x n={req.n} = "
+                                     f"{sequences} sequences exceed this server's cap of {self.max_sequences} "
+                                     f"(deploy.rollout.max_request_sequences)")
+        if sequences * req.max_new_tokens > self.max_tokens:
+            raise HTTPException(400, f"prompt_token_ids, n, max_new_tokens: {sequences} sequences x "
+                                     f"{req.max_new_tokens} new tokens = {sequences * req.max_new_tokens} exceed this "
+                                     f"server's cap of {self.max_tokens} (deploy.rollout.max_request_tokens)")
+
     def generate(self, req: GenerateRequest) -> dict:
+        self.check_size(req)
         for i, ids in enumerate(req.prompt_token_ids):
             if not ids:
                 raise HTTPException(400, f"prompt_token_ids[{i}]: a prompt needs at least one token")
@@ -363,12 +416,28 @@ class ServedModel:
             body.close()  # whatever was not read is dropped: the request's reader never blocks on us
 
     def init_group(self, req: InitRequest) -> dict:
-        with self.lock:
-            self.check_run(req.run)
-            self.llm.collective_rpc("init_weight_transfer_engine", args=(
-                {"master_address": req.master_address, "master_port": req.master_port, "backend": req.backend,
-                 "timeout_s": req.timeout_s},))
-            self.run, self.group_ready = req.run, True
+        """Join the trainer's group: only at the address this server was given, one set-up at a time, and without the
+        generation lock while connecting (a trainer that never answers costs its own request, bounded, nothing
+        else)."""
+        if req.master_address != self.trainer_host:
+            raise HTTPException(403, f"master_address: this server sets up weight transfers with its trainer at "
+                                     f"{self.trainer_host!r} only, not {req.master_address!r}")
+        self.check_run(req.run)
+        if not self.init_lock.acquire(blocking=False):
+            raise HTTPException(409, "weights/init: another transfer set-up is in progress")
+        try:
+            try:
+                self.llm.collective_rpc("init_weight_transfer_engine", args=(
+                    {"master_address": req.master_address, "master_port": req.master_port, "backend": req.backend,
+                     "timeout_s": req.timeout_s},))
+            except Exception as exc:  # noqa: BLE001 - the trainer's store did not answer: its request fails, we serve on
+                raise HTTPException(502, f"master_address: cannot join the trainer's group at {req.master_address}:"
+                                         f"{req.master_port} ({type(exc).__name__}: {exc})") from None
+            with self.lock:
+                self.check_run(req.run)  # another run may have bound the server meanwhile
+                self.run, self.group_ready = req.run, True
+        finally:
+            self.init_lock.release()
         return {"run": self.run, "weights_version": self.version}
 
     def update_group(self, req: UpdateRequest, ready_key: str) -> dict:
@@ -396,8 +465,8 @@ def safetensors_header(body: "BodyReader") -> list[tuple[str, torch.dtype, list[
     wrong with a file that is not one, or not laid out back to back."""
     try:
         size = int.from_bytes(body.read(8), "little")
-        if not 0 < size < 1 << 26:
-            raise ValueError(f"a header of {size} bytes")
+        if not 0 < size < min(1 << 26, body.length - 7):
+            raise ValueError(f"a header of {size} bytes in a body of {body.length}")
         header = json.loads(body.read(size))
         entries = sorted((e["data_offsets"], name, SAFETENSORS_DTYPES[e["dtype"]], list(e["shape"]))
                          for name, e in header.items() if name != "__metadata__")
@@ -415,12 +484,14 @@ def safetensors_header(body: "BodyReader") -> list[tuple[str, torch.dtype, list[
 
 class BodyReader:
     """Blocking reads of a request body that the event loop feeds in chunks (a bounded queue: the body is never held
-    whole). `close()` from the reading side makes the feeding side drop the rest."""
+    whole). `close()` from the reading side makes the feeding side drop the rest; `abort()` from the feeding side
+    (the client went away) ends the reader at once; a body that stops arriving for `timeout_s` ends it too."""
 
-    def __init__(self, length: int, depth: int = 64):
-        self.length, self.left = length, length
+    def __init__(self, length: int, depth: int = 64, timeout_s: float = 60.0):
+        self.length, self.left, self.timeout_s = length, length, timeout_s
         self.chunks: queue.Queue = queue.Queue(depth)
         self.pending, self.closed = memoryview(b""), False
+        self.aborted: Optional[str] = None
 
     # -- the event loop's side
     async def feed(self, chunk: Optional[bytes]) -> None:
@@ -438,15 +509,31 @@ class BodyReader:
             except queue.Full:
                 continue
 
+    def abort(self, why: str) -> None:
+        """The body will not arrive whole: the reader stops at its next read (a reader waiting on an empty queue is
+        woken by the None put here; one with chunks queued sees `aborted` before it takes the next)."""
+        self.aborted = why
+        try:
+            self.chunks.put_nowait(None)
+        except queue.Full:
+            pass  # chunks are queued: the reader checks `aborted` before taking each
+
     # -- the reading side
     def read_into(self, out) -> None:
         view, at = memoryview(out).cast("B"), 0
         while at < len(view):
             if not self.pending:
-                chunk = self.chunks.get()
-                if chunk is None:
-                    raise HTTPException(400, f"body: ended after {self.length - self.left} of its "
+                if self.aborted:
+                    raise HTTPException(400, f"body: {self.aborted} after {self.length - self.left} of its "
                                              f"content-length {self.length} bytes")
+                try:
+                    chunk = self.chunks.get(timeout=self.timeout_s)
+                except queue.Empty:
+                    raise HTTPException(408, f"body: no data for {self.timeout_s:.0f}s after {self.length - self.left} "
+                                             f"of its content-length {self.length} bytes") from None
+                if chunk is None:
+                    raise HTTPException(400, f"body: {self.aborted or 'ended'} after {self.length - self.left} of "
+                                             f"its content-length {self.length} bytes")
                 self.pending = memoryview(chunk)
             n = min(len(view) - at, len(self.pending))
             view[at:at + n] = self.pending[:n]
@@ -479,7 +566,45 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:
     return shapes
 
 
-def build_app(served: ServedModel) -> FastAPI:
+class Guard:
+    """ASGI middleware in front of every endpoint: the run's secret (all but GET /health: 401 without it, 403 with
+    another, compared in constant time) and the body's size from its Content-Length, before a byte of it is read
+    (411 without one, 413 over the limit: `max_body` for JSON, the model's own size for /update_weights)."""
+
+    def __init__(self, app, secret: str, max_body: int, max_upload: int):
+        self.app, self.secret, self.max_body, self.max_upload = app, secret.encode(), max_body, max_upload
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or (scope["method"], scope["path"]) in OPEN_PATHS:
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
+        if not given or scheme.lower() != "bearer":
+            return await _refuse(send, 401, "authorization: this server serves one run: send "
+                                            "'Authorization: Bearer <the run's secret>'", {b"www-authenticate": b"Bearer"})
+        if not hmac.compare_digest(given.strip().encode(), self.secret):
+            return await _refuse(send, 403, "authorization: not this run's secret")
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            length = headers.get(b"content-length")
+            if length is None or not length.isdigit():
+                return await _refuse(send, 411, "content-length: required (a body of known size)")
+            limit = self.max_upload if scope["path"] == "/update_weights" else self.max_body
+            if int(length) > limit:
+                what = "the model's weights" if scope["path"] == "/update_weights" else "deploy.rollout.max_body_mib"
+                return await _refuse(send, 413, f"content-length: {int(length)} bytes exceed this endpoint's limit "
+                                                f"of {limit} ({what})")
+        return await self.app(scope, receive, send)
+
+
+async def _refuse(send, status: int, detail: str, headers: Optional[dict] = None) -> None:
+    body = json.dumps({"detail": detail}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *(headers or {}).items()]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_timeout_s: float = 60.0) -> FastAPI:
     app = FastAPI(title="rlhf-flows rollout server")
 
     @app.get("/health")
@@ -493,16 +618,19 @@ def build_app(served: ServedModel) -> FastAPI:
     @app.post("/update_weights")
     async def update_weights(request: Request, version: int = Query(..., ge=1), run: str = Query(..., min_length=1)) -> dict:
         served.check_update(run, version)  # before reading the body
-        length = request.headers.get("content-length")
-        if length is None:
-            raise HTTPException(411, "content-length: required")
-        body = BodyReader(int(length))
+        body = BodyReader(int(request.headers["content-length"]), timeout_s=body_timeout_s)  # Guard checked it
         # the engine reads and loads the tensors as they arrive, in a thread: /health keeps answering meanwhile
         applied = asyncio.ensure_future(run_in_threadpool(served.update_http, body, version, run))
-        async for chunk in request.stream():
-            if chunk and not body.closed:
-                await body.feed(chunk)
-        await body.feed(None)
+        try:
+            async for chunk in request.stream():
+                if chunk and not body.closed:
+                    await body.feed(chunk)
+            await body.feed(None)
+        except ClientDisconnect:
+            body.abort("the client disconnected")  # the reader ends now, not after body_timeout_s
+        except BaseException:
+            body.abort("the request was cancelled")
+            raise
         return await applied
 
     @app.post("/weights/init")
@@ -513,7 +641,50 @@ def build_app(served: ServedModel) -> FastAPI:
     def update(req: UpdateRequest, ready_key: str = Query(..., min_length=1)) -> dict:
         return served.update_group(req, ready_key)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def named(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """Every refusal names what it refuses: FastAPI's own for a body that is not JSON says `body:` too."""
+        detail = exc.detail
+        if isinstance(detail, str) and detail.startswith("There was an error parsing the body"):
+            detail = f"body: not valid JSON ({detail})"
+        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    app.add_middleware(Guard, secret=secret, max_body=max_body, max_upload=served.max_upload_bytes)
     return app
+
+
+def read_secret() -> str:
+    """The run's secret from $RLHF_RUN_SECRET or the file $RLHF_RUN_SECRET_FILE names (as components/serving/auth.py);
+    a server without one does not start: it would serve anyone."""
+    value = os.environ.get(SECRET_ENV)
+    if value is None and os.environ.get(SECRET_FILE_ENV):
+        value = Path(os.environ[SECRET_FILE_ENV]).read_text()
+    value = (value or "").strip()
+    if len(value) < 16:
+        log.error(f"no run secret (at least 16 characters) in ${SECRET_ENV} or ${SECRET_FILE_ENV}: a rollout server "
+                  f"serves one run, and takes requests carrying that run's secret only")
+        raise SystemExit(2)
+    return value
+
+
+def exit_with_parent(poll_s: float = 1.0, grace_s: float = 10.0) -> None:
+    """Stop within `poll_s` once the run process that started us ($RLHF_PARENT_PID) is gone (as components/launch/
+    processes.exit_with_parent): SIGTERM to our process group (uvicorn shuts down), SIGKILL after `grace_s`."""
+    parent = int(os.environ.get(PARENT_PID_ENV, "0") or 0)
+    if not parent:
+        return
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        log.error(f"the run process {parent} that started this server is gone: stopping")
+        group = os.getpgid(0)
+        target = (lambda sig: os.killpg(group, sig)) if group == os.getpid() else (lambda sig: os.kill(os.getpid(), sig))
+        target(signal.SIGTERM)
+        time.sleep(grace_s)
+        target(signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
 
 
 def pin_to_cores(spec: str) -> set[int]:
@@ -544,12 +715,20 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    parser.add_argument("--instance", default="", help="Token echoed by /health (the launcher checks it).")
+    parser.add_argument("--instance", default="", help="Nonce echoed by /health (the launcher checks it reached its own server).")
     parser.add_argument("--cpu-cores", default=None, help="Cores every thread of this process runs on, e.g. 1 or 2-3,6.")
+    parser.add_argument("--trainer-host", default="127.0.0.1", help="The one address POST /weights/init may name (the trainer's).")
+    parser.add_argument("--max-request-sequences", type=int, default=4096, help="Cap on prompts x n per /generate.")
+    parser.add_argument("--max-request-tokens", type=int, default=1 << 23, help="Cap on prompts x n x max_new_tokens per /generate.")
+    parser.add_argument("--max-body-mib", type=int, default=32, help="Largest JSON body; a weight upload is bounded by the model's size.")
+    parser.add_argument("--body-timeout-s", type=float, default=60.0, help="An upload that sends nothing for this long is dropped.")
+    parser.add_argument("--limit-concurrency", type=int, default=64, help="Connections served at once (503 beyond).")
     args = parser.parse_args(argv)
     if args.cpu_cores:  # before any worker thread starts: the threads started later inherit it
         pin_to_cores(args.cpu_cores)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    secret = read_secret()
+    exit_with_parent()
     # the port first, before the model loads: a port taken by someone else fails at once, naming it
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -560,9 +739,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit(2) from None
     started = time.perf_counter()
     served = ServedModel(args.model, args.dtype, args.max_model_len, args.seed, args.enforce_eager,
-                         args.gpu_memory_utilization, args.instance)
+                         args.gpu_memory_utilization, args.instance, args.trainer_host, args.max_request_sequences,
+                         args.max_request_tokens)
     log.info(f"engine loaded in {time.perf_counter() - started:.1f}s: {json.dumps(served.describe())}")
-    uvicorn.Server(uvicorn.Config(build_app(served), log_level="warning")).run(sockets=[sock])
+    app = build_app(served, secret, args.max_body_mib << 20, args.body_timeout_s)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", limit_concurrency=args.limit_concurrency,
+                                  timeout_keep_alive=30)).run(sockets=[sock])
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Wire contract (NeMo-Aligner compatible; tokens right-padded, B = batch, L = sequ
                                       -> values float32 [B,L] (+ rewards float32 [B,1] when the reward model is combined)
     critic_train  (no batching)       tokens int64 [B,L], returns/prev_values/mask float32 [B,L], or [B,L-1] per
                                       action as NeMo-Aligner's client sends them (models.critic.train_arrays)
-                                      -> loss_mean, grad_norm, explained_variance, clipfrac, lr float32 [1]; step int64 [1]
+                                      -> loss_mean, grad_norm, explained_variance, clipfrac, lr, skipped_steps
+                                      float32 [1]; step int64 [1]. At most deploy.critic.max_train_rows rows;
+                                      |returns|, |prev_values| <= models.critic.VALUE_BOUND (refused naming the tensor)
     critic_save   (no batching)       dummy_var int64 [1] -> status int64 [1] (0 = saved), step int64 [1], path bytes [1]
     reward_model  (dynamic batching)  tokens, sequence_lengths (+ optional prompt_lengths int64 [B,1])
                                       -> rewards float32 [B,1]
@@ -16,6 +18,14 @@ Wire contract (NeMo-Aligner compatible; tokens right-padded, B = batch, L = sequ
     both reward models take an optional columns BYTES [B,1]: each sample's data set row besides the prompt, a JSON
     object, for a reward function that reads columns (models/reward.py); a reward model ignores it. A client that
     sends no columns (every client before it) is served as before.
+
+Who may call (components/serving/auth.py): with deploy.<kind>.auth 'secret' (the default) every Triton API but health
+(liveness, readiness) needs the run's token (`triton-access-token`, derived from the run's secret, which the server
+reads from $RLHF_RUN_SECRET or $RLHF_RUN_SECRET_FILE; a server given none refuses to start); a stranger is refused
+(403) before any callable runs. Open mode ('none') serves clients without credentials (NeMo-Aligner's) and says so.
+Bounded requests: Triton refuses a body over its own 64 MB limit, and a dynamic batch over max_batch_size;
+critic_train (not batched) takes at most max_train_rows rows; reward_text keeps only the characters of each text the
+reward model can score (models/reward.text_char_budget) and tokenizes them before the lock is taken.
 
 One Triton instance serves all models of a server; `CriticTrainer.lock` serialises infer/train/save. Serving order:
 Triton starts first, then the weights load, then the models are bound. If the weights fail to load, each model name is
@@ -55,6 +65,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from components.launch.processes import can_bind, exit_with_parent, wait_for
+from components.serving.auth import (OPEN_MODE_APIS, RESTRICTED_APIS, TRITON_HEADER, MissingSecret, read_secret,
+                                     triton_token)
 from components.launch.ranks import BACKEND_ENV, TIMEOUT_ENV, Followers
 from components.storage.checkpoints import CheckpointStore
 from models import distributed
@@ -62,8 +74,8 @@ from models.config import RLHFConfig
 from models.critic import CriticInputError, CriticTrainer, train_arrays, validate_tokens
 from models.loading import resolve_device
 from models.prepare import reward_transport
-from models.reward import (load_reward_functions, load_reward_model, load_reward_tokenizer, reward_model_scores,
-                           text_reward_scores)
+from models.reward import (load_reward_functions, load_reward_model, load_reward_tokenizer, reward_limit,
+                           reward_model_scores, score_batches, text_batches)
 
 LOG = logging.getLogger("rlhf.server")
 
@@ -71,9 +83,7 @@ CRITIC_INFER, CRITIC_TRAIN, CRITIC_SAVE, REWARD_MODEL = "critic_infer", "critic_
 REWARD_TEXT = "reward_text"
 CRITIC_MODELS = (CRITIC_INFER, CRITIC_TRAIN, CRITIC_SAVE)
 REWARD_MODELS = (REWARD_MODEL, REWARD_TEXT)
-TOKEN_ENV = "RLHF_TRITON_ACCESS_TOKEN"  # access token for Triton's restricted endpoints (repository index, ...)
-ACCESS_HEADER = "triton-access-token"
-TRAIN_STATS = ("loss_mean", "grad_norm", "explained_variance", "clipfrac", "lr")
+TRAIN_STATS = ("loss_mean", "grad_norm", "explained_variance", "clipfrac", "lr", "skipped_steps")
 
 
 def prepare_environment() -> None:
@@ -248,8 +258,8 @@ def reward_text_spec(max_batch_size: int, max_queue_delay_us: int, functions: bo
 class CriticCallables:
     """The three critic models as PyTriton callables (lists of requests in, list of responses out)."""
 
-    def __init__(self, trainer: CriticTrainer, store=None):
-        self.trainer, self.store = trainer, store
+    def __init__(self, trainer: CriticTrainer, store=None, max_train_rows: int = 4096):
+        self.trainer, self.store, self.max_train_rows = trainer, store, max_train_rows
         self._save_lock = threading.Lock()
 
     def _all(self, op: str, *args):
@@ -283,9 +293,16 @@ class CriticCallables:
         for request in requests:  # batching is off: one request per call
             arrays = (_array(request, n) for n in ("tokens", "returns", "prev_values", "mask"))
             tokens, returns, prev_values, mask = train_arrays(*arrays)  # [B,L-1] per action -> [B,L]
+            if tokens.shape[0] > self.max_train_rows:
+                raise CriticInputError(f"tokens: batch of {tokens.shape[0]} rows exceeds this server's "
+                                       f"max_train_rows={self.max_train_rows} (deploy.critic.max_train_rows): send it "
+                                       f"in parts")
             check_vocab(tokens, self.trainer.vocab_size)
             check_positions(tokens, self.trainer.model)
             stats = self._all("train", *(torch.as_tensor(np.array(a)) for a in (tokens, returns, prev_values, mask)))
+            if stats["skipped_steps"]:
+                LOG.warning("critic_train: %d optimizer step(s) skipped: loss or gradient norm not finite (the "
+                            "weights are as before those steps)", stats["skipped_steps"])
             response = {name: np.array([stats[name]], dtype=np.float32) for name in TRAIN_STATS}
             response["step"] = np.array([stats["step"]], dtype=np.int64)
             responses.append(response)
@@ -322,7 +339,7 @@ class RewardCallables:
     """
 
     def __init__(self, model=None, function=None, tokenizer=None, vocab_size: int | None = None, reward_tokenizer=None,
-                 chat_template: bool = False, lock: threading.Lock | None = None):
+                 chat_template: bool = False, lock: threading.Lock | None = None, micro_batch_size: int = 64):
         if (model is None) == (function is None):
             raise ValueError("reward server: give exactly one of a reward model or a reward function")
         if function is not None and tokenizer is None:
@@ -333,10 +350,12 @@ class RewardCallables:
         self.reward_tokenizer, self.chat_template = reward_tokenizer, chat_template
         self.vocab_size = vocab_size or (model.config.vocab_size if model is not None else len(tokenizer))
         self.lock = lock or threading.Lock()
+        self.micro_batch_size = micro_batch_size
 
     def text(self, requests):
         """`reward_text`: (prompt, response) strings scored by the reward model with its own tokenizer (or the
-        reward function)."""
+        reward function). The texts are cut to what the model can score and tokenized before the lock is taken (a
+        long text never holds up the critic's other requests)."""
         parts = []
         for request in requests:
             prompts = decode_texts(_array(request, "prompts"), "prompts")
@@ -348,11 +367,13 @@ class RewardCallables:
         prompts = [p for ps, _, _ in parts for p in ps]
         responses = [r for _, rs, _ in parts for r in rs]
         columns = [c for _, _, cs in parts for c in cs]
-        with self.lock:
-            if self.model is not None:
-                scores, each = text_reward_scores(self.model, self.reward_tokenizer, prompts, responses,
-                                                  self.chat_template).numpy(), None
-            else:
+        if self.model is not None:
+            batches = text_batches(self.reward_tokenizer, prompts, responses, self.chat_template,
+                                   reward_limit(self.model), self.micro_batch_size)
+            with self.lock:
+                scores, each = score_batches(self.model, batches).numpy(), None
+        else:
+            with self.lock:
                 scores, each = self._score_functions(prompts, responses, columns)
         return self._answers([len(ps) for ps, _, _ in parts], scores, each)
 
@@ -441,8 +462,6 @@ class ServerSpec(BaseModel):
                                              "store at checkpoint_uri (a fresh node resuming a run).")
     max_batch_size: int = Field(256, ge=1, description="Largest batch Triton accepts and forms by dynamic batching.")
     torch_threads: Optional[int] = Field(None, ge=1, description="torch intra-op threads; None keeps torch's default.")
-    access_token: Optional[str] = Field(None, description="Token of Triton's restricted endpoints; None: "
-                                        f"${TOKEN_ENV}, else PyTriton generates one.")
     exit_timeout_s: int = Field(10, ge=1, description="How long Triton waits for in-flight requests on stop.")
 
     @property
@@ -464,6 +483,25 @@ class ServerSpec(BaseModel):
         if self.kind == "critic":
             return ("critic", "reward")
         return ("reward",) if self.config.reward.source == "model" else ("policy",)
+
+    def security(self) -> dict:
+        """Triton's restricted APIs for this server (TritonSecurityConfig's arguments): with deploy.<kind>.auth
+        'secret', every API group but health needs the token derived from the run's secret ($RLHF_RUN_SECRET or the
+        file $RLHF_RUN_SECRET_FILE names; a server without one refuses to start); with 'none' (open mode), only the
+        admin groups do (with the run's secret when it has one, else a token of its own), and it says so."""
+        secret = read_secret()
+        if self.section.auth == "secret":
+            if secret is None:
+                raise MissingSecret(
+                    f"deploy.{self.kind}.auth=secret: every request must carry the run's secret, and this server was "
+                    f"given none: set $RLHF_RUN_SECRET (or $RLHF_RUN_SECRET_FILE, a file holding it) in its "
+                    f"environment and give clients the same secret; or serve clients that send no credentials "
+                    f"(NeMo-Aligner's) in open mode: --set deploy.{self.kind}.auth=none")
+            return {"access_token": triton_token(secret), "restricted_endpoints": list(RESTRICTED_APIS)}
+        LOG.warning("%s server: OPEN MODE (deploy.%s.auth=none): inference, model config and metadata answer anyone "
+                    "who reaches %s:%d; only the admin endpoints need a token", self.kind, self.kind, self.host,
+                    self.port)
+        return {"access_token": triton_token(secret) if secret else None, "restricted_endpoints": list(OPEN_MODE_APIS)}
 
     def triton_config(self):
         from pytriton.triton import TritonConfig  # heavy: only a server process starts Triton
@@ -510,7 +548,7 @@ def _register_failed_model(workspace, url: str, token: str | None, name: str, re
     (model_dir / "1" / "model.py").write_text(_FAILING_MODEL_PY)
     client = triton_client(url, timeout_s=60)
     try:
-        client.load_model(name, headers={ACCESS_HEADER: token} if token else None)
+        client.load_model(name, headers={TRITON_HEADER: token} if token else None)
     except InferenceServerException:
         pass  # expected: the load fails with `reason`
     finally:
@@ -542,12 +580,17 @@ def serve(spec: ServerSpec, load: Callable[[], tuple[list, object]] | None = Non
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    exit_with_parent()  # a run killed without stopping us (SIGKILL): stop as a stop request would, within seconds
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
-    token = spec.access_token or os.environ.get(TOKEN_ENV) or None
+    try:
+        security = spec.security()
+    except MissingSecret as exc:
+        LOG.error("%s server: %s", kind, exc)
+        return 2
     workspace = Workspace()  # a fresh directory under $PYTRITON_HOME: servers on one machine never share one
     triton = Triton(config=spec.triton_config(), workspace=workspace,
-                    security_config=TritonSecurityConfig(access_token=token))
+                    security_config=TritonSecurityConfig(**security))
     url = f"http://{spec.host}:{spec.port}"
     code = 0
     group = None
@@ -639,7 +682,7 @@ def _load_critic(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], ob
              if trainer.reward_model is not None else "not loaded")
     if trainer.warning:
         LOG.warning(trainer.warning)
-    bindings = CriticCallables(trainer, store).bindings(spec.max_batch_size, cfg.deploy.critic.max_queue_delay_us)
+    bindings = CriticCallables(trainer, store, cfg.deploy.critic.max_train_rows).bindings(spec.max_batch_size, cfg.deploy.critic.max_queue_delay_us)
     if trainer.reward_model is not None:
         text = RewardCallables(model=trainer.reward_model, reward_tokenizer=reward_tokenizer,
                                chat_template=cfg.reward.chat_template, lock=trainer.lock)

@@ -12,6 +12,16 @@ server (unless the critic carries the reward model). Each runs where its section
   iteration's critic to start from;
 - `in_process` (critic and reward only): no server.
 
+Every server of a run takes requests of that run only (components/serving/auth.py): the run's secret (made here,
+`run_secret`, once per run attempt, and kept in its RunPlace) reaches a local server through its environment, and a
+deployment's through a Prefect Secret block named per run (its name is the flow run's parameter, never the value;
+deleted when the server stops); every client of the run sends it. A server dies with its run: a local one watches its parent process
+(processes.exit_with_parent: a SIGKILLed run leaves no server behind), a deployment's flow run holds a lease the run
+renews (a Prefect variable named after the server's flow run, `RunLease`) and stops its server within
+`LEASE_TIMEOUT_S` of the run's end, cancellation or crash, or as soon as the training flow run's state is final. On
+Kubernetes a deployment server's pod is labelled as the run's, and NetworkPolicies let only the run's own actor pods
+reach it (components/serving/network_policy.py).
+
 Both kinds of started server answer the same three questions: `wait_until_ready`, `death()` (why it cannot serve: it
 exited, its flow run ended, or it answers but is unhealthy) and `stop()`. `RunServices.guard` asks every server of the
 run after a failed step, so a run fails naming the server that went away, not the broken connection.
@@ -24,13 +34,16 @@ and cancellation (SIGTERM in a flow process raises, so the `finally` blocks run)
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import shutil
 import socket
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, NoReturn, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from prefect import get_client, get_run_logger
@@ -40,8 +53,10 @@ from prefect.states import Cancelling
 from prefect.variables import Variable
 
 from components.launch.processes import Health, Probe, ServerProcess, free_port, wait_for, wait_until_ready
+from components.serving.auth import new_secret, triton_token
 from components.serving.clients import RewardClient, critic_backend, reward_backend
 from components.serving.launcher import launch, launch_rollout, rollout_probe, triton_probe
+from components.serving.network_policy import RUN_POLICIES, own_job
 from components.serving.rollout_client import RolloutClient, run_token
 from components.serving.servers import ServerSpec
 from components.tracking.run import RunPlace
@@ -53,6 +68,8 @@ from models.loop import DIRECT, Steps, build_critic_trainer, build_local_reward,
 
 ADVERTISE_ENV = "RLHF_ADVERTISE_HOST"
 TEARDOWN_GRACE_S = 2.0
+LEASE_RENEW_S = 5.0  # how often a run renews the lease its deployment servers watch
+LEASE_TIMEOUT_S = 30.0  # a deployment server whose lease was not renewed for this long stops (its run is gone)
 
 
 class ServerDied(RuntimeError):
@@ -92,6 +109,14 @@ class RunServices:
             raise
 
 
+def run_secret(place: RunPlace) -> str:
+    """The run's secret (components/serving/auth.py): made here, where the run's servers start, the first time one
+    is asked for, and kept in the run's RunPlace for its other servers and clients."""
+    if place.secret is None:
+        place.secret = new_secret()
+    return place.secret
+
+
 def section(kind: str, cfg: RLHFConfig):
     """The deployment section of a server kind: its launch mode, host, port, timeouts."""
     return {"critic": cfg.deploy.critic, "reward": cfg.deploy.reward, "rollout": cfg.deploy.rollout}[kind]
@@ -111,19 +136,22 @@ def server_spec(kind: str, cfg: RLHFConfig, **fields) -> ServerSpec:
                       torch_threads=_threads(s), **fields)
 
 
-def local_server(kind: str, cfg: RLHFConfig, log_path: Path, **spec_fields) -> ServerProcess:
-    """The `kind` server as a child process of this one (not waited for)."""
+def local_server(kind: str, cfg: RLHFConfig, log_path: Path, secret: str, trainer_host: Optional[str] = None,
+                 **spec_fields) -> ServerProcess:
+    """The `kind` server as a child process of this one (not waited for), holding the run's `secret`; a rollout
+    server sets up weight transfers with `trainer_host` only (None: this machine)."""
     if kind == "rollout":
-        return launch_rollout(cfg, log_path)
-    return launch(server_spec(kind, cfg, **spec_fields), log_path, wait=False)
+        return launch_rollout(cfg, log_path, secret=secret, trainer_host=trainer_host or "127.0.0.1")
+    return launch(server_spec(kind, cfg, **spec_fields), log_path, wait=False, secret=secret)
 
 
-def probe_at(kind: str, cfg: RLHFConfig) -> Callable[[str], Probe]:
-    """How to look at a `kind` server found at a URL (one we did not start: no launcher token)."""
+def probe_at(kind: str, cfg: RLHFConfig, secret: Optional[str] = None) -> Callable[[str], Probe]:
+    """How to look at a `kind` server found at a URL (one we did not start; with the run's `secret`, a model that
+    is not ready is looked up in the repository index, which names why)."""
     if kind == "rollout":
         return rollout_probe
     models = ServerSpec(kind=kind, config=cfg).models
-    return lambda url: triton_probe(url, models)
+    return lambda url: triton_probe(url, models, triton_token(secret) if secret else None)
 
 
 # ------------------------------------------------------------------------------------------------ deployments
@@ -144,14 +172,102 @@ def cancel_flow_run(flow_run_id) -> None:
             client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
 
 
+def lease_variable(flow_run_id) -> str:
+    return f"rlhf_lease_{str(flow_run_id).replace('-', '')}"
+
+
+def secret_block_name(run_name: str) -> str:
+    """A Prefect Secret block's name for one server of run `run_name` (block names: lowercase, digits, dashes)."""
+    slug = re.sub(r"[^a-z0-9]+", "-", run_name.lower()).strip("-")[:40] or "run"
+    return f"rlhf-secret-{slug}-{secrets.token_hex(4)}"
+
+
+def save_secret(name: str, secret: str) -> None:
+    from prefect.blocks.system import Secret  # heavy: only a run with deployment servers stores one
+
+    Secret(value=secret).save(name, overwrite=True)
+
+
+def load_secret(name: str) -> str:
+    from prefect.blocks.system import Secret  # heavy: as above
+
+    return Secret.load(name).get()
+
+
+def delete_secret(name: str) -> None:
+    from prefect.blocks.system import Secret  # heavy: as above
+
+    try:
+        Secret.delete(name)
+    except Exception:  # noqa: BLE001 - already gone (or the API is going away with us): nothing left to protect
+        pass
+
+
+class RunLease:
+    """The run's side of a deployment server's lease: a Prefect variable named after the server's flow run, set to a
+    new value every LEASE_RENEW_S by a thread of the run, and removed when the run stops the server. The server's
+    flow run stops its server once the value has not changed for LEASE_TIMEOUT_S (`lease_lost`): the run ended,
+    was cancelled or crashed without stopping it."""
+
+    def __init__(self, server_flow_run_id, renew_s: float = LEASE_RENEW_S):
+        self.name, self.renew_s = lease_variable(server_flow_run_id), renew_s
+        self._stop = threading.Event()
+        self._renew()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="server-lease")
+        self._thread.start()
+
+    def _renew(self) -> None:
+        Variable.set(self.name, f"{time.time():.3f}-{secrets.token_hex(2)}", overwrite=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.renew_s):
+            try:
+                self._renew()
+            except Exception:  # noqa: BLE001 - the API hiccuped: the next renewal tries again (the timeout is 6 renewals)
+                pass
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=self.renew_s + 5)
+        try:
+            Variable.unset(self.name)
+        except Exception:  # noqa: BLE001 - best effort: the server stops on the missing renewals either way
+            pass
+
+
+def lease_lost(own_flow_run_id, training_flow_run_id=None, timeout_s: float = LEASE_TIMEOUT_S,
+               clock=time.monotonic):
+    """The server flow run's side of its lease: a callable that returns why the server must stop (its lease was not
+    renewed for `timeout_s` of this process's own clock, so no clock skew between pods matters; or the training flow
+    run's state is final), else None."""
+    name = lease_variable(own_flow_run_id)
+    seen = {"value": None, "at": clock()}
+
+    def lost():
+        value = Variable.get(name, default=None)
+        if value is not None and value != seen["value"]:
+            seen.update(value=value, at=clock())
+        if training_flow_run_id is not None and (state := final_state(training_flow_run_id)) is not None:
+            return f"its training flow run {training_flow_run_id} ended ({state.name})"
+        if clock() - seen["at"] > timeout_s:
+            return (f"its run's lease ({name}) was not renewed for {timeout_s:.0f}s: the training run ended, was "
+                    f"cancelled or crashed")
+        return None
+    return lost
+
+
 class DeploymentServer:
     """A server run by its Prefect deployment (its own flow run, on a cluster its own node): found at the address its
-    flow run publishes, probed like a local one, stopped by cancelling that flow run."""
+    flow run publishes, probed like a local one, stopped by cancelling that flow run. It holds the run's lease while
+    it lives, and its Secret block is deleted when it stops."""
 
-    def __init__(self, kind: str, flow_run_id, probe_for: Callable[[str], Probe]):
+    def __init__(self, kind: str, flow_run_id, probe_for: Callable[[str], Probe], secret_block: Optional[str] = None,
+                 policies=None):
         self.name, self.flow_run_id, self.probe_for = kind, flow_run_id, probe_for
+        self.secret_block, self.policies = secret_block, policies
         self.url: Optional[str] = None
         self.probe: Optional[Probe] = None
+        self.lease = RunLease(flow_run_id)
 
     def wait_until_ready(self, timeout: float) -> Health:
         """Wait for the published address, then for the server there to serve (one timeout for both: a cold GPU
@@ -184,15 +300,44 @@ class DeploymentServer:
         return f"{self.name} server flow run {self.flow_run_id} ended: {state.name} ({state.message or 'no message'})"
 
     def stop(self) -> None:
-        cancel_flow_run(self.flow_run_id)
+        try:
+            cancel_flow_run(self.flow_run_id)
+        finally:
+            self.lease.release()
+            if self.secret_block:
+                delete_secret(self.secret_block)
+            if self.policies is not None:
+                self.policies.release()
 
 
 def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace) -> DeploymentServer:
-    parameters = {"config": cfg.model_dump(mode="json")}
-    if kind == "critic":
-        parameters.update(checkpoint_uri=place.store_uri, restore_iteration=place.critic_restore_iteration)
-    run = run_deployment(f"{kind}-server/default", parameters=parameters, timeout=0, as_subflow=False)
-    return DeploymentServer(kind, run.id, probe_at(kind, cfg))
+    """Run `kind`'s deployment for this run: the run's secret in a Secret block of its own (the flow run's parameter
+    is the block's name), this flow run's id for the server to watch, and (a rollout server) the address the run's
+    weight transfers come from."""
+    block = secret_block_name(place.run_name)
+    save_secret(block, run_secret(place))
+    job = own_job()  # on Kubernetes: the server's pod is labelled as this run's, and takes traffic from it only
+    try:
+        parameters = {"config": cfg.model_dump(mode="json"), "secret_block": block,
+                      "training_flow_run_id": str(flow_run.get_id()) if flow_run.get_id() else None}
+        if kind == "critic":
+            parameters.update(checkpoint_uri=place.store_uri, restore_iteration=place.critic_restore_iteration)
+        if kind == "rollout":
+            parameters.update(trainer_host=trainer_host(cfg))
+        if job:
+            RUN_POLICIES.acquire(job)
+        try:
+            run = run_deployment(f"{kind}-server/default", parameters=parameters, timeout=0, as_subflow=False,
+                                 job_variables={"run_label": job} if job else None)
+        except BaseException:
+            if job:
+                RUN_POLICIES.release()
+            raise
+    except BaseException:
+        delete_secret(block)
+        raise
+    return DeploymentServer(kind, run.id, probe_at(kind, cfg, run_secret(place)), block,
+                            policies=RUN_POLICIES if job else None)
 
 
 # ------------------------------------------------------------------------------------------------ starting a server
@@ -200,10 +345,11 @@ def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace) -> DeploymentS
 def started(kind: str, cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT):
     """The `kind` server of the run, started where its section says (a child process, or its deployment), not yet
     ready; stopped after the block, first thing (a cancelled run must not wait on an in-flight request)."""
+    secret = run_secret(place)  # made here, before a step may see a copy of `place`
     if section(kind, cfg).launch == "local":
         critic_dir = {"checkpoint_dir": str(place.critic_dir)} if kind == "critic" and place.critic_dir else {}
         server = steps(f"deploy-{kind}-server", local_server, kind, cfg, place.log_dir / f"{kind}-server.log",
-                       **critic_dir)
+                       secret, **critic_dir)
         steps.log(f"{kind} server starting: pid {server.pid}, {server.url}, log {server.log_path}")
     else:
         server = steps(f"deploy-{kind}-server", start_deployment, kind, cfg, place)
@@ -242,9 +388,9 @@ def critic_service(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT) -> I
         return
     with started("critic", cfg, place, steps) as server:
         url = wait_ready("critic", server, cfg, steps)
-        backend = critic_backend(cfg, url)
+        backend = critic_backend(cfg, url, secret=run_secret(place))
         # a critic carrying a reward model that reads text serves rewards through reward_text, not critic_infer
-        text = (RewardClient(url, timeout_s=cfg.deploy.critic.request_timeout_s, text=True)
+        text = (RewardClient(url, timeout_s=cfg.deploy.critic.request_timeout_s, text=True, secret=run_secret(place))
                 if cfg.critic_carries_reward and cfg.reward.transport == "text" else None)
         try:
             yield Service("critic server", backend, server.death, reward=text)
@@ -267,7 +413,7 @@ def reward_service(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT, need
             backend.close()
         return
     with started("reward", cfg, place, steps) as server:
-        backend = reward_backend(cfg, wait_ready("reward", server, cfg, steps))
+        backend = reward_backend(cfg, wait_ready("reward", server, cfg, steps), secret=run_secret(place))
         try:
             yield Service("reward server", backend, server.death)
         finally:
@@ -294,7 +440,7 @@ def trainer_host(cfg: RLHFConfig) -> str:
 def connect_engine(actor, url: str, cfg: RLHFConfig, place: RunPlace) -> RolloutClient:
     """Rank 0's engine talks to the server (as this run, over the configured weight transfer) and sends it the actor's
     current weights (a new run's, a resumed run's checkpoint, LoRA merged; all ranks gather them)."""
-    client = RolloutClient(url, run_token(place.run_name), cfg.deploy.rollout.request_timeout_s)
+    client = RolloutClient(url, run_token(place.run_name), cfg.deploy.rollout.request_timeout_s, secret=run_secret(place))
     try:
         if cfg.deploy.rollout.weight_transfer == "dist":
             client.use_dist(trainer_host(cfg))
@@ -339,15 +485,25 @@ def run_services(cfg: RLHFConfig, place: RunPlace, actor, steps: Steps = DIRECT,
 
 
 # ------------------------------------------------------------------------------------------------ the server flow side
-def serve_published(kind: str, server: ServerProcess, url: str) -> NoReturn:
+def serve_published(kind: str, server: ServerProcess, url: str, lost: Callable[[], Optional[str]] = lambda: None,
+                    poll_s: float = 2.0) -> Optional[str]:
     """Publish a ready server's `url` for the flow run that deployed this one (a Prefect variable named after this
-    flow run), then wait until the server exits (a failure) or this flow run is cancelled; unpublish either way."""
+    flow run), then serve until the server exits (a failure: raises naming it), this flow run is cancelled, or
+    `lost()` says why the run it serves is gone (returns that reason); unpublish either way."""
     name = address_variable(flow_run.get_id())
     try:
         Variable.set(name, url, overwrite=True)
-        get_run_logger().info(f"{kind} server ready at {url} (pid {server.pid}); serving until this flow run is cancelled")
-        wait_for(lambda: server.poll() is not None, None, poll_s=1.0)  # until the server exits, or we are cancelled
-        raise ServerDied(server.death())
+        get_run_logger().info(f"{kind} server ready at {url} (pid {server.pid}); serving until its run stops it")
+
+        def done() -> Optional[str]:
+            if server.poll() is not None:
+                raise ServerDied(server.death())
+            try:
+                return lost()
+            except Exception:  # noqa: BLE001 - the API hiccuped: the lease's timeout decides, not one failed look
+                return None
+
+        return wait_for(done, None, poll_s=poll_s)
     finally:
         try:
             Variable.unset(name)
@@ -361,23 +517,38 @@ def advertised_host(bind: str) -> str:
 
 
 def host_server(kind: str, cfg: RLHFConfig, checkpoint_uri: Optional[str] = None,
-                restore_iteration: Optional[int] = None) -> int:
-    """Body of the critic-server, reward-server and rollout-server deployments: start the server, publish its
-    address, serve until cancelled.
+                restore_iteration: Optional[int] = None, secret_block: Optional[str] = None,
+                training_flow_run_id: Optional[str] = None, trainer_host: Optional[str] = None) -> int:
+    """Body of the critic-server, reward-server and rollout-server deployments: start the server with the run's
+    secret (read from the Secret block `secret_block`), publish its address, serve until cancelled or until the run
+    it serves is gone (its lease was not renewed for LEASE_TIMEOUT_S, or `training_flow_run_id` reached a final
+    state): then the server is stopped and this flow run completes, saying why.
 
     The critic saves into a fresh directory of this flow run and uploads every save to the run's store at
     `checkpoint_uri`; with `restore_iteration` it starts from iter_<N>/critic of that store (any error doing so
-    fails this flow run, and with it the training flow run, naming the URI and the cause).
+    fails this flow run, and with it the training flow run, naming the URI and the cause). A rollout server sets up
+    weight transfers with `trainer_host` only.
     """
+    logger = get_run_logger()
     server_dir = cfg.resolved_state_dir() / "servers" / f"{kind}-{flow_run.get_id()}"
+    if secret_block:
+        secret = load_secret(secret_block)
+    elif kind != "rollout" and section(kind, cfg).auth == "none":
+        secret = new_secret()  # open mode: guards the admin APIs only
+    else:
+        raise ValueError(f"{kind} server: no secret_block given: a run's server serves that run only (the run that "
+                         f"deploys it names the Prefect Secret block holding the run's secret)")
     fields = {}
     if kind == "critic":
         fields = {"checkpoint_dir": str(server_dir / "critic"), "checkpoint_uri": checkpoint_uri,
                   "restore_iteration": restore_iteration}
     try:
-        with local_server(kind, cfg, server_dir / f"{kind}-server.log", **fields) as server:
+        with local_server(kind, cfg, server_dir / f"{kind}-server.log", secret, trainer_host, **fields) as server:
             server.wait_until_ready(section(kind, cfg).ready_timeout_s)
-            serve_published(kind, server, f"http://{advertised_host(section(kind, cfg).host)}:{server.port}")
+            lost = lease_lost(flow_run.get_id(), training_flow_run_id)
+            why = serve_published(kind, server, f"http://{advertised_host(section(kind, cfg).host)}:{server.port}", lost)
+            logger.warning(f"{kind} server: stopping: {why}")
     finally:
         shutil.rmtree(server_dir / "critic", ignore_errors=True)  # every save is in the store
-        get_run_logger().info(f"{kind} server stopped")
+        logger.info(f"{kind} server stopped")
+    return 0

@@ -1,11 +1,22 @@
 """Checkpoint store on local disk (`file:///abs/dir` or a plain path) or S3 (`s3://bucket/prefix`).
 
 Layout under the store root:
-    iter_<N>/<part>/...      the part directories given to `save` (e.g. actor/, critic/)
-    iter_<N>/state.json      {"iteration", "state", "files": {relpath: sha256}, "parts", "created"}
-    latest.json              {"iteration": N, "path": "iter_<N>"}, written last
+    iter_<N>-<id>/<part>/...   the part directories given to `save` (e.g. actor/, critic/), under a prefix of their
+                               own: <id> is the save's UTC time and a random tag, so no save ever writes over another
+                               (a resumed run that saves iteration N again, an interrupted upload)
+    iter_<N>-<id>/state.json   {"iteration", "state", "files": {relpath: sha256}, "parts", "created"}: written last,
+                               the commit point: a prefix without it is an incomplete save, never read
+    latest.json                {"iteration": N, "path": "iter_<N>-<id>"}: moved only after that state.json exists
+A store written before fresh prefixes (iter_<N>/) reads as before.
 
-A checkpoint is complete once its state.json exists; latest.json only ever names a complete one.
+Locally every file is fsynced before state.json is written, and state.json and latest.json are written to a temporary
+name, fsynced, renamed and their directory fsynced: a power cut leaves the previous checkpoint or the new one.
+
+Reading: every file is checked against its sha256, and every path a state.json names must stay inside the directory
+it is downloaded to (a manifest naming '../x' or an absolute path is refused naming it). `restore` starts from the
+checkpoint latest.json names and, when it fails its check (a corrupt or missing file, an unreadable manifest),
+falls back to the previous complete one and says so. Checkpoints hold no pickles: state.json is JSON, the parts are
+safetensors, JSON and torch.load(weights_only=True) files (models/critic.py, models/loop.py).
 """
 
 from __future__ import annotations
@@ -14,18 +25,19 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 import tempfile
 import uuid
 from collections.abc import Callable
 from datetime import datetime, timezone
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Protocol
 from urllib.parse import urlparse
 
 from components.storage.s3 import S3Location, S3Store
 
-_ITER_RE = re.compile(r"^iter_(\d+)$")
+_ITER_RE = re.compile(r"^iter_(\d+)(?:-\d{8}T\d{12}Z-[0-9a-f]{4})?$")  # iter_<N> (before fresh prefixes) or iter_<N>-<id>
 _STAGING_RE = re.compile(r"^\.tmp-iter_(\d+)-[0-9a-f]+$")
 _PART_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _DIGESTS = ".sha256.json"  # beside a put_dir key: {relpath: sha256}
@@ -35,6 +47,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, found or verified."""
 
 
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint fails its checks (a file missing or not matching its sha256, an unreadable or unsafe manifest):
+    a resume passes over it. An error reaching the store (access denied, unreachable) is not one: it fails the run."""
+
+
 class _Backend(Protocol):
     """Key/value primitives over a store root; keys are '/'-separated relative paths."""
 
@@ -42,6 +59,7 @@ class _Backend(Protocol):
     def get_file(self, key: str, local: Path) -> bool: ...
     def copy_file(self, source: str, target: str) -> None: ...
     def put_bytes(self, key: str, data: bytes) -> None: ...
+    def create_bytes(self, key: str, data: bytes) -> None: ...
     def get_bytes(self, key: str) -> bytes | None: ...
     def list_keys(self, prefix: str) -> list[str]: ...
     def delete_prefix(self, prefix: str) -> None: ...
@@ -51,19 +69,27 @@ class _Backend(Protocol):
 
 
 class _LocalBackend:
-    """Files under a root directory; directories appear atomically via a staging dir + os.replace."""
+    """Files under a root directory; every file fsynced, small files and directories replaced atomically (a temporary
+    name + os.replace + an fsync of the directory). A key that would leave the root is refused."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
         root.mkdir(parents=True, exist_ok=True)
 
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if path != self.root and self.root not in path.parents:
+            raise CheckpointError(f"store key {key!r} would leave the store at {self.root}")
+        return path
+
     def put_file(self, local: Path, key: str) -> None:
-        target = self.root / key
+        target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(local, target)
+        _fsync(target)
 
     def get_file(self, key: str, local: Path) -> bool:
-        source = self.root / key
+        source = self._path(key)
         if not source.is_file():
             return False
         local.parent.mkdir(parents=True, exist_ok=True)
@@ -71,10 +97,10 @@ class _LocalBackend:
         return True
 
     def copy_file(self, source: str, target: str) -> None:
-        self.put_file(self.root / source, target)
+        self.put_file(self._path(source), target)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        target = self.root / key
+        target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
         with open(tmp, "wb") as f:
@@ -82,30 +108,48 @@ class _LocalBackend:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
+        _fsync_dir(target.parent)
+
+    def create_bytes(self, key: str, data: bytes) -> None:
+        """Write `key` only if it does not exist (a hard link of a complete, fsynced file: all or nothing)."""
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, target)
+        except FileExistsError:
+            raise CheckpointError(f"{target} exists already: a checkpoint's commit point is written once") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+        _fsync_dir(target.parent)
 
     def get_bytes(self, key: str) -> bytes | None:
-        path = self.root / key
+        path = self._path(key)
         return path.read_bytes() if path.is_file() else None
 
     def list_keys(self, prefix: str) -> list[str]:
-        base = self.root / prefix if prefix else self.root
+        base = self._path(prefix) if prefix else self.root
         if not base.is_dir():
             return []
         return sorted(p.relative_to(self.root).as_posix() for p in base.rglob("*") if p.is_file())
 
     def delete_prefix(self, prefix: str) -> None:
-        shutil.rmtree(self.root / prefix, ignore_errors=True)
+        shutil.rmtree(self._path(prefix), ignore_errors=True)
 
     def delete_keys(self, keys: list[str]) -> None:
         for key in keys:
-            (self.root / key).unlink(missing_ok=True)
+            self._path(key).unlink(missing_ok=True)
 
     def staging(self, key: str) -> str:
         name = key.replace("/", "_")
         return f".tmp-{name}-{uuid.uuid4().hex}"
 
     def commit(self, staging: str, key: str) -> None:
-        source, target = self.root / staging, self.root / key
+        source, target = self._path(staging), self._path(key)
         source.mkdir(parents=True, exist_ok=True)  # an empty upload still commits
         target.parent.mkdir(parents=True, exist_ok=True)
         trash = None
@@ -113,8 +157,28 @@ class _LocalBackend:
             trash = self.root / f".trash-{uuid.uuid4().hex}"
             os.replace(target, trash)
         os.replace(source, target)
+        _fsync_dir(target.parent)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename in `path` durable (where the platform lets a directory be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 class _S3Backend:
@@ -134,6 +198,12 @@ class _S3Backend:
 
     def put_bytes(self, key: str, data: bytes) -> None:
         self.s3.put_bytes(key, data)
+
+    def create_bytes(self, key: str, data: bytes) -> None:
+        """A conditional create (If-None-Match: *): the bucket policy refuses any other write of a commit point."""
+        if self.s3.put_if(key, data, absent=True) is None:
+            raise CheckpointError(f"s3://{self.s3.location.bucket}/{self.s3._key(key)} exists already: a checkpoint's "
+                                  f"commit point is written once")
 
     def get_bytes(self, key: str) -> bytes | None:
         return self.s3.get_bytes(key)
@@ -215,6 +285,16 @@ class CheckpointStore:
             raise CheckpointError(f"cannot create checkpoint directory {root}: {exc}") from exc
         return cls(root.as_uri(), backend)
 
+    @property
+    def s3(self) -> S3Store | None:
+        """The S3 prefix of an S3 store (None for a local one)."""
+        return getattr(self._backend, "s3", None)
+
+    @property
+    def local_root(self) -> Path | None:
+        """The directory of a local store (None for S3)."""
+        return getattr(self._backend, "root", None)
+
     def _checkpoint_uri(self, key: str) -> str:
         return f"{self.uri.rstrip('/')}/{key}"
 
@@ -227,7 +307,8 @@ class CheckpointStore:
         stored: dict[str, str] | None = None,
         _after_file: Callable[[str], None] | None = None,
     ) -> str:
-        """Upload `parts` to iter_<N>/<name>/, then state.json, then latest.json; return the checkpoint URI.
+        """Upload `parts` to a fresh iter_<N>-<id>/<name>/, then its state.json, then latest.json; return the
+        checkpoint URI.
 
         `stored` names parts already in this store (written by `put_dir`, e.g. by a critic server on another node):
         name -> key. They are copied inside the store (server-side on S3) with the digests `put_dir` recorded, so
@@ -241,91 +322,160 @@ class CheckpointStore:
             if not _PART_RE.match(name) or name in (".", "..", "state.json"):
                 raise CheckpointError(f"invalid part name {name!r}")
         files = {name: _files_of(Path(local)) for name, local in parts.items()}
-        key = f"iter_{iteration}"
-        manifest: dict = {"iteration": iteration, "state": state, "files": {}, "parts": sorted(parts)}
         try:
             json.dumps(state)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint state is not JSON-serialisable: {exc}") from exc
-
-        manifest["parts"] = sorted([*parts, *stored])
+        key = fresh_prefix(iteration)
+        manifest: dict = {"iteration": iteration, "state": state, "files": {}, "parts": sorted([*parts, *stored])}
         adopted = {name: self._stored_digests(source) for name, source in stored.items()}
-        staging = self._backend.staging(key)
         for name, entries in files.items():
             for path, rel in entries:
                 relpath = f"{name}/{rel}"
                 manifest["files"][relpath] = _sha256(path)
-                self._backend.put_file(path, f"{staging}/{relpath}")
+                self._backend.put_file(path, f"{key}/{relpath}")
                 if _after_file is not None:
                     _after_file(relpath)
         for name, source in stored.items():
             for rel, digest in adopted[name].items():
-                self._backend.copy_file(f"{source}/{rel}", f"{staging}/{name}/{rel}")
+                self._backend.copy_file(f"{source}/{rel}", f"{key}/{name}/{rel}")
                 manifest["files"][f"{name}/{rel}"] = digest
         manifest["created"] = datetime.now(timezone.utc).isoformat()
-        self._backend.put_bytes(f"{staging}/state.json", json.dumps(manifest, indent=1).encode())
-        self._backend.commit(staging, key)
-        pointer = {"iteration": iteration, "path": key}
-        self._backend.put_bytes("latest.json", json.dumps(pointer).encode())
+        self._backend.create_bytes(f"{key}/state.json", json.dumps(manifest, indent=1).encode())  # the commit point
+        self._backend.put_bytes("latest.json", json.dumps({"iteration": iteration, "path": key}).encode())
         return self._checkpoint_uri(key)
 
-    def latest(self) -> int | None:
-        """Iteration that latest.json points to, or None when the store has no checkpoint."""
+    def _pointer(self) -> dict | None:
+        """latest.json ({"iteration", "path"}), None when the store has no checkpoint yet."""
         data = self._backend.get_bytes("latest.json")
         if data is None:
             return None
         try:
-            return int(json.loads(data)["iteration"])
+            pointer = json.loads(data)
+            pointer = {"iteration": int(pointer["iteration"]), "path": str(pointer.get("path") or
+                                                                         f"iter_{int(pointer['iteration'])}")}
         except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"corrupt latest.json in {self.uri}: {exc}") from exc
+            raise CorruptCheckpoint(f"corrupt latest.json in {self.uri}: {exc}") from exc
+        if not _ITER_RE.match(pointer["path"]):
+            raise CorruptCheckpoint(f"corrupt latest.json in {self.uri}: path {pointer['path']!r} is not a checkpoint")
+        return pointer
 
-    def _scan(self) -> tuple[set[int], dict[int, list[str]]]:
-        """Complete iterations, and every top-level iter_/staging entry by iteration."""
-        complete: set[int] = set()
-        entries: dict[int, list[str]] = {}
+    def latest(self) -> int | None:
+        """Iteration that latest.json points to, or None when the store has no checkpoint."""
+        pointer = self._pointer()
+        return None if pointer is None else pointer["iteration"]
+
+    def _scan(self) -> list[tuple[int, str, bool]]:
+        """(iteration, top-level prefix, complete) of every checkpoint prefix and leftover staging directory, in
+        order: by iteration, then oldest first (a fresh prefix's id sorts by time)."""
+        found: dict[str, list] = {}
         for key in self._backend.list_keys(""):
             top, _, rest = key.partition("/")
             match = _ITER_RE.match(top) or _STAGING_RE.match(top)
             if not match:
                 continue
-            n = int(match.group(1))
-            if top not in entries.setdefault(n, []):
-                entries[n].append(top)
+            entry = found.setdefault(top, [int(match.group(1)), top, False])
             if rest == "state.json" and _ITER_RE.match(top):
-                complete.add(n)
-        return complete, entries
+                entry[2] = True
+        return sorted(tuple(e) for e in found.values())
+
+    def _current(self, scan: list[tuple[int, str, bool]] | None = None) -> dict[int, str]:
+        """The complete checkpoint of each iteration: the one latest.json names, else the newest saved."""
+        scan = self._scan() if scan is None else scan
+        try:
+            pointer = self._pointer()
+        except CorruptCheckpoint:
+            pointer = None
+        current = {n: top for n, top, complete in scan if complete}  # oldest first: the newest of an iteration wins
+        if pointer is not None and (pointer["iteration"], pointer["path"], True) in scan:
+            current[pointer["iteration"]] = pointer["path"]
+        return current
 
     def list(self) -> list[int]:
         """Iterations of complete checkpoints (those with a state.json), ascending."""
-        return sorted(self._scan()[0])
+        return sorted(self._current())
+
+    def _key(self, iteration: int | None) -> tuple[int, str]:
+        """(iteration, prefix) of iter_<N> (latest by default)."""
+        if iteration is None:
+            pointer = self._pointer()
+            if pointer is None:
+                raise CheckpointError(f"no checkpoint in {self.uri}")
+            return pointer["iteration"], pointer["path"]
+        key = self._current().get(iteration)
+        if key is None:
+            raise CheckpointError(f"checkpoint {self._checkpoint_uri(f'iter_{iteration}')} is missing or incomplete "
+                                  f"(no state.json)")
+        return iteration, key
 
     def load(self, dest: Path, iteration: int | None = None, parts: tuple[str, ...] | None = None) -> dict:
         """Download iter_<N> (latest by default) into dest/<part>/..., verify sha256s, return its state.
 
-        `parts` limits the download to those parts (None: all)."""
-        if iteration is None:
-            iteration = self.latest()
-            if iteration is None:
-                raise CheckpointError(f"no checkpoint in {self.uri}")
-        key = f"iter_{iteration}"
+        `parts` limits the download to those parts (None: all). A path of the manifest that would land outside
+        `dest` (absolute, '..', not under one of its parts) is refused before anything is written."""
+        return self._load_key(Path(dest), self._key(iteration)[1], parts)
+
+    def _load_key(self, dest: Path, key: str, parts: tuple[str, ...] | None) -> dict:
         where = self._checkpoint_uri(key)
         raw = self._backend.get_bytes(f"{key}/state.json")
         if raw is None:
-            raise CheckpointError(f"checkpoint {where} is missing or incomplete (no state.json)")
-        manifest = json.loads(raw)
-        dest = Path(dest)
-        wanted = [n for n in manifest.get("parts", []) if parts is None or n in parts]
+            raise CorruptCheckpoint(f"checkpoint {where} is missing or incomplete (no state.json)")
+        try:
+            manifest = json.loads(raw)
+            names, files, state = list(manifest.get("parts", [])), dict(manifest["files"]), manifest["state"]
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CorruptCheckpoint(f"checkpoint {where} has an unreadable state.json ({type(exc).__name__}: {exc})") from None
+        for name in names:
+            if not isinstance(name, str) or not _PART_RE.match(name) or name in (".", ".."):
+                raise CorruptCheckpoint(f"checkpoint {where} names an invalid part {name!r}")
+        wanted = [n for n in names if parts is None or n in parts]
+        targets = {relpath: inside(dest, relpath, names, where) for relpath in files}
         for name in wanted:
             (dest / name).mkdir(parents=True, exist_ok=True)
-        for relpath, digest in manifest["files"].items():
+        for relpath, digest in files.items():
             if relpath.split("/", 1)[0] not in wanted:
                 continue
-            local = dest / relpath
+            local = targets[relpath]
             if not self._backend.get_file(f"{key}/{relpath}", local):
-                raise CheckpointError(f"file {relpath} is missing from checkpoint {where}")
+                raise CorruptCheckpoint(f"file {relpath} is missing from checkpoint {where}")
             if _sha256(local) != digest:
-                raise CheckpointError(f"file {relpath} of checkpoint {where} fails its sha256 check")
-        return manifest["state"]
+                raise CorruptCheckpoint(f"file {relpath} of checkpoint {where} fails its sha256 check")
+        return state
+
+    def restore(self, dest: Path, parts: tuple[str, ...] | None = None,
+                log: Callable[[str], None] = lambda message: None) -> tuple[int, dict] | None:
+        """Download the latest checkpoint that passes its checks into `dest` (emptied first): the one latest.json
+        names, else (it fails its sha256 check, a file or its state.json is missing or unreadable: CorruptCheckpoint)
+        the previous complete one, and so on, each fallback said through `log`. Returns (iteration, state); None
+        when the store has no checkpoint. Raises when checkpoints exist and none passes, and at once on an error
+        reaching the store (access denied, unreachable: never a reason to go back to an older checkpoint)."""
+        try:
+            pointer = self._pointer()
+        except CorruptCheckpoint as exc:
+            log(f"{exc}: looking for the newest complete checkpoint instead")
+            pointer = None
+        current = self._current()
+        candidates = [(pointer["iteration"], pointer["path"])] if pointer is not None else []
+        candidates += [(n, top) for n, top in sorted(current.items(), reverse=True)
+                       if (n, top) not in candidates and (pointer is None or n <= pointer["iteration"])]
+        if not candidates:
+            return None
+        failures = []
+        for iteration, key in candidates:
+            shutil.rmtree(dest, ignore_errors=True)
+            try:
+                state = self._load_key(Path(dest), key, parts)
+            except CorruptCheckpoint as exc:
+                failures.append(str(exc))
+                log(f"checkpoint {self._checkpoint_uri(key)} cannot be restored ({exc}); falling back to the previous "
+                    f"complete checkpoint")
+                continue
+            if failures:
+                log(f"resuming from checkpoint iteration {iteration} ({self._checkpoint_uri(key)}), the newest that "
+                    f"passes its checks")
+            return iteration, state
+        shutil.rmtree(dest, ignore_errors=True)
+        raise CorruptCheckpoint(f"no checkpoint of {self.uri} passes its checks: " + "; ".join(failures))
 
     def load_part(self, iteration: int, name: str, dest: Path) -> Path:
         """Replace directory `dest` with part `name` of iter_<N> (sha256-checked); the checkpoint must hold it."""
@@ -342,7 +492,8 @@ class CheckpointStore:
         return Path(dest)
 
     def prune(self, keep_last: int) -> list[int]:
-        """Delete all but the newest `keep_last` complete checkpoints and older incomplete ones.
+        """Delete all but the newest `keep_last` complete checkpoints, complete ones an iteration's newer save
+        replaced, and incomplete ones older than the newest kept.
 
         The checkpoint latest.json points to is always kept; incomplete entries newer than it
         (possibly a save in progress) are left alone. Returns the deleted iterations.
@@ -350,26 +501,29 @@ class CheckpointStore:
         if keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
         latest = self.latest()
-        complete, entries = self._scan()
-        keep = set(sorted(complete)[-keep_last:])
+        scan = self._scan()
+        current = self._current(scan)
+        keep = set(sorted(current)[-keep_last:])
         if latest is not None:
             keep.add(latest)
-        newest_complete = max(keep, default=-1)
+        kept_tops = {current[n] for n in keep if n in current}
+        newest_kept = max(keep, default=-1)
         deleted = []
-        for n, tops in sorted(entries.items()):
-            for top in tops:
-                is_complete = n in complete and _ITER_RE.match(top)
-                if (is_complete and n not in keep) or (not is_complete and n < newest_complete):
-                    self._backend.delete_prefix(top)
-                    if n not in deleted:
-                        deleted.append(n)
-        return deleted
+        for n, top, complete in scan:
+            if top in kept_tops or (not complete and n >= newest_kept):
+                continue
+            self._backend.delete_prefix(top)
+            if n not in deleted:
+                deleted.append(n)
+        return sorted(deleted)
 
     def put_dir(self, local: Path, key: str) -> str:
         """Store directory `local` under `key/` (replacing what was there), its sha256s in `key.sha256.json`
-        (written last: a key without it is incomplete); return its URI."""
+        (written last: a key without it is incomplete; an earlier version's is removed first, so no reader ever
+        takes new files for old digests or old files for new ones); return its URI."""
         key = self._check_key(key)
         entries = _files_of(Path(local))
+        self._backend.delete_keys([f"{key}{_DIGESTS}"])
         staging = self._backend.staging(key)
         written, digests = set(), {}
         for path, rel in entries:
@@ -391,7 +545,12 @@ class CheckpointStore:
         raw = self._backend.get_bytes(f"{self._check_key(key)}{_DIGESTS}")
         if raw is None:
             raise CheckpointError(f"{self._checkpoint_uri(key)} is missing or incomplete (no {key}{_DIGESTS})")
-        return json.loads(raw)
+        digests = json.loads(raw)
+        for rel in digests:
+            parts = PurePosixPath(rel).parts
+            if not rel or rel.startswith("/") or any(p in ("", ".", "..") for p in parts):
+                raise CheckpointError(f"{self._checkpoint_uri(key)}: digests name a path outside it: {rel!r}")
+        return digests
 
     def delete_dir(self, key: str) -> None:
         """Delete everything under `key/` and its digests."""
@@ -416,3 +575,22 @@ class CheckpointStore:
         if not key or any(p in ("", ".", "..") for p in parts) or reserved:
             raise CheckpointError(f"invalid store key {key!r}")
         return key
+
+
+def fresh_prefix(iteration: int) -> str:
+    """iter_<N>-<UTC time>-<random>: a prefix no save wrote before (sorts by time within an iteration)."""
+    return f"iter_{iteration}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}Z-{secrets.token_hex(2)}"
+
+
+def inside(dest: Path, relpath: str, parts: list[str], where: str) -> Path:
+    """Where a manifest's `relpath` lands under `dest`; refused unless it is a relative path below one of the
+    checkpoint's parts (no absolute path, no '..', nothing outside `dest`)."""
+    pure = PurePosixPath(relpath) if isinstance(relpath, str) else None
+    if (pure is None or not relpath or pure.is_absolute() or "\\" in relpath
+            or any(p in ("", ".", "..") for p in relpath.split("/")) or len(pure.parts) < 2 or pure.parts[0] not in parts):
+        raise CorruptCheckpoint(f"checkpoint {where}: manifest path {relpath!r} is not a file below one of its parts "
+                                f"{sorted(parts)}: refused (it would be written outside {dest})")
+    target = (Path(dest) / relpath).resolve()
+    if Path(dest).resolve() not in target.parents:
+        raise CorruptCheckpoint(f"checkpoint {where}: manifest path {relpath!r} would be written outside {dest}: refused")
+    return Path(dest) / relpath

@@ -6,6 +6,7 @@ import contextlib
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -16,6 +17,7 @@ from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 _MISSING = ("404", "NoSuchKey", "NotFound")
+_CONDITION_FAILED = ("412", "PreconditionFailed", "409", "ConditionalRequestConflict")
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,42 @@ class S3Store:
     def put_bytes(self, key: str, data: bytes) -> None:
         with self._errors(f"write s3://{self.location.bucket}/{self._key(key)}"):
             self.client.put_object(Bucket=self.location.bucket, Key=self._key(key), Body=data)
+
+    def put_if(self, key: str, data: bytes, *, absent: bool = False, etag: str | None = None) -> str | None:
+        """A conditional write (S3's If-None-Match: * with `absent`, If-Match: `etag` otherwise): the new object's
+        ETag, or None when the condition failed (the object exists / has another ETag: someone else wrote it)."""
+        condition = {"IfNoneMatch": "*"} if absent else {"IfMatch": etag}
+        with self._errors(f"write s3://{self.location.bucket}/{self._key(key)}"):
+            try:
+                return self.client.put_object(Bucket=self.location.bucket, Key=self._key(key), Body=data,
+                                              **condition)["ETag"]
+            except ClientError as exc:
+                if str(exc.response.get("Error", {}).get("Code", "")) in _CONDITION_FAILED:
+                    return None
+                raise
+
+    def stat(self, key: str) -> tuple[bytes, str, float] | None:
+        """(body, ETag, age in seconds by the server's own clock) of `key`, None if it does not exist."""
+        with self._errors(f"read s3://{self.location.bucket}/{self._key(key)}"):
+            try:
+                response = self.client.get_object(Bucket=self.location.bucket, Key=self._key(key))
+            except ClientError as exc:
+                if str(exc.response.get("Error", {}).get("Code", "")) in _MISSING:
+                    return None
+                raise
+            now = parsedate_to_datetime(response["ResponseMetadata"]["HTTPHeaders"]["date"])
+            return response["Body"].read(), response["ETag"], (now - response["LastModified"]).total_seconds()
+
+    def delete_if(self, key: str, etag: str) -> bool:
+        """Delete `key` if it still has `etag` (If-Match); False when someone else's object is there now."""
+        with self._errors(f"delete s3://{self.location.bucket}/{self._key(key)}"):
+            try:
+                self.client.delete_object(Bucket=self.location.bucket, Key=self._key(key), IfMatch=etag)
+                return True
+            except ClientError as exc:
+                if str(exc.response.get("Error", {}).get("Code", "")) in _CONDITION_FAILED + _MISSING:
+                    return False
+                raise
 
     def get_bytes(self, key: str) -> bytes | None:
         """Object body, or None if it does not exist."""

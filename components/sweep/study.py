@@ -18,6 +18,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from components.sweep.config import SWEEP_STORAGE_ENV, SweepConfig
 from components.sweep.space import Space, SweepError
+from components.tracking.tracker import redact
 from models.config import RLHFConfig
 
 KEPT = (TrialState.COMPLETE, TrialState.PRUNED)  # what a rerun of the sweep does not run again
@@ -59,7 +60,7 @@ def open_study(config: RLHFConfig, sweep: SweepConfig, space: Space) -> optuna.S
         study.set_user_attr("definition", mine)
     elif stored != mine:
         differ = [key for key, value in json.loads(mine).items() if json.loads(stored).get(key) != value]
-        raise SweepError(f"sweep.name: the study '{sweep.name}' in {url} was started with another {' and '.join(differ)}; "
+        raise SweepError(f"sweep.name: the study '{sweep.name}' in {redact(url)} was started with another {' and '.join(differ)}; "
                          f"rerun it with the same ones to resume it, or give the sweep another name")
     for _ in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):  # enqueued by a run that died
         trial = study.ask()

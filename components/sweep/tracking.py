@@ -33,7 +33,7 @@ from components.sweep.config import SweepConfig
 from components.sweep.study import label
 from components.tracking.compare import DEFAULT_METRICS, EVAL_METRICS, compare_runs
 from components.tracking.run import default_tracking_uri
-from components.tracking.tracker import check_reachable, flatten, get_or_create_experiment
+from components.tracking.tracker import check_reachable, flatten, get_or_create_experiment, redact
 from models.config import RLHFConfig
 
 TABLE = "trials.json"
@@ -69,8 +69,9 @@ class SweepRun:
                                        tags={"kind": "sweep", "sweep": sweep.name, "algorithm": config.algorithm}).info.run_id
             definition = sweep.model_dump(mode="json", include={"space", "sampler", "seed", "metric", "direction"})
             client.log_batch(run_id, params=[Param(k, v) for k, v in flatten({"sweep": definition}).items()])
-            client.log_text(run_id, yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), "config.yaml")
-            client.log_text(run_id, yaml.safe_dump(sweep.model_dump(mode="json"), sort_keys=False), "sweep.yaml")
+            # the study storage URL (and any URL of the config) may hold a password: never logged as it is
+            client.log_text(run_id, yaml.safe_dump(redact(config.model_dump(mode="json")), sort_keys=False), "config.yaml")
+            client.log_text(run_id, yaml.safe_dump(redact(sweep.model_dump(mode="json")), sort_keys=False), "sweep.yaml")
         settings = {"sweep.concurrency": sweep.concurrency, "sweep.trials": sweep.trials, "sweep.pruner": sweep.pruner,
                     **(tags or {})}
         client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in settings.items()])

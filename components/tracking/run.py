@@ -4,16 +4,23 @@ A checkpoint holds `actor/` (full HF save_pretrained weights or the LoRA adapter
 optimizer and every rank's sampling stream through torch.distributed.checkpoint; actor_state.pt: schedule, KL
 controller, minibatch stream, iteration, consumed rollouts, world size), `critic/` (the critic's critic_save output of the same iteration, in
 every launch mode) and state.json (the manifest: iteration, critic step, tracking run id, global RNG states, config).
-Re-running with the same run name resumes from the last complete checkpoint. A checkpoint that cannot be read fails
-the run naming its URI and the cause; only "no checkpoint yet" starts a new run.
+Re-running with the same run name resumes from the newest complete checkpoint that passes its checks: one that fails
+them (a corrupt or missing file) is said and passed over for the previous one; when none passes, the run fails naming
+each checkpoint and the cause; only "no checkpoint yet" starts a new run.
+
+One writer per run name: opening a run takes the lease of its store (components/storage/lease.py) before anything
+of the run is touched; another live run of the name is refused naming its holder, and the lease is released at close.
+RunPlace has a slot for the run's secret, which the run's servers are started with (components/serving/services.py
+makes it, once per attempt); what is logged to MLflow has the passwords of URLs taken out (tracker.redact).
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import random
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
@@ -21,12 +28,26 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from components.launch.stack import running_mlflow_uri
+from components.storage.lease import acquire as acquire_lease
 from components.storage.checkpoints import CheckpointStore
 from components.tracking.tracker import Tracker, resolve_tracking_uri
 from models.config import RLHFConfig, run_name_for
 
 if TYPE_CHECKING:  # only annotations here: what reads a run's record (a sweep, rlhf compare) loads no model code
     from models.loop import Leader
+
+
+LOG = logging.getLogger("rlhf.run")
+
+
+def _flow_run_id() -> str | None:
+    """The Prefect flow run this process runs, if any (named in the run's lease)."""
+    try:
+        from prefect.runtime import flow_run  # heavy: Prefect, only to name the holder of the run's lease
+
+        return str(flow_run.get_id()) if flow_run.get_id() else None
+    except Exception:  # noqa: BLE001 - no Prefect context: a plain process
+        return None
 
 
 def checkpoint_uri(cfg: RLHFConfig, run_name: str) -> str:
@@ -47,13 +68,15 @@ def default_tracking_uri(cfg: RLHFConfig) -> str:
 @dataclass
 class RunPlace:
     """What a run's servers need of the run: its name, where logs go, where a local critic saves, the run's
-    checkpoint store (a deployment critic uploads there) and the checkpoint iteration a resumed critic starts from."""
+    checkpoint store (a deployment critic uploads there), the checkpoint iteration a resumed critic starts from, and
+    the run's secret (every server of the run takes requests carrying it only: components/serving/auth.py)."""
 
     run_name: str
     log_dir: Path
     critic_dir: Optional[Path] = None
     store_uri: Optional[str] = None
     critic_restore_iteration: Optional[int] = None
+    secret: Optional[str] = field(default=None, repr=False)  # made where the servers start (services.run_secret)
 
 
 @dataclass
@@ -65,6 +88,7 @@ class RunSession:
     tracker: Tracker
     resumed_from: int | None = None
     manifest: dict = field(default_factory=dict)
+    lease: object = None  # one writer per run name (components/storage/lease.py), released at close
 
     @property
     def critic_restore_iteration(self) -> int | None:
@@ -75,34 +99,45 @@ class RunSession:
     def critic_dir(self) -> Path:
         return self.local_dir / "critic"
 
-    @property
+    @functools.cached_property
     def place(self) -> RunPlace:
+        """One RunPlace per session: the servers of the run share it (and the secret made for them)."""
         return RunPlace(self.name, self.local_dir / "logs", self.critic_dir, self.store.uri, self.critic_restore_iteration)
 
     @classmethod
-    def open(cls, cfg: RLHFConfig, tags: dict[str, str] | None = None) -> "RunSession":
-        """Resolve the run; if its store has a complete checkpoint, download it and remember the manifest."""
+    def open(cls, cfg: RLHFConfig, tags: dict[str, str] | None = None,
+             log: Callable[[str], None] = LOG.warning) -> "RunSession":
+        """Resolve the run; take its lease (one writer per run name: another live run of this name is refused,
+        naming it, before anything of it is touched); if its store has a checkpoint, download the newest that passes
+        its checks (an older one when the newest fails them, said through `log`) and remember the manifest."""
         name = run_name_for(cfg)
-        local_dir = cfg.resolved_state_dir() / "runs" / name
-        local_dir.mkdir(parents=True, exist_ok=True)
         store = CheckpointStore.from_uri(checkpoint_uri(cfg, name), s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
-        manifest, resumed_from = {}, store.latest()
-        restore_dir = local_dir / "restore"
-        shutil.rmtree(local_dir / "critic", ignore_errors=True)  # never resume a critic newer/older than the actor
-        if resumed_from is not None:
-            shutil.rmtree(restore_dir, ignore_errors=True)
+        lease = acquire_lease(store, name, cfg.deploy.checkpoint.lease_timeout_s, log, _flow_run_id())
+        try:
+            local_dir = cfg.resolved_state_dir() / "runs" / name
+            local_dir.mkdir(parents=True, exist_ok=True)
+            manifest, resumed_from = {}, None
+            restore_dir = local_dir / "restore"
+            shutil.rmtree(local_dir / "critic", ignore_errors=True)  # never resume a critic newer/older than the actor
             # launch=deployment: the critic server (maybe on another node) restores its part from the store itself
             parts = ("actor",) if cfg.deploy.critic.launch == "deployment" else None
-            manifest = from_jsonable(store.load(restore_dir, resumed_from, parts=parts))
-            if (restore_dir / "critic").exists():
-                shutil.copytree(restore_dir / "critic", local_dir / "critic")
-        nested = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
-        tracker = Tracker(default_tracking_uri(cfg), cfg.tracking.experiment, name, run_id=manifest.get("tracking_run_id"),
-                          tags={"algorithm": cfg.algorithm, "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
-                                "reward_transport": cfg.reward.transport, **nested, **(tags or {})},
-                          system_metrics=cfg.deploy.tracking.system_metrics)
-        tracker.start(cfg.model_dump(mode="json"))
-        return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest)
+            restored = store.restore(restore_dir, parts=parts, log=log)
+            if restored is not None:
+                resumed_from, manifest = restored[0], from_jsonable(restored[1])
+                if (restore_dir / "critic").exists():
+                    shutil.copytree(restore_dir / "critic", local_dir / "critic")
+            nested = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
+            tracker = Tracker(default_tracking_uri(cfg), cfg.tracking.experiment, name,
+                              run_id=manifest.get("tracking_run_id"),
+                              tags={"algorithm": cfg.algorithm,
+                                    "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
+                                    "reward_transport": cfg.reward.transport, **nested, **(tags or {})},
+                              system_metrics=cfg.deploy.tracking.system_metrics)
+            tracker.start(cfg.model_dump(mode="json"))  # URL passwords redacted by the tracker
+        except BaseException:
+            lease.release()
+            raise
+        return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest, lease=lease)
 
     @property
     def start_iteration(self) -> int:
@@ -121,6 +156,8 @@ class RunSession:
     def save(self, actor: Leader, critic_info: dict | None) -> str:
         """Checkpoint the actor (all ranks take part) + the critic of the same iteration + the manifest; prune;
         record in MLflow."""
+        if self.lease is not None:
+            self.lease.check()  # a run whose lease was taken over writes nothing more
         state = actor.state
         stage = self.local_dir / "staging"
         shutil.rmtree(stage, ignore_errors=True)
@@ -164,7 +201,11 @@ class RunSession:
             self.tracker.log_table(rows, step=iteration, name="eval")
 
     def close(self, status: str) -> None:
-        self.tracker.end(status)
+        try:
+            self.tracker.end(status)
+        finally:
+            if self.lease is not None:
+                self.lease.release()
 
 
 def _jsonable(value):

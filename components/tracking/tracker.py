@@ -4,6 +4,8 @@ No global active-run state is used, so several Trackers in one process do not in
 System metrics (CPU, memory, disk, network; GPU when present) come from MLflow's
 SystemMetricsMonitor bound to this run id and tracking URI (it needs psutil); its sampling
 interval follows MLFLOW_SYSTEM_METRICS_SAMPLING_INTERVAL (default 10 s).
+What a run logs as params and config.yaml has the passwords of URLs taken out (`redact`): a tracking URI or a study
+storage URL may carry one.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import numbers
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -30,6 +33,20 @@ import yaml
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
+
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^/\s:@]*:)(?P<password>[^@\s/]*)@")
+
+
+def redact(value):
+    """`value` with the password of every URL in it replaced by '***' (strings, and mappings/lists of them, at any
+    depth): scheme://user:password@host -> scheme://user:***@host."""
+    if isinstance(value, str):
+        return _URL_PASSWORD.sub(lambda m: f"{m.group('head')}***@", value)
+    if isinstance(value, dict):
+        return {k: redact(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(redact(v) for v in value)
+    return value
 
 PARAM_VALUE_LIMIT = 500  # the strictest MLflow servers refuse longer param values
 _CUT = "...(truncated)"
@@ -234,7 +251,7 @@ class Tracker:
             self.client.update_run(self.run_id, status="RUNNING")
 
     def _log_config(self, config: dict) -> None:
-        plain = json.loads(json.dumps(config, default=str))
+        plain = redact(json.loads(json.dumps(config, default=str)))
         self._log_batch(params=[Param(k, v) for k, v in flatten(plain).items()])
         self.client.log_text(self.run_id, yaml.safe_dump(plain, sort_keys=False), "config.yaml")
 

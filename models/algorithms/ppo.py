@@ -94,4 +94,5 @@ class PPO(Algorithm):
             "val/return_mean": float(masked_mean(returns, mask)),
             "val/value_mean": float(masked_mean(values, mask)),
             "critic/step": float(critic_stats.get("step", float("nan"))),
+            "critic/skipped_steps": float(critic_stats.get("skipped_steps", 0.0)),
         }

@@ -1,4 +1,5 @@
-"""Shared fixtures for component tests: a moto S3 server on a free loopback port, a sqlite MLflow store."""
+"""Shared fixtures for component tests: a moto S3 server on a free loopback port, a sqlite MLflow store, the run
+secret the servers started by hand and their clients share."""
 
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ import pytest
 
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("DO_NOT_TRACK", "1")
+# one run secret for the servers these tests start by hand and the clients they build (as a user's shell would export
+# it); a run (components/runs.py) makes its own and hands it over explicitly. Strangers in the tests send none.
+os.environ.setdefault("RLHF_RUN_SECRET", "tests-" + uuid.uuid4().hex)
 
 AWS_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",

@@ -68,7 +68,7 @@ def wait_final(s, run_id: str, timeout: float = 300) -> dict:
 
 def task_names(s, run_id: str) -> list[str]:
     body = {"flow_runs": {"id": {"any_": [run_id]}}, "limit": 200}
-    runs = httpx.post(f"{s['api']}/task_runs/filter", json=body, timeout=10).json()
+    runs = stack.prefect_post(s['api'], "/task_runs/filter", body, timeout=10).json()
     return [r["name"] for r in sorted(runs, key=lambda r: r["expected_start_time"] or "")]
 
 
@@ -177,13 +177,13 @@ def test_reinforce_deployment_starts_no_critic_and_learns_a_reward_that_reads_a_
     assert history("data/rows") == [(0, 200.0)] and history("data/filtered_rows") == [(0, 0.0)]
     tables = {a.path for a in client.list_artifacts(mrun.info.run_id, "tables")}
     assert {"tables/eval_000000.json", "tables/eval_000012.json"} <= tables
-    artifact = httpx.post(f"{s['api']}/artifacts/latest/filter", json={"artifacts": {"key": {"any_": ["eval-e2e-rloo"]}}},
+    artifact = stack.prefect_post(s['api'], "/artifacts/latest/filter", {"artifacts": {"key": {"any_": ["eval-e2e-rloo"]}}},
                           timeout=10).json()
     assert artifact and artifact[0]["type"] == "table" and "iteration 12" in artifact[0]["description"], artifact
     assert server_processes(s, str(s["state_dir"])) == []
     # the run's logs hold what the run says, not what a library prints (datasets fingerprints the eval set with dill,
     # whose global-variable scan prints bytecode while capturing stdout)
-    logs = [log["message"] for log in httpx.post(f"{s['api']}/logs/filter", json={
+    logs = [log["message"] for log in stack.prefect_post(s['api'], "/logs/filter", {
         "logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200}, timeout=10).json()]
     assert any(m.startswith("reward server ready at http://") for m in logs), logs
     assert any(m.startswith("eval at iteration 12: ") for m in logs) and any("data: 200 prompts" in m for m in logs)
@@ -214,13 +214,13 @@ def test_reinforce_with_a_reward_model_of_another_tokenizer_learns_through_text(
 
 def test_invalid_parameter_is_refused_before_any_run(local_stack):
     s = local_stack
-    before = httpx.post(f"{s['api']}/flow_runs/count", json={}, timeout=10).json()
+    before = stack.prefect_post(s['api'], "/flow_runs/count", {}, timeout=10).json()
     proc = deployment_run(s, "ppo/default", {"ppo": {"ratio_eps": -1}}, check=False)
     assert proc.returncode != 0
     assert "ratio_eps" in proc.stdout + proc.stderr
     proc = deployment_run(s, "reinforce/default", {"reinforce": {"num_rollouts_per_prompt": "four"}}, check=False)
     assert proc.returncode != 0 and "num_rollouts_per_prompt" in proc.stdout + proc.stderr
-    assert httpx.post(f"{s['api']}/flow_runs/count", json={}, timeout=10).json() == before
+    assert stack.prefect_post(s['api'], "/flow_runs/count", {}, timeout=10).json() == before
 
 
 def _wait_for(predicate, timeout: float, what: str):
@@ -301,7 +301,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_wi
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     # the training run cancels its server's flow run at the end, which stops the server
     _wait_for(lambda: not stack_processes(s, "components.serving.rollout_server"), 60, "rollout server stopped")
-    lines = [log["message"] for log in httpx.post(f"{s['api']}/logs/filter", json={
+    lines = [log["message"] for log in stack.prefect_post(s['api'], "/logs/filter", {
         "logs": {"flow_run_id": {"any_": [rerun["id"]]}}, "limit": 200}, timeout=10).json()]
     staleness = {int(m.split()[1].split("/")[0]): float(m.rsplit("staleness ", 1)[1]) for m in lines
                  if m.startswith("iteration ") and "staleness " in m}
@@ -375,7 +375,7 @@ def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_l
     assert manifest["state"]["world_size"] == 2 and "actor/sharded/.metadata" in manifest["files"]
     assert not actor_followers(s)
     body = {"flow_runs": {"start_time": {"after_": run["start_time"]}}, "deployments": {}, "limit": 50}
-    runs = httpx.post(f"{s['api']}/flow_runs/filter", json=body, timeout=10).json()
+    runs = stack.prefect_post(s['api'], "/flow_runs/filter", body, timeout=10).json()
     critic_runs = [r for r in runs if (r.get("parameters") or {}).get("checkpoint_uri", "").endswith("/e2e-dist")]
     assert len(critic_runs) == 1
     assert wait_final(s, critic_runs[0]["id"], timeout=60)["state"]["type"] == "CANCELLED"
@@ -398,7 +398,7 @@ def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_l
     assert re.search(r"actor rank 1 \(pid \d+\) exited with code -9", run["state"]["message"]), run["state"]["message"]
     _wait_for(lambda: not actor_followers(s) and not critic_followers(s) and not server_processes(s, str(s["state_dir"] / "runs" / "e2e-dist")),
               60, "no process of the run left")
-    said = [log["message"] for log in httpx.post(f"{s['api']}/logs/filter", json={
+    said = [log["message"] for log in stack.prefect_post(s['api'], "/logs/filter", {
         "logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}, timeout=10).json()]
     assert [m.split(":")[0] for m in said if m.startswith("iteration ")][0] == "iteration 3/200"
     # ... and on one rank from the 2-rank checkpoint: full weights, a fresh optimizer, a warning
@@ -409,7 +409,7 @@ def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_l
                                                    {"actor": {"nproc_per_node": 1}})))
     assert run["state"]["type"] == "COMPLETED", run["state"]
     assert sum(n.startswith("ppo-iteration") for n in task_names(s, run["id"])) == logged + 1 - checkpointed
-    logs = httpx.post(f"{s['api']}/logs/filter", json={"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200},
+    logs = stack.prefect_post(s['api'], "/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200},
                       timeout=10).json()
     assert any("saved by 2 rank(s), resuming on 1" in log["message"] for log in logs)
     client, mrun = mlflow_run(s, "e2e-dist")

@@ -76,12 +76,12 @@ def wait_final(s, run_id: str, timeout: float = 600) -> dict:
 def trial_runs(s, name: str) -> list[dict]:
     """The trials' flow runs of sweep `name` (tagged sweep-<name>), by name."""
     body = {"flow_runs": {"tags": {"all_": [f"sweep-{name}"]}}, "limit": 50}
-    return sorted(httpx.post(f"{s['api']}/flow_runs/filter", json=body, timeout=10).json(), key=lambda r: r["name"])
+    return sorted(stack.prefect_post(s['api'], "/flow_runs/filter", body, timeout=10).json(), key=lambda r: r["name"])
 
 
 def flow_runs_of(s, flow: str) -> list[dict]:
     body = {"flows": {"name": {"any_": [flow]}}, "limit": 200}
-    return httpx.post(f"{s['api']}/flow_runs/filter", json=body, timeout=10).json()
+    return stack.prefect_post(s['api'], "/flow_runs/filter", body, timeout=10).json()
 
 
 def study(s, name: str) -> optuna.Study:
@@ -213,7 +213,7 @@ def test_a_2x2_grid_runs_its_trials_at_most_two_at_a_time_as_nested_runs_with_a_
     assert {"plots/optimization_history.png", "plots/parallel_coordinate.png", "plots/param_importances.png"} <= plots
     png = Path(s["mlflow"].download_artifacts(parent.info.run_id, "plots/param_importances.png", str(tmp_path)))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    artifact = httpx.post(f"{s['api']}/artifacts/latest/filter", json={"artifacts": {"key": {"any_": ["sweep-grid"]}}},
+    artifact = stack.prefect_post(s['api'], "/artifacts/latest/filter", {"artifacts": {"key": {"any_": ["sweep-grid"]}}},
                           timeout=10).json()
     assert artifact[0]["type"] == "table" and len(json.loads(artifact[0]["data"])) == 4, artifact
 

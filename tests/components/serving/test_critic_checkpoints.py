@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
@@ -67,8 +68,9 @@ def test_a_crash_between_critic_save_and_actor_checkpoint_resumes_both_of_one_it
     session.close("KILLED")
     store = session.store
     assert store.latest() == 1
-    files = store._backend.list_keys("iter_1/critic")
-    assert "iter_1/critic/critic_state.pt" in files and "iter_1/critic/model/model.safetensors" in files
+    key = store._key(1)[1]  # iter_1's own prefix
+    files = store._backend.list_keys(f"{key}/critic")
+    assert f"{key}/critic/critic_state.pt" in files and f"{key}/critic/model/model.safetensors" in files
     assert store.key_of(newer["path"]) == f"{PENDING_PREFIX}/step-{newer['step']}"  # never adopted
 
     resumed = RunSession.open(cfg)
@@ -89,11 +91,11 @@ class _Forbidding(BaseHTTPRequestHandler):
     """Forwards S3 requests to the real endpoint, except reads of keys containing `forbidden`: 403 AccessDenied."""
 
     upstream: str = ""
-    forbidden: str = ""
+    forbidden: re.Pattern = re.compile("^$")
 
     def _handle(self):
         body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        if self.forbidden in self.path and self.command in ("GET", "HEAD"):
+        if self.forbidden.search(self.path) and self.command in ("GET", "HEAD"):
             error = b'<?xml version="1.0"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
             self.send_response(403)
             self.send_header("Content-Type", "application/xml")
@@ -125,8 +127,8 @@ class _Forbidding(BaseHTTPRequestHandler):
 
 @pytest.fixture
 def forbidding_endpoint(s3_bucket):
-    """An S3 endpoint (a proxy in front of moto) that answers 403 to reads of any iter_1/critic/ object."""
-    handler = type("Handler", (_Forbidding,), {"upstream": s3_bucket[0], "forbidden": "/iter_1/critic/"})
+    """An S3 endpoint (a proxy in front of moto) that answers 403 to reads of any iter_1[-<id>]/critic/ object."""
+    handler = type("Handler", (_Forbidding,), {"upstream": s3_bucket[0], "forbidden": re.compile(r"/iter_1(-[^/]+)?/critic/")})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -150,21 +152,22 @@ def test_a_403_on_the_critic_checkpoint_fails_the_run_naming_the_uri(cfg, forbid
     critic.close()
     session.close("KILLED")
     bucket = urlparse(cfg.deploy.checkpoint.uri).netloc
-    critic_uri = f"s3://{bucket}/ckpt/dep-critic/iter_1/critic/"
+    critic_uri = re.compile(rf"s3://{bucket}/ckpt/dep-critic/iter_1-[^/]+/critic/")
 
-    # the run (critic local or in process) downloads the critic part itself
+    # the run (critic local or in process) downloads the critic part itself: a 403 fails it (never a fallback to an
+    # older checkpoint: only a checkpoint that fails its checks is passed over)
     forbidden = merge(local, {"deploy.checkpoint.s3_endpoint_url": forbidding_endpoint})
     with pytest.raises(CheckpointError) as err:
         RunSession.open(forbidden)
-    assert critic_uri in str(err.value) and "403" in str(err.value)
+    assert critic_uri.search(str(err.value)) and "403" in str(err.value) and "passes its checks" not in str(err.value)
 
     # launch=deployment: the run reads only the actor; the critic server's restore fails, naming the URI and the 403
-    deployment = merge(forbidden, {"deploy.critic.launch": cfg.deploy.critic.launch})
+    deployment = merge(forbidden, {"deploy.critic.launch": "deployment"})
     resumed = RunSession.open(deployment)
     assert resumed.critic_restore_iteration == 1
     with pytest.raises(ServerNotReady) as err:
         critic_server(deployment, resumed, tmp_path / "node-c", restore_iteration=1)
     assert err.value.reason == "not_ready"
-    assert critic_uri in str(err.value) and "403" in str(err.value)
+    assert critic_uri.search(str(err.value)) and "403" in str(err.value)
     resumed.close("FAILED")
     assert json.loads(json.dumps(resumed.manifest["critic_step"])) > 0

@@ -16,6 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from components.launch.processes import find_free_ports
 from components.launch.processes import ServerNotReady
+from components.serving.auth import read_secret, triton_headers
 from components.serving.launcher import launch
 from components.serving.servers import ServerSpec
 from models.config import preset
@@ -31,7 +32,7 @@ def raw(url, model, **arrays):
             item = http.InferInput(name, list(array.shape), dtype)
             item.set_data_from_numpy(array)
             items.append(item)
-        out = client.infer(model, items)
+        out = client.infer(model, items, headers=triton_headers(read_secret()))  # the run's token
         return {o["name"]: out.as_numpy(o["name"]) for o in out.get_response()["outputs"]}
     finally:
         client.close()

@@ -26,9 +26,10 @@ def serve_argv(*args: str) -> list[str]:
 
 
 def test_child_env_isolates_pytriton_home_and_the_server_puts_this_libpython_first(tmp_path, monkeypatch):
-    env = child_env(tmp_path / "home", "tok", {"EXTRA": "1"})
+    env = child_env(tmp_path / "home", "the-runs-secret-value", {"EXTRA": "1"})
     assert env["PYTRITON_HOME"] == str(tmp_path / "home")
-    assert env["RLHF_TRITON_ACCESS_TOKEN"] == "tok" and env["EXTRA"] == "1"
+    assert env["RLHF_RUN_SECRET"] == "the-runs-secret-value" and env["EXTRA"] == "1"
+    assert env["RLHF_PARENT_PID"] == str(os.getpid())  # the server ends with this process
     assert str(Path(__file__).resolve().parents[3]) in env["PYTHONPATH"].split(":")
     monkeypatch.setenv("LD_LIBRARY_PATH", "/somewhere/else")
     prepare_environment()  # what every server process does before Triton starts (the one place that sets it)

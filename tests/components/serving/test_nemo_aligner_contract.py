@@ -12,6 +12,10 @@ reward_critic_clients.py) and its PPO trainer (nemo_aligner/algorithms/ppo.py) b
   per action: position t is the value of tokens[:t+1] (the state before action t+1); the mask is 1 from
   prompt_length-1 to response_length-2; the reward sits at response_length-2.
 - critic_save: `dummy_var` = np.array([0]) (int64 [1]); the client only waits for the answer.
+
+NeMo-Aligner's client sends no credentials: the servers here run in open mode (deploy.critic.auth=none), which says
+so when it starts and still keeps Triton's admin APIs behind the run's token; a server in the default mode refuses
+that client (tests/components/serving/test_server_security.py).
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ import pytest
 import tritonclient.http as http
 from pytriton.client import FuturesModelClient
 from pytriton.client.exceptions import PyTritonClientInferenceServerError
+from tritonclient.utils import InferenceServerException
 
 from components.launch.processes import find_free_ports
+from components.serving.auth import triton_headers
 from components.serving.launcher import triton_server
 from components.serving.servers import CRITIC_MODELS
 
@@ -41,7 +47,8 @@ def critic_argv(tiny, port, checkpoint_dir):
     return [sys.executable, "-m", "components.cli.main", "serve", "critic", "--model", tiny["critic"], "--reward", tiny["reward"], "--port", str(port),
             "--checkpoint-dir", str(checkpoint_dir), "--set", f"model.policy={tiny['policy']}",
             "--set", "deploy.critic.max_queue_delay_us=100000",
-            "--set", "critic.optim.lr=1e-3", "--set", "critic.train_batch_size=4", "--set", "critic.epochs=2"]
+            "--set", "critic.optim.lr=1e-3", "--set", "critic.train_batch_size=4", "--set", "critic.epochs=2",
+            "--set", "deploy.critic.auth=none"]  # open mode: NeMo-Aligner's client sends no credentials
 
 
 @pytest.fixture(scope="module")
@@ -244,3 +251,16 @@ def test_save_as_nemo_aligners_client_sends_it(pair):
     assert weights_a.keys() == weights_b.keys() and weights_a
     for key in weights_a:
         np.testing.assert_allclose(weights_a[key], weights_b[key], **TOL, err_msg=key)
+
+
+def test_open_mode_says_so_and_keeps_the_admin_apis_restricted(pair):
+    server = pair["a"]
+    assert "OPEN MODE (deploy.critic.auth=none)" in server.tail(400)
+    client = http.InferenceServerClient(server.url.split("://")[1])
+    try:
+        assert client.get_model_config("critic_infer")["name"] == "critic_infer"  # open: what NeMo's client reads
+        with pytest.raises(InferenceServerException, match="403.*restricted"):
+            client.get_model_repository_index()  # admin: the run's token only
+        assert client.get_model_repository_index(headers=triton_headers(server.secret)) is not None
+    finally:
+        client.close()

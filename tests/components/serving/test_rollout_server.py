@@ -5,15 +5,23 @@ issues and the run it serves (409s naming both), /health while the weights are b
 the mismatch metric, LoRA merged weights, bad input refused while it keeps serving, and a kill -9 named."""
 
 import os
+import re
 import signal
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 
-from components.launch.processes import ServerNotReady
+from components.launch.processes import ServerNotReady, alive, group_members, wait_for
+from components.serving.auth import bearer_headers, new_secret
 from components.serving.launcher import launch_rollout, rollout_env, rollout_python
-from components.serving.rollout_client import HTTPWeights, RolloutClient, safetensors_stream
+from components.serving.rollout_client import HTTPWeights, RolloutClient, safetensors_header, safetensors_stream
 from models.config import LoraConfig, RLHFConfig, Sampling
 from models.engines import Weights
 from models.engines.vllm import EngineRequestError, VLLMEngine
@@ -295,8 +303,8 @@ def test_lora_weights_reach_the_engine_merged(server, tiny_models):
 
 
 def test_bad_input_is_refused_naming_the_field_and_the_server_keeps_serving(server, policy):
-    http = httpx.Client(base_url=server.url, timeout=60)
-    good = {"prompt_token_ids": policy.encode_prompts(sentiment.prompts(1)), "max_new_tokens": 4}
+    http = httpx.Client(base_url=server.url, timeout=60, headers=bearer_headers(server.secret))
+    good = {"prompt_token_ids": policy.encode_prompts(sentiment.prompts(1)), "max_new_tokens": 4, "run": RUN}
     health = http.get("/health").json()
     version, vocab, limit = health["weights_version"], health["vocab_size"], health["max_model_len"]
     cases = [
@@ -335,6 +343,175 @@ def test_bad_input_is_refused_naming_the_field_and_the_server_keeps_serving(serv
     with pytest.raises(EngineRequestError, match="answered 400: prompt_token_ids"):
         RolloutClient(server.url, RUN).generate({**good, "prompt_token_ids": [[vocab]]})
     http.close()
+
+
+# ------------------------------------------------------------------------------------------------ its own run only
+def test_a_stranger_is_refused_and_health_shows_no_run_token(server, policy):
+    """Every endpoint but GET /health needs the run's secret: 401 without it (naming the header), 403 with another
+    run's, before any body is read; /health says whether a run is bound, never which."""
+    connected(server, policy).close()  # bound to this module's run
+    body = {"prompt_token_ids": [[1, 2]], "max_new_tokens": 2, "run": RUN}
+    requests = [("POST", "/generate", {"json": body}), ("POST", "/weights/init", {"json": {
+                    "run": RUN, "master_address": "127.0.0.1", "master_port": 1}}),
+                ("POST", "/weights/update", {"params": {"ready_key": "k"}, "json": {"run": RUN, "version": 1,
+                                                                                   "names": [], "dtype_names": [],
+                                                                                   "shapes": []}}),
+                ("POST", "/update_weights", {"params": {"version": 1, "run": RUN}, "content": b"x" * 100}),
+                ("GET", "/openapi.json", {}), ("GET", "/docs", {})]
+    for headers, status in (({}, 401), (bearer_headers(new_secret()), 403), ({"authorization": server.secret}, 401)):
+        for method, path, kwargs in requests:
+            response = httpx.request(method, f"{server.url}{path}", headers=headers, timeout=30, **kwargs)
+            assert response.status_code == status, (path, headers, response.text)
+            assert response.json()["detail"].startswith("authorization:")
+    health = httpx.get(f"{server.url}/health", timeout=30)
+    assert health.status_code == 200 and health.json()["bound"] is True
+    assert RUN not in health.text and "run" not in health.json()
+    assert RolloutClient(server.url, RUN, secret=server.secret).generate(body)["samples"]
+
+
+def test_bodies_and_requests_are_bounded(server, policy):
+    http = httpx.Client(base_url=server.url, timeout=60, headers=bearer_headers(server.secret))
+    version = http.get("/health").json()["weights_version"]
+    # refused from the Content-Length alone: nothing of the body is read (none is sent here)
+    host, port = server.url.split("//")[1].split(":")
+    for path, size in (("/generate", (32 << 20) + 1), (f"/update_weights?version={version + 1}&run={RUN}", 1 << 40)):
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.secret}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n".encode())
+            answer = sock.recv(4096).decode(errors="replace")
+        assert answer.startswith("HTTP/1.1 413") and "content-length:" in answer, answer
+    with socket.create_connection((host, int(port)), timeout=30) as sock:  # a body of unknown size: chunked
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.secret}\r\n"
+                     f"Transfer-Encoding: chunked\r\n\r\n2\r\n{{}}\r\n0\r\n\r\n".encode())
+        answer = sock.recv(4096).decode(errors="replace")
+    assert answer.startswith("HTTP/1.1 411") and "content-length: required" in answer, answer
+    ids = policy.encode_prompts(sentiment.prompts(1))
+    for body, fields in (({"prompt_token_ids": ids * 100, "n": 41}, "prompt_token_ids, n: 100 prompts x n=41 = 4100"),
+                         ({"prompt_token_ids": ids * 64, "n": 64, "max_new_tokens": 2049},
+                          "prompt_token_ids, n, max_new_tokens: 4096 sequences x 2049")):
+        response = http.post("/generate", json={**body, "run": RUN})
+        assert response.status_code == 400 and response.json()["detail"].startswith(fields), response.text
+    init = {"run": RUN, "master_address": "10.1.2.3", "master_port": 29500}
+    response = http.post("/weights/init", json=init)
+    assert response.status_code == 403 and "master_address: this server sets up weight transfers with its trainer " \
+                                           "at '127.0.0.1' only, not '10.1.2.3'" in response.json()["detail"]
+    response = http.post("/weights/init", json={**init, "master_address": "127.0.0.1", "timeout_s": 10**6})
+    assert response.status_code == 422 and "timeout_s" in response.text
+    assert http.get("/health").json()["weights_version"] == version
+    assert http.post("/generate", json={"prompt_token_ids": ids, "max_new_tokens": 2, "run": RUN}).status_code == 200
+    http.close()
+
+
+def test_45_aborted_uploads_end_their_readers_and_the_server_keeps_serving(server, policy):
+    """Uploads that stop half way (the client goes away): each reader ends at once instead of waiting for the rest
+    forever; the server's worker threads (40 in uvicorn's pool) are not used up, the lock is free, a full update by
+    the run mends the weights the aborted ones left half-loaded, and generation goes on."""
+    client = RolloutClient(server.url, RUN, timeout_s=60, secret=server.secret)
+    version = client.version()
+    weights = policy.engine_weights()
+    header = safetensors_header(weights)
+    length = len(header) + sum(torch.Size(shape).numel() * 4 for _, _, shape in weights.specs)
+    host, port = server.url.split("//")[1].split(":")
+    baseline = len(os.listdir(f"/proc/{server.pid}/task"))
+    for i in range(45):
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(f"POST /update_weights?version={version + 1}&run={RUN} HTTP/1.1\r\nHost: x\r\n"
+                         f"Authorization: Bearer {server.secret}\r\nContent-Type: application/octet-stream\r\n"
+                         f"Content-Length: {length}\r\n\r\n".encode() + (header + b"\0" * 4096)[:64 + 97 * i])
+    health = wait_for(lambda: httpx.get(f"{server.url}/health", timeout=30).json(), 30)
+    assert health["weights_version"] == version  # no aborted upload became a version
+    # every reader has ended: the pool's threads go idle and retire, none waits on a body that never comes
+    assert wait_for(lambda: len(os.listdir(f"/proc/{server.pid}/task")) <= baseline + 4, 60, poll_s=0.5), \
+        (baseline, len(os.listdir(f"/proc/{server.pid}/task")))
+    assert client.load_weights(weights, version + 1)["weights_version"] == version + 1  # the lock is free
+    answer = client.generate({"prompt_token_ids": policy.encode_prompts(sentiment.prompts(2)), "max_new_tokens": 3})
+    assert answer["weights_version"] == version + 1 and len(answer["samples"]) == 2
+    client.close()
+
+
+def test_the_weight_transfer_store_listens_on_the_trainers_address_only(server, policy):
+    client = RolloutClient(server.url, RUN, timeout_s=60, secret=server.secret)
+    engine = VLLMEngine(policy.pad_id, policy.stop_ids)
+    client.use_dist("127.0.0.1", timeout_s=60)
+    port = client.transport.store.port
+    listening = [c for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN
+                 and c.laddr.port == port]
+    assert listening and {c.laddr.ip for c in listening} == {"127.0.0.1"}, listening  # never every interface
+    engine.connect(client)
+    engine.update_weights(policy.engine_weights())  # the group works over loopback
+    engine.close()
+
+
+def test_schemathesis_drives_every_endpoint_from_the_servers_own_schema(server, policy):
+    """Schemathesis builds requests from the server's own OpenAPI schema, valid and invalid (wrong types, missing and
+    extra fields, out-of-range numbers, random strings for the run and the trainer's address): none gets a server
+    error, each refusal names its field, and the run's own requests are served afterwards."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from schemathesis import GenerationMode
+
+    connected(server, policy).close()  # bound to this module's run: a stranger's random `run` is another run
+    auth = bearer_headers(server.secret)
+    raw = httpx.get(f"{server.url}/openapi.json", headers=auth, timeout=30).json()
+    schema = schemathesis.openapi.from_dict(raw)
+    counts: Counter = Counter()
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        cases = st.one_of(operation.as_strategy(GenerationMode.POSITIVE), operation.as_strategy(GenerationMode.NEGATIVE))
+
+        @settings(max_examples=60, deadline=None, derandomize=True, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(cases)
+        def one(case):
+            response = case.call(base_url=server.url, headers=auth, timeout=60)
+            counts[operation.label, response.status_code] += 1
+            assert response.status_code < 500, (case.as_curl_command(), response.text)
+            if response.status_code >= 400:
+                detail = response.json()["detail"]
+                if isinstance(detail, list):  # pydantic's: each error locates its field
+                    assert all(error["loc"] for error in detail), detail
+                else:
+                    assert re.match(r"^[a-z_]+(\[\d+\])?(, [a-z_]+)*:|^weights/|^body:", detail), detail
+
+        one()
+    sent = sum(counts.values())
+    refused = sum(n for (_, status), n in counts.items() if status >= 400)
+    print(f"schemathesis: {sent} requests, {refused} refused (4xx), none 5xx: {sorted(counts.items())}")
+    assert sent >= 200 and refused >= sent // 2
+    engine = connected(server, policy)  # the run's own requests are served
+    rollout = engine.generate(policy.encode_prompts(sentiment.prompts(2)), 2, Sampling(max_new_tokens=4),
+                              torch.Generator().manual_seed(0))
+    assert len(rollout) == 4
+    engine.close()
+
+
+PARENT = """
+import sys
+from components.serving.launcher import launch_rollout
+from models.config import RLHFConfig
+server = launch_rollout(RLHFConfig.model_validate_json(sys.argv[1]), sys.argv[2])
+server.wait_until_ready(300)
+print(server.pid, flush=True)
+sys.stdin.read()  # until killed
+"""
+
+
+def test_a_rollout_server_whose_run_is_killed_stops(tiny_models, tmp_path):
+    cfg = config(tiny_models, tmp_path)
+    repo = Path(__file__).resolve().parents[3]
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, cfg.model_dump_json(), str(tmp_path / "server.log")],
+                              cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(parent.stdout.readline())
+        os.kill(parent.pid, signal.SIGKILL)  # the run dies without a chance to stop its server
+        parent.wait()
+        assert wait_for(lambda: not alive(pid) and not group_members(pid), 60, poll_s=0.2)
+        assert "is gone: stopping" in (tmp_path / "server.log").read_text()
+    finally:
+        parent.kill()
+        parent.wait()
 
 
 def test_a_killed_server_is_named_with_its_exit_code(tiny_models, tmp_path, policy):

@@ -1,9 +1,12 @@
-"""CheckpointStore against local disk and a real S3 endpoint (moto server)."""
+"""CheckpointStore against local disk and a real S3 endpoint (moto server): round trips, fresh prefixes per save with
+state.json as the commit point, interrupted saves, corrupt checkpoints detected (and a resume falling back past
+them), manifests that name paths outside their destination refused, pruning, put_dir."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,6 +21,12 @@ from components.storage.checkpoints import CheckpointError, CheckpointStore
 pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
 
 REPO = Path(__file__).resolve().parents[3]
+PREFIX = r"iter_{}-\d{{8}}T\d{{12}}Z-[0-9a-f]{{4}}"  # a save's fresh prefix
+
+
+def key_of(store: CheckpointStore, uri: str) -> str:
+    """The top-level prefix of a checkpoint URI `save` returned."""
+    return uri[len(store.uri.rstrip("/")) + 1:]
 
 
 def make_parts(root: Path, seed: int, big: int = 200_000) -> dict[str, Path]:
@@ -98,10 +107,11 @@ def test_roundtrip(store_uri, tmp_path: Path) -> None:
     store.save(1, parts1, {"step": 1, "rng": [1, 2]})
     uri = store.save(2, parts2, {"step": 2, "nested": {"lr": 1e-5}})
 
-    assert uri == f"{store.uri}/iter_2"
+    key = key_of(store, uri)
+    assert re.fullmatch(PREFIX.format(2), key), uri  # a prefix of its own
     assert store.uri.startswith("s3://" if store_uri[1] else "file:///")
     assert store.list() == [1, 2] and store.latest() == 2
-    assert json.loads(raw_keys_bytes(store_uri, "latest.json")) == {"iteration": 2, "path": "iter_2"}
+    assert json.loads(raw_keys_bytes(store_uri, "latest.json")) == {"iteration": 2, "path": key}
 
     state = store.load(tmp_path / "out")
     assert state == {"step": 2, "nested": {"lr": 1e-5}}
@@ -110,7 +120,7 @@ def test_roundtrip(store_uri, tmp_path: Path) -> None:
     assert store.load(tmp_path / "old", iteration=1) == {"step": 1, "rng": [1, 2]}
     assert same_tree(parts1["actor"], tmp_path / "old" / "actor")
 
-    manifest = json.loads(raw_keys_bytes(store_uri, "iter_2/state.json"))
+    manifest = json.loads(raw_keys_bytes(store_uri, f"{key}/state.json"))
     assert set(manifest["files"]) == {"actor/config.json", "actor/weights.bin", "actor/sub/notes.txt", "critic/head.bin"}
     assert manifest["iteration"] == 2 and manifest["created"]
 
@@ -121,8 +131,8 @@ def test_s3_multipart_forced_on_small_file(s3_bucket, tmp_path: Path) -> None:
         f"s3://{bucket}/mp", s3_endpoint_url=endpoint, multipart_threshold=1024 * 1024, multipart_chunksize=5 * 1024 * 1024
     )
     parts = make_parts(tmp_path / "src", 3, big=5 * 1024 * 1024 + 65_536)
-    store.save(7, parts, {"ok": True})
-    head = boto3.client("s3", endpoint_url=endpoint).head_object(Bucket=bucket, Key="mp/iter_7/actor/weights.bin")
+    key = key_of(store, store.save(7, parts, {"ok": True}))
+    head = boto3.client("s3", endpoint_url=endpoint).head_object(Bucket=bucket, Key=f"mp/{key}/actor/weights.bin")
     assert head["ETag"].strip('"').endswith("-2")  # a 2-part multipart upload
     assert store.load(tmp_path / "out") == {"ok": True}
     assert same_tree(parts["actor"], tmp_path / "out" / "actor")
@@ -154,8 +164,8 @@ def test_interrupted_save_keeps_previous_checkpoint(store_uri, tmp_path: Path) -
     )
     assert proc.returncode == 17, proc.stderr
     keys = raw_keys(store_uri)
-    assert any("iter_2" in k for k in keys), keys  # the crash left a partial upload behind
-    assert "iter_2/state.json" not in keys
+    assert any(k.startswith("iter_2-") for k in keys), keys  # the crash left a partial upload behind
+    assert not any(k.startswith("iter_2-") and k.endswith("/state.json") for k in keys)
 
     assert store.latest() == 1 and store.list() == [1]
     assert store.load(tmp_path / "out") == {"step": 1}
@@ -170,13 +180,13 @@ def test_interrupted_save_keeps_previous_checkpoint(store_uri, tmp_path: Path) -
 
 def test_corrupt_or_missing_file_is_detected(store_uri, tmp_path: Path) -> None:
     store = open_store(store_uri)
-    store.save(4, make_parts(tmp_path / "src", 4), {"step": 4})
-    overwrite_in_store(store_uri, "iter_4/actor/weights.bin", b"garbage")
+    key = key_of(store, store.save(4, make_parts(tmp_path / "src", 4), {"step": 4}))
+    overwrite_in_store(store_uri, f"{key}/actor/weights.bin", b"garbage")
     with pytest.raises(CheckpointError, match=r"actor/weights\.bin.*iter_4"):
         store.load(tmp_path / "out")
 
-    store.save(5, make_parts(tmp_path / "src", 5), {"step": 5})
-    overwrite_in_store(store_uri, "iter_5/critic/head.bin", None)
+    key = key_of(store, store.save(5, make_parts(tmp_path / "src", 5), {"step": 5}))
+    overwrite_in_store(store_uri, f"{key}/critic/head.bin", None)
     with pytest.raises(CheckpointError, match=r"critic/head\.bin is missing .*iter_5"):
         store.load(tmp_path / "out5")
 
@@ -187,7 +197,7 @@ def test_prune_keeps_last_two_and_latest(store_uri, tmp_path: Path) -> None:
         store.save(n, make_parts(tmp_path / f"src{n}", n, big=1000), {"step": n})
     assert store.prune(keep_last=2) == [1, 2, 3]
     assert store.list() == [4, 5] and store.latest() == 5
-    tops = {k.split("/")[0] for k in raw_keys(store_uri)}
+    tops = {re.sub(r"-.*", "", k.split("/")[0]) for k in raw_keys(store_uri)}
     assert tops == {"iter_4", "iter_5", "latest.json"}
     assert store.load(tmp_path / "out") == {"step": 5}
     assert store.prune(keep_last=2) == []
@@ -236,3 +246,75 @@ def test_bad_uri_and_state_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="not JSON-serialisable"):
         store.save(1, make_parts(tmp_path, 1, big=10), {"bad": object()})
     assert store.latest() is None and store.list() == []
+
+
+def test_a_second_save_of_an_iteration_never_touches_the_first(store_uri, tmp_path: Path) -> None:
+    """A resumed run that saves iteration N again writes a prefix of its own; the earlier save of N is whole (and
+    read) until the new state.json and latest.json are written, then pruning drops it."""
+    store = open_store(store_uri)
+    first = key_of(store, store.save(3, make_parts(tmp_path / "a", 1), {"step": "first"}))
+    before = {k: raw_keys_bytes(store_uri, k) for k in raw_keys(store_uri) if k.startswith(first)}
+    second = key_of(store, store.save(3, make_parts(tmp_path / "b", 2), {"step": "second"}))
+    assert second != first and re.fullmatch(PREFIX.format(3), second)
+    assert {k: raw_keys_bytes(store_uri, k) for k in raw_keys(store_uri) if k.startswith(first)} == before
+    assert store.list() == [3] and store.load(tmp_path / "out") == {"step": "second"}
+    assert store.prune(keep_last=2) == [3]  # the replaced save of iteration 3
+    assert not any(k.startswith(first) for k in raw_keys(store_uri)) and store.load(tmp_path / "again") == {"step": "second"}
+
+
+def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(store_uri, tmp_path: Path) -> None:
+    store = open_store(store_uri)
+    oldest = key_of(store, store.save(1, make_parts(tmp_path / "a", 1), {"step": 1}))
+    good = key_of(store, store.save(2, make_parts(tmp_path / "b", 2), {"step": 2}))
+    bad = key_of(store, store.save(3, make_parts(tmp_path / "c", 3), {"step": 3}))
+    overwrite_in_store(store_uri, f"{bad}/actor/weights.bin", b"flipped bits")
+    said: list[str] = []
+    assert store.restore(tmp_path / "restore", log=said.append) == (2, {"step": 2})
+    assert same_tree(tmp_path / "b" / "actor2", tmp_path / "restore" / "actor")
+    assert bad in said[0] and "fails its sha256 check" in said[0] and "falling back" in said[0]
+    assert said[-1].startswith("resuming from checkpoint iteration 2") and good in said[-1]
+    # a corrupt latest.json is said, and the newest checkpoint that passes is taken
+    overwrite_in_store(store_uri, "latest.json", b"{not json")
+    said.clear()
+    assert store.restore(tmp_path / "restore", log=said.append)[0] == 2 and "corrupt latest.json" in said[0]
+    # nothing passes: refused, naming every failure (a run never starts over silently)
+    overwrite_in_store(store_uri, f"{good}/critic/head.bin", None)
+    overwrite_in_store(store_uri, f"{oldest}/state.json", b"[]")
+    with pytest.raises(CheckpointError, match=r"no checkpoint of .* passes its checks: .*sha256.*missing.*unreadable"):
+        store.restore(tmp_path / "restore")
+
+
+def test_an_empty_store_restores_nothing(store_uri, tmp_path: Path) -> None:
+    assert open_store(store_uri).restore(tmp_path / "restore") is None
+
+
+@pytest.mark.parametrize("relpath", ["../escaped.txt", "actor/../../escaped.txt", "{tmp}/escaped.txt", "actor",
+                                     "unknown/escaped.txt", "actor//escaped.txt", "actor\\..\\..\\escaped.txt"])
+def test_a_manifest_path_outside_its_destination_is_refused(tmp_path: Path, relpath: str) -> None:
+    """A state.json planted in a shared prefix that names a file outside the download directory: refused naming the
+    path, before anything is written."""
+    relpath = relpath.format(tmp=tmp_path)
+    store = CheckpointStore.from_uri(str(tmp_path / "store"))
+    key = key_of(store, store.save(1, make_parts(tmp_path / "src", 1, big=10), {"step": 1}))
+    manifest_path = tmp_path / "store" / key / "state.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["files"][relpath] = manifest["files"]["actor/config.json"]
+    manifest_path.write_text(json.dumps(manifest))
+    dest = tmp_path / "deep" / "restore"
+    with pytest.raises(CheckpointError, match=r"manifest path .* refused"):
+        store.load(dest)
+    assert sorted(p.name for p in tmp_path.rglob("escaped.txt")) == []
+    assert not dest.exists() or not any(dest.rglob("*.json"))  # refused before any download
+
+
+def test_store_keys_never_leave_a_local_store(tmp_path: Path) -> None:
+    store = CheckpointStore.from_uri(str(tmp_path / "store"))
+    actor = make_parts(tmp_path / "src", 1, big=10)["actor"]
+    for key in ("../outside", "a/../../outside", "latest.json", "iter_3/x", ".hidden/x"):
+        with pytest.raises(CheckpointError, match="invalid store key"):
+            store.put_dir(actor, key)
+    assert not (tmp_path / "outside").exists()
+    (tmp_path / "store" / "pending.sha256.json").write_text(json.dumps({"../../../outside.txt": "0" * 64}))
+    (tmp_path / "store" / "pending").mkdir()
+    with pytest.raises(CheckpointError, match="digests name a path outside it"):
+        store.save(1, {}, {}, stored={"critic": "pending"})

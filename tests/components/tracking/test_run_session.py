@@ -162,8 +162,8 @@ def test_corrupted_checkpoint_is_refused(cfg, s3_bucket):
     session.close("FINISHED")
     endpoint, bucket = s3_bucket
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-    key = next(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="ckpt/corrupt/iter_0/actor/")["Contents"]
-               if o["Key"].endswith("config.json"))
+    key = next(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="ckpt/corrupt/iter_0-")["Contents"]
+               if o["Key"].endswith("/actor/config.json"))
     s3.put_object(Bucket=bucket, Key=key, Body=json.dumps({"tampered": True}).encode())
-    with pytest.raises(Exception, match="config.json"):
+    with pytest.raises(Exception, match="no checkpoint of .* passes its checks: file actor/config.json"):
         RunSession.open(cfg.model_copy(update={"run_name": "corrupt"}))

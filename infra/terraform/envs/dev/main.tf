@@ -116,6 +116,7 @@ module "iam" {
   bucket_arn                  = module.artifacts.bucket_arn
   kms_key_arn                 = module.artifacts.kms_key_arn
   s3_prefix                   = var.s3_prefix
+  checkpoint_prefix           = var.checkpoint_prefix
   namespace                   = var.namespace
   actor_service_account_name  = var.actor_service_account_name
   critic_service_account_name = var.critic_service_account_name
@@ -186,5 +187,98 @@ resource "kubernetes_service_v1" "ranks" {
       port        = 29500
       target_port = 29500
     }
+  }
+}
+
+# ---------------------------------------------------------------------------
+# Network isolation of the namespace, enforced by the VPC CNI's network policy agent (module.cluster): no pod takes
+# ingress unless a policy allows it. Actor pods take it from actor pods (a run's ranks rendezvous before any of its
+# code runs). A run's server pods take it only from that run's own actor Job, and that Job's pods from those servers,
+# by the two policies the run itself creates while its servers live (components/serving/network_policy.py), owned by
+# its Job so that Kubernetes removes them with it. Every request to a server also carries the run's secret.
+# ---------------------------------------------------------------------------
+resource "kubernetes_network_policy_v1" "default_deny_ingress" {
+  count = var.manage_kubernetes_resources ? 1 : 0
+
+  metadata {
+    name      = "rlhf-default-deny-ingress"
+    namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
+    labels    = { "app.kubernetes.io/part-of" = "rlhf-flows" }
+  }
+
+  spec {
+    pod_selector {}
+    policy_types = ["Ingress"]
+  }
+}
+
+resource "kubernetes_network_policy_v1" "actor_ranks" {
+  count = var.manage_kubernetes_resources ? 1 : 0
+
+  metadata {
+    name      = "rlhf-actor-ranks"
+    namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
+    labels    = { "app.kubernetes.io/part-of" = "rlhf-flows" }
+  }
+
+  spec {
+    pod_selector {
+      match_labels = { "rlhf/role" = "actor" }
+    }
+    policy_types = ["Ingress"]
+
+    ingress {
+      from {
+        pod_selector {
+          match_labels = { "rlhf/role" = "actor" }
+        }
+      }
+    }
+  }
+}
+
+# What a run needs to create (and delete) its own two policies: NetworkPolicies and a read of its Job (their owner),
+# in this namespace only.
+resource "kubernetes_role_v1" "run_network_policies" {
+  count = var.manage_kubernetes_resources ? 1 : 0
+
+  metadata {
+    name      = "rlhf-run-network-policies"
+    namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
+    labels    = { "app.kubernetes.io/part-of" = "rlhf-flows" }
+  }
+
+  rule {
+    api_groups = ["networking.k8s.io"]
+    resources  = ["networkpolicies"]
+    verbs      = ["create", "delete"]
+  }
+
+  rule {
+    api_groups = ["batch"]
+    resources  = ["jobs"]
+    verbs      = ["get"]
+  }
+}
+
+resource "kubernetes_role_binding_v1" "run_network_policies" {
+  count = var.manage_kubernetes_resources ? 1 : 0
+
+  metadata {
+    name      = "rlhf-run-network-policies"
+    namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
+    labels    = { "app.kubernetes.io/part-of" = "rlhf-flows" }
+  }
+
+  role_ref {
+    api_group = "rbac.authorization.k8s.io"
+    kind      = "Role"
+    name      = kubernetes_role_v1.run_network_policies[0].metadata[0].name
+  }
+
+  subject {
+    kind      = "ServiceAccount"
+    name      = var.actor_service_account_name
+    namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
   }
 }

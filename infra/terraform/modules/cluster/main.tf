@@ -229,3 +229,22 @@ resource "aws_eks_node_group" "system" {
 
   depends_on = [aws_iam_role_policy_attachment.system_nodes]
 }
+
+# ---------------------------------------------------------------------------
+# VPC CNI with its network policy agent, so that NetworkPolicies are enforced and not just stored: the namespace's
+# default deny and actor-to-actor rule (envs/dev), and the two a run creates for its servers while they live
+# (components/serving/network_policy.py: only the run's own actor pods reach its server pods).
+# ---------------------------------------------------------------------------
+resource "aws_eks_addon" "vpc_cni" {
+  cluster_name                = aws_eks_cluster.this.name
+  addon_name                  = "vpc-cni"
+  addon_version               = var.vpc_cni_version
+  resolve_conflicts_on_create = "OVERWRITE"
+  resolve_conflicts_on_update = "OVERWRITE"
+
+  configuration_values = jsonencode({
+    enableNetworkPolicy = "true"
+  })
+
+  tags = var.tags
+}

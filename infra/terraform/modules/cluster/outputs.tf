@@ -47,3 +47,8 @@ output "system_node_group_name" {
   description = "Name of the CPU node group running cluster services."
   value       = aws_eks_node_group.system.node_group_name
 }
+
+output "network_policy_enforced" {
+  description = "Whether the VPC CNI add-on enforces Kubernetes NetworkPolicies (its network policy agent is on)."
+  value       = jsondecode(aws_eks_addon.vpc_cni.configuration_values).enableNetworkPolicy == "true"
+}

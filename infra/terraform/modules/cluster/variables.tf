@@ -144,3 +144,9 @@ variable "tags" {
   description = "Tags added to every resource of this module."
   default     = {}
 }
+
+variable "vpc_cni_version" {
+  type        = string
+  description = "Version of the vpc-cni add-on (network policy enforcement needs v1.14.0 or later); null = the cluster version's default."
+  default     = null
+}

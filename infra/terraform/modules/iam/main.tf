@@ -18,6 +18,14 @@ locals {
 
   read_actions  = ["s3:GetObject", "s3:GetObjectVersion", "s3:GetObjectTagging"]
   write_actions = ["s3:PutObject", "s3:PutObjectTagging", "s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"]
+
+  # Where each role may write: the actor (the training flow run) everything under the pods' prefix: its runs'
+  # checkpoints, leases, MLflow artifacts; the critic server only the saves it hands its run
+  # (<checkpoint_prefix><run>/critic-pending/...), never a checkpoint, a lease or latest.json.
+  write_resources = {
+    actor  = ["${var.bucket_arn}/${var.s3_prefix}*"]
+    critic = ["${var.bucket_arn}/${var.checkpoint_prefix}*/critic-pending/*"]
+  }
 }
 
 # ---------------------------------------------------------------------------
@@ -80,8 +88,54 @@ data "aws_iam_policy_document" "s3" {
 
   statement {
     sid       = "ObjectsUnderPrefix"
-    actions   = each.value.read_only ? local.read_actions : concat(local.read_actions, local.write_actions)
+    actions   = local.read_actions
     resources = ["${var.bucket_arn}/${var.s3_prefix}*"]
+  }
+
+  dynamic "statement" {
+    for_each = each.value.read_only ? [] : [local.write_resources[each.key]]
+
+    content {
+      sid       = "WritesOfThisRole"
+      actions   = local.write_actions
+      resources = statement.value
+    }
+  }
+
+  # One writer per run name (components/storage/lease.py): a lease is created with If-None-Match: * and renewed or
+  # taken over with If-Match: <ETag>; a write without either would replace another run's lease.
+  statement {
+    sid       = "LeasesOnlyByConditionalWrites"
+    effect    = "Deny"
+    actions   = ["s3:PutObject"]
+    resources = ["${var.bucket_arn}/${var.checkpoint_prefix}*/lease.json"]
+
+    condition {
+      test     = "Null"
+      variable = "s3:if-none-match"
+      values   = ["true"]
+    }
+
+    condition {
+      test     = "Null"
+      variable = "s3:if-match"
+      values   = ["true"]
+    }
+  }
+
+  # A checkpoint's commit point is written once, under a prefix of its own (components/storage/checkpoints.py): it is
+  # created with If-None-Match: *, never overwritten.
+  statement {
+    sid       = "CommitPointsCreateOnly"
+    effect    = "Deny"
+    actions   = ["s3:PutObject"]
+    resources = ["${var.bucket_arn}/${var.checkpoint_prefix}*/state.json"]
+
+    condition {
+      test     = "Null"
+      variable = "s3:if-none-match"
+      values   = ["true"]
+    }
   }
 
   statement {

@@ -69,6 +69,17 @@ variable "s3_prefix" {
   }
 }
 
+variable "checkpoint_prefix" {
+  type        = string
+  description = "Key prefix (ending with '/', inside s3_prefix) of the runs' checkpoint stores: <checkpoint_prefix><run_name>/. The critic role writes only its pending saves there; leases and commit points are written only by conditional puts."
+  default     = "rlhf/checkpoints/"
+
+  validation {
+    condition     = can(regex("^[A-Za-z0-9!_.*'()-]+(/[A-Za-z0-9!_.*'()-]+)*/$", var.checkpoint_prefix))
+    error_message = "checkpoint_prefix must be a non-empty relative key prefix ending with '/', e.g. rlhf/checkpoints/."
+  }
+}
+
 variable "namespace" {
   type        = string
   description = "Kubernetes namespace of the RLHF service accounts."

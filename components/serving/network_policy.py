@@ -1,0 +1,114 @@
+"""On Kubernetes, a run's server pods take traffic from that run's actor pods only (NetworkPolicies, enforced by the VPC
+CNI's network policy agent: infra/terraform).
+
+What Terraform sets once per namespace (envs/dev): no pod takes ingress unless a policy allows it; actor pods take
+ingress from actor pods (the ranks' rendezvous and collectives, which start before any flow code runs). What a run
+sets for itself, here, while it has deployment servers:
+- its training Job is the one the pod runs in: an Indexed Job's pod hostname is <job>-<index> (the actor pool's
+  torchrun command finds rank 0 the same way), and every pod of it carries `batch.kubernetes.io/job-name: <job>`;
+- its servers' pods are labelled `rlhf/run: <job>` (the work pool's job variable `run_label`, which the run passes
+  when it starts their deployments);
+- two NetworkPolicies named after the job: the run's server pods take ingress from the job's pods only, and the
+  job's pods take ingress from the run's server pods (the rollout server joins the trainer's weight-transfer group).
+  Both are owned by the training Job (ownerReferences): if the run is killed before it deletes them, Kubernetes
+  removes them with the Job. A pod of another run, or anything else in the cluster, cannot open a connection to them.
+
+The REST calls use the pod's service account (RBAC in envs/dev: create/delete NetworkPolicies, get Jobs, in the
+namespace only). Off the cluster (no $KUBERNETES_SERVICE_HOST), or with RLHF_NETWORK_POLICY=off, nothing is done.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import threading
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+RUN_LABEL = "rlhf/run"
+JOB_LABEL = "batch.kubernetes.io/job-name"
+SWITCH_ENV = "RLHF_NETWORK_POLICY"
+ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
+
+
+def own_job(env=os.environ, hostname: Optional[str] = None) -> Optional[str]:
+    """The Kubernetes Job this process runs in (None off the cluster, or when switched off)."""
+    if not env.get("KUBERNETES_SERVICE_HOST") or env.get(SWITCH_ENV, "on") == "off":
+        return None
+    job = re.sub(r"-\d+$", "", hostname or socket.gethostname())
+    return job if re.fullmatch(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?", job) else None
+
+
+def policies(job: str, namespace: str, job_uid: Optional[str] = None) -> list[dict]:
+    """The run's two NetworkPolicies (pure manifests): servers <- the job's pods, the job's pods <- servers."""
+    owner = ([{"apiVersion": "batch/v1", "kind": "Job", "name": job, "uid": job_uid, "blockOwnerDeletion": False}]
+             if job_uid else [])
+
+    def policy(name: str, target: dict, source: dict) -> dict:
+        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                "metadata": {"name": name, "namespace": namespace, "ownerReferences": owner,
+                             "labels": {"app.kubernetes.io/part-of": "rlhf-flows", RUN_LABEL: job}},
+                "spec": {"podSelector": {"matchLabels": target}, "policyTypes": ["Ingress"],
+                         "ingress": [{"from": [{"podSelector": {"matchLabels": source}}]}]}}
+
+    return [policy(f"rlhf-{job}-servers"[:253], {RUN_LABEL: job}, {JOB_LABEL: job}),
+            policy(f"rlhf-{job}-trainer"[:253], {JOB_LABEL: job}, {RUN_LABEL: job})]
+
+
+class KubeAPI:
+    """The few Kubernetes API calls a run makes, as its pod's service account."""
+
+    def __init__(self, env=os.environ, account: Path = ACCOUNT):
+        self.namespace = (account / "namespace").read_text().strip()
+        host, port = env["KUBERNETES_SERVICE_HOST"], env.get("KUBERNETES_SERVICE_PORT", "443")
+        self.http = httpx.Client(base_url=f"https://{host}:{port}", verify=str(account / "ca.crt"), timeout=30,
+                                 headers={"authorization": f"Bearer {(account / 'token').read_text().strip()}"})
+
+    def job_uid(self, job: str) -> Optional[str]:
+        response = self.http.get(f"/apis/batch/v1/namespaces/{self.namespace}/jobs/{job}")
+        return response.json()["metadata"]["uid"] if response.status_code == 200 else None
+
+    def create(self, manifest: dict) -> None:
+        response = self.http.post(f"/apis/networking.k8s.io/v1/namespaces/{self.namespace}/networkpolicies",
+                                  json=manifest)
+        if response.status_code not in (200, 201, 409):  # 409: it exists already (a retried start)
+            raise RuntimeError(f"NetworkPolicy {manifest['metadata']['name']}: the Kubernetes API answered "
+                               f"{response.status_code}: {response.text[:500]}")
+
+    def delete(self, name: str) -> None:
+        response = self.http.delete(f"/apis/networking.k8s.io/v1/namespaces/{self.namespace}/networkpolicies/{name}")
+        if response.status_code not in (200, 202, 404):
+            raise RuntimeError(f"NetworkPolicy {name}: the Kubernetes API answered {response.status_code}")
+
+
+class RunPolicies:
+    """The run's policies, created when its first deployment server starts and deleted after its last one stops."""
+
+    def __init__(self, api_factory=KubeAPI):
+        self.api_factory, self.lock, self.users, self.created = api_factory, threading.Lock(), 0, []
+        self.api: Optional[KubeAPI] = None
+
+    def acquire(self, job: str) -> None:
+        with self.lock:
+            self.users += 1
+            if self.users > 1:
+                return
+            self.api = self.api_factory()
+            self.created = policies(job, self.api.namespace, self.api.job_uid(job))
+            for manifest in self.created:
+                self.api.create(manifest)
+
+    def release(self) -> None:
+        with self.lock:
+            self.users -= 1
+            if self.users > 0 or self.api is None:
+                return
+            for manifest in self.created:
+                self.api.delete(manifest["metadata"]["name"])
+            self.created, self.api = [], None
+
+
+RUN_POLICIES = RunPolicies()

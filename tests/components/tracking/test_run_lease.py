@@ -1,0 +1,138 @@
+"""One writer per run name, on a local store and on S3 (moto server): a second live run of the name is refused naming
+the holder and touches nothing of the live run; a holder that died is taken over (at once locally: the kernel drops
+its lock; after the timeout on S3) and that is said; a run whose S3 lease was taken over writes nothing more; run
+names that would leave the state directory or the store are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import pytest
+from pydantic import ValidationError
+
+from components.cli.main import main as cli_main
+from components.launch.processes import wait_for
+from components.storage.checkpoints import CheckpointStore
+from components.storage.lease import LEASE_KEY, LeaseLost, RunLocked, acquire
+from components.tracking.run import RunSession
+from models.config import RLHFConfig, RunConfig
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.fixture
+def cfg(tmp_path, mlflow_uri):
+    return RLHFConfig.model_validate({"run_name": "twice", "deploy": {
+        "state_dir": str(tmp_path / "state"), "tracking": {"uri": mlflow_uri, "system_metrics": False}}})
+
+
+def test_a_second_run_of_a_live_name_is_refused_and_touches_nothing(cfg):
+    first = RunSession.open(cfg)
+    (first.critic_dir / "model").mkdir(parents=True)
+    (first.critic_dir / "model" / "weights.bin").write_bytes(b"live")
+    with pytest.raises(RunLocked, match=rf"run_name='twice' is being written by pid {os.getpid()} on "):
+        RunSession.open(cfg)
+    assert (first.critic_dir / "model" / "weights.bin").read_bytes() == b"live"  # the live run's critic is intact
+    first.close("FINISHED")
+    second = RunSession.open(cfg)  # released at close: the name is free again, and its new writer cleans up
+    assert not (first.critic_dir / "model").exists()
+    second.close("FINISHED")
+
+
+HOLD = """
+import sys, time
+from components.storage.checkpoints import CheckpointStore
+from components.storage.lease import acquire
+store = CheckpointStore.from_uri(sys.argv[1], s3_endpoint_url=sys.argv[2] or None)
+acquire(store, "held", timeout_s=float(sys.argv[3]))
+print("holding", flush=True)
+time.sleep(600)
+"""
+
+
+def hold_in_a_process(uri: str, endpoint: str | None, timeout_s: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, uri, endpoint or "", str(timeout_s)], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "holding"
+    return proc
+
+
+def test_a_killed_holder_of_a_local_store_is_taken_over_at_once_and_said(tmp_path):
+    uri = str(tmp_path / "store")
+    holder = hold_in_a_process(uri, None, 60)
+    store = CheckpointStore.from_uri(uri)
+    with pytest.raises(RunLocked, match=rf"pid {holder.pid} on "):
+        acquire(store, "held")
+    os.kill(holder.pid, signal.SIGKILL)  # no chance to release: the kernel drops its lock
+    holder.wait()
+    said: list[str] = []
+    lease = acquire(store, "held", log=said.append)
+    assert said and f"took over the lease of pid {holder.pid}" in said[0] and "that process is gone" in said[0]
+    lease.release()
+    assert not (tmp_path / "store" / LEASE_KEY).exists()
+
+
+def test_s3_one_writer_a_stale_lease_taken_over_and_a_lost_lease_stops_writing(s3_bucket):
+    endpoint, bucket = s3_bucket
+    uri = f"s3://{bucket}/runs/held"
+    store = CheckpointStore.from_uri(uri, s3_endpoint_url=endpoint)
+    holder = hold_in_a_process(uri, endpoint, 5.0)
+    try:
+        with pytest.raises(RunLocked, match=rf"pid {holder.pid} on .*renewed \d+s ago"):
+            acquire(store, "held", timeout_s=5.0)
+        os.kill(holder.pid, signal.SIGKILL)  # its renewals stop; the object stays behind
+        holder.wait()
+        said: list[str] = []
+
+        def taken():
+            try:
+                return acquire(store, "held", timeout_s=5.0, log=said.append)
+            except RunLocked:
+                return None
+
+        lease = wait_for(taken, 30, poll_s=1.0)  # refused until the lease is 5 s old by S3's own clock
+        assert lease is not None and f"took over the lease of pid {holder.pid}" in said[0], said
+        lease.check()  # ours now
+        # another run takes it over behind our back (as if we had stalled past the timeout): we stop writing
+        s3 = boto3.client("s3", endpoint_url=endpoint)
+        s3.put_object(Bucket=bucket, Key="runs/held/lease.json",
+                      Body=json.dumps({"run_name": "held", "host": "elsewhere", "pid": 1, "started": "now"}))
+        lost = wait_for(lambda: lease.lost, 30, poll_s=0.2)
+        assert lost and "taken over by pid 1 on elsewhere" in lost
+        with pytest.raises(LeaseLost, match="writes nothing more"):
+            lease.check()
+        lease.release()  # not ours any more: left in place for its holder
+        assert json.loads(s3.get_object(Bucket=bucket, Key="runs/held/lease.json")["Body"].read())["host"] == "elsewhere"
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_two_runs_starting_at_once_on_s3_get_one_lease(s3_bucket):
+    endpoint, bucket = s3_bucket
+    store = CheckpointStore.from_uri(f"s3://{bucket}/runs/race", s3_endpoint_url=endpoint)
+    first = acquire(store, "race")
+    with pytest.raises(RunLocked):
+        acquire(store, "race")
+    first.release()
+    acquire(store, "race").release()
+
+
+BAD_NAMES = ["../x", "../../escape", "/abs/path", "a/b", "..", ".hidden", "x" * 101, "spa ce", "C:\\x"]
+
+
+def test_run_names_that_leave_the_state_dir_or_the_store_are_refused():
+    for name in BAD_NAMES:
+        for model in (RunConfig, RLHFConfig):
+            with pytest.raises(ValidationError, match="run_name"):
+                model.model_validate({"run_name": name})
+    # as a user types it (the issue's probe): `rlhf config --set run_name=...`
+    for name in ("../../escape", "/abs/path"):
+        with pytest.raises(SystemExit, match=r"invalid config: .*\nrun_name\n  String should match pattern"):
+            cli_main(["config", "--set", f"run_name={name}"])

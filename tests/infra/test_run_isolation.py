@@ -1,0 +1,78 @@
+"""Static checks that a run's servers on the cluster serve that run only (issue 32): the VPC CNI enforces
+NetworkPolicies; the namespace denies ingress by default and lets actor pods reach actor pods; server pods carry the
+rlhf/run label the run's own policies select on (components/serving/network_policy.py, cross-checked here); a run
+may create and delete NetworkPolicies and read its Job, nothing more; the critic role writes only its pending saves;
+leases and commit points are written only by conditional puts. (checkov scans the new resources in test_terraform.)"""
+
+from __future__ import annotations
+
+from tests.infra.test_terraform import (ENV_DEV, MODULES, _blocks, _locals, _one, _render_template, _resources,
+                                        _sample_values)
+
+from components.serving.network_policy import JOB_LABEL, RUN_LABEL, own_job, policies
+
+
+def _spec(body: dict) -> dict:
+    return body["spec"][0] if isinstance(body["spec"], list) else body["spec"]
+
+
+def test_the_vpc_cni_enforces_network_policies():
+    addon = _resources(MODULES / "cluster")[("aws_eks_addon", "vpc_cni")]
+    assert addon["addon_name"] == "vpc-cni" and "enableNetworkPolicy" in addon["configuration_values"]
+    assert '"true"' in addon["configuration_values"]
+    assert "vpc_cni_version" in _blocks(MODULES / "cluster", "variable")
+
+
+def test_the_namespace_denies_ingress_but_between_actor_ranks():
+    resources = _resources(ENV_DEV)
+    deny = _spec(resources[("kubernetes_network_policy_v1", "default_deny_ingress")])
+    assert deny["policy_types"] == ["Ingress"] and "ingress" not in deny
+    assert deny["pod_selector"] in ([{}], {}, [])  # every pod of the namespace
+    ranks = _spec(resources[("kubernetes_network_policy_v1", "actor_ranks")])
+    assert _one(ranks["pod_selector"])["match_labels"] == {"rlhf/role": "actor"}
+    source = _one(_one(_one(ranks["ingress"])["from"])["pod_selector"])
+    assert source["match_labels"] == {"rlhf/role": "actor"}  # never a server, never another namespace
+
+
+def test_server_pods_carry_the_label_a_runs_own_policies_select_on():
+    for pool, role in (("actor-gpu", "actor"), ("critic-gpu", "critic")):
+        template = _render_template(_sample_values(pool, role))
+        labels = template["job_configuration"]["job_manifest"]["spec"]["template"]["metadata"]["labels"]
+        assert labels == {"rlhf/role": role, RUN_LABEL: "{{ run_label }}"}
+        variable = template["variables"]["properties"]["run_label"]
+        assert variable["default"] == "none" and variable["pattern"].startswith("^[a-z0-9]")
+    job = own_job({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, "ppo-x7k2q-0")
+    servers, trainer = policies(job, "rlhf", "uid")
+    # the run labels its servers' pods (run_label = its Job's name); Kubernetes labels its own Job's pods
+    assert servers["spec"]["podSelector"]["matchLabels"] == {RUN_LABEL: job}
+    assert trainer["spec"]["podSelector"]["matchLabels"] == {JOB_LABEL: job}
+
+
+def test_a_run_may_manage_network_policies_and_read_its_job_only():
+    resources = _resources(ENV_DEV)
+    role = resources[("kubernetes_role_v1", "run_network_policies")]
+    rules = {(tuple(r["api_groups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rule"]}
+    assert rules == {(("networking.k8s.io",), ("networkpolicies",)): {"create", "delete"},
+                     (("batch",), ("jobs",)): {"get"}}
+    binding = resources[("kubernetes_role_binding_v1", "run_network_policies")]
+    subject = _one(binding["subject"])
+    assert subject["kind"] == "ServiceAccount" and subject["name"] == "${var.actor_service_account_name}"
+    assert _one(binding["role_ref"])["kind"] == "Role"  # namespaced, never a ClusterRole
+
+
+def test_the_critic_writes_only_its_pending_saves_and_leases_and_commits_are_conditional():
+    module = MODULES / "iam"
+    writes = _locals(module)["write_resources"]
+    assert writes["critic"] == ["${var.bucket_arn}/${var.checkpoint_prefix}*/critic-pending/*"]
+    assert writes["actor"] == ["${var.bucket_arn}/${var.s3_prefix}*"]
+    document = _resources(module, "data")[("aws_iam_policy_document", "s3")]
+    statements = {s.get("sid"): s for s in document["statement"]}
+    assert statements["ObjectsUnderPrefix"]["actions"] == "${local.read_actions}"  # reads everywhere, writes per role
+    lease = statements["LeasesOnlyByConditionalWrites"]
+    assert lease["effect"] == "Deny" and lease["resources"] == ["${var.bucket_arn}/${var.checkpoint_prefix}*/lease.json"]
+    assert {(c["test"], c["variable"]) for c in lease["condition"]} == {("Null", "s3:if-none-match"),
+                                                                        ("Null", "s3:if-match")}
+    commit = statements["CommitPointsCreateOnly"]
+    assert commit["effect"] == "Deny" and commit["resources"][0].endswith("*/state.json")
+    assert [(c["test"], c["variable"]) for c in commit["condition"]] == [("Null", "s3:if-none-match")]
+    assert _blocks(ENV_DEV, "module")["iam"]["checkpoint_prefix"] == "${var.checkpoint_prefix}"
