@@ -119,15 +119,15 @@ def mlflow_security_args(mlflow_port: int) -> list[str]:
             "--cors-allowed-origins", ",".join(own_origins(mlflow_port))]
 
 
-def prefect_post(api_url: str, path: str, body: dict, timeout: float = 10.0) -> httpx.Response:
-    """POST to the Prefect API as its own client does with CSRF protection on: a token for a client id of our own
-    first (GET /csrf-token), then the request with both headers."""
+def prefect_post(api_url: str, path: str, body: dict, timeout: float = 10.0, method: str = "POST") -> httpx.Response:
+    """A POST (or another writing `method`: PATCH, DELETE) to the Prefect API as its own client sends it with CSRF
+    protection on: a token for a client id of our own first (GET /csrf-token), then the request with both headers."""
     client_id = str(uuid.uuid4())
     token = httpx.get(f"{api_url}/csrf-token", params={"client": client_id}, timeout=timeout)
     headers = {}
     if token.status_code == 200:  # a server without CSRF protection answers 422: nothing to send
         headers = {"Prefect-Csrf-Token": token.json()["token"], "Prefect-Csrf-Client": client_id}
-    return httpx.post(f"{api_url}{path}", json=body, headers=headers, timeout=timeout)
+    return httpx.request(method, f"{api_url}{path}", json=body, headers=headers, timeout=timeout)
 
 
 def base_env(state_dir: Path, prefect_port: int, mlflow_port: int) -> dict:

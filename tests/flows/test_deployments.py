@@ -123,16 +123,17 @@ def test_a_partial_config_keeps_what_the_operator_set_on_the_deployment(local_st
     operator = {"config": {"algorithm": "rloo", "run_name": "operator-run", "checkpoint": {"every": 1},
                            "reinforce": {"rollout_batch_size": 8}},
                 "deploy": {"reward": {"launch": "in_process"}}}
-    patch = f"{s['api']}/deployments/{deployment['id']}"
-    httpx.patch(patch, json={"parameters": operator}, timeout=10).raise_for_status()
+    patch_path = f"/deployments/{deployment['id']}"
+    stack.prefect_post(s["api"], patch_path, {"parameters": operator}, method="PATCH").raise_for_status()
     try:
         run = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {"iterations": 2})))
     finally:
-        httpx.patch(patch, json={"parameters": deployment["parameters"]}, timeout=10).raise_for_status()
+        stack.prefect_post(s["api"], patch_path, {"parameters": deployment["parameters"]}, method="PATCH").raise_for_status()
     assert run["state"]["type"] == "COMPLETED", run["state"]
     assert run["name"] == "operator-run"  # the deployment's run_name, kept
     ckpt = s["state_dir"] / "checkpoints" / "operator-run"
-    assert (ckpt / "iter_1" / "state.json").exists() and (ckpt / "iter_2" / "state.json").exists()  # every 1, kept
+    assert [p.name.split("-")[0] for p in sorted(ckpt.glob("iter_*/state.json"), key=lambda p: p.stat().st_mtime)] \
+        == ["iter_1", "iter_2"]  # every 1, kept
     assert not (s["state_dir"] / "runs" / "operator-run" / "logs" / "reward-server.log").exists()  # in process, kept
     client, mrun = mlflow_run(s, "operator-run")
     params = mrun.data.params
@@ -274,7 +275,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_wi
     (the rerun's log, every iteration it ran), and every iteration, before the kill and after it, trained on the
     prompt stream's batch of its own number: no prompt skipped, none trained twice (the sample tables, logged every
     iteration by whichever attempt logged it first, against the stream)."""
-    from models.config import RLHFConfig
+    from models.config import from_layers
     from models.data import PromptStream
     from models.loop import read_data
 
@@ -314,7 +315,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_wi
     diff, kl, stale = (last_values(k) for k in ("sampling/sampling_logp_difference/max", "objective/kl", "rollout/staleness_max"))
     assert diff[checkpointed + 1] < 1e-3 and kl[checkpointed + 1] > 1e-3, (diff, kl)
     assert [stale[i] for i in range(1, logged + 1)] == [0.0] + [1.0] * (logged - 1), stale  # the first attempt
-    cfg = RLHFConfig.model_validate({**config, "deploy": {"state_dir": str(s["state_dir"])}, "algorithm": "rloo"})
+    cfg = from_layers({**config, "deploy": {"state_dir": str(s["state_dir"])}, "algorithm": "rloo"})
     stream = PromptStream(read_data(cfg)[0], cfg.reinforce.rollout_batch_size, cfg.seed)
     expected = [next(stream).prompts for _ in range(logged + 2)]
     for step in range(1, logged + 3):
@@ -371,7 +372,8 @@ def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_l
     client, mrun = mlflow_run(s, "e2e-dist")
     assert [m.value for m in client.get_metric_history(mrun.info.run_id, "dist/world_size")] == [2.0, 2.0]
     ckpt = s["state_dir"] / "checkpoints" / "e2e-dist"
-    manifest = json.loads((ckpt / "iter_2" / "state.json").read_text())
+    iter_2 = ckpt / json.loads((ckpt / "latest.json").read_text())["path"]  # iter_2-<id>: a fresh prefix per save
+    manifest = json.loads((iter_2 / "state.json").read_text())
     assert manifest["state"]["world_size"] == 2 and "actor/sharded/.metadata" in manifest["files"]
     assert not actor_followers(s)
     body = {"flow_runs": {"start_time": {"after_": run["start_time"]}}, "deployments": {}, "limit": 50}
@@ -382,7 +384,7 @@ def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_l
     assert server_processes(s, critic_runs[0]["id"]) == []
     # the critic of the checkpoint is the one of its iteration, inside iter_2 beside the actor
     assert manifest["parts"] == ["actor", "critic"]
-    assert json.loads((ckpt / "iter_2" / "critic" / "critic.json").read_text())["step"] == manifest["state"]["critic_step"] > 0
+    assert json.loads((iter_2 / "critic" / "critic.json").read_text())["step"] == manifest["state"]["critic_step"] > 0
     assert not (ckpt / "critic-pending").exists() or not any((ckpt / "critic-pending").iterdir())
 
     # the same run name resumes with the same world size, nothing redone (its first iteration is the 3rd), until its

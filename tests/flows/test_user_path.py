@@ -87,13 +87,13 @@ def test_a_users_model_data_and_reward_through_the_deployments(walk, deployment,
     partial = {"iterations": 2, "data": {"prompts": str(root / "math.parquet"), "prompt_key": "question"},
                "generation": {"max_new_tokens": 12}, **config,
                "model": {"policy": "acme/tiny-qwen", "dtype": "float32", **config.get("model", {})}}
-    before = httpx.post(f"{walk['api']}/deployments/filter", json={}, timeout=10).json()
+    before = stack.prefect_post(walk["api"], "/deployments/filter", {}).json()
     run = run_deployment(walk, deployment, partial)
     assert run["state"]["type"] == "COMPLETED", run["state"]["message"]
     after = httpx.get(f"{walk['api']}/deployments/{run['deployment_id']}", timeout=10).json()
     assert after["parameters"] == next(d for d in before if d["id"] == run["deployment_id"])["parameters"]
-    artifacts = httpx.post(f"{walk['api']}/artifacts/filter",
-                           json={"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}, timeout=10).json()
+    artifacts = stack.prefect_post(walk["api"], "/artifacts/filter",
+                                   {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}).json()
     assert [a["data"] for a in artifacts if a["type"] == "progress"] == [100]
 
     client = MlflowClient(walk["urls"]["mlflow"])

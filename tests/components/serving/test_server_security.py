@@ -38,7 +38,7 @@ from components.serving.clients import CriticClient, RewardClient, ServerError
 from components.serving.launcher import launch
 from components.serving.servers import (CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, REWARD_TEXT,
                                         ServerSpec)
-from models.config import RLHFConfig
+from models.config import RLHFConfig, from_layers
 from models.reward import load_reward_model, load_reward_tokenizer, reward_limit, text_char_budget, text_reward_scores
 
 REPO = Path(__file__).resolve().parents[3]
@@ -46,7 +46,7 @@ VOCAB = 40  # ids the tiny models know (their vocabularies are larger)
 
 
 def config(tiny_models, tmp_path, **deploy) -> RLHFConfig:
-    return RLHFConfig.model_validate({
+    return from_layers({
         "model": {"policy": tiny_models["policy"], "reward": tiny_models["reward"], "critic": tiny_models["critic"]},
         "critic": {"train_batch_size": 8, "micro_batch_size": 8, "epochs": 1},
         "deploy": {"state_dir": str(tmp_path), "critic": {"max_train_rows": 64, **deploy}}})
