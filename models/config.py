@@ -91,6 +91,7 @@ class RewardConfig(Section):
     gold: Optional[str] = Field("models.tasks.sentiment:gold_reward", description="Gold reward function logged as objective/gold_reward (None to skip).")
     transport: Literal["auto", "tokens", "text"] = Field("auto", description="How rollouts reach the reward model: 'tokens' (the policy's ids: the RM must share the policy's tokenizer), 'text' (reward_text: prompt and response strings the RM tokenizes itself), 'auto' = text when the RM's tokenizer differs from the policy's, else tokens.")
     chat_template: bool = Field(False, description="With text transport, format (prompt, response) with the reward model's chat template (user, assistant) when it has one; otherwise 'prompt response' + EOS.")
+    normalize: bool = Field(False, description="Score with the reward model's (score - reward_mean) / reward_std, the statistics the reward_model stage stores in its config.json (as OpenRLHF's normalize_reward; Bradley-Terry rewards are defined only up to a shift); a reward model without them is refused.")
 
     @model_validator(mode="after")
     def _function_given(self) -> "RewardConfig":
@@ -103,7 +104,7 @@ class RewardConfig(Section):
         return self
 
 
-PROMPT_SOURCES = ("'builtin:<task>' (sentiment, sentiment_target), a local .parquet/.jsonl/.json/.csv/.arrow file, a .txt "
+PROMPT_SOURCES = ("'builtin:<task>' (sentiment, sentiment_target; the stages' sentiment_sft and sentiment_preference), a local .parquet/.jsonl/.json/.csv/.arrow file, a .txt "
                   "file (one prompt a line), a folder of such files (file names decide the splits), a folder written by "
                   "Dataset.save_to_disk, or a hub dataset id (only where the hub is reachable)")
 

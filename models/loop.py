@@ -98,7 +98,7 @@ def build_critic_trainer(cfg: RLHFConfig, checkpoint_dir: str | Path | None = No
     critic_path = cfg.resolve_model_path(cfg.model.critic) if cfg.model.critic else None
     return CriticTrainer(cfg.critic, critic_path, cfg.resolve_model_path(cfg.model.reward), cfg.critic.combine_reward,
                          cfg.model.dtype, local_device(cfg.deploy.device, SINGLE), checkpoint_dir,
-                         token_rewards=cfg.reward.transport == "tokens")
+                         token_rewards=cfg.reward.transport == "tokens", normalize_reward=cfg.reward.normalize)
 
 
 def critic_text_reward(cfg: RLHFConfig, trainer: CriticTrainer):
@@ -113,7 +113,8 @@ def critic_text_reward(cfg: RLHFConfig, trainer: CriticTrainer):
 def build_local_reward(cfg: RLHFConfig):
     if cfg.reward.source == "function":
         return FunctionReward(load_reward_function(cfg.reward.function))
-    model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, local_device(cfg.deploy.device, SINGLE))
+    model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, local_device(cfg.deploy.device, SINGLE),
+                              normalize=cfg.reward.normalize)
     if cfg.reward.transport == "text":
         return LocalRewardModel(model, load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward)), cfg.reward.chat_template)
     return LocalRewardModel(model)
@@ -206,12 +207,16 @@ class Leader:
     def run(self, command: dict, critic=None, reward=None):
         try:
             self.me.broadcast_object(command)
-            return execute(self.state, self.cfg, command, critic, reward)
+            return self.execute(command, critic, reward)
         except Exception as exc:
             reason = self.describe_failure() if self.me.active else None
             if reason:
                 raise RankFailed(reason) from exc
             raise
+
+    def execute(self, command: dict, critic=None, reward=None):
+        """Run a command here, on rank 0 (the other ranks run it as they receive it: components/launch/ranks.py)."""
+        return execute(self.state, self.cfg, command, critic, reward)
 
     def step(self, prompts: list[str] | Batch, critic=None, reward=None, data: dict | None = None,
              ahead: list[Batch] | None = None) -> tuple[dict, list[dict]]:

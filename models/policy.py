@@ -52,9 +52,10 @@ class Policy:
     @classmethod
     def load(cls, path: str, lora: LoraConfig | None = None, dtype: str = "float32", device: str | torch.device = "cpu",
              field: str = "model.policy", me: Dist = SINGLE, shard: bool = False, reference_device: str = "auto",
-             mixed_precision: bool = False) -> "Policy":
+             mixed_precision: bool = False, reference: bool = True) -> "Policy":
         """Actor + tokenizer + frozen reference on this rank. `shard`: FSDP2 over the ranks (a full fine-tune); the
-        reference then lives on the actor's device sharded alike, or as a CPU copy (`reference_device`)."""
+        reference then lives on the actor's device sharded alike, or as a CPU copy (`reference_device`).
+        `reference=False`: no frozen copy (supervised fine-tuning needs none)."""
         device = torch.device(device)
         tokenizer = load_policy_tokenizer(path, field)
         # trainable weights stay float32; `dtype` is the compute dtype (autocast) and the frozen reference's dtype
@@ -65,6 +66,9 @@ class Policy:
             model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                          target_modules=lora.target_modules, task_type="CAUSAL_LM"))
             return cls(model, tokenizer, lora=True, dtype=dtype, me=me, device=device)
+        if not reference:
+            return cls(shard_model(model, mixed_precision) if shard else model, tokenizer, lora=False, dtype=dtype,
+                       me=me, device=device)
         on_actor = reference_on_actor_device(model, device, reference_device, me.world_size if shard else 1)
         reference = freeze(copy.deepcopy(model).to(device if on_actor else "cpu", DTYPES[dtype]))
         if shard:
