@@ -15,7 +15,6 @@ a flow run (components/tasks.FlowSteps). Where the ranks run is the config's `de
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 import shutil
 import time
@@ -33,7 +32,7 @@ from models.loading import check_model_path
 from models.loop import DIRECT, Steps
 from models.stages.config import StageRun
 from models.stages.data import Pairs, Sequences, load_pairs, load_sequences, position_limit
-from models.tiny_files import file_digests
+from models.tiny_files import file_digests, manifest_digest
 
 STATS_ROWS = 1000  # pairs whose rewards give the reward statistics when a reward model has no held-out split
 
@@ -60,28 +59,35 @@ def prepare_stage(cfg: StageRun) -> tuple[StageRun, Sequences | Pairs, Sequences
     """The config with its derived values (its model exists, an absolute state directory, the LR schedule's length
     from the rows it trains on), its training rows and its held-out rows (None without eval_split), read with the
     model's tokenizer: bad data fails here, before any model loads."""
-    from transformers import AutoConfig  # heavy (~3 s): only a stage's run needs it
-
-    from models.policy import load_policy_tokenizer
     from models.stages.train import total_steps
 
     path = check_model_path(cfg.resolve_model_path(cfg.model), "model")
-    train = cfg.train
+    data, held_out = stage_rows(cfg.stage, cfg.train, path)
+    updates = {"deploy.state_dir": str(cfg.resolved_state_dir())}
+    if cfg.train.optim.total_steps is None:
+        updates[f"{cfg.stage}.optim.total_steps"] = total_steps(cfg.train, len(data))
+    return merge(cfg, updates), data, held_out
+
+
+def stage_rows(stage: str, train, path: str, held_out_only: bool = False):
+    """The training rows and the held-out rows (None without eval_split) of a stage's section, tokenized with the
+    tokenizer of the model at `path` and cut to its position limit (max_length); `held_out_only`: (None, held-out)."""
+    from transformers import AutoConfig  # heavy (~3 s): only a stage's run needs it
+
+    from models.policy import load_policy_tokenizer
+
     tokenizer = load_policy_tokenizer(path, "model")
     limit = position_limit(tokenizer, train.max_length, AutoConfig.from_pretrained(path))
-    load = load_sequences if cfg.stage == "sft" else load_pairs
-    field_name = f"{cfg.stage}.data"
-    data = load(train.data, train.split, tokenizer, limit, field_name)
+    load = load_sequences if stage == "sft" else load_pairs
+    field_name = f"{stage}.data"
+    data = None if held_out_only else load(train.data, train.split, tokenizer, limit, field_name)
     held_out = None
     if train.eval_split is not None:
         held_out = load(train.eval_data or train.data, train.eval_split, tokenizer, limit,
-                        f"{cfg.stage}.eval_data" if train.eval_data else field_name)
+                        f"{stage}.eval_data" if train.eval_data else field_name)
         if train.max_eval_rows:
             held_out = _head(held_out, train.max_eval_rows)
-    updates = {"deploy.state_dir": str(cfg.resolved_state_dir())}
-    if train.optim.total_steps is None:
-        updates[f"{cfg.stage}.optim.total_steps"] = total_steps(train, len(data))
-    return merge(cfg, updates), data, held_out
+    return data, held_out
 
 
 def _head(rows, n: int):
@@ -149,9 +155,11 @@ class StageSession:
         shutil.rmtree(stage, ignore_errors=True)
         return uri
 
-    def log(self, step: int, metrics: dict) -> None:
-        if self.tracker.last_step is None or step > self.tracker.last_step:  # not again after a resume
-            self.tracker.log_metrics(metrics, step=step)
+    def log(self, steps: list[tuple[int, dict]]) -> None:
+        """The metrics of a segment's steps, in one batch; steps an earlier attempt logged (before a resume) are
+        skipped."""
+        last = self.tracker.last_step
+        self.tracker.log_steps([(step, m) for step, m in steps if last is None or step > last])
 
     def log_eval(self, step: int, metrics: dict, rows: list[dict]) -> None:
         self.tracker.log_side_metrics(metrics, step=step)
@@ -215,9 +223,8 @@ def stage_loop(cfg: StageRun, trainee, data, held_out, session: StageSession,
     def segment(stop: int) -> list[dict]:
         out = []
         while trainee.state.iteration < stop:
-            metrics = trainee.train(data.rows(next(stream)), stream.state())
-            session.log(trainee.state.iteration, metrics)
-            out.append(metrics)
+            out.append(trainee.train(data.rows(next(stream)), stream.state()))
+        session.log([(int(m["step"]), m) for m in out])
         return out
 
     if held is not None and start == 0:
@@ -272,8 +279,4 @@ def publish(session: StageSession, trainee, data, evaluations: list[dict], steps
     return {"model": uri, "model_dir": str(local), "files": digests, "digest": manifest_digest(digests),
             **({"reward_stats": config} if config else {})}
 
-
-def manifest_digest(digests: dict[str, str]) -> str:
-    """One sha256 for a model directory: over its files' relative paths and sha256s, in path order."""
-    return hashlib.sha256("".join(f"{name}\0{digest}\n" for name, digest in sorted(digests.items())).encode()).hexdigest()
 
