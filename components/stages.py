@@ -31,7 +31,9 @@ from models.config import merge
 from models.loading import check_model_path
 from models.loop import DIRECT, Steps
 from models.stages.config import StageRun
+from models.policy import load_policy_tokenizer
 from models.stages.data import Pairs, Sequences, load_pairs, load_sequences, position_limit
+from models.stages.train import RowStream, total_steps
 from models.tiny_files import file_digests, manifest_digest
 
 STATS_ROWS = 1000  # pairs whose rewards give the reward statistics when a reward model has no held-out split
@@ -59,7 +61,6 @@ def prepare_stage(cfg: StageRun) -> tuple[StageRun, Sequences | Pairs, Sequences
     """The config with its derived values (its model exists, an absolute state directory, the LR schedule's length
     from the rows it trains on), its training rows and its held-out rows (None without eval_split), read with the
     model's tokenizer: bad data fails here, before any model loads."""
-    from models.stages.train import total_steps
 
     path = check_model_path(cfg.resolve_model_path(cfg.model), "model")
     data, held_out = stage_rows(cfg.stage, cfg.train, path)
@@ -73,8 +74,6 @@ def stage_rows(stage: str, train, path: str, held_out_only: bool = False):
     """The training rows and the held-out rows (None without eval_split) of a stage's section, tokenized with the
     tokenizer of the model at `path` and cut to its position limit (max_length); `held_out_only`: (None, held-out)."""
     from transformers import AutoConfig  # heavy (~3 s): only a stage's run needs it
-
-    from models.policy import load_policy_tokenizer
 
     tokenizer = load_policy_tokenizer(path, "model")
     limit = position_limit(tokenizer, train.max_length, AutoConfig.from_pretrained(path))
@@ -204,7 +203,6 @@ def stage_loop(cfg: StageRun, trainee, data, held_out, session: StageSession,
     """Train from where the trainee stands to the last step: the held-out eval before the first step (not again at a
     resume point), every eval_every steps and after the last; a checkpoint every checkpoint.every steps and after the
     last. Steps run in segments (one named step each) between checkpoints and evals."""
-    from models.stages.train import RowStream, total_steps
 
     train = cfg.train
     total = total_steps(train, len(data))

@@ -9,7 +9,11 @@ from pathlib import Path
 import yaml
 
 from components.cli.options import parse_overrides
+from components.pipeline.config import PipelineFile
+from components.pipeline.run import run_pipeline
+from components.stages import train_stage
 from models.config import deep_merge, merge
+from models.stages.config import STAGE_RUNS
 
 # Where `rlhf pipeline`'s RL stage runs its critic and reward model unless the file says otherwise: in this process,
 # as `rlhf train` does (components/cli/commands.TRAIN_DEPLOY)
@@ -40,8 +44,6 @@ def write_summary(result: dict, path: str | None) -> None:
 
 def cmd_stage(args) -> int:
     """A stage run (sft or reward_model) in this process: checkpoints, resume by run_name, MLflow, held-out eval."""
-    from components.stages import train_stage
-    from models.stages.config import STAGE_RUNS
 
     cfg = load_tree(STAGE_RUNS[args.stage], args.config, args.set)
     result = train_stage(cfg)
@@ -51,8 +53,6 @@ def cmd_stage(args) -> int:
 
 def cmd_pipeline(args) -> int:
     """The pipeline in this process: stages reused where their keys match, --from rebuilds from a stage on."""
-    from components.pipeline.config import PipelineFile
-    from components.pipeline.run import run_pipeline
 
     given = load_tree(PipelineFile, args.config, args.set, defaults={"deploy": PIPELINE_DEPLOY})
     result = run_pipeline(given.pipeline, given.deploy, rerun_from=args.from_stage)

@@ -27,6 +27,8 @@ quiet()  # this module is a process's entry point too: before the model librarie
 from models import distributed
 from models.config import RLHFConfig
 from models.loop import Leader, build_actor, execute
+from models.stages.config import STAGE_RUNS
+from models.stages.train import StageLeader, build_stage, execute_stage
 
 RL = "rl"  # the job of an RL run's ranks; the stages before RL name theirs (models/stages/config.STAGES)
 
@@ -37,9 +39,6 @@ def job(name: str):
     RL (models/stages/train.py)."""
     if name == RL:
         return RLHFConfig, build_actor, execute, Leader
-    from models.stages.config import STAGE_RUNS  # heavy only for the stages' runs
-    from models.stages.train import StageLeader, build_stage, execute_stage
-
     return STAGE_RUNS[name], build_stage, execute_stage, StageLeader
 
 BACKEND_ENV, TIMEOUT_ENV = "RLHF_DIST_BACKEND", "RLHF_DIST_TIMEOUT_S"

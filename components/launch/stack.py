@@ -156,7 +156,8 @@ def _require_free(port: int, what: str) -> None:
 
 
 DEPLOYMENTS = ("ppo/default", "reinforce/default", "critic-server/default", "reward-server/default",
-               "rollout-server/default", "compare/default", "sweep/default")
+               "rollout-server/default", "compare/default", "sweep/default", "sft/default", "reward-model/default",
+               "pipeline/default")
 
 
 def _wait_deployments(api_url: str, pid: int, state: Path, timeout: float) -> None:

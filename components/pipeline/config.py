@@ -20,12 +20,15 @@ from typing import Literal, Optional
 
 from pydantic import Field, PositiveInt
 
-from models.config import PROMPT_SOURCES, RUN_NAME_PATTERN, CheckpointConfig, RunConfig
+from models.config import PROMPT_SOURCES, RUN_NAME_PATTERN, CheckpointConfig, EvalConfig, RunConfig
 from models.deploy import DeployConfig
 from models.sections import Section
 from models.stages.config import RewardModelConfig, SFTConfig
 
 STAGE_ORDER = ("sft", "reward_model", "rl", "eval")
+# the RL stage's held-out eval by default: the reward model's score and the gold reward along the run, sampled (the
+# greedy answers of the tiny policies are all alike)
+EXAMPLE_RL_EVAL = EvalConfig(prompts="builtin:sentiment", every=4, temperature=1.0, samples_per_prompt=4)
 
 
 class PipelineSFT(SFTConfig):
@@ -65,7 +68,7 @@ class PipelineConfig(Section):
     seed: int = Field(0, description="Seed of every stage (rows' order, initialisation, sampling).")
     sft: PipelineSFT = Field(default_factory=PipelineSFT, description="Supervised fine-tuning on completions.")
     reward_model: PipelineRewardModel = Field(default_factory=PipelineRewardModel, description="The Bradley-Terry reward model.")
-    rl: RunConfig = Field(default_factory=lambda: RunConfig(algorithm="rloo"), description="The RL stage: an RL run's config; its model.policy, model.reward and model.critic, run_name, seed and MLflow parent are set by the pipeline.")
+    rl: RunConfig = Field(default_factory=lambda: RunConfig(algorithm="rloo", eval=EXAMPLE_RL_EVAL), description="The RL stage: an RL run's config; its model.policy, model.reward and model.critic, run_name, seed and MLflow parent are set by the pipeline.")
     eval: PipelineEval = Field(default_factory=PipelineEval, description="The RL policy against the SFT policy on held-out prompts.")
     tracking: PipelineTracking = Field(default_factory=PipelineTracking, description="MLflow lineage.")
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=50), description="Checkpoints of the SFT and reward-model stages (every N optimizer steps, and at the end); the RL stage's are rl.checkpoint.")

@@ -7,6 +7,8 @@ A stage that is reused (cached) adds no run: the parent run's tags name the run 
 
 from __future__ import annotations
 
+from mlflow.entities import LoggedModelStatus
+
 from components.tracking.run import default_tracking_uri
 from components.tracking.tracker import Tracker, get_or_create_experiment
 from models.config import RLHFConfig
@@ -50,8 +52,6 @@ class PipelineRun:
         """Log the stage's model as an external MLflow LoggedModel of the run that built it (`record`'s MLflow run,
         else the parent), tagged with its URI, digest, key, upstream models and data digests; registered as
         '<register_as>-<stage>' when tracking.register_as is set. Returns the logged model's id."""
-        from mlflow.entities import LoggedModelStatus
-
         client = self.tracker.client
         experiment = get_or_create_experiment(client, self.cfg.tracking.experiment, self.tracking_uri)
         tags = {"uri": record["model"], "sha256": record.get("digest", ""), "stage.key": record["key"],

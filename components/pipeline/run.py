@@ -37,12 +37,25 @@ from pathlib import Path
 from typing import Callable, Iterator
 from urllib.parse import urlparse
 
+from prefect.context import TaskRunContext
+from prefect.client.schemas.objects import State
+from prefect.states import Completed
+
 from components.pipeline.cache import Records, code_version, model_digest, stage_dir, stage_key
 from components.pipeline.config import STAGE_ORDER, PipelineConfig
 from components.pipeline.lineage import PipelineRun
-from models.config import RLHFConfig, merge
+from components.runs import train
+from components.stages import stage_rows, train_stage
+from components.storage.checkpoints import CheckpointStore
+from models.config import RLHFConfig, Sampling, merge
+from models.data import load_prompt_set
 from models.deploy import DeployConfig
 from models.loop import DIRECT, Steps
+from models.policy import load_policy_tokenizer
+from models.stages.config import RewardModelRun, SFTRun
+from models.stages.data import rows_digest
+from models.stages.evaluate import check_policy, compare_policies, export_policy
+from models.stages.evaluate import check_reward_model as check_loaded_reward_model
 from models.tiny_files import embedded_model_path, file_digests, is_embedded, manifest_digest
 
 STEP_NAMES = {"sft": "sft", "reward_model": "reward-model", "rl": "rl", "eval": "eval"}
@@ -142,6 +155,8 @@ def stage(p: Pipeline, name: str, config: dict, data: dict[str, str], upstream: 
     key = stage_key(name, config, data, upstream, code_version())
     started = time.time()
     record = p.steps(STEP_NAMES[name], run_or_reuse, p, name, key, build)
+    if isinstance(record, State):  # a Prefect task that ended Cached gives its state back
+        record = record.result()
     outcome = Outcome(record, cached=record.get("reused", False), seconds=time.time() - started)
     outcome.record = {k: v for k, v in record.items() if k != "reused"}
     if record.get("model"):
@@ -179,11 +194,7 @@ def run_or_reuse(p: Pipeline, name: str, key: str, build: Callable[[Pipeline, st
 def reused(p: Pipeline, name: str, record: dict):
     p.steps.log(f"{name}: cached: reusing {record.get('model') or stage_dir(name, record['key'])} (built by "
                 f"pipeline {record.get('pipeline')}, MLflow run {record.get('mlflow_run_id')})")
-    from prefect.context import TaskRunContext
-
     if TaskRunContext.get() is not None:  # a Prefect task: end it as Prefect's own cache would
-        from prefect.states import Completed
-
         return Completed(name="Cached", data={**record, "reused": True},
                          message=f"reused {stage_dir(name, record['key'])} (built by pipeline {record.get('pipeline')})")
     return {**record, "reused": True}
@@ -218,7 +229,6 @@ def stage_deploy(p: Pipeline) -> DeployConfig:
 # ---------------------------------------------------------------- sft
 
 def sft_stage(p: Pipeline) -> None:
-    from models.stages.data import rows_digest  # heavy (datasets): only a running pipeline needs it
 
     cfg = p.cfg
     if cfg.sft.model:
@@ -227,7 +237,6 @@ def sft_stage(p: Pipeline) -> None:
         section = cfg.sft.model_dump(mode="json", exclude={"model"})
         p.outcomes["sft"] = stage(p, "sft", {"sft": section, "seed": cfg.seed}, stage_data(cfg.sft, "sft", rows_digest),
                                   {"base_model": model_digest(cfg.base_model)}, build_sft)
-    from models.stages.evaluate import check_policy
 
     p.steps("hand-off-sft", check_policy, p.outcomes["sft"].local_dir, "sft.model")
 
@@ -242,8 +251,6 @@ def stage_data(section, name: str, digest) -> dict[str, str]:
 
 
 def build_sft(p: Pipeline, key: str) -> dict:
-    from components.stages import train_stage
-    from models.stages.config import SFTRun
 
     cfg = p.cfg
     run = SFTRun.model_validate({"run_name": stage_dir("sft", key), "seed": cfg.seed, "model": cfg.base_model,
@@ -264,7 +271,6 @@ def stage_record(result: dict) -> dict:
 # ---------------------------------------------------------------- reward model
 
 def reward_model_stage(p: Pipeline) -> None:
-    from models.stages.data import rows_digest  # heavy (datasets): only a running pipeline needs it
 
     cfg = p.cfg
     if cfg.reward_model.model:
@@ -280,8 +286,6 @@ def reward_model_stage(p: Pipeline) -> None:
 
 
 def build_reward_model(p: Pipeline, key: str) -> dict:
-    from components.stages import train_stage
-    from models.stages.config import RewardModelRun
 
     cfg = p.cfg
     init = p.outcomes["sft"].local_dir if cfg.reward_model.init == "sft" else cfg.base_model
@@ -295,8 +299,6 @@ def build_reward_model(p: Pipeline, key: str) -> dict:
 def check_reward_model(p: Pipeline) -> float | None:
     """The reward model loads as the RL stage loads it (no newly initialised weight), and a trained one scores its
     held-out pairs as its stage recorded."""
-    from components.stages import stage_rows
-    from models.stages.evaluate import check_reward_model as check
 
     outcome, section = p.outcomes["reward_model"], p.cfg.reward_model
     path = outcome.local_dir
@@ -304,7 +306,7 @@ def check_reward_model(p: Pipeline) -> float | None:
     pairs = None
     if not outcome.given and recorded is not None:  # the held-out pairs its stage evaluated
         pairs = stage_rows("reward_model", section, path, held_out_only=True)[1]
-    accuracy = check(path, pairs, recorded, "reward_model.model")
+    accuracy = check_loaded_reward_model(path, pairs, recorded, "reward_model.model")
     if accuracy is not None:
         p.steps.log(f"hand-off: the reward model as loaded scores {accuracy:.4f} of its held-out pairs right "
                     f"(recorded {recorded:.4f})")
@@ -324,7 +326,6 @@ def rl_run(p: Pipeline, key: str) -> RLHFConfig:
 
 
 def rl_stage(p: Pipeline) -> None:
-    from models.stages.data import rows_digest  # heavy (datasets): only a running pipeline needs it
 
     cfg = p.cfg
     section = cfg.rl.model_dump(mode="json", exclude={"run_name": True, "seed": True,
@@ -335,7 +336,6 @@ def rl_stage(p: Pipeline) -> None:
         data["eval"] = rows_digest(cfg.rl.eval.prompts, cfg.rl.eval.split, "rl.eval.prompts")
     upstream = {"policy": p.outcomes["sft"].record["digest"], "reward": p.outcomes["reward_model"].record["digest"]}
     p.outcomes["rl"] = stage(p, "rl", {"rl": section, "seed": cfg.seed}, data, upstream, build_rl)
-    from models.stages.evaluate import check_policy
 
     p.steps("hand-off-rl", check_policy, p.outcomes["rl"].local_dir, "rl policy")
 
@@ -343,9 +343,6 @@ def rl_stage(p: Pipeline) -> None:
 def build_rl(p: Pipeline, key: str) -> dict:
     """The RL run (resumed from its checkpoints if an earlier build of this key died), then its last checkpoint's
     policy exported as a plain model into the stage's store."""
-    from components.runs import train
-    from components.storage.checkpoints import CheckpointStore
-    from models.stages.evaluate import export_policy
 
     cfg = rl_run(p, key)
     result = train(cfg, p.steps)
@@ -368,7 +365,6 @@ def build_rl(p: Pipeline, key: str) -> dict:
 # ---------------------------------------------------------------- eval
 
 def eval_stage(p: Pipeline) -> None:
-    from models.stages.data import rows_digest
 
     cfg = p.cfg
     config = {"eval": cfg.eval.model_dump(mode="json"), "seed": cfg.seed, "normalize": cfg.rl.reward.normalize,
@@ -386,10 +382,6 @@ def eval_stage(p: Pipeline) -> None:
 
 
 def build_eval(p: Pipeline, key: str) -> dict:
-    from models.config import Sampling
-    from models.data import load_prompt_set
-    from models.policy import load_policy_tokenizer
-    from models.stages.evaluate import compare_policies
 
     cfg, e = p.cfg, p.cfg.eval
     policy = p.outcomes["rl"].local_dir

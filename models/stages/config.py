@@ -14,6 +14,7 @@ from pydantic import Field, PositiveInt
 from models.config import PROMPT_SOURCES, RUN_NAME_PATTERN, CheckpointConfig, LoraConfig, TrackingConfig
 from models.deploy import DeployConfig
 from models.sections import OptimConfig, Section
+from models.tiny_files import embedded_model_path, is_embedded
 
 STAGES = ("sft", "reward_model")
 
@@ -53,8 +54,9 @@ class RewardModelConfig(StageTraining):
     center_rewards_coefficient: Optional[float] = Field(None, ge=0, description="Adds coefficient x mean((r_chosen + r_rejected)^2) to the loss (TRL's; Eisenstein et al. 2023 suggest 0.01): rewards are defined only up to a shift, this pins their mean near 0. None = off.")
 
 
-class StageRun(Section):
-    """One run of a stage: the model it trains from, the stage's section, its seed, name, MLflow and checkpoints."""
+class StageRunConfig(Section):
+    """What one run of a stage trains: the model it trains from, the stage's section, its seed, name, MLflow and
+    checkpoints (a flow's `config` parameter; where its ranks run is the `deploy` beside it)."""
 
     stage: ClassVar[str]
     run_name: Optional[str] = Field(None, pattern=RUN_NAME_PATTERN, description="Name of the run (letters, digits, '.', '_', '-'); re-running with the same name resumes it. None = '<stage>-<timestamp>-<random>'.")
@@ -62,34 +64,53 @@ class StageRun(Section):
     model: str = Field("tiny/policy", description="The model the stage trains from: a local directory or hub id ('tiny/<name>' = the embedded default); the reward model is this model's backbone with a new score head.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=50), description="Checkpoints (every N optimizer steps, and at the end) and resume.")
-    deploy: DeployConfig = Field(default_factory=DeployConfig, description="Where the run's ranks run, its state directory, tracking and checkpoint stores.")
 
     @property
     def train(self) -> StageTraining:
         """The stage's own section."""
         return getattr(self, self.stage)
 
-    def resolved_state_dir(self):
-        return self.deploy.resolved_state_dir()
 
-    def resolve_model_path(self, value: str) -> str:
-        from models.tiny_files import embedded_model_path, is_embedded
-
-        return str(embedded_model_path(value)) if is_embedded(value) else value
-
-
-class SFTRun(StageRun):
-    """A supervised fine-tuning run (`rlhf sft`, sft/default)."""
+class SFTRunConfig(StageRunConfig):
+    """What a supervised fine-tuning run trains (`rlhf sft`, sft/default)."""
 
     stage: ClassVar[str] = "sft"
     sft: SFTConfig = Field(default_factory=SFTConfig, description="The SFT stage.")
 
 
-class RewardModelRun(StageRun):
-    """A reward-model run (`rlhf reward-model`, reward-model/default)."""
+class RewardModelRunConfig(StageRunConfig):
+    """What a reward-model run trains (`rlhf reward-model`, reward-model/default)."""
 
     stage: ClassVar[str] = "reward_model"
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="The reward-model stage.")
 
 
-STAGE_RUNS: dict[str, type[StageRun]] = {"sft": SFTRun, "reward_model": RewardModelRun}
+class Deployed:
+    """What a stage run with its deployment answers (a run as its processes receive it: what it trains, and where
+    its parts run, `deploy`)."""
+
+    def resolved_state_dir(self):
+        return self.deploy.resolved_state_dir()
+
+    def resolve_model_path(self, value: str) -> str:
+        return str(embedded_model_path(value)) if is_embedded(value) else value
+
+
+DEPLOY_DESCRIPTION = "Where the run's ranks run, its state directory, tracking and checkpoint stores (set by the deployment)."
+
+
+class SFTRun(SFTRunConfig, Deployed):
+    """An SFT run with its deployment."""
+
+    deploy: DeployConfig = Field(default_factory=DeployConfig, description=DEPLOY_DESCRIPTION)
+
+
+class RewardModelRun(RewardModelRunConfig, Deployed):
+    """A reward-model run with its deployment."""
+
+    deploy: DeployConfig = Field(default_factory=DeployConfig, description=DEPLOY_DESCRIPTION)
+
+
+StageRun = SFTRun | RewardModelRun
+STAGE_RUNS: dict[str, type] = {"sft": SFTRun, "reward_model": RewardModelRun}
+STAGE_RUN_CONFIGS: dict[str, type] = {"sft": SFTRunConfig, "reward_model": RewardModelRunConfig}

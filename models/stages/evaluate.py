@@ -24,7 +24,7 @@ from models.config import RolloutConfig, Sampling
 from models.data import PromptSet
 from models.engines import build_engine
 from models.loading import from_pretrained
-from models.policy import Policy
+from models.policy import Policy, load_policy_tokenizer
 from models.reward import (HandOffError, load_reward_function, load_reward_model, load_reward_tokenizer,
                            reward_model_scores, same_tokenizer, text_reward_scores)
 from models.stages.data import Pairs, right_padded
@@ -130,8 +130,6 @@ def comparison_rows(prompts: list[str], sides: dict, limit: int) -> list[dict]:
 def export_policy(actor_dir: Path, base: str, out: Path) -> Path:
     """The RL stage's policy as a plain HF model directory: an actor checkpoint's full weights as they are, or its
     LoRA adapter merged into `base` (the SFT model it was trained from); the tokenizer beside."""
-    from models.policy import load_policy_tokenizer
-
     if (actor_dir / "adapter_config.json").exists():
         from peft import PeftModel  # heavy: only a LoRA policy needs it
 

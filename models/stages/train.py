@@ -13,9 +13,9 @@ replicates the frozen base. Checkpoints are the RL actor's (models/loop.save_act
 (or the adapter) written by rank 0, the optimizer sharded, the schedule and counters beside. `export` writes the
 stage's output: a plain HF model directory (LoRA merged) that the next stage loads with from_pretrained.
 
-Padding: every batch is right-padded and a sequence is scored at index length-1 (a hook on the score head reads its
-per-position output), never at the last token that differs from the pad id: a pad id equal to EOS cannot move the
-scored position (the reward collator pitfall of TRL #937).
+Padding: every batch is right-padded and a sequence is scored at index length-1: the padding (and only the padding)
+holds an id the config names as the pad id for that forward, so a pad id equal to EOS cannot move the scored
+position onto the token before the EOS (the reward collator pitfall of TRL #937).
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from models.loading import autocast, disable_dropout, from_pretrained, make_opti
 from models.loop import Leader, restore_actor, save_actor
 from models.losses import bradley_terry_loss, completion_mask, reward_metrics, sft_loss
 from models.policy import Policy, load_policy_tokenizer
-from models.reward import _head
 from models.stages.config import StageRun
 from models.stages.data import right_padded
 from models.update import micro_batches, minibatch_update
@@ -69,19 +68,25 @@ class Scorer:
         return cls(model, tokenizer, False, dtype, me, device, sharded=shard)
 
     def scores(self, tokens: Tensor, lengths: Tensor) -> Tensor:
-        """Scores [B] of right-padded tokens [B, L] at index lengths-1, with gradients (unless under no_grad)."""
-        inner = self.model.get_base_model() if self.lora else self.model
-        seen: list[Tensor] = []
-        hook = _head(inner).register_forward_hook(lambda module, args, output: seen.append(output))
+        """Scores [B] of right-padded tokens [B, L] at index lengths-1, with gradients (unless under no_grad).
+
+        The model's own forward scores them (so FSDP2 sees its output in the backward pass), and HF pools at the
+        last token that differs from config.pad_token_id: for this forward the padding, and only the padding, holds
+        an id no real token of the batch has, and the config names it (a pad id equal to EOS would otherwise move
+        the scored position onto the token before the EOS: TRL #937)."""
         tokens, lengths = tokens.to(self.device), lengths.to(self.device)
-        positions = torch.arange(tokens.shape[1], device=self.device).unsqueeze(0)
+        real = torch.arange(tokens.shape[1], device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
+        present = torch.zeros(self.model.get_input_embeddings().num_embeddings, dtype=torch.bool, device=self.device)
+        present[tokens[real]] = True
+        pad = int((~present).nonzero()[0])  # a batch holds fewer distinct ids than the vocabulary
+        config = (self.model.get_base_model() if self.lora else self.model).config.get_text_config()
+        saved, config.pad_token_id = config.pad_token_id, pad
         try:
             with autocast(self.device, self.dtype):
-                self.model(input_ids=tokens, attention_mask=(positions < lengths.unsqueeze(1)).long())
+                logits = self.model(input_ids=torch.where(real, tokens, pad), attention_mask=real.long()).logits
         finally:
-            hook.remove()
-        per_position = seen[0].squeeze(-1).float()  # [B, L]: the head reads every position before HF pools
-        return per_position[torch.arange(len(tokens), device=self.device), lengths - 1].cpu()
+            config.pad_token_id = saved
+        return logits.squeeze(-1).float().cpu()
 
     def trainable_parameters(self):
         return [p for p in self.model.parameters() if p.requires_grad]
@@ -97,7 +102,7 @@ class Scorer:
     def load_weights(self, directory) -> None:
         if self.lora:
             from peft import set_peft_model_state_dict  # heavy: peft is needed only with LoRA
-            from safetensors.torch import load_file
+            from safetensors.torch import load_file  # as peft above
 
             set_peft_model_state_dict(self.model, load_file(str(Path(directory) / "adapter_model.safetensors")))
             return
