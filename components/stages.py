@@ -61,7 +61,6 @@ def prepare_stage(cfg: StageRun) -> tuple[StageRun, Sequences | Pairs, Sequences
     """The config with its derived values (its model exists, an absolute state directory, the LR schedule's length
     from the rows it trains on), its training rows and its held-out rows (None without eval_split), read with the
     model's tokenizer: bad data fails here, before any model loads."""
-
     path = check_model_path(cfg.resolve_model_path(cfg.model), "model")
     data, held_out = stage_rows(cfg.stage, cfg.train, path)
     updates = {"deploy.state_dir": str(cfg.resolved_state_dir())}
@@ -203,7 +202,6 @@ def stage_loop(cfg: StageRun, trainee, data, held_out, session: StageSession,
     """Train from where the trainee stands to the last step: the held-out eval before the first step (not again at a
     resume point), every eval_every steps and after the last; a checkpoint every checkpoint.every steps and after the
     last. Steps run in segments (one named step each) between checkpoints and evals."""
-
     train = cfg.train
     total = total_steps(train, len(data))
     stream = RowStream.resume(len(data), train.batch_size, cfg.seed, trainee.state.data)

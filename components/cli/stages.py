@@ -44,7 +44,6 @@ def write_summary(result: dict, path: str | None) -> None:
 
 def cmd_stage(args) -> int:
     """A stage run (sft or reward_model) in this process: checkpoints, resume by run_name, MLflow, held-out eval."""
-
     cfg = load_tree(STAGE_RUNS[args.stage], args.config, args.set)
     result = train_stage(cfg)
     write_summary({k: v for k, v in result.items() if k != "history"} | {"history": result["history"]}, args.summary_out)
@@ -53,7 +52,6 @@ def cmd_stage(args) -> int:
 
 def cmd_pipeline(args) -> int:
     """The pipeline in this process: stages reused where their keys match, --from rebuilds from a stage on."""
-
     given = load_tree(PipelineFile, args.config, args.set, defaults={"deploy": PIPELINE_DEPLOY})
     result = run_pipeline(given.pipeline, given.deploy, rerun_from=args.from_stage)
     for stage, outcome in result["stages"].items():

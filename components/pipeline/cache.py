@@ -26,6 +26,7 @@ import socket
 import time
 from functools import lru_cache
 from pathlib import Path
+from typing import Callable
 
 from components.storage.checkpoints import CheckpointError, CheckpointStore
 from models.tiny_files import embedded_model_path, file_digests, is_embedded, manifest_digest
@@ -101,3 +102,34 @@ class Records:
         """The lock that builds (stage, key) once; `waiting(holder)` is told who holds it when it is taken."""
         owner = {"pipeline": pipeline, "host": socket.gethostname(), "pid": os.getpid(), "since": time.time()}
         return self.base.exclusive(f"locks/{stage_dir(stage, key)}", owner, waiting)
+
+
+def build_once(records: Records, stage: str, key: str, build: Callable[[], dict], pipeline: str,
+               log: Callable[[str], None], forced: bool = False) -> dict:
+    """The record of (stage, key): reused when valid (marked `reused`), else built under the stage's lock and
+    written. A pipeline that finds the lock taken waits, then reuses what the holder built (or builds it, if the
+    holder failed). `forced` (--from): built again from scratch, its earlier checkpoints deleted first, so the run
+    does not resume them."""
+    if not forced and (record := records.valid_record(stage, key)) is not None:
+        return reused(stage, record, log)
+
+    def waiting(holder: dict | None) -> None:
+        who = (f"pipeline {holder.get('pipeline')} (host {holder.get('host')}, pid {holder.get('pid')})"
+               if holder else "another pipeline")
+        log(f"{stage}: {who} is building {stage_dir(stage, key)}; waiting for it")
+
+    with records.lock(stage, key, pipeline, waiting):
+        if not forced and (record := records.valid_record(stage, key)) is not None:
+            return reused(stage, record, log)  # built while we waited
+        if forced:
+            records.store(stage, key).delete_all()
+        log(f"{stage}: building {stage_dir(stage, key)}")
+        record = {**build(), "pipeline": pipeline, "code": code_version(), "created": time.time()}
+        records.write(stage, key, record)
+        return {**record, "stage": stage, "key": key}
+
+
+def reused(stage: str, record: dict, log: Callable[[str], None]) -> dict:
+    log(f"{stage}: cached: reusing {record.get('model') or stage_dir(stage, record['key'])} (built by pipeline "
+        f"{record.get('pipeline')}, MLflow run {record.get('mlflow_run_id')})")
+    return {**record, "reused": True}

@@ -41,7 +41,7 @@ from prefect.context import TaskRunContext
 from prefect.client.schemas.objects import State
 from prefect.states import Completed
 
-from components.pipeline.cache import Records, code_version, model_digest, stage_dir, stage_key
+from components.pipeline.cache import Records, build_once, code_version, model_digest, stage_dir, stage_key
 from components.pipeline.config import STAGE_ORDER, PipelineConfig
 from components.pipeline.lineage import PipelineRun
 from components.runs import train
@@ -149,9 +149,11 @@ def given(p: Pipeline, stage: str, model: str) -> Outcome:
     return outcome
 
 
-def stage(p: Pipeline, name: str, config: dict, data: dict[str, str], upstream: dict[str, str],
+def stage(p: Pipeline, name: str, inputs: tuple[dict, dict[str, str], dict[str, str]],
           build: Callable[[Pipeline, str], dict]) -> Outcome:
-    """Reuse the record of the stage's key, or build it (under its lock) and record it; returns the outcome."""
+    """Reuse the record of the stage's key (from `inputs`: its config, data digests and upstream model digests), or
+    build it (under its lock) and record it; returns the outcome."""
+    config, data, upstream = inputs
     key = stage_key(name, config, data, upstream, code_version())
     started = time.time()
     record = p.steps(STEP_NAMES[name], run_or_reuse, p, name, key, build)
@@ -169,35 +171,14 @@ def stage(p: Pipeline, name: str, config: dict, data: dict[str, str], upstream: 
 
 
 def run_or_reuse(p: Pipeline, name: str, key: str, build: Callable[[Pipeline, str], dict]):
-    """The body of a stage's step: its valid record (reused), or a new build recorded under the stage's lock. Inside
-    a Prefect task a reused record ends the task as Completed named 'Cached'."""
-    forced = name in p.forced
-    if not forced and (record := p.records.valid_record(name, key)) is not None:
-        return reused(p, name, record)
-
-    def waiting(holder: dict | None) -> None:
-        who = f"pipeline {holder.get('pipeline')} (host {holder.get('host')}, pid {holder.get('pid')})" if holder else "another pipeline"
-        p.steps.log(f"{name}: {who} is building {stage_dir(name, key)}; waiting for it")
-
-    with p.records.lock(name, key, p.cfg.name, waiting):
-        if not forced and (record := p.records.valid_record(name, key)) is not None:
-            return reused(p, name, record)  # built while we waited
-        store = p.records.store(name, key)
-        if forced:
-            store.delete_all()  # a fresh run: not a resume of the checkpoints of the last build
-        p.steps.log(f"{name}: building {stage_dir(name, key)}")
-        record = {**build(p, key), "pipeline": p.cfg.name, "code": code_version(), "created": time.time()}
-        p.records.write(name, key, record)
-        return {**record, "stage": name, "key": key}
-
-
-def reused(p: Pipeline, name: str, record: dict):
-    p.steps.log(f"{name}: cached: reusing {record.get('model') or stage_dir(name, record['key'])} (built by "
-                f"pipeline {record.get('pipeline')}, MLflow run {record.get('mlflow_run_id')})")
-    if TaskRunContext.get() is not None:  # a Prefect task: end it as Prefect's own cache would
-        return Completed(name="Cached", data={**record, "reused": True},
-                         message=f"reused {stage_dir(name, record['key'])} (built by pipeline {record.get('pipeline')})")
-    return {**record, "reused": True}
+    """The body of a stage's step: its valid record (reused), or a new build recorded under the stage's lock
+    (cache.build_once). Inside a Prefect task a reused record ends the task as Completed named 'Cached', what
+    Prefect's own cache gives."""
+    record = build_once(p.records, name, key, lambda: build(p, key), p.cfg.name, p.steps.log, name in p.forced)
+    if record.get("reused") and TaskRunContext.get() is not None:
+        return Completed(name="Cached", data=record,
+                         message=f"reused {stage_dir(name, key)} (built by pipeline {record.get('pipeline')})")
+    return record
 
 
 def local_model(p: Pipeline, name: str, record: dict) -> str:
@@ -226,32 +207,63 @@ def stage_deploy(p: Pipeline) -> DeployConfig:
     return p.deploy.model_copy(update={"checkpoint": p.deploy.checkpoint.model_copy(update={"uri": p.records.base_uri})})
 
 
-# ---------------------------------------------------------------- sft
+# ---------------------------------------------------------------- what each stage is made from (its key's inputs)
 
-def sft_stage(p: Pipeline) -> None:
-
-    cfg = p.cfg
-    if cfg.sft.model:
-        p.outcomes["sft"] = given(p, "sft", cfg.sft.model)
-    else:
-        section = cfg.sft.model_dump(mode="json", exclude={"model"})
-        p.outcomes["sft"] = stage(p, "sft", {"sft": section, "seed": cfg.seed}, stage_data(cfg.sft, "sft", rows_digest),
-                                  {"base_model": model_digest(cfg.base_model)}, build_sft)
-
-    p.steps("hand-off-sft", check_policy, p.outcomes["sft"].local_dir, "sft.model")
+def sft_inputs(cfg: PipelineConfig) -> tuple[dict, dict, dict]:
+    """(config, data digests, upstream model digests) of the SFT stage."""
+    return ({"sft": cfg.sft.model_dump(mode="json", exclude={"model"}), "seed": cfg.seed},
+            stage_data(cfg.sft, "sft"), {"base_model": model_digest(cfg.base_model)})
 
 
-def stage_data(section, name: str, digest) -> dict[str, str]:
+def reward_model_inputs(cfg: PipelineConfig, sft_digest: str) -> tuple[dict, dict, dict]:
+    """... of the reward-model stage, trained from the SFT model (`sft_digest`) or from base_model."""
+    init = sft_digest if cfg.reward_model.init == "sft" else model_digest(cfg.base_model)
+    return ({"reward_model": cfg.reward_model.model_dump(mode="json", exclude={"model"}), "seed": cfg.seed},
+            stage_data(cfg.reward_model, "reward_model"), {"init": init})
+
+
+def rl_inputs(cfg: PipelineConfig, sft_digest: str, reward_digest: str) -> tuple[dict, dict, dict]:
+    """... of the RL stage: its run config without what the pipeline sets (its models, name, MLflow place)."""
+    section = cfg.rl.model_dump(mode="json", exclude={"run_name": True, "seed": True,
+                                                      "tracking": {"parent_run_id", "experiment"},
+                                                      "model": {"policy", "reward", "critic"}})
+    data = {"prompts": rows_digest(cfg.rl.data.prompts, cfg.rl.data.split, "rl.data.prompts")}
+    if cfg.rl.eval.prompts and cfg.rl.eval.every:
+        data["eval"] = rows_digest(cfg.rl.eval.prompts, cfg.rl.eval.split, "rl.eval.prompts")
+    return {"rl": section, "seed": cfg.seed}, data, {"policy": sft_digest, "reward": reward_digest}
+
+
+def eval_inputs(cfg: PipelineConfig, rl_digest: str, sft_digest: str, reward_digest: str) -> tuple[dict, dict, dict]:
+    """... of the eval stage: the two policies and the judge."""
+    config = {"eval": cfg.eval.model_dump(mode="json"), "seed": cfg.seed, "normalize": cfg.rl.reward.normalize,
+              "max_new_tokens": cfg.eval.max_new_tokens or cfg.rl.generation.max_new_tokens}
+    data = {"prompts": rows_digest(cfg.eval.prompts, cfg.eval.split, "eval.prompts")}
+    return config, data, {"policy": rl_digest, "reference": sft_digest, "reward": reward_digest}
+
+
+def stage_data(section, name: str) -> dict[str, str]:
     """Digests of a stage's training rows and held-out rows."""
-    out = {"train": digest(section.data, section.split, f"{name}.data")}
+    out = {"train": rows_digest(section.data, section.split, f"{name}.data")}
     if section.eval_split is not None:
         source = section.eval_data or section.data
-        out["eval"] = digest(source, section.eval_split, f"{name}.eval_data" if section.eval_data else f"{name}.data")
+        out["eval"] = rows_digest(source, section.eval_split, f"{name}.eval_data" if section.eval_data else f"{name}.data")
     return out
 
 
-def build_sft(p: Pipeline, key: str) -> dict:
+def digest(p: Pipeline, stage_name: str) -> str:
+    """The digest of an upstream stage's model (the sha256 of its files): what a downstream key is made from."""
+    return p.outcomes[stage_name].record["digest"]
 
+
+# ---------------------------------------------------------------- sft
+
+def sft_stage(p: Pipeline) -> None:
+    cfg = p.cfg
+    p.outcomes["sft"] = given(p, "sft", cfg.sft.model) if cfg.sft.model else stage(p, "sft", sft_inputs(cfg), build_sft)
+    p.steps("hand-off-sft", check_policy, p.outcomes["sft"].local_dir, "sft.model")
+
+
+def build_sft(p: Pipeline, key: str) -> dict:
     cfg = p.cfg
     run = SFTRun.model_validate({"run_name": stage_dir("sft", key), "seed": cfg.seed, "model": cfg.base_model,
                                  "sft": cfg.sft.model_dump(exclude={"model"}), "tracking": stage_tracking(p),
@@ -271,22 +283,16 @@ def stage_record(result: dict) -> dict:
 # ---------------------------------------------------------------- reward model
 
 def reward_model_stage(p: Pipeline) -> None:
-
     cfg = p.cfg
     if cfg.reward_model.model:
         p.outcomes["reward_model"] = given(p, "reward_model", cfg.reward_model.model)
     else:
-        init = p.outcomes["sft"] if cfg.reward_model.init == "sft" else None
-        upstream = {"init": init.record["digest"] if init else model_digest(cfg.base_model)}
-        section = cfg.reward_model.model_dump(mode="json", exclude={"model"})
-        p.outcomes["reward_model"] = stage(p, "reward_model", {"reward_model": section, "seed": cfg.seed},
-                                           stage_data(cfg.reward_model, "reward_model", rows_digest), upstream,
+        p.outcomes["reward_model"] = stage(p, "reward_model", reward_model_inputs(cfg, digest(p, "sft")),
                                            build_reward_model)
     p.steps("hand-off-reward-model", check_reward_model, p)
 
 
 def build_reward_model(p: Pipeline, key: str) -> dict:
-
     cfg = p.cfg
     init = p.outcomes["sft"].local_dir if cfg.reward_model.init == "sft" else cfg.base_model
     run = RewardModelRun.model_validate({
@@ -299,7 +305,6 @@ def build_reward_model(p: Pipeline, key: str) -> dict:
 def check_reward_model(p: Pipeline) -> float | None:
     """The reward model loads as the RL stage loads it (no newly initialised weight), and a trained one scores its
     held-out pairs as its stage recorded."""
-
     outcome, section = p.outcomes["reward_model"], p.cfg.reward_model
     path = outcome.local_dir
     recorded = outcome.record.get("metrics", {}).get("eval/accuracy")
@@ -326,24 +331,13 @@ def rl_run(p: Pipeline, key: str) -> RLHFConfig:
 
 
 def rl_stage(p: Pipeline) -> None:
-
-    cfg = p.cfg
-    section = cfg.rl.model_dump(mode="json", exclude={"run_name": True, "seed": True,
-                                                      "tracking": {"parent_run_id", "experiment"},
-                                                      "model": {"policy", "reward", "critic"}})
-    data = {"prompts": rows_digest(cfg.rl.data.prompts, cfg.rl.data.split, "rl.data.prompts")}
-    if cfg.rl.eval.prompts and cfg.rl.eval.every:
-        data["eval"] = rows_digest(cfg.rl.eval.prompts, cfg.rl.eval.split, "rl.eval.prompts")
-    upstream = {"policy": p.outcomes["sft"].record["digest"], "reward": p.outcomes["reward_model"].record["digest"]}
-    p.outcomes["rl"] = stage(p, "rl", {"rl": section, "seed": cfg.seed}, data, upstream, build_rl)
-
+    p.outcomes["rl"] = stage(p, "rl", rl_inputs(p.cfg, digest(p, "sft"), digest(p, "reward_model")), build_rl)
     p.steps("hand-off-rl", check_policy, p.outcomes["rl"].local_dir, "rl policy")
 
 
 def build_rl(p: Pipeline, key: str) -> dict:
     """The RL run (resumed from its checkpoints if an earlier build of this key died), then its last checkpoint's
     policy exported as a plain model into the stage's store."""
-
     cfg = rl_run(p, key)
     result = train(cfg, p.steps)
     store = CheckpointStore.from_uri(result["checkpoint"], s3_endpoint_url=p.deploy.checkpoint.s3_endpoint_url)
@@ -365,14 +359,9 @@ def build_rl(p: Pipeline, key: str) -> dict:
 # ---------------------------------------------------------------- eval
 
 def eval_stage(p: Pipeline) -> None:
-
     cfg = p.cfg
-    config = {"eval": cfg.eval.model_dump(mode="json"), "seed": cfg.seed, "normalize": cfg.rl.reward.normalize,
-              "max_new_tokens": cfg.eval.max_new_tokens or cfg.rl.generation.max_new_tokens}
-    upstream = {role: p.outcomes[stage].record["digest"] for role, stage in
-                (("policy", "rl"), ("reference", "sft"), ("reward", "reward_model"))}
-    data = {"prompts": rows_digest(cfg.eval.prompts, cfg.eval.split, "eval.prompts")}
-    p.outcomes["eval"] = stage(p, "eval", config, data, upstream, build_eval)
+    p.outcomes["eval"] = stage(p, "eval", eval_inputs(cfg, digest(p, "rl"), digest(p, "sft"), digest(p, "reward_model")),
+                               build_eval)
     rows = p.outcomes["eval"].record.get("rows", [])
     if rows:
         metrics = p.outcomes["eval"].record["metrics"]
@@ -382,7 +371,6 @@ def eval_stage(p: Pipeline) -> None:
 
 
 def build_eval(p: Pipeline, key: str) -> dict:
-
     cfg, e = p.cfg, p.cfg.eval
     policy = p.outcomes["rl"].local_dir
     prompts = load_prompt_set(e.prompts, e.split, e.prompt_key, load_policy_tokenizer(policy), field="eval.prompts")
