@@ -58,7 +58,7 @@ from models.stages.evaluate import check_policy, compare_policies, export_policy
 from models.stages.evaluate import check_reward_model as check_loaded_reward_model
 from models.tiny_files import embedded_model_path, file_digests, is_embedded, manifest_digest
 
-STEP_NAMES = {"sft": "sft", "reward_model": "reward-model", "rl": "rl", "eval": "eval"}
+STEP_NAMES = {"sft": "sft-stage", "reward_model": "reward-model-stage", "rl": "rl-stage", "eval": "eval-stage"}
 
 
 class PipelineError(RuntimeError):

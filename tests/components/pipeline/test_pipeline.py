@@ -1,8 +1,9 @@
-"""The whole pipeline on the tiny models (components/pipeline/run.py), in this process with a real MLflow store and
-checkpoint store: one module-scoped series of runs read by several tests. A first run builds every stage; a rerun
-reuses them all; a rerun with only an RL setting changed reuses sft and the reward model; one with other preference
-data retrains the reward model, rl and eval, not sft; --from rebuilds a stage and what follows; the lineage is in
-MLflow; a reward model without its score head stops the pipeline before its RL stage."""
+"""The whole pipeline on the tiny models (components/pipeline/run.py), in this process with a real MLflow store,
+checkpoint store and a temporary Prefect server: one module-scoped series of runs read by several tests. A first run
+builds every stage; a rerun reuses them all (in Prefect, each stage's task Cached); a rerun with only an RL setting
+changed reuses sft and the reward model; one with other preference data retrains the reward model, rl and eval, not
+sft; --from rebuilds a stage and what follows; the lineage is in MLflow; a reward model without its score head stops
+the pipeline before its RL stage. And a stage's own flow (flows/stages.py) runs its steps as tasks."""
 
 from __future__ import annotations
 
@@ -10,13 +11,18 @@ import json
 
 import pytest
 from mlflow.tracking import MlflowClient
+from prefect import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.testing.utilities import prefect_test_harness
 
 from components.pipeline.config import STAGE_ORDER, PipelineConfig
-from components.pipeline.run import run_pipeline
+from components.pipeline.run import STEP_NAMES, run_pipeline
+from flows.stages import pipeline, sft
 from models.config import merge
 from models.data import builtin_rows
 from models.deploy import DeployConfig
 from models.reward import HandOffError
+from models.stages.config import SFTRunConfig
 
 SMALL = {"name": "tiny-pipeline",
          "sft": {"max_steps": 6, "batch_size": 16, "max_eval_rows": 32},
@@ -28,8 +34,15 @@ SMALL = {"name": "tiny-pipeline",
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """The series of runs, each on what the ones before it left (one state directory)."""
+def prefect_server():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, prefect_server):
+    """The series of runs, each on what the ones before it left (one state directory): the first two as the
+    pipeline flow (as pipeline/default runs it), the others as `rlhf pipeline` does (no Prefect)."""
     state = tmp_path_factory.mktemp("pipeline")
     deploy = DeployConfig.model_validate({"state_dir": str(state), "tracking": {"system_metrics": False},
                                           "critic": {"launch": "in_process"}, "reward": {"launch": "in_process"}})
@@ -37,8 +50,9 @@ def runs(tmp_path_factory):
     rows = builtin_rows("sentiment_preference", "train")[:1500]
     (state / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = {"state": state, "cfg": cfg, "deploy": deploy}
-    out["first"] = run_pipeline(cfg, deploy)
-    out["again"] = run_pipeline(cfg, deploy)
+    for name in ("first", "again"):
+        flow_state = pipeline(config=cfg, deploy=deploy, return_state=True)
+        out[name], out[f"{name}_flow_run"] = flow_state.result(), flow_state.state_details.flow_run_id
     out["rl_changed"] = run_pipeline(merge(cfg, {"rl.reinforce.optim.lr": 1e-4}), deploy)
     out["data_changed"] = run_pipeline(merge(cfg, {"reward_model.data": str(state / "pairs.jsonl"),
                                                    "reward_model.eval_data": "builtin:sentiment_preference"}), deploy)
@@ -121,3 +135,30 @@ def test_a_reward_model_without_its_score_head_stops_the_pipeline_before_rl(runs
                                            r"weights \['score.weight'\]"):
         run_pipeline(cfg, runs["deploy"])
     assert sorted(p.name for p in (runs["state"] / "checkpoints").glob("rl-*")) == before
+
+
+def task_states(flow_run_id) -> dict[str, list[str]]:
+    """State names of a flow run's task runs, by task name."""
+    with get_client(sync_client=True) as client:
+        found = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200)
+    out: dict[str, list[str]] = {}
+    for run in found:
+        out.setdefault(run.name.rsplit("-", 1)[0], []).append(run.state.name)
+    return out
+
+
+def test_prefect_shows_each_stage_as_a_task_and_a_reused_one_cached(runs):
+    built, reused = task_states(runs["first_flow_run"]), task_states(runs["again_flow_run"])
+    for name in STEP_NAMES.values():
+        assert built[name] == ["Completed"] and reused[name] == ["Cached"], name
+    assert "sft-steps" in built and "rloo-iteration" in built  # a stage's own steps nest inside its task
+    assert "sft-steps" not in reused and "rloo-iteration" not in reused
+
+
+def test_a_stage_flow_runs_its_steps_as_tasks(prefect_server, tmp_path):
+    deploy = DeployConfig.model_validate({"state_dir": str(tmp_path), "tracking": {"system_metrics": False}})
+    state = sft(config=SFTRunConfig.model_validate({"run_name": "flow-sft", "sft": {"max_steps": 2, "max_eval_rows": 8}}),
+                deploy=deploy, return_state=True)
+    assert state.is_completed() and state.result()["steps"] == 2
+    assert {"open-run", "sft-steps", "checkpoint", "eval", "export-model"} <= set(task_states(state.state_details.flow_run_id))
+    assert (tmp_path / "checkpoints" / "flow-sft" / "model" / "model.safetensors").exists()
