@@ -3,16 +3,10 @@ through the same run builders as their flows (components/stages.py, components/p
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import yaml
-
-from components.cli.options import parse_overrides
+from components.cli.files import load_tree, write_summary
 from components.pipeline.config import PipelineFile
 from components.pipeline.run import run_pipeline
 from components.stages import train_stage
-from models.config import deep_merge, merge
 from models.stages.config import STAGE_RUNS
 
 # Where `rlhf pipeline`'s RL stage runs its critic and reward model unless the file says otherwise: in this process,
@@ -20,33 +14,11 @@ from models.stages.config import STAGE_RUNS
 PIPELINE_DEPLOY = {"critic": {"launch": "in_process"}, "reward": {"launch": "in_process"}, "rollout": {"launch": "local"}}
 
 
-def load_tree(model_class, path: str | None, sets: list[str] | None, defaults: dict | None = None):
-    """A config of `model_class` from its defaults, `defaults`, a YAML file (any subset) and --set overrides; exits
-    naming a bad field."""
-    try:
-        data = deep_merge({}, defaults or {})
-        if path:
-            loaded = yaml.safe_load(Path(path).read_text()) or {}
-            if not isinstance(loaded, dict):
-                raise ValueError(f"{path} must hold a mapping, got {type(loaded).__name__}")
-            data = deep_merge(data, loaded)
-        return merge(model_class.model_validate(data), parse_overrides(sets))
-    except SystemExit:
-        raise
-    except Exception as exc:  # pydantic's ValidationError names the field
-        raise SystemExit(f"invalid config: {exc}") from None
-
-
-def write_summary(result: dict, path: str | None) -> None:
-    if path:
-        Path(path).write_text(json.dumps(result, indent=1, default=str))
-
-
 def cmd_stage(args) -> int:
     """A stage run (sft or reward_model) in this process: checkpoints, resume by run_name, MLflow, held-out eval."""
     cfg = load_tree(STAGE_RUNS[args.stage], args.config, args.set)
     result = train_stage(cfg)
-    write_summary({k: v for k, v in result.items() if k != "history"} | {"history": result["history"]}, args.summary_out)
+    write_summary(result, args.summary_out)
     return 0
 
 

@@ -14,10 +14,15 @@ from prefect.settings import PREFECT_API_URL
 from pydantic import ValidationError
 
 from components.cli.commands import load_cli_config
+from components.cli.files import load_tree
+from components.pipeline.config import PipelineFile
 from components.launch.processes import project_env
 from components.launch.stack import running_prefect_api
 from components.sweep.config import SweepConfig
 from components.sweep.space import SweepError, check_sweep
+from models.config import RLHFConfig, merge
+
+PIPELINE_ONLY = {"base_model", "sft", "reward_model", "rl"}  # keys of a pipeline's file that a run's config has not
 
 
 class NumberLoader(yaml.SafeLoader):
@@ -50,8 +55,20 @@ def load_sweep(args) -> SweepConfig:
         raise SystemExit(f"invalid sweep: {exc}") from None
 
 
+def is_pipeline(path: str | None) -> bool:
+    """Whether a --config file holds a pipeline (components/pipeline/config.py) rather than a run's config."""
+    data = yaml.safe_load(Path(path).read_text()) if path else None
+    return isinstance(data, dict) and bool(PIPELINE_ONLY & set(data))
+
+
 def cmd_sweep(args) -> int:
-    config = load_cli_config(args)
+    pipeline = None
+    if is_pipeline(args.config):  # trials over the pipeline's RL stage (--space fields of its rl section)
+        given = load_tree(PipelineFile, args.config, args.set)
+        pipeline = given.pipeline
+        config = RLHFConfig.of(merge(pipeline.rl, {"tracking.experiment": pipeline.tracking.experiment}), given.deploy)
+    else:
+        config = load_cli_config(args)
     sweep = load_sweep(args)
     try:
         check_sweep(config, sweep)
@@ -65,4 +82,6 @@ def cmd_sweep(args) -> int:
                              "(or set PREFECT_API_URL)")
         env["PREFECT_API_URL"] = api
     command = [sys.executable, "-m", "flows.sweep", "--config", config.model_dump_json(), "--sweep", sweep.model_dump_json()]
+    if pipeline is not None:
+        command += ["--pipeline", pipeline.model_dump_json()]
     return subprocess.run(command, env=env).returncode

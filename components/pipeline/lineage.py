@@ -37,16 +37,23 @@ class PipelineRun:
         return self
 
     def record_stage(self, stage: str, outcome: dict) -> None:
-        """Tags naming what the stage is (cached or built, its model, key, run) and its metrics at step 0."""
+        """Tags naming what the stage is (cached or built, its model, key, run); its metrics at step 0 ('<stage>/...'
+        unless named so already: the eval stage's eval/win_rate...); the RL stage's held-out evals at their
+        iterations (eval/score, eval/gold_reward: what a sweep over the pipeline reads, as it reads an RL run's)."""
         client = self.tracker.client
         for name, value in {"cached": str(outcome.get("cached", False)).lower(), "model": outcome.get("model"),
                             "key": outcome.get("key"), "run": outcome.get("mlflow_run_id"),
                             "logged_model": outcome.get("logged_model_id")}.items():
             if value:
                 client.set_tag(self.run_id, f"stage.{stage}.{name}", str(value))
-        numbers = {f"{stage}/{k}": v for k, v in (outcome.get("metrics") or {}).items() if isinstance(v, (int, float))}
+        numbers = {k if k.startswith(f"{stage}/") else f"{stage}/{k}": v
+                   for k, v in (outcome.get("metrics") or {}).items() if isinstance(v, (int, float))}
         if numbers:
             self.tracker.log_side_metrics(numbers, step=0)
+        if stage == "rl":
+            for evaluation in outcome.get("evals") or []:
+                self.tracker.log_side_metrics({k: v for k, v in evaluation.items() if k.startswith("eval/")},
+                                              step=int(evaluation["iteration"]))
 
     def log_model(self, stage: str, record: dict, upstream: dict[str, str], data: dict[str, str]) -> str:
         """Log the stage's model as an external MLflow LoggedModel of the run that built it (`record`'s MLflow run,
