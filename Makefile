@@ -1,4 +1,5 @@
-# Two commands a newcomer needs: `make demo` (the main job end to end on the tiny default) and `make test`.
+# Two commands a newcomer needs: `make demo` (the main job end to end on the tiny default) and `make test`;
+# `make pipeline` runs the whole RLHF pipeline (examples/pipeline.yaml) in the shell.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 
 include infra/terraform/tools.mk
 
-.PHONY: venv vllm-venv demo test bench models clean
+.PHONY: venv vllm-venv demo pipeline test bench models clean
 
 # torch is installed first, pinned, so pip takes the CPU wheel and never resolves a multi-GB CUDA build.
 $(STAMP): pyproject.toml
@@ -48,6 +49,11 @@ models: venv
 
 demo: venv models
 	$(VENV)/bin/rlhf demo
+
+# The whole pipeline (sft -> reward model -> RLOO -> eval) of examples/pipeline.yaml in this shell, without the stack;
+# run it again to see every stage reused (`make demo` also runs it, as the pipeline/default deployment)
+pipeline: venv
+	$(VENV)/bin/rlhf pipeline --config examples/pipeline.yaml --summary-out .rlhf/pipeline-summary.json
 
 # Test files run in parallel, one pytest worker per core (pytest-xdist); a file's tests stay on one worker, in order,
 # because modules share expensive fixtures (a whole local stack, a critic server).
