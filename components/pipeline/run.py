@@ -50,6 +50,7 @@ from components.storage.checkpoints import CheckpointStore
 from models.config import RLHFConfig, Sampling, merge
 from models.data import load_prompt_set
 from models.deploy import DeployConfig
+from models.distributed import SINGLE, local_device
 from models.loop import DIRECT, Steps
 from models.policy import load_policy_tokenizer
 from models.stages.config import RewardModelRun, SFTRun
@@ -384,7 +385,7 @@ def build_eval(p: Pipeline, key: str) -> dict:
     try:
         metrics, rows = compare_policies(policy, p.outcomes["sft"].local_dir, p.outcomes["reward_model"].local_dir,
                                          prompts, sampling, e.samples_per_prompt, e.gold, cfg.seed, e.table_rows,
-                                         cfg.rl.reward.normalize)
+                                         cfg.rl.reward.normalize, local_device(p.deploy.device, SINGLE))
         tracker.log_metrics(metrics, step=0)
         tracker.log_table(rows, step=0, name="eval")
         status = "FINISHED"

@@ -69,27 +69,27 @@ def check_reward_model(path: str, pairs: Pairs | None, recorded: float | None, f
 
 @torch.no_grad()
 def compare_policies(policy_path: str, reference_path: str, reward_path: str, prompts: PromptSet, sampling: Sampling,
-                     samples: int, gold: str | None, seed: int, table_rows: int,
-                     normalize: bool = False) -> tuple[dict, list[dict]]:
+                     samples: int, gold: str | None, seed: int, table_rows: int, normalize: bool = False,
+                     device: torch.device | str = "cpu") -> tuple[dict, list[dict]]:
     """The RL policy (`policy_path`) against the SFT policy (`reference_path`): `samples` responses of each per prompt
     (one sampling seed for both: the j-th responses are paired); returns (metrics, rows)."""
-    reward = load_reward_model(reward_path, normalize=normalize)
+    reward = load_reward_model(reward_path, normalize=normalize, device=device)
     reward_tokenizer = load_reward_tokenizer(reward_path)
     gold_fn = load_reward_function(gold, "eval.gold") if gold else None
     asked = [p for p in prompts.prompts for _ in range(samples)]
     columns = [c for c in prompts.columns for _ in range(samples)]
     sides = {}
     for side, path in (("rl", policy_path), ("sft", reference_path)):
-        policy = Policy.load(path, field=f"{side} policy", reference=False)
+        policy = Policy.load(path, device=device, field=f"{side} policy", reference=False)
         policy.model.eval()
         engine = build_engine(RolloutConfig(), policy)
         ids = policy.encode_prompts(prompts.prompts, templated=prompts.templated)
         rollout = engine.generate(ids, samples, sampling, torch.Generator().manual_seed(seed))
         responses = policy.decode_responses(rollout)
         if same_tokenizer(policy.tokenizer, reward_tokenizer):  # as the RL stage's token transport scores rollouts
-            scores = reward_model_scores(reward, rollout.tokens, rollout.lengths)
+            scores = reward_model_scores(reward, rollout.tokens.to(device), rollout.lengths.to(device)).cpu()
         else:  # as its text transport does
-            scores = text_reward_scores(reward, reward_tokenizer, asked, responses)
+            scores = text_reward_scores(reward, reward_tokenizer, asked, responses).cpu()
         gold_scores = (torch.tensor(gold_fn(asked, responses, columns), dtype=torch.float64)
                        if gold_fn is not None else None)
         sides[side] = {"responses": responses, "scores": scores.double(), "gold": gold_scores,
