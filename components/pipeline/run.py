@@ -294,29 +294,32 @@ def reward_model_stage(p: Pipeline) -> None:
 
 
 def build_reward_model(p: Pipeline, key: str) -> dict:
+    """The reward-model run, then its hand-off check on the model as saved (recorded: a reuse of these very files,
+    sha256 for sha256, is not scored again)."""
     cfg = p.cfg
     init = p.outcomes["sft"].local_dir if cfg.reward_model.init == "sft" else cfg.base_model
     run = RewardModelRun.model_validate({
         "run_name": stage_dir("reward_model", key), "seed": cfg.seed, "model": init,
         "reward_model": cfg.reward_model.model_dump(exclude={"model", "init"}), "tracking": stage_tracking(p),
         "checkpoint": cfg.checkpoint.model_dump(), "deploy": stage_deploy(p).model_dump()})
-    return stage_record(train_stage(run, p.steps))
+    result = train_stage(run, p.steps)
+    record = stage_record(result)
+    recorded = record["metrics"].get("eval/accuracy")
+    if recorded is not None:
+        pairs = stage_rows("reward_model", cfg.reward_model, result["model_dir"], held_out_only=True)[1]
+        accuracy = check_loaded_reward_model(result["model_dir"], pairs, recorded, "reward_model.model")
+        record["handoff"] = {"held_out_accuracy": accuracy, "recorded": recorded}
+    return record
 
 
-def check_reward_model(p: Pipeline) -> float | None:
-    """The reward model loads as the RL stage loads it (no newly initialised weight), and a trained one scores its
-    held-out pairs as its stage recorded."""
-    outcome, section = p.outcomes["reward_model"], p.cfg.reward_model
-    path = outcome.local_dir
-    recorded = outcome.record.get("metrics", {}).get("eval/accuracy")
-    pairs = None
-    if not outcome.given and recorded is not None:  # the held-out pairs its stage evaluated
-        pairs = stage_rows("reward_model", section, path, held_out_only=True)[1]
-    accuracy = check_loaded_reward_model(path, pairs, recorded, "reward_model.model")
-    if accuracy is not None:
-        p.steps.log(f"hand-off: the reward model as loaded scores {accuracy:.4f} of its held-out pairs right "
-                    f"(recorded {recorded:.4f})")
-    return accuracy
+def check_reward_model(p: Pipeline) -> None:
+    """The reward model loads as the RL stage loads it (no newly initialised weight, one label); a trained one scored
+    its held-out pairs as its stage recorded when it was built (build_reward_model), and these are its files."""
+    outcome = p.outcomes["reward_model"]
+    check_loaded_reward_model(outcome.local_dir, None, None, "reward_model.model")
+    if handoff := outcome.record.get("handoff"):
+        p.steps.log(f"hand-off: the reward model as saved scores {handoff['held_out_accuracy']:.4f} of its held-out "
+                    f"pairs right (its stage recorded {handoff['recorded']:.4f})")
 
 
 # ---------------------------------------------------------------- rl

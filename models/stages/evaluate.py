@@ -40,7 +40,7 @@ def check_policy(path: str, field: str) -> None:
 
 
 @torch.no_grad()
-def pair_accuracy(model, tokenizer, pairs: Pairs, micro_batch_size: int = 64) -> float:
+def pair_accuracy(model, tokenizer, pairs: Pairs, micro_batch_size: int = 256) -> float:
     """Share of `pairs` whose chosen sequence the reward model scores above the rejected one."""
     wins = 0
     for start in range(0, len(pairs), micro_batch_size):

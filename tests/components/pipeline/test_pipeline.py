@@ -8,6 +8,7 @@ the pipeline before its RL stage. And a stage's own flow (flows/stages.py) runs 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from mlflow.tracking import MlflowClient
@@ -55,7 +56,8 @@ def runs(tmp_path_factory, prefect_server):
         out[name], out[f"{name}_flow_run"] = flow_state.result(), flow_state.state_details.flow_run_id
     out["rl_changed"] = run_pipeline(merge(cfg, {"rl.reinforce.optim.lr": 1e-4}), deploy)
     out["data_changed"] = run_pipeline(merge(cfg, {"reward_model.data": str(state / "pairs.jsonl"),
-                                                   "reward_model.eval_data": "builtin:sentiment_preference"}), deploy)
+                                                   "reward_model.eval_data": "builtin:sentiment_preference",
+                                                   "tracking.register_as": "tiny"}), deploy)
     out["from_reward_model"] = run_pipeline(cfg, deploy, rerun_from="reward_model")
     return out
 
@@ -76,6 +78,10 @@ def test_a_first_run_builds_every_stage(runs):
     assert {"eval/win_rate", "eval/rl_rm_score", "eval/sft_rm_score", "eval/rl_gold_reward", "eval/sft_gold_reward",
             "eval/gold_win_rate"} <= set(stages["eval"]["metrics"])
     assert stages["eval"]["metrics"]["eval/samples"] == 12  # 6 prompts x 2 samples of each policy
+    model = stages["reward_model"]["model"][len("file://"):]
+    handoff = json.loads((Path(model).parent / "record.json").read_text())["handoff"]  # the model as saved, rescored
+    assert handoff["recorded"] == stages["reward_model"]["metrics"]["eval/accuracy"]
+    assert handoff["held_out_accuracy"] == pytest.approx(handoff["recorded"], abs=1 / 100)
 
 
 def test_a_rerun_reuses_every_stage(runs):
@@ -124,6 +130,12 @@ def test_the_lineage_is_in_mlflow(runs):
                                 runs["from_reward_model"]["stages"]["reward_model"]["mlflow_run_id"],
                                 runs["data_changed"]["stages"]["reward_model"]["mlflow_run_id"]}
     assert {"tiny-pipeline-sft", "tiny-pipeline-policy"} <= set(models)
+    # registered where tracking.register_as was set: the models that run built (not the sft it reused)
+    changed = runs["data_changed"]["stages"]
+    versions = {name: client.search_model_versions(f"name = '{name}'") for name in ("tiny-reward-model", "tiny-policy")}
+    assert [v.source for v in versions["tiny-reward-model"]] == [changed["reward_model"]["model"]]
+    assert [v.source for v in versions["tiny-policy"]] == [changed["rl"]["model"]]
+    assert versions["tiny-policy"][0].tags["upstream.reward"] and not client.search_registered_models("name = 'tiny-sft'")
 
 
 def test_a_reward_model_without_its_score_head_stops_the_pipeline_before_rl(runs, tiny_models):
