@@ -2,8 +2,8 @@
 
 A stage's key is the sha256 of what decides its output: its own config (the section, with the pipeline's seed), the
 digests of its input data (every row as read: models/stages/data.rows_digest), the digests of its upstream stages'
-models (the sha256 of every file: `model_digest`) and the code version (the sha256 of the package's source: any code
-change rebuilds). Where a stage runs (deploy.*: ranks, servers, stores) is not in it: the update is the same whatever
+models (the sha256 of every file: `model_digest`) and the code version (the sha256 of the package's source and the
+versions of torch, transformers, tokenizers, peft and datasets: any code change or upgrade rebuilds). Where a stage runs (deploy.*: ranks, servers, stores) is not in it: the update is the same whatever
 the world size. Nothing else is in it either: the pipeline's name, the time, the user.
 
 A built stage leaves a small record beside its checkpoints, `<checkpoint base>/<stage>-<key[:20]>/record.json`: the
@@ -25,6 +25,7 @@ import os
 import socket
 import time
 from functools import lru_cache
+from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
 
@@ -37,10 +38,15 @@ PREFIXES = {"sft": "sft", "reward_model": "reward-model", "rl": "rl", "eval": "e
 KEY_CHARS = 20  # of the key in a stage's directory name (80 bits); the record holds the full key
 
 
+LIBRARIES = ("torch", "transformers", "tokenizers", "peft", "datasets")  # what trains, tokenizes and loads a model
+
+
 @lru_cache(maxsize=1)
 def code_version() -> str:
-    """sha256 over the package's Python source (models/, components/, flows/): every file's path and bytes."""
-    digest = hashlib.sha256()
+    """sha256 over the package's Python source (models/, components/, flows/: every file's path and bytes) and the
+    versions of the libraries that train, tokenize and load the models (an upgrade may change what a stage makes,
+    or how its model loads)."""
+    digest = hashlib.sha256(json.dumps({name: version(name) for name in LIBRARIES}, sort_keys=True).encode())
     for folder in CODE_DIRS:
         for path in sorted((PACKAGE_ROOT / folder).rglob("*.py")):
             digest.update(f"{path.relative_to(PACKAGE_ROOT).as_posix()}\0".encode())

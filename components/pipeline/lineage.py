@@ -7,7 +7,7 @@ A stage that is reused (cached) adds no run: the parent run's tags name the run 
 
 from __future__ import annotations
 
-from mlflow.entities import LoggedModelStatus
+from mlflow.entities import LoggedModelStatus, RunTag
 
 from components.tracking.run import default_tracking_uri
 from components.tracking.tracker import Tracker, get_or_create_experiment
@@ -40,12 +40,10 @@ class PipelineRun:
         """Tags naming what the stage is (cached or built, its model, key, run); its metrics at step 0 ('<stage>/...'
         unless named so already: the eval stage's eval/win_rate...); the RL stage's held-out evals at their
         iterations (eval/score, eval/gold_reward: what a sweep over the pipeline reads, as it reads an RL run's)."""
-        client = self.tracker.client
-        for name, value in {"cached": str(outcome.get("cached", False)).lower(), "model": outcome.get("model"),
-                            "key": outcome.get("key"), "run": outcome.get("mlflow_run_id"),
-                            "logged_model": outcome.get("logged_model_id")}.items():
-            if value:
-                client.set_tag(self.run_id, f"stage.{stage}.{name}", str(value))
+        tags = {"cached": str(outcome.get("cached", False)).lower(), "model": outcome.get("model"),
+                "key": outcome.get("key"), "run": outcome.get("mlflow_run_id"), "logged_model": outcome.get("logged_model_id")}
+        self.tracker.client.log_batch(self.run_id, tags=[RunTag(f"stage.{stage}.{name}", str(value))
+                                                         for name, value in tags.items() if value])
         numbers = {k if k.startswith(f"{stage}/") else f"{stage}/{k}": v
                    for k, v in (outcome.get("metrics") or {}).items() if isinstance(v, (int, float))}
         if numbers:

@@ -10,7 +10,9 @@ Each stage, in order: its key from its config, its data's digests, its upstream 
 (cache.py); a record for that key is reused (a Prefect task in the Cached state, `cached: true` in the summary);
 otherwise the stage is built under its lock (a pipeline racing for the same key waits, then reuses it) and recorded
 beside its checkpoints. `rerun_from` (`--from STAGE`) builds that stage and every one after it again, from scratch.
-Before the next stage starts, the output is loaded as the next stage loads it (the hand-off checks). Lineage: an
+Before the next stage starts, a stage's output is loaded as the next stage loads it (the hand-off checks: a built
+stage's right after it is saved, its result in its record; a given model's when it is named; a reused stage's
+files are those checked, sha256 for sha256, under the same code and library versions, the key says). Lineage: an
 MLflow parent run with the stages' runs nested, every trained model logged with its upstream models and data
 digests (lineage.py).
 
@@ -260,16 +262,22 @@ def digest(p: Pipeline, stage_name: str) -> str:
 
 def sft_stage(p: Pipeline) -> None:
     cfg = p.cfg
-    p.outcomes["sft"] = given(p, "sft", cfg.sft.model) if cfg.sft.model else stage(p, "sft", sft_inputs(cfg), build_sft)
-    p.steps("hand-off-sft", check_policy, p.outcomes["sft"].local_dir, "sft.model")
+    if cfg.sft.model:
+        p.outcomes["sft"] = given(p, "sft", cfg.sft.model)
+        p.steps("hand-off-sft", check_policy, p.outcomes["sft"].local_dir, "sft.model")
+    else:
+        p.outcomes["sft"] = stage(p, "sft", sft_inputs(cfg), build_sft)
 
 
 def build_sft(p: Pipeline, key: str) -> dict:
+    """The SFT run, then its hand-off check: the model as saved loads as the RL stage loads a policy."""
     cfg = p.cfg
     run = SFTRun.model_validate({"run_name": stage_dir("sft", key), "seed": cfg.seed, "model": cfg.base_model,
                                  "sft": cfg.sft.model_dump(exclude={"model"}), "tracking": stage_tracking(p),
                                  "checkpoint": cfg.checkpoint.model_dump(), "deploy": stage_deploy(p).model_dump()})
-    return stage_record(train_stage(run, p.steps))
+    result = train_stage(run, p.steps)
+    p.steps("hand-off-sft", check_policy, result["model_dir"], "sft.model")
+    return {**stage_record(result), "handoff": {"loads_as": "AutoModelForCausalLM"}}
 
 
 def stage_record(result: dict) -> dict:
@@ -287,15 +295,16 @@ def reward_model_stage(p: Pipeline) -> None:
     cfg = p.cfg
     if cfg.reward_model.model:
         p.outcomes["reward_model"] = given(p, "reward_model", cfg.reward_model.model)
+        p.steps("hand-off-reward-model", check_loaded_reward_model, p.outcomes["reward_model"].local_dir, None, None,
+                "reward_model.model")
     else:
         p.outcomes["reward_model"] = stage(p, "reward_model", reward_model_inputs(cfg, digest(p, "sft")),
                                            build_reward_model)
-    p.steps("hand-off-reward-model", check_reward_model, p)
 
 
 def build_reward_model(p: Pipeline, key: str) -> dict:
-    """The reward-model run, then its hand-off check on the model as saved (recorded: a reuse of these very files,
-    sha256 for sha256, is not scored again)."""
+    """The reward-model run, then its hand-off check: the model as saved loads as the RL stage loads it (no newly
+    initialised weight, one label), and scores its held-out pairs as its stage recorded."""
     cfg = p.cfg
     init = p.outcomes["sft"].local_dir if cfg.reward_model.init == "sft" else cfg.base_model
     run = RewardModelRun.model_validate({
@@ -305,21 +314,15 @@ def build_reward_model(p: Pipeline, key: str) -> dict:
     result = train_stage(run, p.steps)
     record = stage_record(result)
     recorded = record["metrics"].get("eval/accuracy")
-    if recorded is not None:
-        pairs = stage_rows("reward_model", cfg.reward_model, result["model_dir"], held_out_only=True)[1]
-        accuracy = check_loaded_reward_model(result["model_dir"], pairs, recorded, "reward_model.model")
-        record["handoff"] = {"held_out_accuracy": accuracy, "recorded": recorded}
-    return record
-
-
-def check_reward_model(p: Pipeline) -> None:
-    """The reward model loads as the RL stage loads it (no newly initialised weight, one label); a trained one scored
-    its held-out pairs as its stage recorded when it was built (build_reward_model), and these are its files."""
-    outcome = p.outcomes["reward_model"]
-    check_loaded_reward_model(outcome.local_dir, None, None, "reward_model.model")
-    if handoff := outcome.record.get("handoff"):
-        p.steps.log(f"hand-off: the reward model as saved scores {handoff['held_out_accuracy']:.4f} of its held-out "
-                    f"pairs right (its stage recorded {handoff['recorded']:.4f})")
+    pairs = (stage_rows("reward_model", cfg.reward_model, result["model_dir"], held_out_only=True)[1]
+             if recorded is not None else None)
+    accuracy = p.steps("hand-off-reward-model", check_loaded_reward_model, result["model_dir"], pairs, recorded,
+                       "reward_model.model")
+    if accuracy is not None:
+        p.steps.log(f"hand-off: the reward model as saved scores {accuracy:.4f} of its held-out pairs right (its "
+                    f"stage recorded {recorded:.4f})")
+    return {**record, "handoff": {"loads_as": "AutoModelForSequenceClassification", "held_out_accuracy": accuracy,
+                                  "recorded": recorded}}
 
 
 # ---------------------------------------------------------------- rl
@@ -336,7 +339,6 @@ def rl_run(p: Pipeline, key: str) -> RLHFConfig:
 
 def rl_stage(p: Pipeline) -> None:
     p.outcomes["rl"] = stage(p, "rl", rl_inputs(p.cfg, digest(p, "sft"), digest(p, "reward_model")), build_rl)
-    p.steps("hand-off-rl", check_policy, p.outcomes["rl"].local_dir, "rl policy")
 
 
 def build_rl(p: Pipeline, key: str) -> dict:
@@ -349,6 +351,7 @@ def build_rl(p: Pipeline, key: str) -> dict:
     shutil.rmtree(work, ignore_errors=True)
     store.load_part(store.latest(), "actor", work / "actor")
     local = export_policy(work / "actor", p.outcomes["sft"].local_dir, work / "model")
+    p.steps("hand-off-rl", check_policy, str(local), "rl policy")  # as the eval stage loads it
     uri = store.put_dir(local, "model")
     files = file_digests(local)
     evals = result.get("evals", [])
@@ -357,7 +360,7 @@ def build_rl(p: Pipeline, key: str) -> dict:
               and name in result["history"][0]}
     return {"model": uri, "files": files, "digest": manifest_digest(files), "run_name": result["run_name"],
             "mlflow_run_id": result["mlflow_run_id"], "metrics": {**result["final"], "iterations": result["iterations"]},
-            "evals": evals, "curves": curves}
+            "evals": evals, "curves": curves, "handoff": {"loads_as": "AutoModelForCausalLM"}}
 
 
 # ---------------------------------------------------------------- eval
