@@ -147,3 +147,22 @@ def test_a_dead_holders_s3_lock_is_taken_over(s3_bucket):
         assert not acquired.wait(4.0)  # the holder's heartbeat keeps its lock fresh past stale_s
     waiter.join(timeout=20)
     assert acquired.is_set()  # released: the waiter has it
+
+
+def test_a_model_on_s3_is_fetched_once_and_checked(tmp_path, s3_bucket):
+    """A record whose model lives on S3 (a pipeline on another pod built it): fetched into the state directory with
+    every file's sha256 checked against the record, kept for the next use; a stored model that is not the recorded
+    one is refused."""
+    from components.pipeline.run import PipelineError, local_model
+
+    endpoint, bucket = s3_bucket
+    records = Records(f"s3://{bucket}/pipelines", endpoint)
+    key = "7" * 64
+    files = write_model(records, "reward_model", key, tmp_path)
+    record = records.valid_record("reward_model", key)
+    p = type("P", (), {"records": records, "state_dir": tmp_path / "state"})()
+    path = Path(local_model(p, "reward_model", record))
+    assert path.is_relative_to(tmp_path / "state") and (path / "model.safetensors").read_bytes() == b"weights"
+    assert local_model(p, "reward_model", record) == str(path)  # already here: kept
+    with pytest.raises(PipelineError, match=r"reward_model: the model at s3://.* is not the one recorded"):
+        local_model(p, "reward_model", {**record, "files": {**files, "config.json": "0" * 64}})
