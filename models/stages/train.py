@@ -33,7 +33,7 @@ from transformers import AutoModelForSequenceClassification
 from models.distributed import SINGLE, Dist, full_state_dict, local_device, shard_model
 from models.loading import autocast, disable_dropout, from_pretrained, make_optimizer
 from models.loop import Leader, restore_actor, save_actor
-from models.losses import bradley_terry_loss, completion_mask, reward_metrics, sft_loss
+from models.losses import bradley_terry_loss, completion_mask, sft_loss
 from models.policy import Policy, load_policy_tokenizer
 from models.stages.config import StageRun
 from models.stages.data import right_padded
