@@ -1,8 +1,7 @@
 """The data of the stages before RL (models/stages/data.py) and their builtin sets: TRL's row forms from files this
 test writes, the RL stage's sequence layout, chat templates, length limits, bad rows refused naming the field and the
 row, the gold preference of the builtin pairs, and the rows' digest. Plus the completion-only SFT loss of the tiny
-policy against a float64 reference computed here token by token, and a reward model scored at its last real token
-whatever the pad id."""
+policy against a float64 reference computed here token by token."""
 
 import json
 import math
