@@ -1,4 +1,5 @@
-# Two commands a newcomer needs: `make demo` (the main job end to end on the tiny default) and `make test`.
+# Two commands a newcomer needs: `make demo` (the main job end to end on the tiny default) and `make test`;
+# `make pipeline` runs the whole RLHF pipeline (examples/pipeline.yaml) in the shell.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -10,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 
 include infra/terraform/tools.mk
 
-.PHONY: venv vllm-venv demo test test-fast bench models docs image clean
+.PHONY: venv vllm-venv demo pipeline test test-fast bench models docs image clean
 
 # torch's pin, read from pyproject.toml: the one place it is written (the venv, the images)
 TORCH_VERSION := $(shell sed -n 's/^ *"torch==\([^"]*\)".*/\1/p' pyproject.toml)
@@ -53,6 +54,11 @@ models: venv
 
 demo: venv
 	$(VENV)/bin/rlhf demo
+
+# The whole pipeline (sft -> reward model -> RLOO -> eval) of examples/pipeline.yaml in this shell, without the stack;
+# run it again to see every stage reused (`make demo` also runs it, as the pipeline/default deployment)
+pipeline: venv
+	$(VENV)/bin/rlhf pipeline --config examples/pipeline.yaml --summary-out .rlhf/pipeline-summary.json
 
 # Test files run in parallel, one pytest worker per core (pytest-xdist); a file's tests stay on one worker, in order,
 # because modules share expensive fixtures (a whole local stack, a critic server).

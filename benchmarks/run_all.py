@@ -18,8 +18,8 @@ import traceback
 
 from benchmarks.common import ROOT, load_average, log, machine, results_dir, versions
 
-BENCHMARKS = ("generate", "rollout_engine", "async_rollouts", "rloo_vs_trl", "critic_http", "overlap", "what_if",
-              "distributed", "critic_ranks", "memory", "gpu")
+BENCHMARKS = ("generate", "rollout_engine", "async_rollouts", "rloo_vs_trl", "stages_vs_trl", "pipeline_cache",
+              "critic_http", "overlap", "what_if", "distributed", "critic_ranks", "memory", "gpu")
 PAGE = ROOT / "docs" / "benchmarks.md"
 MARK_START, MARK_END = "<!-- results:start (written by python -m benchmarks.run_all) -->", "<!-- results:end -->"
 
@@ -74,6 +74,31 @@ def table(results: dict) -> str:
             rows.append(["", "learning: generated tokens/iteration ours vs TRL",
                          f"{fmt(lr['ours']['generated_tokens_per_iteration'], digits=0)} vs "
                          f"{fmt(lr['trl']['generated_tokens_per_iteration'], digits=0)}", n, "", ""])
+    r = results.get("stages_vs_trl")
+    if r:
+        reps = r["repetitions"]
+        n = f"{reps['rounds']} rounds x {reps['timed_steps_per_round_per_side']} pairs"
+        for stage, trainer in (("sft", "SFTTrainer"), ("reward_model", "RewardTrainer")):
+            c = r[stage]
+            rows.append([f"{'SFT' if stage == 'sft' else 'Reward-model'} step vs TRL 1.16 {trainer}",
+                         "time ours / TRL (per pair, same batch)", fmt(c["time_ratio_ours_over_trl"]), n, "<= 1.0",
+                         "yes" if c["time_ratio_ours_over_trl"]["median"] <= 1.0 else "**no**"])
+            rows.append(["", "ms/step: ours vs TRL", f"{fmt(c['ours_seconds_per_step'], 1e3, 1)} vs "
+                         f"{fmt(c['trl_seconds_per_step'], 1e3, 1)}", n, "", ""])
+    r = results.get("pipeline_cache")
+    if r:
+        n = f"{r['repetitions']['rounds']} rounds"
+        rows.append(["Pipeline (examples/pipeline.yaml): rerun with an RL setting changed", "wall time / first run's",
+                     fmt(r["rl_only_ratio"], 100, 0, " %"), n, "< 40 %", _met(r)])
+        rows.append(["", "CPU time / first run's; inside the pipeline (no process start) / first's",
+                     f"{fmt(r['rl_only_cpu_ratio'], 100, 0, ' %')}; {fmt(r['rl_only_pipeline_ratio'], 100, 0, ' %')}",
+                     n, "", ""])
+        rows.append(["", "wall s: first run vs RL-only rerun vs new preference data vs all reused",
+                     f"{fmt(r['first_s'], digits=0)} vs {fmt(r['rl_only_s'], digits=0)} vs "
+                     f"{fmt(r['new_data_s'], digits=0)} vs {fmt(r['all_cached_s'], digits=0)}", n, "", ""])
+        rows.append(["", "reward model: held-out pair accuracy (500 pairs never trained on)",
+                     fmt(r["reward_model_held_out_accuracy"], digits=3), n, ">= 0.8",
+                     "yes" if r["reward_model_held_out_accuracy"]["min"] >= 0.8 else "**no**"])
     r = results.get("critic_http")
     if r:
         n = f"{r['repetitions']['pairs']} pairs"

@@ -14,22 +14,25 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Optional
 
 from prefect import flow
 from prefect.runtime import flow_run
 
 from components.environment import quiet
+from components.pipeline.config import PipelineConfig
 from components.sweep.config import SweepConfig
 from components.sweep.space import SweepError, check_sweep
 from components.sweep.study import Plan, open_study, unfinished
 from components.sweep.tracking import SweepRun, table_artifact
 from components.sweep.trials import Trials, require_deployment
-from models.config import RLHFConfig, RunConfig
+from models.config import RLHFConfig, RunConfig, merge
 from models.deploy import DeployConfig
 
 # the deployment that trains each algorithm: the flows of flows/ppo.py and flows/reinforce.py, served as 'default'
 # (named, not imported: the sweep's flow run loads no model code; tests/flows/test_sweeps.py checks the names)
 TRAINING_DEPLOYMENTS = {"ppo": "ppo/default", "rloo": "reinforce/default"}
+PIPELINE_DEPLOYMENT = "pipeline/default"  # flows/stages.py: a pipeline's trials
 
 # the deployment's defaults: RLOO with a held-out eval every 4 iterations, a 2 x 2 grid over the learning rate and the
 # initial KL coefficient (`prefect deployment run sweep/default` runs it; any parameter can be replaced)
@@ -46,18 +49,30 @@ def sweep_name() -> str:
 
 @flow(name="sweep", log_prints=True, flow_run_name=sweep_name)
 def sweep_flow(config: RunConfig = EXAMPLE_CONFIG, sweep: SweepConfig = EXAMPLE_SWEEP,
-               deploy: DeployConfig = DeployConfig()) -> dict:
+               deploy: DeployConfig = DeployConfig(), pipeline: Optional[PipelineConfig] = None) -> dict:
     """Search `sweep.space` over the base `config`: every trial is a run of the training deployment of
     `config.algorithm`, named '<sweep>-t<N>'; returns the summary (counts, best trial). `deploy`: where the sweep
     records (its state directory, the MLflow server); what of it was given is also given to every trial, merged
-    over the training deployment's own (e.g. `{"reward": {"launch": "in_process"}}`: trials without a reward server)."""
+    over the training deployment's own (e.g. `{"reward": {"launch": "in_process"}}`: trials without a reward server).
+    With a `pipeline`, the space is over its RL stage (`config` is then its rl section) and every trial is a run of
+    pipeline/default named '<sweep>-t<N>': the trials reuse its cached sft and reward-model stages (built once, by
+    whichever trial gets there first), and the metric is read from each pipeline's run (its RL stage's held-out evals
+    by iteration, the eval stage's metrics at step 0)."""
     given_deploy = deploy.model_dump(mode="json", exclude_unset=True)
+    if pipeline is not None:
+        config = merge(pipeline.rl, {"tracking.experiment": pipeline.tracking.experiment})
     config = RLHFConfig.of(config, deploy)
     space = check_sweep(config, sweep)  # bad input fails here, before any trial starts
-    deployment = training_deployment(config)  # ppo/default or reinforce/default, which must exist
+    if pipeline is None:
+        deployment = training_deployment(config)  # ppo/default or reinforce/default, which must exist
+        parameters = lambda cfg: {"config": cfg.run.model_dump(mode="json"),  # noqa: E731
+                                  **({"deploy": given_deploy} if given_deploy else {})}
+    else:
+        require_deployment(PIPELINE_DEPLOYMENT)
+        deployment, parameters = PIPELINE_DEPLOYMENT, lambda cfg: pipeline_trial(pipeline, cfg, given_deploy)
     study = open_study(config, sweep, space)  # created, or resumed by name: its finished trials are kept
     with SweepRun.open(config, sweep, {"prefect.flow_run_id": flow_run.get_id()}) as parent, \
-            Trials(config, sweep, space, study, parent, deployment, given_deploy) as trials:  # on failure: trials cancelled
+            Trials(config, sweep, space, study, parent, deployment, parameters) as trials:  # on failure: cancelled
         trials.follow(unfinished(study))  # left running by an earlier run of this sweep that died
         plan = Plan(study, space, sweep, trials.followed())  # the combinations (or the count) still to run
         while plan or trials.running:
@@ -69,6 +84,14 @@ def sweep_flow(config: RunConfig = EXAMPLE_CONFIG, sweep: SweepConfig = EXAMPLE_
         if summary["complete"] + summary["pruned"] == 0 and summary["failed"]:
             raise RuntimeError(f"every trial of sweep {sweep.name} failed; {summary['summary']}")
     return {k: v for k, v in summary.items() if k != "rows"}
+
+
+def pipeline_trial(pipeline: PipelineConfig, cfg: RLHFConfig, deploy: dict) -> dict:
+    """The parameters of a pipeline trial: the pipeline named after the trial, nested under the sweep's run, with the
+    trial's config as its RL stage (and what the sweep was told of where trials run)."""
+    trial = merge(pipeline, {"rl": cfg.run.model_dump(mode="json"), "name": cfg.run_name,
+                             "tracking.parent_run_id": cfg.tracking.parent_run_id})
+    return {"config": trial.model_dump(mode="json"), **({"deploy": deploy} if deploy else {})}
 
 
 def training_deployment(config: RLHFConfig) -> str:
@@ -86,8 +109,10 @@ if __name__ == "__main__":  # what `rlhf sweep` runs: the flow in this process, 
     parser.add_argument("--config", required=True, help="the base run config (JSON)")
     parser.add_argument("--deploy", default="{}", help="where the sweep records and its trials run (JSON, partial)")
     parser.add_argument("--sweep", required=True, help="the sweep section (JSON)")
+    parser.add_argument("--pipeline", help="a pipeline whose RL stage the trials vary (JSON)")
     args = parser.parse_args()
     result = sweep_flow(config=RunConfig.model_validate(json.loads(args.config)),
                         sweep=SweepConfig.model_validate(json.loads(args.sweep)),
-                        deploy=DeployConfig.model_validate(json.loads(args.deploy)))
+                        deploy=DeployConfig.model_validate(json.loads(args.deploy)),
+                        pipeline=PipelineConfig.model_validate_json(args.pipeline) if args.pipeline else None)
     print(json.dumps(result, indent=1, default=str))

@@ -116,6 +116,7 @@ class RewardConfig(Section):
     gold: Optional[str] = Field(None, description="Gold reward function logged as objective/gold_reward (format as reward.function); None = the shipped task's own when the data is a builtin task, else none.")
     transport: Literal["auto", "tokens", "text"] = Field("auto", description="How rollouts reach the reward model: 'tokens' (the policy's ids: the RM must share the policy's tokenizer, checked before anything loads), 'text' (reward_text: prompt and response strings the RM tokenizes itself), 'auto' = text when the RM's tokenizer differs from the policy's, else tokens.")
     chat_template: bool = Field(False, description="With text transport, format (prompt, response) with the reward model's chat template (user, assistant) when it has one; otherwise 'prompt response' + EOS.")
+    normalize: bool = Field(False, description="Score with the reward model's (score - reward_mean) / reward_std, the statistics the reward_model stage stores in its config.json (as OpenRLHF's normalize_reward; Bradley-Terry rewards are defined only up to a shift); a reward model without them is refused.")
 
     @model_validator(mode="after")
     def _function_given(self) -> "RewardConfig":
@@ -161,7 +162,7 @@ class RewardConfig(Section):
         return names
 
 
-PROMPT_SOURCES = ("'builtin:<task>' (sentiment, sentiment_target), a local .parquet/.jsonl/.json/.csv/.arrow file, a .txt "
+PROMPT_SOURCES = ("'builtin:<task>' (sentiment, sentiment_target; the stages' sentiment_sft and sentiment_preference), a local .parquet/.jsonl/.json/.csv/.arrow file, a .txt "
                   "file (one prompt a line), a folder of such files (file names decide the splits), a folder written by "
                   "Dataset.save_to_disk, or a hub dataset id (only where the hub is reachable)")
 

@@ -34,7 +34,7 @@ from models.config import CriticConfig
 from models.distributed import SINGLE, Dist, full_state_dict, shard_model
 from models.loading import DTYPES, autocast, checkpoint_activations, disable_dropout, from_pretrained, make_optimizer
 from models.losses import explained_variance, value_loss
-from models.reward import _head, load_reward_model, reward_model_scores
+from models.reward import _head, check_loaded, load_reward_model, reward_model_scores
 from models.safe_io import dcp_load, load_state
 from models.update import micro_batches, minibatch_update
 
@@ -54,7 +54,9 @@ def init_critic(critic_path: str | None, reward_path: str | None, dtype: str = "
     if critic_path:
         model = from_pretrained(AutoModelForTokenClassification, critic_path, field, dtype=DTYPES[dtype], num_labels=1)
     elif reward_path:
-        rm = from_pretrained(AutoModelForSequenceClassification, reward_path, "model.reward", dtype=DTYPES[dtype])
+        rm, info = from_pretrained(AutoModelForSequenceClassification, reward_path, "model.reward", dtype=DTYPES[dtype],
+                                   output_loading_info=True)
+        check_loaded(info, reward_path, "model.reward")  # a critic copied from a random score head would be noise
         model = from_pretrained(AutoModelForTokenClassification, reward_path, "model.reward", dtype=DTYPES[dtype], num_labels=1)
         value_head, reward_head = _head(model), _head(rm)
         with torch.no_grad():
@@ -152,7 +154,8 @@ class CriticTrainer:
 
     def __init__(self, cfg: CriticConfig, critic_path: str | None, reward_path: str | None, combine_reward: bool,
                  dtype: str = "float32", device: str | torch.device = "cpu", checkpoint_dir: str | Path | None = None,
-                 token_rewards: bool = True, me: Dist = SINGLE, gradient_checkpointing: bool = False):
+                 token_rewards: bool = True, me: Dist = SINGLE, gradient_checkpointing: bool = False,
+                 normalize_reward: bool = False):
         self.cfg, self.device, self.me = cfg, torch.device(device), me
         self.checkpoint_dir = Path(checkpoint_dir) if checkpoint_dir else None
         self.lock = threading.RLock()
@@ -168,7 +171,8 @@ class CriticTrainer:
         self.sharded = me.active
         if self.sharded:
             self.model = shard_model(self.model, dtype)
-        self.reward_model = load_reward_model(reward_path, dtype, self.device) if combine_reward else None
+        self.reward_model = (load_reward_model(reward_path, dtype, self.device, normalize=normalize_reward)
+                             if combine_reward else None)
         # the resident reward model also scores the critic's (= the policy's) tokens only if it shares their tokenizer;
         # otherwise it scores text (reward_text) with its own
         self.token_rewards = self.reward_model is not None and token_rewards

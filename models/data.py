@@ -28,7 +28,7 @@ from pathlib import Path
 from models.tasks import sentiment
 
 DATA_FILES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
-BUILTIN = ("sentiment", "sentiment_target")
+BUILTIN = ("sentiment", "sentiment_target", "sentiment_sft", "sentiment_preference")
 BUILTIN_GOLD = "models.tasks.sentiment:gold_reward"  # the shipped tasks' gold reward (both: review positively)
 
 
@@ -114,14 +114,24 @@ def read_rows(source: str, split: str = "train", field: str = "data.prompts", su
     return _read_hub(source, split, field, subset)
 
 
+# rows of the stages' builtin data sets per split (train, test): generated from a seed of their own per split
+STAGE_ROWS = {"sentiment_sft": (2000, 200), "sentiment_preference": (3000, 500)}
+
+
 def builtin_rows(name: str, split: str = "train", field: str = "data.prompts") -> list[dict]:
     """The shipped tasks (models/tasks/sentiment.py): 'train' = the 40 template x noun prompts cycled to 200 rows;
-    'test' = 40 held-out prompts (other templates)."""
+    'test' = 40 held-out prompts (other templates). The stages' data (models/stages/): sentiment_sft (prompt,
+    completion) and sentiment_preference (prompt, chosen, rejected: the gold reward's preference), whose 'test' split
+    is drawn from another seed on the held-out templates (the stage never trains on it)."""
     if name not in BUILTIN:
         raise DataError(f"{field}: unknown builtin task {name!r}; known: {', '.join(BUILTIN)}")
     if split not in ("train", "test"):
         raise DataError(f"{field}: builtin:{name} has no split '{split}'; its splits: ['train', 'test']")
     n, templates = (200, sentiment.PROMPT_TEMPLATES) if split == "train" else (40, sentiment.EVAL_TEMPLATES)
+    if name in STAGE_ROWS:
+        rows = STAGE_ROWS[name][0 if split == "train" else 1]
+        make = sentiment.sft_rows if name == "sentiment_sft" else sentiment.preference_rows
+        return make(rows, seed=0 if split == "train" else 1, templates=templates)
     if name == "sentiment":
         return [{"prompt": p} for p in sentiment.prompts(n, 0, templates)]
     return sentiment.targeted_rows(n, 0, templates)

@@ -105,7 +105,7 @@ def build_critic_trainer(cfg: RLHFConfig, checkpoint_dir: str | Path | None = No
     return CriticTrainer(cfg.critic, critic_path, reward_path, cfg.critic_carries_reward,
                          cfg.model.dtype, local_device(cfg.deploy.device, SINGLE), checkpoint_dir,
                          token_rewards=cfg.reward.transport == "tokens",
-                         gradient_checkpointing=cfg.model.gradient_checkpointing)
+                         gradient_checkpointing=cfg.model.gradient_checkpointing, normalize_reward=cfg.reward.normalize)
 
 
 def critic_text_reward(cfg: RLHFConfig, trainer: CriticTrainer):
@@ -120,7 +120,8 @@ def critic_text_reward(cfg: RLHFConfig, trainer: CriticTrainer):
 def build_local_reward(cfg: RLHFConfig):
     if cfg.reward.source == "function":
         return FunctionReward(load_reward_functions(cfg.reward))
-    model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, local_device(cfg.deploy.device, SINGLE))
+    model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, local_device(cfg.deploy.device, SINGLE),
+                              normalize=cfg.reward.normalize)
     if cfg.reward.transport == "text":
         return LocalRewardModel(model, load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward)), cfg.reward.chat_template)
     return LocalRewardModel(model)
@@ -218,12 +219,16 @@ class Leader:
     def run(self, command: dict, critic=None, reward=None):
         try:
             self.me.broadcast_object(command)
-            return execute(self.state, self.cfg, command, critic, reward)
+            return self.execute(command, critic, reward)
         except Exception as exc:
             reason = self.describe_failure() if self.me.active else None
             if reason:
                 raise RankFailed(reason) from exc
             raise
+
+    def execute(self, command: dict, critic=None, reward=None):
+        """Run a command here, on rank 0 (the other ranks run it as they receive it: components/launch/ranks.py)."""
+        return execute(self.state, self.cfg, command, critic, reward)
 
     def step(self, prompts: list[str] | Batch, critic=None, reward=None, data: dict | None = None,
              ahead: list[Batch] | None = None) -> tuple[dict, list[dict]]:

@@ -64,3 +64,40 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """1 - Var(R - V) / Var(R) over the mask (CleanRL's explained_variance)."""
     var_returns = masked_var(returns, mask)
     return 1.0 - masked_var(returns - values, mask) / var_returns.clamp(min=1e-12)
+
+
+# ---------------------------------------------------------------- the stages before RL (models/stages/)
+
+def completion_mask(prompt_lengths: Tensor, lengths: Tensor, width: int) -> Tensor:
+    """[B, width-1] float over next-token positions of right-padded rows: 1 where tokens[:, t+1] is a completion token
+    (at or after the prompt's end, before the row's length), so the prompt and the padding carry no loss."""
+    positions = torch.arange(1, width, device=lengths.device).unsqueeze(0)
+    return ((positions >= prompt_lengths.unsqueeze(1)) & (positions < lengths.unsqueeze(1))).float()
+
+
+def sft_loss(logp: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
+    """Completion-only SFT: the mean over completion tokens of -log p(token | prefix) (`mask` from completion_mask),
+    TRL SFTTrainer's loss with completion_only_loss (its token mean over the batch)."""
+    loss = masked_mean(-logp, mask)
+    return loss, {"loss": loss.detach()}
+
+
+def bradley_terry_loss(chosen: Tensor, rejected: Tensor, margin: Tensor | None = None,
+                       center_rewards_coefficient: float | None = None) -> tuple[Tensor, dict]:
+    """Bradley-Terry reward-model loss over pairs [B], as TRL's RewardTrainer defines it:
+    -mean(log sigmoid(r_chosen - r_rejected - margin)) (margin 0 when not given), plus
+    center_rewards_coefficient * mean((r_chosen + r_rejected)^2) when set (Eisenstein et al. 2023: rewards are
+    defined only up to a shift; this pins their mean near 0)."""
+    difference = chosen - rejected - (margin if margin is not None else 0.0)
+    loss = -torch.nn.functional.logsigmoid(difference).mean()
+    if center_rewards_coefficient is not None:
+        loss = loss + center_rewards_coefficient * ((chosen + rejected) ** 2).mean()
+    return loss, {"loss": loss.detach(), **reward_metrics(chosen.detach(), rejected.detach())}
+
+
+def reward_metrics(chosen: Tensor, rejected: Tensor) -> dict[str, Tensor]:
+    """What TRL's RewardTrainer logs, with its names: accuracy (share of pairs with r_chosen > r_rejected), margin
+    (mean r_chosen - r_rejected), min/mean/max_reward (over both rewards of every pair)."""
+    both = torch.cat([chosen, rejected])
+    return {"accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean(),
+            "min_reward": both.min(), "mean_reward": both.mean(), "max_reward": both.max()}

@@ -52,14 +52,15 @@ class Policy:
     @classmethod
     def load(cls, path: str, lora: LoraConfig | None = None, dtype: str = "float32", device: str | torch.device = "cpu",
              field: str = "model.policy", me: Dist = SINGLE, shard: bool = False, reference_device: str = "auto",
-             gradient_checkpointing: bool = False) -> "Policy":
+             gradient_checkpointing: bool = False, reference: bool = True) -> "Policy":
         """Actor + tokenizer + frozen reference on this rank. `shard`: FSDP2 over the ranks (a full fine-tune); the
         reference then lives on the actor's device sharded alike, or as a CPU copy (`reference_device`).
 
         Memory (docs/memory.md): the trainable weights, their gradients and AdamW states stay float32 (master
         weights); `dtype` is the compute dtype (autocast; with FSDP2 also the dtype the blocks are all-gathered in,
         gradients reduced in float32) and the frozen reference's storage dtype. `gradient_checkpointing` recomputes
-        each block's activations in the backward pass instead of keeping them."""
+        each block's activations in the backward pass instead of keeping them. `reference=False`: no frozen copy
+        (supervised fine-tuning needs none)."""
         device = torch.device(device)
         tokenizer = load_policy_tokenizer(path, field)
         model = disable_dropout(from_pretrained(AutoModelForCausalLM, path, field, dtype=torch.float32)).to(device)
@@ -71,6 +72,11 @@ class Policy:
             model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                                                          target_modules=lora.target_modules, task_type="CAUSAL_LM"))
             return cls(model, tokenizer, lora=True, dtype=dtype, me=me, device=device)
+        if not reference:
+            if gradient_checkpointing:
+                checkpoint_activations(model, field)
+            return cls(shard_model(model, dtype) if shard else model, tokenizer, lora=False, dtype=dtype,
+                       me=me, device=device)
         on_actor = reference_on_actor_device(model, device, reference_device, me.world_size if shard else 1)
         reference = freeze(copy.deepcopy(model).to(device if on_actor else "cpu", DTYPES[dtype]))
         if gradient_checkpointing:  # the trainable model only: the reference never runs a backward pass

@@ -28,14 +28,51 @@ RewardFn = Callable[[list[str], list[str]], list[float]]
 
 
 REWARD_BOUND = 1e6  # |reward| a reward function may return (models/critic.VALUE_BOUND for the critic's inputs)
+STATS = ("reward_mean", "reward_std")  # in a reward model's config.json, written by the reward_model stage
 
 
-def load_reward_model(path: str, dtype: str = "float32", device: str | torch.device = "cpu", field: str = "model.reward"):
-    """A frozen AutoModelForSequenceClassification with one label (the scalar reward)."""
-    model = from_pretrained(AutoModelForSequenceClassification, path, field, dtype=DTYPES[dtype])
+class HandOffError(ValueError):
+    """A model that does not load as the next stage needs it (a reward model with a newly initialised weight)."""
+
+
+def load_reward_model(path: str, dtype: str = "float32", device: str | torch.device = "cpu", field: str = "model.reward",
+                      normalize: bool = False):
+    """A frozen AutoModelForSequenceClassification with one label (the scalar reward), every weight from its
+    checkpoint (check_loaded). `normalize`: its scores become (s - reward_mean) / reward_std, the statistics the
+    reward_model stage stored in its config.json (reward.normalize)."""
+    model, info = from_pretrained(AutoModelForSequenceClassification, path, field, dtype=DTYPES[dtype],
+                                  output_loading_info=True)
+    check_loaded(info, path, field)
     if model.config.num_labels != 1:
         raise ValueError(f"{field}: reward model '{path}' has num_labels={model.config.num_labels}, expected 1")
+    if normalize:
+        model.reward_normalization = stored_stats(model.config, path, field)
     return freeze(disable_dropout(model)).to(device)
+
+
+def check_loaded(info: dict, path: str, field: str) -> None:
+    """A reward model must load every weight from its checkpoint: transformers initialises a missing one (the score
+    head of a causal LM's checkpoint, TRL #1379, OpenRLHF #643) or one of another shape at random and only warns,
+    and every score would be noise. Refused, naming the weights."""
+    fresh = sorted(set(info.get("missing_keys") or ()) | {k if isinstance(k, str) else k[0]
+                                                          for k in info.get("mismatched_keys") or ()})
+    if fresh:
+        raise HandOffError(f"{field}: reward model '{path}' loads with newly initialised weights {fresh}: its "
+                           f"checkpoint lacks them (a causal LM saved without its score head?) or holds them in "
+                           f"another shape; a reward model must be saved as AutoModelForSequenceClassification with "
+                           f"num_labels=1")
+
+
+def stored_stats(config, path: str, field: str) -> tuple[float, float]:
+    """(reward_mean, reward_std) of a reward model's config; refused, naming them, when absent or unusable."""
+    mean, std = (getattr(config, name, None) for name in STATS)
+    if mean is None or std is None:
+        raise ValueError(f"{field}: reward.normalize needs the reward statistics {list(STATS)} in the config.json of "
+                         f"'{path}' (the reward_model stage writes them); it has none")
+    if not (math.isfinite(mean) and math.isfinite(std) and std > 0):
+        raise ValueError(f"{field}: '{path}' stores reward_mean={mean}, reward_std={std}; reward.normalize needs "
+                         f"finite values and reward_std > 0")
+    return float(mean), float(std)
 
 
 def _head(model) -> torch.nn.Module:
@@ -47,7 +84,8 @@ def _head(model) -> torch.nn.Module:
 
 @torch.no_grad()
 def reward_model_scores(model, tokens: Tensor, lengths: Tensor) -> Tensor:
-    """Score [B] read at the last real token (index lengths-1) of right-padded tokens [B, L].
+    """Score [B] read at the last real token (index lengths-1) of right-padded tokens [B, L] (normalised when the
+    model was loaded with normalize=True).
 
     The head is applied to the backbone's hidden states directly, so a pad token equal to EOS cannot shift the
     position that is scored (the pitfall of pooling by pad_token_id).
@@ -56,7 +94,9 @@ def reward_model_scores(model, tokens: Tensor, lengths: Tensor) -> Tensor:
     attention_mask = (positions.unsqueeze(0) < lengths.unsqueeze(1)).long()
     hidden = model.base_model(input_ids=tokens, attention_mask=attention_mask).last_hidden_state
     last = hidden[torch.arange(tokens.shape[0], device=tokens.device), lengths - 1]
-    return _head(model)(last).squeeze(-1).float()
+    scores = _head(model)(last).squeeze(-1).float()
+    stats = getattr(model, "reward_normalization", None)  # load_reward_model(normalize=True)
+    return (scores - stats[0]) / stats[1] if stats is not None else scores
 
 
 def is_file_spec(spec: str) -> bool:

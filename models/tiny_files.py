@@ -49,5 +49,10 @@ def file_digests(directory: Path) -> dict[str, str]:
             for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
+def manifest_digest(files: dict[str, str]) -> str:
+    """One sha256 for a directory from its `file_digests`: over every file's relative path and sha256, in path order."""
+    return hashlib.sha256("".join(f"{name}\0{digest}\n" for name, digest in sorted(files.items())).encode()).hexdigest()
+
+
 def manifest() -> dict:
     return json.loads(MANIFEST.read_text())

@@ -3,6 +3,7 @@ it runs, so `rlhf up`, `status` and `--help` start without loading torch, Triton
 
     rlhf models tiny | config | train          components/cli/commands.py
     rlhf export                                 components/cli/export.py (a run's model as a Hugging Face directory)
+    rlhf sft | reward-model | pipeline          components/cli/stages.py (the stages before RL; the whole pipeline)
     rlhf serve critic|reward                    components/cli/serve.py (a server in the foreground)
     rlhf up | down | status | demo              components/launch/stack.py (the local Prefect + MLflow + deployments stack)
     rlhf compare                                components/cli/compare.py (PPO vs RLOO from MLflow; a sweep's trials)
@@ -126,6 +127,37 @@ def add_sweep_parser(sub) -> None:
     p.set_defaults(run="components.cli.sweep:cmd_sweep")
 
 
+PIPELINE_HELP = """Run the whole pipeline in this process: sft -> reward_model -> rl -> eval, each stage reused when
+nothing it was made from changed (its config, its data, its upstream models, the code).
+
+    rlhf pipeline --config examples/pipeline.yaml --summary-out summary.json
+    rlhf pipeline --config examples/pipeline.yaml --set rl.reinforce.optim.lr=1e-4     (reuses sft and reward_model)
+    rlhf pipeline --config examples/pipeline.yaml --from reward_model                  (rebuilds it, rl and eval)
+
+The file holds the pipeline's sections (name, base_model, sft, reward_model, rl, eval, tracking, checkpoint) and
+optionally `deploy` (where its ranks and servers run; the RL stage's critic and reward model run in this process
+unless it says otherwise). The same flow is the pipeline/default deployment."""
+
+
+def add_stage_parsers(sub) -> None:
+    """`rlhf sft`, `rlhf reward-model` (components/cli/stages.py) and `rlhf pipeline`."""
+    for name, stage, text in (("sft", "sft", "supervised fine-tuning on completions (TRL's prompt/completion or messages rows)"),
+                              ("reward-model", "reward_model", "a Bradley-Terry reward model on preference pairs (prompt, chosen, rejected)")):
+        p = sub.add_parser(name, help=f"{text}, in this process (checkpoints, resume by run_name, MLflow)")
+        p.add_argument("--config", help=f"YAML file with any subset of the run's tree (model, {stage}, seed, tracking, checkpoint, deploy)")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE", help=f"override, e.g. --set {stage}.optim.lr=1e-4 (repeatable)")
+        p.add_argument("--summary-out", help="write the run's summary as JSON (its model, metrics, evals)")
+        p.set_defaults(run="components.cli.stages:cmd_stage", stage=stage)
+    p = sub.add_parser("pipeline", help="sft -> reward model -> RL -> eval, each stage cached by what it was made from",
+                       description=PIPELINE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML file with any subset of the pipeline's tree (default: the embedded default)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. --set rl.iterations=20 (repeatable)")
+    p.add_argument("--from", dest="from_stage", choices=("sft", "reward_model", "rl", "eval"),
+                   help="build this stage and every one after it again, even where a record matches")
+    p.add_argument("--summary-out", help="write the summary as JSON: {stages: {stage: {cached, model, metrics}}}")
+    p.set_defaults(run="components.cli.stages:cmd_pipeline")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf", description="RLHF (PPO, RLOO) as Prefect workflows.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -159,6 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(export)
     export.set_defaults(run="components.cli.export:cmd_export")
 
+    add_stage_parsers(sub)
     add_serve_parser(sub)
     add_stack_parsers(sub)
     add_compare_parser(sub)

@@ -16,12 +16,16 @@ from pydantic import ValidationError
 
 from components.cli.commands import load_cli_config
 from components.cli.options import parse_overrides
+from components.cli.files import load_tree
+from components.pipeline.config import PipelineFile
 from components.launch.processes import project_env
 from components.launch.stack import running_prefect_api
 from components.sweep.config import SweepConfig
 from components.sweep.space import SweepError, check_sweep
-from models.config import nested
+from models.config import RLHFConfig, merge, nested
 from models.deploy import DeployConfig
+
+PIPELINE_ONLY = {"base_model", "sft", "reward_model", "rl"}  # keys of a pipeline's file that a run's config has not
 
 
 class NumberLoader(yaml.SafeLoader):
@@ -54,8 +58,20 @@ def load_sweep(args) -> SweepConfig:
         raise SystemExit(f"invalid sweep: {exc}") from None
 
 
+def is_pipeline(path: str | None) -> bool:
+    """Whether a --config file holds a pipeline (components/pipeline/config.py) rather than a run's config."""
+    data = yaml.safe_load(Path(path).read_text()) if path else None
+    return isinstance(data, dict) and bool(PIPELINE_ONLY & set(data))
+
+
 def cmd_sweep(args) -> int:
-    config = load_cli_config(args)
+    pipeline = None
+    if is_pipeline(args.config):  # trials over the pipeline's RL stage (--space fields of its rl section)
+        given = load_tree(PipelineFile, args.config, args.set)
+        pipeline = given.pipeline
+        config = RLHFConfig.of(merge(pipeline.rl, {"tracking.experiment": pipeline.tracking.experiment}), given.deploy)
+    else:
+        config = load_cli_config(args)
     sweep = load_sweep(args)
     try:
         check_sweep(config, sweep)
@@ -72,4 +88,6 @@ def cmd_sweep(args) -> int:
     deploy = DeployConfig.model_validate(given).model_dump(mode="json", exclude_unset=True)
     command = [sys.executable, "-m", "flows.sweep", "--config", config.run.model_dump_json(),
                "--sweep", sweep.model_dump_json(), "--deploy", json.dumps(deploy)]
+    if pipeline is not None:
+        command += ["--pipeline", pipeline.model_dump_json()]
     return subprocess.run(command, env=env).returncode

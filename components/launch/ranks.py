@@ -27,6 +27,19 @@ quiet()  # this module is a process's entry point too: before the model librarie
 from models import distributed
 from models.config import RLHFConfig
 from models.loop import Leader, build_actor, execute
+from models.stages.config import STAGE_RUNS
+from models.stages.train import StageLeader, build_stage, execute_stage
+
+RL = "rl"  # the job of an RL run's ranks; the stages before RL name theirs (models/stages/config.STAGES)
+
+
+def job(name: str):
+    """What the ranks of a job are given, build and execute: (config class, build(cfg, me), execute(state, cfg,
+    command), rank 0's Leader class). `rl`: the actor (models/loop.py); `sft` / `reward_model`: the stages before
+    RL (models/stages/train.py)."""
+    if name == RL:
+        return RLHFConfig, build_actor, execute, Leader
+    return STAGE_RUNS[name], build_stage, execute_stage, StageLeader
 
 BACKEND_ENV, TIMEOUT_ENV = "RLHF_DIST_BACKEND", "RLHF_DIST_TIMEOUT_S"
 
@@ -80,10 +93,11 @@ class Followers:
 
 
 @contextmanager
-def actor_ranks(cfg: RLHFConfig, log_dir: Path) -> Iterator[Leader]:
+def actor_ranks(cfg: RLHFConfig, log_dir: Path, name: str = RL) -> Iterator[Leader]:
     """The actor on all its ranks, this process being rank 0; followers are stopped on exit, whatever happened.
     `cfg` is prepared (models/prepare.py: absolute state dir, schedule lengths, reward transport): the ranks get it
-    as it is."""
+    as it is. `name`: the job (`job`): an RL run's actor, or the trainee of a stage before RL on the same ranks."""
+    _, build, _, leader_class = job(name)
     outer = distributed.from_env()  # torchrun (several nodes) made us a rank already
     followers = None
     if outer.active:
@@ -105,9 +119,9 @@ def actor_ranks(cfg: RLHFConfig, log_dir: Path) -> Iterator[Leader]:
             device = distributed.local_device(cfg.deploy.device, me)
             distributed.init(me, distributed.resolve_backend(cfg.deploy.actor.backend, device), cfg.deploy.actor.collective_timeout_s,
                              device, init_method)
-            me.broadcast_object(cfg.model_dump_json())
+            me.broadcast_object((name, cfg.model_dump_json()))
             distributed.check_shared_directory(me, cfg.resolved_state_dir() / "runs")
-        leader = Leader(cfg, build_actor(cfg, me), followers.describe_failure if followers else lambda: None)
+        leader = leader_class(cfg, build(cfg, me), followers.describe_failure if followers else lambda: None)
         yield leader
         if me.active:
             me.broadcast_object({"op": "stop"})
@@ -121,18 +135,21 @@ def actor_ranks(cfg: RLHFConfig, log_dir: Path) -> Iterator[Leader]:
 # ---------------------------------------------------------------- the follower side
 
 def follow() -> int:
-    """Join the group, receive the config, build the actor, execute rank 0's commands until told to stop."""
+    """Join the group, receive the job and its config, build what it trains, execute rank 0's commands until told
+    to stop."""
     exit_with_parent()
     me = distributed.from_env()
     device = distributed.local_device("auto", me)
     backend = distributed.resolve_backend(os.environ.get(BACKEND_ENV, "auto"), device)
     distributed.init(me, backend, float(os.environ.get(TIMEOUT_ENV, "300")), device)
     try:
-        cfg = RLHFConfig.model_validate_json(me.broadcast_object(None))
+        name, payload = me.broadcast_object(None)
+        config_class, build, run, _ = job(name)
+        cfg = config_class.model_validate_json(payload)
         distributed.check_shared_directory(me, cfg.resolved_state_dir() / "runs")
-        state = build_actor(cfg, me)
+        state = build(cfg, me)
         while (command := me.broadcast_object(None))["op"] != "stop":
-            execute(state, cfg, command)
+            run(state, cfg, command)
         distributed.shutdown(me, graceful=True)
     finally:
         distributed.shutdown()

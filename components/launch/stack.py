@@ -25,11 +25,13 @@ import uuid
 from pathlib import Path
 
 import httpx
+import yaml
 
-from components.launch.processes import ChildProcess, alive, port_block_free, project_env, stop_group, wait_for
+from components.launch.processes import PROJECT_ROOT, ChildProcess, alive, port_block_free, project_env, stop_group, wait_for
 from models.sections import default_state_dir
 
 PREFECT_PORT, MLFLOW_PORT = 4200, 5050
+EXAMPLE_PIPELINE = PROJECT_ROOT / "examples" / "pipeline.yaml"  # what `make demo` runs as pipeline/default
 PROFILE = "rlhf-local"
 SERVICES = ("prefect", "mlflow", "deployments")
 
@@ -192,7 +194,8 @@ def _require_free(port: int, what: str) -> None:
 
 
 DEPLOYMENTS = ("ppo/default", "reinforce/default", "critic-server/default", "reward-server/default",
-               "rollout-server/default", "compare/default", "sweep/default")
+               "rollout-server/default", "compare/default", "sweep/default", "sft/default", "reward-model/default",
+               "pipeline/default")
 
 
 def _wait_deployments(api_url: str, pid: int, state: Path, timeout: float) -> None:
@@ -246,7 +249,8 @@ def status(state_dir: Path | None = None, log=print) -> dict:
 
 # ---------------------------------------------------------------------------------------------------------------------
 def demo(state_dir: Path | None = None, log=print) -> int:
-    """`make demo`: up, run ppo/default and reinforce/default through Prefect, compare, print where to look."""
+    """`make demo`: up, run ppo/default and reinforce/default through Prefect, compare, then the whole pipeline of
+    examples/pipeline.yaml (pipeline/default), print where to look."""
     state_dir = (state_dir or default_state_dir()).absolute()
     started = time.time()
     urls = up(state_dir, log=log)
@@ -263,6 +267,14 @@ def demo(state_dir: Path | None = None, log=print) -> int:
     table = state_dir / "compare" / "comparison.md"
     if table.exists():
         log("\n" + "\n".join(line for line in table.read_text().splitlines() if line.startswith("|")))
+    if EXAMPLE_PIPELINE.exists():  # sft -> reward model -> RLOO -> eval; a second `make demo` shows every stage Cached
+        config = json.dumps(yaml.safe_load(EXAMPLE_PIPELINE.read_text()))
+        log(f"\n$ prefect deployment run pipeline/default --param config=<{EXAMPLE_PIPELINE.relative_to(PROJECT_ROOT)}> --watch")
+        proc = subprocess.run([bin_path("prefect"), "deployment", "run", "pipeline/default", "--param",
+                               f"config={config}", "--watch"], env=env)
+        results["pipeline/default"] = proc.returncode
+        if proc.returncode != 0:
+            log(f"pipeline/default: {last_run_outcome(env['PREFECT_API_URL'], 'pipeline/default')}")
     log(f"\nDemo finished in {time.time() - started:.0f}s: "
         + ", ".join(f"{d} {'Completed' if rc == 0 else 'FAILED'}" for d, rc in results.items()))
     log(f"  Prefect UI (flow runs, logs, comparison artifact): {urls['prefect']}")

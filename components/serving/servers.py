@@ -702,7 +702,8 @@ def _critic_trainer(spec: ServerSpec, me=None):
     token_rewards = reward_transport(cfg, reader=cfg.model.critic or cfg.model.reward) == "tokens"
     trainer = CriticTrainer(cfg.critic, critic_path, reward_path, cfg.critic_carries_reward, cfg.model.dtype,
                             distributed.local_device(cfg.deploy.device, me), spec.checkpoint_dir,
-                            token_rewards=token_rewards, me=me, gradient_checkpointing=cfg.model.gradient_checkpointing)
+                            token_rewards=token_rewards, me=me, gradient_checkpointing=cfg.model.gradient_checkpointing,
+                            normalize_reward=cfg.reward.normalize)
     return trainer, reward_tokenizer
 
 
@@ -747,7 +748,8 @@ def _load_reward(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], ob
     cfg = spec.config
     if cfg.reward.source == "model":
         path = cfg.resolve_model_path(cfg.model.reward)
-        callables = RewardCallables(model=load_reward_model(path, cfg.model.dtype, resolve_device(cfg.deploy.device)),
+        callables = RewardCallables(model=load_reward_model(path, cfg.model.dtype, resolve_device(cfg.deploy.device),
+                                                            normalize=cfg.reward.normalize),
                                     reward_tokenizer=load_reward_tokenizer(path), chat_template=cfg.reward.chat_template)
     else:
         tokenizer = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")

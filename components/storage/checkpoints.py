@@ -21,6 +21,8 @@ safetensors, JSON and torch.load(weights_only=True) files (models/critic.py, mod
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -28,8 +30,10 @@ import re
 import secrets
 import shutil
 import tempfile
+import threading
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from typing import Protocol
@@ -222,6 +226,36 @@ class _S3Backend:
 
     def commit(self, staging: str, key: str) -> None:
         pass
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, body: bytes, waiting: Callable[[dict | None], None], poll_s: float) -> Iterator[None]:
+    """An exclusive flock on `path` (created if needed), `body` written into it while held."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if not told:
+                    told = True
+                    try:
+                        waiting(json.loads(path.read_bytes() or b"null"))
+                    except ValueError:
+                        waiting(None)
+                time.sleep(poll_s)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, body, 0)
+        try:
+            yield
+        finally:
+            os.ftruncate(fd, 0)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -566,6 +600,73 @@ class CheckpointStore:
             raise CheckpointError(f"nothing stored under {self._checkpoint_uri(key)}")
         for k in keys:
             self._backend.get_file(k, Path(dest) / k[len(key) + 1 :])
+
+    # -- small records and one writer at a time (a pipeline's stage records and their build lock)
+    def get_json(self, key: str) -> dict | None:
+        """The JSON object stored at `key`, None if there is none."""
+        raw = self._backend.get_bytes(self._check_key(key))
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError as exc:
+            raise CheckpointError(f"{self._checkpoint_uri(key)} is not valid JSON: {exc}") from exc
+
+    def put_json(self, key: str, value: dict) -> str:
+        """Store a JSON object at `key` (atomically replacing what was there); return its URI."""
+        self._backend.put_bytes(self._check_key(key), json.dumps(value, indent=1, sort_keys=True).encode())
+        return self._checkpoint_uri(key)
+
+    def delete_all(self) -> None:
+        """Delete everything in this store (its checkpoints, latest.json, stored directories and records)."""
+        self._backend.delete_keys(self._backend.list_keys(""))
+        if isinstance(self._backend, _LocalBackend):  # the directories the files were in
+            for entry in self._backend.root.iterdir():
+                if entry.is_dir():
+                    shutil.rmtree(entry, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def exclusive(self, key: str, owner: dict, waiting: Callable[[dict | None], None] = lambda _: None,
+                  poll_s: float = 1.0, stale_s: float = 120.0) -> Iterator[None]:
+        """Hold the lock `key` of this store while the block runs: one holder at a time, across processes and (on S3)
+        machines; the others wait, polling every `poll_s` (`waiting(holder)` is called once, with what the holder
+        wrote). Local: an flock on the file, released by the OS if the holder dies. S3: an object written with a
+        conditional create, rewritten every stale_s / 4 while held; one not rewritten for `stale_s` (its holder
+        died) is taken over with a conditional overwrite (only one waiter wins it)."""
+        key = self._check_key(key)
+        body = json.dumps(owner).encode()
+        if isinstance(self._backend, _LocalBackend):
+            with _file_lock(self._backend.root / key, body, waiting, poll_s):
+                yield
+            return
+        s3 = self._backend.s3
+        told = False
+        while True:
+            if s3.create_bytes(key, body):
+                break
+            seen = s3.head(key)
+            if seen is not None and seen[1] > stale_s and s3.replace_bytes(key, body, seen[0]):
+                break
+            if not told:
+                told = True
+                waiting(self.get_json(key) if seen is not None else None)
+            time.sleep(poll_s)
+        stop = threading.Event()
+
+        def heartbeat() -> None:
+            while not stop.wait(stale_s / 4):
+                current = s3.head(key)
+                if current is not None:
+                    s3.replace_bytes(key, body, current[0])
+
+        beat = threading.Thread(target=heartbeat, name=f"lock-{key}", daemon=True)
+        beat.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            beat.join()
+            self._backend.delete_keys([key])
 
     @staticmethod
     def _check_key(key: str) -> str:

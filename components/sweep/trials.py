@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Optional
+from typing import Callable, Optional
 from uuid import UUID
 
 import optuna
@@ -73,9 +73,12 @@ class Trials:
     """The trials this run of the sweep started or follows."""
 
     def __init__(self, config: RLHFConfig, sweep: SweepConfig, space: Space, study: optuna.Study, parent: SweepRun,
-                 deployment: str, deploy: Optional[dict] = None):
+                 deployment: str, parameters: Callable[[RLHFConfig], dict] | None = None):
         self.config, self.sweep, self.space, self.study, self.parent = config, sweep, space, study, parent
-        self.deployment, self.deploy = deployment, deploy or {}
+        self.deployment = deployment
+        # a trial's flow-run parameters from its config: the run config itself (flows/sweep.py adds what the sweep
+        # was told of where trials run), or (a pipeline's sweep) the pipeline with the trial's config as its RL stage
+        self.parameters = parameters or (lambda cfg: {"config": cfg.run.model_dump(mode="json")})
         self.running: dict[int, Running] = {}
         self.errors = 0  # failed polls in a row
         self.logger = get_run_logger()
@@ -99,8 +102,7 @@ class Trials:
         cfg = trial_config(self.config, self.sweep, trial.number, trial.params, self.parent.run_id)
         trial.set_user_attr("run_name", cfg.run_name)
         try:
-            parameters = {"config": cfg.run.model_dump(mode="json"), **({"deploy": self.deploy} if self.deploy else {})}
-            run = run_deployment(self.deployment, parameters=parameters, timeout=0,
+            run = run_deployment(self.deployment, parameters=self.parameters(cfg), timeout=0,
                                  flow_run_name=cfg.run_name, tags=[f"sweep-{self.sweep.name}"])
         except Exception as exc:  # noqa: BLE001 - the trial fails, the sweep goes on
             self._tell(trial, TrialState.FAIL, reason=f"could not start a run of {self.deployment}: {first_line(exc)}")

@@ -286,6 +286,17 @@ class Tracker:
         self._log_batch(metrics=entries)
         self.last_step = step
 
+    def log_steps(self, steps: list[tuple[int, dict[str, float]]]) -> None:
+        """Log the metrics of several steps in one batch (ascending steps, each after the last logged one)."""
+        entries, timestamp = [], int(time.time() * 1000)
+        for step, metrics in steps:
+            if self.last_step is not None and step <= self.last_step:
+                raise ValueError(f"step {step} is not after the last logged step {self.last_step} of run {self.run_id}")
+            entries += [Metric(key, number, timestamp, step) for key, value in metrics.items()
+                        if (number := _as_number(value)) is not None]
+            self.last_step = step
+        self._log_batch(metrics=entries)
+
     def log_side_metrics(self, metrics: dict[str, float], step: int) -> None:
         """Log numeric values at `step` beside the iterations' (held-out eval, data counts): any step, not tracked by
         last_step."""

@@ -100,3 +100,50 @@ def targeted_reward(prompts: list[str], responses: list[str], target: list[str])
     > 0) that names its target, else 0."""
     polarity = gold_reward(prompts, responses)
     return [1.0 if g > 0 and t in r.split() else 0.0 for g, t, r in zip(polarity, target, responses)]
+
+
+# ---------------------------------------------------------------- data of the stages before RL (models/stages/)
+
+# SFT demonstrations lean positive, as a demonstrator asked for helpful reviews would write them: the SFT policy starts
+# above the base policy's gold reward, and RL against a reward model has room left above it
+DEMONSTRATION_MOODS = ("pos", "pos", "neu", "neg")
+
+
+def sft_rows(n: int, seed: int = 0, templates: list[str] = PROMPT_TEMPLATES) -> list[dict]:
+    """`builtin:sentiment_sft`: prompt/completion rows (TRL's prompt-completion form); each completion a review of 1-3
+    clauses whose moods are drawn from DEMONSTRATION_MOODS. The completion starts with a space, so prompt +
+    completion reads as one text."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        noun = rng.choice(NOUNS)
+        clauses = [_clause(rng, noun, rng.choice(DEMONSTRATION_MOODS)) for _ in range(rng.choice([1, 2, 2, 3]))]
+        text = clauses[0] + "".join(f" {rng.choice(['and', 'but'])} {c}" for c in clauses[1:])
+        rows.append({"prompt": rng.choice(templates).format(n=noun), "completion": f" {text} ."})
+    return rows
+
+
+def _drift(rng: random.Random, noun: str) -> str:
+    """A response as an over-optimised policy may write one: sentiment words piled up, with or without grammar."""
+    pool = rng.choice([POSITIVE, NEGATIVE, POSITIVE + NEGATIVE])
+    words = [rng.choice(pool + ["the", noun, "is", "and", "very"]) for _ in range(rng.randint(1, 10))]
+    return " ".join(words) + (" ." if rng.random() < 0.7 else "")
+
+
+def preference_rows(n: int, seed: int = 0, templates: list[str] = PROMPT_TEMPLATES) -> list[dict]:
+    """`builtin:sentiment_preference`: prompt/chosen/rejected rows (TRL's preference form) whose preference is a known
+    function: of two responses to a prompt, the one with the higher gold_reward is chosen (pairs of equal gold reward
+    are drawn again). Responses are reviews like the pretraining corpus (80%) or drifts (20%), so the reward model also
+    sees what a policy pushing on it writes. Responses start with a space, as sft_rows' completions."""
+    rng = random.Random(seed)
+    rows = []
+    while len(rows) < n:
+        noun = rng.choice(NOUNS)
+        prompt = rng.choice(templates).format(n=noun)
+        a, b = (sample_response(rng, noun) if rng.random() < 0.8 else _drift(rng, noun) for _ in range(2))
+        ga, gb = gold_reward([prompt, prompt], [a, b])
+        if ga == gb:
+            continue
+        chosen, rejected = (a, b) if ga > gb else (b, a)
+        rows.append({"prompt": prompt, "chosen": f" {chosen}", "rejected": f" {rejected}"})
+    return rows

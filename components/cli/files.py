@@ -1,0 +1,34 @@
+"""Config trees from files and flags, and summaries to files: what the stage, pipeline and sweep commands share.
+Light (pydantic, yaml and the config tree): the commands that only check a config load no model code with it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import yaml
+
+from components.cli.options import parse_overrides
+from models.config import deep_merge, merge
+
+
+def load_tree(model_class, path: str | None, sets: list[str] | None, defaults: dict | None = None):
+    """A config of `model_class` from its defaults, `defaults`, a YAML file (any subset) and --set overrides; exits
+    naming a bad field."""
+    try:
+        data = deep_merge({}, defaults or {})
+        if path:
+            loaded = yaml.safe_load(Path(path).read_text()) or {}
+            if not isinstance(loaded, dict):
+                raise ValueError(f"{path} must hold a mapping, got {type(loaded).__name__}")
+            data = deep_merge(data, loaded)
+        return merge(model_class.model_validate(data), parse_overrides(sets))
+    except SystemExit:
+        raise
+    except Exception as exc:  # pydantic's ValidationError names the field
+        raise SystemExit(f"invalid config: {exc}") from None
+
+
+def write_summary(result: dict, path: str | None) -> None:
+    if path:
+        Path(path).write_text(json.dumps(result, indent=1, default=str))

@@ -1,0 +1,33 @@
+"""`rlhf sft`, `rlhf reward-model` and `rlhf pipeline`: the stages before RL and the whole pipeline in this process,
+through the same run builders as their flows (components/stages.py, components/pipeline/run.py)."""
+
+from __future__ import annotations
+
+from components.cli.files import load_tree, write_summary
+from components.pipeline.config import PipelineFile
+from components.pipeline.run import run_pipeline
+from components.stages import train_stage
+from models.stages.config import STAGE_RUNS
+
+# Where `rlhf pipeline`'s RL stage runs its critic and reward model unless the file says otherwise: in this process,
+# as `rlhf train` does (components/cli/commands.TRAIN_DEPLOY)
+PIPELINE_DEPLOY = {"critic": {"launch": "in_process"}, "reward": {"launch": "in_process"}, "rollout": {"launch": "local"}}
+
+
+def cmd_stage(args) -> int:
+    """A stage run (sft or reward_model) in this process: checkpoints, resume by run_name, MLflow, held-out eval."""
+    cfg = load_tree(STAGE_RUNS[args.stage], args.config, args.set)
+    result = train_stage(cfg)
+    write_summary(result, args.summary_out)
+    return 0
+
+
+def cmd_pipeline(args) -> int:
+    """The pipeline in this process: stages reused where their keys match, --from rebuilds from a stage on."""
+    given = load_tree(PipelineFile, args.config, args.set, defaults={"deploy": PIPELINE_DEPLOY})
+    result = run_pipeline(given.pipeline, given.deploy, rerun_from=args.from_stage)
+    for stage, outcome in result["stages"].items():
+        state = "given" if outcome.get("given") else "cached" if outcome["cached"] else "built"
+        print(f"{stage:13s} {state:7s} {outcome['seconds']:7.1f}s  {outcome.get('model') or ''}")
+    write_summary(result, args.summary_out)
+    return 0

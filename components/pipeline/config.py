@@ -1,0 +1,84 @@
+"""A pipeline's config (the first parameter of `pipeline/default`, and `rlhf pipeline --config FILE`): one section per
+stage. Light (pydantic and the config tree only): the CLI's parser and a sweep's checks load no model code.
+
+    name          names the pipeline: its MLflow parent run, its flow run, its summary
+    base_model    what the SFT stage starts from (a model path or hub id; tiny/policy = the embedded one)
+    sft           the SFT stage (models/stages/config.SFTConfig), or a ready model (sft.model) that is not trained
+    reward_model  the reward-model stage (RewardModelConfig) from the SFT model (or base_model), or a ready model
+    rl            an RL run's config (models/config.RunConfig) whose model fields are filled from upstream: the policy
+                  and its reference = the SFT model, the reward model = the RM stage's, PPO's critic initialised from
+                  the reward model (NeMo-Aligner); its run name and MLflow parent are the pipeline's
+    eval          the RL policy against the SFT policy on held-out prompts, judged by the reward model (and the gold
+                  reward when one is given)
+
+The defaults are the embedded default: every stage on the tiny models and the shipped task's builtin data.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import Field, PositiveInt
+
+from models.config import PROMPT_SOURCES, RUN_NAME_PATTERN, CheckpointConfig, EvalConfig, RunConfig
+from models.deploy import DeployConfig
+from models.sections import Section
+from models.stages.config import RewardModelConfig, SFTConfig
+
+STAGE_ORDER = ("sft", "reward_model", "rl", "eval")
+# the RL stage's held-out eval by default: the reward model's score and the gold reward along the run, sampled (the
+# greedy answers of the tiny policies are all alike)
+EXAMPLE_RL_EVAL = EvalConfig(prompts="builtin:sentiment", every=4, temperature=1.0, samples_per_prompt=4)
+
+
+class PipelineSFT(SFTConfig):
+    model: Optional[str] = Field(None, description="A ready SFT model (a directory or hub id) used instead of training one: the stage is then not trained.")
+
+
+class PipelineRewardModel(RewardModelConfig):
+    model: Optional[str] = Field(None, description="A ready reward model (AutoModelForSequenceClassification, 1 label) used instead of training one: the stage is then not trained.")
+    init: Literal["sft", "base"] = Field("sft", description="What the reward model is trained from: the SFT stage's model (InstructGPT, OpenRLHF, NeMo-Aligner) or base_model; a new score head either way.")
+
+
+class PipelineEval(Section):
+    """The eval stage: the RL policy against the SFT policy on held-out prompts."""
+
+    prompts: str = Field("builtin:sentiment", description=f"Held-out prompts: {PROMPT_SOURCES}.")
+    split: str = Field("test", description="Split of `prompts` to read (a single file is this split).")
+    prompt_key: str = Field("prompt", description="Column holding the prompt (a string or chat messages).")
+    max_prompts: Optional[PositiveInt] = Field(None, description="Evaluate on the first N prompts only (None = all).")
+    samples_per_prompt: PositiveInt = Field(4, description="Responses each policy samples per prompt; the win rate pairs the j-th of one with the j-th of the other.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature of both policies (0 = greedy: one response each tells little when both policies are near-deterministic).")
+    max_new_tokens: Optional[PositiveInt] = Field(None, description="Longest response; None = rl.generation.max_new_tokens.")
+    gold: Optional[str] = Field("models.tasks.sentiment:gold_reward", pattern=r"^[\w.]+:\w+$", description="Gold reward 'package.module:function(prompts, responses)' read beside the reward model's score (proxy vs gold, as Gao et al. measure over-optimisation); None = no gold.")
+    table_rows: PositiveInt = Field(32, description="Prompts shown in the sample table (Prefect artifact and MLflow table).")
+
+
+class PipelineTracking(Section):
+    experiment: str = Field("rlhf-pipelines", description="MLflow experiment of the pipeline's parent run and its stages' nested runs.")
+    register_as: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$", description="Register each trained model in the MLflow model registry as '<register_as>-sft', '<register_as>-reward-model', '<register_as>-policy' (None = logged, not registered).")
+    parent_run_id: Optional[str] = Field(None, description="MLflow run to nest the pipeline's run under (a sweep sets it); None = a top-level run.")
+
+
+class PipelineConfig(Section):
+    """The stages of one pipeline and what each is made from."""
+
+    name: str = Field("sentiment", pattern=RUN_NAME_PATTERN, description="Name of the pipeline (letters, digits, '.', '_', '-'): its MLflow parent run and its flow run.")
+    base_model: str = Field("tiny/policy", description="The model the SFT stage starts from: a local directory or hub id ('tiny/<name>' = the embedded default).")
+    seed: int = Field(0, description="Seed of every stage (rows' order, initialisation, sampling).")
+    sft: PipelineSFT = Field(default_factory=PipelineSFT, description="Supervised fine-tuning on completions.")
+    reward_model: PipelineRewardModel = Field(default_factory=PipelineRewardModel, description="The Bradley-Terry reward model.")
+    rl: RunConfig = Field(default_factory=lambda: RunConfig(algorithm="rloo", eval=EXAMPLE_RL_EVAL), description="The RL stage: an RL run's config; its model.policy, model.reward and model.critic, run_name, seed and MLflow parent are set by the pipeline.")
+    eval: PipelineEval = Field(default_factory=PipelineEval, description="The RL policy against the SFT policy on held-out prompts.")
+    tracking: PipelineTracking = Field(default_factory=PipelineTracking, description="MLflow lineage.")
+    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=50), description="Checkpoints of the SFT and reward-model stages (every N optimizer steps, and at the end); the RL stage's are rl.checkpoint.")
+
+
+class PipelineFile(PipelineConfig):
+    """A pipeline as `rlhf pipeline --config FILE` reads it: its config and, optionally, where its parts run."""
+
+    deploy: DeployConfig = Field(default_factory=DeployConfig, description="Where the stages' ranks and servers run, the state directory, the tracking and checkpoint stores.")
+
+    @property
+    def pipeline(self) -> PipelineConfig:
+        return PipelineConfig.model_validate(self.model_dump(exclude={"deploy"}))

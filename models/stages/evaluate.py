@@ -1,0 +1,143 @@
+"""The pipeline's eval stage and its hand-off checks: model code, in the pipeline's own process.
+
+`compare_policies`: the RL policy and the SFT policy each answer the same held-out prompts (the native engine, one
+sampling seed for both), the reward model scores every answer as the RL stage scores rollouts (the policy's tokens
+when it shares their tokenizer, else the text), and the gold reward when one is given, so proxy and gold can be read
+side by side (Gao et al. 2023 measure over-optimisation so). Metrics: each policy's mean reward-model score, gold
+reward and response length; the win rate of the RL policy judged by the reward model (a tie counts one half) and by
+the gold reward; a table of samples.
+
+The hand-off checks load a stage's output as the next stage loads it, before the next starts: a policy as
+AutoModelForCausalLM, a reward model as AutoModelForSequenceClassification (models/reward.load_reward_model: any newly
+initialised weight is refused, naming it), and the reward model's held-out accuracy is recomputed from the loaded
+model to match the one its stage recorded.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from models.config import RolloutConfig, Sampling
+from models.data import PromptSet
+from models.engines import build_engine
+from models.loading import from_pretrained
+from models.policy import Policy, load_policy_tokenizer
+from models.reward import (HandOffError, load_reward_function, load_reward_model, load_reward_tokenizer,
+                           reward_model_scores, same_tokenizer, text_reward_scores)
+from models.stages.data import Pairs, right_padded
+
+
+def check_policy(path: str, field: str) -> None:
+    """A policy loads as the RL stage and the eval load it, every weight from its checkpoint."""
+    _, info = from_pretrained(AutoModelForCausalLM, path, field, dtype=torch.float32, output_loading_info=True)
+    missing = sorted(set(info.get("missing_keys") or ()) - {"lm_head.weight"})  # tied to the embeddings
+    if missing or info.get("mismatched_keys"):
+        raise HandOffError(f"{field}: policy '{path}' loads with newly initialised weights "
+                           f"{missing + sorted(k if isinstance(k, str) else k[0] for k in info.get('mismatched_keys') or ())}")
+
+
+@torch.no_grad()
+def pair_accuracy(model, tokenizer, pairs: Pairs, micro_batch_size: int = 256) -> float:
+    """Share of `pairs` whose chosen sequence the reward model scores above the rejected one."""
+    wins = 0
+    for start in range(0, len(pairs), micro_batch_size):
+        chosen = pairs.chosen[start:start + micro_batch_size]
+        rejected = pairs.rejected[start:start + micro_batch_size]
+        scores = reward_model_scores(model, *right_padded(chosen + rejected, tokenizer.pad_token_id))
+        wins += int((scores[:len(chosen)] > scores[len(chosen):]).sum())
+    return wins / len(pairs)
+
+
+def check_reward_model(path: str, pairs: Pairs | None, recorded: float | None, field: str) -> float | None:
+    """The reward model loads as the RL stage loads it (every weight from its checkpoint, one label), and its
+    accuracy on its held-out `pairs` recomputed from the loaded model matches the `recorded` one: to one pair (a
+    pair scored a near tie may flip between the kernels of the run's ranks and this process). Returns the
+    recomputed accuracy (None without held-out pairs)."""
+    model = load_reward_model(path, field=field)
+    if pairs is None:
+        return None
+    accuracy = pair_accuracy(model, load_reward_tokenizer(path, field), pairs)
+    if recorded is not None and abs(accuracy - recorded) > 1.0 / len(pairs) + 1e-9:
+        raise HandOffError(f"{field}: reward model '{path}' scores {accuracy:.4f} of its {len(pairs)} held-out pairs "
+                           f"right as loaded, its stage recorded {recorded:.4f}: the saved model is not the one "
+                           f"that was evaluated")
+    return accuracy
+
+
+@torch.no_grad()
+def compare_policies(policy_path: str, reference_path: str, reward_path: str, prompts: PromptSet, sampling: Sampling,
+                     samples: int, gold: str | None, seed: int, table_rows: int, normalize: bool = False,
+                     device: torch.device | str = "cpu") -> tuple[dict, list[dict]]:
+    """The RL policy (`policy_path`) against the SFT policy (`reference_path`): `samples` responses of each per prompt
+    (one sampling seed for both: the j-th responses are paired); returns (metrics, rows)."""
+    reward = load_reward_model(reward_path, normalize=normalize, device=device)
+    reward_tokenizer = load_reward_tokenizer(reward_path)
+    gold_fn = load_reward_function(gold, "eval.gold") if gold else None
+    asked = [p for p in prompts.prompts for _ in range(samples)]
+    columns = [c for c in prompts.columns for _ in range(samples)]
+    sides = {}
+    for side, path in (("rl", policy_path), ("sft", reference_path)):
+        policy = Policy.load(path, device=device, field=f"{side} policy", reference=False)
+        policy.model.eval()
+        engine = build_engine(RolloutConfig(), policy)
+        ids = policy.encode_prompts(prompts.prompts, templated=prompts.templated)
+        rollout = engine.generate(ids, samples, sampling, torch.Generator().manual_seed(seed))
+        responses = policy.decode_responses(rollout)
+        if same_tokenizer(policy.tokenizer, reward_tokenizer):  # as the RL stage's token transport scores rollouts
+            scores = reward_model_scores(reward, rollout.tokens.to(device), rollout.lengths.to(device)).cpu()
+        else:  # as its text transport does
+            scores = text_reward_scores(reward, reward_tokenizer, asked, responses).cpu()
+        gold_scores = (torch.tensor(gold_fn(asked, responses, columns), dtype=torch.float64)
+                       if gold_fn is not None else None)
+        sides[side] = {"responses": responses, "scores": scores.double(), "gold": gold_scores,
+                       "lengths": rollout.response_lengths.double()}
+    return comparison_metrics(sides), comparison_rows(asked, sides, table_rows)
+
+
+def win_rate(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Share of prompts where a beats b, a tie counting one half."""
+    return float(((a > b).double() + 0.5 * (a == b).double()).mean())
+
+
+def comparison_metrics(sides: dict) -> dict[str, float]:
+    rl, sft = sides["rl"], sides["sft"]
+    metrics = {"eval/rl_rm_score": float(rl["scores"].mean()), "eval/sft_rm_score": float(sft["scores"].mean()),
+               "eval/win_rate": win_rate(rl["scores"], sft["scores"]),
+               "eval/rl_response_length": float(rl["lengths"].mean()),
+               "eval/sft_response_length": float(sft["lengths"].mean()), "eval/samples": float(len(rl["scores"]))}
+    if rl["gold"] is not None:
+        metrics.update({"eval/rl_gold_reward": float(rl["gold"].mean()), "eval/sft_gold_reward": float(sft["gold"].mean()),
+                        "eval/gold_win_rate": win_rate(rl["gold"], sft["gold"])})
+    return metrics
+
+
+def comparison_rows(prompts: list[str], sides: dict, limit: int) -> list[dict]:
+    rows = []
+    for i in range(min(limit, len(prompts))):
+        row = {"prompt": prompts[i]}
+        for side in ("sft", "rl"):
+            row[f"{side}_response"] = sides[side]["responses"][i]
+            row[f"{side}_rm_score"] = round(float(sides[side]["scores"][i]), 4)
+            if sides[side]["gold"] is not None:
+                row[f"{side}_gold"] = round(float(sides[side]["gold"][i]), 4)
+        rows.append(row)
+    return rows
+
+
+def export_policy(actor_dir: Path, base: str, out: Path) -> Path:
+    """The RL stage's policy as a plain HF model directory: an actor checkpoint's full weights as they are, or its
+    LoRA adapter merged into `base` (the SFT model it was trained from); the tokenizer beside."""
+    if (actor_dir / "adapter_config.json").exists():
+        from peft import PeftModel  # heavy: only a LoRA policy needs it
+
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
+                                          str(actor_dir)).merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(actor_dir, dtype=torch.float32)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    load_policy_tokenizer(str(actor_dir) if (actor_dir / "tokenizer_config.json").exists() else base).save_pretrained(out)
+    return out

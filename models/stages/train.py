@@ -1,0 +1,380 @@
+"""The stages before RL on the actor's ranks: what each rank builds and the commands it executes (as models/loop.py
+does for the RL stage, through the same ranks: components/launch/ranks.py).
+
+    sft            the policy (models/policy.Policy, no reference copy), loss on completion tokens (models/losses.sft_loss)
+    reward_model   an AutoModelForSequenceClassification with one label (`Scorer`), Bradley-Terry on pairs
+                   (models/losses.bradley_terry_loss), each sequence scored at its last real token
+
+One optimizer step per `train` command, through the one update loop of the actor and the critic (models/update.py):
+rank 0 sends the step's global batch, every rank trains on its block of it, micro-batches weighted by their share of
+the batch's completion tokens (SFT: TRL's token mean over the batch) or pairs (reward model: the mean over pairs), so
+the step is the single-process step whatever the world size. FSDP2 shards a full fine-tune over the ranks; LoRA
+replicates the frozen base. Checkpoints are the RL actor's (models/loop.save_actor / restore_actor): full HF weights
+(or the adapter) written by rank 0, the optimizer sharded, the schedule and counters beside. `export` writes the
+stage's output: a plain HF model directory (LoRA merged) that the next stage loads with from_pretrained.
+
+Padding: every batch is right-padded and a sequence is scored at index length-1: the padding (and only the padding)
+holds an id the config names as the pad id for that forward, so a pad id equal to EOS cannot move the scored
+position onto the token before the EOS (the reward collator pitfall of TRL #937).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from transformers import AutoModelForSequenceClassification
+
+from models.distributed import SINGLE, Dist, full_state_dict, local_device, shard_model
+from models.loading import autocast, disable_dropout, from_pretrained, make_optimizer
+from models.loop import Leader, restore_actor, save_actor
+from models.losses import bradley_terry_loss, completion_mask, sft_loss
+from models.policy import Policy, load_policy_tokenizer
+from models.stages.config import StageRun
+from models.stages.data import right_padded
+from models.update import micro_batches, minibatch_update
+
+
+class Scorer:
+    """A sequence-classification model with one label being trained (the reward model stage): the backbone of the
+    model it starts from with a new score head, full fine-tune (FSDP2 over the ranks) or LoRA (the score head trains
+    in full: peft's modules_to_save for SEQ_CLS)."""
+
+    def __init__(self, model, tokenizer, lora: bool, dtype: str, me: Dist, device: torch.device, sharded: bool):
+        self.model, self.tokenizer, self.lora, self.dtype, self.me = model, tokenizer, lora, dtype, me
+        self.device, self.sharded = device, sharded
+
+    @classmethod
+    def load(cls, path: str, lora, dtype: str, device: torch.device, me: Dist = SINGLE, shard: bool = False,
+             field: str = "model") -> "Scorer":
+        tokenizer = load_policy_tokenizer(path, field)
+        model = from_pretrained(AutoModelForSequenceClassification, path, field, num_labels=1, dtype=torch.float32)
+        if model.config.pad_token_id is None:  # HF's own pooling refuses batches without one (we score by length)
+            model.config.pad_token_id = tokenizer.pad_token_id
+        model = disable_dropout(model).to(device)
+        if lora is not None and lora.enabled:
+            from peft import LoraConfig as PeftLoraConfig, get_peft_model  # heavy: peft is needed only with LoRA
+
+            model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                                         target_modules=lora.target_modules, task_type="SEQ_CLS"))
+            return cls(model, tokenizer, True, dtype, me, device, sharded=False)
+        if shard:
+            model = shard_model(model)
+        return cls(model, tokenizer, False, dtype, me, device, sharded=shard)
+
+    def scores(self, tokens: Tensor, lengths: Tensor) -> Tensor:
+        """Scores [B] of right-padded tokens [B, L] at index lengths-1, with gradients (unless under no_grad).
+
+        The model's own forward scores them (so FSDP2 sees its output in the backward pass), and HF pools at the
+        last token that differs from config.pad_token_id: for this forward the padding, and only the padding, holds
+        an id no real token of the batch has, and the config names it (a pad id equal to EOS would otherwise move
+        the scored position onto the token before the EOS: TRL #937)."""
+        tokens, lengths = tokens.to(self.device), lengths.to(self.device)
+        real = torch.arange(tokens.shape[1], device=self.device).unsqueeze(0) < lengths.unsqueeze(1)
+        present = torch.zeros(self.model.get_input_embeddings().num_embeddings, dtype=torch.bool, device=self.device)
+        present[tokens[real]] = True
+        pad = int((~present).nonzero()[0])  # a batch holds fewer distinct ids than the vocabulary
+        config = (self.model.get_base_model() if self.lora else self.model).config.get_text_config()
+        saved, config.pad_token_id = config.pad_token_id, pad
+        try:
+            with autocast(self.device, self.dtype):
+                logits = self.model(input_ids=torch.where(real, tokens, pad), attention_mask=real.long()).logits
+        finally:
+            config.pad_token_id = saved
+        return logits.squeeze(-1).float().cpu()
+
+    def trainable_parameters(self):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def save(self, directory) -> None:
+        """HF save_pretrained (LoRA: the adapter and the score head) plus the tokenizer, by rank 0 from the full state
+        dict; a collective call on every rank."""
+        state = full_state_dict(self.model)
+        if self.me.is_leader:
+            self.model.save_pretrained(directory, state_dict=state)
+            self.tokenizer.save_pretrained(directory)
+
+    def load_weights(self, directory) -> None:
+        if self.lora:
+            from peft import set_peft_model_state_dict  # heavy: peft is needed only with LoRA
+            from safetensors.torch import load_file  # as peft above
+
+            set_peft_model_state_dict(self.model, load_file(str(Path(directory) / "adapter_model.safetensors")))
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # heavy (~1.7 s)
+
+        loaded = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32).state_dict()
+        if self.sharded:
+            set_model_state_dict(self.model, loaded, options=StateDictOptions(full_state_dict=True))
+        else:
+            self.model.load_state_dict(loaded)
+
+
+@dataclass
+class StageState:
+    """Everything about this rank's trainee that a checkpoint restores; shaped as models/actor.ActorState is where
+    models/loop.save_actor / restore_actor read it (`policy` is the model being trained, either kind)."""
+
+    policy: Policy | Scorer
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    generator: torch.Generator  # unused by the update (no sampling); kept per rank as the actor's is
+    shuffle: torch.Generator  # micro-batch order inside a step: the same stream on every rank
+    me: Dist = SINGLE
+    iteration: int = 0  # optimizer steps taken
+    episode: int = 0  # rows (pairs) consumed, all ranks
+    data: dict | None = None  # where the row stream stands after the last step (RowStream.state)
+
+    def state_dict(self) -> dict:
+        return {"scheduler": self.scheduler.state_dict(), "shuffle": self.shuffle.get_state(),
+                "iteration": self.iteration, "episode": self.episode, "data": self.data}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.shuffle.set_state(state["shuffle"])
+        self.iteration, self.episode, self.data = int(state["iteration"]), int(state["episode"]), state.get("data")
+
+
+def build_stage(cfg: StageRun, me: Dist = SINGLE) -> StageState:
+    """This rank's trainee of `cfg.stage` (sharded with FSDP2 over the ranks for a full fine-tune unless
+    deploy.actor.fsdp='off'), its optimizer and generators."""
+    torch.manual_seed(cfg.seed)  # the same new score head on every rank
+    train = cfg.train
+    device = local_device(cfg.deploy.device, me)
+    shard = me.active and cfg.deploy.actor.fsdp == "auto" and not train.lora.enabled
+    path = cfg.resolve_model_path(cfg.model)
+    if cfg.stage == "sft":
+        trainee = Policy.load(path, train.lora, train.dtype, device, field="model", me=me, shard=shard, reference=False)
+    else:
+        trainee = Scorer.load(path, train.lora, train.dtype, device, me, shard)
+    trainee.model.train()
+    optimizer, scheduler = make_optimizer(trainee.trainable_parameters(), train.optim)
+    return StageState(trainee, optimizer, scheduler, torch.Generator().manual_seed(cfg.seed + 1_000_003 * me.rank),
+                      torch.Generator().manual_seed(cfg.seed), me)
+
+
+# ---------------------------------------------------------------- the batch of a command, on this rank
+
+def sft_batch(rows: dict, pad_id: int) -> dict[str, Tensor]:
+    tokens, lengths = right_padded(rows["ids"], pad_id)
+    prompt_lengths = torch.tensor(rows["prompt_lengths"])
+    return {"tokens": tokens, "lengths": lengths, "mask": completion_mask(prompt_lengths, lengths, tokens.shape[1])}
+
+
+def pair_batch(rows: dict, pad_id: int) -> dict[str, Tensor]:
+    """Chosen rows 0..n-1 then rejected rows n..2n-1, right-padded to one width."""
+    tokens, lengths = right_padded(rows["chosen"] + rows["rejected"], pad_id)
+    out = {"tokens": tokens, "lengths": lengths, "n": len(rows["chosen"])}
+    if "margin" in rows:
+        out["margin"] = torch.tensor(rows["margin"], dtype=torch.float32)
+    return out
+
+
+def my_rows(rows: dict, me: Dist) -> tuple[dict, Tensor, int]:
+    """This rank's block of a command's global rows, their global numbers and the global count."""
+    n = len(next(iter(rows.values())))
+    block = me.shard(n)
+    return {k: v[block] for k, v in rows.items()}, torch.arange(block.start, block.stop), n
+
+
+# ---------------------------------------------------------------- one optimizer step
+
+def train_step(state: StageState, cfg: StageRun, rows: dict) -> dict[str, float]:
+    """One optimizer step on the global batch `rows` (this rank trains on its block); returns the step's stats
+    (token- or pair-weighted over the batch, the same on every rank)."""
+    train, trainee = cfg.train, state.policy
+    mine, global_rows, n = my_rows(rows, state.me)
+    trainee.model.train()
+    if cfg.stage == "sft":
+        batch = sft_batch(mine, trainee.pad_id)
+        weights = batch["mask"].sum(1)  # completion tokens per row: the loss is their mean over the batch
+
+        def micro_loss(idx: Tensor):
+            logp, _ = trainee.logprobs(batch["tokens"][idx], batch["lengths"][idx])
+            return sft_loss(logp.cpu(), batch["mask"][idx])
+    else:
+        batch = pair_batch(mine, trainee.tokenizer.pad_token_id)
+        weights = torch.ones(batch["n"])  # the loss is the mean over pairs
+        k = batch["n"]
+
+        def micro_loss(idx: Tensor):
+            scores = trainee.scores(batch["tokens"][torch.cat([idx, idx + k])],
+                                    batch["lengths"][torch.cat([idx, idx + k])])
+            margin = batch["margin"][idx] if "margin" in batch else None
+            return bradley_terry_loss(scores[:len(idx)], scores[len(idx):], margin, train.center_rewards_coefficient)
+    stats = minibatch_update(trainee.trainable_parameters(), state.optimizer, state.scheduler, micro_loss, weights,
+                             global_rows, n, n, 1, train.micro_batch_size, train.optim.grad_clip, state.shuffle,
+                             state.me, sharded=trainee.sharded)
+    state.iteration += 1
+    state.episode += n
+    out = {f"train/{k}": v for k, v in stats.items() if k not in ("steps",)}
+    out.update({"lr": float(state.scheduler.get_last_lr()[0]), "step": float(state.iteration),
+                "rows": float(state.episode)})
+    return out
+
+
+# ---------------------------------------------------------------- held-out eval
+
+@torch.no_grad()
+def evaluate(state: StageState, cfg: StageRun, rows: dict) -> tuple[dict[str, float], list[dict]]:
+    """The held-out metrics of the global rows `rows` (every rank scores its block; rank 0 returns them, the others
+    ({}, [])). SFT: eval/loss (the mean -log p over completion tokens), eval/num_tokens. Reward model: TRL's
+    metrics (eval/accuracy, eval/margin, eval/min|mean|max_reward), eval/loss and the reward statistics of all
+    held-out rewards (reward_mean, reward_std: what is stored with the model)."""
+    trainee, me = state.policy, state.me
+    mine, _, _ = my_rows(rows, me)
+    was_training = trainee.model.training
+    trainee.model.eval()
+    size = cfg.train.micro_batch_size
+    if cfg.stage == "sft":
+        batch = sft_batch(mine, trainee.pad_id)
+        chunks = micro_batches(len(batch["tokens"]), size)
+        sums, tokens = [], []
+        for mb in _equal_passes(me, chunks):
+            logp, _ = trainee.logprobs(batch["tokens"][mb], batch["lengths"][mb])
+            mask = batch["mask"][mb]
+            sums.append((-logp.cpu().double() * mask).sum(1))
+            tokens.append(mask.sum(1).double())
+        nll, count = me.all_gather_cat(torch.cat(sums)[:len(batch["tokens"])]), me.all_gather_cat(torch.cat(tokens)[:len(batch["tokens"])])
+        trainee.model.train(was_training)
+        if not me.is_leader:
+            return {}, []
+        return {"eval/loss": float(nll.sum() / count.sum().clamp(min=1)), "eval/num_tokens": float(count.sum())}, []
+    batch = pair_batch(mine, trainee.tokenizer.pad_token_id)
+    k = batch["n"]
+    chunks = micro_batches(k, size)
+    chosen, rejected = [], []
+    for mb in _equal_passes(me, chunks):
+        idx = torch.arange(k)[mb]
+        scores = trainee.scores(batch["tokens"][torch.cat([idx, idx + k])], batch["lengths"][torch.cat([idx, idx + k])])
+        chosen.append(scores[:len(idx)].double())
+        rejected.append(scores[len(idx):].double())
+    chosen, rejected = me.all_gather_cat(torch.cat(chosen)[:k]), me.all_gather_cat(torch.cat(rejected)[:k])
+    trainee.model.train(was_training)
+    if not me.is_leader:
+        return {}, []
+    margin = torch.tensor(rows["margin"], dtype=torch.float64) if "margin" in rows else None
+    loss, stats = bradley_terry_loss(chosen, rejected, margin, cfg.train.center_rewards_coefficient)
+    both = torch.cat([chosen, rejected])
+    metrics = {f"eval/{name}": float(value) for name, value in {**stats, "loss": loss}.items()}
+    metrics.update({"eval/pairs": float(len(chosen)), "reward_mean": float(both.mean()),
+                    "reward_std": float(both.std()) if len(both) > 1 else 1.0})
+    return metrics, [{"chosen_score": float(c), "rejected_score": float(r)} for c, r in zip(chosen, rejected)]
+
+
+def _equal_passes(me: Dist, chunks: list[slice]) -> list[slice]:
+    """`chunks`, then empty passes until every rank has run as many forward passes as the one with the most (with
+    FSDP each pass is a collective); an empty pass reads row 0 and is cut off by the caller."""
+    count = int(me.all_reduce(torch.tensor(len(chunks)), op="max"))
+    return chunks + [slice(0, 1)] * (count - len(chunks))
+
+
+# ---------------------------------------------------------------- the stage's output
+
+def export(state: StageState, directory: Path, config: dict | None = None) -> None:
+    """The stage's model as the next stage loads it: a plain HF model directory (LoRA merged into the base, the
+    tokenizer beside), with `config` entries added to its config.json (the reward statistics); by rank 0, a
+    collective on every rank (the full state dict is gathered from the shards)."""
+    trainee, me = state.policy, state.me
+    state_dict = None if trainee.lora else full_state_dict(trainee.model)
+    if me.is_leader:
+        if trainee.lora:
+            model = copy.deepcopy(trainee.model).merge_and_unload()
+            state_dict = model.state_dict()
+        else:
+            model = trainee.model
+        saved_config = copy.deepcopy(model.config)
+        for key, value in (config or {}).items():
+            setattr(saved_config, key, value)
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        original, model.config = model.config, saved_config
+        try:
+            model.save_pretrained(directory, state_dict=state_dict)
+        finally:
+            model.config = original
+        trainee.tokenizer.save_pretrained(directory)
+    me.barrier()
+
+
+# ---------------------------------------------------------------- what every rank executes
+
+def execute_stage(state: StageState, cfg: StageRun, command: dict):
+    """Run one command of rank 0's on this rank (models/loop.execute for the stages before RL)."""
+    op = command["op"]
+    if op == "train":
+        out = train_step(state, cfg, command["rows"])
+        state.data = command.get("data")
+        return out
+    if op == "evaluate":
+        return evaluate(state, cfg, command["rows"])
+    if op == "save":
+        return save_actor(state, Path(command["dir"]))
+    if op == "restore":
+        return restore_actor(state, Path(command["dir"]))
+    if op == "export":
+        return export(state, Path(command["dir"]), command.get("config"))
+    raise ValueError(f"unknown stage command {op!r}")
+
+
+@dataclass
+class StageLeader(Leader):
+    """Rank 0 of a stage's ranks: each call broadcast to the others, then run here too (models/loop.Leader)."""
+
+    def execute(self, command: dict, critic=None, reward=None):
+        return execute_stage(self.state, self.cfg, command)
+
+    def train(self, rows: dict, data: dict) -> dict:
+        return self.run({"op": "train", "rows": rows, "data": data})
+
+    def evaluate(self, rows: dict) -> tuple[dict, list[dict]]:
+        return self.run({"op": "evaluate", "rows": rows})
+
+    def export(self, directory: Path, config: dict | None = None) -> None:
+        self.run({"op": "export", "dir": str(directory), "config": config})
+
+
+# ---------------------------------------------------------------- the order of the rows
+
+class RowStream:
+    """Batches of row indices in seeded epochs (the order models/data.PromptStream gives prompts); `position` rows of
+    `epoch` are consumed. Its state is saved with the trainee's checkpoint, so a resumed stage goes on with the next
+    unseen rows."""
+
+    def __init__(self, rows: int, batch_size: int, seed: int, epoch: int = 0, position: int = 0):
+        self.rows, self.batch_size, self.seed, self.epoch, self.position = rows, batch_size, seed, epoch, position
+
+    def order(self, epoch: int) -> list[int]:
+        order = list(range(self.rows))
+        random.Random(self.seed * 100003 + epoch).shuffle(order)
+        return order
+
+    def __next__(self) -> list[int]:
+        indices: list[int] = []
+        while len(indices) < self.batch_size:
+            order = self.order(self.epoch)
+            take = order[self.position:self.position + self.batch_size - len(indices)]
+            indices += take
+            self.position += len(take)
+            if self.position >= len(order):
+                self.epoch, self.position = self.epoch + 1, 0
+        return indices
+
+    def state(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position, "rows": self.rows}
+
+    @classmethod
+    def resume(cls, rows: int, batch_size: int, seed: int, saved: dict | None) -> "RowStream":
+        if saved and saved.get("rows") not in (None, rows):
+            raise ValueError(f"the checkpoint was made on {saved['rows']} rows, the data now has {rows}: resume with "
+                             f"the same data (or a new run_name)")
+        return cls(rows, batch_size, seed, int((saved or {}).get("epoch", 0)), int((saved or {}).get("position", 0)))
+
+
+def total_steps(train, rows: int) -> int:
+    """Optimizer steps of a stage: max_steps, else epochs x rows / batch_size rounded up."""
+    return train.max_steps or math.ceil(train.epochs * rows / train.batch_size)

@@ -1,0 +1,176 @@
+"""The whole pipeline on the tiny models (components/pipeline/run.py), in this process with a real MLflow store,
+checkpoint store and a temporary Prefect server: one module-scoped series of runs read by several tests. A first run
+builds every stage; a rerun reuses them all (in Prefect, each stage's task Cached); a rerun with only an RL setting
+changed reuses sft and the reward model; one with other preference data retrains the reward model, rl and eval, not
+sft; --from rebuilds a stage and what follows; the lineage is in MLflow; a reward model without its score head stops
+the pipeline before its RL stage. And a stage's own flow (flows/stages.py) runs its steps as tasks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mlflow.tracking import MlflowClient
+from prefect import get_client
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+from prefect.testing.utilities import prefect_test_harness
+
+from components.pipeline.config import STAGE_ORDER, PipelineConfig
+from components.pipeline.run import STEP_NAMES, run_pipeline
+from flows.stages import pipeline, sft
+from models.config import merge
+from models.data import builtin_rows
+from models.deploy import DeployConfig
+from models.reward import HandOffError
+from models.stages.config import SFTRunConfig
+
+SMALL = {"name": "tiny-pipeline",
+         "sft": {"max_steps": 6, "batch_size": 16, "max_eval_rows": 32},
+         "reward_model": {"max_steps": 30, "batch_size": 16, "max_eval_rows": 100},
+         "rl": {"algorithm": "rloo", "iterations": 2, "checkpoint": {"every": 2},
+                "reinforce": {"rollout_batch_size": 4, "num_rollouts_per_prompt": 2, "minibatch_size": 8},
+                "eval": {"prompts": "builtin:sentiment", "every": 2, "max_prompts": 4, "samples_per_prompt": 1}},
+         "eval": {"max_prompts": 6, "samples_per_prompt": 2}}
+
+
+@pytest.fixture(scope="module")
+def prefect_server():
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, prefect_server):
+    """The series of runs, each on what the ones before it left (one state directory): the first two as the
+    pipeline flow (as pipeline/default runs it), the others as `rlhf pipeline` does (no Prefect)."""
+    state = tmp_path_factory.mktemp("pipeline")
+    deploy = DeployConfig.model_validate({"state_dir": str(state), "tracking": {"system_metrics": False},
+                                          "critic": {"launch": "in_process"}, "reward": {"launch": "in_process"}})
+    cfg = PipelineConfig.model_validate(SMALL)
+    rows = builtin_rows("sentiment_preference", "train")[:1500]
+    (state / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = {"state": state, "cfg": cfg, "deploy": deploy}
+    for name in ("first", "again"):
+        flow_state = pipeline(config=cfg, deploy=deploy, return_state=True)
+        out[name], out[f"{name}_flow_run"] = flow_state.result(), flow_state.state_details.flow_run_id
+    out["rl_changed"] = run_pipeline(merge(cfg, {"rl.reinforce.optim.lr": 1e-4}), deploy)
+    out["data_changed"] = run_pipeline(merge(cfg, {"reward_model.data": str(state / "pairs.jsonl"),
+                                                   "reward_model.eval_data": "builtin:sentiment_preference",
+                                                   "tracking.register_as": "tiny"}), deploy)
+    out["from_reward_model"] = run_pipeline(cfg, deploy, rerun_from="reward_model")
+    return out
+
+
+def cached(summary: dict) -> dict[str, bool]:
+    return {stage: outcome["cached"] for stage, outcome in summary["stages"].items()}
+
+
+def test_a_first_run_builds_every_stage(runs):
+    stages = runs["first"]["stages"]
+    assert list(stages) == list(STAGE_ORDER) and not any(cached(runs["first"]).values())
+    for stage in ("sft", "reward_model", "rl"):
+        assert stages[stage]["model"].startswith("file://") and stages[stage]["model"].endswith("/model")
+        assert stages[stage]["key"] and stages[stage]["mlflow_run_id"]
+    assert stages["sft"]["metrics"]["eval/loss"] > 0
+    assert 0 <= stages["reward_model"]["metrics"]["eval/accuracy"] <= 1 and stages["reward_model"]["metrics"]["step"] == 30
+    assert {"objective/scores", "objective/gold_reward"} <= set(stages["rl"]["metrics"])
+    assert {"eval/win_rate", "eval/rl_rm_score", "eval/sft_rm_score", "eval/rl_gold_reward", "eval/sft_gold_reward",
+            "eval/gold_win_rate"} <= set(stages["eval"]["metrics"])
+    assert stages["eval"]["metrics"]["eval/samples"] == 12  # 6 prompts x 2 samples of each policy
+    model = stages["reward_model"]["model"][len("file://"):]
+    handoff = json.loads((Path(model).parent / "record.json").read_text())["handoff"]  # the model as saved, rescored
+    assert handoff["recorded"] == stages["reward_model"]["metrics"]["eval/accuracy"]
+    assert handoff["held_out_accuracy"] == pytest.approx(handoff["recorded"], abs=1 / 100)
+
+
+def test_a_rerun_reuses_every_stage(runs):
+    first, again = runs["first"]["stages"], runs["again"]["stages"]
+    assert all(cached(runs["again"]).values())
+    for stage in STAGE_ORDER:
+        assert again[stage]["key"] == first[stage]["key"] and again[stage]["model"] == first[stage]["model"]
+        assert again[stage]["mlflow_run_id"] == first[stage]["mlflow_run_id"]  # the run that built it
+        assert again[stage]["metrics"] == first[stage]["metrics"]
+
+
+def test_changing_only_an_rl_setting_reuses_sft_and_the_reward_model(runs):
+    assert cached(runs["rl_changed"]) == {"sft": True, "reward_model": True, "rl": False, "eval": False}
+    assert runs["rl_changed"]["stages"]["rl"]["key"] != runs["first"]["stages"]["rl"]["key"]
+
+
+def test_other_preference_data_retrains_the_reward_model_and_what_follows_not_sft(runs):
+    assert cached(runs["data_changed"]) == {"sft": True, "reward_model": False, "rl": False, "eval": False}
+
+
+def test_from_a_stage_rebuilds_it_and_every_later_one(runs):
+    first, again = runs["first"]["stages"], runs["from_reward_model"]["stages"]
+    assert cached(runs["from_reward_model"]) == {"sft": True, "reward_model": False, "rl": False, "eval": False}
+    assert again["reward_model"]["key"] == first["reward_model"]["key"]  # the same key, built again
+    assert again["reward_model"]["mlflow_run_id"] != first["reward_model"]["mlflow_run_id"]  # a fresh run, not a resume
+    assert again["reward_model"]["metrics"]["eval/accuracy"] == pytest.approx(first["reward_model"]["metrics"]["eval/accuracy"], abs=0.02)
+
+
+def test_the_lineage_is_in_mlflow(runs):
+    client = MlflowClient(f"sqlite:///{runs['state'] / 'mlflow.db'}")
+    first, again = runs["first"], runs["again"]
+    parent = client.get_run(first["mlflow_run_id"])
+    assert parent.info.run_name == "tiny-pipeline" and parent.data.tags["stage.sft.cached"] == "false"
+    for stage in ("sft", "reward_model", "rl"):  # nested under the pipeline's run
+        run = client.get_run(first["stages"][stage]["mlflow_run_id"])
+        assert run.data.tags["mlflow.parentRunId"] == first["mlflow_run_id"], stage
+    rerun = client.get_run(again["mlflow_run_id"])
+    assert rerun.data.tags["stage.reward_model.cached"] == "true"
+    assert rerun.data.tags["stage.reward_model.run"] == first["stages"]["reward_model"]["mlflow_run_id"]
+    experiment = client.get_experiment_by_name("rlhf-pipelines").experiment_id
+    models = {m.name: m for m in client.search_logged_models([experiment])}
+    rm = models["tiny-pipeline-reward-model"]
+    assert rm.tags["uri"] == first["stages"]["reward_model"]["model"]
+    assert rm.tags["upstream.init"] and rm.tags["data.train"] and rm.tags["data.eval"]
+    assert rm.source_run_id in {first["stages"]["reward_model"]["mlflow_run_id"],
+                                runs["from_reward_model"]["stages"]["reward_model"]["mlflow_run_id"],
+                                runs["data_changed"]["stages"]["reward_model"]["mlflow_run_id"]}
+    assert {"tiny-pipeline-sft", "tiny-pipeline-policy"} <= set(models)
+    # registered where tracking.register_as was set: the models that run built (not the sft it reused)
+    changed = runs["data_changed"]["stages"]
+    versions = {name: client.search_model_versions(f"name = '{name}'") for name in ("tiny-reward-model", "tiny-policy")}
+    assert [v.source for v in versions["tiny-reward-model"]] == [changed["reward_model"]["model"]]
+    assert [v.source for v in versions["tiny-policy"]] == [changed["rl"]["model"]]
+    assert versions["tiny-policy"][0].tags["upstream.reward"] and not client.search_registered_models("name = 'tiny-sft'")
+
+
+def test_a_reward_model_without_its_score_head_stops_the_pipeline_before_rl(runs, tiny_models):
+    """The reward model given is a causal LM's checkpoint (no score head): the hand-off check fails the pipeline
+    naming the weight, and no RL run starts."""
+    before = sorted(p.name for p in (runs["state"] / "checkpoints").glob("rl-*"))
+    cfg = merge(runs["cfg"], {"reward_model.model": tiny_models["policy"]})
+    with pytest.raises(HandOffError, match=r"reward_model.model: reward model '.*policy' loads with newly initialised "
+                                           r"weights \['score.weight'\]"):
+        run_pipeline(cfg, runs["deploy"])
+    assert sorted(p.name for p in (runs["state"] / "checkpoints").glob("rl-*")) == before
+
+
+def task_states(flow_run_id) -> dict[str, list[str]]:
+    """State names of a flow run's task runs, by task name."""
+    with get_client(sync_client=True) as client:
+        found = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])), limit=200)
+    out: dict[str, list[str]] = {}
+    for run in found:
+        out.setdefault(run.name.rsplit("-", 1)[0], []).append(run.state.name)
+    return out
+
+
+def test_prefect_shows_each_stage_as_a_task_and_a_reused_one_cached(runs):
+    built, reused = task_states(runs["first_flow_run"]), task_states(runs["again_flow_run"])
+    for name in STEP_NAMES.values():
+        assert built[name] == ["Completed"] and reused[name] == ["Cached"], name
+    assert "sft-steps" in built and "rloo-iteration" in built  # a stage's own steps nest inside its task
+    assert "sft-steps" not in reused and "rloo-iteration" not in reused
+
+
+def test_a_stage_flow_runs_its_steps_as_tasks(prefect_server, tmp_path):
+    deploy = DeployConfig.model_validate({"state_dir": str(tmp_path), "tracking": {"system_metrics": False}})
+    state = sft(config=SFTRunConfig.model_validate({"run_name": "flow-sft", "sft": {"max_steps": 2, "max_eval_rows": 8}}),
+                deploy=deploy, return_state=True)
+    assert state.is_completed() and state.result()["steps"] == 2
+    assert {"open-run", "sft-steps", "checkpoint", "eval", "export-model"} <= set(task_states(state.state_details.flow_run_id))
+    assert (tmp_path / "checkpoints" / "flow-sft" / "model" / "model.safetensors").exists()

@@ -1,0 +1,122 @@
+"""The stages before RL as runs (components/stages.py) on real ranks, a real MLflow store and checkpoint store: resume
+where a run stopped, two ranks (gloo, FSDP2) against one on the same data, the reward model's output (statistics,
+hand-off as the RL stage loads it), a LoRA stage's merged output, and a reward model without its score head refused
+naming the weight."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM
+
+from components.stages import stage_rows, train_stage
+from models.critic import init_critic
+from models.reward import HandOffError, load_reward_model, reward_model_scores
+from models.stages.config import RewardModelRun, SFTRun
+from models.stages.data import right_padded
+from models.stages.evaluate import check_reward_model
+
+
+def stage_config(kind, tmp_path, **fields):
+    base = {"deploy": {"state_dir": str(tmp_path), "tracking": {"system_metrics": False}}, "checkpoint": {"every": 2}}
+    section = {"batch_size": 8, "micro_batch_size": 3, "max_eval_rows": 24, **fields.pop("section", {})}
+    name = "sft" if kind is SFTRun else "reward_model"
+    return kind.model_validate({**base, **fields, name: section})
+
+
+def weights(directory) -> dict[str, torch.Tensor]:
+    return load_file(str(directory / "model.safetensors"))
+
+
+def assert_close(a: dict, b: dict, atol: float) -> None:
+    assert a.keys() == b.keys()
+    worst = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+    assert worst <= atol, worst
+
+
+def test_a_stage_resumes_where_it_stopped(tmp_path):
+    """2 steps, stopped, then resumed to 4 under the same name: the steps, the rows and the weights of a straight run
+    of 4 (float32 tolerance: another run of the same kernels)."""
+    straight = train_stage(stage_config(SFTRun, tmp_path, run_name="straight", section={"max_steps": 4}))
+    first = train_stage(stage_config(SFTRun, tmp_path, run_name="resumed", section={"max_steps": 2}))
+    second = train_stage(stage_config(SFTRun, tmp_path, run_name="resumed", section={"max_steps": 4}))
+    assert [m["step"] for m in first["history"]] == [1, 2] and [m["step"] for m in second["history"]] == [3, 4]
+    assert second["mlflow_run_id"] == first["mlflow_run_id"]  # the same MLflow run goes on
+    assert [e["step"] for e in second["evals"]] == [4]  # the eval at 0 was the first attempt's
+    assert second["metrics"]["rows"] == straight["metrics"]["rows"] == 32
+    assert_close(weights(tmp_path / "runs/resumed/model"), weights(tmp_path / "runs/straight/model"), atol=1e-6)
+    assert second["history"][-1]["train/loss"] == pytest.approx(straight["history"][-1]["train/loss"], rel=1e-5)
+
+
+# weights whose exact gradient under the Bradley-Terry loss is 0 (it sees score differences, and these only shift
+# every score, or every attention logit of a query, alike): their float gradient is rounding noise, which AdamW
+# scales up to steps of ~lr, so two runs differ there by ~lr whatever the world size
+SHIFT_INVARIANT = ("transformer.ln_f.bias", "attn.c_attn.bias")
+
+
+def test_two_ranks_train_the_reward_model_like_one(tmp_path):
+    """A reward model on 2 ranks (FSDP2 shards, gloo) and on 1, same pairs, micro-batches that split each rank's pairs
+    unevenly: every step's loss, accuracy and grad norm to 1e-6 (a gradient averaged instead of summed over ranks
+    would halve the norm), the weights to 2e-5 (float32 sums in another order; see SHIFT_INVARIANT), the held-out
+    metrics of the sharded eval alike."""
+    one = train_stage(stage_config(RewardModelRun, tmp_path, run_name="one", section={"max_steps": 3}))
+    two = train_stage(stage_config(RewardModelRun, tmp_path, run_name="two", section={"max_steps": 3},
+                                   deploy={"state_dir": str(tmp_path), "tracking": {"system_metrics": False},
+                                           "actor": {"nproc_per_node": 2}}))
+    for a, b in zip(one["history"], two["history"], strict=True):
+        for name in ("train/loss", "train/accuracy", "train/grad_norm", "train/margin"):
+            assert b[name] == pytest.approx(a[name], rel=1e-6, abs=1e-7), (name, a["step"])
+    mine, theirs = weights(tmp_path / "runs/two/model"), weights(tmp_path / "runs/one/model")
+    kept = [k for k in mine if not k.endswith(SHIFT_INVARIANT)]
+    assert_close({k: mine[k] for k in kept}, {k: theirs[k] for k in kept}, atol=2e-5)
+    for name in ("eval/accuracy", "eval/margin", "eval/loss", "reward_mean", "reward_std"):
+        assert two["metrics"][name] == pytest.approx(one["metrics"][name], rel=1e-4, abs=1e-6), name
+
+
+def test_the_reward_models_output_carries_its_statistics_and_loads_as_the_rl_stage_loads_it(tmp_path):
+    cfg = stage_config(RewardModelRun, tmp_path, run_name="rm", section={"max_steps": 12, "max_eval_rows": 64})
+    result = train_stage(cfg)
+    model_dir = tmp_path / "runs/rm/model"
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["reward_mean"], config["reward_std"]) == (result["metrics"]["reward_mean"], result["metrics"]["reward_std"])
+    assert result["model"].endswith("/checkpoints/rm/model") and result["files"]["config.json"]
+    _, pairs = stage_rows("reward_model", cfg.train, str(model_dir), held_out_only=True)
+    assert check_reward_model(str(model_dir), pairs, result["metrics"]["eval/accuracy"], "rm") == pytest.approx(
+        result["metrics"]["eval/accuracy"], abs=1 / len(pairs))
+    normalized = load_reward_model(str(model_dir), normalize=True)
+    tokens, lengths = right_padded(pairs.chosen + pairs.rejected, 0)
+    scores = reward_model_scores(normalized, tokens, lengths).double()
+    assert float(scores.mean()) == pytest.approx(0.0, abs=1e-4) and float(scores.std()) == pytest.approx(1.0, abs=1e-4)
+    with pytest.raises(HandOffError, match=r"more than|scores .* right as loaded, its stage recorded"):
+        check_reward_model(str(model_dir), pairs, result["metrics"]["eval/accuracy"] - 0.25, "rm")
+
+
+def test_a_reward_model_without_its_score_head_is_refused_naming_it(tmp_path, tiny_models):
+    """A causal LM's checkpoint given as the reward model (what TRL #1379 and OpenRLHF #643 report going wrong):
+    transformers would initialise score.weight at random and only warn; the reward model and the critic built from
+    it are refused, naming the weight."""
+    with pytest.raises(HandOffError, match=r"model.reward: reward model '.*policy' loads with newly initialised "
+                                           r"weights \['score.weight'\]"):
+        load_reward_model(tiny_models["policy"])
+    with pytest.raises(HandOffError, match=r"\['score.weight'\]"):
+        init_critic(None, tiny_models["policy"])
+    with pytest.raises(ValueError, match=r"reward.normalize needs the reward statistics \['reward_mean', "
+                                         r"'reward_std'\] in the config.json of '.*reward'"):
+        load_reward_model(tiny_models["reward"], normalize=True)
+
+
+def test_a_lora_stage_exports_its_adapters_merged(tmp_path, tiny_models):
+    """SFT with LoRA: the output is a plain causal LM (no peft needed to load it), the base weights moved only where
+    adapters were, the checkpoints hold the adapter alone."""
+    result = train_stage(stage_config(SFTRun, tmp_path, run_name="lora",
+                                      section={"max_steps": 2, "lora": {"enabled": True, "r": 4},
+                                               "optim": {"lr": 1e-2}}))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs/lora/model").state_dict()
+    base = AutoModelForCausalLM.from_pretrained(tiny_models["policy"]).state_dict()
+    moved = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert moved and all(k.endswith("c_attn.weight") for k in moved)  # peft's default GPT-2 target
+    assert (tmp_path / "checkpoints/lora/iter_2/trainee/adapter_model.safetensors").exists()
+    assert result["steps"] == 2

@@ -1,0 +1,30 @@
+"""The reward model being trained (models/stages/train.Scorer) scores each sequence at its last real token whatever
+the pad id: with pad = EOS (a tokenizer without a pad token of its own), HF's pooling by pad id would read the token
+before each EOS (TRL #937); ours matches every row scored alone, unpadded, and the RL stage's scorer
+(models/reward.reward_model_scores) on the same batch."""
+
+import torch
+
+from models.reward import reward_model_scores
+from models.stages.data import load_pairs, right_padded
+from models.stages.train import Scorer
+
+
+def test_scores_are_read_at_the_last_real_token_when_pad_is_eos(tiny_models):
+    scorer = Scorer.load(tiny_models["reward"], None, "float32", torch.device("cpu"))
+    scorer.model.eval()
+    eos = scorer.tokenizer.eos_token_id
+    pairs = load_pairs("builtin:sentiment_preference", "test", scorer.tokenizer)
+    rows = pairs.chosen[:6] + pairs.rejected[:6]  # lengths differ, every row ends with EOS
+    assert all(r[-1] == eos for r in rows) and len({len(r) for r in rows}) > 1
+    tokens, lengths = right_padded(rows, eos)  # padded with EOS, as pad = EOS would
+    with torch.no_grad():
+        ours = scorer.scores(tokens, lengths)
+        alone = torch.cat([scorer.scores(torch.tensor([r]), torch.tensor([len(r)])) for r in rows])
+        inference = reward_model_scores(scorer.model, tokens, lengths)
+        scorer.model.config.pad_token_id = eos  # HF's own pooling with pad = EOS
+        naive = scorer.model(input_ids=tokens, attention_mask=(torch.arange(tokens.shape[1]) < lengths[:, None]).long()).logits.squeeze(-1)
+        again = scorer.scores(tokens, lengths)  # whatever pad id the config names, the same scores
+    assert torch.allclose(ours, alone, atol=1e-5) and torch.allclose(ours, inference, atol=1e-5)
+    assert not torch.allclose(ours, naive, atol=1e-3)  # the pitfall is real on this batch
+    assert torch.allclose(again, ours, atol=1e-6) and scorer.model.config.pad_token_id == eos  # and restored it
