@@ -88,14 +88,19 @@ def flow_config(config, deploy, algorithm: str | None = None) -> RLHFConfig:
     run) deep-merged over its deployment's own, so `--param config='{"iterations": 50}'` keeps what the deployment
     says of every other field (Prefect itself replaces a parameter as a whole); a flow called without a deployment
     runs what it was called with. `algorithm`: the flow's own."""
-    base, given = deployment_parameters(), given_parameters()
-    if base:
-        merged = {name: deep_merge(_plain(base.get(name)), _plain(given.get(name))) for name in FLOW_PARAMETERS}
-    else:
-        merged = {"config": _plain(config), "deploy": _plain(deploy)}
+    merged = merged_parameters(config, deploy)
     if algorithm:
         merged["config"]["algorithm"] = algorithm
     return from_layers({**merged["config"], "deploy": merged["deploy"]})  # unset fields: the policy's preset
+
+
+def merged_parameters(config, deploy) -> dict:
+    """A flow run's `config` and `deploy` as JSON mappings, each deep-merged over its deployment's own (Prefect
+    replaces a parameter as a whole); for a flow called without a deployment, what it was called with."""
+    base, given = deployment_parameters(), given_parameters()
+    if not base:
+        return {"config": _plain(config), "deploy": _plain(deploy)}
+    return {name: deep_merge(_plain(base.get(name)), _plain(given.get(name))) for name in FLOW_PARAMETERS}
 
 
 def _plain(value) -> dict:

@@ -15,19 +15,9 @@ from prefect.runtime import flow_run
 from components.pipeline.config import PipelineConfig
 from components.pipeline.run import run_pipeline
 from components.stages import train_stage
-from components.tasks import FlowSteps, _plain, deployment_parameters, given_parameters, reported_failure
-from models.config import deep_merge
+from components.tasks import FlowSteps, merged_parameters, reported_failure
 from models.deploy import DeployConfig
 from models.stages.config import STAGE_RUNS, RewardModelRunConfig, SFTRunConfig
-
-
-def merged_parameters(config, deploy) -> dict:
-    """The flow run's `config` and `deploy`, each deep-merged over its deployment's (components/tasks.flow_config
-    does so for the training flows)."""
-    base, given = deployment_parameters(), given_parameters()
-    if not base:
-        return {"config": _plain(config), "deploy": _plain(deploy)}
-    return {name: deep_merge(_plain(base.get(name)), _plain(given.get(name))) for name in ("config", "deploy")}
 
 
 def stage_flow(stage: str, config, deploy) -> dict:
