@@ -132,7 +132,7 @@ def test_a_partial_config_keeps_what_the_operator_set_on_the_deployment(local_st
     assert run["state"]["type"] == "COMPLETED", run["state"]
     assert run["name"] == "operator-run"  # the deployment's run_name, kept
     ckpt = s["state_dir"] / "checkpoints" / "operator-run"
-    assert [p.name.split("-")[0] for p in sorted(ckpt.glob("iter_*/state.json"), key=lambda p: p.stat().st_mtime)] \
+    assert [p.parent.name.split("-")[0] for p in sorted(ckpt.glob("iter_*/state.json"), key=lambda p: p.stat().st_mtime)] \
         == ["iter_1", "iter_2"]  # every 1, kept
     assert not (s["state_dir"] / "runs" / "operator-run" / "logs" / "reward-server.log").exists()  # in process, kept
     client, mrun = mlflow_run(s, "operator-run")
