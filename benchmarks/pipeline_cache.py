@@ -118,7 +118,7 @@ def rl_curves(summary: dict) -> dict:
     record beside its checkpoints (a local store here)."""
     model = summary["stages"]["rl"]["model"]
     record = json.loads((Path(model[len("file://"):]).parent / "record.json").read_text())
-    return {"held_out": [{k: e.get(k) for k in ("iteration", "eval/score", "eval/gold_reward")} for e in record["evals"]],
+    return {"held_out": [{k: e.get(k) for k in ("iteration", "eval/reward", "eval/gold_reward")} for e in record["evals"]],
             "training": record.get("curves", {})}
 
 

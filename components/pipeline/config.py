@@ -18,9 +18,10 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, ValidationInfo, field_validator
 
-from models.config import PROMPT_SOURCES, RUN_NAME_PATTERN, CheckpointConfig, EvalConfig, RunConfig
+from models.config import (PROMPT_SOURCES, RUN_NAME_PATTERN, CheckpointConfig, EvalConfig, RunConfig, deep_merge, preset,
+                           preset_for)
 from models.deploy import DeployConfig
 from models.sections import Section
 from models.stages.config import RewardModelConfig, SFTConfig
@@ -68,10 +69,20 @@ class PipelineConfig(Section):
     seed: int = Field(0, description="Seed of every stage (rows' order, initialisation, sampling).")
     sft: PipelineSFT = Field(default_factory=PipelineSFT, description="Supervised fine-tuning on completions.")
     reward_model: PipelineRewardModel = Field(default_factory=PipelineRewardModel, description="The Bradley-Terry reward model.")
-    rl: RunConfig = Field(default_factory=lambda: RunConfig(algorithm="rloo", eval=EXAMPLE_RL_EVAL), description="The RL stage: an RL run's config; its model.policy, model.reward and model.critic, run_name, seed and MLflow parent are set by the pipeline.")
+    rl: RunConfig = Field(default_factory=lambda: RunConfig(algorithm="rloo", eval=EXAMPLE_RL_EVAL), validate_default=True, description="The RL stage: an RL run's config; its model.policy, model.reward and model.critic, run_name, seed and MLflow parent are set by the pipeline; what it leaves unset gets the preset of base_model (the tiny preset for tiny/policy).")
     eval: PipelineEval = Field(default_factory=PipelineEval, description="The RL policy against the SFT policy on held-out prompts.")
     tracking: PipelineTracking = Field(default_factory=PipelineTracking, description="MLflow lineage.")
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=50), description="Checkpoints of the SFT and reward-model stages (every N optimizer steps, and at the end); the RL stage's are rl.checkpoint.")
+
+
+    @field_validator("rl", mode="before")
+    @classmethod
+    def _rl_over_the_base_model_s_preset(cls, value, info: ValidationInfo):
+        """The RL stage's fields it leaves unset come from the preset of what the pipeline trains (base_model): its
+        policy is the SFT model, whose path names no preset."""
+        given = value.model_dump(mode="json", exclude_unset=True) if isinstance(value, RunConfig) else (value or {})
+        base = preset(preset_for(info.data.get("base_model"))).run.model_dump(mode="json")
+        return deep_merge(base, given)
 
 
 class PipelineFile(PipelineConfig):

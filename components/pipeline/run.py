@@ -355,7 +355,7 @@ def build_rl(p: Pipeline, key: str) -> dict:
     uri = store.put_dir(local, "model")
     files = file_digests(local)
     evals = result.get("evals", [])
-    curves = {name: [m.get(name) for m in result["history"]] for name in ("objective/scores", "objective/gold_reward",
+    curves = {name: [m.get(name) for m in result["history"]] for name in ("reward", "objective/gold_reward",
                                                                           "objective/kl") if result["history"]
               and name in result["history"][0]}
     return {"model": uri, "files": files, "digest": manifest_digest(files), "run_name": result["run_name"],

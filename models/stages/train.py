@@ -213,7 +213,7 @@ def train_step(state: StageState, cfg: StageRun, rows: dict) -> dict[str, float]
     state.iteration += 1
     state.episode += n
     out = {f"train/{k}": v for k, v in stats.items() if k not in ("steps",)}
-    out.update({"lr": float(state.scheduler.get_last_lr()[0]), "step": float(state.iteration),
+    out.update({"learning_rate": float(state.scheduler.get_last_lr()[0]), "step": float(state.iteration),
                 "rows": float(state.episode)})
     return out
 

@@ -118,5 +118,7 @@ def test_a_lora_stage_exports_its_adapters_merged(tmp_path, tiny_models):
     base = AutoModelForCausalLM.from_pretrained(tiny_models["policy"]).state_dict()
     moved = {k for k in base if not torch.equal(base[k], merged[k])}
     assert moved and all(k.endswith("c_attn.weight") for k in moved)  # peft's default GPT-2 target
-    assert (tmp_path / "checkpoints/lora/iter_2/trainee/adapter_model.safetensors").exists()
+    store = tmp_path / "checkpoints" / "lora"
+    latest = json.loads((store / "latest.json").read_text())  # its fresh prefix, iter_2-<id>
+    assert latest["iteration"] == 2 and (store / latest["path"] / "trainee" / "adapter_model.safetensors").exists()
     assert result["steps"] == 2

@@ -74,7 +74,7 @@ def test_a_first_run_builds_every_stage(runs):
         assert stages[stage]["key"] and stages[stage]["mlflow_run_id"]
     assert stages["sft"]["metrics"]["eval/loss"] > 0
     assert 0 <= stages["reward_model"]["metrics"]["eval/accuracy"] <= 1 and stages["reward_model"]["metrics"]["step"] == 30
-    assert {"objective/scores", "objective/gold_reward"} <= set(stages["rl"]["metrics"])
+    assert {"reward", "objective/gold_reward"} <= set(stages["rl"]["metrics"])
     assert {"eval/win_rate", "eval/rl_rm_score", "eval/sft_rm_score", "eval/rl_gold_reward", "eval/sft_gold_reward",
             "eval/gold_win_rate"} <= set(stages["eval"]["metrics"])
     assert stages["eval"]["metrics"]["eval/samples"] == 12  # 6 prompts x 2 samples of each policy

@@ -27,7 +27,7 @@ def test_trials_of_a_pipeline_share_its_upstream_stages():
     sweep = SweepConfig(name="lr", space={"reinforce.optim.lr": [1e-4, 1e-3]})
     check_sweep(config, sweep)
     trials = [PipelineConfig.model_validate(pipeline_trial(pipeline, trial_config(
-        config, sweep, n, {"reinforce.optim.lr": lr}, "parent"))["config"]) for n, lr in enumerate((1e-4, 1e-3))]
+        config, sweep, n, {"reinforce.optim.lr": lr}, "parent"), {})["config"]) for n, lr in enumerate((1e-4, 1e-3))]
     assert [t.name for t in trials] == ["lr-t0", "lr-t1"] and {t.tracking.parent_run_id for t in trials} == {"parent"}
     assert [t.rl.reinforce.optim.lr for t in trials] == [1e-4, 1e-3]
     assert trials[0].sft == trials[1].sft == pipeline.sft and trials[0].eval == pipeline.eval
@@ -45,4 +45,4 @@ def test_rlhf_sweep_takes_a_pipeline_file_and_checks_its_rl_section(monkeypatch)
     with pytest.raises(SystemExit) as err:
         main(["sweep", "--config", str(EXAMPLE), "--set", "rl.eval.every=0", "--name", "x",
               "--space", "reinforce.optim.lr=[1e-4]"])
-    assert "sweep.metric: 'eval/score' is logged by the held-out eval" in str(err.value)
+    assert "sweep.metric: 'eval/reward' is logged by the held-out eval" in str(err.value)
