@@ -19,25 +19,52 @@ from mlflow.tracking import MlflowClient
 from components.launch import stack
 from components.launch.processes import can_bind
 from tests.conftest import assert_learned, free_port_block, headroom_closed
+from tests.hub_cache import build_qwen2, put_in_cache
 
 pytestmark = pytest.mark.slow
 PREFECT = str(Path(sys.executable).parent / "prefect")
 
 
+REWARDS = '''import re
+
+def exact(prompts, responses, answer):
+    out = []
+    for response, solution in zip(responses, answer):
+        numbers = re.findall(r"-?\\d+", response)
+        out.append(1.0 if numbers and numbers[-1] == solution.split("####")[-1].strip() else 0.0)
+    return out
+'''
+
+
 @pytest.fixture(scope="module")
-def local_stack(tmp_path_factory, request):
+def local_stack(tmp_path_factory):
+    """The local stack on an empty state directory, as `rlhf up` starts it for a new user whose Hugging Face cache
+    holds their own models: a small Qwen2 with its own BPE tokenizer and chat template as `acme/tiny-qwen`, a reward
+    model of its family as `acme/tiny-qwen-rm` (tests/hub_cache.py); beside it their data (a parquet with question /
+    answer columns) and a reward file outside any package."""
+    import datasets
+
     state_dir = tmp_path_factory.mktemp("state")
+    user = tmp_path_factory.mktemp("user")
+    cache = user / "hf-cache"
+    put_in_cache(build_qwen2(user / "build" / "policy"), cache, "acme/tiny-qwen")
+    put_in_cache(build_qwen2(user / "build" / "reward", reward=True), cache, "acme/tiny-qwen-rm")
+    rows = [{"question": f"what is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}. #### {a + b}"}
+            for a in range(8) for b in range(8)]
+    datasets.Dataset.from_list(rows).to_parquet(str(user / "math.parquet"))
+    (user / "my_rewards.py").write_text(REWARDS)
     prefect_port, mlflow_port = free_port_block(1), free_port_block(1)
     with pytest.MonkeyPatch.context() as mp:
         # The served deployments look for new runs and for cancellations every second instead of Prefect's default
         # 10 s: ~20 runs here, each of which would otherwise wait 5 s on average before it starts.
         mp.setenv("PREFECT_RUNNER_POLL_FREQUENCY", "1")
+        mp.setenv("HF_HUB_CACHE", str(cache))  # the stack's processes (and their children) read this cache
         urls = stack.up(state_dir, prefect_port, mlflow_port, set_profile=False, log=lambda *_: None)
     # the prefect CLI prints through Rich, which wraps lines at $COLUMNS (80 without a terminal), e.g. a watched run's
     # log line after a prefix holding the flow run's random name: text the tests look for could break anywhere
-    env = {**stack.base_env(state_dir, prefect_port, mlflow_port), "COLUMNS": "1000"}
+    env = {**stack.base_env(state_dir, prefect_port, mlflow_port), "COLUMNS": "1000", "HF_HUB_CACHE": str(cache)}
     yield {"state_dir": state_dir, "urls": urls, "env": env, "api": env["PREFECT_API_URL"],
-           "ports": (prefect_port, mlflow_port)}
+           "ports": (prefect_port, mlflow_port), "user": user}
     stack.down(state_dir, log=lambda *_: None)
 
 
@@ -140,6 +167,52 @@ def test_a_partial_config_keeps_what_the_operator_set_on_the_deployment(local_st
     assert (params["iterations"], params["checkpoint.every"], params["reinforce.rollout_batch_size"]) == ("2", "1", "8")
     assert params["deploy.reward.launch"] == "in_process"
     assert [m.value for m in client.get_metric_history(mrun.info.run_id, "episode")] == [32.0, 64.0]  # 8 prompts x 4
+
+
+@pytest.mark.parametrize("deployment, config", [
+    ("reinforce/default", {"run_name": "walk-rloo", "reward": {"source": "function", "function": "{user}/my_rewards.py:exact"},
+                           "reinforce": {"rollout_batch_size": 8, "num_rollouts_per_prompt": 2},
+                           "tracking": {"register_as": "walk-model"}}),
+    ("ppo/default", {"run_name": "walk-ppo", "model": {"reward": "acme/tiny-qwen-rm"}, "ppo": {"rollout_batch_size": 8}}),
+])
+def test_a_users_model_data_and_reward_through_the_deployments(local_stack, deployment, config):
+    """The walk a new user takes (issue 31's acceptance): their model under an `org/name` hub id in the Hugging Face
+    cache, `prefect deployment run reinforce/default` and `ppo/default` with a partial config naming a parquet with
+    question/answer columns and a reward file outside any package. The deployments' own parameters are kept; no gold
+    reward is logged; the progress artifact reaches 100; MLflow holds each run's model (registered when asked);
+    `rlhf export` gives a model plain transformers loads and generates from."""
+    from mlflow import MlflowClient
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    s, user = local_stack, local_stack["user"]
+    config = json.loads(json.dumps(config).replace("{user}", str(user)))
+    partial = {"iterations": 2, "data": {"prompts": str(user / "math.parquet"), "prompt_key": "question"},
+               "generation": {"max_new_tokens": 12}, **config,
+               "model": {"policy": "acme/tiny-qwen", "dtype": "float32", **config.get("model", {})}}
+    before = stack.prefect_post(s["api"], "/deployments/filter", {}).json()
+    run = wait_final(s, flow_run_id(deployment_run(s, deployment, partial)))
+    assert run["state"]["type"] == "COMPLETED", run["state"]["message"]
+    after = httpx.get(f"{s['api']}/deployments/{run['deployment_id']}", timeout=10).json()
+    assert after["parameters"] == next(d for d in before if d["id"] == run["deployment_id"])["parameters"]
+    artifacts = stack.prefect_post(s["api"], "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}).json()
+    assert [a["data"] for a in artifacts if a["type"] == "progress"] == [100]
+
+    client, mrun = mlflow_run(s, config["run_name"])
+    assert "objective/gold_reward" not in mrun.data.metrics and "reward" in mrun.data.metrics
+    models = client.search_logged_models(experiment_ids=[mrun.info.experiment_id],
+                                         filter_string=f"source_run_id = '{mrun.info.run_id}'")
+    assert [str(m.status) for m in models] == ["READY"]
+    if "register_as" in config.get("tracking", {}):
+        assert "rewards/exact/mean" in mrun.data.metrics
+        assert [v.run_id for v in client.search_model_versions("name='walk-model'")] == [mrun.info.run_id]
+
+    out = user / f"exported-{config['run_name']}"
+    subprocess.run([str(Path(sys.executable).parent / "rlhf"), "export", config["run_name"], "--out", str(out)],
+                   env=s["env"], check=True, capture_output=True, text=True, timeout=300)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "what is 1 plus 2?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    assert model.generate(**prompt, max_new_tokens=4, do_sample=False).shape[1] > prompt["input_ids"].shape[1]
 
 
 TARGETED = "models.tasks.sentiment:targeted_reward"
@@ -467,3 +540,4 @@ def test_down_stops_everything_and_frees_ports(local_stack):
     for port in s["ports"]:
         assert port not in listening and can_bind("127.0.0.1", port), f"port {port} still bound"
     assert stack.down(s["state_dir"], log=lambda *_: None) == []
+    assert stack_processes(s, "") == []  # nothing of the stack or of its runs is left

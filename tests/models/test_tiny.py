@@ -1,6 +1,6 @@
-"""The embedded default ships as files (models/assets/tiny): what ships is what its manifest recorded, it loads
-through `from_pretrained` as a run loads it, bit for bit the same under every CPU kernel set; `rlhf models tiny`, the
-script that made it, still builds loadable models of the same shapes."""
+"""The embedded default ships as files (models/assets/tiny): what ships is what its manifest recorded, and it loads
+through `from_pretrained` as a run loads it, bit for bit the same under every CPU kernel set. (`rlhf models tiny`, the
+script that made it, is checked in tests/components/cli/test_main.py.)"""
 
 import json
 import os
@@ -50,20 +50,3 @@ def test_tiny_names_resolve_to_the_shipped_files_and_unknown_ones_are_refused():
         cfg.resolve_model_path("/elsewhere/policy")  # a missing model fails, naming its field, when it is resolved
     with pytest.raises(FileNotFoundError, match="tiny/policy, tiny/reward, tiny/critic, tiny/reward-chars"):
         embedded_model_path("tiny/nope")
-
-
-def test_the_build_script_still_makes_loadable_models(tmp_path):
-    """`build_tiny` with a few steps (the recipe, not its training): every model loads as a run loads it, with the
-    shapes of the shipped ones, and the manifest it writes records what it wrote."""
-    from transformers import AutoConfig
-
-    from models.tiny import build_tiny
-
-    build_tiny(tmp_path, policy_steps=2, reward_steps=2, log=lambda *_: None)
-    written = json.loads((tmp_path / "MANIFEST.json").read_text())
-    def shape(path):
-        return {k: v for k, v in AutoConfig.from_pretrained(path).to_dict().items() if not k.startswith("_")}
-
-    for name in NAMES:
-        assert shape(tmp_path / name) == shape(EMBEDDED_DIR / name), name
-        assert written["models"][name]["files"] == file_digests(tmp_path / name)
