@@ -25,7 +25,7 @@ from typing import Iterator
 from components.export import publish_model
 from components.launch.ranks import actor_ranks
 from components.serving.services import RunServices, rollout_server, run_services
-from components.tracking.run import RunSession
+from components.tracking.run import RunSession, closed_when_done
 from models.config import RLHFConfig
 from models.data import PromptSet
 from models.loop import DIRECT, Leader, Steps, read_data, run_loop
@@ -52,13 +52,8 @@ def train(cfg: RLHFConfig, steps: Steps = DIRECT) -> dict:
 @contextmanager
 def recorded_run(cfg: RLHFConfig, steps: Steps = DIRECT) -> Iterator[RunSession]:
     """Open (or resume) the run of a prepared config; on the way out close its MLflow run as FINISHED or FAILED."""
-    session = steps("open-run", open_session, cfg, steps, retries=2)
-    status = "FAILED"
-    try:
+    with closed_when_done(steps("open-run", open_session, cfg, steps, retries=2)) as session:
         yield session
-        status = "FINISHED"
-    finally:
-        session.close(status)
 
 
 def open_session(cfg: RLHFConfig, steps: Steps) -> RunSession:

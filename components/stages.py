@@ -25,7 +25,7 @@ from typing import Iterator
 
 from components.launch.ranks import actor_ranks
 from components.storage.checkpoints import CheckpointStore
-from components.tracking.run import checkpoint_uri, default_tracking_uri
+from components.tracking.run import checkpoint_uri, closed_when_done, default_tracking_uri
 from components.tracking.tracker import Tracker
 from models.config import merge
 from models.loading import check_model_path
@@ -187,12 +187,8 @@ def stage_session(cfg: StageRun, steps: Steps = DIRECT) -> Iterator[StageSession
                   f"({session.store.uri})")
     else:
         steps.log(f"{cfg.stage} run {session.name}: new run from {cfg.model}, checkpoints in {session.store.uri}")
-    status = "FAILED"
-    try:
+    with closed_when_done(session):
         yield session
-        status = "FINISHED"
-    finally:
-        session.close(status)
 
 
 # ---------------------------------------------------------------- the loop

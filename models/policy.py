@@ -151,25 +151,37 @@ class Policy:
     def save(self, directory) -> None:
         """HF save_pretrained (LoRA: the adapter only) plus the tokenizer, written by rank 0 from the full state dict
         (gathered from the shards, on CPU), so the checkpoint loads anywhere; a collective call on every rank."""
-        state = full_state_dict(self.model)
-        if self.me.is_leader:
-            self.model.save_pretrained(directory, state_dict=state)
-            self.tokenizer.save_pretrained(directory)
+        save_trained(self.model, self.tokenizer, self.me, directory)
 
     def load_weights(self, directory) -> None:
         """Actor weights from a `save` directory (LoRA: the adapter), into the (sharded) model on every rank."""
-        if self.lora:
-            from peft import set_peft_model_state_dict  # heavy: peft is needed only with LoRA
+        load_trained(self.model, AutoModelForCausalLM, directory, self.lora, self.sharded)
 
-            set_peft_model_state_dict(self.model, load_file(str(Path(directory) / "adapter_model.safetensors")))
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # heavy (~1.7 s)
 
-        loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).state_dict()
-        if self.sharded:
-            set_model_state_dict(self.model, loaded, options=StateDictOptions(full_state_dict=True))
-        else:
-            self.model.load_state_dict(loaded)
+def save_trained(model, tokenizer, me: Dist, directory) -> None:
+    """A trained model (the actor, a stage's trainee) as HF save_pretrained (LoRA: its adapter) plus its tokenizer,
+    written by rank 0 from the full state dict (gathered from the shards, on CPU); a collective call on every rank."""
+    state = full_state_dict(model)
+    if me.is_leader:
+        model.save_pretrained(directory, state_dict=state)
+        tokenizer.save_pretrained(directory)
+
+
+def load_trained(model, auto_class, directory, lora: bool, sharded: bool) -> None:
+    """What `save_trained` wrote into `model` (sharded or not) on every rank: LoRA its adapter, else the full weights
+    read as `auto_class`."""
+    if lora:
+        from peft import set_peft_model_state_dict  # heavy: peft is needed only with LoRA
+
+        set_peft_model_state_dict(model, load_file(str(Path(directory) / "adapter_model.safetensors")))
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # heavy (~1.7 s)
+
+    loaded = auto_class.from_pretrained(directory, dtype=torch.float32).state_dict()
+    if sharded:
+        set_model_state_dict(model, loaded, options=StateDictOptions(full_state_dict=True))
+    else:
+        model.load_state_dict(loaded)
 
 
 def reference_on_actor_device(model, device: torch.device, choice: str, shards: int) -> bool:

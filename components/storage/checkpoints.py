@@ -104,18 +104,12 @@ class _LocalBackend:
         self.put_file(self._path(source), target)
 
     def put_bytes(self, key: str, data: bytes) -> None:
-        target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        target, tmp = self._fsynced_beside(key, data)
         os.replace(tmp, target)
         _fsync_dir(target.parent)
 
-    def create_bytes(self, key: str, data: bytes) -> None:
-        """Write `key` only if it does not exist (a hard link of a complete, fsynced file: all or nothing)."""
+    def _fsynced_beside(self, key: str, data: bytes) -> tuple[Path, Path]:
+        """(the path of `key`, a temporary file beside it holding `data`, written and fsynced)."""
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
@@ -123,6 +117,11 @@ class _LocalBackend:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        return target, tmp
+
+    def create_bytes(self, key: str, data: bytes) -> None:
+        """Write `key` only if it does not exist (a hard link of a complete, fsynced file: all or nothing)."""
+        target, tmp = self._fsynced_beside(key, data)
         try:
             os.link(tmp, target)
         except FileExistsError:

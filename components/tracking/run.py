@@ -21,6 +21,7 @@ import logging
 import os
 import random
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
@@ -77,6 +78,18 @@ class RunPlace:
     store_uri: Optional[str] = None
     critic_restore_iteration: Optional[int] = None
     secret: Optional[str] = field(default=None, repr=False)  # made where the servers start (services.run_secret)
+
+
+@contextmanager
+def closed_when_done(session):
+    """A run's record (a RunSession, a stage's session) for the block, closed on the way out: its MLflow run
+    FINISHED, or FAILED when the block raised (a failure, a cancellation)."""
+    status = "FAILED"
+    try:
+        yield session
+        status = "FINISHED"
+    finally:
+        session.close(status)
 
 
 @dataclass

@@ -34,7 +34,7 @@ from models.distributed import SINGLE, Dist, full_state_dict, local_device, shar
 from models.loading import autocast, disable_dropout, from_pretrained, make_optimizer
 from models.loop import Leader, restore_actor, save_actor
 from models.losses import bradley_terry_loss, completion_mask, sft_loss
-from models.policy import Policy, load_policy_tokenizer
+from models.policy import Policy, load_policy_tokenizer, load_trained, save_trained
 from models.stages.config import StageRun
 from models.stages.data import right_padded
 from models.update import micro_batches, minibatch_update
@@ -94,25 +94,10 @@ class Scorer:
     def save(self, directory) -> None:
         """HF save_pretrained (LoRA: the adapter and the score head) plus the tokenizer, by rank 0 from the full state
         dict; a collective call on every rank."""
-        state = full_state_dict(self.model)
-        if self.me.is_leader:
-            self.model.save_pretrained(directory, state_dict=state)
-            self.tokenizer.save_pretrained(directory)
+        save_trained(self.model, self.tokenizer, self.me, directory)
 
     def load_weights(self, directory) -> None:
-        if self.lora:
-            from peft import set_peft_model_state_dict  # heavy: peft is needed only with LoRA
-            from safetensors.torch import load_file  # as peft above
-
-            set_peft_model_state_dict(self.model, load_file(str(Path(directory) / "adapter_model.safetensors")))
-            return
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # heavy (~1.7 s)
-
-        loaded = AutoModelForSequenceClassification.from_pretrained(directory, dtype=torch.float32).state_dict()
-        if self.sharded:
-            set_model_state_dict(self.model, loaded, options=StateDictOptions(full_state_dict=True))
-        else:
-            self.model.load_state_dict(loaded)
+        load_trained(self.model, AutoModelForSequenceClassification, directory, self.lora, self.sharded)
 
 
 @dataclass
