@@ -99,7 +99,10 @@ class RunRecord:
     def log(self, iteration: int, metrics: dict, samples: list[dict]) -> None:
         self.session.log(iteration, metrics, samples)
         m = metrics
-        stale = f" staleness {m['rollout/staleness_max']:g}" if "rollout/staleness_max" in m else ""
+        stale = ""  # an engine with its own weights: how far its sampling is from the trainer's logprobs, and why
+        if "rollout/staleness_max" in m:
+            stale = (f" sampler logp diff {m['sampling/sampling_logp_difference/max']:.1e} "
+                     f"staleness {m['rollout/staleness_max']:g}")
         gold = f"gold {m['objective/gold_reward']:+.3f} " if "objective/gold_reward" in m else ""
         self.steps.log(f"iteration {iteration}/{self.session.cfg.iterations}: {gold}reward {m['reward']:+.3f} "
                        f"KL {m['objective/kl']:.3f} step {m['step_time']:.2f}s{stale}")
