@@ -28,12 +28,13 @@ from components.storage.checkpoints import CheckpointStore
 from components.tracking.run import checkpoint_uri, closed_when_done, default_tracking_uri
 from components.tracking.tracker import Tracker
 from models.config import merge
+from models.data import RowStream
 from models.loading import check_model_path
 from models.loop import DIRECT, Steps
 from models.stages.config import StageRun
 from models.policy import load_policy_tokenizer
 from models.stages.data import Pairs, Sequences, load_pairs, load_sequences, position_limit
-from models.stages.train import RowStream, total_steps
+from models.stages.train import total_steps
 from models.tiny_files import file_digests, manifest_digest
 
 STATS_ROWS = 1000  # pairs whose rewards give the reward statistics when a reward model has no held-out split
@@ -200,7 +201,7 @@ def stage_loop(cfg: StageRun, trainee, data, held_out, session: StageSession,
     last. Steps run in segments (one named step each) between checkpoints and evals."""
     train = cfg.train
     total = total_steps(train, len(data))
-    stream = RowStream.resume(len(data), train.batch_size, cfg.seed, trainee.state.data)
+    stream = RowStream(len(data), train.batch_size, cfg.seed).restored(trainee.state.data, f"{cfg.stage}.data")
     start, history, evaluations = trainee.state.iteration, [], []
     held = all_rows(held_out) if held_out is not None else None
 

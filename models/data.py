@@ -300,23 +300,24 @@ def encode(tokenizer, prompts: list[str], templated: bool, chat_template: bool =
 # ---------------------------------------------------------------- order
 
 
-class PromptStream:
-    """Batches of a PromptSet in seeded epochs; `position` rows of `epoch` are already consumed."""
+class RowStream:
+    """Batches of row indices in seeded epochs; `position` rows of `epoch` are already consumed. Its state is saved
+    with a checkpoint, so a resumed run goes on with the next unseen rows (an RL run's prompts, a stage's rows)."""
 
-    def __init__(self, prompts: PromptSet, batch_size: int, seed: int, epoch: int = 0, position: int = 0):
-        self.prompts, self.batch_size, self.seed = prompts, batch_size, seed
+    def __init__(self, rows: int, batch_size: int, seed: int, epoch: int = 0, position: int = 0):
+        self.rows, self.batch_size, self.seed = rows, batch_size, seed
         self.epoch, self.position = epoch, position
 
     def order(self, epoch: int) -> list[int]:
-        order = list(range(len(self.prompts)))
+        order = list(range(self.rows))
         random.Random(self.seed * 100003 + epoch).shuffle(order)
         return order
 
     def __iter__(self):
         return self
 
-    def __next__(self) -> Batch:
-        indices = []
+    def __next__(self) -> list[int]:
+        indices: list[int] = []
         while len(indices) < self.batch_size:
             order = self.order(self.epoch)
             take = order[self.position:self.position + self.batch_size - len(indices)]
@@ -324,20 +325,38 @@ class PromptStream:
             self.position += len(take)
             if self.position >= len(order):
                 self.epoch, self.position = self.epoch + 1, 0
-        return self.prompts.batch(indices)
+        return indices
 
     def state(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "rows": len(self.prompts)}
+        return {"epoch": self.epoch, "position": self.position, "rows": self.rows}
+
+    def restored(self, saved: dict | None, field: str = "data.prompts") -> "RowStream":
+        """This stream moved to where a checkpoint's `state()` left it (nothing saved: unchanged); saved on other
+        rows than these, refused naming `field`."""
+        if saved:
+            if saved.get("rows") not in (None, self.rows):
+                raise DataError(f"{field}: the checkpoint was made on {saved['rows']} rows, the source now has "
+                                f"{self.rows}: resume with the same data (or a new run_name)")
+            self.epoch, self.position = int(saved["epoch"]), int(saved["position"])
+        return self
+
+
+class PromptStream(RowStream):
+    """Batches of a PromptSet in seeded epochs (a RowStream over its rows)."""
+
+    def __init__(self, prompts: PromptSet, batch_size: int, seed: int, epoch: int = 0, position: int = 0):
+        super().__init__(len(prompts), batch_size, seed, epoch, position)
+        self.prompts = prompts
+
+    def __next__(self) -> Batch:
+        return self.prompts.batch(super().__next__())
 
     @classmethod
     def resume(cls, prompts: PromptSet, batch_size: int, seed: int, saved: dict | None, iteration: int) -> "PromptStream":
         """The stream after what a checkpoint consumed: its saved (epoch, position), or for a checkpoint without
         one, `iteration` batches of `batch_size`."""
-        if saved:
-            if saved.get("rows") not in (None, len(prompts)):
-                raise DataError(f"data.prompts: the checkpoint was made on {saved['rows']} rows, the source now has "
-                                f"{len(prompts)}: resume with the same data (or a new run_name)")
-            return cls(prompts, batch_size, seed, int(saved["epoch"]), int(saved["position"]))
         stream = cls(prompts, batch_size, seed)
+        if saved:
+            return stream.restored(saved)
         stream.epoch, stream.position = divmod(iteration * batch_size, len(prompts))
         return stream

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -321,43 +320,6 @@ class StageLeader(Leader):
 
     def export(self, directory: Path, config: dict | None = None) -> None:
         self.run({"op": "export", "dir": str(directory), "config": config})
-
-
-# ---------------------------------------------------------------- the order of the rows
-
-class RowStream:
-    """Batches of row indices in seeded epochs (the order models/data.PromptStream gives prompts); `position` rows of
-    `epoch` are consumed. Its state is saved with the trainee's checkpoint, so a resumed stage goes on with the next
-    unseen rows."""
-
-    def __init__(self, rows: int, batch_size: int, seed: int, epoch: int = 0, position: int = 0):
-        self.rows, self.batch_size, self.seed, self.epoch, self.position = rows, batch_size, seed, epoch, position
-
-    def order(self, epoch: int) -> list[int]:
-        order = list(range(self.rows))
-        random.Random(self.seed * 100003 + epoch).shuffle(order)
-        return order
-
-    def __next__(self) -> list[int]:
-        indices: list[int] = []
-        while len(indices) < self.batch_size:
-            order = self.order(self.epoch)
-            take = order[self.position:self.position + self.batch_size - len(indices)]
-            indices += take
-            self.position += len(take)
-            if self.position >= len(order):
-                self.epoch, self.position = self.epoch + 1, 0
-        return indices
-
-    def state(self) -> dict:
-        return {"epoch": self.epoch, "position": self.position, "rows": self.rows}
-
-    @classmethod
-    def resume(cls, rows: int, batch_size: int, seed: int, saved: dict | None) -> "RowStream":
-        if saved and saved.get("rows") not in (None, rows):
-            raise ValueError(f"the checkpoint was made on {saved['rows']} rows, the data now has {rows}: resume with "
-                             f"the same data (or a new run_name)")
-        return cls(rows, batch_size, seed, int((saved or {}).get("epoch", 0)), int((saved or {}).get("position", 0)))
 
 
 def total_steps(train, rows: int) -> int:
