@@ -185,8 +185,14 @@ class S3Store:
 
     def get_bytes(self, key: str) -> bytes | None:
         """Object body, or None if it does not exist."""
-        found = self.stat(key)
-        return found[0] if found is not None else None
+        with self._errors(f"read s3://{self.location.bucket}/{self._key(key)}"):
+            try:
+                response = self.client.get_object(Bucket=self.location.bucket, Key=self._key(key))
+            except ClientError as exc:
+                if str(exc.response.get("Error", {}).get("Code", "")) in _MISSING:
+                    return None
+                raise
+            return response["Body"].read()
 
     def create_bytes(self, key: str, data: bytes) -> bool:
         """Write `key` only if it does not exist (a conditional write: IfNoneMatch='*'); False when it exists."""

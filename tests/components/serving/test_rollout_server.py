@@ -368,6 +368,19 @@ def test_a_stranger_is_refused_and_health_shows_no_run_token(server, policy):
     assert RolloutClient(server.url, RUN, secret=server.secret).generate(body)["samples"]
 
 
+def whole_answer(sock: socket.socket) -> str:
+    """An HTTP answer read off a raw socket to its end (its head and `content-length` bytes of body; the peer closing
+    ends it too): one recv may hold only the head."""
+    data = b""
+    while chunk := sock.recv(4096):
+        data += chunk
+        head, ended, body = data.partition(b"\r\n\r\n")
+        length = re.search(rb"content-length: (\d+)", head, re.I)
+        if ended and len(body) >= (int(length[1]) if length else 0):
+            break
+    return data.decode(errors="replace")
+
+
 def test_bodies_and_requests_are_bounded(server, policy):
     http = httpx.Client(base_url=server.url, timeout=60, headers=bearer_headers(server.secret))
     version = http.get("/health").json()["weights_version"]
@@ -377,12 +390,12 @@ def test_bodies_and_requests_are_bounded(server, policy):
         with socket.create_connection((host, int(port)), timeout=30) as sock:
             sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.secret}\r\n"
                          f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n".encode())
-            answer = sock.recv(4096).decode(errors="replace")
+            answer = whole_answer(sock)
         assert answer.startswith("HTTP/1.1 413") and "content-length:" in answer, answer
     with socket.create_connection((host, int(port)), timeout=30) as sock:  # a body of unknown size: chunked
         sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.secret}\r\n"
                      f"Transfer-Encoding: chunked\r\n\r\n2\r\n{{}}\r\n0\r\n\r\n".encode())
-        answer = sock.recv(4096).decode(errors="replace")
+        answer = whole_answer(sock)
     assert answer.startswith("HTTP/1.1 411") and "content-length: required" in answer, answer
     ids = policy.encode_prompts(sentiment.prompts(1))
     for body, fields in (({"prompt_token_ids": ids * 100, "n": 41}, "prompt_token_ids, n: 100 prompts x n=41 = 4100"),
