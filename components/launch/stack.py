@@ -121,11 +121,31 @@ def mlflow_security_args(mlflow_port: int) -> list[str]:
             "--cors-allowed-origins", ",".join(own_origins(mlflow_port))]
 
 
-def prefect_post(api_url: str, path: str, body: dict, timeout: float = 10.0, method: str = "POST") -> httpx.Response:
+TRANSIENT = (429, 502, 503)  # what Prefect's own client retries (a busy database answers 503): nothing was done
+
+
+def prefect_post(api_url: str, path: str, body: dict, timeout: float = 10.0, method: str = "POST",
+                 retries: int = 5) -> httpx.Response:
     """A POST (or another writing `method`: PATCH, DELETE) to the Prefect API as its own client sends it with CSRF
-    protection on: a token for a client id of our own first (GET /csrf-token), then the request with both headers."""
+    protection on. A transient answer (429/502/503) is retried `retries` times, backing off as Prefect's client does
+    (Retry-After, else 2^attempt s, at most 10 s); the last answer is returned."""
+    answer = _csrf_request(api_url, path, body, timeout, method)
+    for attempt in range(retries):
+        if answer.status_code not in TRANSIENT:
+            break
+        wait = answer.headers.get("Retry-After", "")
+        time.sleep(min(float(wait) if wait.replace(".", "", 1).isdigit() else 2.0 ** attempt, 10.0))
+        answer = _csrf_request(api_url, path, body, timeout, method)
+    return answer
+
+
+def _csrf_request(api_url: str, path: str, body: dict, timeout: float, method: str) -> httpx.Response:
+    """A token for a client id of our own first (GET /csrf-token), then the request with both headers; a transient
+    answer to the token's request is returned as the answer."""
     client_id = str(uuid.uuid4())
     token = httpx.get(f"{api_url}/csrf-token", params={"client": client_id}, timeout=timeout)
+    if token.status_code in TRANSIENT:
+        return token
     headers = {}
     if token.status_code == 200:  # a server without CSRF protection answers 422: nothing to send
         headers = {"Prefect-Csrf-Token": token.json()["token"], "Prefect-Csrf-Client": client_id}
