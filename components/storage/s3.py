@@ -162,6 +162,15 @@ class S3Store:
 
     def stat(self, key: str) -> tuple[bytes, str, float] | None:
         """(body, ETag, age in seconds by the server's own clock) of `key`, None if it does not exist."""
+        found = self._get_object(key)
+        if found is None:
+            return None
+        body, response = found
+        now = parsedate_to_datetime(response["ResponseMetadata"]["HTTPHeaders"]["date"])
+        return body, response["ETag"], (now - response["LastModified"]).total_seconds()
+
+    def _get_object(self, key: str) -> tuple[bytes, dict] | None:
+        """(body, boto3's get_object answer) of `key`, None if it does not exist; failures named as reads of it."""
         with self._errors(f"read s3://{self.location.bucket}/{self._key(key)}"):
             try:
                 response = self.client.get_object(Bucket=self.location.bucket, Key=self._key(key))
@@ -169,8 +178,7 @@ class S3Store:
                 if str(exc.response.get("Error", {}).get("Code", "")) in _MISSING:
                     return None
                 raise
-            now = parsedate_to_datetime(response["ResponseMetadata"]["HTTPHeaders"]["date"])
-            return response["Body"].read(), response["ETag"], (now - response["LastModified"]).total_seconds()
+            return response["Body"].read(), response
 
     def delete_if(self, key: str, etag: str) -> bool:
         """Delete `key` if it still has `etag` (If-Match); False when someone else's object is there now."""
@@ -185,14 +193,8 @@ class S3Store:
 
     def get_bytes(self, key: str) -> bytes | None:
         """Object body, or None if it does not exist."""
-        with self._errors(f"read s3://{self.location.bucket}/{self._key(key)}"):
-            try:
-                response = self.client.get_object(Bucket=self.location.bucket, Key=self._key(key))
-            except ClientError as exc:
-                if str(exc.response.get("Error", {}).get("Code", "")) in _MISSING:
-                    return None
-                raise
-            return response["Body"].read()
+        found = self._get_object(key)
+        return None if found is None else found[0]
 
     def create_bytes(self, key: str, data: bytes) -> bool:
         """Write `key` only if it does not exist (a conditional write: IfNoneMatch='*'); False when it exists."""
