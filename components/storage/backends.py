@@ -55,7 +55,7 @@ class LocalBackend:
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(local, target)
-        fsync(target)
+        _fsync(target)
 
     def get_file(self, key: str, local: Path) -> bool:
         source = self._path(key)
@@ -71,9 +71,9 @@ class LocalBackend:
     def put_bytes(self, key: str, data: bytes) -> None:
         target, tmp = self._fsynced_beside(key, data)
         os.replace(tmp, target)
-        fsync_dir(target.parent)
+        _fsync_dir(target.parent)
 
-    def fsynced_beside(self, key: str, data: bytes) -> tuple[Path, Path]:
+    def _fsynced_beside(self, key: str, data: bytes) -> tuple[Path, Path]:
         """(the path of `key`, a temporary file beside it holding `data`, written and fsynced)."""
         target = self._path(key)
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -93,7 +93,7 @@ class LocalBackend:
             raise CheckpointError(f"{target} exists already: a checkpoint's commit point is written once") from None
         finally:
             tmp.unlink(missing_ok=True)
-        fsync_dir(target.parent)
+        _fsync_dir(target.parent)
 
     def get_bytes(self, key: str) -> bytes | None:
         path = self._path(key)
@@ -125,17 +125,17 @@ class LocalBackend:
             trash = self.root / f".trash-{uuid.uuid4().hex}"
             os.replace(target, trash)
         os.replace(source, target)
-        fsync_dir(target.parent)
+        _fsync_dir(target.parent)
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
 
 
-def fsync(path: Path) -> None:
+def _fsync(path: Path) -> None:
     with open(path, "rb") as f:
         os.fsync(f.fileno())
 
 
-def fsync_dir(path: Path) -> None:
+def _fsync_dir(path: Path) -> None:
     """Make a rename in `path` durable (where the platform lets a directory be opened)."""
     try:
         fd = os.open(path, os.O_RDONLY)

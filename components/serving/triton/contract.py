@@ -225,7 +225,8 @@ PENDING_PREFIX = "critic-pending"  # store keys where a critic server puts its s
 
 
 class ServerSpec(BaseModel):
-    """Everything one server process needs, handed to it as one JSON document (`python -m components.serving.triton.main`).
+    """Everything one server process needs, handed to it as one JSON document
+    (`python -m components.serving.triton.main`).
 
     The config tree supplies the models (model.critic / model.reward / model.policy for a function reward's
     tokenizer), dtype, device and the critic/reward sections; the fields here are what differs per process.
