@@ -57,7 +57,7 @@ class CriticPlacement(ServerPlacement):
 
 
 class RolloutPlacement(Section):
-    """The vLLM rollout server (components/serving/rollout_server.py; rollout.engine=vllm): its own process and
+    """The vLLM rollout server (components/serving/rollout/; rollout.engine=vllm): its own process and
     environment (.venv-vllm; on a cluster its own pod), with its own copy of the actor's weights."""
 
     launch: Literal["local", "deployment"] = Field("local", description="'local' = a child process of the run (own process group, stopped with it); 'deployment' = the rollout-server/default Prefect deployment (its own GPU node on a cluster).")

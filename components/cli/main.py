@@ -27,8 +27,8 @@ PROGRESS_COMMANDS = ("train", "export")  # commands a user watches: the Hugging 
 SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-5 ...] [--model PATH] [--reward PATH] [--no-combine]
                       [--port 8400] [--checkpoint-dir DIR] [--checkpoint-uri s3://bucket/run] [--restore-iteration N]
     rlhf serve reward [--config YAML] [--set ...] [--model PATH | --function module:fn [--tokenizer PATH]] [--port 8500]
-    python -m components.serving.main --spec '<ServerSpec JSON>'   (what the launcher runs: one JSON document)
-    rlhf serve critic --nproc-per-node 2 ...                       (ranks 1..N-1 run `serving.main --follow`)
+    python -m components.serving.triton.main --spec '<ServerSpec JSON>'   (what the launcher runs: one JSON doc)
+    rlhf serve critic --nproc-per-node 2 ...                              (ranks 1..N-1 run `triton.main --follow`)
 
 Settings: the config tree (the 'tiny' preset, then --config YAML, then --set overrides) supplies the models, dtype,
 device and the critic/reward sections; the flags are shortcuts for the model paths and the per-process settings.

@@ -54,11 +54,11 @@ from prefect.variables import Variable
 
 from components.launch.processes import Health, Probe, ServerProcess, free_port, wait_for, wait_until_ready
 from components.serving.auth import new_secret, triton_token
-from components.serving.clients import RewardClient, critic_backend, reward_backend
 from components.serving.launcher import launch, launch_rollout, rollout_probe, triton_probe
 from components.serving.network_policy import RUN_POLICIES, own_job
-from components.serving.rollout_client import RolloutClient, run_token
-from components.serving.servers import ServerSpec
+from components.serving.rollout.client import RolloutClient, run_token
+from components.serving.triton.clients import RewardClient, critic_backend, reward_backend
+from components.serving.triton.contract import ServerSpec
 from components.tracking.run import RunPlace
 from models.algorithms import ALGORITHMS
 from models.backends import LocalCritic
