@@ -135,7 +135,6 @@ module "prefect" {
   critic_resources            = var.critic_job_resources
   env                         = local.job_env
   workspace_id                = var.prefect_workspace_id
-  ranks_service_name          = var.ranks_service_name
 }
 
 # ---------------------------------------------------------------------------
@@ -163,30 +162,6 @@ resource "kubernetes_service_account_v1" "pod" {
     namespace   = kubernetes_namespace_v1.rlhf[0].metadata[0].name
     annotations = { "eks.amazonaws.com/role-arn" = each.value }
     labels      = { "app.kubernetes.io/part-of" = "rlhf-flows" }
-  }
-}
-
-# Headless Service of the flow-run pods: an Indexed Job's pods get DNS names <job>-<index>.<service>, so every node's
-# torchrun reaches rank 0 (pod 0, the Prefect flow run) at <job>-0.<service>.
-resource "kubernetes_service_v1" "ranks" {
-  count = var.manage_kubernetes_resources ? 1 : 0
-
-  metadata {
-    name      = var.ranks_service_name
-    namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
-    labels    = { "app.kubernetes.io/part-of" = "rlhf-flows" }
-  }
-
-  spec {
-    cluster_ip                  = "None"
-    publish_not_ready_addresses = true # ranks rendezvous before any readiness
-    selector                    = { "rlhf/role" = "actor" }
-
-    port {
-      name        = "rendezvous"
-      port        = 29500
-      target_port = 29500
-    }
   }
 }
 

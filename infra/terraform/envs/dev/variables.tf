@@ -218,14 +218,3 @@ variable "tags" {
   description = "Tags applied to every AWS resource (provider default_tags)."
   default     = {}
 }
-
-variable "ranks_service_name" {
-  type        = string
-  description = "Headless Service through which the pods of a multi-node actor job find rank 0 (<job>-0.<service>)."
-  default     = "rlhf-ranks"
-
-  validation {
-    condition     = can(regex("^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$", var.ranks_service_name))
-    error_message = "ranks_service_name must be a valid Kubernetes service name."
-  }
-}
