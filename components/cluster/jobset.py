@@ -14,11 +14,14 @@ controller's Job, so a deleted or cancelled flow run's pod takes it with it. Wha
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 from components.cluster.kube import Kube
 from components.cluster.objects import QUEUE_LABEL, RunIdentity, Site, jobset
 from components.launch.nodes import NodeSpec, NodeStatus
+from components.serving.network_policy import own_job
+from models.config import RLHFConfig
 from models.deploy import ClusterPlacement
 
 API = "jobset.x-k8s.io/v1alpha2"
@@ -126,6 +129,20 @@ class JobSetNodes:
         self.manifest = jobset(spec, cluster, site, identity)
         self.name = spec.name
         self.uid: Optional[str] = None
+
+    @classmethod
+    def for_run(cls, spec: NodeSpec, cfg: RLHFConfig, kube: Optional[Kube] = None, environ=os.environ,
+                job: Optional[str] = None) -> "JobSetNodes":
+        """The node groups of `spec` on the cluster this process reaches (its pod's service account, else a
+        kubeconfig), placed as cfg.deploy.cluster says, owned by the Job this process runs in (`job`: the flow run's
+        own, found from its pod)."""
+        cluster = cfg.deploy.cluster
+        kube = kube or Kube(cluster.namespace)
+        job = job or own_job(environ)
+        found = kube.get("batch/v1", "Job", job) if job else None
+        owner = {"name": job, "uid": found["metadata"]["uid"]} if found else None
+        identity = RunIdentity(spec.name, job or spec.name, owner)
+        return cls(spec, cluster, Site.of(cluster, environ, kube.namespace), identity, kube)
 
     def start(self) -> None:
         self.uid = self.kube.create(self.manifest)["metadata"].get("uid")

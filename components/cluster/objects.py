@@ -4,11 +4,12 @@ same objects.
 
 - The actor's node groups (deploy.actor.nnodes > 1, actor.launch=jobset): one JobSet (jobset.x-k8s.io/v1alpha2), one
   replicated job `node` of nnodes pods (Indexed: parallelism = completions = nnodes), each running torchrun with
-  nproc_per_node ranks and node rank = its completion index. Rank 0's address comes from JobSet's own DNS: the pod
-  <jobset>-node-0-0 in the JobSet's headless Service (subdomain <jobset>), published before the pods are ready;
-  every pod first waits until that name resolves (components/cluster/rendezvous.py: the early-DNS trap, where a pod
-  that starts before the record exists fails its first lookup), then execs torchrun. failurePolicy.maxRestarts
-  restarts all groups together; the job's backoffLimit 0 fails it at the first failed pod.
+  nproc_per_node ranks and node rank = its completion index (components/launch/nodes.py's node command, the same
+  LocalNodes runs). Rank 0's address comes from JobSet's own DNS: the pod <jobset>-node-0-0 in the JobSet's headless
+  Service (subdomain <jobset>), published before the pods are ready; every pod first waits until that name resolves
+  (the early-DNS trap: a pod that starts before the record exists fails its first lookup), then starts torchrun.
+  failurePolicy.maxRestarts restarts all groups together; the job's backoffLimit 0 fails it at the first failed pod;
+  a group exiting NO_RESTART_EXIT_CODE fails the JobSet at once.
 - A server kind with launch=kubernetes (critic, reward, rollout): one LeaderWorkerSet (leaderworkerset.x-k8s.io/v1)
   of `replicas` groups of one pod each (the rollout server: deploy.rollout.replicas; tensor parallelism inside the
   pod, tensor_parallel_size GPUs of one node), found through the LeaderWorkerSet's own headless Service: replica i
@@ -46,7 +47,7 @@ READY_PATHS = {"critic": "/v2/health/ready", "reward": "/v2/health/ready", "roll
 SECRET_DIR, SECRET_KEY = "/var/run/rlhf", "secret"
 TRAINER_PLACEHOLDER = "<the IP of the pod that runs the run: known when it starts>"
 SECRET_PLACEHOLDER = "<the run's secret: generated when the run starts, never written to a file>"
-RENDEZVOUS_TIMEOUT_S = 600  # how long a node pod waits for rank 0's DNS name before failing
+NO_RESTART_EXIT_CODE = 78  # components/launch/nodes.NO_RESTART_EXIT_CODE: a node group's failure no restart mends
 JOBSET_ENV = {"JOBSET_NAME": "jobset.sigs.k8s.io/jobset-name", "REPLICATED_JOB_NAME": "jobset.sigs.k8s.io/replicatedjob-name",
               "JOB_INDEX": "jobset.sigs.k8s.io/job-index"}  # JobSet annotates its pods; Kubernetes adds JOB_COMPLETION_INDEX
 
@@ -160,14 +161,12 @@ def rank0_address(jobset: str) -> str:
 
 
 def node_args(spec: NodeSpec) -> list[str]:
-    """What each node pod runs: wait for rank 0's name, then torchrun (its node rank: the pod's completion index,
-    expanded by Kubernetes from the environment the Job controller gives Indexed pods), then NodeSpec.command."""
-    master = rank0_address(spec.name)
-    return ["python", "-m", "components.cluster.rendezvous", "--wait-for", master,
-            "--timeout-s", str(RENDEZVOUS_TIMEOUT_S), "--",
-            "torchrun", "--nnodes", str(spec.nnodes), "--nproc-per-node", str(spec.nproc_per_node),
-            "--node-rank", "$(JOB_COMPLETION_INDEX)", "--master-addr", master, "--master-port", str(spec.master_port),
-            *spec.command]
+    """What each node pod runs: the node group's own command (components/launch/nodes.node_argv, as LocalNodes runs
+    it), with the image's interpreter. It finds rank 0's address from the pod's JOBSET_* environment (the JobSet's
+    DNS name of pod 0, `rank0_address`), waits until that name resolves (the early-DNS trap), then runs torchrun
+    with its node rank from JOB_COMPLETION_INDEX and passes on the exit code of its first failed rank."""
+    return ["python", "-m", "components.launch.nodes", "--nnodes", str(spec.nnodes), "--nproc-per-node",
+            str(spec.nproc_per_node), "--master-port", str(spec.master_port), "--", *spec.command]
 
 
 def jobset(spec: NodeSpec, cluster: ClusterPlacement, site: Site, identity: RunIdentity) -> dict:
@@ -184,11 +183,16 @@ def jobset(spec: NodeSpec, cluster: ClusterPlacement, site: Site, identity: RunI
     template = pod_template(cluster, cluster.actor, labels, image=site.image, args=node_args(spec), env=env,
                             gpus=spec.nproc_per_node, service_account=cluster.actor_service_account,
                             restart_policy="Never", ports={"rendezvous": spec.master_port})
+    # a group that exits NO_RESTART_EXIT_CODE met a failure no restart mends: its Job fails by its pod failure
+    # policy, and that reason fails the JobSet without a restart; any other failure restarts every group
     job = {"completionMode": "Indexed", "parallelism": spec.nnodes, "completions": spec.nnodes, "backoffLimit": 0,
+           "podFailurePolicy": {"rules": [{"action": "FailJob", "onExitCodes": {
+               "containerName": "main", "operator": "In", "values": [NO_RESTART_EXIT_CODE]}}]},
            "template": template}
     return {"apiVersion": "jobset.x-k8s.io/v1alpha2", "kind": "JobSet",
             "metadata": identity.metadata(spec.name, "actor-nodes", cluster.queue),
-            "spec": {"failurePolicy": {"maxRestarts": spec.max_restarts},
+            "spec": {"failurePolicy": {"maxRestarts": spec.max_restarts, "rules": [
+                         {"name": "no-restart", "action": "FailJobSet", "onJobFailureReasons": ["PodFailurePolicy"]}]},
                      "network": {"enableDNSHostnames": True, "publishNotReadyAddresses": True},
                      "replicatedJobs": [{"name": NODE_JOB, "replicas": 1, "template": {"spec": job}}]}}
 
@@ -291,6 +295,18 @@ def kubernetes_servers(cfg: RLHFConfig) -> list[str]:
     if not (ALGORITHMS[cfg.algorithm].needs_critic and cfg.critic_carries_reward):
         kinds.append("reward")
     return [k for k in kinds if getattr(cfg.deploy, k).launch == "kubernetes"]
+
+
+def manifest_node_spec(cfg: RLHFConfig, name: str) -> NodeSpec:
+    """The node groups' spec a run's controller builds (components/controller.node_spec), for manifests written
+    before any run: its store shown by its URI's place, the ranks' settings as the config says."""
+    from components.launch.ranks import BACKEND_ENV, TIMEOUT_ENV  # light: the ranks' environment names
+
+    actor = cfg.deploy.actor
+    store = f"{(cfg.deploy.checkpoint.uri or '<deploy.checkpoint.uri>').rstrip('/')}/<run name>"
+    return NodeSpec(name, actor.nnodes, actor.nproc_per_node, actor.master_port or 29500,
+                    ["-m", "components.runs", "--store", store],
+                    {BACKEND_ENV: actor.backend, TIMEOUT_ENV: str(actor.collective_timeout_s)}, actor.max_restarts)
 
 
 def run_manifests(cfg: RLHFConfig, site: Site, identity: RunIdentity, nodes: Optional[NodeSpec] = None) -> list[dict]:

@@ -55,6 +55,7 @@ class KubeServers:
         self.lws = next(o for o in objects if o["kind"] == "LeaderWorkerSet")["metadata"]["name"]
         self.probes = [probe_for(url) for url in urls]
         self.policies, self.created = policies, []
+        self.poll_s = 2.0  # how often readiness looks at the pods and the servers
 
     def start(self) -> None:
         """Create the Secret, then the LeaderWorkerSet (undone if one fails)."""
@@ -107,7 +108,7 @@ class KubeServers:
         health = Health(False, "not looked at yet")
         for replica, url in enumerate(self.urls):
             health = wait_until_ready(self._replica_probe(replica), max(1.0, deadline - time.monotonic()),
-                                      f"{self.name} server replica {replica}", url, poll_s=2.0)
+                                      f"{self.name} server replica {replica}", url, poll_s=self.poll_s)
         return health
 
     def death(self, settle_s: float = 20.0) -> Optional[str]:
@@ -138,11 +139,12 @@ class KubeServers:
 
 
 def start_servers(kind: str, cfg: RLHFConfig, secret: str, probe_for: Callable[[str], Probe], run_name: str,
-                  kube: Optional[Kube] = None, environ=os.environ, **args) -> KubeServers:
+                  kube: Optional[Kube] = None, environ=os.environ, job: Optional[str] = None, **args) -> KubeServers:
     """Create `kind`'s LeaderWorkerSet for this run (not waited for): owned by and labelled as the Job this process
-    runs in, with the run's NetworkPolicies; `args` for the server (checkpoint_uri, restore_iteration, trainer_host)."""
+    runs in (`job`: found from its pod), with the run's NetworkPolicies; `args` for the server (checkpoint_uri,
+    restore_iteration, trainer_host)."""
     kube = kube or Kube(cfg.deploy.cluster.namespace)
-    job = own_job(environ)
+    job = job or own_job(environ)
     found = kube.get("batch/v1", "Job", job) if job else None
     owner = {"name": job, "uid": found["metadata"]["uid"]} if found else None
     identity = RunIdentity.of(run_name, _secrets.token_hex(4), run_label=job, owner=owner)
