@@ -95,7 +95,10 @@ def read_status(obj: Optional[dict], pods: list[dict], nnodes: int, admission: O
         broken = [(p, exit_) for p in current or pods if (exit_ := pod_exit(p))]
         if not broken:
             return NodeStatus("failed", restarts, why)
-        pod, exit_ = min(broken, key=lambda b: _index(b[0]) if _index(b[0]) is not None else 1 << 30)
+        # the first to fail, not the groups stopped because of it (SIGTERM: 143), by when their containers ended
+        pod, exit_ = min(broken, key=lambda b: ((_terminated(b[0]) or {}).get("exitCode") == 143,
+                                                (_terminated(b[0]) or {}).get("finishedAt") or "~",
+                                                _index(b[0]) if _index(b[0]) is not None else 1 << 30))
         group = _index(pod)
         return NodeStatus("failed", restarts, f"node group {group} (pod {pod['metadata']['name']}) {exit_}; {why}",
                           failed_group=group)

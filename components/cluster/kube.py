@@ -81,7 +81,9 @@ class Kube:
         if config_file is None and in_cluster():
             config.load_incluster_config(client_configuration=configuration)
         else:
-            config.load_kube_config(config_file=config_file, client_configuration=configuration)
+            # $KUBECONFIG read now, not when the client was imported
+            config.load_kube_config(config_file=config_file or os.environ.get("KUBECONFIG"),
+                                    client_configuration=configuration)
         self.api = client.ApiClient(configuration)
         self.namespace = namespace or own_namespace() or DEFAULT_NAMESPACE
 
