@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 TF = REPO / "infra" / "terraform"
 MODULES = TF / "modules"
 ENV_DEV = TF / "envs" / "dev"
-MODULE_NAMES = ("network", "cluster", "gpu_pool", "artifacts", "iam", "prefect")
+MODULE_NAMES = ("network", "cluster", "gpu_pool", "artifacts", "iam", "prefect", "addons", "registry", "cache")
 TEMPLATE = MODULES / "prefect" / "templates" / "base_job_template.json.tftpl"
 JOB_VARIABLES = TF / "job_variables.json"
 CHECKOV = REPO / ".venv-checkov" / "bin" / "checkov"
@@ -125,16 +125,19 @@ def _terraform_binary() -> str:
     return found
 
 
-def _render_template(values: dict) -> dict:
-    """Render the templatefile() template the way Terraform would, for the subset of syntax it uses."""
-    text = TEMPLATE.read_text(encoding="utf-8")
+def _render_template(values: dict, template: Path = TEMPLATE):
+    """Render a templatefile() template the way Terraform would, for the subset of syntax it uses."""
+    text = template.read_text(encoding="utf-8")
     assert "%{" not in text, "template directives are not supported by this renderer"
 
     def substitute(match: re.Match) -> str:
         expr = match.group(1).strip()
-        func = re.fullmatch(r"jsonencode\((\w+)\)", expr)
+        func = re.fullmatch(r"jsonencode\((\w+)((?:\.\w+)*)\)", expr)
         if func:
-            return json.dumps(values[func.group(1)])
+            value = values[func.group(1)]
+            for attribute in filter(None, func.group(2).split(".")):
+                value = value[attribute]
+            return json.dumps(value)
         assert re.fullmatch(r"\w+", expr), f"unsupported template expression ${{{expr}}}"
         return str(values[expr])
 
