@@ -18,9 +18,9 @@ import os
 from typing import Optional
 
 from components.cluster.kube import Kube
+from components.cluster.network_policy import own_job
 from components.cluster.objects import QUEUE_LABEL, RunIdentity, Site, jobset
 from components.launch.nodes import NodeSpec, NodeStatus
-from components.serving.network_policy import own_job
 from models.config import RLHFConfig
 from models.deploy import ClusterPlacement
 

@@ -14,9 +14,6 @@ import os
 from pathlib import Path
 from typing import Mapping, Optional
 
-from kubernetes import client, config
-from kubernetes.client.exceptions import ApiException
-
 ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 DEFAULT_NAMESPACE = "rlhf"  # what infra/terraform creates (terraform output namespace)
 
@@ -54,7 +51,7 @@ def in_cluster(env: Mapping[str, str] = os.environ) -> bool:
     return bool(env.get("KUBERNETES_SERVICE_HOST")) and (ACCOUNT / "token").exists()
 
 
-def _explain(exc: ApiException, verb: str, kind: str, name: str, namespace: str) -> KubeError:
+def _explain(exc, verb: str, kind: str, name: str, namespace: str) -> KubeError:
     try:
         message = json.loads(exc.body or "{}").get("message") or exc.reason
     except (TypeError, ValueError):
@@ -77,6 +74,8 @@ class Kube:
     """A namespace of a cluster, as this process's credentials reach it."""
 
     def __init__(self, namespace: Optional[str] = None, config_file: Optional[str] = None):
+        from kubernetes import client, config  # the client: loaded by a run that talks to a cluster, not by every import
+
         configuration = client.Configuration()
         if config_file is None and in_cluster():
             config.load_incluster_config(client_configuration=configuration)
@@ -95,6 +94,8 @@ class Kube:
         return path + (f"/{name}" if name else "") + (f"/{sub}" if sub else "")
 
     def _call(self, method: str, path: str, verb: str, kind: str, name: str, body=None, query=None, raw=False):
+        from kubernetes.client.exceptions import ApiException  # as in __init__: loaded with the client
+
         try:
             response = self.api.call_api(path, method, query_params=list((query or {}).items()), body=body,
                                          header_params={"Accept": "application/json", "Content-Type": "application/json"},

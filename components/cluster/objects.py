@@ -13,11 +13,11 @@ same objects.
 - A server kind with launch=kubernetes (critic, reward, rollout): one LeaderWorkerSet (leaderworkerset.x-k8s.io/v1)
   of `replicas` groups of one pod each (the rollout server: deploy.rollout.replicas; tensor parallelism inside the
   pod, tensor_parallel_size GPUs of one node), found through the LeaderWorkerSet's own headless Service: replica i
-  is http://<lws>-<i>.<lws>.<namespace>:8000. Each pod runs `python -m components.cluster.serve KIND`, which starts
+  is http://<lws>-<i>.<lws>.<namespace>:8000. Each pod runs `python -m components.serving.pod KIND`, which starts
   the server as a local run would (components/serving/services.local_server).
 - The run's secret: a Secret per server kind, mounted read-only into its pods (RLHF_RUN_SECRET_FILE), never a value
   in a spec; manifests written for review carry a placeholder instead.
-- The run's two NetworkPolicies (components/serving/network_policy.py): its servers take traffic from its own pods.
+- The run's two NetworkPolicies (components/cluster/network_policy.py): its servers take traffic from its own pods.
 
 Every object is labelled as the run's (rlhf/run: the Job the run builder runs in, whose pods the NetworkPolicies let
 in), carries the Kueue queue label (deploy.cluster.queue: a JobSet's pods are admitted together or not at all), and
@@ -33,10 +33,15 @@ import re
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+import yaml
+
+from components.cluster.network_policy import RUN_LABEL, policies
 from components.launch.nodes import NODE_JOB, NodeSpec
-from components.serving.network_policy import RUN_LABEL, policies
+from components.launch.ranks import BACKEND_ENV, TIMEOUT_ENV
+from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig, merge
 from models.deploy import ClusterPlacement, PodPlacement
+from models.engines import ENGINES
 
 PART_OF = {"app.kubernetes.io/part-of": "rlhf-flows"}
 PART_LABEL = "rlhf/part"  # which part of the run an object is: actor-nodes, critic, reward, rollout
@@ -238,7 +243,7 @@ def server_config(kind: str, cfg: RLHFConfig) -> RLHFConfig:
 
 def server_args(kind: str, cfg: RLHFConfig, checkpoint_uri: Optional[str] = None,
                 restore_iteration: Optional[int] = None, trainer_host: Optional[str] = None) -> list[str]:
-    args = ["python", "-m", "components.cluster.serve", kind, "--config-json",
+    args = ["python", "-m", "components.serving.pod", kind, "--config-json",
             server_config(kind, cfg).model_dump_json(exclude_defaults=True)]
     if checkpoint_uri:
         args += ["--checkpoint-uri", checkpoint_uri]
@@ -284,9 +289,6 @@ def server_objects(kind: str, cfg: RLHFConfig, site: Site, identity: RunIdentity
 # ------------------------------------------------------------------------------------------------ a whole run
 def kubernetes_servers(cfg: RLHFConfig) -> list[str]:
     """The server kinds of the run that run on Kubernetes (launch=kubernetes), in the order a run starts them."""
-    from models.algorithms import ALGORITHMS  # the registry loads the algorithms' sections
-    from models.engines import ENGINES
-
     kinds = []
     if not ENGINES[cfg.rollout.engine].shares_actor_weights:
         kinds.append("rollout")
@@ -300,8 +302,6 @@ def kubernetes_servers(cfg: RLHFConfig) -> list[str]:
 def manifest_node_spec(cfg: RLHFConfig, name: str) -> NodeSpec:
     """The node groups' spec a run's controller builds (components/controller.node_spec), for manifests written
     before any run: its store shown by its URI's place, the ranks' settings as the config says."""
-    from components.launch.ranks import BACKEND_ENV, TIMEOUT_ENV  # light: the ranks' environment names
-
     actor = cfg.deploy.actor
     store = f"{(cfg.deploy.checkpoint.uri or '<deploy.checkpoint.uri>').rstrip('/')}/<run name>"
     return NodeSpec(name, actor.nnodes, actor.nproc_per_node, actor.master_port or 29500,
@@ -331,6 +331,4 @@ def run_manifests(cfg: RLHFConfig, site: Site, identity: RunIdentity, nodes: Opt
 
 def dumps(objects: list[dict]) -> str:
     """The objects as one multi-document YAML stream."""
-    import yaml
-
     return "".join("---\n" + yaml.safe_dump(json.loads(json.dumps(o)), sort_keys=False) for o in objects)

@@ -21,9 +21,9 @@ from typing import Callable, Optional
 
 from components.cluster.jobset import pod_wait
 from components.cluster.kube import Kube
+from components.cluster.network_policy import RUN_POLICIES, own_job
 from components.cluster.objects import RunIdentity, Site, server_objects, server_replicas, server_urls
 from components.launch.processes import Health, Probe, ServerNotReady, wait_for, wait_until_ready
-from components.serving.network_policy import RUN_POLICIES, own_job
 from models.config import RLHFConfig
 
 LWS_API = "leaderworkerset.x-k8s.io/v1"

@@ -22,7 +22,7 @@ deleted when the server stops); every client of the run sends it. A server dies 
 renews (a Prefect variable named after the server's flow run, `RunLease`) and stops its server within
 `LEASE_TIMEOUT_S` of the run's end, cancellation or crash, or as soon as the training flow run's state is final. On
 Kubernetes a deployment server's pod is labelled as the run's, and NetworkPolicies let only the run's own actor pods
-reach it (components/serving/network_policy.py).
+reach it (components/cluster/network_policy.py).
 
 Both kinds of started server answer the same three questions: `wait_until_ready`, `death()` (why it cannot serve: it
 exited, its flow run ended, or it answers but is unhealthy) and `stop()`. `RunServices.guard` asks every server of the
@@ -54,11 +54,12 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelling
 from prefect.variables import Variable
 
+from components.cluster.network_policy import RUN_POLICIES, own_job
+from components.cluster.servers import start_servers
 from components.launch.processes import Health, Probe, ServerProcess, free_port, wait_for, wait_until_ready
 from components.serving.auth import new_secret, triton_token
 from components.serving.clients import RewardClient, critic_backend, reward_backend
 from components.serving.launcher import launch, launch_rollout, rollout_probe, triton_probe
-from components.serving.network_policy import RUN_POLICIES, own_job
 from components.serving.rollout_client import RolloutClient, run_token
 from components.serving.servers import ServerSpec
 from components.tracking.run import RunPlace
@@ -346,8 +347,6 @@ def start_kubernetes(kind: str, cfg: RLHFConfig, place: RunPlace):
     """`kind`'s servers as a LeaderWorkerSet this run creates on its cluster (components/cluster/servers.py): the
     run's secret in a Secret of their own, the critic's store and restore point, the rollout server's trainer
     address; found through the LeaderWorkerSet's DNS names, deleted when they stop (or with the run's Job)."""
-    from components.cluster.servers import start_servers  # the kubernetes client: only a run that uses it
-
     args = {}
     if kind == "critic":
         args = {"checkpoint_uri": place.store_uri, "restore_iteration": place.critic_restore_iteration}

@@ -1,6 +1,6 @@
 """Static checks that a run's servers on the cluster serve that run only (issue 32): the VPC CNI enforces
 NetworkPolicies; the namespace denies ingress by default and lets actor pods reach actor pods; server pods carry the
-rlhf/run label the run's own policies select on (components/serving/network_policy.py, cross-checked here); a run
+rlhf/run label the run's own policies select on (components/cluster/network_policy.py, cross-checked here); a run
 may create and delete NetworkPolicies and read its Job, nothing more; the critic role writes only its pending saves;
 leases and commit points are written only by conditional puts. (checkov scans the new resources in test_terraform.)"""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from tests.infra.test_terraform import (ENV_DEV, MODULES, _blocks, _locals, _one, _render_template, _resources,
                                         _sample_values)
 
-from components.serving.network_policy import JOB_LABEL, RUN_LABEL, own_job, policies
+from components.cluster.network_policy import JOB_LABEL, RUN_LABEL, own_job, policies
 
 
 def _spec(body: dict) -> dict:

@@ -100,7 +100,7 @@ def test_each_server_is_a_leader_worker_set_of_its_replicas_holding_the_runs_sec
         template = obj["spec"]["leaderWorkerTemplate"]
         assert template["size"] == 1 and obj["metadata"]["labels"][QUEUE_LABEL] == "rlhf"
         (container,) = template["workerTemplate"]["spec"]["containers"]
-        assert container["args"][:4] == ["python", "-m", "components.cluster.serve", kind]
+        assert container["args"][:4] == ["python", "-m", "components.serving.pod", kind]
         assert container["image"] == IMAGES["RLHF_VLLM_IMAGE" if kind == "rollout" else "RLHF_IMAGE"]
         assert container["readinessProbe"]["httpGet"]["path"] == ("/health" if kind == "rollout" else "/v2/health/ready")
         volume = next(v for v in template["workerTemplate"]["spec"]["volumes"] if v["name"] == "run-secret")

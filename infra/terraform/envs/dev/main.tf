@@ -255,7 +255,7 @@ resource "kubernetes_service_account_v1" "pod" {
 # Network isolation of the namespace, enforced by the VPC CNI's network policy agent (module.cluster): no pod takes
 # ingress unless a policy allows it. Actor pods take it from actor pods (a run's ranks rendezvous before any of its
 # code runs). A run's server pods take it only from that run's own actor Job, and that Job's pods from those servers,
-# by the two policies the run itself creates while its servers live (components/serving/network_policy.py), owned by
+# by the two policies the run itself creates while its servers live (components/cluster/network_policy.py), owned by
 # its Job so that Kubernetes removes them with it. Every request to a server also carries the run's secret.
 # ---------------------------------------------------------------------------
 resource "kubernetes_network_policy_v1" "default_deny_ingress" {

@@ -27,6 +27,8 @@ import socket
 import threading
 from typing import Optional
 
+from components.cluster.kube import Kube, KubeError
+
 RUN_LABEL = "rlhf/run"
 JOB_LABEL = "batch.kubernetes.io/job-name"
 SWITCH_ENV = "RLHF_NETWORK_POLICY"
@@ -60,11 +62,8 @@ def policies(job: str, namespace: str, job_uid: Optional[str] = None) -> list[di
 class KubeAPI:
     """The few Kubernetes API calls a run's policies need, as its pod's service account (components/cluster/kube.py)."""
 
-    def __init__(self, kube=None):
-        if kube is None:
-            from components.cluster.kube import Kube  # the kubernetes client: loaded only on a cluster
-
-            kube = Kube()
+    def __init__(self, kube: Optional[Kube] = None):
+        kube = kube or Kube()
         self.kube, self.namespace = kube, kube.namespace
 
     def job_uid(self, job: str) -> Optional[str]:
@@ -72,8 +71,6 @@ class KubeAPI:
         return found["metadata"]["uid"] if found else None
 
     def create(self, manifest: dict) -> None:
-        from components.cluster.kube import KubeError
-
         try:
             self.kube.create(manifest)
         except KubeError as exc:

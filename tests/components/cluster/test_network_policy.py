@@ -1,11 +1,11 @@
-"""Per-run NetworkPolicies (components/serving/network_policy.py): which Job a pod runs in, the two policies a run
+"""Per-run NetworkPolicies (components/cluster/network_policy.py): which Job a pod runs in, the two policies a run
 creates (its servers take traffic from its own Job's pods only, and the other way round), owned by the Job, created
 once for all the run's servers and deleted after the last one. The Kubernetes API cannot run here: a recording
 stand-in takes its calls (the client's own calls against a stand-in API server: tests/components/cluster)."""
 
 from __future__ import annotations
 
-from components.serving.network_policy import JOB_LABEL, RUN_LABEL, RunPolicies, own_job, policies
+from components.cluster.network_policy import JOB_LABEL, RUN_LABEL, RunPolicies, own_job, policies
 
 
 def test_the_job_a_pod_runs_in():

@@ -1,4 +1,4 @@
-"""`python -m components.cluster.serve KIND --config-json JSON [...]`: what a server pod of a run runs (launch=kubernetes;
+"""`python -m components.serving.pod KIND --config-json JSON [...]`: what a server pod of a run runs (launch=kubernetes;
 components/cluster/objects.leader_worker_set).
 
 It starts the `KIND` server exactly as a local run starts its own (components/serving/services.local_server: the
@@ -77,7 +77,7 @@ def serve(kind: str, cfg: RLHFConfig, checkpoint_uri=None, restore_iteration=Non
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m components.cluster.serve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m components.serving.pod", description=__doc__.split("\n\n")[0])
     parser.add_argument("kind", choices=("critic", "reward", "rollout"))
     parser.add_argument("--config-json", required=True, help="the run's config (RLHFConfig JSON), bound to the pod")
     parser.add_argument("--checkpoint-uri", help="critic: the run's store, where every save is uploaded")
