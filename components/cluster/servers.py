@@ -45,6 +45,12 @@ def pod_death(pod: dict) -> Optional[str]:
     return None
 
 
+def pod_ready(pod: dict) -> bool:
+    """Whether the pod's Ready condition is True (its readiness probe passes)."""
+    return any(c.get("type") == "Ready" and c.get("status") == "True"
+               for c in (pod.get("status") or {}).get("conditions") or [])
+
+
 class KubeServers:
     """One server kind of the run as a LeaderWorkerSet (see the module's docstring)."""
 
@@ -98,6 +104,8 @@ class KubeServers:
                 raise ServerNotReady(death, "process_exited")
             if wait := pod_wait(pod):
                 return Health(False, wait)
+            if not pod_ready(pod):
+                return Health(False, f"pod {pod['metadata']['name']} runs; its readiness probe has not passed yet")
             return self.probes[replica]()
         return probe
 

@@ -130,8 +130,9 @@ def _cfg(**overrides):
 
 
 def _pod(name, index, phase="Running", attempt=0, waiting=None, terminated=None, unschedulable=None, restarts=0,
-         labels=None):
-    status = {"phase": phase, "containerStatuses": [{"name": "main", "restartCount": restarts, "state": {}}]}
+         labels=None, ready=True):
+    status = {"phase": phase, "containerStatuses": [{"name": "main", "restartCount": restarts, "state": {}}],
+              "conditions": [{"type": "Ready", "status": "True" if ready and phase == "Running" else "False"}]}
     if waiting:
         status["containerStatuses"][0]["state"] = {"waiting": waiting}
     if terminated:
@@ -275,16 +276,19 @@ def test_servers_are_leader_worker_sets_created_waited_for_and_deleted_with_the_
                                                             "leaderworkerset.sigs.k8s.io/group-index": str(i)}, **kw)
     stages = iter([[group(0, phase="Pending", unschedulable=("SchedulingGated", "Scheduling is blocked due to non-empty scheduling gates"))],
                    [group(0, phase="Pending", waiting={"reason": "ContainerCreating"}), group(1, phase="Pending")],
+                   [group(0, ready=False), group(1, ready=False)],  # running, the model still loading
                    [group(0), group(1)]])
     pods = {"now": []}
     seen = []
 
     def pods_for(selector):
         assert selector == {"leaderworkerset.sigs.k8s.io/name": name}
-        if len(seen) < 6:  # every look moves the scripted cluster on
+        if len(seen) < 8:  # every look moves the scripted cluster on
             pods["now"] = next(stages, pods["now"])
         seen.append(1)
-        if pods["now"] and all(p["status"]["phase"] == "Running" for p in pods["now"]):
+        ready = [c["status"] == "True" for p in pods["now"] for c in p["status"]["conditions"] if c["type"] == "Ready"]
+        assert not probe.seen or all(ready)  # our probe looks only once Kubernetes says the pod is ready
+        if pods["now"] and all(ready):
             probe.healthy = True
         return pods["now"]
 
