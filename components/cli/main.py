@@ -8,6 +8,7 @@ it runs, so `rlhf up`, `status` and `--help` start without loading torch, Triton
     rlhf up | down | status | demo              components/launch/stack.py (the local Prefect + MLflow + deployments stack)
     rlhf compare                                components/cli/compare.py (PPO vs RLOO from MLflow; a sweep's trials)
     rlhf sweep                                  components/cli/sweep.py (a sweep flow here, its trials on the deployments)
+    rlhf cluster manifests                      components/cli/cluster.py (every Kubernetes object a run would create)
 """
 
 from __future__ import annotations
@@ -158,6 +159,19 @@ def add_stage_parsers(sub) -> None:
     p.set_defaults(run="components.cli.stages:cmd_pipeline")
 
 
+def add_cluster_parser(sub) -> None:
+    """`rlhf cluster manifests [--config FILE] [--set ...] --out DIR`."""
+    cluster = sub.add_parser("cluster", help="the Kubernetes side of a run").add_subparsers(dest="cluster_command",
+                                                                                            required=True)
+    p = cluster.add_parser("manifests", help="write every Kubernetes object a run of this config would create (its "
+                                             "JobSet, its servers' LeaderWorkerSets and Secrets with placeholder "
+                                             "values, its NetworkPolicies) as YAML, for review or kubectl apply "
+                                             "--dry-run=server")
+    add_config_args(p)
+    p.add_argument("--out", required=True, help="output directory (one YAML file per object)")
+    p.set_defaults(run="components.cli.cluster:cmd_manifests")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf", description="RLHF (PPO, RLOO) as Prefect workflows.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -196,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_stack_parsers(sub)
     add_compare_parser(sub)
     add_sweep_parser(sub)
+    add_cluster_parser(sub)
     return parser
 
 
