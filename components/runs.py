@@ -98,14 +98,21 @@ class RunRecord:
 
     def log(self, iteration: int, metrics: dict, samples: list[dict]) -> None:
         self.session.log(iteration, metrics, samples)
+        if "conversation" in (samples[0] if samples else {}) and self.session.logs_table(iteration):
+            # an environment run's episodes, whole conversations, beside the run as well (MLflow has them too)
+            key = re.sub(r"[^a-z0-9-]+", "-", f"episodes-{self.session.name}".lower()).strip("-")
+            self.steps.table(key[:128], samples, f"Episodes of iteration {iteration} (run {self.session.name}): "
+                                                 f"turns, tool calls and results, reward")
         m = metrics
         stale = ""  # an engine with its own weights: how far its sampling is from the trainer's logprobs, and why
         if "rollout/staleness_max" in m:
             stale = (f" sampler logp diff {m['sampling/sampling_logp_difference/max']:.1e} "
                      f"staleness {m['rollout/staleness_max']:g}")
         gold = f"gold {m['objective/gold_reward']:+.3f} " if "objective/gold_reward" in m else ""
+        tools = (f" tools {m['tools/call_frequency']:.2f}/episode errors {m['env/errors']:g} timeouts "
+                 f"{m['env/timeouts']:g}") if "tools/call_frequency" in m else ""
         self.steps.log(f"iteration {iteration}/{self.session.cfg.iterations}: {gold}reward {m['reward']:+.3f} "
-                       f"KL {m['objective/kl']:.3f} step {m['step_time']:.2f}s{stale}")
+                       f"KL {m['objective/kl']:.3f} step {m['step_time']:.2f}s{stale}{tools}")
 
     def log_eval(self, iteration: int, metrics: dict, rows: list[dict]) -> None:
         """An eval's metrics at step=iteration, its samples as an MLflow table and a table beside the run."""

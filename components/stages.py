@@ -91,7 +91,8 @@ def stage_rows(stage: str, train, path: str, held_out_only: bool = False):
 
 def _head(rows, n: int):
     if isinstance(rows, Sequences):
-        return Sequences(rows.ids[:n], rows.prompt_lengths[:n], rows.source, rows.dropped, rows.truncated, rows.mismatched)
+        return Sequences(rows.ids[:n], rows.prompt_lengths[:n], rows.source, rows.dropped, rows.truncated, rows.mismatched,
+                         rows.masks[:n] if rows.masks is not None else None)
     return Pairs(rows.chosen[:n], rows.rejected[:n], rows.margin[:n] if rows.margin is not None else None, rows.source,
                  rows.texts[:n], rows.dropped, rows.mismatched)
 

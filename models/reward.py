@@ -8,14 +8,8 @@ reward_weights) score as their weighted sum; each one's scores travel with it fo
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
-import os
-import sys
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -23,6 +17,7 @@ from torch import Tensor
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from models.loading import DTYPES, disable_dropout, freeze, from_pretrained
+from models.specs import absolute_spec, import_object, is_file_spec  # noqa: F401 (re-exported)
 
 RewardFn = Callable[[list[str], list[str]], list[float]]
 
@@ -99,48 +94,9 @@ def reward_model_scores(model, tokens: Tensor, lengths: Tensor) -> Tensor:
     return (scores - stats[0]) / stats[1] if stats is not None else scores
 
 
-def is_file_spec(spec: str) -> bool:
-    """Whether a reward function spec names a file ('path/to/rewards.py:fn') rather than a module."""
-    return spec.rpartition(":")[0].endswith(".py")
-
-
-def absolute_spec(spec: str) -> str:
-    """A file spec with its path made absolute (against this process's working directory); a module spec as it is."""
-    if not is_file_spec(spec):
-        return spec
-    target, _, attr = spec.rpartition(":")
-    return f"{Path(target).expanduser().absolute()}:{attr}"
-
-
 def import_function(spec: str, field: str = "reward.function"):
-    """The object a spec names: 'package.module:fn' imported, 'path/to/rewards.py:fn' loaded from the file (once per
-    process and path, as the module 'rlhf_rewards_<hash of the path>')."""
-    target, _, attr = spec.rpartition(":")
-    if is_file_spec(spec):
-        path = Path(target).expanduser().absolute()
-        if not path.is_file():
-            raise ValueError(f"{field}: reward file '{path}' does not exist in this process (working directory "
-                             f"{os.getcwd()}); the file must be at this path in every process that scores: on a "
-                             f"cluster, in the image or in the code the deployment pulls")
-        name = "rlhf_rewards_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-        module = sys.modules.get(name)
-        if module is None:
-            loader_spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[name] = module  # before executing: dataclasses and pickling look the module up by name
-            try:
-                loader_spec.loader.exec_module(module)
-            except Exception as exc:
-                del sys.modules[name]
-                raise ValueError(f"{field}: loading '{path}' failed: {type(exc).__name__}: {exc}") from exc
-        if not hasattr(module, attr):
-            raise ValueError(f"{field}: '{path}' has no function '{attr}'")
-        return getattr(module, attr)
-    try:
-        return getattr(importlib.import_module(target), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{field}: cannot import '{spec}' ({exc}); expected 'package.module:function' importable "
-                         f"here, or a file 'path/to/rewards.py:function'") from exc
+    """The reward function a spec names (models/specs.import_object)."""
+    return import_object(spec, field)
 
 
 def load_reward_function(spec: str, field: str = "reward.function", probe: bool = True) -> RewardFn:

@@ -114,6 +114,7 @@ def actor_ranks(cfg: RLHFConfig, log_dir: Path, name: str = RL) -> Iterator[Lead
         me, init_method = distributed.Dist(0, cfg.deploy.actor.world_size, 0, cfg.deploy.actor.world_size), followers.init_method
     else:
         me, init_method = distributed.SINGLE, None
+    leader = None
     try:
         if me.active:
             device = distributed.local_device(cfg.deploy.device, me)
@@ -127,9 +128,17 @@ def actor_ranks(cfg: RLHFConfig, log_dir: Path, name: str = RL) -> Iterator[Lead
             me.broadcast_object({"op": "stop"})
             distributed.shutdown(me, graceful=True)
     finally:
+        if leader is not None:
+            close_state(leader.state)
         if followers is not None:
             followers.stop()
         distributed.shutdown()
+
+
+def close_state(state) -> None:
+    """Stop what a rank's state started besides its model (an actor's environment workers)."""
+    if hasattr(state, "close"):
+        state.close()
 
 
 # ---------------------------------------------------------------- the follower side
@@ -148,8 +157,11 @@ def follow() -> int:
         cfg = config_class.model_validate_json(payload)
         distributed.check_shared_directory(me, cfg.resolved_state_dir() / "runs")
         state = build(cfg, me)
-        while (command := me.broadcast_object(None))["op"] != "stop":
-            run(state, cfg, command)
+        try:
+            while (command := me.broadcast_object(None))["op"] != "stop":
+                run(state, cfg, command)
+        finally:
+            close_state(state)
         distributed.shutdown(me, graceful=True)
     finally:
         distributed.shutdown()

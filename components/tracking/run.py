@@ -203,8 +203,12 @@ class RunSession:
         if self.tracker.last_step is not None and iteration <= self.tracker.last_step:
             return
         self.tracker.log_metrics(metrics, step=iteration)
-        if iteration % self.cfg.tracking.table_every == 0 or iteration == 1:
+        if self.logs_table(iteration):
             self.tracker.log_table(samples, step=iteration)
+
+    def logs_table(self, iteration: int) -> bool:
+        """Whether iteration `iteration`'s samples are logged as a table (every tracking.table_every, and the first)."""
+        return iteration % self.cfg.tracking.table_every == 0 or iteration == 1
 
     def log_eval(self, iteration: int, metrics: dict, rows: list[dict]) -> None:
         """A held-out eval before iteration + 1 (or at the end): its metrics at step=iteration and its samples as
