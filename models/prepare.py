@@ -13,6 +13,8 @@ nobody derives these facts again.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig, is_tiny_policy, merge, with_schedule_lengths
 from models.data import DataError
@@ -53,6 +55,9 @@ def absolute_reward_files(cfg: RLHFConfig) -> dict:
         out["environment.factory"] = absolute_spec(factory)
     elif isinstance(factory, dict) and {k: absolute_spec(v) for k, v in factory.items()} != factory:
         out["environment.factory"] = {k: absolute_spec(v) for k, v in factory.items()}
+    template = cfg.environment.chat_template
+    if template and template.endswith(".jinja") and not Path(template).is_absolute():
+        out["environment.chat_template"] = str(Path(template).expanduser().absolute())
     return out
 
 

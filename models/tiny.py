@@ -11,13 +11,14 @@ tokenizer, so the text transport (`reward_text`) runs end to end offline. Everyt
 The policy, reward and critic are built together (~40 s on 2 cores), `reward-chars` (~55 s) from a random stream of
 its own. What they come out as depends on the CPU's kernels (AVX2 and AVX-512 machines, and ATEN_CPU_CAPABILITY,
 give other weights): runs never build them; they load the shipped files, the same bytes on every machine.
-`chat` is a small chat model of the Qwen2 architecture whose tokenizer carries Qwen2.5's chat template
+`chat` is a small chat model (a Llama: see `chat_model`) whose tokenizer carries Qwen2.5's chat template
 (models/assets/templates/qwen2_5.jinja, byte for byte the one Qwen2.5's instruct models ship), its special tokens
 (<|im_start|>, <|im_end|>, <tool_call>, </tool_call>, ...) and transformers' response template of the Qwen2
 family (tokenizer_config.json `response_template`: what `tokenizer.parse_response` reads tool calls with): the model
-the environment and tool-use path runs on (docs/environments.md). Its byte-level BPE (Qwen2's pre-tokenizer: digits
-one by one) is trained on conversations of models/tasks/arithmetic.py, and the model is pretrained on conversations
-without a tool (small sums, repetitions): calling a tool is what an SFT stage teaches it.
+the environment and tool-use path runs on (docs/environments.md). Its byte-level BPE (digits one by one, as Qwen2's;
+merges across words, so the template's fixed text is a few tokens) is trained on conversations of
+models/tasks/arithmetic.py, and the model is pretrained on conversations without a tool (small sums, repetitions):
+calling a tool is what an SFT stage teaches it.
 
 `rlhf models tiny --out DIR` builds all five and writes DIR/MANIFEST.json (how they were built, the sha256 of every
 file and of every tensor as it loads); `--out models/assets/tiny` replaces the shipped ones.
@@ -35,10 +36,11 @@ from pathlib import Path
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models as tok_models, normalizers, pre_tokenizers, trainers
 from transformers import (GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GenerationConfig, LlamaConfig,
-                          LlamaForSequenceClassification, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,
+                          LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast,
                           get_cosine_schedule_with_warmup)
 
 from models.critic import init_critic
+from models.environments.chat import ChatFormat
 from models.tiny_files import TEMPLATES_DIR, file_digests
 from models.tasks import arithmetic, sentiment
 
@@ -242,9 +244,10 @@ CHAT_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_sta
                 "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
                 "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
 NOT_SPECIAL = {"<tool_call>", "</tool_call>"}  # added tokens that decode as text (Qwen2.5: special=False)
-# Qwen2's pre-tokenizer: words, single digits, punctuation runs, newlines, spaces
-QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+# pieces the BPE never merges across: single digits (as Qwen2's pre-tokenizer keeps them) and newlines; anything
+# else may merge, so the template's fixed text (the tools' system prompt) becomes a few long tokens and a conversation
+# ~100 tokens instead of ~250: a tiny model trains on it in seconds
+CHAT_SPLIT = r"\p{N}|\n"
 CHAT_VOCAB = 1024
 
 
@@ -262,11 +265,11 @@ def qwen2_response_template() -> dict:
 
 
 def build_chat_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
-    """A byte-level BPE of CHAT_VOCAB ids trained on `texts`, with Qwen2's pre-tokenizer, Qwen2.5's special tokens,
-    chat template and the Qwen2 response template."""
+    """A byte-level BPE of at most CHAT_VOCAB ids trained on `texts` (split at digits and newlines only), with
+    Qwen2.5's special tokens, chat template and the Qwen2 response template."""
     tok = Tokenizer(tok_models.BPE())
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_SPLIT), "isolated"),
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(CHAT_SPLIT), "isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=CHAT_VOCAB, special_tokens=CHAT_SPECIAL, show_progress=False,
@@ -281,9 +284,12 @@ def build_chat_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def chat_model(tokenizer) -> Qwen2ForCausalLM:
-    """3 layers of 96 (3 heads of 32: the smallest head vLLM's CPU attention serves), rotary positions up to 512."""
-    return Qwen2ForCausalLM(Qwen2Config(
+def chat_model(tokenizer) -> LlamaForCausalLM:
+    """A Llama of 3 layers of 96 (3 heads of 32: the smallest head vLLM's CPU attention serves), rotary positions up
+    to 512. Not the Qwen2 architecture: transformers loads a model of type qwen2 with its Qwen2Tokenizer, which puts
+    Qwen2's word-level pre-tokenizer in place of the tokenizer's own (the long merged tokens would be lost); a llama
+    model's tokenizer loads as saved."""
+    return LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=3,
         num_key_value_heads=3, max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
         bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
@@ -305,11 +311,11 @@ def _build_chat(path: Path, seed: int, steps: int, log) -> dict:
         tokenizer = build_chat_tokenizer(texts)
         model = chat_model(tokenizer)
         rows, masks = [], []
-        for conversation in corpus:  # loss on the assistant's reply and its end of turn, as an SFT stage takes it
-            prompt = tokenizer.apply_chat_template(conversation[:-1], add_generation_prompt=True, return_dict=False)
-            reply = tokenizer(conversation[-1]["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-            rows.append(list(prompt) + reply)
-            masks.append([0] * len(prompt) + [1] * len(reply))
+        chat = ChatFormat(tokenizer)
+        for conversation in corpus:  # loss on the assistant's replies and their ends of turn, as an SFT stage takes it
+            ids, mask = chat.conversation(conversation)
+            rows.append(ids)
+            masks.append(mask)
         pad = tokenizer.pad_token_id
 
         def reply_loss(ids, mask, idx):
@@ -318,7 +324,7 @@ def _build_chat(path: Path, seed: int, steps: int, log) -> dict:
                 labels[j, :len(rows[i])] = torch.where(torch.tensor(masks[i]) > 0, torch.tensor(rows[i]), -100)
             return model(input_ids=ids, attention_mask=mask, labels=labels).loss
 
-        loss = _fit(model, rows, steps, rng, pad, reply_loss, warmup=True)
+        loss = _fit(model, rows, steps, rng, pad, reply_loss, warmup=True, log=log)
         log(f"chat: {sum(p.numel() for p in model.parameters()):,} params, reply loss {loss:.3f} after {steps} steps")
         model.eval()
         model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id, pad], pad_token_id=pad)
@@ -327,9 +333,11 @@ def _build_chat(path: Path, seed: int, steps: int, log) -> dict:
     return {"chat_reply_loss": loss}
 
 
-def _fit(model, rows: list[list[int]], steps: int, rng: random.Random, pad: int, loss_of, warmup: bool = False) -> float:
+def _fit(model, rows: list[list[int]], steps: int, rng: random.Random, pad: int, loss_of, warmup: bool = False,
+         log=None) -> float:
     """AdamW (lr 3e-3; with `warmup`, 10% linear warm-up then cosine decay) on shuffled batches of 64 rows for `steps`
-    steps; `loss_of(ids, mask, row_indices)` gives the batch loss. Returns the last loss."""
+    steps; `loss_of(ids, mask, row_indices)` gives the batch loss. Returns the last loss (`log`: told every 100
+    steps)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     schedule = get_cosine_schedule_with_warmup(optimizer, steps // 10, steps) if warmup else None
     model.train()
@@ -344,6 +352,8 @@ def _fit(model, rows: list[list[int]], steps: int, rng: random.Random, pad: int,
             if schedule is not None:
                 schedule.step()
             step, loss = step + 1, float(batch_loss.detach())
+            if log is not None and step % 100 == 0:
+                log(f"  step {step}/{steps}: loss {loss:.3f}")
             if step >= steps:
                 break
     return loss

@@ -64,7 +64,8 @@ class Episode:
     env_seconds: float = 0.0  # spent in its environment's calls
     values: list[float] = field(default_factory=list)  # each reward term (NaN: not scored by it)
     score: float = 0.0
-    pending: list[dict] = field(default_factory=list)
+    pending: list[dict] = field(default_factory=list)  # tool calls to run
+    turn_start: int | None = None  # where the turn being sampled started (in prompt + completion)
 
     @property
     def failed(self) -> bool:
@@ -161,20 +162,24 @@ class EpisodeRunner:
             elif not active:
                 break
             budgets = [self._budget(e, max_new_tokens) for e in active]
-            longest = max(budgets, default=1)
-            if self.me.active:  # every rank samples with the same settings (one request on rank 0)
-                longest = int(self.me.all_reduce(torch.tensor(longest), op="max"))
             contexts = [e.prompt_ids + e.ids for e in active] or [everyone[0].prompt_ids]  # none left here: a dummy
-            turn = sampling.model_copy(update={"max_new_tokens": max(longest, 1)})
+            # one length for every rank's turns (one request on rank 0), no longer than any context has room for
+            # (the engine's position limit): a turn it cuts before its own budget goes on at the next call
+            longest = max(budgets, default=1)
+            room = min((self.position_limit - len(c) for c in contexts), default=longest) if self.position_limit else longest
+            if self.me.active:
+                longest = int(self.me.all_reduce(torch.tensor(longest), op="max"))
+                room = int(self.me.all_reduce(torch.tensor(room), op="min"))
+            turn = sampling.model_copy(update={"max_new_tokens": max(min(longest, room), 1)})
             rollout = engine.generate(contexts, 1, turn, generator)
             if rollout.versions is not None:
                 version = int(rollout.versions[0])
             for i, (episode, budget) in enumerate(zip(active, budgets)):
                 start, end = int(rollout.prompt_lengths[i]), int(rollout.lengths[i])
-                ids = rollout.tokens[i, start:end].tolist()
-                logprobs = rollout.sample_logprobs[i, start - 1:end - 1].tolist()
-                ended = bool(rollout.is_end[i]) and len(ids) <= budget
-                self._turn(episode, ids[:budget], logprobs[:budget], ended, contexts[i])
+                ids = rollout.tokens[i, start:end].tolist()[:budget]
+                logprobs = rollout.sample_logprobs[i, start - 1:end - 1].tolist()[:budget]
+                ended = bool(rollout.is_end[i]) and int(end - start) <= budget
+                self._sampled(episode, ids, logprobs, ended, len(ids) >= budget, contexts[i])
             self._tools([e for e in active if e.pending], max_new_tokens)
         return version
 
@@ -200,13 +205,24 @@ class EpisodeRunner:
                 episode.fail("error", f"the prompt has {len(episode.prompt_ids)} tokens, the model's position limit "
                                       f"is {self.position_limit}")
 
-    def _turn(self, episode: Episode, ids: list[int], logprobs: list[float], ended: bool, context: list[int]) -> None:
+    def _sampled(self, episode: Episode, ids: list[int], logprobs: list[float], ended: bool, spent: bool,
+                 context: list[int]) -> None:
+        """A turn's ids from one engine call: kept (mask 1, their logprobs); a turn that ended is read as a message
+        (its prefix: the context it started from); one that spent the episode's budget ends it; one the engine cut
+        shorter goes on at the next call."""
+        if episode.turn_start is None:
+            episode.turn_start = len(context)
         episode.ids += ids
         episode.mask += [1] * len(ids)
         episode.logprobs += logprobs
-        episode.turns += 1
         episode.is_end = ended
-        message = self.chat.parse(ids, context, episode.tools)
+        if not ended and not spent:
+            return
+        prefix = (episode.prompt_ids + episode.ids)[:episode.turn_start]
+        turn = (episode.prompt_ids + episode.ids)[episode.turn_start:]
+        episode.turn_start = None
+        episode.turns += 1
+        message = self.chat.parse(turn, prefix, episode.tools)
         episode.completion.append(message)
         if not ended:
             episode.end = "length"

@@ -122,13 +122,21 @@ class WorkerPool:
     def start(self) -> "WorkerPool":
         self.channels = [Channel(i) for i in range(self.size)]
         self.alive_keys = [set() for _ in range(self.size)]
+        for channel in self.channels:  # every worker loads at once
+            channel.send(self._load_request())
         for i in range(self.size):
-            self._load(i)
+            self._loaded(i)
         return self
 
+    def _load_request(self) -> dict:
+        return {"op": "load", "factories": self.factories, "rewards": self.rewards}
+
     def _load(self, i: int) -> None:
+        self.channels[i].send(self._load_request())
+        self._loaded(i)
+
+    def _loaded(self, i: int) -> None:
         channel = self.channels[i]
-        channel.send({"op": "load", "factories": self.factories, "rewards": self.rewards})
         answer = channel.receive(START_DEADLINE_S)
         if answer is None:
             description = channel.exit_description()

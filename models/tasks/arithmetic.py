@@ -72,21 +72,25 @@ def sft_rows(n: int, seed: int = 0) -> list[dict]:
 
 
 def chat_corpus(n: int, seed: int = 0) -> list[list[dict]]:
-    """Conversations the tiny chat model is pretrained on (no tool): sums of small numbers it can learn, and
-    repetitions of numbers and expressions (copying, which a tool call and its answer need)."""
+    """Conversations the tiny chat model is pretrained on (no tool): sums of small numbers it can learn, repetitions
+    of numbers and expressions (copying, which a tool call and its answer need), and two-turn repetitions whose
+    second reply repeats the latest message, not the first."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        kind = rng.randrange(3)
+        kind = rng.randrange(4)
         if kind == 0:
             a, b = rng.randint(0, 20), rng.randint(0, 20)
             op = rng.choice(("+", "-"))
-            question, answer = QUESTION.format(expression=f"{a} {op} {b}"), str(a + b if op == "+" else a - b)
+            turns = [(QUESTION.format(expression=f"{a} {op} {b}"), str(a + b if op == "+" else a - b))]
         elif kind == 1:
             text, _ = expression(rng)
-            question, answer = f"Repeat: {text}", text
+            turns = [(f"Repeat: {text}", text)]
         else:
-            number = str(rng.randint(-9999, 99999))
-            question, answer = f"Say {number}", number
-        out.append([{"role": "user", "content": question}, {"role": "assistant", "content": answer}])
+            numbers = [str(rng.randint(-9999, 99999)) for _ in range(1 if kind == 2 else 2)]
+            turns = [(f"Say {number}", number) for number in numbers]
+        conversation = []
+        for question, answer in turns:
+            conversation += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        out.append(conversation)
     return out

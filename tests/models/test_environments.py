@@ -62,8 +62,12 @@ class ScriptedEngine:
         rows = [p for p in prompt_ids for _ in range(n)]
         stops = {self.tokenizer.eos_token_id, self.tokenizer.pad_token_id}
         responses, ends = [], []
+        header = self.tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
         for ids in rows:
-            out = self.tokenizer(self.reply(self.tokenizer.decode(ids)), add_special_tokens=False)["input_ids"]
+            starts = [i + len(header) for i in range(len(ids) - len(header) + 1) if ids[i:i + len(header)] == header]
+            partial = ids[starts[-1]:]  # a turn an earlier call began (cut at its max_new_tokens) goes on
+            whole = self.tokenizer(self.reply(self.tokenizer.decode(ids[:starts[-1]])), add_special_tokens=False)
+            out = whole["input_ids"][len(partial):]
             end = next((i for i, t in enumerate(out) if t in stops), None)
             ended = end is not None and end < sampling.max_new_tokens
             responses.append(out[:end + 1] if ended else out[:sampling.max_new_tokens])
@@ -241,6 +245,19 @@ def test_limits_end_episodes_as_trl_does(runners, tokenizer):
     played = play(runner, tokenizer, always, [{"prompt": "say again"}], max_new_tokens=4)
     assert (played.episodes[0].end, played.episodes[0].is_end, len(played.episodes[0].ids)) == ("length", False, 4)
     assert bool(played.rollout.is_end[0]) is False
+
+    runner.position_limit = None  # the engine's room: a turn cut by a neighbour's short room goes on at the next call
+    short, long = [{"prompt": "say again"}], [{"prompt": "say again " + "and again " * 40}]
+    long_prompt = len(ChatFormat(tokenizer).prompt_ids([{"role": "user", "content": long[0]["prompt"]}],
+                                                     runner.environments[""]["tools"]))
+    runner.position_limit = long_prompt + 6
+    engine = ScriptedEngine(tokenizer, lambda c: "done<|im_end|>" if "and again" in c else call("echo", text="x"))
+    played = runner.play(engine, short + long, Sampling(max_new_tokens=200), None, 200, tokenizer.pad_token_id)
+    whole = tokenizer(call("echo", text="x"), add_special_tokens=False)["input_ids"]
+    assert played.episodes[0].ids[:len(whole)] == whole and played.episodes[0].turns >= 1
+    assert played.episodes[0].completion[0]["tool_calls"][0]["function"]["arguments"] == {"text": "x"}
+    assert engine.calls > 2 and played.episodes[1].end == "stop"
+    runner.position_limit = 512
 
     failing = lambda context: "done<|im_end|>" if "<tool_response>" in context else call("echo", text="fail")  # noqa
     episode = play(runner, tokenizer, failing, [{"prompt": "say fail"}]).episodes[0]
