@@ -113,12 +113,14 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 @dataclass
 class GroupInitInfo(WeightTransferInitInfo):
-    """Where the trainer's side of the group is: its TCPStore (the trainer is rank 0, this engine rank 1)."""
+    """Where the trainer's side of the group is: its TCPStore (the trainer is rank 0, this engine's workers ranks 1 to
+    world_size - 1: one per tensor-parallel shard, as vLLM's own NCCL engine numbers them)."""
 
     master_address: str
     master_port: int
     backend: str = "gloo"
     timeout_s: float = 600.0
+    world_size: int = 2
 
 
 @dataclass
@@ -131,18 +133,18 @@ class GroupUpdateInfo(WeightTransferUpdateInfo):
     ready_key: str = ""  # set in the trainer's store once this side receives: the trainer broadcasts then
 
 
-def process_group(backend: str, store, rank: int, timeout: datetime.timedelta, peer: str = ""):
-    """A torch.distributed group of two over `store`, without a default process group: gloo (on loopback when the
+def process_group(backend: str, store, rank: int, timeout: datetime.timedelta, peer: str = "", size: int = 2):
+    """A torch.distributed group of `size` over `store`, without a default process group: gloo (on loopback when the
     peer is on this machine), or NCCL (GPUs). As rollout_client.process_group."""
     if backend == "nccl":
         options = torch.distributed.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
+        return torch.distributed.ProcessGroupNCCL(store, rank, size, options)
     Gloo = torch.distributed.ProcessGroupGloo
     options = Gloo._Options()
     options._timeout = timeout
     options._devices = [Gloo.create_device(hostname="127.0.0.1") if peer in LOOPBACK else Gloo.create_default_device()]
-    return Gloo(store, rank, 2, options)
+    return Gloo(store, rank, size, options)
 
 
 class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
@@ -156,14 +158,17 @@ class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateIn
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.group = self.store = None
+        self.rank = 1
 
     def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
         connect = datetime.timedelta(seconds=min(init_info.timeout_s, INIT_CONNECT_TIMEOUT_S))
-        self.store = torch.distributed.TCPStore(init_info.master_address, init_info.master_port, 2, is_master=False,
-                                                timeout=connect)
+        self.store = torch.distributed.TCPStore(init_info.master_address, init_info.master_port,
+                                                init_info.world_size, is_master=False, timeout=connect)
         self.store.set_timeout(timeout)
-        self.group = process_group(init_info.backend, self.store, 1, timeout, init_info.master_address)
+        self.group = process_group(init_info.backend, self.store, 1 + self.parallel_config.rank, timeout,
+                                   init_info.master_address, init_info.world_size)
+        self.rank = 1 + self.parallel_config.rank
 
     def start_weight_update(self) -> None:
         initialize_layerwise_reload(self.model)
@@ -182,7 +187,7 @@ class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateIn
                 yield name, tensor
 
         if update_info.ready_key:
-            self.store.set(update_info.ready_key, "1")
+            self.store.set(f"{update_info.ready_key}-{self.rank}", "1")
         self.model.load_weights(arriving())
 
     def shutdown(self) -> None:
@@ -219,6 +224,7 @@ class InitRequest(BaseModel):
     master_port: int = Field(ge=1, le=65535, description="Port of the trainer's TCPStore.")
     backend: str = Field("gloo", pattern="^(gloo|nccl)$", description="torch.distributed backend of the group.")
     timeout_s: float = Field(600.0, gt=0, le=3600, description="How long a collective of the group may wait (joining the store: at most 30 s).")
+    world_size: int = Field(2, ge=2, description="The group's size: the trainer and this server's workers (1 + tensor_parallel_size).")
 
 
 class UpdateRequest(BaseModel):
@@ -239,15 +245,17 @@ class ServedModel:
 
     def __init__(self, model: str, dtype: str, max_model_len: Optional[int], seed: int, enforce_eager: bool,
                  gpu_memory_utilization: float, instance: str = "", trainer_host: str = "127.0.0.1",
-                 max_sequences: int = 4096, max_tokens: int = 1 << 23):
+                 max_sequences: int = 4096, max_tokens: int = 1 << 23, tensor_parallel_size: int = 1):
         self.instance = instance  # the launcher's nonce, echoed by /health: it knows it reached its own server
         self.trainer_host = trainer_host  # the one address a weight-transfer group is set up with
         self.max_sequences, self.max_tokens = max_sequences, max_tokens
         self.broken: Optional[str] = None  # why the weights are inconsistent (a failed update), until the next one
         self.run: Optional[str] = None  # the run this server serves, bound by its first weight update
         self.model_dir = model
+        self.tensor_parallel_size = tensor_parallel_size
         self.llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
                        gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
+                       tensor_parallel_size=tensor_parallel_size,
                        enable_prefix_caching=True, weight_transfer_config={"backend": TRANSFER_BACKEND})
         config = self.llm.llm_engine.model_config
         self.vocab_size = config.get_vocab_size()
@@ -267,6 +275,7 @@ class ServedModel:
     def describe(self) -> dict:
         return {"status": "broken" if self.broken else "ok", "model": self.model_dir, "weights_version": self.version,
                 "bound": self.run is not None, "instance": self.instance, "vocab_size": self.vocab_size,
+                "tensor_parallel_size": self.tensor_parallel_size,
                 "max_model_len": self.max_model_len, "broken": self.broken, "idle_s": self.idle_s()}
 
     def idle_s(self) -> float:
@@ -390,6 +399,7 @@ class ServedModel:
                 raise HTTPException(exc.status_code if isinstance(exc, HTTPException) else 500,
                                     f"weights: {self.broken}") from None
             self.run, self.version, self.broken = run, version, None
+        log.info(f"weights version {version} applied in {time.perf_counter() - started:.2f}s")
         return {"weights_version": version, "run": run, "seconds": time.perf_counter() - started, "lock_wait_s": waited,
                 "idle_s": self.idle_s()}
 
@@ -419,6 +429,10 @@ class ServedModel:
         """Join the trainer's group: only at the address this server was given, one set-up at a time, and without the
         generation lock while connecting (a trainer that never answers costs its own request, bounded, nothing
         else)."""
+        if req.world_size != 1 + self.tensor_parallel_size:
+            raise HTTPException(400, f"world_size: this server's weight-transfer group is the trainer and its "
+                                     f"{self.tensor_parallel_size} worker(s): {1 + self.tensor_parallel_size}, not "
+                                     f"{req.world_size}")
         if req.master_address != self.trainer_host:
             raise HTTPException(403, f"master_address: this server sets up weight transfers with its trainer at "
                                      f"{self.trainer_host!r} only, not {req.master_address!r}")
@@ -429,7 +443,7 @@ class ServedModel:
             try:
                 self.llm.collective_rpc("init_weight_transfer_engine", args=(
                     {"master_address": req.master_address, "master_port": req.master_port, "backend": req.backend,
-                     "timeout_s": req.timeout_s},))
+                     "timeout_s": req.timeout_s, "world_size": req.world_size},))
             except Exception as exc:  # noqa: BLE001 - the trainer's store did not answer: its request fails, we serve on
                 raise HTTPException(502, f"master_address: cannot join the trainer's group at {req.master_address}:"
                                          f"{req.master_port} ({type(exc).__name__}: {exc})") from None
@@ -618,6 +632,10 @@ def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_t
     @app.post("/update_weights")
     async def update_weights(request: Request, version: int = Query(..., ge=1), run: str = Query(..., min_length=1)) -> dict:
         served.check_update(run, version)  # before reading the body
+        if served.tensor_parallel_size > 1:
+            raise HTTPException(409, f"update_weights: this server's model is sharded over "
+                                     f"{served.tensor_parallel_size} GPU workers, which an HTTP body does not reach: "
+                                     f"its weights come over POST /weights/init and /weights/update")
         body = BodyReader(int(request.headers["content-length"]), timeout_s=body_timeout_s)  # Guard checked it
         # the engine reads and loads the tensors as they arrive, in a thread: /health keeps answering meanwhile
         applied = asyncio.ensure_future(run_in_threadpool(served.update_http, body, version, run))
@@ -715,6 +733,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is sharded over.")
     parser.add_argument("--instance", default="", help="Nonce echoed by /health (the launcher checks it reached its own server).")
     parser.add_argument("--cpu-cores", default=None, help="Cores every thread of this process runs on, e.g. 1 or 2-3,6.")
     parser.add_argument("--trainer-host", default="127.0.0.1", help="The one address POST /weights/init may name (the trainer's).")
@@ -740,7 +759,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     started = time.perf_counter()
     served = ServedModel(args.model, args.dtype, args.max_model_len, args.seed, args.enforce_eager,
                          args.gpu_memory_utilization, args.instance, args.trainer_host, args.max_request_sequences,
-                         args.max_request_tokens)
+                         args.max_request_tokens, args.tensor_parallel_size)
     log.info(f"engine loaded in {time.perf_counter() - started:.1f}s: {json.dumps(served.describe())}")
     app = build_app(served, secret, args.max_body_mib << 20, args.body_timeout_s)
     uvicorn.Server(uvicorn.Config(app, log_level="warning", limit_concurrency=args.limit_concurrency,
