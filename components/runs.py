@@ -183,9 +183,10 @@ def attempt(store: CheckpointStore) -> int:
         summary = train(RLHFConfig.model_validate(handed["config"]), steps, lease_holder=handed["lease_holder"])
     except BaseException as exc:
         traceback.print_exc()
-        steps.log(f"run failed: {first_line(exc)}")
+        why = "stopped: SIGTERM (its node groups are being stopped)" if isinstance(exc, Stopped) else first_line(exc)
+        steps.log(f"run {why}" if isinstance(exc, Stopped) else f"run failed: {why}")
         try:
-            report(store, "failed", attempt=steps.source, error=first_line(exc))
+            report(store, "failed", attempt=steps.source, error=why)
         except Exception:  # noqa: BLE001 - the store is unreachable: the controller names the exit instead
             pass
         return NO_RESTART_EXIT_CODE if isinstance(exc, (RunLocked, LeaseLost)) else 1
@@ -193,8 +194,12 @@ def attempt(store: CheckpointStore) -> int:
     return 0
 
 
+class Stopped(SystemExit):
+    """SIGTERM to a rank of a node group: its groups are being stopped (a failed group, a cancelled run)."""
+
+
 def _terminated(signum, frame) -> None:
-    raise SystemExit(128 + signum)  # the run's `finally` blocks stop its servers, as a cancelled flow run's do
+    raise Stopped(128 + signum)  # the run's `finally` blocks stop its servers, as a cancelled flow run's do
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -135,7 +135,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"node group {node_rank}: rank 0's address {master} did not resolve within "
               f"{args.resolve_timeout_s:.0f}s", file=sys.stderr, flush=True)
         return 1
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # heavy: torch, in the node only
+    from torch.distributed.elastic.multiprocessing.api import SignalException  # heavy: torch, in the node only
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # heavy: as above
     from torch.distributed.run import main as torchrun  # heavy: as above
 
     try:
@@ -144,6 +145,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     except ChildFailedError as exc:
         code = exc.get_first_failure()[1].exitcode
         return code if 0 < code < 256 else 1  # a signal (killed): a failure a restart may mend
+    except SignalException as exc:  # stopped (SIGTERM): torchrun stopped its ranks
+        return 128 + int(exc.sigval)
     return 0
 
 
