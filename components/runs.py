@@ -202,7 +202,7 @@ def _terminated(signum, frame) -> None:
     raise Stopped(128 + signum)  # the run's `finally` blocks stop its servers, as a cancelled flow run's do
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: Optional[list[str]] = None) -> None:
     """`python -m components.runs --store URI [--s3-endpoint-url URL]`: every rank of a node group (its NodeSpec's
     command, under torchrun): rank 0 runs the attempt, every other rank follows it."""
     parser = argparse.ArgumentParser(description="a rank of the actor's node groups")
@@ -210,11 +210,18 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--s3-endpoint-url", default=None, help="Endpoint of an S3-compatible store.")
     args = parser.parse_args(argv)
     if int(os.environ.get("RANK", "0")) != 0:
-        return follow()
-    signal.signal(signal.SIGTERM, _terminated)
-    exit_with_parent()
-    return attempt(CheckpointStore.from_uri(args.store, s3_endpoint_url=args.s3_endpoint_url))
+        code = follow()
+    else:
+        signal.signal(signal.SIGTERM, _terminated)
+        exit_with_parent()
+        code = attempt(CheckpointStore.from_uri(args.store, s3_endpoint_url=args.s3_endpoint_url))
+    # done: the run's record is closed and every rank left the process group. Leave without the interpreter's
+    # teardown, where gloo's threads occasionally abort a process (pytorch PR 179291): a group that ended well must
+    # not read as failed, or every group would be restarted
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

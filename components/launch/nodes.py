@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
 import threading
@@ -34,7 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Protocol
 
-from components.launch.processes import PARENT_PID_ENV, ChildProcess, exit_with_parent, project_env, wait_for
+from components.launch.processes import (PARENT_PID_ENV, ChildProcess, exit_with_parent, project_env, signal_group,
+                                         wait_for)
 
 Phase = Literal["pending", "running", "succeeded", "failed"]
 
@@ -152,6 +154,21 @@ def main(argv: Optional[list[str]] = None) -> int:
 
 # ---------------------------------------------------------------- node groups on this machine
 
+def tail(path: Path, lines: int, block: int = 1 << 16) -> str:
+    """The last `lines` lines of the file at `path`, reading blocks from its end until they hold that many."""
+    try:
+        with open(path, "rb") as f:
+            end = f.seek(0, os.SEEK_END)
+            data, start = b"", end
+            while start > 0 and data.count(b"\n") <= lines:
+                start = max(0, start - block)
+                f.seek(start)
+                data = f.read(end - start)
+    except OSError:
+        return ""
+    return "\n".join(data.decode(errors="replace").splitlines()[-lines:])
+
+
 def core_share(group: int, groups: int, cores: list[int]) -> list[int]:
     """Group `group`'s cores of `cores` (as pods have their own): every groups-th core from its index; a core of its
     own at least (shared round-robin when there are more groups than cores)."""
@@ -225,16 +242,15 @@ class LocalNodes:
             return NodeStatus("running", self.restarts, why, group)
 
     def logs(self, group: int, lines: int = 50) -> str:
-        """The last `lines` lines of group `group`'s output (read from the end of its log: it grows with the run)."""
-        try:
-            with open(self.log_path(group), "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - max(lines, 1) * 4096))
-                return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
+        """The last `lines` lines of group `group`'s output, read from the end of its log (it grows with the run)."""
+        return tail(self.log_path(group), lines)
 
     def _stop(self) -> None:
+        """SIGTERM to every group at once (each gets the whole grace period: a cancelled flow run has 30 s), then
+        wait for each, SIGKILL after the grace period."""
+        for group in self.groups:
+            if group.poll() is None:
+                signal_group(group.pid, signal.SIGTERM)
         for group in self.groups:
             group.stop(self.grace_s)
 

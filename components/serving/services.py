@@ -440,10 +440,11 @@ def started(kind: str, cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT):
         # stop by itself, then it is killed (PyTriton's graceful stop spends ~6 s polling its unloaded models)
         if isinstance(server, Replicas):
             steps.log(f"rollout server stopped ({server.stop(TEARDOWN_GRACE_S)})")
-            return
-        code = server.stop(TEARDOWN_GRACE_S) if isinstance(server, ServerProcess) else server.stop()
-        steps.log(f"{kind} server stopped" + (f" (pid {server.pid}, exit code {code})" if isinstance(server, ServerProcess)
-                                              else f" (flow run {server.flow_run_id} cancelled)"))
+        else:
+            code = server.stop(TEARDOWN_GRACE_S) if isinstance(server, ServerProcess) else server.stop()
+            steps.log(f"{kind} server stopped" + (f" (pid {server.pid}, exit code {code})"
+                                                  if isinstance(server, ServerProcess)
+                                                  else f" (flow run {server.flow_run_id} cancelled)"))
 
 
 def wait_ready(kind: str, server, cfg: RLHFConfig, steps: Steps = DIRECT) -> str:
