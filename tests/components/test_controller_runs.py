@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from components.launch.processes import wait_for
-from tests.conftest import EVAL_SAMPLED, assert_learned, assert_learned_with_eval
+from tests.conftest import EVAL_SAMPLED, assert_learned, assert_learned_with_eval, run_processes
 
 pytestmark = pytest.mark.slow  # two learning runs on two node groups, one of them restarted
 
@@ -32,21 +32,9 @@ def train_args(tiny_models, **overrides) -> list[str]:
     return [RLHF, "train", *[arg for key, value in base.items() for arg in ("--set", f"{key}={value}")]]
 
 
-def leftovers(state: Path) -> list[psutil.Process]:
-    """Live processes of this run (the controller's, its groups' and their children's environment names `state`)."""
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("RLHF_STATE_DIR", "").startswith(str(state)) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
-
-
 def node_group(state: Path, group: int) -> psutil.Process:
     """The torchrun of node group `group` (components/launch/nodes.py main: it leads the group's processes)."""
-    return next(p for p in leftovers(state) if p.environ().get("JOB_COMPLETION_INDEX") == str(group)
+    return next(p for p in run_processes(state) if p.environ().get("JOB_COMPLETION_INDEX") == str(group)
                 and "components.launch.nodes" in " ".join(p.cmdline()))
 
 
@@ -94,7 +82,7 @@ def test_rloo_on_two_node_groups_survives_a_killed_group_resumes_from_its_checkp
     groups = state / "runs" / "two-nodes" / "nodes"
     assert (groups / "0" / "runs" / "two-nodes" / "restore" / "actor" / "optimizer.pt").exists()
     assert not (groups / "1" / "runs").exists()
-    assert wait_for(lambda: not leftovers(state), 60), leftovers(state)
+    assert wait_for(lambda: not run_processes(state), 60), run_processes(state)
 
 
 def test_ppo_on_two_node_groups_learns_and_evaluates_on_both_ranks(tiny_models, tmp_path):
@@ -109,4 +97,4 @@ def test_ppo_on_two_node_groups_learns_and_evaluates_on_both_ranks(tiny_models, 
     history = assert_learned_with_eval(metrics, evals)
     assert {m["dist/world_size"] for m in history} == {2.0}
     assert history[-1]["episode"] == 12 * 64
-    assert wait_for(lambda: not leftovers(state), 60), leftovers(state)
+    assert wait_for(lambda: not run_processes(state), 60), run_processes(state)

@@ -10,11 +10,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pytest
 
 from components.launch.nodes import NO_RESTART_EXIT_CODE, LocalNodes, NodeSpec, core_share
 from components.launch.processes import free_port, wait_for
+from tests.conftest import run_processes
 
 JOB = str(Path(__file__).with_name("node_job.py"))
 
@@ -27,17 +27,6 @@ def spec(out: Path, mode: str, max_restarts: int = 1) -> NodeSpec:
 def ranks_seen(out: Path, rank: int) -> list[dict]:
     path = out / f"rank{rank}.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def leftovers(state: Path) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter():
-        try:
-            if p.environ().get("RLHF_STATE_DIR", "").startswith(str(state)) and p.status() != psutil.STATUS_ZOMBIE:
-                found.append(p)
-        except psutil.Error:
-            continue
-    return found
 
 
 def finished(nodes: LocalNodes, timeout: float = 180):
@@ -70,7 +59,7 @@ def test_each_rank_has_a_pods_environment_and_a_failure_no_restart_mends_fails_e
                         "NODE_JOB_TOKEN": "given"}, seen
         assert seen["cores"] == core_share(rank, 2, cores)  # its group's share, as a pod has its node's
         assert seen["RLHF_PARENT_PID"] == str(seen["parent"])  # a rank dies with its group's torchrun
-    assert not leftovers(state)
+    assert not run_processes(state)
 
 
 CONTROLLER = """
@@ -95,12 +84,12 @@ def test_a_controller_killed_with_sigkill_leaves_no_process_of_its_groups(tmp_pa
     try:
         assert controller.stdout.readline().strip() == "started"
         assert wait_for(lambda: ranks_seen(out, 0) and ranks_seen(out, 1), 120, poll_s=0.5)  # every rank runs
-        assert len(leftovers(state)) >= 4  # two torchruns and their ranks
+        assert len(run_processes(state)) >= 4  # two torchruns and their ranks
         controller.send_signal(signal.SIGKILL)
         controller.wait()
-        assert wait_for(lambda: not leftovers(state), 60, poll_s=0.5), leftovers(state)
+        assert wait_for(lambda: not run_processes(state), 60, poll_s=0.5), run_processes(state)
     finally:
         controller.kill()
         controller.wait()
-        for p in leftovers(state):
+        for p in run_processes(state):
             p.kill()
