@@ -38,7 +38,7 @@ from components.launch.nodes import NO_RESTART_EXIT_CODE
 from components.launch.processes import exit_with_parent
 from components.launch.ranks import actor_ranks, follow
 from components.serving.services import RunServices, rollout_server, run_services
-from components.storage.checkpoints import CheckpointStore
+from components.storage.store import CheckpointStore
 from components.storage.lease import LeaseLost, RunLocked
 from components.tracking.run import RunSession, closed_when_done
 from models.config import RLHFConfig

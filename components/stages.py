@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Iterator
 
 from components.launch.ranks import actor_ranks
-from components.storage.checkpoints import CheckpointStore
+from components.storage.store import CheckpointStore
 from components.tracking.run import checkpoint_uri, closed_when_done, default_tracking_uri
 from components.tracking.tracker import Tracker
 from models.config import merge

@@ -10,6 +10,8 @@ server (unless the critic carries the reward model). Each runs where its section
   until the server there is ready, and cancel the flow run at the end. A deployment critic uploads each save to the
   run's checkpoint store, where the next checkpoint adopts it into iter_<N>/critic, and a resumed run tells it which
   iteration's critic to start from;
+- `kubernetes`: a LeaderWorkerSet the run creates on its cluster (components/cluster/servers.py), `replicas` pods
+  found through its own DNS names, owned by the run's Job and deleted when the block exits;
 - `in_process` (critic and reward only): no server.
 
 Every server of a run takes requests of that run only (components/serving/auth.py): the run's secret (made here,
@@ -20,7 +22,7 @@ deleted when the server stops); every client of the run sends it. A server dies 
 renews (a Prefect variable named after the server's flow run, `RunLease`) and stops its server within
 `LEASE_TIMEOUT_S` of the run's end, cancellation or crash, or as soon as the training flow run's state is final. On
 Kubernetes a deployment server's pod is labelled as the run's, and NetworkPolicies let only the run's own actor pods
-reach it (components/serving/network_policy.py).
+reach it (components/cluster/network_policy.py).
 
 Both kinds of started server answer the same three questions: `wait_until_ready` (saying every ~30 s in the run's log
 what it waits for and how long it has waited), `death()` (why it cannot serve: it exited, its flow run ended, or it
@@ -55,14 +57,15 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelling
 from prefect.variables import Variable
 
+from components.cluster.network_policy import RUN_POLICIES, own_job
+from components.cluster.servers import start_servers
 from components.launch.processes import (REPORT_EVERY_S, Health, Probe, ServerProcess, free_port, wait_for,
                                          wait_until_ready)
 from components.serving.auth import new_secret, triton_token
-from components.serving.clients import RewardClient, critic_backend, reward_backend
 from components.serving.launcher import launch, launch_rollout, rollout_probe, triton_probe
-from components.serving.network_policy import RUN_POLICIES, own_job
-from components.serving.rollout_client import RolloutClient, run_token
-from components.serving.servers import ServerSpec
+from components.serving.rollout.client import RolloutClient, run_token
+from components.serving.triton.clients import RewardClient, critic_backend, reward_backend
+from components.serving.triton.contract import ServerSpec
 from components.tracking.run import RunPlace
 from models.algorithms import ALGORITHMS
 from models.backends import LocalCritic
@@ -362,8 +365,8 @@ def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace, title: Optiona
 class Replicas:
     """The rollout server's replicas as one server of the run: one server each (a `ServerProcess` of this process, or
     a `DeploymentServer`), on a port or a flow run of its own. Ready when every replica serves; dead when one is,
-    named; stopped together. The interface every launch of the rollout server answers: `urls`, `wait_until_ready`,
-    `death`, `stop`."""
+    named; stopped together. The interface every launch of the rollout server answers (a LeaderWorkerSet's too:
+    components/cluster/servers.py): `urls`, `wait_until_ready`, `death`, `stop`."""
 
     name = "rollout"
 
@@ -374,10 +377,15 @@ class Replicas:
     def urls(self) -> list[str]:
         return [server.url for server in self.servers]
 
-    def wait_until_ready(self, timeout: float, report: Optional[Callable[[str], None]] = None) -> list[Health]:
-        """Wait for each replica in turn, within one `timeout` for all (they start together)."""
+    @property
+    def url(self) -> str:
+        return self.servers[0].url
+
+    def wait_until_ready(self, timeout: float, report: Optional[Callable[[str], None]] = None) -> Health:
+        """Wait for each replica in turn, within one `timeout` for all (they start together); what each answered."""
         deadline = time.monotonic() + timeout
-        return [server.wait_until_ready(max(1.0, deadline - time.monotonic()), report) for server in self.servers]
+        seen = [server.wait_until_ready(max(1.0, deadline - time.monotonic()), report) for server in self.servers]
+        return Health(True, "ready", info={server.title: health.info for server, health in zip(self.servers, seen)})
 
     def death(self, settle_s: float = 20.0) -> Optional[str]:
         """Why a replica cannot serve (the first that cannot, named), else None."""
@@ -417,19 +425,34 @@ def rollout_replicas(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT) ->
     return Replicas(servers)
 
 
+def start_kubernetes(kind: str, cfg: RLHFConfig, place: RunPlace):
+    """`kind`'s servers as a LeaderWorkerSet this run creates on its cluster (components/cluster/servers.py): the
+    run's secret in a Secret of their own, the critic's store and restore point, the rollout server's trainer
+    address; found through the LeaderWorkerSet's DNS names, deleted when they stop (or with the run's Job)."""
+    args = {}
+    if kind == "critic":
+        args = {"checkpoint_uri": place.store_uri, "restore_iteration": place.critic_restore_iteration}
+    if kind == "rollout":
+        args = {"trainer_host": trainer_host(cfg)}
+    return start_servers(kind, cfg, run_secret(place), probe_at(kind, cfg, run_secret(place)), place.run_name, **args)
+
+
 # ------------------------------------------------------------------------------------------------ starting a server
 @contextmanager
 def started(kind: str, cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT):
     """The `kind` server of the run, started where its section says (a child process, or its deployment), not yet
     ready; stopped after the block, first thing (a cancelled run must not wait on an in-flight request)."""
     secret = run_secret(place)  # made here, before a step may see a copy of `place`
-    if kind == "rollout":
+    if kind == "rollout" and section(kind, cfg).launch != "kubernetes":  # a LeaderWorkerSet holds its replicas
         server = steps("deploy-rollout-server", rollout_replicas, cfg, place, steps)
     elif section(kind, cfg).launch == "local":
         critic_dir = {"checkpoint_dir": str(place.critic_dir)} if kind == "critic" and place.critic_dir else {}
         server = steps(f"deploy-{kind}-server", local_server, kind, cfg, place.log_dir / f"{kind}-server.log",
                        secret, **critic_dir)
         steps.log(f"{kind} server starting: pid {server.pid}, {server.url}, log {server.log_path}")
+    elif section(kind, cfg).launch == "kubernetes":
+        server = steps(f"deploy-{kind}-server", start_kubernetes, kind, cfg, place)
+        steps.log(f"{kind} server: created {server.describe()}: {', '.join(server.urls)}")
     else:
         server = steps(f"deploy-{kind}-server", start_deployment, kind, cfg, place)
         steps.log(f"{kind} server: started deployment {kind}-server/default as flow run {server.flow_run_id}")
@@ -444,20 +467,17 @@ def started(kind: str, cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT):
             code = server.stop(TEARDOWN_GRACE_S) if isinstance(server, ServerProcess) else server.stop()
             steps.log(f"{kind} server stopped" + (f" (pid {server.pid}, exit code {code})"
                                                   if isinstance(server, ServerProcess)
+                                                  else f" ({server.describe()} deleted)" if hasattr(server, "describe")
                                                   else f" (flow run {server.flow_run_id} cancelled)"))
 
 
 def wait_ready(kind: str, server, cfg: RLHFConfig, steps: Steps = DIRECT) -> str:
     """Wait until the started server (every replica) serves, saying every ~30 s in the run's log what it waits for;
-    returns its URL (a comma-separated list for replicas)."""
+    returns its URL (the first replica's)."""
     started_at = time.monotonic()
     health = steps("wait-until-ready", server.wait_until_ready, section(kind, cfg).ready_timeout_s, steps.log)
-    if isinstance(server, Replicas):
-        for replica, seen in zip(server.servers, health):
-            steps.log(f"{replica.title} ready at {replica.url}" + (f": {seen.info}" if seen.info else ""))
-        steps.log(f"{kind} server ready ({len(health)} replica(s)) after {time.monotonic() - started_at:.1f}s")
-        return ",".join(server.urls)
-    steps.log(f"{kind} server ready at {server.url} after {time.monotonic() - started_at:.1f}s"
+    where = ", ".join(getattr(server, "urls", [server.url]))
+    steps.log(f"{kind} server ready at {where} after {time.monotonic() - started_at:.1f}s"
               + (f": {health.info}" if health.info else ""))
     return server.url
 

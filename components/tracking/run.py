@@ -32,7 +32,7 @@ import torch
 
 from components.launch.stack import running_mlflow_uri
 from components.storage.lease import HeldLease, acquire as acquire_lease
-from components.storage.checkpoints import CheckpointStore
+from components.storage.store import CheckpointStore
 from components.tracking.tracker import Tracker, resolve_tracking_uri
 from models.config import RLHFConfig, run_name_for
 

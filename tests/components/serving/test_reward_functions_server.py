@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from components.launch.processes import find_free_ports
-from components.serving.clients import RewardClient
 from components.serving.launcher import launch
-from components.serving.servers import ServerSpec
+from components.serving.triton.clients import RewardClient
+from components.serving.triton.contract import ServerSpec
 from models.backends import FunctionReward
 from models.config import preset
 from models.prepare import prepare_run
