@@ -22,7 +22,6 @@ token on once, in order (`Relay`): an earlier run's lines in the same log are no
 from __future__ import annotations
 
 import hashlib
-import importlib
 import itertools
 import json
 import re
@@ -33,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from components.cluster.jobset import JobSetNodes
 from components.launch.nodes import LocalNodes, NodeGroups, NodeSpec, NodeStatus
 from components.launch.processes import free_port
 from components.launch.ranks import BACKEND_ENV, TIMEOUT_ENV
@@ -129,8 +129,7 @@ def node_groups(spec: NodeSpec, cfg: RLHFConfig, local_dir: Path) -> NodeGroups:
     the run's local directory), or as a JobSet."""
     if cfg.deploy.actor.launch == "local":
         return LocalNodes(spec, local_dir / "logs", local_dir / "nodes")
-    # the cluster backend is its own room of components/, merged on its own: looked up by name
-    return importlib.import_module("components.cluster.jobset").JobSetNodes.for_run(spec, cfg)
+    return JobSetNodes.for_run(spec, cfg)
 
 
 def watch(nodes: NodeGroups, store: CheckpointStore, steps: Steps, relay: "Relay", poll_s: float = POLL_S,
