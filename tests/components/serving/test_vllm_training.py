@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from components.launch.processes import wait_for
-from tests.conftest import EVAL_SAMPLED, assert_learned_with_eval
+from tests.conftest import EVAL_SAMPLED, assert_learned_with_eval, headroom_closed
 
 RLHF = str(Path(sys.executable).parent / "rlhf")
 NON_DETERMINISTIC = ("time/", "throughput/", "step_time")
@@ -52,6 +52,9 @@ def test_training_with_asynchronous_rollouts_learns(tiny_models, tmp_path, algor
         + ["--metrics-out", str(metrics), "--eval-out", str(evals)], state)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     history = assert_learned_with_eval(metrics, evals)
+    gold = [m["objective/gold_reward"] for m in history]
+    print(f"{algorithm}, {ranks} rank(s), {replicas} replica(s): closed "
+          f"{headroom_closed(sum(gold[:2]) / 2, sum(gold[-2:]) / 2):.2f} of the headroom")
     assert {m["dist/world_size"] for m in history} == {float(ranks)}
     assert all(m["time/refit"] > 0 for m in history)
     assert [m["rollout/staleness_max"] for m in history] == [0.0] + [1.0] * 11
