@@ -110,12 +110,16 @@ def is_file_spec(spec: str) -> bool:
     return spec.rpartition(":")[0].endswith(".py")
 
 
+def reward_file(spec: str) -> Path:
+    """The file a file spec names, as an absolute, normalised path (against this process's working directory)."""
+    return Path(os.path.abspath(os.path.expanduser(spec.rpartition(":")[0])))
+
+
 def absolute_spec(spec: str) -> str:
     """A file spec with its path made absolute (against this process's working directory); a module spec as it is."""
     if not is_file_spec(spec):
         return spec
-    target, _, attr = spec.rpartition(":")
-    return f"{Path(target).expanduser().absolute()}:{attr}"
+    return f"{reward_file(spec)}:{spec.rpartition(':')[2]}"
 
 
 def import_function(spec: str, field: str = "reward.function", files: Optional[dict] = None,
@@ -125,7 +129,7 @@ def import_function(spec: str, field: str = "reward.function", files: Optional[d
     else from the path (as 'rlhf_rewards_<hash of the path>'), once per process."""
     target, _, attr = spec.rpartition(":")
     if is_file_spec(spec):
-        path = origin = Path(target).expanduser().absolute()
+        path = origin = reward_file(spec)
         stored = (files or {}).get(str(path))
         if stored is not None:
             sha256, uri = (stored["sha256"], stored["uri"]) if isinstance(stored, dict) else (stored.sha256, stored.uri)

@@ -218,7 +218,8 @@ def sft_inputs(cfg: PipelineConfig, deploy: DeployConfig | None = None) -> tuple
             {"base_model": model_digest(cfg.base_model, "base_model", cfg.base_revision, deploy)})
 
 
-def reward_model_inputs(cfg: PipelineConfig, sft_digest: str, deploy: DeployConfig | None = None) -> tuple[dict, dict, dict]:
+def reward_model_inputs(cfg: PipelineConfig, sft_digest: str,
+                        deploy: DeployConfig | None = None) -> tuple[dict, dict, dict]:
     """... of the reward-model stage, trained from the SFT model (`sft_digest`) or from base_model."""
     init = (sft_digest if cfg.reward_model.init == "sft"
             else model_digest(cfg.base_model, "base_model", cfg.base_revision, deploy))
@@ -226,7 +227,8 @@ def reward_model_inputs(cfg: PipelineConfig, sft_digest: str, deploy: DeployConf
             stage_data(cfg.reward_model, "reward_model", deploy), {"init": init})
 
 
-def rl_inputs(cfg: PipelineConfig, sft_digest: str, reward_digest: str, deploy: DeployConfig | None = None) -> tuple[dict, dict, dict]:
+def rl_inputs(cfg: PipelineConfig, sft_digest: str, reward_digest: str,
+              deploy: DeployConfig | None = None) -> tuple[dict, dict, dict]:
     """... of the RL stage: its run config without what the pipeline sets (its models, name, MLflow place)."""
     section = cfg.rl.model_dump(mode="json", exclude={"run_name": True, "seed": True,
                                                       "tracking": {"parent_run_id", "experiment"},
@@ -253,8 +255,8 @@ def stage_data(section, name: str, deploy: DeployConfig | None = None) -> dict[s
     out = {"train": rows_digest(section.data, section.split, f"{name}.data", section.subset, section.revision, deploy)}
     if section.eval_split is not None:
         source = section.eval_data or section.data
-        out["eval"] = rows_digest(source, section.eval_split, f"{name}.eval_data" if section.eval_data else f"{name}.data",
-                                  section.subset, section.revision, deploy)
+        field_name = f"{name}.eval_data" if section.eval_data else f"{name}.data"
+        out["eval"] = rows_digest(source, section.eval_split, field_name, section.subset, section.revision, deploy)
     return out
 
 

@@ -42,7 +42,7 @@ from components.storage.checkpoints import CheckpointStore
 from components.tracking.tracker import Tracker, resolve_tracking_uri
 from models.config import RLHFConfig, merge, run_name_for
 from models.export import export_spec
-from models.reward import is_file_spec
+from models.reward import is_file_spec, reward_file
 
 if TYPE_CHECKING:  # only annotations here: what reads a run's record (a sweep, rlhf compare) loads no model code
     from models.loop import Leader
@@ -161,7 +161,8 @@ class RunSession:
                                     "reward_transport": cfg.reward.transport, **provenance_tags(models, reward_files),
                                     **nested, **(tags or {})},
                               system_metrics=cfg.deploy.tracking.system_metrics)
-            tracker.start(cfg.model_dump(mode="json"))  # URL passwords redacted by the tracker
+            # URL passwords redacted by the tracker; the reward files' digests are tags (their paths make no param names)
+            tracker.start(cfg.model_dump(mode="json", exclude={"reward": {"files"}}))
         except BaseException:
             lease.release()
             raise
@@ -256,7 +257,7 @@ def store_reward_files(cfg: RLHFConfig, store: CheckpointStore) -> tuple[RLHFCon
     for field_name, spec in specs:
         if not spec or not is_file_spec(spec):
             continue
-        path = Path(spec.rpartition(":")[0]).expanduser().absolute()
+        path = reward_file(spec)
         if path.is_file():
             data = path.read_bytes()
             digest = hashlib.sha256(data).hexdigest()
