@@ -148,6 +148,7 @@ def summary(session: RunSession, actor: Leader, history: list[dict], evaluations
     steps.log(f"run {session.name} finished: {actor.state.iteration} iterations on {actor.me.world_size} actor rank(s)")
     final = history[-1] if history else {}
     return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": actor.state.iteration,
-            "checkpoint": session.store.uri, "models": session.models, "reward_files": session.reward_files,
+            "checkpoint": session.store.uri, "models": session.models, "data": session.data,
+            "reward_files": session.reward_files,
             "final": {k: v for k, v in final.items() if k in HEADLINE or k.startswith(("objective/", "rewards/"))},
             "history": history, "evals": evaluations}

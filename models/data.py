@@ -98,6 +98,9 @@ def read_rows(source: str, split: str = "train", field: str = "data.prompts", su
 
     datasets.disable_progress_bars()
     section = field.rsplit(".", 1)[0]
+    if not source:
+        raise DataError(f"{field}: not set; name the rows (a local file or folder, s3://..., a hub data set id, or "
+                        f"builtin:<task>: models/data.py)")
     try:
         found = resolve_data(source, field, revision, deploy, subset)
     except (FileNotFoundError, ValueError) as exc:

@@ -42,6 +42,7 @@ from components.storage.checkpoints import CheckpointStore
 from components.tracking.tracker import Tracker, resolve_tracking_uri
 from models.config import RLHFConfig, merge, run_name_for
 from models.export import export_spec
+from models.resolve import resolve_data
 from models.reward import is_file_spec, reward_file
 
 if TYPE_CHECKING:  # only annotations here: what reads a run's record (a sweep, rlhf compare) loads no model code
@@ -113,6 +114,7 @@ class RunSession:
     manifest: dict = field(default_factory=dict)
     lease: object = None  # one writer per run name (components/storage/lease.py), released at close
     models: dict = field(default_factory=dict)  # model field -> its provenance (models/resolve.py)
+    data: dict = field(default_factory=dict)  # data field -> its provenance (data.prompts, eval.prompts)
     reward_files: dict = field(default_factory=dict)  # reward field -> {path, sha256, uri} (store_reward_files)
 
     @property
@@ -140,7 +142,7 @@ class RunSession:
         lease = acquire_lease(store, name, cfg.deploy.checkpoint.lease_timeout_s, log, _flow_run_id())
         try:
             cfg, reward_files = store_reward_files(cfg, store)
-            models = model_provenance(cfg)
+            models, data = model_provenance(cfg), data_provenance(cfg)
             local_dir = cfg.resolved_state_dir() / "runs" / name
             local_dir.mkdir(parents=True, exist_ok=True)
             manifest, resumed_from = {}, None
@@ -158,7 +160,8 @@ class RunSession:
                               run_id=manifest.get("tracking_run_id"),
                               tags={"algorithm": cfg.algorithm,
                                     "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
-                                    "reward_transport": cfg.reward.transport, **provenance_tags(models, reward_files),
+                                    "reward_transport": cfg.reward.transport,
+                                    **provenance_tags({**models, **data}, reward_files),
                                     **nested, **(tags or {})},
                               system_metrics=cfg.deploy.tracking.system_metrics)
             # URL passwords redacted by the tracker; the reward files' digests are tags (their paths make no param names)
@@ -167,7 +170,7 @@ class RunSession:
             lease.release()
             raise
         return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest, lease=lease, models=models,
-                   reward_files=reward_files)
+                   data=data, reward_files=reward_files)
 
     @property
     def start_iteration(self) -> int:
@@ -206,7 +209,7 @@ class RunSession:
                     "world_size": state.me.world_size,
                     "tracking_run_id": self.tracker.run_id, "critic_step": (critic_info or {}).get("step"),
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                    "config": self.cfg.model_dump(mode="json"), "models": self.models,
+                    "config": self.cfg.model_dump(mode="json"), "models": self.models, "data": self.data,
                     "reward_files": self.reward_files,
                     "export": export_spec("actor", "causal-lm", self.cfg.model.dtype, self.cfg.model.policy,
                                           self.cfg.model.revision, "model.policy", self.models.get("model.policy"))}
@@ -276,10 +279,24 @@ def model_provenance(cfg: RLHFConfig) -> dict:
             if (value := getattr(cfg.model, name))}
 
 
-def provenance_tags(models: dict, reward_files: dict) -> dict[str, str]:
-    """MLflow tags of what a run is made of: each reward file's sha256, each model's digest (and hub commit)."""
+def data_provenance(cfg: RLHFConfig) -> dict:
+    """{data.prompts / eval.prompts: provenance} of the data the run reads (models/resolve.py: a local file's,
+    an s3:// object's or a hub data set's digest and origin; builtin data: its name)."""
+    d, e = cfg.data, cfg.eval
+    sources = [("data.prompts", d.prompts, d.revision, d.subset)]
+    if e.prompts and e.every:
+        sources.append(("eval.prompts", e.prompts, e.revision, e.subset))
+    return {name: resolve_data(value, name, revision, cfg.deploy, subset).provenance
+            for name, value, revision, subset in sources if value}
+
+
+def provenance_tags(sources: dict, reward_files: dict) -> dict[str, str]:
+    """MLflow tags of what a run is made of: each reward file's sha256, each model's and data set's digest (and hub
+    commit)."""
     tags = {f"{field_name}.sha256": entry["sha256"] for field_name, entry in reward_files.items()}
-    for field_name, provenance in models.items():
+    for field_name, provenance in sources.items():
+        if provenance["digest"] is None:  # builtin data: made by code
+            continue
         tags[f"{field_name}.digest"] = provenance["digest"]
         if provenance.get("commit"):
             tags[f"{field_name}.commit"] = provenance["commit"]

@@ -22,7 +22,7 @@ from components.storage.checkpoints import CheckpointStore
 from components.launch.processes import project_env
 from models.data import read_rows
 from models.deploy import DeployConfig
-from models.resolve import MARKER, resolve_model
+from models.resolve import MARKER, resolve_data, resolve_model
 from models.tiny_files import EMBEDDED_DIR
 
 POLICY = EMBEDDED_DIR / "policy"
@@ -145,6 +145,9 @@ def test_data_on_s3_reads_as_rows_a_file_or_a_folder_of_files(stored):
     client.put_object(Bucket=bucket, Key="data/splits/test.jsonl", Body=body[:body.index(b"\n") + 1])
     one = read_rows(f"s3://{bucket}/data/one/prompts.jsonl", "train", "data.prompts", deploy=stored["deploy"])
     assert one.to_list() == rows
+    found = resolve_data(f"s3://{bucket}/data/one/prompts.jsonl", "data.prompts", deploy=stored["deploy"])
+    assert found.files() == {"prompts.jsonl": hashlib.sha256(body).hexdigest()}  # the digest a run records
+    assert found.provenance["etags"] == {"prompts.jsonl": f'"{hashlib.md5(body).hexdigest()}"'}
     assert read_rows(f"s3://{bucket}/data/splits", "test", "eval.prompts", deploy=stored["deploy"]).to_list() == rows[:1]
     from models.data import DataError
 

@@ -88,6 +88,7 @@ def test_s3_checkpoint_resume_is_exact_and_continues_the_mlflow_run(cfg):
     assert cfg.resolve_model_path(cfg.model.policy).startswith(str(Path(cfg.deploy.cache.dir) / "s3"))
     run = session.tracker.client.get_run(session.tracker.run_id)
     assert run.data.tags["model.policy.digest"] == policy["digest"]
+    assert session.data == {"data.prompts": {"source": "builtin", "value": "builtin:sentiment", "digest": None}}
     state = build_actor(cfg)
     critic = LocalCritic(build_critic_trainer(cfg, checkpoint_dir=session.critic_dir))
     run_iterations(cfg, session, state, critic, 2)
