@@ -1,7 +1,7 @@
 """PPO iteration with the critic behind PyTriton (HTTP) vs in process.
 
 The same PPO step (`models.step.train_step`) on the tiny models, once with `models.backends.LocalCritic` (critic + combined reward
-model on a thread of this process) and once with `components.serving.clients.CriticClient` talking to a critic server
+model on a thread of this process) and once with `components.serving.triton.clients.CriticClient` talking to a critic server
 that `components.serving.launcher.launch` starts as a child process (own process group, stopped at the end; torch threads as
 the flows choose them: 1 on a CPU-only host unless `critic.torch_threads` says otherwise). Each side has
 its own actor, seeded alike, and the same prompt sequence. The two sides alternate every iteration (ABBA), so they
@@ -28,9 +28,9 @@ import torch
 from benchmarks.common import RESULTS, log, quick_flag, stats, tiny_config, write_result
 from components.launch.processes import find_free_ports
 from components.serving.auth import new_secret
-from components.serving.clients import CriticClient, critic_backend
 from components.serving.launcher import launch
-from components.serving.servers import ServerSpec
+from components.serving.triton.clients import CriticClient, critic_backend
+from components.serving.triton.contract import ServerSpec
 from models.algorithms import Backends
 from models.backends import LocalCritic
 from models.config import RLHFConfig, merge

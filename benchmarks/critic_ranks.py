@@ -19,9 +19,9 @@ import tritonclient.http as http
 from benchmarks.common import RESULTS, log, quick_flag, stats, tiny_config, write_result
 from components.launch.processes import find_free_ports
 from components.serving.auth import read_secret
-from components.serving.clients import RunToken
 from components.serving.launcher import launch
-from components.serving.servers import ServerSpec
+from components.serving.triton.clients import RunToken
+from components.serving.triton.contract import ServerSpec
 from models.config import Sampling
 from models.loop import build_actor, load_prompts
 

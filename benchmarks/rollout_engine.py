@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
 from benchmarks.common import log, quick_flag, stats, tiny_config, write_result
 from components.serving.launcher import launch_rollout, rollout_env
-from components.serving.rollout_client import RolloutClient
+from components.serving.rollout.client import RolloutClient
 from models.config import Sampling, merge
 from models.engines import NativeEngine, VLLMEngine
 from models.loop import Leader, batch_size, build_actor, build_local_reward, load_prompts, prompt_batches

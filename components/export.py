@@ -17,7 +17,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from components.storage.checkpoints import CheckpointError, CheckpointStore
+from components.storage.backends import CheckpointError
+from components.storage.store import CheckpointStore
 from components.tracking.run import checkpoint_uri
 from models.config import RLHFConfig
 from models.deploy import DeployConfig

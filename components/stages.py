@@ -26,7 +26,7 @@ from typing import Iterator
 
 from components.export import export_checkpoint
 from components.launch.ranks import actor_ranks
-from components.storage.checkpoints import CheckpointStore
+from components.storage.store import CheckpointStore
 from components.tracking.run import checkpoint_uri, closed_when_done, default_tracking_uri
 from components.tracking.tracker import Tracker
 from models.config import merge

@@ -2,7 +2,7 @@
 
 Both are asynchronous (every call returns a `concurrent.futures.Future`), so the PPO step can fire critic inference per
 rollout micro-batch while the actor computes logprobs, and run critic training while the actor trains. The HTTP
-implementations (components/serving/clients.py) satisfy the same protocols against the PyTriton servers.
+implementations (components/serving/triton/clients.py) satisfy the same protocols against the PyTriton servers.
 Tensors use the wire layout: right-padded `tokens` [B, L] int64 with `lengths` [B] (prompt + response).
 """
 

@@ -14,11 +14,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import Field, PositiveInt
+import re
+
+from pydantic import Field, PositiveInt, field_validator
 
 from models.sections import Section, default_state_dir
 
-Launch = Literal["in_process", "local", "deployment"]
+Launch = Literal["in_process", "local", "deployment", "kubernetes"]
+SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL", re.I)
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
 
 
 class ActorPlacement(Section):
@@ -26,7 +31,9 @@ class ActorPlacement(Section):
     follow its commands. One node: rank 0 starts ranks 1..N-1 itself. Several nodes: every pod runs torchrun."""
 
     nproc_per_node: PositiveInt = Field(1, description="Actor ranks per node (one per GPU; on CPU, each gets cores / ranks threads).")
-    nnodes: PositiveInt = Field(1, description="Nodes; more than one needs torchrun on every pod (the actor-gpu job template does it).")
+    nnodes: PositiveInt = Field(1, description="Nodes (node groups of nproc_per_node ranks each); more than one: the run's controller starts them where `launch` says.")
+    launch: Literal["local", "jobset"] = Field("local", description="Where the node groups of a run with nnodes > 1 run: 'local' = torchrun processes on this machine (over loopback); 'jobset' = a JobSet on the cluster (components/cluster/jobset.py; pods as deploy.cluster says).")
+    max_restarts: int = Field(0, ge=0, le=100, description="Times the node groups are restarted together after one fails (JobSet's failurePolicy.maxRestarts); each attempt resumes from the run's last checkpoint.")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="torch.distributed backend: 'auto' = nccl with CUDA, gloo on CPU.")
     fsdp: Literal["auto", "off"] = Field("auto", description="'auto' shards a full fine-tune with FSDP2 (fully_shard per transformer block) when world size > 1; 'off' replicates it and sums gradients. LoRA always replicates the frozen base and syncs only the adapters.")
     master_addr: str = Field("127.0.0.1", description="Address of rank 0 for ranks started by rank 0 itself (torchrun sets its own).")
@@ -41,7 +48,7 @@ class ActorPlacement(Section):
 class ServerPlacement(Section):
     """Where a PyTriton server of the run (critic or reward) runs and how it is reached."""
 
-    launch: Launch = Field("local", description="'in_process' = no server (the model runs in the actor's rank 0); 'local' = a PyTriton child process of the run (own process group, stopped with it); 'deployment' = its Prefect deployment (critic-server/default, reward-server/default; on a cluster its own GPU node).")
+    launch: Launch = Field("local", description="'in_process' = no server (the model runs in the actor's rank 0); 'local' = a PyTriton child process of the run (own process group, stopped with it); 'deployment' = its Prefect deployment (critic-server/default, reward-server/default; on a cluster its own GPU node); 'kubernetes' = a LeaderWorkerSet the run creates on its cluster (deploy.cluster), reached through its pods' DNS names and deleted with the run.")
     host: str = Field("127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
     port: Optional[int] = Field(None, ge=1, le=65533, description="HTTP port P of the server (gRPC P+1, metrics P+2); None = a free block picked at start.")
     max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic-batching queue delay of the server's batched models.")
@@ -57,10 +64,10 @@ class CriticPlacement(ServerPlacement):
 
 
 class RolloutPlacement(Section):
-    """The vLLM rollout server (components/serving/rollout_server.py; rollout.engine=vllm): its own process and
+    """The vLLM rollout server (components/serving/rollout/; rollout.engine=vllm): its own process and
     environment (.venv-vllm; on a cluster its own pod), with its own copy of the actor's weights."""
 
-    launch: Literal["local", "deployment"] = Field("local", description="'local' = a child process of the run (own process group, stopped with it); 'deployment' = the rollout-server/default Prefect deployment (its own GPU node on a cluster).")
+    launch: Literal["local", "deployment", "kubernetes"] = Field("local", description="'local' = a child process of the run (own process group, stopped with it); 'deployment' = the rollout-server/default Prefect deployment (its own GPU node on a cluster); 'kubernetes' = a LeaderWorkerSet of `replicas` servers the run creates on its cluster (deploy.cluster; the vLLM image), deleted with the run.")
     python: str = Field(".venv-vllm/bin/python", description="Interpreter of the server's environment (`make vllm-venv`; an image with `vllm` on a cluster). Relative paths resolve against the project root.")
     host: str = Field("127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
     port: Optional[int] = Field(None, ge=0, le=65535, description="HTTP port of the server; None or 0 = a free one picked at start; a busy port makes a local server pick a free one.")
@@ -70,6 +77,8 @@ class RolloutPlacement(Section):
     enforce_eager: bool = Field(True, description="Run without CUDA graphs / torch.compile: starts in seconds instead of ~1 min; turn off for long runs on a GPU.")
     threads: Optional[PositiveInt] = Field(None, description="CPU threads of the engine (OMP_NUM_THREADS); None = every core on a CPU-only host (the actor waits while the server generates, the server idles while the actor trains), vLLM's default otherwise. Set it lower when other work shares the cores.")
     cpu_cores: Optional[str] = Field(None, coerce_numbers_to_str=True, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$", description="CPU cores the server runs on on a CPU host, every thread of its process (and vLLM's OpenMP threads bound to them: VLLM_CPU_OMP_THREADS_BIND), a Linux core list, e.g. '1', '2-3' or '0,4-5'; None = every core, vLLM's default binding. With asynchronous rollouts, keep the server and the actor on cores of their own (as separate pods would be).")
+    replicas: PositiveInt = Field(1, description="Independent rollout servers; the trainer spreads each iteration's prompts over them and refits every one.")
+    tensor_parallel_size: PositiveInt = Field(1, description="GPUs one rollout server shards the model over (vLLM tensor parallelism); on the cluster at most the GPUs of one server node (deploy.cluster.servers.gpus_per_node).")
     ready_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the server to load the model and answer /health; with launch=deployment, also how long its flow run may take to start and publish its address (pod scheduling and the image pull count here: raise it for a cold GPU pool).")
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generate or weight-update request.")
     max_request_sequences: PositiveInt = Field(4096, description="Largest /generate request: prompts x n sampled sequences; a bigger one is refused (400) naming the fields.")
@@ -97,6 +106,58 @@ class CachePlacement(Section):
     hub_downloads: bool = Field(False, description="Download a hub id (model or data set) that is not in the Hugging Face cache into it at run time, one process (or pod) at a time under a lock in the cache, the others waiting for it; false = nothing downloads at run time: a missing one fails naming its field and the `hf download` command. The cluster's deployments set true (the cache on the pods' shared volume); HF_HUB_OFFLINE=1 forbids it either way.")
 
 
+class PodPlacement(Section):
+    """Where the pods of one kind that a run creates on its cluster land, and what each asks of its node."""
+
+    cpu: str = Field("3", pattern=r"^[0-9]+(\.[0-9]+|m)?$", description="CPU request of each pod (a Kubernetes quantity); it must fit one node of the pool (infra/terraform/node_types.json: a g5.xlarge leaves about 3.8).")
+    memory: str = Field("12Gi", pattern=r"^[0-9]+(Mi|Gi)$", description="Memory request and limit of each pod (a g5.xlarge leaves about 14.2Gi).")
+    shm_size: str = Field("2Gi", pattern=r"^[0-9]+(Mi|Gi)$", description="Size of the in-memory /dev/shm of each pod (NCCL, data loaders); counts against memory.")
+    gpus_per_node: PositiveInt = Field(1, le=8, description="GPUs of one node of the pool (the instance type's: g5.xlarge 1, g5.12xlarge 4, p4d.24xlarge 8): a pod never asks for more.")
+    node_selector: dict[str, str] = Field(default_factory=dict, description="nodeSelector of each pod: the pool's node label (infra/terraform: rlhf/role).")
+    tolerations: list[dict] = Field(default_factory=lambda: [dict(GPU_TOLERATION)], description="Tolerations of each pod: the GPU pools' taint nvidia.com/gpu=true:NoSchedule.")
+
+
+class ClusterPlacement(Section):
+    """The Kubernetes side of a run's own pods (the actor's node groups as a JobSet, servers as LeaderWorkerSets with
+    launch=kubernetes): everything their specs need that the run's config does not say. The defaults fit what
+    infra/terraform makes; None = read from the environment of the pod the run's controller runs in."""
+
+    namespace: Optional[str] = Field(None, pattern=DNS_LABEL, description="Namespace of the run's objects; None = the namespace of the pod the run runs in (its service account's mount), else 'rlhf' (terraform output namespace).")
+    image: Optional[str] = Field(None, description="Image of the actor's node pods and the critic/reward servers; None = $RLHF_IMAGE (prefect.yaml gives every flow pod the image it pushed).")
+    vllm_image: Optional[str] = Field(None, description="Image of the rollout servers (docker/vllm.Dockerfile); None = $RLHF_VLLM_IMAGE.")
+    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = Field("IfNotPresent", description="imagePullPolicy of the run's pods.")
+    actor_service_account: str = Field("rlhf-actor", pattern=DNS_LABEL, description="Service account of the actor's node pods (terraform output actor_service_account_name: its IRSA role writes the run's checkpoints; RBAC lets it create the run's servers).")
+    server_service_account: str = Field("rlhf-critic", pattern=DNS_LABEL, description="Service account of the server pods (terraform output critic_service_account_name).")
+    queue: Optional[str] = Field("rlhf", pattern=DNS_LABEL, description="Kueue LocalQueue of the run's JobSet and LeaderWorkerSets (label kueue.x-k8s.io/queue-name): a JobSet's pods are admitted together or not at all; None = no Kueue (pods are scheduled one by one).")
+    cache_claim: Optional[str] = Field("rlhf-cache", pattern=DNS_LABEL, description="PersistentVolumeClaim (ReadWriteMany, EFS: infra/terraform) mounted at cache_mount in every pod of the run: the Hugging Face cache (HF_HOME=<cache_mount>/huggingface), read-mostly; None = no shared cache.")
+    cache_mount: str = Field("/cache", pattern=r"^/", description="Where every pod of the run mounts the shared cache.")
+    state_dir: str = Field("/var/lib/rlhf", pattern=r"^/", description="RLHF_STATE_DIR of every pod of the run: an emptyDir of its own (logs, local copies); nothing is shared between pods through it (checkpoints live in the run's store).")
+    state_size: str = Field("50Gi", pattern=r"^[0-9]+(Mi|Gi)$", description="Size limit of each pod's state directory.")
+    actor: PodPlacement = Field(default_factory=lambda: PodPlacement(node_selector={"rlhf/role": "actor"}), description="The actor's node pods (one per node group, nproc_per_node GPUs each): the actor-gpu pool.")
+    servers: PodPlacement = Field(default_factory=lambda: PodPlacement(node_selector={"rlhf/role": "critic"}), description="The critic, reward and rollout server pods: the critic-gpu pool.")
+    env_from_controller: list[str] = Field(default_factory=lambda: ["PREFECT_API_URL", "MLFLOW_TRACKING_URI", "AWS_REGION", "AWS_DEFAULT_REGION", "RLHF_S3_BUCKET", "RLHF_S3_PREFIX", "DO_NOT_TRACK", "MLFLOW_DISABLE_TELEMETRY"], description="Environment variables every pod of the run copies from the controller's (those it has); never a secret: a pod's spec shows its values.")
+    env: dict[str, str] = Field(default_factory=dict, description="More environment variables of every pod of the run (never a secret: use secret_env).")
+    secret_env: dict[str, str] = Field(default_factory=dict, description="Environment variables every pod of the run takes from a Kubernetes Secret: NAME -> '<secret>/<key>' (a secretKeyRef: the value never appears in a spec), e.g. PREFECT_API_KEY -> prefect-api-key/key for Prefect Cloud.")
+
+    @field_validator("env_from_controller", "env")
+    @classmethod
+    def _no_secrets(cls, value, info):
+        names = value if isinstance(value, list) else list(value)
+        if bad := [n for n in names if SECRET_NAME.search(n)]:
+            raise ValueError(f"{info.field_name}: {bad} look like secrets, whose values a pod's spec would show: give "
+                             f"them through deploy.cluster.secret_env (NAME -> '<secret>/<key>', a secretKeyRef)")
+        return value
+
+    @field_validator("secret_env")
+    @classmethod
+    def _secret_refs(cls, value: dict[str, str]):
+        for name, ref in value.items():
+            if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/[-._a-zA-Z0-9]+", ref):
+                raise ValueError(f"secret_env.{name}: {ref!r} is not '<secret>/<key>' (a Kubernetes Secret's name and "
+                                 f"one of its keys)")
+        return value
+
+
 class DeployConfig(Section):
     """Where a run's parts run: processes, devices, hosts, ports, interpreters, cores, timeouts, tracking and storage
     URIs. Set by the deployment (prefect.yaml, `rlhf up`, `rlhf train`); a run's config never needs them."""
@@ -110,6 +171,7 @@ class DeployConfig(Section):
     rollout: RolloutPlacement = Field(default_factory=RolloutPlacement, description="The vLLM rollout server (rollout.engine=vllm).")
     tracking: TrackingPlacement = Field(default_factory=TrackingPlacement, description="The MLflow tracking server.")
     checkpoint: CheckpointPlacement = Field(default_factory=CheckpointPlacement, description="The checkpoint store (its s3_endpoint_url also serves s3:// models and data).")
+    cluster: ClusterPlacement = Field(default_factory=ClusterPlacement, description="The run's own pods on Kubernetes (the actor's node groups with actor.launch=jobset, servers with launch=kubernetes).")
     cache: CachePlacement = Field(default_factory=CachePlacement, description="Models and data that are not local paths: s3:// sources and hub ids (models/resolve.py).")
 
     def resolved_state_dir(self) -> Path:

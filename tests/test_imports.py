@@ -133,7 +133,7 @@ def test_no_import_cycles():
 
 def test_no_cycles_between_the_subpackages_of_components():
     """components/ by concern: launch <- storage, tracking <- serving <- cli (and tasks, flows), never back."""
-    def room(module: str) -> str:  # components.serving.servers -> components.serving; components.tasks stays
+    def room(module: str) -> str:  # components.serving.triton.serve -> components.serving; components.tasks stays
         parts = module.split(".")
         return ".".join(parts[:2]) if len(parts) > 2 else module
 
@@ -144,6 +144,25 @@ def test_no_cycles_between_the_subpackages_of_components():
                 room(m) for m in imported if m.startswith("components.") and room(m) != room(name))
     found = cycles(graph)
     assert found == [], "cycles between the parts of components/:\n" + "\n".join(" -> ".join(c) for c in found)
+
+
+ROLLOUT_SERVER = tuple(f"components.serving.rollout.{m}" for m in ("app", "weights", "body", "main"))
+
+
+def test_the_rollout_server_imports_nothing_of_the_project():
+    """The vLLM rollout server runs in .venv-vllm, which has none of the project's dependencies: its modules import
+    only each other and third-party packages (not its client, components/serving/rollout/client.py), and the packages
+    `python -m components.serving.rollout.main` runs through import nothing at all."""
+    known = project_modules()
+    bad = []
+    for name in ("components", "components.serving", "components.serving.rollout"):
+        bad += [f"{known[name].relative_to(ROOT)}:{line}: {text[0].strip()}  (a package the rollout server runs through)"
+                for module, _, line, _, text in imports(known[name], name) if module != "__future__"]
+    for name in ROLLOUT_SERVER:
+        bad += [f"{known[name].relative_to(ROOT)}:{line}: {text[0].strip()}"
+                for module, _, line, _, text in imports(known[name], name)
+                if module.split(".")[0] in (*PACKAGES, "tests") and module not in ROLLOUT_SERVER]
+    assert bad == [], "the rollout server imports the project:\n" + "\n".join(bad)
 
 
 TRANSPORT = ("httpx", "requests", "urllib", "http", "aiohttp", "tritonclient", "pytriton", "fastapi", "uvicorn",

@@ -8,6 +8,7 @@ it runs, so `rlhf up`, `status` and `--help` start without loading torch, Triton
     rlhf up | down | status | demo              components/launch/stack.py (the local Prefect + MLflow + deployments stack)
     rlhf compare                                components/cli/compare.py (PPO vs RLOO from MLflow; a sweep's trials)
     rlhf sweep                                  components/cli/sweep.py (a sweep flow here, its trials on the deployments)
+    rlhf cluster manifests                      components/cli/cluster.py (every Kubernetes object a run would create)
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ PROGRESS_COMMANDS = ("train", "export")  # commands a user watches: the Hugging 
 SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-5 ...] [--model PATH] [--reward PATH] [--no-combine]
                       [--port 8400] [--checkpoint-dir DIR] [--checkpoint-uri s3://bucket/run] [--restore-iteration N]
     rlhf serve reward [--config YAML] [--set ...] [--model PATH | --function module:fn [--tokenizer PATH]] [--port 8500]
-    python -m components.serving.main --spec '<ServerSpec JSON>'   (what the launcher runs: one JSON document)
-    rlhf serve critic --nproc-per-node 2 ...                       (ranks 1..N-1 run `serving.main --follow`)
+    python -m components.serving.triton.main --spec '<ServerSpec JSON>'   (what the launcher runs: one JSON doc)
+    rlhf serve critic --nproc-per-node 2 ...                              (ranks 1..N-1 run `triton.main --follow`)
 
 Settings: the config tree (the 'tiny' preset, then --config YAML, then --set overrides) supplies the models, dtype,
 device and the critic/reward sections; the flags are shortcuts for the model paths and the per-process settings.
@@ -158,6 +159,19 @@ def add_stage_parsers(sub) -> None:
     p.set_defaults(run="components.cli.stages:cmd_pipeline")
 
 
+def add_cluster_parser(sub) -> None:
+    """`rlhf cluster manifests [--config FILE] [--set ...] --out DIR`."""
+    cluster = sub.add_parser("cluster", help="the Kubernetes side of a run").add_subparsers(dest="cluster_command",
+                                                                                            required=True)
+    p = cluster.add_parser("manifests", help="write every Kubernetes object a run of this config would create (its "
+                                             "JobSet, its servers' LeaderWorkerSets and Secrets with placeholder "
+                                             "values, its NetworkPolicies) as YAML, for review or kubectl apply "
+                                             "--dry-run=server")
+    add_config_args(p)
+    p.add_argument("--out", required=True, help="output directory (one YAML file per object)")
+    p.set_defaults(run="components.cli.cluster:cmd_manifests")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlhf", description="RLHF (PPO, RLOO) as Prefect workflows.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -196,6 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_stack_parsers(sub)
     add_compare_parser(sub)
     add_sweep_parser(sub)
+    add_cluster_parser(sub)
     return parser
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from components.cli.commands import load_cli_config
 from components.cli.options import parse_overrides
-from components.serving.main import run
-from components.serving.servers import ServerSpec
+from components.serving.triton.contract import ServerSpec
+from components.serving.triton.main import run
 
 
 def spec_from_args(args) -> ServerSpec:

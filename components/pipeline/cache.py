@@ -13,7 +13,7 @@ pickles and never hold a model. A record is reused only if its key matches in fu
 every recorded file with the recorded digest (`valid_record`).
 
 Two pipelines (or sweep trials) that need one stage at once build it once: each takes the stage's lock
-(`<checkpoint base>/locks/<stage>-<key[:20]>`, components/storage/checkpoints.CheckpointStore.exclusive) before
+(`<checkpoint base>/locks/<stage>-<key[:20]>`, components/storage/store.CheckpointStore.exclusive) before
 building; the second waits, then finds the first's record and reuses it.
 """
 
@@ -29,7 +29,8 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Callable
 
-from components.storage.checkpoints import CheckpointError, CheckpointStore
+from components.storage.backends import CheckpointError
+from components.storage.store import CheckpointStore
 from models.deploy import DeployConfig
 from models.resolve import resolve_model
 

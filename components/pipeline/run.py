@@ -49,7 +49,7 @@ from components.pipeline.lineage import PipelineRun
 from components.export import MODEL_KEY
 from components.runs import train
 from components.stages import stage_rows, train_stage
-from components.storage.checkpoints import CheckpointStore
+from components.storage.store import CheckpointStore
 from models.config import RLHFConfig, Sampling, merge
 from models.data import load_prompt_set
 from models.deploy import DeployConfig

@@ -17,8 +17,8 @@ How each server checks it:
   `deploy.reward.auth: none`) leaves inference, model config and metadata open for a client that sends no credentials
   (NeMo-Aligner's); the admin groups stay restricted, and the server says so when it starts.
 - the rollout server (FastAPI): `Authorization: Bearer <secret>` on every endpoint but GET /health, compared in
-  constant time (hmac.compare_digest), 401 without it, 403 with a wrong one (components/serving/rollout_server.py,
-  which imports nothing from the project and keeps its own copy of the check).
+  constant time (hmac.compare_digest), 401 without it, 403 with a wrong one (components/serving/rollout/
+  app.py, which imports nothing from the project and keeps its own copy of the check).
 
 What is logged has the passwords of URLs taken out (components/tracking/tracker.redact).
 """

@@ -1,7 +1,8 @@
 """How each kind of server of a run starts as a `ServerProcess` (components/launch/processes.py) and how it is probed.
 
-Critic and reward servers (PyTriton): the child runs `python -m components.serving.main --spec <ServerSpec JSON>`;
-readiness is Triton's server and model readiness (`triton_probe`). The launcher handles the environment's traps:
+Critic and reward servers (PyTriton): the child runs
+`python -m components.serving.triton.main --spec <ServerSpec JSON>`; readiness is Triton's server and model readiness
+(`triton_probe`). The launcher handles the environment's traps:
 - PyTriton's "one script per machine" known issue: two PyTriton servers on one machine collide on the default ports
   8000-8002, and could share python-backend shared-memory names and workspaces. Each child gets its own ports
   (HTTP P, gRPC P+1, metrics P+2), its own PYTRITON_HOME (a fresh temp dir, removed on stop); PyTriton 0.7 already
@@ -11,7 +12,7 @@ readiness is Triton's server and model readiness (`triton_probe`). The launcher 
   derived from it (open mode: the admin APIs only). Readiness checks use the health API, and the token to read the
   repository index (a model's state and failure reason).
 
-The rollout server (vLLM, components/serving/rollout_server.py) runs in its own environment (`deploy.rollout.python`,
+The rollout server (vLLM, components/serving/rollout/) runs in its own environment (`deploy.rollout.python`,
 `.venv-vllm` from `make vllm-venv`); readiness is GET /health answering 200 with the launcher's token (`rollout_probe`:
 another server at the port is named as such; a server whose weights broke after a failed update answers 503, so it
 is not healthy). It gets the run's secret in its environment too, and the one address its weight-transfer group may
@@ -36,10 +37,11 @@ import torch
 from components.launch.processes import (PARENT_PID_ENV, PROJECT_ROOT, Health, Probe, ServerNotReady, ServerProcess,
                                          free_port, project_env)
 from components.serving.auth import TRITON_HEADER, new_secret, read_secret, secret_env, triton_token
-from components.serving.servers import ServerSpec, model_state_summary, triton_client
+from components.serving.triton.contract import ServerSpec
+from components.serving.triton.serve import model_state_summary, triton_client
 from models.config import RLHFConfig, merge
 
-ROLLOUT_SERVER_MODULE = "components.serving.rollout_server"
+ROLLOUT_SERVER_MODULE = "components.serving.rollout.main"
 
 
 def connect_host(host: str) -> str:
@@ -52,7 +54,7 @@ def connect_host(host: str) -> str:
 def child_env(pytriton_home: Path, secret: str, extra: Optional[dict] = None) -> dict[str, str]:
     """Environment of a server child: own PYTRITON_HOME, the run's secret, this process as the parent it must not
     outlive, project importable (the child itself puts this interpreter's libpython first on LD_LIBRARY_PATH for
-    Triton: servers.prepare_environment)."""
+    Triton: triton/serve.prepare_environment)."""
     return project_env({"PYTRITON_HOME": str(pytriton_home), **secret_env(secret), PARENT_PID_ENV: str(os.getpid()),
                         "DO_NOT_TRACK": os.environ.get("DO_NOT_TRACK", "1"), **(extra or {})})
 
@@ -148,7 +150,7 @@ def triton_server(argv: Sequence[str], host: str, port: int, models: Iterable[st
 
 def server_argv(spec: ServerSpec) -> list[str]:
     """Command line of a server child: the whole ServerSpec as one JSON document."""
-    return [sys.executable, "-m", "components.serving.main", "--spec", spec.model_dump_json()]
+    return [sys.executable, "-m", "components.serving.triton.main", "--spec", spec.model_dump_json()]
 
 
 def launch(spec: ServerSpec, log_path: str | Path, wait: bool = True, secret: Optional[str] = None) -> ServerProcess:

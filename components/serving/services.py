@@ -10,6 +10,8 @@ server (unless the critic carries the reward model). Each runs where its section
   until the server there is ready, and cancel the flow run at the end. A deployment critic uploads each save to the
   run's checkpoint store, where the next checkpoint adopts it into iter_<N>/critic, and a resumed run tells it which
   iteration's critic to start from;
+- `kubernetes`: a LeaderWorkerSet the run creates on its cluster (components/cluster/servers.py), `replicas` pods
+  found through its own DNS names, owned by the run's Job and deleted when the block exits;
 - `in_process` (critic and reward only): no server.
 
 Every server of a run takes requests of that run only (components/serving/auth.py): the run's secret (made here,
@@ -20,7 +22,7 @@ deleted when the server stops); every client of the run sends it. A server dies 
 renews (a Prefect variable named after the server's flow run, `RunLease`) and stops its server within
 `LEASE_TIMEOUT_S` of the run's end, cancellation or crash, or as soon as the training flow run's state is final. On
 Kubernetes a deployment server's pod is labelled as the run's, and NetworkPolicies let only the run's own actor pods
-reach it (components/serving/network_policy.py).
+reach it (components/cluster/network_policy.py).
 
 Both kinds of started server answer the same three questions: `wait_until_ready`, `death()` (why it cannot serve: it
 exited, its flow run ended, or it answers but is unhealthy) and `stop()`. `RunServices.guard` asks every server of the
@@ -52,13 +54,14 @@ from prefect.runtime import flow_run
 from prefect.states import Cancelling
 from prefect.variables import Variable
 
+from components.cluster.network_policy import RUN_POLICIES, own_job
+from components.cluster.servers import start_servers
 from components.launch.processes import Health, Probe, ServerProcess, free_port, wait_for, wait_until_ready
 from components.serving.auth import new_secret, triton_token
-from components.serving.clients import RewardClient, critic_backend, reward_backend
 from components.serving.launcher import launch, launch_rollout, rollout_probe, triton_probe
-from components.serving.network_policy import RUN_POLICIES, own_job
-from components.serving.rollout_client import RolloutClient, run_token
-from components.serving.servers import ServerSpec
+from components.serving.rollout.client import RolloutClient, run_token
+from components.serving.triton.clients import RewardClient, critic_backend, reward_backend
+from components.serving.triton.contract import ServerSpec
 from components.tracking.run import RunPlace
 from models.algorithms import ALGORITHMS
 from models.backends import LocalCritic
@@ -340,6 +343,18 @@ def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace) -> DeploymentS
                             policies=RUN_POLICIES if job else None)
 
 
+def start_kubernetes(kind: str, cfg: RLHFConfig, place: RunPlace):
+    """`kind`'s servers as a LeaderWorkerSet this run creates on its cluster (components/cluster/servers.py): the
+    run's secret in a Secret of their own, the critic's store and restore point, the rollout server's trainer
+    address; found through the LeaderWorkerSet's DNS names, deleted when they stop (or with the run's Job)."""
+    args = {}
+    if kind == "critic":
+        args = {"checkpoint_uri": place.store_uri, "restore_iteration": place.critic_restore_iteration}
+    if kind == "rollout":
+        args = {"trainer_host": trainer_host(cfg)}
+    return start_servers(kind, cfg, run_secret(place), probe_at(kind, cfg, run_secret(place)), place.run_name, **args)
+
+
 # ------------------------------------------------------------------------------------------------ starting a server
 @contextmanager
 def started(kind: str, cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT):
@@ -351,6 +366,9 @@ def started(kind: str, cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT):
         server = steps(f"deploy-{kind}-server", local_server, kind, cfg, place.log_dir / f"{kind}-server.log",
                        secret, **critic_dir)
         steps.log(f"{kind} server starting: pid {server.pid}, {server.url}, log {server.log_path}")
+    elif section(kind, cfg).launch == "kubernetes":
+        server = steps(f"deploy-{kind}-server", start_kubernetes, kind, cfg, place)
+        steps.log(f"{kind} server: created {server.describe()}: {', '.join(server.urls)}")
     else:
         server = steps(f"deploy-{kind}-server", start_deployment, kind, cfg, place)
         steps.log(f"{kind} server: started deployment {kind}-server/default as flow run {server.flow_run_id}")
@@ -361,6 +379,7 @@ def started(kind: str, cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT):
         # stop by itself, then it is killed (PyTriton's graceful stop spends ~6 s polling its unloaded models)
         code = server.stop(TEARDOWN_GRACE_S) if isinstance(server, ServerProcess) else server.stop()
         steps.log(f"{kind} server stopped" + (f" (pid {server.pid}, exit code {code})" if isinstance(server, ServerProcess)
+                                              else f" ({server.describe()} deleted)" if hasattr(server, "describe")
                                               else f" (flow run {server.flow_run_id} cancelled)"))
 
 

@@ -38,7 +38,7 @@ import torch
 
 from components.launch.stack import running_mlflow_uri
 from components.storage.lease import acquire as acquire_lease
-from components.storage.checkpoints import CheckpointStore
+from components.storage.store import CheckpointStore
 from components.tracking.tracker import Tracker, resolve_tracking_uri
 from models.config import RLHFConfig, merge, run_name_for
 from models.export import export_spec

@@ -31,7 +31,7 @@ LossFn = Callable[[Tensor, Tensor | None, Tensor], tuple[Tensor, dict]]  # (new 
 @dataclass
 class Backends:
     """Where scores and values come from (used on rank 0 only): a critic backend and/or a reward backend
-    (models/backends.py in process, components/serving/clients.py over HTTP)."""
+    (models/backends.py in process, components/serving/triton/clients.py over HTTP)."""
 
     critic: object | None = None
     reward: object | None = None

@@ -1,4 +1,4 @@
-"""The `vllm` rollout engine: rollouts from the vLLM rollout server (components/serving/rollout_server.py), which holds
+"""The `vllm` rollout engine: rollouts from the vLLM rollout server (components/serving/rollout/), which holds
 its own copy of the actor's weights and takes the new ones after every update.
 
 Rank 0 talks to the server for all ranks: every rank's prompts are gathered on rank 0, sent as one request (vLLM
@@ -21,7 +21,7 @@ sampled with; it is never older than the version at submission (k refits at most
 never newer than the last this engine applied.
 
 How requests and weights travel is not this module's business: it talks to a `RolloutServer` (the HTTP client and
-its weight transports are components/serving/rollout_client.py).
+its weight transports are components/serving/rollout/client.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from components.export import export_checkpoint
 from components.stages import stage_rows, train_stage
-from components.storage.checkpoints import CheckpointStore
+from components.storage.store import CheckpointStore
 from models.critic import init_critic
 from models.resolve import file_digests, resolve_model
 from models.reward import HandOffError, load_reward_model, reward_model_scores

@@ -117,7 +117,7 @@ def stack_processes(s, marker: str) -> list[psutil.Process]:
 def server_processes(s, marker: str) -> list[psutil.Process]:
     """Live critic/reward server processes of this stack whose command line also mentions `marker` (e.g. the run's
     directory)."""
-    return [p for p in stack_processes(s, "components.serving.main") if marker in " ".join(p.cmdline())]
+    return [p for p in stack_processes(s, "components.serving.triton.main") if marker in " ".join(p.cmdline())]
 
 
 def mlflow_run(s, run_name: str):
@@ -359,13 +359,13 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_wi
     deploy = {"rollout": {"threads": 1, "launch": "deployment"}}  # 1 thread: the other worker shares the cores
     first = flow_run_id(deployment_run(s, "reinforce/default", config, deploy))
     _wait_for(lambda: latest.exists() and json.loads(latest.read_text())["iteration"] >= 2, 300, "first checkpoint")
-    server = _wait_for(lambda: stack_processes(s, "components.serving.rollout_server"), 30, "rollout server")[0]
+    server = _wait_for(lambda: stack_processes(s, "components.serving.rollout.main"), 30, "rollout server")[0]
     server.kill()
     run = wait_final(s, first, timeout=60)  # a dead rollout server fails the run within 60 s
     assert run["state"]["type"] == "FAILED"
     assert re.search(r"rollout server .*\(pid \d+, http://[^)]+\) exited with code -9", run["state"]["message"] or ""), \
         run["state"]["message"]
-    _wait_for(lambda: not stack_processes(s, "components.serving.rollout_server"), 30, "no rollout server left")
+    _wait_for(lambda: not stack_processes(s, "components.serving.rollout.main"), 30, "no rollout server left")
     checkpointed = json.loads(latest.read_text())["iteration"]
     client, mrun = mlflow_run(s, "e2e-vllm")
     logged = max(m.step for m in client.get_metric_history(mrun.info.run_id, "objective/kl"))  # >= checkpointed
@@ -374,7 +374,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_wi
     rerun = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {**config, "iterations": logged + 2}, deploy)))
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     # the training run cancels its server's flow run at the end, which stops the server
-    _wait_for(lambda: not stack_processes(s, "components.serving.rollout_server"), 60, "rollout server stopped")
+    _wait_for(lambda: not stack_processes(s, "components.serving.rollout.main"), 60, "rollout server stopped")
     lines = [log["message"] for log in stack.prefect_post(s['api'], "/logs/filter", {
         "logs": {"flow_run_id": {"any_": [rerun["id"]]}}, "limit": 200}, timeout=10).json()]
     # the rerun's own iterations, as its log says them (MLflow keeps the steps the killed attempt logged first)
@@ -432,7 +432,7 @@ def actor_followers(s) -> list[psutil.Process]:
 
 def critic_followers(s) -> list[psutil.Process]:
     """Live critic server ranks > 0 of this stack's runs."""
-    return stack_processes(s, "components.serving.main --follow")
+    return stack_processes(s, "components.serving.triton.main --follow")
 
 
 def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_loses_a_rank_and_resumes_on_one(local_stack):

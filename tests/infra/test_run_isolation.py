@@ -1,6 +1,6 @@
 """Static checks that a run's servers on the cluster serve that run only (issue 32): the VPC CNI enforces
 NetworkPolicies; the namespace denies ingress by default and lets actor pods reach actor pods; server pods carry the
-rlhf/run label the run's own policies select on (components/serving/network_policy.py, cross-checked here); a run
+rlhf/run label the run's own policies select on (components/cluster/network_policy.py, cross-checked here); a run
 may create and delete NetworkPolicies and read its Job, nothing more; the critic role writes only its pending saves;
 leases and commit points are written only by conditional puts. (checkov scans the new resources in test_terraform.)"""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from tests.infra.test_terraform import (ENV_DEV, MODULES, _blocks, _locals, _one, _render_template, _resources,
                                         _sample_values)
 
-from components.serving.network_policy import JOB_LABEL, RUN_LABEL, own_job, policies
+from components.cluster.network_policy import JOB_LABEL, RUN_LABEL, own_job, policies
 
 
 def _spec(body: dict) -> dict:
@@ -48,13 +48,21 @@ def test_server_pods_carry_the_label_a_runs_own_policies_select_on():
     assert trainer["spec"]["podSelector"]["matchLabels"] == {JOB_LABEL: job}
 
 
-def test_a_run_may_manage_network_policies_and_read_its_job_only():
+def test_a_run_may_manage_its_own_objects_in_its_namespace_only():
+    """Least privilege: the objects a run creates (components/cluster: JobSet, LeaderWorkerSets, their Secrets, its
+    NetworkPolicies), reads of its Job, of pods and their logs, and of Kueue's workloads; no update, no patch, no
+    watch, nothing cluster-wide, no reading of Secrets."""
     resources = _resources(ENV_DEV)
-    role = resources[("kubernetes_role_v1", "run_network_policies")]
+    role = resources[("kubernetes_role_v1", "run")]
     rules = {(tuple(r["api_groups"]), tuple(r["resources"])): set(r["verbs"]) for r in role["rule"]}
-    assert rules == {(("networking.k8s.io",), ("networkpolicies",)): {"create", "delete"},
-                     (("batch",), ("jobs",)): {"get"}}
-    binding = resources[("kubernetes_role_binding_v1", "run_network_policies")]
+    assert rules == {(("jobset.x-k8s.io",), ("jobsets",)): {"create", "get", "delete"},
+                     (("leaderworkerset.x-k8s.io",), ("leaderworkersets",)): {"create", "get", "delete"},
+                     (("",), ("secrets",)): {"create", "delete"},
+                     (("",), ("pods", "pods/log")): {"get", "list"},
+                     (("networking.k8s.io",), ("networkpolicies",)): {"create", "delete"},
+                     (("batch",), ("jobs",)): {"get"},
+                     (("kueue.x-k8s.io",), ("workloads",)): {"list"}}
+    binding = resources[("kubernetes_role_binding_v1", "run")]
     subject = _one(binding["subject"])
     assert subject["kind"] == "ServiceAccount" and subject["name"] == "${var.actor_service_account_name}"
     assert _one(binding["role_ref"])["kind"] == "Role"  # namespaced, never a ClusterRole

@@ -30,7 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 TF = REPO / "infra" / "terraform"
 MODULES = TF / "modules"
 ENV_DEV = TF / "envs" / "dev"
-MODULE_NAMES = ("network", "cluster", "gpu_pool", "artifacts", "iam", "prefect")
+MODULE_NAMES = ("network", "cluster", "gpu_pool", "artifacts", "iam", "prefect", "addons", "registry", "cache")
 TEMPLATE = MODULES / "prefect" / "templates" / "base_job_template.json.tftpl"
 JOB_VARIABLES = TF / "job_variables.json"
 CHECKOV = REPO / ".venv-checkov" / "bin" / "checkov"
@@ -125,16 +125,19 @@ def _terraform_binary() -> str:
     return found
 
 
-def _render_template(values: dict) -> dict:
-    """Render the templatefile() template the way Terraform would, for the subset of syntax it uses."""
-    text = TEMPLATE.read_text(encoding="utf-8")
+def _render_template(values: dict, template: Path = TEMPLATE):
+    """Render a templatefile() template the way Terraform would, for the subset of syntax it uses."""
+    text = template.read_text(encoding="utf-8")
     assert "%{" not in text, "template directives are not supported by this renderer"
 
     def substitute(match: re.Match) -> str:
         expr = match.group(1).strip()
-        func = re.fullmatch(r"jsonencode\((\w+)\)", expr)
+        func = re.fullmatch(r"jsonencode\((\w+)((?:\.\w+)*)\)", expr)
         if func:
-            return json.dumps(values[func.group(1)])
+            value = values[func.group(1)]
+            for attribute in filter(None, func.group(2).split(".")):
+                value = value[attribute]
+            return json.dumps(value)
         assert re.fullmatch(r"\w+", expr), f"unsupported template expression ${{{expr}}}"
         return str(values[expr])
 
@@ -147,11 +150,6 @@ def _template_names() -> set[str]:
     return set(re.findall(r"\$\{\s*(?:jsonencode\()?(\w+)\)?\s*\}", text))
 
 
-ACTOR_LAUNCH = ("exec torchrun --nnodes={{ nnodes }} --nproc-per-node={{ gpu_count }} --node-rank=$JOB_COMPLETION_INDEX "
-                "--master-addr=\"$(hostname | sed 's/-[0-9]*$/-0/').rlhf-ranks\" --master-port={{ master_port }} "
-                "-m components.launch.ranks -- {{ command }}")
-
-
 def _sample_values(pool_name: str, role: str) -> dict:
     return {
         "pool_name": pool_name,
@@ -160,14 +158,16 @@ def _sample_values(pool_name: str, role: str) -> dict:
         "namespace": "rlhf",
         "service_account_name": f"rlhf-{role}",
         "gpu_count": 1,
-        "min_gpu_count": 1 if role == "actor" else 0,
         "cpu": "3",
         "memory": "12Gi",
         "shm_size": "2Gi",
-        "env": {"AWS_REGION": "us-east-1", "RLHF_S3_BUCKET": "bucket"},
+        "env": {"AWS_REGION": "us-east-1", "RLHF_S3_BUCKET": "bucket", "RLHF_STATE_DIR": "/var/lib/rlhf",
+                "HF_HOME": "/cache/huggingface"},
         "pod_watch_timeout_seconds": 900,
-        "ranks_service": "rlhf-ranks",
-        "launch": ACTOR_LAUNCH if role == "actor" else "exec {{ command }}",
+        "backoff_limit": 2,
+        "state_dir": "/var/lib/rlhf",
+        "cache_mount": "/cache",
+        "cache_claim": "rlhf-cache",
     }
 
 
@@ -480,36 +480,36 @@ def test_job_template_variables_schema_matches_job_configuration(pool_name: str,
         jsonschema.validate({"gpu_count": "two"}, schema)
 
 
-def test_actor_jobs_are_indexed_torchrun_jobs_that_find_rank_0_through_the_headless_service():
-    """Several nodes: an Indexed Job (completions = parallelism = nnodes) whose pods share the headless Service; each
-    pod runs torchrun with gpu_count ranks; rank 0 (pod 0) runs the flow run."""
+def test_every_flow_run_pod_is_one_plain_pod_that_runs_its_flow_run():
+    """No Indexed Job, torchrun or headless Service any more: each pool's Job is one pod running Prefect's flow-run
+    command (a multi-node run's flow run creates its node groups as a JobSet: components/cluster/jobset.py). A
+    disrupted pod (evicted, preempted, its node drained) is started again at most backoff_limit times, going on with
+    the same flow run; a pod that exits non-zero fails the Job at once; backoffLimit 0, with which Prefect's worker
+    reschedules a disrupted run as a new flow run without bound, is refused."""
     from prefect.utilities.templating import apply_values
 
-    locals_ = _locals(MODULES / "prefect")
-    assert "--nnodes={{ nnodes }}" in locals_["actor_launch"] and "${var.ranks_service_name}" in locals_["actor_launch"]
-    template = _render_template(_sample_values("actor-gpu", "actor"))
-    job = apply_values(template["job_configuration"], {"nnodes": 4, "gpu_count": 8, "master_port": 29500,
-                                                        "command": "prefect flow-run execute", "finished_job_ttl": 60})
-    spec = job["job_manifest"]["spec"]
-    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 4
-    pod = spec["template"]["spec"]
-    assert pod["subdomain"] == "rlhf-ranks"
-    container = pod["containers"][0]
-    assert container["command"] == ["/bin/sh", "-c"]
-    line = container["args"][0]
-    assert line.startswith("exec torchrun --nnodes=4 --nproc-per-node=8 --node-rank=$JOB_COMPLETION_INDEX")
-    assert line.endswith("--master-port=29500 -m components.launch.ranks -- prefect flow-run execute")
-    # the address pod 3 of job "ppo-x7k2q" computes for rank 0 (the shell's own substitution, hostname faked)
-    addr = re.search(r'--master-addr="([^"]+)"', line).group(1).replace("hostname", "echo ppo-x7k2q-3")
-    assert subprocess.run(["sh", "-c", f'echo "{addr}"'], capture_output=True, text=True).stdout.strip() == "ppo-x7k2q-0.rlhf-ranks"
-    critic = apply_values(_render_template(_sample_values("critic-gpu", "critic"))["job_configuration"],
-                          {"command": "prefect flow-run execute", "nnodes": 1})
-    assert critic["job_manifest"]["spec"]["template"]["spec"]["containers"][0]["args"] == ["exec prefect flow-run execute"]
-    service = _resources(ENV_DEV)[("kubernetes_service_v1", "ranks")]
-    service_spec = service["spec"][0] if isinstance(service["spec"], list) else service["spec"]
-    assert service_spec["cluster_ip"] == "None" and service_spec["publish_not_ready_addresses"] is True
-    assert service_spec["selector"] == {ROLE_LABEL: "actor"}
-    assert _blocks(ENV_DEV, "module")["prefect"]["ranks_service_name"] == "${var.ranks_service_name}"
+    for pool, role in POOLS.items():
+        template = _render_template(_sample_values(pool, role))
+        assert template["variables"]["properties"]["command"]["default"] == "prefect flow-run execute"
+        job = apply_values(template["job_configuration"], {"finished_job_ttl": 60})
+        spec = job["job_manifest"]["spec"]
+        assert "completionMode" not in spec and "completions" not in spec and "parallelism" not in spec
+        assert spec["backoffLimit"] == 2
+        rules = spec["podFailurePolicy"]["rules"]
+        assert rules[0] == {"action": "Count", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
+        assert rules[1] == {"action": "FailJob", "onExitCodes": {"operator": "NotIn", "values": [0]}}
+        pod = spec["template"]["spec"]
+        assert "subdomain" not in pod and pod["restartPolicy"] == "Never"
+        container = _job_container(template)
+        assert "command" not in container and container["args"] == "{{ command }}"
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts == {"dshm": "/dev/shm", "state": "/var/lib/rlhf", "cache": "/cache"}
+        claim = next(v for v in pod["volumes"] if v["name"] == "cache")["persistentVolumeClaim"]["claimName"]
+        assert claim == "rlhf-cache"
+    variable = _blocks(MODULES / "prefect", "variable")["backoff_limit"]
+    assert "var.backoff_limit >= 1" in _one(variable["validation"])["condition"]
+    assert ("kubernetes_service_v1", "ranks") not in _resources(ENV_DEV)
+    assert "ranks_service_name" not in _blocks(ENV_DEV, "variable")
 
 
 def test_job_variables_json_matches_templates():
@@ -546,15 +546,17 @@ SAMPLE_ENV = {"RLHF_IMAGE": "registry.example.com/rlhf-flows:1", "RLHF_VLLM_IMAG
 
 def test_prefect_yaml_job_variables_are_valid_for_their_pool():
     """Each deployment's job_variables pass its work pool's variables schema, as the Prefect server checks them at
-    `prefect deploy`; e.g. gpu_count 0 is refused on the actor pool (torchrun would start no rank)."""
+    `prefect deploy`; gpu_count 0 is allowed on both pools (compare, sweep, a multi-node run's controller), a
+    negative one or a string is not."""
     for deployment in _prefect_yaml()["deployments"]:
         pool = deployment["work_pool"]
         schema = _render_template(_sample_values(pool["name"], POOLS[pool["name"]]))["variables"]
         jsonschema.validate(_rendered(pool.get("job_variables") or {}, SAMPLE_ENV), schema)
-    actor = _render_template(_sample_values("actor-gpu", "actor"))["variables"]
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate({"gpu_count": 0}, actor)
-    jsonschema.validate({"gpu_count": 0}, _render_template(_sample_values("critic-gpu", "critic"))["variables"])
+    for pool, role in POOLS.items():
+        schema = _render_template(_sample_values(pool, role))["variables"]
+        jsonschema.validate({"gpu_count": 0}, schema)
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"gpu_count": -1}, schema)
 
 
 def test_allocatable_resources_follow_the_eks_reservations():
@@ -597,9 +599,8 @@ def test_every_pod_fits_a_node_of_its_pool():
     assert checked >= 2 * 7 and not problems, "\n".join(problems)
 
 
-def test_gpus_per_node_and_nnodes_match_the_pools():
-    """The autoscaler's GPU hint (gpu_pools.gpus_per_node) is the instance type's GPU count, and an actor job's pods
-    (nnodes, one per node) fit within the pool's max_size."""
+def test_gpus_per_node_match_the_pools():
+    """The autoscaler's GPU hint (gpu_pools.gpus_per_node) is the instance type's GPU count."""
     table = json.loads(NODE_TYPES.read_text(encoding="utf-8"))["instance_types"]
     default = _blocks(ENV_DEV, "variable")["gpu_pools"]["default"]
     with open(ENV_DEV / "terraform.tfvars.example", encoding="utf-8") as fh:
@@ -610,10 +611,6 @@ def test_gpus_per_node_and_nnodes_match_the_pools():
             for instance_type in pool["instance_types"]:
                 assert table[instance_type]["gpus"] == gpus, f"{where} {role}: {instance_type} has " \
                     f"{table[instance_type]['gpus']} GPUs, gpus_per_node says {gpus}"
-            for deployment in _prefect_yaml()["deployments"]:
-                if POOLS[deployment["work_pool"]["name"]] == role:
-                    nnodes = (deployment["work_pool"].get("job_variables") or {}).get("nnodes", 1)
-                    assert nnodes <= pool.get("max_size", 2), (where, deployment["entrypoint"], nnodes)
 
 
 def _training_deployments() -> dict[str, dict]:
@@ -624,7 +621,7 @@ def _training_deployments() -> dict[str, dict]:
 
 def test_training_deployments_take_config_and_deploy_and_keep_deploy_under_a_partial_config():
     """ppo/default and reinforce/default: `config` (what a run trains) and `deploy` (where its parts run: the servers as
-    deployments on their own pods, the rollout server's interpreter in the vLLM image, checkpoints in S3 under the
+    LeaderWorkerSets the run creates, the rollout server's interpreter in the vLLM image, checkpoints in S3 under the
     prefix the pods' role may write, the tracking server). A run given a partial `--param config=...` keeps every
     deploy setting and the rest of the deployment's config: its parameters are deep-merged over the deployment's,
     as components/tasks.flow_config does (run end to end against a Prefect server in tests/flows)."""
@@ -639,7 +636,7 @@ def test_training_deployments_take_config_and_deploy_and_keep_deploy_under_a_par
         RunConfig.model_validate(parameters["config"])
         deploy = DeployConfig.model_validate(parameters["deploy"])
         for server in (deploy.critic, deploy.reward, deploy.rollout):
-            assert server.launch == "deployment" and server.host == "0.0.0.0", (name, server)
+            assert server.launch == "kubernetes", (name, server)  # the run creates its servers (components/cluster)
         assert deploy.rollout.python == f"{vllm_python}/bin/python", name
         assert deploy.checkpoint.uri.rstrip("/") + "/" == f"s3://{SAMPLE_ENV['RLHF_S3_BUCKET']}/{checkpoint_prefix}", name
         assert deploy.tracking.uri == SAMPLE_ENV["MLFLOW_TRACKING_URI"], name

@@ -16,7 +16,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from models import distributed  # noqa: E402
-from components.serving.rollout_client import RolloutClient  # noqa: E402
+from components.serving.rollout.client import RolloutClient  # noqa: E402
 from models.config import Sampling  # noqa: E402
 from models.engines.vllm import VLLMEngine  # noqa: E402
 

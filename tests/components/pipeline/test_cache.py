@@ -15,7 +15,7 @@ import pytest
 from components.pipeline.cache import Records, stage_dir, stage_key
 from components.pipeline.config import PipelineConfig
 from components.pipeline.run import eval_inputs, reward_model_inputs, rl_inputs, sft_inputs
-from components.storage.checkpoints import CheckpointStore
+from components.storage.store import CheckpointStore
 from models.config import merge
 from models.data import builtin_rows
 from tests.components.pipeline.racer import racer

@@ -10,7 +10,7 @@ from mlflow.tracking import MlflowClient
 from components.serving.auth import (MissingSecret, bearer_headers, matches, new_secret, read_secret, triton_headers,
                                      triton_token)
 from components.serving.launcher import rollout_argv, server_argv
-from components.serving.servers import ServerSpec
+from components.serving.triton.contract import ServerSpec
 from components.sweep.config import SweepConfig
 from components.sweep.tracking import SweepRun
 from components.tracking.tracker import redact

@@ -11,12 +11,12 @@ import psutil
 import pytest
 import torch
 
-from components.serving.clients import (CriticClient, RewardClient, ServerError, ServerUnavailable, critic_backend,
-                                reward_backend, summarize_server_error)
 from components.launch.processes import find_free_ports
 from components.serving.auth import read_secret, triton_headers
 from components.serving.launcher import launch
-from components.serving.servers import ServerSpec
+from components.serving.triton.clients import (CriticClient, RewardClient, ServerError, ServerUnavailable,
+                                               critic_backend, reward_backend, summarize_server_error)
+from components.serving.triton.contract import ServerSpec
 from models.algorithms import Backends
 from models.backends import CriticBackend, LocalCritic, RewardBackend
 from models.config import preset

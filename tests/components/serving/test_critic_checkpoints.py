@@ -14,11 +14,11 @@ from urllib.parse import urlparse
 import pytest
 
 from components.launch.processes import find_free_ports
-from components.serving.clients import critic_backend
 from components.launch.processes import ServerNotReady
 from components.serving.launcher import launch
-from components.serving.servers import PENDING_PREFIX, ServerSpec
-from components.storage.checkpoints import CheckpointError
+from components.serving.triton.clients import critic_backend
+from components.serving.triton.contract import PENDING_PREFIX, ServerSpec
+from components.storage.backends import CheckpointError
 from components.tracking.run import RunSession
 from models.config import merge, preset
 from models.algorithms import Backends

@@ -18,7 +18,7 @@ from components.launch.processes import find_free_ports
 from components.launch.processes import ServerNotReady
 from components.serving.auth import read_secret, triton_headers
 from components.serving.launcher import launch
-from components.serving.servers import ServerSpec
+from components.serving.triton.contract import ServerSpec
 from models.config import preset
 
 

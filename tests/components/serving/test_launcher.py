@@ -17,7 +17,8 @@ from components.cli.main import build_parser
 from components.cli.serve import spec_from_args
 from components.launch.processes import ServerNotReady, find_free_ports, port_block_free, wait_until_ready
 from components.serving.launcher import child_env, server_argv, triton_probe, triton_server
-from components.serving.servers import CRITIC_MODELS, REWARD_MODELS, ServerSpec, prepare_environment
+from components.serving.triton.contract import CRITIC_MODELS, REWARD_MODELS, ServerSpec
+from components.serving.triton.serve import prepare_environment
 
 
 def serve_argv(*args: str) -> list[str]:
@@ -54,7 +55,7 @@ def test_the_child_gets_its_whole_spec_as_one_json_document(tiny_models, tmp_pat
                             "reward.function": "models.tasks.sentiment:gold_reward", "model.policy": tiny_models["policy"]})
     spec = ServerSpec(kind="critic", config=cfg, port=23456, checkpoint_dir=str(tmp_path / "c"))
     argv = server_argv(spec)
-    assert argv[:4] == [sys.executable, "-m", "components.serving.main", "--spec"] and len(argv) == 5
+    assert argv[:4] == [sys.executable, "-m", "components.serving.triton.main", "--spec"] and len(argv) == 5
     assert ServerSpec.model_validate_json(argv[4]) == spec
     assert spec.models == CRITIC_MODELS  # no reward_text: the reward model is not combined
     assert spec.config.critic.optim.lr == 0.002

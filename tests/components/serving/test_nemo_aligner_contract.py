@@ -35,7 +35,7 @@ from tritonclient.utils import InferenceServerException
 from components.launch.processes import find_free_ports
 from components.serving.auth import triton_headers
 from components.serving.launcher import triton_server
-from components.serving.servers import CRITIC_MODELS
+from components.serving.triton.contract import CRITIC_MODELS
 
 B, S, PAD_TO = 12, 28, 32  # batch, rollout sequence length, the client's pad_to_length for critic_infer
 TOL = dict(rtol=1e-6, atol=1e-6)  # two processes may pick other GEMM kernels (alignment): ulp-level differences

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from components.launch.processes import find_free_ports
-from components.serving.clients import RewardClient
 from components.serving.launcher import launch
-from components.serving.servers import ServerSpec
-from components.storage.checkpoints import CheckpointStore
+from components.serving.triton.clients import RewardClient
+from components.serving.triton.contract import ServerSpec
+from components.storage.store import CheckpointStore
 from components.tracking.run import store_reward_files
 from models.backends import FunctionReward
 from models.config import merge, preset

@@ -1,4 +1,4 @@
-"""The vLLM rollout server (components/serving/rollout_server.py) as a real child process in .venv-vllm, on the tiny
+"""The vLLM rollout server (components/serving/rollout/) as a real child process in .venv-vllm, on the tiny
 policy: the generation contract, k samples per prompt as asked (equal neighbouring prompts too), logprob agreement
 with the trainer before and after refits over both weight transports (and between them), the version the server
 issues and the run it serves (409s naming both), /health while the weights are broken, a skipped refit caught by
@@ -21,7 +21,7 @@ import torch
 from components.launch.processes import ServerNotReady, alive, group_members, wait_for
 from components.serving.auth import bearer_headers, new_secret
 from components.serving.launcher import launch_rollout, rollout_env, rollout_python
-from components.serving.rollout_client import HTTPWeights, RolloutClient, safetensors_header, safetensors_stream
+from components.serving.rollout.client import HTTPWeights, RolloutClient, safetensors_header, safetensors_stream
 from models.config import LoraConfig, RLHFConfig, Sampling, from_layers
 from models.engines import Weights
 from models.engines.vllm import EngineRequestError, VLLMEngine

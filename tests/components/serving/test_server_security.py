@@ -34,10 +34,10 @@ from tritonclient.utils import InferenceServerException
 
 from components.launch.processes import find_free_ports, group_members, wait_for
 from components.serving.auth import new_secret, triton_headers
-from components.serving.clients import CriticClient, RewardClient, ServerError
 from components.serving.launcher import launch
-from components.serving.servers import (CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, REWARD_TEXT,
-                                        ServerSpec)
+from components.serving.triton.clients import CriticClient, RewardClient, ServerError
+from components.serving.triton.contract import (CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, REWARD_TEXT,
+                                                ServerSpec)
 from models.config import RLHFConfig, from_layers
 from models.reward import load_reward_model, load_reward_tokenizer, reward_limit, text_char_budget, text_reward_scores
 
@@ -340,7 +340,7 @@ def test_malformed_tensors_are_refused_naming_the_tensor_and_the_server_keeps_se
 PARENT = """
 import sys
 from components.serving.launcher import launch
-from components.serving.servers import ServerSpec
+from components.serving.triton.contract import ServerSpec
 from models.config import RLHFConfig
 spec = ServerSpec.model_validate_json(sys.argv[1])
 server = launch(spec, sys.argv[2])

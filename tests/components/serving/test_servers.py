@@ -15,7 +15,9 @@ from tritonclient.utils import InferenceServerException
 from components.launch.processes import find_free_ports
 from components.serving.auth import read_secret, triton_headers
 from components.serving.launcher import triton_server
-from components.serving.servers import CRITIC_MODELS, REWARD_MODELS, CriticCallables, RewardCallables, critic_specs
+from components.serving.triton.contract import CRITIC_MODELS, REWARD_MODELS, critic_specs
+from components.serving.triton.critic import CriticCallables
+from components.serving.triton.reward import RewardCallables
 
 TRAIN_SETTINGS = ["--set", "critic.optim.lr=1e-3", "--set", "critic.train_batch_size=16", "--set", "critic.epochs=2"]
 

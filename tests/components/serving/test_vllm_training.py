@@ -92,7 +92,8 @@ def test_k2_reaches_its_bound_and_a_killed_rollout_server_fails_the_run_within_6
             lines.append(line)
         staleness = [float(line.rsplit("staleness ", 1)[1]) for line in lines if re.search(r"iteration \d+/500\b", line)]
         assert staleness == [0.0, 1.0, 2.0], lines[-10:]
-        server = wait_for(lambda: [p for p in leftovers(state) if "rollout_server" in " ".join(p.cmdline())], 30)[0]
+        server = wait_for(lambda: [p for p in leftovers(state)
+                                   if "components.serving.rollout.main" in " ".join(p.cmdline())], 30)[0]
         os.kill(server.pid, signal.SIGKILL)
         killed = time.monotonic()
         out, _ = proc.communicate(timeout=120)

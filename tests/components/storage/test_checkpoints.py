@@ -16,7 +16,8 @@ from urllib.parse import unquote, urlparse
 import boto3
 import pytest
 
-from components.storage.checkpoints import CheckpointError, CheckpointStore
+from components.storage.backends import CheckpointError
+from components.storage.store import CheckpointStore
 
 pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
 
@@ -141,7 +142,7 @@ def test_s3_multipart_forced_on_small_file(s3_bucket, tmp_path: Path) -> None:
 CRASH_SCRIPT = """
 import os, sys
 from pathlib import Path
-from components.storage.checkpoints import CheckpointStore
+from components.storage.store import CheckpointStore
 uri, endpoint, actor = sys.argv[1], sys.argv[2] or None, Path(sys.argv[3])
 store = CheckpointStore.from_uri(uri, s3_endpoint_url=endpoint)
 store.save(2, {"actor": actor}, {"step": 2}, _after_file=lambda rel: os._exit(17))

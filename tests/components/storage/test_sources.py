@@ -18,7 +18,7 @@ import boto3
 import pytest
 
 from components.storage import s3
-from components.storage.checkpoints import CheckpointStore
+from components.storage.store import CheckpointStore
 from components.launch.processes import project_env
 from models.data import read_rows
 from models.deploy import DeployConfig

@@ -18,8 +18,8 @@ from pydantic import ValidationError
 
 from components.cli.main import main as cli_main
 from components.launch.processes import wait_for
-from components.storage.checkpoints import CheckpointStore
 from components.storage.lease import LEASE_KEY, LeaseLost, RunLocked, acquire
+from components.storage.store import CheckpointStore
 from components.tracking.run import RunSession
 from models.config import RLHFConfig, RunConfig
 
@@ -47,8 +47,8 @@ def test_a_second_run_of_a_live_name_is_refused_and_touches_nothing(cfg):
 
 HOLD = """
 import sys, time
-from components.storage.checkpoints import CheckpointStore
 from components.storage.lease import acquire
+from components.storage.store import CheckpointStore
 store = CheckpointStore.from_uri(sys.argv[1], s3_endpoint_url=sys.argv[2] or None)
 acquire(store, "held", timeout_s=float(sys.argv[3]))
 print("holding", flush=True)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.storage.checkpoints import CheckpointStore
+from components.storage.store import CheckpointStore
 from components.tracking.run import RunSession
 from models.backends import LocalCritic
 from models.config import preset

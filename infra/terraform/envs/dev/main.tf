@@ -29,6 +29,20 @@ provider "kubernetes" {
   }
 }
 
+# Installs the cluster's add-ons (modules/addons) with the same credentials.
+provider "helm" {
+  kubernetes = {
+    host                   = module.cluster.endpoint
+    cluster_ca_certificate = base64decode(module.cluster.certificate_authority_data)
+
+    exec = {
+      api_version = "client.authentication.k8s.io/v1beta1"
+      command     = "aws"
+      args        = ["eks", "get-token", "--cluster-name", module.cluster.name, "--region", var.region]
+    }
+  }
+}
+
 data "aws_caller_identity" "current" {}
 
 locals {
@@ -37,6 +51,8 @@ locals {
 
   private_subnet_cidrs = [for i, _ in var.availability_zones : cidrsubnet(var.vpc_cidr, 4, i)]
   public_subnet_cidrs  = [for i, _ in var.availability_zones : cidrsubnet(var.vpc_cidr, 8, 240 + i)]
+
+  node_types = jsondecode(file("${path.module}/../../node_types.json")).instance_types
 
   job_env = merge({
     AWS_REGION     = var.region
@@ -122,6 +138,20 @@ module "iam" {
   critic_service_account_name = var.critic_service_account_name
 }
 
+module "registry" {
+  source = "../../modules/registry"
+
+  name_prefix  = var.name
+  force_delete = var.bucket_force_destroy
+}
+
+check "autoscaler_matches_kubernetes" {
+  assert {
+    condition     = startswith(var.cluster_autoscaler_image_tag, "v${var.kubernetes_version}.")
+    error_message = "cluster_autoscaler_image_tag must be a release of the cluster's Kubernetes minor version."
+  }
+}
+
 module "prefect" {
   source = "../../modules/prefect"
 
@@ -135,7 +165,62 @@ module "prefect" {
   critic_resources            = var.critic_job_resources
   env                         = local.job_env
   workspace_id                = var.prefect_workspace_id
-  ranks_service_name          = var.ranks_service_name
+  cache_claim                 = var.cache_claim_name
+}
+
+# ---------------------------------------------------------------------------
+# What runs inside the cluster (needs network access to its API, as the resources below): the Hugging Face cache
+# volume, and the add-ons: NVIDIA device plugin, cluster autoscaler, JobSet, LeaderWorkerSet, Kueue and its queues,
+# a Prefect worker per work pool.
+# ---------------------------------------------------------------------------
+module "cache" {
+  source = "../../modules/cache"
+  count  = var.manage_kubernetes_resources ? 1 : 0
+
+  name              = var.name
+  cluster_name      = module.cluster.name
+  vpc_id            = module.network.vpc_id
+  vpc_cidr_block    = module.network.vpc_cidr_block
+  subnet_ids        = module.network.private_subnet_ids
+  oidc_provider_arn = module.cluster.oidc_provider_arn
+  oidc_issuer_url   = module.cluster.oidc_issuer_url
+  namespace         = kubernetes_namespace_v1.rlhf[0].metadata[0].name
+  claim_name        = var.cache_claim_name
+}
+
+module "addons" {
+  source = "../../modules/addons"
+  count  = var.manage_kubernetes_resources ? 1 : 0
+
+  cluster_name                 = module.cluster.name
+  region                       = var.region
+  namespace                    = kubernetes_namespace_v1.rlhf[0].metadata[0].name
+  cluster_autoscaler_role_arn  = module.iam.cluster_autoscaler_role_arn
+  cluster_autoscaler_image_tag = var.cluster_autoscaler_image_tag
+  gpu_pools                    = var.gpu_pools
+  node_types                   = local.node_types
+  queue_name                   = var.queue_name
+  work_pools                   = [module.prefect.actor_work_pool_name, module.prefect.critic_work_pool_name]
+  prefect_api_url              = var.prefect_api_url
+  prefect_account_id           = var.prefect_account_id
+  prefect_workspace_id         = var.prefect_workspace_id
+  prefect_api_key_secret       = "prefect-api-key"
+
+  depends_on = [module.gpu_pool, kubernetes_secret_v1.prefect_api_key]
+}
+
+# The Prefect Cloud API key the workers use and hand on to the flow-run pods (a secretKeyRef: never in a spec). From
+# TF_VAR_prefect_api_key; it lands in the state, which must be a protected backend (encrypted S3, as versions.tf shows).
+resource "kubernetes_secret_v1" "prefect_api_key" {
+  count = var.manage_kubernetes_resources && var.prefect_api_key != null ? 1 : 0
+
+  metadata {
+    name      = "prefect-api-key"
+    namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
+    labels    = { "app.kubernetes.io/part-of" = "rlhf-flows" }
+  }
+
+  data = { key = var.prefect_api_key }
 }
 
 # ---------------------------------------------------------------------------
@@ -166,35 +251,11 @@ resource "kubernetes_service_account_v1" "pod" {
   }
 }
 
-# Headless Service of the flow-run pods: an Indexed Job's pods get DNS names <job>-<index>.<service>, so every node's
-# torchrun reaches rank 0 (pod 0, the Prefect flow run) at <job>-0.<service>.
-resource "kubernetes_service_v1" "ranks" {
-  count = var.manage_kubernetes_resources ? 1 : 0
-
-  metadata {
-    name      = var.ranks_service_name
-    namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
-    labels    = { "app.kubernetes.io/part-of" = "rlhf-flows" }
-  }
-
-  spec {
-    cluster_ip                  = "None"
-    publish_not_ready_addresses = true # ranks rendezvous before any readiness
-    selector                    = { "rlhf/role" = "actor" }
-
-    port {
-      name        = "rendezvous"
-      port        = 29500
-      target_port = 29500
-    }
-  }
-}
-
 # ---------------------------------------------------------------------------
 # Network isolation of the namespace, enforced by the VPC CNI's network policy agent (module.cluster): no pod takes
 # ingress unless a policy allows it. Actor pods take it from actor pods (a run's ranks rendezvous before any of its
 # code runs). A run's server pods take it only from that run's own actor Job, and that Job's pods from those servers,
-# by the two policies the run itself creates while its servers live (components/serving/network_policy.py), owned by
+# by the two policies the run itself creates while its servers live (components/cluster/network_policy.py), owned by
 # its Job so that Kubernetes removes them with it. Every request to a server also carries the run's secret.
 # ---------------------------------------------------------------------------
 resource "kubernetes_network_policy_v1" "default_deny_ingress" {
@@ -237,15 +298,40 @@ resource "kubernetes_network_policy_v1" "actor_ranks" {
   }
 }
 
-# What a run needs to create (and delete) its own two policies: NetworkPolicies and a read of its Job (their owner),
-# in this namespace only.
-resource "kubernetes_role_v1" "run_network_policies" {
+# What a run's service account may do in its namespace, and nothing more: create, read and delete the objects a run
+# makes (its node groups' JobSet, its servers' LeaderWorkerSets and their Secrets, its two NetworkPolicies), read its
+# own Job (the owner of all of them) and the pods and logs of what it made, read why Kueue holds a workload.
+resource "kubernetes_role_v1" "run" {
   count = var.manage_kubernetes_resources ? 1 : 0
 
   metadata {
-    name      = "rlhf-run-network-policies"
+    name      = "rlhf-run"
     namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
     labels    = { "app.kubernetes.io/part-of" = "rlhf-flows" }
+  }
+
+  rule {
+    api_groups = ["jobset.x-k8s.io"]
+    resources  = ["jobsets"]
+    verbs      = ["create", "get", "delete"]
+  }
+
+  rule {
+    api_groups = ["leaderworkerset.x-k8s.io"]
+    resources  = ["leaderworkersets"]
+    verbs      = ["create", "get", "delete"]
+  }
+
+  rule {
+    api_groups = [""]
+    resources  = ["secrets"]
+    verbs      = ["create", "delete"]
+  }
+
+  rule {
+    api_groups = [""]
+    resources  = ["pods", "pods/log"]
+    verbs      = ["get", "list"]
   }
 
   rule {
@@ -259,13 +345,19 @@ resource "kubernetes_role_v1" "run_network_policies" {
     resources  = ["jobs"]
     verbs      = ["get"]
   }
+
+  rule {
+    api_groups = ["kueue.x-k8s.io"]
+    resources  = ["workloads"]
+    verbs      = ["list"]
+  }
 }
 
-resource "kubernetes_role_binding_v1" "run_network_policies" {
+resource "kubernetes_role_binding_v1" "run" {
   count = var.manage_kubernetes_resources ? 1 : 0
 
   metadata {
-    name      = "rlhf-run-network-policies"
+    name      = "rlhf-run"
     namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
     labels    = { "app.kubernetes.io/part-of" = "rlhf-flows" }
   }
@@ -273,7 +365,7 @@ resource "kubernetes_role_binding_v1" "run_network_policies" {
   role_ref {
     api_group = "rbac.authorization.k8s.io"
     kind      = "Role"
-    name      = kubernetes_role_v1.run_network_policies[0].metadata[0].name
+    name      = kubernetes_role_v1.run[0].metadata[0].name
   }
 
   subject {

@@ -77,3 +77,18 @@ output "gpu_node_taint" {
   description = "Taint carried by every GPU node (the job templates tolerate it)."
   value       = module.gpu_pool["actor"].node_taint
 }
+
+output "image_repositories" {
+  description = "ECR repository URLs of the two images: RLHF_IMAGE=<rlhf-flows>:<tag>, RLHF_VLLM_IMAGE=<rlhf-flows-vllm>:<tag>."
+  value       = module.registry.repository_urls
+}
+
+output "queue_name" {
+  description = "Kueue LocalQueue of the runs (deploy.cluster.queue)."
+  value       = var.queue_name
+}
+
+output "cache_claim_name" {
+  description = "Claim of the shared Hugging Face cache (deploy.cluster.cache_claim)."
+  value       = var.cache_claim_name
+}

@@ -42,8 +42,8 @@ variable "vpc_cidr" {
 
 variable "kubernetes_version" {
   type        = string
-  description = "EKS Kubernetes version."
-  default     = "1.31"
+  description = "EKS Kubernetes version (the run's objects are validated for 1.32 and 1.35: tests/infra/schemas.py)."
+  default     = "1.35"
 
   validation {
     condition     = can(regex("^1\\.[0-9]{2}$", var.kubernetes_version))
@@ -219,13 +219,27 @@ variable "tags" {
   default     = {}
 }
 
-variable "ranks_service_name" {
+variable "prefect_api_key" {
   type        = string
-  description = "Headless Service through which the pods of a multi-node actor job find rank 0 (<job>-0.<service>)."
-  default     = "rlhf-ranks"
+  description = "Prefect Cloud API key for the workers and the flow-run pods (kept in the Secret prefect-api-key); from TF_VAR_prefect_api_key, never a tfvars file. null for a self-hosted server without one."
+  default     = null
+  sensitive   = true
+}
 
-  validation {
-    condition     = can(regex("^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$", var.ranks_service_name))
-    error_message = "ranks_service_name must be a valid Kubernetes service name."
-  }
+variable "cluster_autoscaler_image_tag" {
+  type        = string
+  description = "Cluster autoscaler release: its minor version must be kubernetes_version's (checked)."
+  default     = "v1.35.2"
+}
+
+variable "queue_name" {
+  type        = string
+  description = "Kueue ClusterQueue and LocalQueue of the runs' JobSets and LeaderWorkerSets (deploy.cluster.queue)."
+  default     = "rlhf"
+}
+
+variable "cache_claim_name" {
+  type        = string
+  description = "ReadWriteMany claim of the shared Hugging Face cache, mounted at /cache in every pod (deploy.cluster.cache_claim)."
+  default     = "rlhf-cache"
 }

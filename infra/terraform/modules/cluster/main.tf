@@ -233,7 +233,7 @@ resource "aws_eks_node_group" "system" {
 # ---------------------------------------------------------------------------
 # VPC CNI with its network policy agent, so that NetworkPolicies are enforced and not just stored: the namespace's
 # default deny and actor-to-actor rule (envs/dev), and the two a run creates for its servers while they live
-# (components/serving/network_policy.py: only the run's own actor pods reach its server pods).
+# (components/cluster/network_policy.py: only the run's own actor pods reach its server pods).
 # ---------------------------------------------------------------------------
 resource "aws_eks_addon" "vpc_cni" {
   cluster_name                = aws_eks_cluster.this.name

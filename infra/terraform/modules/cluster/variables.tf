@@ -10,8 +10,8 @@ variable "name" {
 
 variable "kubernetes_version" {
   type        = string
-  description = "Kubernetes minor version of the control plane, e.g. 1.31."
-  default     = "1.31"
+  description = "Kubernetes minor version of the control plane, e.g. 1.35."
+  default     = "1.35"
 
   validation {
     condition     = can(regex("^1\\.[0-9]{2}$", var.kubernetes_version))

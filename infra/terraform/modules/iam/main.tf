@@ -123,7 +123,7 @@ data "aws_iam_policy_document" "s3" {
     }
   }
 
-  # A checkpoint's commit point is written once, under a prefix of its own (components/storage/checkpoints.py): it is
+  # A checkpoint's commit point is written once, under a prefix of its own (components/storage/store.py): it is
   # created with If-None-Match: *, never overwritten.
   statement {
     sid       = "CommitPointsCreateOnly"

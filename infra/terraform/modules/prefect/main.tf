@@ -1,27 +1,25 @@
 locals {
-  # The actor pool runs every pod under torchrun: the pod hostname of an Indexed Job is <job>-<index>, so rank 0 is
-  # <job>-0.<service>; on rank 0 components.launch.ranks execs Prefect's flow-run command, every other rank follows it.
-  actor_launch = join(" ", [
-    "exec torchrun --nnodes={{ nnodes }} --nproc-per-node={{ gpu_count }} --node-rank=$JOB_COMPLETION_INDEX",
-    "--master-addr=\"$(hostname | sed 's/-[0-9]*$/-0/').${var.ranks_service_name}\" --master-port={{ master_port }}",
-    "-m components.launch.ranks -- {{ command }}",
-  ])
+  # Every pod of both pools runs its flow run as one process (Prefect's `prefect flow-run execute`, the default of the
+  # `command` job variable). A run on several nodes creates its node groups itself, as a JobSet
+  # (components/cluster/jobset.py): the flow-run pod is its controller, never a rank.
+  # Where each pod keeps its state and finds the shared Hugging Face cache: the template mounts both there. prefect.yaml's
+  # deployments set the same two variables (a deployment's env replaces this default whole).
+  pod_env = merge(var.env, {
+    RLHF_STATE_DIR = var.state_dir
+    HF_HOME        = "${var.cache_mount}/huggingface"
+  })
 
   pools = {
     (var.actor_pool_name) = {
       role                 = "actor"
       service_account_name = var.actor_service_account_name
       resources            = var.actor_resources
-      launch               = local.actor_launch
-      min_gpu_count        = 1 # torchrun starts gpu_count ranks per pod
       description          = "RLHF actor flows (PPO / REINFORCE policy rollouts and updates) on the actor GPU node group."
     }
     (var.critic_pool_name) = {
       role                 = "critic"
       service_account_name = var.critic_service_account_name
       resources            = var.critic_resources
-      launch               = "exec {{ command }}"
-      min_gpu_count        = 0 # flows that need no GPU (compare, sweep) run here with gpu_count 0
       description          = "RLHF critic, reward and rollout servers, and the flows that need no GPU, on the critic GPU node group."
     }
   }
@@ -34,14 +32,15 @@ locals {
       namespace                 = var.namespace
       service_account_name      = pool.service_account_name
       gpu_count                 = pool.resources.gpu_count
-      min_gpu_count             = pool.min_gpu_count
       cpu                       = pool.resources.cpu
       memory                    = pool.resources.memory
       shm_size                  = pool.resources.shm_size
-      env                       = var.env
+      env                       = local.pod_env
       pod_watch_timeout_seconds = var.pod_watch_timeout_seconds
-      ranks_service             = var.ranks_service_name
-      launch                    = pool.launch
+      backoff_limit             = var.backoff_limit
+      state_dir                 = var.state_dir
+      cache_mount               = var.cache_mount
+      cache_claim               = var.cache_claim
     })
   }
 }

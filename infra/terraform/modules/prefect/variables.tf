@@ -140,13 +140,46 @@ variable "paused" {
   default     = false
 }
 
-variable "ranks_service_name" {
-  type        = string
-  description = "Headless Service the flow-run pods join (pod subdomain), so pod 0 of an Indexed Job resolves as <job>-0.<service> for torch.distributed."
-  default     = "rlhf-ranks"
+variable "backoff_limit" {
+  type        = number
+  description = "Times Kubernetes starts a flow-run pod again after a disruption (eviction, preemption, a node drained or reclaimed: the pod condition DisruptionTarget); the flow run goes on in the new pod (Prefect's worker then sets PREFECT_FLOW_RUN_EXECUTE_SIGTERM_BEHAVIOR=relinquish) and a training run resumes from its last checkpoint. A pod that exits non-zero fails its Job at once (podFailurePolicy). 0 would make Prefect reschedule a disrupted run as a new flow run, without bound."
+  default     = 2
 
   validation {
-    condition     = can(regex("^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$", var.ranks_service_name))
-    error_message = "ranks_service_name must be a valid Kubernetes service name."
+    condition     = var.backoff_limit >= 1 && var.backoff_limit <= 10 && floor(var.backoff_limit) == var.backoff_limit
+    error_message = "backoff_limit must be an integer from 1 to 10 (0 turns on Prefect's unbounded rescheduling)."
+  }
+}
+
+variable "state_dir" {
+  type        = string
+  description = "Where every flow-run pod keeps its own state (RLHF_STATE_DIR: logs, local copies): an emptyDir mounted there, gone with the pod. Checkpoints live in S3."
+  default     = "/var/lib/rlhf"
+
+  validation {
+    condition     = startswith(var.state_dir, "/")
+    error_message = "state_dir must be an absolute path."
+  }
+}
+
+variable "cache_mount" {
+  type        = string
+  description = "Where every flow-run pod mounts the shared Hugging Face cache volume (HF_HOME=<this>/huggingface)."
+  default     = "/cache"
+
+  validation {
+    condition     = startswith(var.cache_mount, "/")
+    error_message = "cache_mount must be an absolute path."
+  }
+}
+
+variable "cache_claim" {
+  type        = string
+  description = "PersistentVolumeClaim (ReadWriteMany, EFS) of the shared Hugging Face cache, in the jobs' namespace."
+  default     = "rlhf-cache"
+
+  validation {
+    condition     = can(regex("^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", var.cache_claim))
+    error_message = "cache_claim must be a valid Kubernetes name."
   }
 }

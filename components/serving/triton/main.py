@@ -1,7 +1,7 @@
 """The entry point of a server process, as the launcher starts it: one JSON document in, serve until SIGTERM/SIGINT.
 
-    python -m components.serving.main --spec '<ServerSpec JSON>'   a critic or reward server (rank 0 of a critic)
-    python -m components.serving.main --follow                     ranks 1..N-1 of a critic server, started by rank 0
+    python -m components.serving.triton.main --spec '<ServerSpec JSON>'   a critic or reward server (rank 0 of one)
+    python -m components.serving.triton.main --follow                     ranks 1..N-1 of a critic server (by rank 0)
 
 `rlhf serve critic|reward` (components/cli/serve.py) maps its flags onto the same ServerSpec and calls `run`.
 """
@@ -11,10 +11,12 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from components.serving.servers import ServerSpec, configure_logging, follow_critic, serve
+from components.serving.triton.contract import ServerSpec
+from components.serving.triton.critic import follow_critic
+from components.serving.triton.serve import configure_logging, serve
 from models.prepare import check_models
 
-USAGE = "usage: python -m components.serving.main --spec '<ServerSpec JSON>' | --follow"
+USAGE = "usage: python -m components.serving.triton.main --spec '<ServerSpec JSON>' | --follow"
 
 
 def run(spec: ServerSpec) -> int:

@@ -1,4 +1,5 @@
-"""Checkpoint store on local disk (`file:///abs/dir` or a plain path) or S3 (`s3://bucket/prefix`).
+"""Checkpoint store on local disk (`file:///abs/dir` or a plain path) or S3 (`s3://bucket/prefix`): saving, reading,
+restoring and pruning checkpoints (the backends: components/storage/backends.py; its lock: components/storage/locks.py).
 
 Layout under the store root:
     iter_<N>-<id>/<part>/...   the part directories given to `save` (e.g. actor/, critic/), under a prefix of their
@@ -22,7 +23,6 @@ safetensors, JSON and torch.load(weights_only=True) files (models/critic.py, mod
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -30,15 +30,13 @@ import re
 import secrets
 import shutil
 import tempfile
-import threading
-import time
-import uuid
 from collections.abc import Callable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
-from typing import Protocol
 from urllib.parse import urlparse
 
+from components.storage.backends import Backend, CheckpointError, LocalBackend, S3Backend
+from components.storage.locks import file_lock, object_lock
 from components.storage.s3 import S3Location, S3Store
 
 _ITER_RE = re.compile(r"^iter_(\d+)(?:-\d{8}T\d{12}Z-[0-9a-f]{4})?$")  # iter_<N> (before fresh prefixes) or iter_<N>-<id>
@@ -47,214 +45,9 @@ _PART_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _DIGESTS = ".sha256.json"  # beside a put_dir key: {relpath: sha256}
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be written, found or verified."""
-
-
 class CorruptCheckpoint(CheckpointError):
     """A checkpoint fails its checks (a file missing or not matching its sha256, an unreadable or unsafe manifest):
     a resume passes over it. An error reaching the store (access denied, unreachable) is not one: it fails the run."""
-
-
-class _Backend(Protocol):
-    """Key/value primitives over a store root; keys are '/'-separated relative paths."""
-
-    def put_file(self, local: Path, key: str) -> None: ...
-    def get_file(self, key: str, local: Path) -> bool: ...
-    def copy_file(self, source: str, target: str) -> None: ...
-    def put_bytes(self, key: str, data: bytes) -> None: ...
-    def create_bytes(self, key: str, data: bytes) -> None: ...
-    def get_bytes(self, key: str) -> bytes | None: ...
-    def list_keys(self, prefix: str) -> list[str]: ...
-    def delete_prefix(self, prefix: str) -> None: ...
-    def delete_keys(self, keys: list[str]) -> None: ...
-    def staging(self, key: str) -> str: ...
-    def commit(self, staging: str, key: str) -> None: ...
-
-
-class _LocalBackend:
-    """Files under a root directory; every file fsynced, small files and directories replaced atomically (a temporary
-    name + os.replace + an fsync of the directory). A key that would leave the root is refused."""
-
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        root.mkdir(parents=True, exist_ok=True)
-
-    def _path(self, key: str) -> Path:
-        path = (self.root / key).resolve()
-        if path != self.root and self.root not in path.parents:
-            raise CheckpointError(f"store key {key!r} would leave the store at {self.root}")
-        return path
-
-    def put_file(self, local: Path, key: str) -> None:
-        target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(local, target)
-        _fsync(target)
-
-    def get_file(self, key: str, local: Path) -> bool:
-        source = self._path(key)
-        if not source.is_file():
-            return False
-        local.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(source, local)
-        return True
-
-    def copy_file(self, source: str, target: str) -> None:
-        self.put_file(self._path(source), target)
-
-    def put_bytes(self, key: str, data: bytes) -> None:
-        target, tmp = self._fsynced_beside(key, data)
-        os.replace(tmp, target)
-        _fsync_dir(target.parent)
-
-    def _fsynced_beside(self, key: str, data: bytes) -> tuple[Path, Path]:
-        """(the path of `key`, a temporary file beside it holding `data`, written and fsynced)."""
-        target = self._path(key)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        return target, tmp
-
-    def create_bytes(self, key: str, data: bytes) -> None:
-        """Write `key` only if it does not exist (a hard link of a complete, fsynced file: all or nothing)."""
-        target, tmp = self._fsynced_beside(key, data)
-        try:
-            os.link(tmp, target)
-        except FileExistsError:
-            raise CheckpointError(f"{target} exists already: a checkpoint's commit point is written once") from None
-        finally:
-            tmp.unlink(missing_ok=True)
-        _fsync_dir(target.parent)
-
-    def get_bytes(self, key: str) -> bytes | None:
-        path = self._path(key)
-        return path.read_bytes() if path.is_file() else None
-
-    def list_keys(self, prefix: str) -> list[str]:
-        base = self._path(prefix) if prefix else self.root
-        if not base.is_dir():
-            return []
-        return sorted(p.relative_to(self.root).as_posix() for p in base.rglob("*") if p.is_file())
-
-    def delete_prefix(self, prefix: str) -> None:
-        shutil.rmtree(self._path(prefix), ignore_errors=True)
-
-    def delete_keys(self, keys: list[str]) -> None:
-        for key in keys:
-            self._path(key).unlink(missing_ok=True)
-
-    def staging(self, key: str) -> str:
-        name = key.replace("/", "_")
-        return f".tmp-{name}-{uuid.uuid4().hex}"
-
-    def commit(self, staging: str, key: str) -> None:
-        source, target = self._path(staging), self._path(key)
-        source.mkdir(parents=True, exist_ok=True)  # an empty upload still commits
-        target.parent.mkdir(parents=True, exist_ok=True)
-        trash = None
-        if target.exists():
-            trash = self.root / f".trash-{uuid.uuid4().hex}"
-            os.replace(target, trash)
-        os.replace(source, target)
-        _fsync_dir(target.parent)
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable (where the platform lets a directory be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-class _S3Backend:
-    """Objects under s3://bucket/prefix; writes go straight to their final keys."""
-
-    def __init__(self, s3: S3Store) -> None:
-        self.s3 = s3
-
-    def put_file(self, local: Path, key: str) -> None:
-        self.s3.upload_file(local, key)
-
-    def get_file(self, key: str, local: Path) -> bool:
-        return self.s3.download_file(key, local)
-
-    def copy_file(self, source: str, target: str) -> None:
-        self.s3.copy_key(source, target)
-
-    def put_bytes(self, key: str, data: bytes) -> None:
-        self.s3.put_bytes(key, data)
-
-    def create_bytes(self, key: str, data: bytes) -> None:
-        """A conditional create (If-None-Match: *): the bucket policy refuses any other write of a commit point."""
-        if self.s3.put_if(key, data, absent=True) is None:
-            raise CheckpointError(f"s3://{self.s3.location.bucket}/{self.s3._key(key)} exists already: a checkpoint's "
-                                  f"commit point is written once")
-
-    def get_bytes(self, key: str) -> bytes | None:
-        return self.s3.get_bytes(key)
-
-    def list_keys(self, prefix: str) -> list[str]:
-        return self.s3.list_keys(f"{prefix}/" if prefix else "")
-
-    def delete_prefix(self, prefix: str) -> None:
-        self.s3.delete_keys(self.list_keys(prefix))
-
-    def delete_keys(self, keys: list[str]) -> None:
-        self.s3.delete_keys(keys)
-
-    def staging(self, key: str) -> str:
-        return key
-
-    def commit(self, staging: str, key: str) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def _file_lock(path: Path, body: bytes, waiting: Callable[[dict | None], None], poll_s: float) -> Iterator[None]:
-    """An exclusive flock on `path` (created if needed), `body` written into it while held."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        told = False
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if not told:
-                    told = True
-                    try:
-                        waiting(json.loads(path.read_bytes() or b"null"))
-                    except ValueError:
-                        waiting(None)
-                time.sleep(poll_s)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, body, 0)
-        try:
-            yield
-        finally:
-            os.ftruncate(fd, 0)
-            fcntl.flock(fd, fcntl.LOCK_UN)
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -275,7 +68,7 @@ def _files_of(local: Path) -> list[tuple[Path, str]]:
 class CheckpointStore:
     """Versioned training checkpoints (`iter_<N>/`) plus a `latest.json` pointer."""
 
-    def __init__(self, uri: str, backend: _Backend) -> None:
+    def __init__(self, uri: str, backend: Backend) -> None:
         self.uri = uri
         self._backend = backend
 
@@ -302,7 +95,7 @@ class CheckpointStore:
                 error=CheckpointError,
             )
             s3.probe()
-            return cls(location.uri, _S3Backend(s3))
+            return cls(location.uri, S3Backend(s3))
         if parsed.scheme == "file":
             if parsed.netloc not in ("", "localhost"):
                 raise CheckpointError(f"file URI must be file:///absolute/path, got {uri!r}")
@@ -313,7 +106,7 @@ class CheckpointStore:
             raise CheckpointError(f"unsupported checkpoint URI {uri!r} (use file:///dir, a path or s3://bucket/prefix)")
         root = root.expanduser().resolve()
         try:
-            backend = _LocalBackend(root)
+            backend = LocalBackend(root)
         except OSError as exc:
             raise CheckpointError(f"cannot create checkpoint directory {root}: {exc}") from exc
         return cls(root.as_uri(), backend)
@@ -624,7 +417,7 @@ class CheckpointStore:
     def delete_all(self) -> None:
         """Delete everything in this store (its checkpoints, latest.json, stored directories and records)."""
         self._backend.delete_keys(self._backend.list_keys(""))
-        if isinstance(self._backend, _LocalBackend):  # the directories the files were in
+        if isinstance(self._backend, LocalBackend):  # the directories the files were in
             for entry in self._backend.root.iterdir():
                 if entry.is_dir():
                     shutil.rmtree(entry, ignore_errors=True)
@@ -636,41 +429,15 @@ class CheckpointStore:
         machines; the others wait, polling every `poll_s` (`waiting(holder)` is called once, with what the holder
         wrote). Local: an flock on the file, released by the OS if the holder dies. S3: an object written with a
         conditional create, rewritten every stale_s / 4 while held; one not rewritten for `stale_s` (its holder
-        died) is taken over with a conditional overwrite (only one waiter wins it)."""
+        died) is taken over with a conditional overwrite (only one waiter wins it). (components/storage/locks.py)"""
         key = self._check_key(key)
         body = json.dumps(owner).encode()
-        if isinstance(self._backend, _LocalBackend):
-            with _file_lock(self._backend.root / key, body, waiting, poll_s):
-                yield
-            return
-        s3 = self._backend.s3
-        told = False
-        while True:
-            if s3.create_bytes(key, body):
-                break
-            seen = s3.head(key)
-            if seen is not None and seen[1] > stale_s and s3.replace_bytes(key, body, seen[0]):
-                break
-            if not told:
-                told = True
-                waiting(self.get_json(key) if seen is not None else None)
-            time.sleep(poll_s)
-        stop = threading.Event()
-
-        def heartbeat() -> None:
-            while not stop.wait(stale_s / 4):
-                current = s3.head(key)
-                if current is not None:
-                    s3.replace_bytes(key, body, current[0])
-
-        beat = threading.Thread(target=heartbeat, name=f"lock-{key}", daemon=True)
-        beat.start()
-        try:
+        if isinstance(self._backend, LocalBackend):
+            lock = file_lock(self._backend.root / key, body, waiting, poll_s)
+        else:
+            lock = object_lock(self._backend.s3, key, body, waiting, poll_s, stale_s, lambda: self.get_json(key))
+        with lock:
             yield
-        finally:
-            stop.set()
-            beat.join()
-            self._backend.delete_keys([key])
 
     @staticmethod
     def _check_key(key: str) -> str:

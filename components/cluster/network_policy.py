@@ -4,17 +4,19 @@ CNI's network policy agent: infra/terraform).
 What Terraform sets once per namespace (envs/dev): no pod takes ingress unless a policy allows it; actor pods take
 ingress from actor pods (the ranks' rendezvous and collectives, which start before any flow code runs). What a run
 sets for itself, here, while it has deployment servers:
-- its training Job is the one the pod runs in: an Indexed Job's pod hostname is <job>-<index> (the actor pool's
-  torchrun command finds rank 0 the same way), and every pod of it carries `batch.kubernetes.io/job-name: <job>`;
+- its training Job is the one the pod that runs the run is in: a Job's pod hostname is <job>-<index> (the flow run's
+  own Job; with node groups, the JobSet's Job <jobset>-node-0, whose pods are every node group), and every pod of it
+  carries `batch.kubernetes.io/job-name: <job>`;
 - its servers' pods are labelled `rlhf/run: <job>` (the work pool's job variable `run_label`, which the run passes
-  when it starts their deployments);
-- two NetworkPolicies named after the job: the run's server pods take ingress from the job's pods only, and the
-  job's pods take ingress from the run's server pods (the rollout server joins the trainer's weight-transfer group).
+  when it starts their deployments; the labels of the LeaderWorkerSets it creates with launch=kubernetes);
+- two NetworkPolicies named after the job: the run's server pods take ingress from the job's pods and from each
+  other only, and the job's pods take ingress from the run's server pods (the rollout server joins the trainer's
+  weight-transfer group).
   Both are owned by the training Job (ownerReferences): if the run is killed before it deletes them, Kubernetes
   removes them with the Job. A pod of another run, or anything else in the cluster, cannot open a connection to them.
 
-The REST calls use the pod's service account (RBAC in envs/dev: create/delete NetworkPolicies, get Jobs, in the
-namespace only). Off the cluster (no $KUBERNETES_SERVICE_HOST), or with RLHF_NETWORK_POLICY=off, nothing is done.
+The REST calls use the pod's service account through components/cluster/kube.py (RBAC in envs/dev: create/delete
+NetworkPolicies, get Jobs, in the namespace only). Off the cluster (no $KUBERNETES_SERVICE_HOST), or with RLHF_NETWORK_POLICY=off, nothing is done.
 """
 
 from __future__ import annotations
@@ -23,15 +25,13 @@ import os
 import re
 import socket
 import threading
-from pathlib import Path
 from typing import Optional
 
-import httpx
+from components.cluster.kube import Kube, KubeError
 
 RUN_LABEL = "rlhf/run"
 JOB_LABEL = "batch.kubernetes.io/job-name"
 SWITCH_ENV = "RLHF_NETWORK_POLICY"
-ACCOUNT = Path("/var/run/secrets/kubernetes.io/serviceaccount")
 
 
 def own_job(env=os.environ, hostname: Optional[str] = None) -> Optional[str]:
@@ -43,45 +43,42 @@ def own_job(env=os.environ, hostname: Optional[str] = None) -> Optional[str]:
 
 
 def policies(job: str, namespace: str, job_uid: Optional[str] = None) -> list[dict]:
-    """The run's two NetworkPolicies (pure manifests): servers <- the job's pods, the job's pods <- servers."""
+    """The run's two NetworkPolicies (pure manifests): servers <- the job's pods and the run's other servers (a
+    server group across pods), the job's pods <- servers."""
     owner = ([{"apiVersion": "batch/v1", "kind": "Job", "name": job, "uid": job_uid, "blockOwnerDeletion": False}]
              if job_uid else [])
 
-    def policy(name: str, target: dict, source: dict) -> dict:
+    def policy(name: str, target: dict, *sources: dict) -> dict:
         return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                 "metadata": {"name": name, "namespace": namespace, "ownerReferences": owner,
                              "labels": {"app.kubernetes.io/part-of": "rlhf-flows", RUN_LABEL: job}},
                 "spec": {"podSelector": {"matchLabels": target}, "policyTypes": ["Ingress"],
-                         "ingress": [{"from": [{"podSelector": {"matchLabels": source}}]}]}}
+                         "ingress": [{"from": [{"podSelector": {"matchLabels": source}} for source in sources]}]}}
 
-    return [policy(f"rlhf-{job}-servers"[:253], {RUN_LABEL: job}, {JOB_LABEL: job}),
+    return [policy(f"rlhf-{job}-servers"[:253], {RUN_LABEL: job}, {JOB_LABEL: job}, {RUN_LABEL: job}),
             policy(f"rlhf-{job}-trainer"[:253], {JOB_LABEL: job}, {RUN_LABEL: job})]
 
 
 class KubeAPI:
-    """The few Kubernetes API calls a run makes, as its pod's service account."""
+    """The few Kubernetes API calls a run's policies need, as its pod's service account (components/cluster/kube.py)."""
 
-    def __init__(self, env=os.environ, account: Path = ACCOUNT):
-        self.namespace = (account / "namespace").read_text().strip()
-        host, port = env["KUBERNETES_SERVICE_HOST"], env.get("KUBERNETES_SERVICE_PORT", "443")
-        self.http = httpx.Client(base_url=f"https://{host}:{port}", verify=str(account / "ca.crt"), timeout=30,
-                                 headers={"authorization": f"Bearer {(account / 'token').read_text().strip()}"})
+    def __init__(self, kube: Optional[Kube] = None):
+        kube = kube or Kube()
+        self.kube, self.namespace = kube, kube.namespace
 
     def job_uid(self, job: str) -> Optional[str]:
-        response = self.http.get(f"/apis/batch/v1/namespaces/{self.namespace}/jobs/{job}")
-        return response.json()["metadata"]["uid"] if response.status_code == 200 else None
+        found = self.kube.get("batch/v1", "Job", job)
+        return found["metadata"]["uid"] if found else None
 
     def create(self, manifest: dict) -> None:
-        response = self.http.post(f"/apis/networking.k8s.io/v1/namespaces/{self.namespace}/networkpolicies",
-                                  json=manifest)
-        if response.status_code not in (200, 201, 409):  # 409: it exists already (a retried start)
-            raise RuntimeError(f"NetworkPolicy {manifest['metadata']['name']}: the Kubernetes API answered "
-                               f"{response.status_code}: {response.text[:500]}")
+        try:
+            self.kube.create(manifest)
+        except KubeError as exc:
+            if exc.status != 409:  # 409: it exists already (a retried start)
+                raise
 
     def delete(self, name: str) -> None:
-        response = self.http.delete(f"/apis/networking.k8s.io/v1/namespaces/{self.namespace}/networkpolicies/{name}")
-        if response.status_code not in (200, 202, 404):
-            raise RuntimeError(f"NetworkPolicy {name}: the Kubernetes API answered {response.status_code}")
+        self.kube.delete("networking.k8s.io/v1", "NetworkPolicy", name)
 
 
 class RunPolicies:

@@ -1,13 +1,11 @@
-"""Per-run NetworkPolicies (components/serving/network_policy.py): which Job a pod runs in, the two policies a run
+"""Per-run NetworkPolicies (components/cluster/network_policy.py): which Job a pod runs in, the two policies a run
 creates (its servers take traffic from its own Job's pods only, and the other way round), owned by the Job, created
 once for all the run's servers and deleted after the last one. The Kubernetes API cannot run here: a recording
-stand-in takes its calls."""
+stand-in takes its calls (the client's own calls against a stand-in API server: tests/components/cluster)."""
 
 from __future__ import annotations
 
-import pytest
-
-from components.serving.network_policy import JOB_LABEL, RUN_LABEL, RunPolicies, own_job, policies
+from components.cluster.network_policy import JOB_LABEL, RUN_LABEL, RunPolicies, own_job, policies
 
 
 def test_the_job_a_pod_runs_in():
@@ -22,7 +20,8 @@ def test_the_job_a_pod_runs_in():
 def test_a_runs_policies_let_only_its_own_job_reach_its_servers_and_back():
     servers, trainer = policies("ppo-x7k2q", "rlhf", job_uid="1234-uid")
     assert servers["spec"]["podSelector"] == {"matchLabels": {RUN_LABEL: "ppo-x7k2q"}}
-    assert servers["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {JOB_LABEL: "ppo-x7k2q"}}}]}]
+    assert servers["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {JOB_LABEL: "ppo-x7k2q"}}},
+                                                    {"podSelector": {"matchLabels": {RUN_LABEL: "ppo-x7k2q"}}}]}]
     assert trainer["spec"]["podSelector"] == {"matchLabels": {JOB_LABEL: "ppo-x7k2q"}}
     assert trainer["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {RUN_LABEL: "ppo-x7k2q"}}}]}]
     for policy in (servers, trainer):
@@ -62,27 +61,3 @@ def test_policies_are_created_for_the_first_server_and_deleted_after_the_last():
     assert ("delete", "rlhf-ppo-x7k2q-servers") not in RecordingAPI.calls  # the rollout server still serves
     run.release()
     assert RecordingAPI.calls[-2:] == [("delete", "rlhf-ppo-x7k2q-servers"), ("delete", "rlhf-ppo-x7k2q-trainer")]
-
-
-@pytest.mark.parametrize("status", [500, 403])
-def test_a_policy_the_api_refuses_fails_the_start_naming_it(status):
-    from components.serving.network_policy import KubeAPI
-
-    api = KubeAPI.__new__(KubeAPI)  # its HTTP client answers every call with `status` (the API refusing)
-    api.namespace, api.http = "rlhf", _Answer(status)
-    with pytest.raises(RuntimeError, match=rf"NetworkPolicy rlhf-j-servers: the Kubernetes API answered {status}"):
-        api.create(policies("j", "rlhf")[0])
-    api.http = _Answer(409)
-    api.create(policies("j", "rlhf")[0])  # it exists already (a retried start): fine
-
-
-class _Answer:
-    def __init__(self, status):
-        self.status = status
-
-    def post(self, *args, **kwargs):
-        import httpx
-
-        return httpx.Response(self.status, text="refused")
-
-    get = delete = post

@@ -29,8 +29,8 @@ import torch
 from torch import Tensor
 
 from components.serving.auth import read_secret, triton_headers
-from components.serving.servers import (CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, REWARD_TEXT,
-                                        TRAIN_STATS)
+from components.serving.triton.contract import (CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, REWARD_TEXT,
+                                                TRAIN_STATS)
 from models.critic import CriticInputError, validate_tokens, validate_train
 
 _DTYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.object_): "BYTES"}

@@ -1,7 +1,4 @@
-"""The vLLM rollout server: vLLM's own engine behind a small FastAPI app (uvicorn), run in its own environment.
-
-It runs in `.venv-vllm` (Makefile `vllm-venv`), never in the project's: vLLM needs numpy >= 2, PyTriton pins numpy < 2.
-So this module imports nothing from the project. On a cluster it is its own pod, from an image with `vllm`.
+"""The rollout server's app: vLLM's own engine (`vllm.LLM`, in this process) behind a small FastAPI app.
 
 Why our own FastAPI app around `vllm.LLM`, and not vLLM's OpenAI server with a worker extension: a trainer needs
 generate-from-token-ids with the sampled distribution's logprobs, an in-place weight update that clears the prefix
@@ -51,145 +48,38 @@ Endpoints:
   POST /weights/update     {run, version, names, dtype_names, shapes}: receive the tensors over that group
 Bad input is a 4xx whose body names the field (`detail`), and the server keeps serving.
 
-Start: python -m components.serving.rollout_server --model DIR --port P [--dtype ... --max-model-len ...]
+Runs in .venv-vllm: imports nothing from the project (components/serving/rollout/__init__.py); started by main.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import datetime
 import hmac
 import json
 import logging
-import os
-import queue
-import signal
-import socket
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-# in-process engine (tensors reach the model directly) and quiet start-up; set before vllm is imported
-os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
-os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-os.environ.setdefault("DO_NOT_TRACK", "1")
+import torch
+from fastapi import FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field
+from safetensors import safe_open
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+from vllm import LLM, SamplingParams, TokensPrompt
 
-import torch  # noqa: E402
-import uvicorn  # noqa: E402
-from fastapi import FastAPI, HTTPException, Query, Request  # noqa: E402
-from fastapi.responses import JSONResponse  # noqa: E402
-from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
-from starlette.requests import ClientDisconnect  # noqa: E402
-from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
-from safetensors import safe_open  # noqa: E402
-from starlette.concurrency import run_in_threadpool  # noqa: E402
-from vllm import LLM, SamplingParams, TokensPrompt  # noqa: E402
-from vllm.distributed.weight_transfer.base import (WeightTransferEngine, WeightTransferInitInfo,  # noqa: E402
-                                                   WeightTransferUpdateInfo)
-from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory  # noqa: E402
-from vllm.model_executor.model_loader.reload import (finalize_layerwise_reload,  # noqa: E402
-                                                   initialize_layerwise_reload)
+from components.serving.rollout.body import BodyReader, safetensors_header
+from components.serving.rollout.weights import TRANSFER_BACKEND
 
 log = logging.getLogger("rlhf.rollout_server")
 
-TRANSFER_BACKEND = "rlhf_torch_group"  # our backend's name in vLLM's weight-transfer factory
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-                      "BOOL": torch.bool}
 WIRE_DTYPES = {"float32", "float16", "bfloat16", "float64"}
-SECRET_ENV, SECRET_FILE_ENV = "RLHF_RUN_SECRET", "RLHF_RUN_SECRET_FILE"  # as components/serving/auth.py
-PARENT_PID_ENV = "RLHF_PARENT_PID"  # as components/launch/processes.py: the run process this server must not outlive
 OPEN_PATHS = {("GET", "/health")}  # liveness/readiness: no secret needed
-INIT_CONNECT_TIMEOUT_S = 30.0  # /weights/init: how long joining the trainer's store may take (it listens already)
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
-# ---------------------------------------------------------------- the dist transport as a vLLM weight-transfer engine
-
-@dataclass
-class GroupInitInfo(WeightTransferInitInfo):
-    """Where the trainer's side of the group is: its TCPStore (the trainer is rank 0, this engine rank 1)."""
-
-    master_address: str
-    master_port: int
-    backend: str = "gloo"
-    timeout_s: float = 600.0
-
-
-@dataclass
-class GroupUpdateInfo(WeightTransferUpdateInfo):
-    """The tensors of one update, in the order the trainer broadcasts them (the shape of vLLM's NCCL update info)."""
-
-    names: list[str]
-    dtype_names: list[str]
-    shapes: list[list[int]]
-    ready_key: str = ""  # set in the trainer's store once this side receives: the trainer broadcasts then
-
-
-def process_group(backend: str, store, rank: int, timeout: datetime.timedelta, peer: str = ""):
-    """A torch.distributed group of two over `store`, without a default process group: gloo (on loopback when the
-    peer is on this machine), or NCCL (GPUs). As rollout_client.process_group."""
-    if backend == "nccl":
-        options = torch.distributed.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
-    Gloo = torch.distributed.ProcessGroupGloo
-    options = Gloo._Options()
-    options._timeout = timeout
-    options._devices = [Gloo.create_device(hostname="127.0.0.1") if peer in LOOPBACK else Gloo.create_default_device()]
-    return Gloo(store, rank, 2, options)
-
-
-class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
-    """vLLM weight-transfer engine over a torch.distributed group of two processes (no default process group on
-    either side): the trainer broadcasts each tensor from rank 0, this engine receives it into a fresh buffer and
-    loads it at once through vLLM's layerwise reload (checkpoint format: vLLM repacks for its kernels)."""
-
-    init_info_cls = GroupInitInfo
-    update_info_cls = GroupUpdateInfo
-
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.group = self.store = None
-
-    def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
-        timeout = datetime.timedelta(seconds=init_info.timeout_s)
-        connect = datetime.timedelta(seconds=min(init_info.timeout_s, INIT_CONNECT_TIMEOUT_S))
-        self.store = torch.distributed.TCPStore(init_info.master_address, init_info.master_port, 2, is_master=False,
-                                                timeout=connect)
-        self.store.set_timeout(timeout)
-        self.group = process_group(init_info.backend, self.store, 1, timeout, init_info.master_address)
-
-    def start_weight_update(self) -> None:
-        initialize_layerwise_reload(self.model)
-
-    def finish_weight_update(self) -> None:
-        finalize_layerwise_reload(self.model, self.model_config)
-
-    def receive_weights(self, update_info: GroupUpdateInfo) -> None:
-        if self.group is None:
-            raise RuntimeError("weights/update: no transfer group; POST /weights/init first")
-
-        def arriving():
-            for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
-                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
-                self.group.broadcast(tensor, 0).wait()
-                yield name, tensor
-
-        if update_info.ready_key:
-            self.store.set(update_info.ready_key, "1")
-        self.model.load_weights(arriving())
-
-    def shutdown(self) -> None:
-        self.group = None
-
-
-WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, TorchGroupWeightTransfer)
 
 
 # ---------------------------------------------------------------- requests
@@ -460,99 +350,6 @@ class ServedModel:
         return self._apply(req.run, req.version, load)
 
 
-def safetensors_header(body: "BodyReader") -> list[tuple[str, torch.dtype, list[int]]]:
-    """(name, dtype, shape) of each tensor of a safetensors file, in the order of their data; 400 naming what is
-    wrong with a file that is not one, or not laid out back to back."""
-    try:
-        size = int.from_bytes(body.read(8), "little")
-        if not 0 < size < min(1 << 26, body.length - 7):
-            raise ValueError(f"a header of {size} bytes in a body of {body.length}")
-        header = json.loads(body.read(size))
-        entries = sorted((e["data_offsets"], name, SAFETENSORS_DTYPES[e["dtype"]], list(e["shape"]))
-                         for name, e in header.items() if name != "__metadata__")
-        at = 0
-        for (begin, end), name, dtype, shape in entries:
-            if begin != at or end - begin != torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size():
-                raise ValueError(f"{name}: data at [{begin}, {end}) does not follow at {at} with its size")
-            at = end
-        return [(name, dtype, shape) for _, name, dtype, shape in entries]
-    except HTTPException:
-        raise
-    except Exception as exc:  # noqa: BLE001 - any parse failure is the client's bytes
-        raise HTTPException(400, f"body: not a safetensors file ({type(exc).__name__}: {exc})") from None
-
-
-class BodyReader:
-    """Blocking reads of a request body that the event loop feeds in chunks (a bounded queue: the body is never held
-    whole). `close()` from the reading side makes the feeding side drop the rest; `abort()` from the feeding side
-    (the client went away) ends the reader at once; a body that stops arriving for `timeout_s` ends it too."""
-
-    def __init__(self, length: int, depth: int = 64, timeout_s: float = 60.0):
-        self.length, self.left, self.timeout_s = length, length, timeout_s
-        self.chunks: queue.Queue = queue.Queue(depth)
-        self.pending, self.closed = memoryview(b""), False
-        self.aborted: Optional[str] = None
-
-    # -- the event loop's side
-    async def feed(self, chunk: Optional[bytes]) -> None:
-        """Queue a chunk (None: the end); when the queue is full, wait for the reader off the event loop."""
-        try:
-            self.chunks.put_nowait(chunk)
-        except queue.Full:
-            await run_in_threadpool(self._put, chunk)
-
-    def _put(self, chunk: Optional[bytes]) -> None:
-        while not self.closed:
-            try:
-                self.chunks.put(chunk, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def abort(self, why: str) -> None:
-        """The body will not arrive whole: the reader stops at its next read (a reader waiting on an empty queue is
-        woken by the None put here; one with chunks queued sees `aborted` before it takes the next)."""
-        self.aborted = why
-        try:
-            self.chunks.put_nowait(None)
-        except queue.Full:
-            pass  # chunks are queued: the reader checks `aborted` before taking each
-
-    # -- the reading side
-    def read_into(self, out) -> None:
-        view, at = memoryview(out).cast("B"), 0
-        while at < len(view):
-            if not self.pending:
-                if self.aborted:
-                    raise HTTPException(400, f"body: {self.aborted} after {self.length - self.left} of its "
-                                             f"content-length {self.length} bytes")
-                try:
-                    chunk = self.chunks.get(timeout=self.timeout_s)
-                except queue.Empty:
-                    raise HTTPException(408, f"body: no data for {self.timeout_s:.0f}s after {self.length - self.left} "
-                                             f"of its content-length {self.length} bytes") from None
-                if chunk is None:
-                    raise HTTPException(400, f"body: {self.aborted or 'ended'} after {self.length - self.left} of "
-                                             f"its content-length {self.length} bytes")
-                self.pending = memoryview(chunk)
-            n = min(len(view) - at, len(self.pending))
-            view[at:at + n] = self.pending[:n]
-            self.pending, at = self.pending[n:], at + n
-            self.left -= n
-
-    def read(self, n: int) -> bytes:
-        out = bytearray(n)
-        self.read_into(out)
-        return bytes(out)
-
-    def read_end(self) -> None:
-        """The body must end where the file does."""
-        if self.left or self.pending:
-            raise HTTPException(400, f"body: {self.left} bytes after the safetensors file")
-
-    def close(self) -> None:
-        self.closed = True
-
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:
     """The tensor names and shapes of a Hugging Face checkpoint directory (safetensors, sharded or not), read from
@@ -652,100 +449,3 @@ def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_t
     app.add_middleware(Guard, secret=secret, max_body=max_body, max_upload=served.max_upload_bytes)
     return app
 
-
-def read_secret() -> str:
-    """The run's secret from $RLHF_RUN_SECRET or the file $RLHF_RUN_SECRET_FILE names (as components/serving/auth.py);
-    a server without one does not start: it would serve anyone."""
-    value = os.environ.get(SECRET_ENV)
-    if value is None and os.environ.get(SECRET_FILE_ENV):
-        value = Path(os.environ[SECRET_FILE_ENV]).read_text()
-    value = (value or "").strip()
-    if len(value) < 16:
-        log.error(f"no run secret (at least 16 characters) in ${SECRET_ENV} or ${SECRET_FILE_ENV}: a rollout server "
-                  f"serves one run, and takes requests carrying that run's secret only")
-        raise SystemExit(2)
-    return value
-
-
-def exit_with_parent(poll_s: float = 1.0, grace_s: float = 10.0) -> None:
-    """Stop within `poll_s` once the run process that started us ($RLHF_PARENT_PID) is gone (as components/launch/
-    processes.exit_with_parent): SIGTERM to our process group (uvicorn shuts down), SIGKILL after `grace_s`."""
-    parent = int(os.environ.get(PARENT_PID_ENV, "0") or 0)
-    if not parent:
-        return
-
-    def watch():
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        log.error(f"the run process {parent} that started this server is gone: stopping")
-        group = os.getpgid(0)
-        target = (lambda sig: os.killpg(group, sig)) if group == os.getpid() else (lambda sig: os.kill(os.getpid(), sig))
-        target(signal.SIGTERM)
-        time.sleep(grace_s)
-        target(signal.SIGKILL)
-
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
-
-
-def pin_to_cores(spec: str) -> set[int]:
-    """Bind every thread of this process to the cores of `spec` (a Linux core list: "1", "2-3", "0,4-5"), as a pod's
-    CPU set would: vLLM's own binding (VLLM_CPU_OMP_THREADS_BIND) reaches only the thread that built the engine, while
-    generation runs in the web server's worker threads."""
-    try:
-        cores = {core for part in spec.split(",") for core in
-                 (range(int(part.split("-")[0]), int(part.split("-")[-1]) + 1))}
-    except ValueError:
-        raise SystemExit(f"--cpu-cores: {spec!r} is not a core list like 1, 2-3 or 0,4-5") from None
-    try:
-        for task in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(task), cores)
-    except OSError as exc:
-        raise SystemExit(f"--cpu-cores: cannot run on cores {sorted(cores)} ({exc.strerror}); this process may use "
-                         f"{sorted(os.sched_getaffinity(0))}") from None
-    return cores
-
-
-def main(argv: Optional[list[str]] = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="Hugging Face model directory (config, tokenizer, weights).")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-model-len", type=int, default=None, help="Default: the model's own limit.")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--enforce-eager", action="store_true")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
-    parser.add_argument("--instance", default="", help="Nonce echoed by /health (the launcher checks it reached its own server).")
-    parser.add_argument("--cpu-cores", default=None, help="Cores every thread of this process runs on, e.g. 1 or 2-3,6.")
-    parser.add_argument("--trainer-host", default="127.0.0.1", help="The one address POST /weights/init may name (the trainer's).")
-    parser.add_argument("--max-request-sequences", type=int, default=4096, help="Cap on prompts x n per /generate.")
-    parser.add_argument("--max-request-tokens", type=int, default=1 << 23, help="Cap on prompts x n x max_new_tokens per /generate.")
-    parser.add_argument("--max-body-mib", type=int, default=32, help="Largest JSON body; a weight upload is bounded by the model's size.")
-    parser.add_argument("--body-timeout-s", type=float, default=60.0, help="An upload that sends nothing for this long is dropped.")
-    parser.add_argument("--limit-concurrency", type=int, default=64, help="Connections served at once (503 beyond).")
-    args = parser.parse_args(argv)
-    if args.cpu_cores:  # before any worker thread starts: the threads started later inherit it
-        pin_to_cores(args.cpu_cores)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    secret = read_secret()
-    exit_with_parent()
-    # the port first, before the model loads: a port taken by someone else fails at once, naming it
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as exc:
-        log.error(f"--port: cannot bind {args.host}:{args.port}: {exc.strerror or exc}")
-        raise SystemExit(2) from None
-    started = time.perf_counter()
-    served = ServedModel(args.model, args.dtype, args.max_model_len, args.seed, args.enforce_eager,
-                         args.gpu_memory_utilization, args.instance, args.trainer_host, args.max_request_sequences,
-                         args.max_request_tokens)
-    log.info(f"engine loaded in {time.perf_counter() - started:.1f}s: {json.dumps(served.describe())}")
-    app = build_app(served, secret, args.max_body_mib << 20, args.body_timeout_s)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning", limit_concurrency=args.limit_concurrency,
-                                  timeout_keep_alive=30)).run(sockets=[sock])
-
-
-if __name__ == "__main__":
-    main()

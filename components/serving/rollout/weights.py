@@ -1,0 +1,105 @@
+"""The `dist` weight transfer of the rollout server (`rollout.vllm.weight_transfer`): vLLM's own weight-transfer API
+(`init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update`) with a backend of
+ours registered in its factory: a torch.distributed group of two (gloo on CPU, NCCL where the engine is on a GPU) with
+actor rank 0, which broadcasts the tensors one at a time; each is loaded as it arrives (vLLM's own backends need CUDA
+on both ends and vLLM on the trainer's side, which has none). Tensors come in the actor's Hugging Face names with a
+tied lm_head included (without it vLLM silently keeps the old head). The trainer's side: components/serving/rollout/
+client.py.
+
+Runs in .venv-vllm: imports nothing from the project (components/serving/rollout/__init__.py).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+TRANSFER_BACKEND = "rlhf_torch_group"  # our backend's name in vLLM's weight-transfer factory
+INIT_CONNECT_TIMEOUT_S = 30.0  # /weights/init: how long joining the trainer's store may take (it listens already)
+LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+@dataclass
+class GroupInitInfo(WeightTransferInitInfo):
+    """Where the trainer's side of the group is: its TCPStore (the trainer is rank 0, this engine rank 1)."""
+
+    master_address: str
+    master_port: int
+    backend: str = "gloo"
+    timeout_s: float = 600.0
+
+
+@dataclass
+class GroupUpdateInfo(WeightTransferUpdateInfo):
+    """The tensors of one update, in the order the trainer broadcasts them (the shape of vLLM's NCCL update info)."""
+
+    names: list[str]
+    dtype_names: list[str]
+    shapes: list[list[int]]
+    ready_key: str = ""  # set in the trainer's store once this side receives: the trainer broadcasts then
+
+
+def process_group(backend: str, store, rank: int, timeout: datetime.timedelta, peer: str = ""):
+    """A torch.distributed group of two over `store`, without a default process group: gloo (on loopback when the
+    peer is on this machine), or NCCL (GPUs). As client.process_group."""
+    if backend == "nccl":
+        options = torch.distributed.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
+    Gloo = torch.distributed.ProcessGroupGloo
+    options = Gloo._Options()
+    options._timeout = timeout
+    options._devices = [Gloo.create_device(hostname="127.0.0.1") if peer in LOOPBACK else Gloo.create_default_device()]
+    return Gloo(store, rank, 2, options)
+
+
+class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
+    """vLLM weight-transfer engine over a torch.distributed group of two processes (no default process group on
+    either side): the trainer broadcasts each tensor from rank 0, this engine receives it into a fresh buffer and
+    loads it at once through vLLM's layerwise reload (checkpoint format: vLLM repacks for its kernels)."""
+
+    init_info_cls = GroupInitInfo
+    update_info_cls = GroupUpdateInfo
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = self.store = None
+
+    def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
+        timeout = datetime.timedelta(seconds=init_info.timeout_s)
+        connect = datetime.timedelta(seconds=min(init_info.timeout_s, INIT_CONNECT_TIMEOUT_S))
+        self.store = torch.distributed.TCPStore(init_info.master_address, init_info.master_port, 2, is_master=False,
+                                                timeout=connect)
+        self.store.set_timeout(timeout)
+        self.group = process_group(init_info.backend, self.store, 1, timeout, init_info.master_address)
+
+    def start_weight_update(self) -> None:
+        initialize_layerwise_reload(self.model)
+
+    def finish_weight_update(self) -> None:
+        finalize_layerwise_reload(self.model, self.model_config)
+
+    def receive_weights(self, update_info: GroupUpdateInfo) -> None:
+        if self.group is None:
+            raise RuntimeError("weights/update: no transfer group; POST /weights/init first")
+
+        def arriving():
+            for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
+                tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
+                self.group.broadcast(tensor, 0).wait()
+                yield name, tensor
+
+        if update_info.ready_key:
+            self.store.set(update_info.ready_key, "1")
+        self.model.load_weights(arriving())
+
+    def shutdown(self) -> None:
+        self.group = None
+
+
+WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, TorchGroupWeightTransfer)
