@@ -2,8 +2,9 @@
 flow run is not a rank of the actor but the run's controller (components/runs.train hands the run to `control`):
 
     hold the run's lease (one writer per run name) for all its attempts
-    hand the run over through the run's store (control/handoff.json: the config, the lease's holder id, who runs it),
-        never through a local directory: the node groups share nothing else with this process or with each other
+    hand the run over through the run's store (control/handoff.json: the config, the lease's holder id, who runs it;
+        the run's reward files stored there too), never through a local directory: the node groups share nothing
+        else with this process or with each other
     start the node groups where deploy.actor.launch says (components/launch/nodes.py: LocalNodes, or a JobSet), each
         rank running `python -m components.runs --store URI`: node group 0's rank 0 runs the run, the others follow
     watch them: relay node group 0's rank 0's messages, tables and progress to this process's steps (the flow run's
@@ -38,7 +39,7 @@ from components.launch.processes import free_port
 from components.launch.ranks import BACKEND_ENV, TIMEOUT_ENV
 from components.storage.store import CheckpointStore
 from components.storage.lease import acquire as acquire_lease
-from components.tracking.run import checkpoint_uri, default_tracking_uri
+from components.tracking.run import checkpoint_uri, default_tracking_uri, store_reward_files
 from models import distributed
 from models.config import RLHFConfig, merge, run_name_for
 from models.loop import Steps
@@ -74,6 +75,7 @@ def control(cfg: RLHFConfig, steps: Steps) -> dict:
     lease = acquire_lease(store, name, cfg.deploy.checkpoint.lease_timeout_s, steps.log,
                           tags.get("prefect.flow_run_id") or None)
     try:
+        cfg, _ = store_reward_files(cfg, store)  # a reward file on this machine only reaches rank 0 through the store
         handed = merge(cfg, {"run_name": name, "deploy.state_dir": None, "deploy.checkpoint.uri": base,
                              "deploy.tracking.uri": tracking})  # a node's state directory is its own
         token = secrets.token_hex(4)
