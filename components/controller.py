@@ -82,7 +82,7 @@ def control(cfg: RLHFConfig, steps: Steps) -> dict:
         store.put_json(HANDOFF, {"config": handed.model_dump(mode="json"), "lease_holder": lease.holder.id,
                                  "tags": tags, "relay": token})
         store.put_json(RESULT, {"state": "pending"})
-        spec = node_spec(cfg, name, store)
+        spec = node_spec(cfg, name, store.uri)
         nodes = node_groups(spec, cfg, cfg.resolved_state_dir() / "runs" / name)
         try:
             steps.log(f"run {name}: the actor on {actor.nnodes} node groups x {actor.nproc_per_node} rank(s) "
@@ -115,13 +115,13 @@ def spec_name(run_name: str) -> str:
     return f"rlhf-{slug + '-' if slug else ''}{hashlib.sha256(run_name.encode()).hexdigest()[:6]}"
 
 
-def node_spec(cfg: RLHFConfig, name: str, store: CheckpointStore) -> NodeSpec:
+def node_spec(cfg: RLHFConfig, name: str, store_uri: str) -> NodeSpec:
     """What every node group runs: torchrun with the actor's ranks, each rank `python -m components.runs --store
-    <the run's store>` (rank 0 reads the hand-off there)."""
+    <the run's store>` (rank 0 reads the hand-off there). `rlhf cluster manifests` builds it too, before any run."""
     actor = cfg.deploy.actor
     port = actor.master_port or (JOBSET_PORT if actor.launch == "jobset" else free_port("127.0.0.1", 0))
     endpoint = cfg.deploy.checkpoint.s3_endpoint_url
-    command = ["-m", "components.runs", "--store", store.uri] + (["--s3-endpoint-url", endpoint] if endpoint else [])
+    command = ["-m", "components.runs", "--store", store_uri] + (["--s3-endpoint-url", endpoint] if endpoint else [])
     return NodeSpec(spec_name(name), actor.nnodes, actor.nproc_per_node, port, command,
                     {BACKEND_ENV: actor.backend, TIMEOUT_ENV: str(actor.collective_timeout_s)}, actor.max_restarts)
 
