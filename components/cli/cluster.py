@@ -15,7 +15,7 @@ from pathlib import Path
 
 from components.cli.options import parse_overrides
 from components.cluster.objects import RunIdentity, Site, dumps, run_manifests
-from components.controller import node_spec, spec_name
+from components.controller import node_spec
 from models.config import load_config, run_name_for
 
 
@@ -29,7 +29,7 @@ def cmd_manifests(args) -> int:
     identity = RunIdentity.of(run_name, "manifests")
     actor = cfg.deploy.actor
     store = f"{(cfg.deploy.checkpoint.uri or '<deploy.checkpoint.uri>').rstrip('/')}/{run_name}"
-    nodes = node_spec(cfg, spec_name(run_name), store) if actor.nnodes > 1 and actor.launch == "jobset" else None
+    nodes = node_spec(cfg, run_name, store) if actor.nnodes > 1 and actor.launch == "jobset" else None
     objects = run_manifests(cfg, site, identity, nodes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

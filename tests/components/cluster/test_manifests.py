@@ -142,7 +142,7 @@ def test_owned_by_the_runs_job_so_a_deleted_flow_run_pod_takes_them_with_it():
     cfg = _cfg()
     identity = RunIdentity("rlhf-demo-1", "ppo-x7k2q", {"name": "ppo-x7k2q", "uid": "uid-1"})
     site = Site.of(cfg.deploy.cluster, {})
-    spec = node_spec(_cfg(**{"deploy.actor.nnodes": 2}), "rlhf-demo-1", "s3://b/rlhf/checkpoints/demo")
+    spec = node_spec(_cfg(**{"deploy.actor.nnodes": 2}), "demo", "s3://b/rlhf/checkpoints/demo")
     for obj in (jobset(spec, cfg.deploy.cluster, site, identity),
                 leader_worker_set("critic", cfg, site, identity, ["x"])):
         assert obj["metadata"]["ownerReferences"] == [{"apiVersion": "batch/v1", "kind": "Job", "name": "ppo-x7k2q",
