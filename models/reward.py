@@ -1,8 +1,12 @@
 """Rewards: a sequence-classification reward model, or Python reward functions.
 
 A function is named 'package.module:function' (imported: it must be importable in the process that scores) or
-'path/to/rewards.py:function' (the file loaded by path, under a module name of its own: no package, no sys.path
-entry needed). Several functions with weights (reward.functions / reward.weights, as TRL's reward_funcs /
+'path/to/rewards.py:function' (a file, under a module name of its own: no package, no sys.path entry needed). A run
+stores the bytes of each such file in its store where it starts (reward.files: its sha256 and stored copy, by the
+absolute path it was read from), and every process that scores for it (the reward server wherever it runs, the
+actor's rank 0) loads those bytes, checked by their digest, never the path: a file that exists only where the run
+started scores everywhere, and a changed reward needs no image rebuild. A process with no stored copy of a file (a
+standalone `rlhf serve reward`) loads it by its path. Several functions with weights (reward.functions / reward.weights, as TRL's reward_funcs /
 reward_weights) score as their weighted sum; each one's scores travel with it for the metrics rewards/<name>/mean.
 """
 
@@ -10,14 +14,17 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Callable
+import os
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from models.deploy import DeployConfig
 from models.loading import DTYPES, disable_dropout, freeze, from_pretrained
-from models.specs import absolute_spec, import_object, is_file_spec  # noqa: F401 (re-exported)
+from models.resolve import fetch_file
+from models.specs import absolute_spec, import_object, is_file_spec, spec_file  # noqa: F401 (re-exported)
 
 RewardFn = Callable[[list[str], list[str]], list[float]]
 
@@ -94,12 +101,36 @@ def reward_model_scores(model, tokens: Tensor, lengths: Tensor) -> Tensor:
     return (scores - stats[0]) / stats[1] if stats is not None else scores
 
 
-def import_function(spec: str, field: str = "reward.function"):
-    """The reward function a spec names (models/specs.import_object)."""
-    return import_object(spec, field)
+def reward_file(spec: str):
+    """The file a file spec names, as an absolute, normalised path (models/specs.spec_file)."""
+    return spec_file(spec)
 
 
-def load_reward_function(spec: str, field: str = "reward.function", probe: bool = True) -> RewardFn:
+def import_function(spec: str, field: str = "reward.function", files: Optional[dict] = None,
+                    deploy: Optional[DeployConfig] = None):
+    """The object a spec names: 'package.module:fn' imported; 'path/to/rewards.py:fn' loaded from the run's stored
+    copy of the file when `files` (reward.files) has one (by its digest, as the module 'rlhf_rewards_<sha256>'),
+    else from the path (as 'rlhf_rewards_<hash of the path>'), once per process (models/specs.import_object)."""
+    if not is_file_spec(spec):
+        return import_object(spec, field)
+    origin = reward_file(spec)
+    stored = (files or {}).get(str(origin))
+    if stored is None:
+        if not origin.is_file():
+            raise ValueError(f"{field}: reward file '{origin}' does not exist in this process (working directory "
+                             f"{os.getcwd()}), and the run stored no copy of it (reward.files): a run stores each "
+                             f"reward file where it starts, for every process that scores")
+        return import_object(spec, field)
+    sha256, uri = (stored["sha256"], stored["uri"]) if isinstance(stored, dict) else (stored.sha256, stored.uri)
+    try:
+        path = fetch_file(uri, sha256, field, deploy)
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise ValueError(str(exc)) from exc
+    return import_object(spec, field, path=path, module_name=f"rlhf_rewards_{sha256[:24]}")
+
+
+def load_reward_function(spec: str, field: str = "reward.function", probe: bool = True, files: Optional[dict] = None,
+                         deploy: Optional[DeployConfig] = None) -> RewardFn:
     """Load a reward function (`import_function`) and wrap it so a wrong length or non-finite value fails loudly.
 
     The function is called as fn(prompts, responses, **columns): the data set's other columns (models/data.py), one
@@ -107,9 +138,10 @@ def load_reward_function(spec: str, field: str = "reward.function", probe: bool 
     function of (prompts, responses) alone gets none. The wrapper takes `columns` as a list of row dicts.
 
     With `probe`, a function that reads no column is called once on two dummy samples so a broken function fails
-    before training starts; `check_columns` checks a data set's columns against what it needs."""
+    before training starts; `check_columns` checks a data set's columns against what it needs. `files`, `deploy`:
+    the run's stored reward files and where to fetch them (`import_function`)."""
     attr = spec.rpartition(":")[2]
-    fn = import_function(spec, field)
+    fn = import_function(spec, field, files, deploy)
     if not callable(fn):
         raise ValueError(f"{field}: '{spec}' is not callable")
     required, optional, any_column = column_parameters(fn)
@@ -175,11 +207,12 @@ class WeightedRewards:
             fn.check_columns(names, source)
 
 
-def load_reward_functions(reward, probe: bool = True) -> WeightedRewards:
-    """The reward functions of a RewardConfig (reward.function, or reward.functions with reward.weights), loaded."""
+def load_reward_functions(reward, probe: bool = True, deploy: Optional[DeployConfig] = None) -> WeightedRewards:
+    """The reward functions of a RewardConfig (reward.function, or reward.functions with reward.weights), loaded (a
+    file the run stored: from its stored copy, fetched with `deploy`'s settings)."""
     specs = reward.specs()
     fields = ["reward.function"] if reward.function else [f"reward.functions[{i}]" for i in range(len(specs))]
-    return WeightedRewards([load_reward_function(s, f, probe) for s, f in zip(specs, fields)],
+    return WeightedRewards([load_reward_function(s, f, probe, reward.files, deploy) for s, f in zip(specs, fields)],
                            reward.function_weights(), reward.function_names())
 
 

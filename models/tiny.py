@@ -41,8 +41,9 @@ from transformers import (GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadM
 
 from models.critic import init_critic
 from models.environments.chat import ChatFormat
-from models.tiny_files import TEMPLATES_DIR, file_digests
+from models.resolve import file_digests
 from models.tasks import arithmetic, sentiment
+from models.tiny_files import TEMPLATES_DIR
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
 

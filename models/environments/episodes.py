@@ -34,7 +34,8 @@ from models.distributed import SINGLE, Dist
 from models.engines.base import Rollout, from_responses
 from models.environments.chat import ChatFormat, read_template
 from models.environments.pool import Request, WorkerPool
-from models.specs import absolute_spec
+from models.resolve import fetch_file
+from models.specs import absolute_spec, is_file_spec, spec_file
 
 LOG = logging.getLogger("rlhf.environments")
 
@@ -394,7 +395,7 @@ def start_episodes(cfg, tokenizer, model_config, me: Dist = SINGLE, workers: int
     started and probed, the environments and the chat format checked (each refusal names its field)."""
     env = cfg.environment
     pool = WorkerPool(workers or env.workers, {name or "": absolute_spec(spec) for name, spec in env.factories().items()},
-                      [absolute_spec(spec) for spec in cfg.reward.specs()]).start()
+                      worker_reward_specs(cfg)).start()
     try:
         environments = pool.probe(env.call_deadline_s)
         check_environments(environments, cfg, me)
@@ -406,6 +407,18 @@ def start_episodes(cfg, tokenizer, model_config, me: Dist = SINGLE, workers: int
     limit = getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", None)
     return EpisodeRunner(pool, environments, chat, cfg.reward.function_names(), cfg.reward.function_weights(),
                          env.max_turns, env.call_deadline_s, env.episode_deadline_s, limit, me)
+
+
+def worker_reward_specs(cfg) -> list[str]:
+    """The reward functions as the workers load them: a file the run stored a copy of (reward.files) as that copy on
+    this machine (checked by its digest), any other file by its absolute path, a module as it is."""
+    out = []
+    for i, spec in enumerate(cfg.reward.specs()):
+        stored = (cfg.reward.files or {}).get(str(spec_file(spec))) if is_file_spec(spec) else None
+        if stored is not None:
+            spec = f"{fetch_file(stored.uri, stored.sha256, f'reward.functions[{i}]', cfg.deploy)}:{spec.rpartition(':')[2]}"
+        out.append(absolute_spec(spec))
+    return out
 
 
 def check_environments(environments: dict, cfg, me: Dist = SINGLE) -> None:
