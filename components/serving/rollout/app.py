@@ -46,6 +46,8 @@ Endpoints:
   POST /update_weights     ?version=<next>&run=<token>, body: a safetensors file of the full state dict
   POST /weights/init       {run, master_address, master_port, backend, timeout_s}: join the trainer's group
   POST /weights/update     {run, version, names, dtype_names, shapes}: receive the tensors over that group
+  GET /v1/models, POST /v1/chat/completions(/tokens), /tokenize, /inference/v1/generate: what environments use
+                           (components/serving/rollout/openai.py, vLLM's own shapes)
 Bad input is a 4xx whose body names the field (`detail`), and the server keeps serving.
 
 Runs in .venv-vllm: imports nothing from the project (components/serving/rollout/__init__.py); started by main.py.
