@@ -75,9 +75,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from vllm import LLM, SamplingParams, TokensPrompt
+from vllm.exceptions import VLLMClientError
 
 from components.serving.rollout.body import BodyReader, safetensors_header
-from components.serving.rollout.openai import add_openai_endpoints, error_body, is_openai_path
+from components.serving.rollout.openai import add_openai_endpoints, client_error, error_body, is_openai_path
 from components.serving.rollout.weights import TRANSFER_BACKEND
 
 log = logging.getLogger("rlhf.rollout_server")
@@ -456,14 +457,24 @@ def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_t
     def update(req: UpdateRequest, ready_key: str = Query(..., min_length=1)) -> dict:
         return served.update_group(req, ready_key)
 
+    def refusal(request: Request, status: int, detail, headers: Optional[dict] = None) -> JSONResponse:
+        body = error_body(status, str(detail)) if is_openai_path(request.url.path) else {"detail": detail}
+        return JSONResponse(body, status_code=status, headers=headers)
+
     @app.exception_handler(StarletteHTTPException)
     async def named(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """Every refusal names what it refuses: FastAPI's own for a body that is not JSON says `body:` too."""
         detail = exc.detail
         if isinstance(detail, str) and detail.startswith("There was an error parsing the body"):
             detail = f"body: not valid JSON ({detail})"
-        body = error_body(exc.status_code, str(detail)) if is_openai_path(request.url.path) else {"detail": detail}
-        return JSONResponse(body, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return refusal(request, exc.status_code, detail, getattr(exc, "headers", None))
+
+    @app.exception_handler(VLLMClientError)
+    async def refused_by_vllm(request: Request, exc: VLLMClientError) -> JSONResponse:
+        """vLLM's own checks of a request (SamplingParams, its request models' validators): a 4xx naming the field,
+        not a 500 (`temperature` over 2 on /generate, both `add_generation_prompt` and `continue_final_message` on
+        /tokenize)."""
+        return refusal(request, *client_error(exc))
 
     add_openai_endpoints(app, served)
 

@@ -30,6 +30,7 @@ Runs in .venv-vllm: imports nothing from the project (components/serving/rollout
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from types import SimpleNamespace
@@ -49,8 +50,10 @@ from vllm.entrypoints.scale_out.token_in_token_out.protocol import (GenerateLogP
                                                                      GenerateLogProbsContent, GenerateRequest,
                                                                      GenerateTokensChoice, GenerateTokensResponse)
 from vllm.entrypoints.serve.engine.protocol import ErrorInfo, ErrorResponse, ModelCard, ModelList, UsageInfo
+from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
 from vllm.entrypoints.serve.exception_handling.handlers.validation import validation_exception_handler
 from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest, TokenizeResponse
+from vllm.exceptions import VLLMClientError
 from vllm.outputs import WeightVersionSpan
 
 from components.serving.rollout.chat import (ChatTemplateError, ToolsUnsupported, parse_completion, render,
@@ -59,7 +62,8 @@ from components.serving.rollout.chat import (ChatTemplateError, ToolsUnsupported
 OPENAI_PREFIXES = ("/v1/", "/tokenize", "/inference/")
 VERSION_HEADER = "X-Weights-Version"
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError", 404: "NotFoundError",
-               409: "ConflictError", 411: "BadRequestError", 413: "BadRequestError", 503: "ServiceUnavailableError"}
+               409: "ConflictError", 422: "UnprocessableEntityError", 503: "ServiceUnavailableError"}
+FIELDS = re.compile(r"[A-Za-z_][\w.\[\]-]*(, [A-Za-z_][\w.\[\]-]*)*")  # "tools", "messages[0].role", "n, max_tokens"
 
 
 def is_openai_path(path: str) -> bool:
@@ -67,11 +71,24 @@ def is_openai_path(path: str) -> bool:
 
 
 def error_body(status: int, message: str) -> dict:
-    """vLLM's (and OpenAI's) error shape; `param` is the field a message starts with ("tools: ...")."""
+    """vLLM's (and OpenAI's) error shape; `param` is the field(s) a message starts with ("tools: ...")."""
     head, sep, _ = message.partition(":")
-    param = head if sep and head and " " not in head.strip() else None
-    return ErrorResponse(error=ErrorInfo(message=message, type=ERROR_TYPES.get(status, "InternalServerError"),
-                                         param=param, code=status)).model_dump()
+    param = head if sep and FIELDS.fullmatch(head) else None
+    kind = ERROR_TYPES.get(status, "BadRequestError" if status < 500 else "InternalServerError")
+    return ErrorResponse(error=ErrorInfo(message=message, type=kind, param=param, code=status)).model_dump()
+
+
+def client_error(exc: VLLMClientError) -> tuple[int, str]:
+    """A request vLLM's own checks refuse (its request models' validators and `SamplingParams` raise these, past
+    pydantic's validation, so FastAPI would answer 500): vLLM's status for it and our message, which starts with the
+    field: the error's `parameter`, else the fields the message names (`tools`, "temperature must ...")."""
+    message = str(exc.args[0]) if exc.args else type(exc).__name__
+    leading = re.match(r"([a-z][a-z0-9_]*(?:, [a-z][a-z0-9_]*)*) (?:must|cannot|contains|strings|entries|is|are) ",
+                       message)
+    field = (getattr(exc, "parameter", None) or ", ".join(dict.fromkeys(re.findall(r"`([A-Za-z_][\w.]*)`", message)))
+             or (leading and leading[1])
+             or ("structured_outputs" if re.search(r"structured output|JSON schema", message) else "body"))
+    return create_error_response(exc).error.code, f"{field}: {message[:1000]}"
 
 
 class ChatCompletionTokensRequest(ChatCompletionRequest):

@@ -151,6 +151,11 @@ def test_a_call_cut_short_is_content_counted_and_the_token_routes_answer(server,
     ("/v1/chat/completions/tokens", {"messages": [], "tokens": [5, 100000]}, 400, "tokens"),
     ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"max_tokens": 1}, "output_mode": "text"}, 400, "output_mode"),
     ("/tokenize", {"messages": [{"content": "no role"}]}, 400, None),
+    # vLLM's own checks (its request models' validators, SamplingParams) raise past pydantic's validation: still 400s
+    ("/tokenize", {"messages": [], "add_generation_prompt": True, "continue_final_message": True}, 400,
+     "continue_final_message, add_generation_prompt"),
+    ("/v1/chat/completions/tokens", {"messages": [], "tokens": [5], "temperature": 3.0}, 400, "temperature"),
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"temperature": 0, "n": 2}}, 400, "n"),
 ])
 def test_bad_requests_are_refused_in_vllms_error_shape_naming_the_field(server, http, path, body, status, param):
     response = http.post(path, json=body)

@@ -316,6 +316,8 @@ def test_bad_input_is_refused_naming_the_field_and_the_server_keeps_serving(serv
         ({**good, "stop_token_ids": [-1]}, 400, "stop_token_ids: token id -1"),
         ({**good, "expected_version": version + 7}, 409, f"the engine holds weights version {version}"),
         ({**good, "temprature": 0.5}, 422, "temprature"),
+        ({**good, "temperature": 3.0}, 400, "temperature: temperature must be in [0, 2]"),  # vLLM's own checks
+        ({**good, "temperature": 0, "n": 2}, 400, "n: n must be 1 when using greedy sampling"),
     ]
     for body, status, fragment in cases:
         response = http.post("/generate", json=body)
