@@ -1,7 +1,8 @@
 """The one run builder: a training run composed from its config, for `rlhf train` and the Prefect flows alike.
 
     prepare the run (models/prepare.py) and read its data (models/data.py): bad input fails before any model loads
-    open or resume its record: the MLflow run and the checkpoint store (components/tracking/run.py)
+    open or resume its record: the MLflow run and the checkpoint store, its reward files stored there and the
+        provenance of its models recorded (components/tracking/run.py)
     start the rollout server when the engine holds its own weights (it loads beside the actor)
     start the actor on its ranks, restored from the run's last checkpoint
     the run's services: the rollout server given the actor's weights, and what the algorithm scores with (a critic
@@ -38,15 +39,16 @@ def train(cfg: RLHFConfig, steps: Steps = DIRECT) -> dict:
     checkpoint."""
     cfg = prepare_run(cfg)
     prompts, evals = read_data(cfg)  # bad data fails here, before any model loads
-    with recorded_run(cfg, steps) as session, rollout_server(cfg, session.place, steps) as rollout, \
-            actor_on_ranks(cfg, session, steps) as actor, \
-            run_services(cfg, session.place, actor, steps, rollout) as services:
-        log_data(session, prompts, evals, steps)
-        history, evaluations = run_loop(cfg, actor, prompts, evals, RunRecord(session, services, steps), steps)
-        model = steps("export-model", publish_model, session, retries=1)  # the trained model out: store + MLflow
-        steps.log(f"model of iteration {model['iteration']}: {model['model']} (MLflow logged model "
-                  f"{model['mlflow_model_id']})")
-        return {**summary(session, actor, history, evaluations, steps), **model}
+    with recorded_run(cfg, steps) as session:
+        cfg = session.cfg  # with its reward files stored (reward.files): what every process of the run receives
+        with rollout_server(cfg, session.place, steps) as rollout, actor_on_ranks(cfg, session, steps) as actor, \
+                run_services(cfg, session.place, actor, steps, rollout) as services:
+            log_data(session, prompts, evals, steps)
+            history, evaluations = run_loop(cfg, actor, prompts, evals, RunRecord(session, services, steps), steps)
+            model = steps("export-model", publish_model, session, retries=1)  # the trained model out: store + MLflow
+            steps.log(f"model of iteration {model['iteration']}: {model['model']} (MLflow logged model "
+                      f"{model['mlflow_model_id']})")
+            return {**summary(session, actor, history, evaluations, steps), **model}
 
 
 @contextmanager
@@ -146,6 +148,7 @@ def summary(session: RunSession, actor: Leader, history: list[dict], evaluations
     steps.log(f"run {session.name} finished: {actor.state.iteration} iterations on {actor.me.world_size} actor rank(s)")
     final = history[-1] if history else {}
     return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": actor.state.iteration,
-            "checkpoint": session.store.uri,
+            "checkpoint": session.store.uri, "models": session.models, "data": session.data,
+            "reward_files": session.reward_files,
             "final": {k: v for k, v in final.items() if k in HEADLINE or k.startswith(("objective/", "rewards/"))},
             "history": history, "evals": evaluations}

@@ -6,8 +6,9 @@
     start the trainee on the actor's ranks (components/launch/ranks.py), restored from that checkpoint
     the held-out eval before the first step; optimizer steps in segments between checkpoints and evals; the eval after
         the last step
-    the output: a plain HF model directory (LoRA merged; a reward model with the reward statistics of its held-out
-        eval in its config.json) stored beside the checkpoints with the sha256 of every file
+    the output: the last checkpoint's model as a plain HF model directory (components/export.py, the one export:
+        LoRA merged onto its digest-checked base, the stage's dtype; a reward model with the reward statistics of its
+        held-out eval in its config.json) stored beside the checkpoints with the sha256 of every file
 
 How each named step executes is the caller's `Steps` (models/loop.py): directly (`rlhf sft`), or as Prefect tasks of
 a flow run (components/tasks.FlowSteps). Where the ranks run is the config's `deploy` section.
@@ -23,19 +24,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
+from components.export import export_checkpoint
 from components.launch.ranks import actor_ranks
 from components.storage.store import CheckpointStore
 from components.tracking.run import checkpoint_uri, closed_when_done, default_tracking_uri
 from components.tracking.tracker import Tracker
 from models.config import merge
+from models.export import export_spec
 from models.data import RowStream
-from models.loading import check_model_path
+from models.deploy import DeployConfig
 from models.loop import DIRECT, Steps
 from models.stages.config import StageRun
 from models.policy import load_policy_tokenizer
 from models.stages.data import Pairs, Sequences, load_pairs, load_sequences, position_limit
 from models.stages.train import total_steps
-from models.tiny_files import file_digests, manifest_digest
+from models.resolve import file_digests
+from models.tiny_files import manifest_digest
 
 STATS_ROWS = 1000  # pairs whose rewards give the reward statistics when a reward model has no held-out split
 
@@ -62,28 +66,30 @@ def prepare_stage(cfg: StageRun) -> tuple[StageRun, Sequences | Pairs, Sequences
     """The config with its derived values (its model exists, an absolute state directory, the LR schedule's length
     from the rows it trains on), its training rows and its held-out rows (None without eval_split), read with the
     model's tokenizer: bad data fails here, before any model loads."""
-    path = check_model_path(cfg.resolve_model_path(cfg.model), "model")
-    data, held_out = stage_rows(cfg.stage, cfg.train, path)
+    path = cfg.resolve_model_path(cfg.model)
+    data, held_out = stage_rows(cfg.stage, cfg.train, path, deploy=cfg.deploy)
     updates = {"deploy.state_dir": str(cfg.resolved_state_dir())}
     if cfg.train.optim.total_steps is None:
         updates[f"{cfg.stage}.optim.total_steps"] = total_steps(cfg.train, len(data))
     return merge(cfg, updates), data, held_out
 
 
-def stage_rows(stage: str, train, path: str, held_out_only: bool = False):
-    """The training rows and the held-out rows (None without eval_split) of a stage's section, tokenized with the
-    tokenizer of the model at `path` and cut to its position limit (max_length); `held_out_only`: (None, held-out)."""
+def stage_rows(stage: str, train, path: str, held_out_only: bool = False, deploy: DeployConfig | None = None):
+    """The training rows and the held-out rows (None without eval_split) of a stage's section (at its subset and
+    revision), tokenized with the tokenizer of the model at `path` and cut to its position limit (max_length);
+    `held_out_only`: (None, held-out)."""
     from transformers import AutoConfig  # heavy (~3 s): only a stage's run needs it
 
     tokenizer = load_policy_tokenizer(path, "model")
     limit = position_limit(tokenizer, train.max_length, AutoConfig.from_pretrained(path))
     load = load_sequences if stage == "sft" else load_pairs
     field_name = f"{stage}.data"
-    data = None if held_out_only else load(train.data, train.split, tokenizer, limit, field_name)
+    data = None if held_out_only else load(train.data, train.split, tokenizer, limit, field_name, train.subset,
+                                           train.revision, deploy)
     held_out = None
     if train.eval_split is not None:
         held_out = load(train.eval_data or train.data, train.eval_split, tokenizer, limit,
-                        f"{stage}.eval_data" if train.eval_data else field_name)
+                        f"{stage}.eval_data" if train.eval_data else field_name, train.subset, train.revision, deploy)
         if train.max_eval_rows:
             held_out = _head(held_out, train.max_eval_rows)
     return data, held_out
@@ -117,6 +123,7 @@ class StageSession:
     tracker: Tracker
     resumed_from: int | None = None
     manifest: dict = field(default_factory=dict)
+    model: dict = field(default_factory=dict)  # the provenance of the model it trains from (models/resolve.py)
 
     @classmethod
     def open(cls, cfg: StageRun, tags: dict[str, str] | None = None) -> "StageSession":
@@ -129,11 +136,14 @@ class StageSession:
             shutil.rmtree(local_dir / "restore", ignore_errors=True)
             manifest = store.load(local_dir / "restore", resumed_from)
         nested = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
+        model = cfg.resolve_model(cfg.model).provenance
         tracker = Tracker(default_tracking_uri(cfg), cfg.tracking.experiment, name, run_id=manifest.get("tracking_run_id"),
-                          tags={"stage": cfg.stage, "model": cfg.model, **nested, **(tags or {})},
+                          tags={"stage": cfg.stage, "model": cfg.model, "model.digest": model["digest"],
+                                **({"model.commit": model["commit"]} if model.get("commit") else {}),
+                                **nested, **(tags or {})},
                           system_metrics=cfg.deploy.tracking.system_metrics)
         tracker.start(cfg.model_dump(mode="json"))
-        return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest)
+        return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest, model)
 
     def restore(self, trainee) -> str | None:
         """Load the downloaded checkpoint into the freshly built trainee on all its ranks."""
@@ -145,9 +155,12 @@ class StageSession:
         shutil.rmtree(stage, ignore_errors=True)
         trainee.save(stage / "trainee")
         state = trainee.state
+        cfg = self.cfg
         manifest = {"iteration": state.iteration, "episode": state.episode, "run_name": self.name,
                     "world_size": state.me.world_size, "tracking_run_id": self.tracker.run_id,
-                    "config": self.cfg.model_dump(mode="json")}
+                    "config": cfg.model_dump(mode="json"), "models": {"model": self.model},
+                    "export": export_spec("trainee", "causal-lm" if cfg.stage == "sft" else "sequence-classification",
+                                          cfg.train.dtype, cfg.model, cfg.model_revision, "model", self.model)}
         uri = self.store.save(state.iteration, {"trainee": stage / "trainee"}, manifest)
         self.store.prune(self.cfg.checkpoint.keep_last)
         self.tracker.log_checkpoint(uri, state.iteration)
@@ -256,16 +269,17 @@ def _eval_table(cfg: StageRun, held_out, rows: list[dict], limit: int = 32) -> l
 # ---------------------------------------------------------------- the output
 
 def publish(session: StageSession, trainee, data, evaluations: list[dict], steps: Steps = DIRECT) -> dict:
-    """Write the stage's model (LoRA merged; a reward model with reward_mean / reward_std in its config.json: those of
-    its last held-out eval, else of up to STATS_ROWS training pairs) and store it beside the checkpoints, each file's
-    sha256 recorded; returns its URI, local directory and digests."""
+    """Export the stage's model from its last checkpoint (components/export.py: LoRA merged; a reward model with
+    reward_mean / reward_std in its config.json: those of its last held-out eval, else of up to STATS_ROWS training
+    pairs) and store it beside the checkpoints, each file's sha256 recorded; returns its URI, local directory and
+    digests."""
     local = session.local_dir / "model"
     shutil.rmtree(local, ignore_errors=True)
     config = None
     if session.cfg.stage == "reward_model":
         last = evaluations[-1] if evaluations else trainee.evaluate(data.rows(list(range(min(len(data), STATS_ROWS)))))[0]
         config = {"reward_mean": last["reward_mean"], "reward_std": last["reward_std"]}
-    trainee.export(local, config)
+    export_checkpoint(session.store, local, deploy=session.cfg.deploy, config=config)
     uri = session.store.put_dir(local, "model")
     digests = file_digests(local)
     session.tracker.client.set_tag(session.tracker.run_id, "model.uri", uri)

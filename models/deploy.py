@@ -94,8 +94,16 @@ class TrackingPlacement(Section):
 
 class CheckpointPlacement(Section):
     uri: Optional[str] = Field(None, description="file:///dir, a path, or s3://bucket/prefix; None uses <state_dir>/checkpoints. The run name is appended.")
-    s3_endpoint_url: Optional[str] = Field(None, description="Endpoint of an S3-compatible store (None = AWS or $AWS_ENDPOINT_URL_S3).")
+    s3_endpoint_url: Optional[str] = Field(None, description="Endpoint of an S3-compatible store, for the checkpoints and for s3:// models and data (None = AWS or $AWS_ENDPOINT_URL_S3).")
     lease_timeout_s: float = Field(60.0, ge=5, description="One writer per run name: a run holds a lease on its checkpoint store (a file lock locally, a lease object created with a conditional put on S3, renewed every third of this); another run of the same name is refused while the lease is held, and takes a lease over that was not renewed for this long (its holder is gone; logged).")
+
+
+class CachePlacement(Section):
+    """How this deployment's processes bring models and data that are not local paths onto their machine
+    (models/resolve.py): s3:// sources into a cache directory, hub ids into the Hugging Face cache."""
+
+    dir: Optional[str] = Field(None, description="Where s3:// models and data and a run's stored reward files are fetched on each machine (once; a later run reuses them while their ETags are unchanged); a volume the run's pods share on a cluster fetches each once for all of them. None = $RLHF_CACHE_DIR, else <HF_HOME>/rlhf-flows (HF_HOME: ~/.cache/huggingface unless set; /cache/huggingface on the cluster's shared volume).")
+    hub_downloads: bool = Field(False, description="Download a hub id (model or data set) that is not in the Hugging Face cache into it at run time, one process (or pod) at a time under a lock in the cache, the others waiting for it; false = nothing downloads at run time: a missing one fails naming its field and the `hf download` command. The cluster's deployments set true (the cache on the pods' shared volume); HF_HUB_OFFLINE=1 forbids it either way.")
 
 
 class PodPlacement(Section):
@@ -162,8 +170,9 @@ class DeployConfig(Section):
     reward: ServerPlacement = Field(default_factory=ServerPlacement, description="The reward server (algorithms without a critic, or a critic that does not carry the reward model).")
     rollout: RolloutPlacement = Field(default_factory=RolloutPlacement, description="The vLLM rollout server (rollout.engine=vllm).")
     tracking: TrackingPlacement = Field(default_factory=TrackingPlacement, description="The MLflow tracking server.")
-    checkpoint: CheckpointPlacement = Field(default_factory=CheckpointPlacement, description="The checkpoint store.")
+    checkpoint: CheckpointPlacement = Field(default_factory=CheckpointPlacement, description="The checkpoint store (its s3_endpoint_url also serves s3:// models and data).")
     cluster: ClusterPlacement = Field(default_factory=ClusterPlacement, description="The run's own pods on Kubernetes (the actor's node groups with actor.launch=jobset, servers with launch=kubernetes).")
+    cache: CachePlacement = Field(default_factory=CachePlacement, description="Models and data that are not local paths: s3:// sources and hub ids (models/resolve.py).")
 
     def resolved_state_dir(self) -> Path:
         return Path(self.state_dir).absolute() if self.state_dir else default_state_dir()

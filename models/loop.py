@@ -44,10 +44,10 @@ def read_data(cfg: RLHFConfig) -> tuple[PromptSet, PromptSet | None]:
     if not d.prompts:
         raise DataError("data.prompts: not set; name the training prompts (a local file or folder, a hub data set id, "
                         "or builtin:<task>: models/data.py)")
-    prompts = checked_prompt_set(cfg, tokenizer, d.prompts, d.split, d.prompt_key, "data.prompts", d.subset)
+    prompts = checked_prompt_set(cfg, tokenizer, d.prompts, d.split, d.prompt_key, "data.prompts", d.subset, d.revision)
     if not e.prompts or not e.every:
         return prompts, None
-    evals = checked_prompt_set(cfg, tokenizer, e.prompts, e.split, e.prompt_key, "eval.prompts", e.subset)
+    evals = checked_prompt_set(cfg, tokenizer, e.prompts, e.split, e.prompt_key, "eval.prompts", e.subset, e.revision)
     evals = evals.head(e.max_prompts) if e.max_prompts else evals
     if len(evals) < cfg.deploy.actor.world_size:  # as training: every rank evaluates its share, none may be empty
         raise DataError(f"eval.prompts: '{e.prompts}' has {len(evals)} prompt(s) (split '{e.split}'"
@@ -57,14 +57,14 @@ def read_data(cfg: RLHFConfig) -> tuple[PromptSet, PromptSet | None]:
 
 
 def checked_prompt_set(cfg: RLHFConfig, tokenizer, source: str, split: str, prompt_key: str, field: str,
-                       subset: str | None = None) -> PromptSet:
+                       subset: str | None = None, revision: str | None = None) -> PromptSet:
     found = load_prompt_set(source, split, prompt_key, tokenizer, cfg.data.max_prompt_length, cfg.data.long_prompts,
-                            cfg.data.chat_template, field, subset)
+                            cfg.data.chat_template, field, subset, revision, cfg.deploy)
     names = sorted({k for row in found.columns for k in row})
     if cfg.reward.source == "function":
-        load_reward_functions(cfg.reward, probe=False).check_columns(names, f"{field} '{source}'")
+        load_reward_functions(cfg.reward, probe=False, deploy=cfg.deploy).check_columns(names, f"{field} '{source}'")
     if spec := gold_spec(cfg):
-        load_reward_function(spec, "reward.gold", probe=False).check_columns(names, f"{field} '{source}'")
+        gold_loader(cfg, spec, probe=False).check_columns(names, f"{field} '{source}'")
     return found
 
 
@@ -119,7 +119,7 @@ def critic_text_reward(cfg: RLHFConfig, trainer: CriticTrainer):
 
 def build_local_reward(cfg: RLHFConfig):
     if cfg.reward.source == "function":
-        return FunctionReward(load_reward_functions(cfg.reward))
+        return FunctionReward(load_reward_functions(cfg.reward, deploy=cfg.deploy))
     model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, local_device(cfg.deploy.device, SINGLE),
                               normalize=cfg.reward.normalize)
     if cfg.reward.transport == "text":
@@ -134,7 +134,12 @@ def gold_spec(cfg: RLHFConfig) -> str | None:
 
 
 def gold_function(cfg: RLHFConfig):
-    return load_reward_function(spec, "reward.gold") if (spec := gold_spec(cfg)) else None
+    return gold_loader(cfg, spec) if (spec := gold_spec(cfg)) else None
+
+
+def gold_loader(cfg: RLHFConfig, spec: str, probe: bool = True):
+    """The gold reward function `spec` of the run (a file the run stored: loaded by its digest)."""
+    return load_reward_function(spec, "reward.gold", probe, files=cfg.reward.files, deploy=cfg.deploy)
 
 
 # ---------------------------------------------------------------- what every rank executes

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from models.config import LoraConfig
 from models.data import encode
 from models.distributed import SINGLE, Dist, full_state_dict, is_sharded, shard_model
-from models.loading import DTYPES, autocast, checkpoint_activations, disable_dropout, freeze, from_pretrained
+from models.loading import (DTYPES, adapters_in_float32, autocast, base_dtype, checkpoint_activations, disable_dropout,
+                            freeze, from_pretrained)
 from models.engines.base import Rollout, Weights
 
 
@@ -58,19 +59,22 @@ class Policy:
 
         Memory (docs/memory.md): the trainable weights, their gradients and AdamW states stay float32 (master
         weights); `dtype` is the compute dtype (autocast; with FSDP2 also the dtype the blocks are all-gathered in,
-        gradients reduced in float32) and the frozen reference's storage dtype. `gradient_checkpointing` recomputes
+        gradients reduced in float32) and the storage dtype of what is frozen: the reference, and with LoRA the base
+        (the adapters float32). `gradient_checkpointing` recomputes
         each block's activations in the backward pass instead of keeping them. `reference=False`: no frozen copy
         (supervised fine-tuning needs none)."""
         device = torch.device(device)
         tokenizer = load_policy_tokenizer(path, field)
-        model = disable_dropout(from_pretrained(AutoModelForCausalLM, path, field, dtype=torch.float32)).to(device)
+        model = disable_dropout(from_pretrained(AutoModelForCausalLM, path, field, dtype=base_dtype(dtype, lora)))
+        model = model.to(device)
         if lora is not None and lora.enabled:  # replicated on every rank; only the adapters train and sync
             from peft import LoraConfig as PeftLoraConfig, get_peft_model  # heavy: peft is needed only with LoRA
 
             if gradient_checkpointing:
                 checkpoint_activations(model, field)
-            model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                         target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+            model = adapters_in_float32(get_peft_model(model, PeftLoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+                task_type="CAUSAL_LM")))
             return cls(model, tokenizer, lora=True, dtype=dtype, me=me, device=device)
         if not reference:
             if gradient_checkpointing:

@@ -24,6 +24,7 @@ from components.launch.processes import PARENT_PID_ENV, ChildProcess, exit_with_
 
 quiet()  # this module is a process's entry point too: before the model libraries below read these settings
 
+from components.storage import s3  # noqa: F401 - registers the s3:// transport: a rank loads an s3:// model itself
 from models import distributed
 from models.config import RLHFConfig
 from models.loop import Leader, build_actor, execute

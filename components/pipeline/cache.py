@@ -31,7 +31,8 @@ from typing import Callable
 
 from components.storage.backends import CheckpointError
 from components.storage.store import CheckpointStore
-from models.tiny_files import embedded_model_path, file_digests, is_embedded, manifest_digest
+from models.deploy import DeployConfig
+from models.resolve import resolve_model
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
 CODE_DIRS = ("models", "components", "flows")  # the package's source: what a stage is computed by
@@ -55,13 +56,11 @@ def code_version() -> str:
     return digest.hexdigest()
 
 
-def model_digest(model: str) -> str:
-    """What a model is: the manifest digest of a local directory (or the embedded tiny/<name>); a hub id that is not
-    a local directory is named, not hashed ('hub:<id>')."""
-    path = embedded_model_path(model) if is_embedded(model) else Path(model).expanduser()
-    if path.is_dir():
-        return manifest_digest(file_digests(path))
-    return f"hub:{model}"
+def model_digest(model: str, field: str, revision: str | None = None, deploy: DeployConfig | None = None) -> str:
+    """What a model is: the digest of its files wherever it comes from (models/resolve.py: a local directory, the
+    embedded tiny/<name>, a hub id's snapshot at `revision`, an s3:// prefix), so a hub model at another commit is
+    another model."""
+    return resolve_model(model, field, revision, deploy).digest
 
 
 def stage_key(stage: str, config: dict, data: dict[str, str], upstream: dict[str, str], code: str) -> str:

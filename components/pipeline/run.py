@@ -46,6 +46,7 @@ from prefect.states import Completed
 from components.pipeline.cache import Records, build_once, code_version, model_digest, stage_dir, stage_key
 from components.pipeline.config import STAGE_ORDER, PipelineConfig
 from components.pipeline.lineage import PipelineRun
+from components.export import MODEL_KEY
 from components.runs import train
 from components.stages import stage_rows, train_stage
 from components.storage.store import CheckpointStore
@@ -57,9 +58,10 @@ from models.loop import DIRECT, Steps
 from models.policy import load_policy_tokenizer
 from models.stages.config import RewardModelRun, SFTRun
 from models.stages.data import rows_digest
-from models.stages.evaluate import check_policy, compare_policies, export_policy
+from models.resolve import file_digests, resolve_model
+from models.stages.evaluate import check_policy, compare_policies
 from models.stages.evaluate import check_reward_model as check_loaded_reward_model
-from models.tiny_files import embedded_model_path, file_digests, is_embedded, manifest_digest
+from models.tiny_files import manifest_digest
 
 STEP_NAMES = {"sft": "sft-stage", "reward_model": "reward-model-stage", "rl": "rl-stage", "eval": "eval-stage"}
 
@@ -139,15 +141,12 @@ def pipeline_run(cfg: PipelineConfig, deploy: DeployConfig, steps: Steps) -> Ite
 
 # ---------------------------------------------------------------- one stage: given, reused or built
 
-def resolve(model: str) -> str:
-    return str(embedded_model_path(model)) if is_embedded(model) else model
-
-
 def given(p: Pipeline, stage: str, model: str) -> Outcome:
-    """A ready model named in the config: used as it is (not trained, not recorded)."""
-    path = resolve(model)
-    outcome = Outcome({"model": model, "digest": model_digest(model), "metrics": {}}, given=True,
-                      local_dir=path if Path(path).is_dir() else model)
+    """A ready model named in the config: used as it is (not trained, not recorded), wherever it is
+    (models/resolve.py)."""
+    found = resolve_model(model, f"{stage}.model", None, p.deploy)
+    outcome = Outcome({"model": model, "digest": found.digest, "provenance": found.provenance, "metrics": {}},
+                      given=True, local_dir=found.path)
     p.steps.log(f"{stage}: the given model {model}")
     return outcome
 
@@ -212,44 +211,52 @@ def stage_deploy(p: Pipeline) -> DeployConfig:
 
 # ---------------------------------------------------------------- what each stage is made from (its key's inputs)
 
-def sft_inputs(cfg: PipelineConfig) -> tuple[dict, dict, dict]:
+def sft_inputs(cfg: PipelineConfig, deploy: DeployConfig | None = None) -> tuple[dict, dict, dict]:
     """(config, data digests, upstream model digests) of the SFT stage."""
     return ({"sft": cfg.sft.model_dump(mode="json", exclude={"model"}), "seed": cfg.seed},
-            stage_data(cfg.sft, "sft"), {"base_model": model_digest(cfg.base_model)})
+            stage_data(cfg.sft, "sft", deploy),
+            {"base_model": model_digest(cfg.base_model, "base_model", cfg.base_revision, deploy)})
 
 
-def reward_model_inputs(cfg: PipelineConfig, sft_digest: str) -> tuple[dict, dict, dict]:
+def reward_model_inputs(cfg: PipelineConfig, sft_digest: str,
+                        deploy: DeployConfig | None = None) -> tuple[dict, dict, dict]:
     """... of the reward-model stage, trained from the SFT model (`sft_digest`) or from base_model."""
-    init = sft_digest if cfg.reward_model.init == "sft" else model_digest(cfg.base_model)
+    init = (sft_digest if cfg.reward_model.init == "sft"
+            else model_digest(cfg.base_model, "base_model", cfg.base_revision, deploy))
     return ({"reward_model": cfg.reward_model.model_dump(mode="json", exclude={"model"}), "seed": cfg.seed},
-            stage_data(cfg.reward_model, "reward_model"), {"init": init})
+            stage_data(cfg.reward_model, "reward_model", deploy), {"init": init})
 
 
-def rl_inputs(cfg: PipelineConfig, sft_digest: str, reward_digest: str) -> tuple[dict, dict, dict]:
+def rl_inputs(cfg: PipelineConfig, sft_digest: str, reward_digest: str,
+              deploy: DeployConfig | None = None) -> tuple[dict, dict, dict]:
     """... of the RL stage: its run config without what the pipeline sets (its models, name, MLflow place)."""
     section = cfg.rl.model_dump(mode="json", exclude={"run_name": True, "seed": True,
                                                       "tracking": {"parent_run_id", "experiment"},
                                                       "model": {"policy", "reward", "critic"}})
-    data = {"prompts": rows_digest(cfg.rl.data.prompts, cfg.rl.data.split, "rl.data.prompts")}
-    if cfg.rl.eval.prompts and cfg.rl.eval.every:
-        data["eval"] = rows_digest(cfg.rl.eval.prompts, cfg.rl.eval.split, "rl.eval.prompts")
+    d, e = cfg.rl.data, cfg.rl.eval
+    data = {"prompts": rows_digest(d.prompts, d.split, "rl.data.prompts", d.subset, d.revision, deploy)}
+    if e.prompts and e.every:
+        data["eval"] = rows_digest(e.prompts, e.split, "rl.eval.prompts", e.subset, e.revision, deploy)
     return {"rl": section, "seed": cfg.seed}, data, {"policy": sft_digest, "reward": reward_digest}
 
 
-def eval_inputs(cfg: PipelineConfig, rl_digest: str, sft_digest: str, reward_digest: str) -> tuple[dict, dict, dict]:
+def eval_inputs(cfg: PipelineConfig, rl_digest: str, sft_digest: str, reward_digest: str,
+                deploy: DeployConfig | None = None) -> tuple[dict, dict, dict]:
     """... of the eval stage: the two policies and the judge."""
-    config = {"eval": cfg.eval.model_dump(mode="json"), "seed": cfg.seed, "normalize": cfg.rl.reward.normalize,
-              "max_new_tokens": cfg.eval.max_new_tokens or cfg.rl.generation.max_new_tokens}
-    data = {"prompts": rows_digest(cfg.eval.prompts, cfg.eval.split, "eval.prompts")}
+    e = cfg.eval
+    config = {"eval": e.model_dump(mode="json"), "seed": cfg.seed, "normalize": cfg.rl.reward.normalize,
+              "max_new_tokens": e.max_new_tokens or cfg.rl.generation.max_new_tokens}
+    data = {"prompts": rows_digest(e.prompts, e.split, "eval.prompts", e.subset, e.revision, deploy)}
     return config, data, {"policy": rl_digest, "reference": sft_digest, "reward": reward_digest}
 
 
-def stage_data(section, name: str) -> dict[str, str]:
-    """Digests of a stage's training rows and held-out rows."""
-    out = {"train": rows_digest(section.data, section.split, f"{name}.data")}
+def stage_data(section, name: str, deploy: DeployConfig | None = None) -> dict[str, str]:
+    """Digests of a stage's training rows and held-out rows (at its subset and revision)."""
+    out = {"train": rows_digest(section.data, section.split, f"{name}.data", section.subset, section.revision, deploy)}
     if section.eval_split is not None:
         source = section.eval_data or section.data
-        out["eval"] = rows_digest(source, section.eval_split, f"{name}.eval_data" if section.eval_data else f"{name}.data")
+        field_name = f"{name}.eval_data" if section.eval_data else f"{name}.data"
+        out["eval"] = rows_digest(source, section.eval_split, field_name, section.subset, section.revision, deploy)
     return out
 
 
@@ -266,13 +273,14 @@ def sft_stage(p: Pipeline) -> None:
         p.outcomes["sft"] = given(p, "sft", cfg.sft.model)
         p.steps("hand-off-sft", check_policy, p.outcomes["sft"].local_dir, "sft.model")
     else:
-        p.outcomes["sft"] = stage(p, "sft", sft_inputs(cfg), build_sft)
+        p.outcomes["sft"] = stage(p, "sft", sft_inputs(cfg, p.deploy), build_sft)
 
 
 def build_sft(p: Pipeline, key: str) -> dict:
     """The SFT run, then its hand-off check: the model as saved loads as the RL stage loads a policy."""
     cfg = p.cfg
     run = SFTRun.model_validate({"run_name": stage_dir("sft", key), "seed": cfg.seed, "model": cfg.base_model,
+                                 "model_revision": cfg.base_revision,
                                  "sft": cfg.sft.model_dump(exclude={"model"}), "tracking": stage_tracking(p),
                                  "checkpoint": cfg.checkpoint.model_dump(), "deploy": stage_deploy(p).model_dump()})
     result = train_stage(run, p.steps)
@@ -298,7 +306,7 @@ def reward_model_stage(p: Pipeline) -> None:
         p.steps("hand-off-reward-model", check_loaded_reward_model, p.outcomes["reward_model"].local_dir, None, None,
                 "reward_model.model")
     else:
-        p.outcomes["reward_model"] = stage(p, "reward_model", reward_model_inputs(cfg, digest(p, "sft")),
+        p.outcomes["reward_model"] = stage(p, "reward_model", reward_model_inputs(cfg, digest(p, "sft"), p.deploy),
                                            build_reward_model)
 
 
@@ -306,15 +314,17 @@ def build_reward_model(p: Pipeline, key: str) -> dict:
     """The reward-model run, then its hand-off check: the model as saved loads as the RL stage loads it (no newly
     initialised weight, one label), and scores its held-out pairs as its stage recorded."""
     cfg = p.cfg
-    init = p.outcomes["sft"].local_dir if cfg.reward_model.init == "sft" else cfg.base_model
+    from_sft = cfg.reward_model.init == "sft"
     run = RewardModelRun.model_validate({
-        "run_name": stage_dir("reward_model", key), "seed": cfg.seed, "model": init,
+        "run_name": stage_dir("reward_model", key), "seed": cfg.seed,
+        "model": p.outcomes["sft"].local_dir if from_sft else cfg.base_model,
+        "model_revision": None if from_sft else cfg.base_revision,
         "reward_model": cfg.reward_model.model_dump(exclude={"model", "init"}), "tracking": stage_tracking(p),
         "checkpoint": cfg.checkpoint.model_dump(), "deploy": stage_deploy(p).model_dump()})
     result = train_stage(run, p.steps)
     record = stage_record(result)
     recorded = record["metrics"].get("eval/accuracy")
-    pairs = (stage_rows("reward_model", cfg.reward_model, result["model_dir"], held_out_only=True)[1]
+    pairs = (stage_rows("reward_model", cfg.reward_model, result["model_dir"], held_out_only=True, deploy=p.deploy)[1]
              if recorded is not None else None)
     accuracy = p.steps("hand-off-reward-model", check_loaded_reward_model, result["model_dir"], pairs, recorded,
                        "reward_model.model")
@@ -338,22 +348,19 @@ def rl_run(p: Pipeline, key: str) -> RLHFConfig:
 
 
 def rl_stage(p: Pipeline) -> None:
-    p.outcomes["rl"] = stage(p, "rl", rl_inputs(p.cfg, digest(p, "sft"), digest(p, "reward_model")), build_rl)
+    p.outcomes["rl"] = stage(p, "rl", rl_inputs(p.cfg, digest(p, "sft"), digest(p, "reward_model"), p.deploy), build_rl)
 
 
 def build_rl(p: Pipeline, key: str) -> dict:
-    """The RL run (resumed from its checkpoints if an earlier build of this key died), then its last checkpoint's
-    policy exported as a plain model into the stage's store."""
+    """The RL run (resumed from its checkpoints if an earlier build of this key died): the model it published (its
+    last checkpoint's policy, LoRA merged onto the SFT model: components/export.py, the one export) is the stage's."""
     cfg = rl_run(p, key)
     result = train(cfg, p.steps)
     store = CheckpointStore.from_uri(result["checkpoint"], s3_endpoint_url=p.deploy.checkpoint.s3_endpoint_url)
-    work = p.state_dir / "runs" / result["run_name"] / "export"
-    shutil.rmtree(work, ignore_errors=True)
-    store.load_part(store.latest(), "actor", work / "actor")
-    local = export_policy(work / "actor", p.outcomes["sft"].local_dir, work / "model")
-    p.steps("hand-off-rl", check_policy, str(local), "rl policy")  # as the eval stage loads it
-    uri = store.put_dir(local, "model")
-    files = file_digests(local)
+    files = store.get_json(f"{MODEL_KEY}.sha256.json")  # what the run published, each file's sha256
+    local = local_model(p, "rl", {"model": result["model"], "key": key, "files": files})
+    p.steps("hand-off-rl", check_policy, local, "rl policy")  # as the eval stage loads it
+    uri = result["model"]
     evals = result.get("evals", [])
     curves = {name: [m.get(name) for m in result["history"]] for name in ("reward", "objective/gold_reward",
                                                                           "objective/kl") if result["history"]
@@ -367,8 +374,8 @@ def build_rl(p: Pipeline, key: str) -> dict:
 
 def eval_stage(p: Pipeline) -> None:
     cfg = p.cfg
-    p.outcomes["eval"] = stage(p, "eval", eval_inputs(cfg, digest(p, "rl"), digest(p, "sft"), digest(p, "reward_model")),
-                               build_eval)
+    p.outcomes["eval"] = stage(p, "eval", eval_inputs(cfg, digest(p, "rl"), digest(p, "sft"), digest(p, "reward_model"),
+                                                      p.deploy), build_eval)
     rows = p.outcomes["eval"].record.get("rows", [])
     if rows:
         metrics = p.outcomes["eval"].record["metrics"]
@@ -380,7 +387,8 @@ def eval_stage(p: Pipeline) -> None:
 def build_eval(p: Pipeline, key: str) -> dict:
     cfg, e = p.cfg, p.cfg.eval
     policy = p.outcomes["rl"].local_dir
-    prompts = load_prompt_set(e.prompts, e.split, e.prompt_key, load_policy_tokenizer(policy), field="eval.prompts")
+    prompts = load_prompt_set(e.prompts, e.split, e.prompt_key, load_policy_tokenizer(policy), field="eval.prompts",
+                              subset=e.subset, revision=e.revision, deploy=p.deploy)
     prompts = prompts.head(e.max_prompts) if e.max_prompts else prompts
     sampling = Sampling.of(cfg.rl.generation, temperature=e.temperature,
                            max_new_tokens=e.max_new_tokens or cfg.rl.generation.max_new_tokens)

@@ -8,6 +8,13 @@ Re-running with the same run name resumes from the newest complete checkpoint th
 them (a corrupt or missing file) is said and passed over for the previous one; when none passes, the run fails naming
 each checkpoint and the cause; only "no checkpoint yet" starts a new run.
 
+What a run is made of travels with it: opening it stores the bytes of every reward file it names (a local
+'path/to/rewards.py:fn') in its store, `rewards/<sha256>.py`, and sets reward.files, so every process that scores
+loads those bytes by their digest (models/reward.py); the digests are MLflow tags (`reward.function.sha256`, ...) and
+the run's record holds them with the provenance of every model (models/resolve.py: its source, hub commit, s3 ETags,
+the digest of its files), in the summary and in every checkpoint's manifest (what `rlhf export` checks a LoRA
+adapter's base against).
+
 One writer per run name: opening a run takes the lease of its store (components/storage/lease.py) before anything
 of the run is touched; another live run of the name is refused naming its holder, and the lease is released at close.
 RunPlace has a slot for the run's secret, which the run's servers are started with (components/serving/services.py
@@ -17,6 +24,7 @@ makes it, once per attempt); what is logged to MLflow has the passwords of URLs 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import random
@@ -32,7 +40,10 @@ from components.launch.stack import running_mlflow_uri
 from components.storage.lease import acquire as acquire_lease
 from components.storage.store import CheckpointStore
 from components.tracking.tracker import Tracker, resolve_tracking_uri
-from models.config import RLHFConfig, run_name_for
+from models.config import RLHFConfig, merge, run_name_for
+from models.export import export_spec
+from models.resolve import resolve_data
+from models.reward import is_file_spec, reward_file
 
 if TYPE_CHECKING:  # only annotations here: what reads a run's record (a sweep, rlhf compare) loads no model code
     from models.loop import Leader
@@ -102,6 +113,9 @@ class RunSession:
     resumed_from: int | None = None
     manifest: dict = field(default_factory=dict)
     lease: object = None  # one writer per run name (components/storage/lease.py), released at close
+    models: dict = field(default_factory=dict)  # model field -> its provenance (models/resolve.py)
+    data: dict = field(default_factory=dict)  # data field -> its provenance (data.prompts, eval.prompts)
+    reward_files: dict = field(default_factory=dict)  # reward field -> {path, sha256, uri} (store_reward_files)
 
     @property
     def critic_restore_iteration(self) -> int | None:
@@ -127,6 +141,8 @@ class RunSession:
         store = CheckpointStore.from_uri(checkpoint_uri(cfg, name), s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
         lease = acquire_lease(store, name, cfg.deploy.checkpoint.lease_timeout_s, log, _flow_run_id())
         try:
+            cfg, reward_files = store_reward_files(cfg, store)
+            models, data = model_provenance(cfg), data_provenance(cfg)
             local_dir = cfg.resolved_state_dir() / "runs" / name
             local_dir.mkdir(parents=True, exist_ok=True)
             manifest, resumed_from = {}, None
@@ -144,13 +160,17 @@ class RunSession:
                               run_id=manifest.get("tracking_run_id"),
                               tags={"algorithm": cfg.algorithm,
                                     "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
-                                    "reward_transport": cfg.reward.transport, **nested, **(tags or {})},
+                                    "reward_transport": cfg.reward.transport,
+                                    **provenance_tags({**models, **data}, reward_files),
+                                    **nested, **(tags or {})},
                               system_metrics=cfg.deploy.tracking.system_metrics)
-            tracker.start(cfg.model_dump(mode="json"))  # URL passwords redacted by the tracker
+            # URL passwords redacted by the tracker; the reward files' digests are tags (their paths make no param names)
+            tracker.start(cfg.model_dump(mode="json", exclude={"reward": {"files"}}))
         except BaseException:
             lease.release()
             raise
-        return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest, lease=lease)
+        return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest, lease=lease, models=models,
+                   data=data, reward_files=reward_files)
 
     @property
     def start_iteration(self) -> int:
@@ -189,7 +209,10 @@ class RunSession:
                     "world_size": state.me.world_size,
                     "tracking_run_id": self.tracker.run_id, "critic_step": (critic_info or {}).get("step"),
                     "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                    "config": self.cfg.model_dump(mode="json")}
+                    "config": self.cfg.model_dump(mode="json"), "models": self.models, "data": self.data,
+                    "reward_files": self.reward_files,
+                    "export": export_spec("actor", "causal-lm", self.cfg.model.dtype, self.cfg.model.policy,
+                                          self.cfg.model.revision, "model.policy", self.models.get("model.policy"))}
         uri = self.store.save(state.iteration, parts, _jsonable(manifest), stored=stored)
         for key in stored.values():
             self.store.delete_dir(key)
@@ -219,6 +242,65 @@ class RunSession:
         finally:
             if self.lease is not None:
                 self.lease.release()
+
+
+REWARD_FILES = "rewards"  # <run store>/rewards/<sha256>.py: the bytes of the run's reward files
+
+
+def store_reward_files(cfg: RLHFConfig, store: CheckpointStore) -> tuple[RLHFConfig, dict]:
+    """The run's reward files ('path/to/rewards.py:fn' in reward.function, reward.functions, reward.gold; absolute
+    after prepare_run), each read here and stored in the run's store by its sha256, and the config with reward.files
+    naming them; returns (config, {field: {path, sha256, uri}}). A file missing here whose copy the config already
+    names (a config carried over from the run's manifest) keeps that copy."""
+    r = cfg.reward
+    specs = [("reward.function", r.function), *((f"reward.functions.{i}", s) for i, s in enumerate(r.functions or [])),
+             ("reward.gold", r.gold)]
+    files = {path: stored.model_dump() for path, stored in (r.files or {}).items()}
+    record = {}
+    for field_name, spec in specs:
+        if not spec or not is_file_spec(spec):
+            continue
+        path = reward_file(spec)
+        if path.is_file():
+            data = path.read_bytes()
+            digest = hashlib.sha256(data).hexdigest()
+            files[str(path)] = {"sha256": digest, "uri": store.put_bytes(f"{REWARD_FILES}/{digest}.py", data)}
+        elif str(path) not in files:
+            raise ValueError(f"{field_name}: reward file '{path}' does not exist where the run starts (working "
+                             f"directory {os.getcwd()})")
+        record[field_name] = {"path": str(path), **files[str(path)]}
+    return (merge(cfg, {"reward.files": files}) if files else cfg), record
+
+
+def model_provenance(cfg: RLHFConfig) -> dict:
+    """{model.<field>: provenance} of every model the run names (models/resolve.py: source, hub commit, s3 ETags,
+    the digest of its files)."""
+    return {f"model.{name}": cfg.resolve_model(value).provenance for name in ("policy", "reward", "critic")
+            if (value := getattr(cfg.model, name))}
+
+
+def data_provenance(cfg: RLHFConfig) -> dict:
+    """{data.prompts / eval.prompts: provenance} of the data the run reads (models/resolve.py: a local file's,
+    an s3:// object's or a hub data set's digest and origin; builtin data: its name)."""
+    d, e = cfg.data, cfg.eval
+    sources = [("data.prompts", d.prompts, d.revision, d.subset)]
+    if e.prompts and e.every:
+        sources.append(("eval.prompts", e.prompts, e.revision, e.subset))
+    return {name: resolve_data(value, name, revision, cfg.deploy, subset).provenance
+            for name, value, revision, subset in sources if value}
+
+
+def provenance_tags(sources: dict, reward_files: dict) -> dict[str, str]:
+    """MLflow tags of what a run is made of: each reward file's sha256, each model's and data set's digest (and hub
+    commit)."""
+    tags = {f"{field_name}.sha256": entry["sha256"] for field_name, entry in reward_files.items()}
+    for field_name, provenance in sources.items():
+        if provenance["digest"] is None:  # builtin data: made by code
+            continue
+        tags[f"{field_name}.digest"] = provenance["digest"]
+        if provenance.get("commit"):
+            tags[f"{field_name}.commit"] = provenance["commit"]
+    return tags
 
 
 def _jsonable(value):

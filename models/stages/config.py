@@ -14,7 +14,7 @@ from pydantic import Field, PositiveInt
 from models.config import PROMPT_SOURCES, RUN_NAME_PATTERN, CheckpointConfig, LoraConfig, TrackingConfig
 from models.deploy import DeployConfig
 from models.sections import OptimConfig, Section
-from models.tiny_files import embedded_model_path, is_embedded
+from models.resolve import Resolved, resolve_model
 
 STAGES = ("sft", "reward_model")
 
@@ -23,6 +23,8 @@ class StageTraining(Section):
     """What the SFT and reward-model stages share: their data, the update loop's batch geometry, optimizer, LoRA."""
 
     data: str = Field(description=f"Training rows: {PROMPT_SOURCES}.")
+    subset: Optional[str] = Field(None, description="Configuration (subset) of `data` (and of `eval_data`), for a data set that has several (hub data sets, local folders whose README declares configs); None = its only (or default) one.")
+    revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of `data` (and of `eval_data`) when it is a hub data set id; None = its main branch.")
     split: str = Field("train", description="Split of `data` to train on (a single file is this split).")
     eval_data: Optional[str] = Field(None, description="Held-out rows, a source like `data`; None = split `eval_split` of `data`.")
     eval_split: Optional[str] = Field("test", description="Split of the held-out rows; None = no held-out eval.")
@@ -62,7 +64,8 @@ class StageRunConfig(Section):
     stage: ClassVar[str]
     run_name: Optional[str] = Field(None, pattern=RUN_NAME_PATTERN, description="Name of the run (letters, digits, '.', '_', '-'); re-running with the same name resumes it. None = '<stage>-<timestamp>-<random>'.")
     seed: int = Field(0, description="Seed of the rows' order and the initialisation (a reward model's new score head).")
-    model: str = Field("tiny/policy", description="The model the stage trains from: a local directory or hub id ('tiny/<name>' = the embedded default); the reward model is this model's backbone with a new score head.")
+    model: str = Field("tiny/policy", description="The model the stage trains from: a local directory, a hub id (at model_revision), s3://bucket/prefix or 'tiny/<name>' (the embedded default); the reward model is this model's backbone with a new score head.")
+    model_revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of `model` when it is a hub id; None = its main branch.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=50), description="Checkpoints (every N optimizer steps, and at the end) and resume.")
 
@@ -93,8 +96,13 @@ class Deployed:
     def resolved_state_dir(self):
         return self.deploy.resolved_state_dir()
 
+    def resolve_model(self, value: str) -> Resolved:
+        """Where a model is on this machine (models/resolve.py): `model` at model_revision, or a path."""
+        revision = self.model_revision if value == self.model else None
+        return resolve_model(value, "model", revision, self.deploy)
+
     def resolve_model_path(self, value: str) -> str:
-        return str(embedded_model_path(value)) if is_embedded(value) else value
+        return self.resolve_model(value).path
 
 
 DEPLOY_DESCRIPTION = "Where the run's ranks run, its state directory, tracking and checkpoint stores (set by the deployment)."

@@ -15,8 +15,6 @@ model to match the one its stage recorded.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -24,7 +22,7 @@ from models.config import RolloutConfig, Sampling
 from models.data import PromptSet
 from models.engines import build_engine
 from models.loading import from_pretrained
-from models.policy import Policy, load_policy_tokenizer
+from models.policy import Policy
 from models.reward import (HandOffError, load_reward_function, load_reward_model, load_reward_tokenizer,
                            reward_model_scores, same_tokenizer, text_reward_scores)
 from models.stages.data import Pairs, right_padded
@@ -125,19 +123,3 @@ def comparison_rows(prompts: list[str], sides: dict, limit: int) -> list[dict]:
                 row[f"{side}_gold"] = round(float(sides[side]["gold"][i]), 4)
         rows.append(row)
     return rows
-
-
-def export_policy(actor_dir: Path, base: str, out: Path) -> Path:
-    """The RL stage's policy as a plain HF model directory: an actor checkpoint's full weights as they are, or its
-    LoRA adapter merged into `base` (the SFT model it was trained from); the tokenizer beside."""
-    if (actor_dir / "adapter_config.json").exists():
-        from peft import PeftModel  # heavy: only a LoRA policy needs it
-
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                                          str(actor_dir)).merge_and_unload()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(actor_dir, dtype=torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    load_policy_tokenizer(str(actor_dir) if (actor_dir / "tokenizer_config.json").exists() else base).save_pretrained(out)
-    return out
