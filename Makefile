@@ -48,7 +48,7 @@ $(VLLM_STAMP):
 vllm-venv: $(VLLM_STAMP)
 
 # verifiers' own environment (environment.verifiers): its environments and its OpenAI clients run here, against the
-# rollout server, in a worker process of their own (components/environments/verifiers_worker.py). verifiers 0.2.1 is
+# rollout server, in a worker process of their own (components/verifiers/worker.py). verifiers 0.2.1 is
 # the last release whose top-level API is the classic one (load_environment, SingleTurnEnv/MultiTurnEnv/ToolEnv);
 # 0.4 dropped it. No torch or transformers in it. Re-created only when the pins change (the stamp names them).
 VERIFIERS_VENV ?= .venv-verifiers
