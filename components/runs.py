@@ -14,18 +14,33 @@
 
 How each named step executes is the caller's `Steps` (models/loop.py): directly here (`rlhf train`), as Prefect tasks
 in a flow (components/tasks.py). Where the servers run is the config's `deploy` section.
+
+With the actor on several nodes, the process that calls `train` is the run's controller (components/controller.py)
+and node group 0's rank 0 runs the run: every rank of a node group runs this module (`main`), rank 0 the run the
+controller handed over, the others follow it.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
+import signal
+import sys
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Optional
 
+from components.controller import RelaySteps, control, controls, handoff, report
+from components.environment import first_line
 from components.export import publish_model
-from components.launch.ranks import actor_ranks
+from components.launch.nodes import NO_RESTART_EXIT_CODE
+from components.launch.processes import exit_with_parent
+from components.launch.ranks import actor_ranks, follow
 from components.serving.services import RunServices, rollout_server, run_services
+from components.storage.store import CheckpointStore
+from components.storage.lease import LeaseLost, RunLocked
 from components.tracking.run import RunSession, closed_when_done
 from models.config import RLHFConfig
 from models.data import PromptSet
@@ -33,13 +48,16 @@ from models.loop import DIRECT, Leader, Steps, read_data, run_loop
 from models.prepare import prepare_run
 
 
-def train(cfg: RLHFConfig, steps: Steps = DIRECT) -> dict:
+def train(cfg: RLHFConfig, steps: Steps = DIRECT, lease_holder: Optional[str] = None) -> dict:
     """Run (or resume, by run name) the training run of `cfg` to its last iteration; returns its summary: run name,
     MLflow run id, iterations, the metrics of each iteration this attempt ran (`history`), its evals and the last
-    checkpoint."""
+    checkpoint. With the actor on several nodes this process controls the run instead (components/controller.py);
+    `lease_holder`: node group 0's rank 0 writes under its controller's lease."""
     cfg = prepare_run(cfg)
     prompts, evals = read_data(cfg)  # bad data fails here, before any model loads
-    with recorded_run(cfg, steps) as session:
+    if controls(cfg):
+        return control(cfg, steps)
+    with recorded_run(cfg, steps, lease_holder) as session:
         cfg = session.cfg  # with its reward files stored (reward.files): what every process of the run receives
         with rollout_server(cfg, session.place, steps) as rollout, actor_on_ranks(cfg, session, steps) as actor, \
                 run_services(cfg, session.place, actor, steps, rollout) as services:
@@ -52,15 +70,16 @@ def train(cfg: RLHFConfig, steps: Steps = DIRECT) -> dict:
 
 
 @contextmanager
-def recorded_run(cfg: RLHFConfig, steps: Steps = DIRECT) -> Iterator[RunSession]:
+def recorded_run(cfg: RLHFConfig, steps: Steps = DIRECT, lease_holder: Optional[str] = None) -> Iterator[RunSession]:
     """Open (or resume) the run of a prepared config; on the way out close its MLflow run as FINISHED or FAILED."""
-    with closed_when_done(steps("open-run", open_session, cfg, steps, retries=2)) as session:
+    with closed_when_done(steps("open-run", open_session, cfg, steps, lease_holder, retries=2)) as session:
         yield session
 
 
-def open_session(cfg: RLHFConfig, steps: Steps) -> RunSession:
+def open_session(cfg: RLHFConfig, steps: Steps, lease_holder: Optional[str] = None) -> RunSession:
     """Resolve the run name, download the last complete checkpoint if there is one, start or continue the MLflow run."""
-    session = RunSession.open(cfg, steps.tags(), log=steps.log)  # a lease taken over, a checkpoint passed over
+    # said through steps.log: a lease taken over, a checkpoint passed over
+    session = RunSession.open(cfg, steps.tags(), log=steps.log, lease_holder=lease_holder)
     if session.resumed_from is not None:
         steps.log(f"run {session.name}: resuming from checkpoint iteration {session.resumed_from} ({session.store.uri})")
     else:
@@ -152,3 +171,60 @@ def summary(session: RunSession, actor: Leader, history: list[dict], evaluations
             "reward_files": session.reward_files,
             "final": {k: v for k, v in final.items() if k in HEADLINE or k.startswith(("objective/", "rewards/"))},
             "history": history, "evals": evaluations}
+
+
+# ---------------------------------------------------------------- a rank of a node group
+
+def attempt(store: CheckpointStore) -> int:
+    """Node group 0's rank 0: the run its controller handed over through the run's store, run under the controller's
+    lease with its messages relayed to it; the summary (or the error) written back to the store. Exits with
+    NO_RESTART_EXIT_CODE for a failure no restart mends (the run's name held by another run, its lease lost)."""
+    handed = handoff(store)
+    steps = RelaySteps(handed["relay"], handed.get("tags"))
+    report(store, "running", attempt=steps.source)
+    try:
+        summary = train(RLHFConfig.model_validate(handed["config"]), steps, lease_holder=handed["lease_holder"])
+    except BaseException as exc:
+        traceback.print_exc()
+        why = "stopped: SIGTERM (its node groups are being stopped)" if isinstance(exc, Stopped) else first_line(exc)
+        steps.log(f"run {why}" if isinstance(exc, Stopped) else f"run failed: {why}")
+        try:
+            report(store, "failed", attempt=steps.source, error=why)
+        except Exception:  # noqa: BLE001 - the store is unreachable: the controller names the exit instead
+            pass
+        return NO_RESTART_EXIT_CODE if isinstance(exc, (RunLocked, LeaseLost)) else 1
+    report(store, "succeeded", attempt=steps.source, summary=summary)
+    return 0
+
+
+class Stopped(SystemExit):
+    """SIGTERM to a rank of a node group: its groups are being stopped (a failed group, a cancelled run)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Stopped(128 + signum)  # the run's `finally` blocks stop its servers, as a cancelled flow run's do
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    """`python -m components.runs --store URI [--s3-endpoint-url URL]`: every rank of a node group (its NodeSpec's
+    command, under torchrun): rank 0 runs the attempt, every other rank follows it."""
+    parser = argparse.ArgumentParser(description="a rank of the actor's node groups")
+    parser.add_argument("--store", required=True, help="The run's checkpoint store (the controller's hand-off).")
+    parser.add_argument("--s3-endpoint-url", default=None, help="Endpoint of an S3-compatible store.")
+    args = parser.parse_args(argv)
+    if int(os.environ.get("RANK", "0")) != 0:
+        code = follow()
+    else:
+        signal.signal(signal.SIGTERM, _terminated)
+        exit_with_parent()
+        code = attempt(CheckpointStore.from_uri(args.store, s3_endpoint_url=args.s3_endpoint_url))
+    # done: the run's record is closed and every rank left the process group. Leave without the interpreter's
+    # teardown, where gloo's threads occasionally abort a process (pytorch PR 179291): a group that ended well must
+    # not read as failed, or every group would be restarted
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    main()

@@ -168,34 +168,59 @@ def execute(state: ActorState, cfg: RLHFConfig, command: dict, critic=None, rewa
 
 
 def save_actor(state: ActorState, directory: Path) -> None:
-    """Full HF weights written by rank 0 (gathered from the shards on CPU: loadable anywhere); the optimizer and every
-    rank's sampling stream saved sharded with torch.distributed.checkpoint; the rest (schedule, KL controller,
-    minibatch stream, counters, world size) in actor_state.pt."""
-    import torch.distributed.checkpoint as dcp  # heavy (~1.7 s): only checkpoints need it
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # heavy: as dcp above
+    """Everything a resume needs, written by rank 0 alone into `directory` (the ranks may be on machines that share no
+    directory: the run's store is all they share): the full HF weights and the full optimizer state, each gathered
+    from the shards on CPU (loadable by any number of ranks: optimizer.pt), and actor_state.pt: schedule, KL
+    controller, minibatch stream, counters, the world size and every rank's sampling stream."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # heavy (~1.7 s)
 
     me = state.me
-    directory.mkdir(parents=True, exist_ok=True)
-    state.policy.save(directory)
-    dcp.save({"optimizer": get_optimizer_state_dict(state.policy.model, state.optimizer),
-              f"sampling_rank{me.rank}": state.generator.get_state()}, checkpoint_id=str(directory / "sharded"))
     if me.is_leader:
-        torch.save({**state.state_dict(), "world_size": me.world_size}, directory / "actor_state.pt")
+        directory.mkdir(parents=True, exist_ok=True)
+    state.policy.save(directory)
+    optimizer = get_optimizer_state_dict(state.policy.model, state.optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sampling = me.gather_object(state.generator.get_state())
+    if me.is_leader:
+        torch.save(optimizer, directory / "optimizer.pt")
+        torch.save({**state.state_dict(), "world_size": me.world_size, "sampling": sampling},
+                   directory / "actor_state.pt")
     me.barrier()
 
 
 def restore_actor(state: ActorState, directory: Path) -> str | None:
-    """Load a `save_actor` directory. With the world size it was saved with: everything. With another: the full
-    weights and the schedule/counters, a fresh optimizer and sampling streams; returns that warning."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # heavy
+    """Load a `save_actor` directory, which rank 0 alone reads (it exists on rank 0's machine only) and broadcasts:
+    the weights, the optimizer state, the schedule and counters, whatever the world size it was saved with; every
+    rank's sampling stream when that world size is this one, else fresh streams (returns that warning)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict  # heavy (~1.7 s)
 
     me = state.me
     state.policy.load_weights(directory)
-    saved = load_state(directory / "actor_state.pt")  # no pickle: models/safe_io.py
+    saved = me.broadcast_object(load_state(directory / "actor_state.pt") if me.is_leader else None)  # no pickle
     state.load_state_dict(saved)
+    if "sampling" not in saved:  # written before optimizer.pt: the optimizer and streams sharded by every rank (DCP)
+        return _restore_sharded(state, directory, saved["world_size"])
+    optimizer = load_state(directory / "optimizer.pt") if me.is_leader else {}
+    set_optimizer_state_dict(state.policy.model, state.optimizer, optimizer,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=me.active))
     if saved["world_size"] != me.world_size:
         warning = (f"actor checkpoint {directory} was saved by {saved['world_size']} rank(s), resuming on "
-                   f"{me.world_size}: weights restored, optimizer states and sampling streams start fresh")
+                   f"{me.world_size}: weights and optimizer states restored, sampling streams start fresh")
+        LOG.warning(warning)
+        return warning
+    state.generator.set_state(saved["sampling"][me.rank])
+    return None
+
+
+def _restore_sharded(state: ActorState, directory: Path, world_size: int) -> str | None:
+    """A checkpoint of the earlier layout (`sharded/`: torch.distributed.checkpoint files of every rank): read by every
+    rank from `directory`, so the ranks must share it (one node)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # heavy
+
+    me = state.me
+    if world_size != me.world_size:
+        warning = (f"actor checkpoint {directory} was saved by {world_size} rank(s), resuming on {me.world_size}: "
+                   f"weights restored, optimizer states and sampling streams start fresh")
         LOG.warning(warning)
         return warning
     shards = {"optimizer": get_optimizer_state_dict(state.policy.model, state.optimizer),

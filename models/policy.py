@@ -158,8 +158,9 @@ class Policy:
         save_trained(self.model, self.tokenizer, self.me, directory)
 
     def load_weights(self, directory) -> None:
-        """Actor weights from a `save` directory (LoRA: the adapter), into the (sharded) model on every rank."""
-        load_trained(self.model, AutoModelForCausalLM, directory, self.lora, self.sharded)
+        """Actor weights from a `save` directory (LoRA: the adapter), read by rank 0, into the (sharded) model on
+        every rank."""
+        load_trained(self.model, AutoModelForCausalLM, directory, self.lora, self.me)
 
 
 def save_trained(model, tokenizer, me: Dist, directory) -> None:
@@ -171,19 +172,21 @@ def save_trained(model, tokenizer, me: Dist, directory) -> None:
         tokenizer.save_pretrained(directory)
 
 
-def load_trained(model, auto_class, directory, lora: bool, sharded: bool) -> None:
-    """What `save_trained` wrote into `model` (sharded or not) on every rank: LoRA its adapter, else the full weights
-    read as `auto_class`."""
+def load_trained(model, auto_class, directory, lora: bool, me: Dist = SINGLE) -> None:
+    """What `save_trained` wrote into `model` (sharded or not) on every rank, read by rank 0 alone (the directory may
+    exist on its machine only) and broadcast: LoRA its adapter, else the full weights read as `auto_class`."""
+    directory = Path(directory)
     if lora:
         from peft import set_peft_model_state_dict  # heavy: peft is needed only with LoRA
 
-        set_peft_model_state_dict(model, load_file(str(Path(directory) / "adapter_model.safetensors")))
+        adapter = load_file(str(directory / "adapter_model.safetensors")) if me.is_leader else None
+        set_peft_model_state_dict(model, me.broadcast_object(adapter))
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # heavy (~1.7 s)
 
-    loaded = auto_class.from_pretrained(directory, dtype=torch.float32).state_dict()
-    if sharded:
-        set_model_state_dict(model, loaded, options=StateDictOptions(full_state_dict=True))
+    loaded = auto_class.from_pretrained(directory, dtype=torch.float32).state_dict() if me.is_leader else {}
+    if me.active:  # sharded or replicated: tensor by tensor from rank 0 into each rank's part
+        set_model_state_dict(model, loaded, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     else:
         model.load_state_dict(loaded)
 

@@ -18,6 +18,10 @@ live run is touched.
   lost its lease (it stalled past the timeout): `check()` then fails its next checkpoint instead of writing over the
   new holder's.
 Release deletes the lease (S3: only if it still has our ETag).
+
+A run on several nodes writes from another process than the one that took its lease: its controller holds the lease
+for all its attempts, and node group 0's rank 0 of each attempt writes the checkpoints under it (`HeldLease`): before
+each write it checks that the lease still names the controller's holder id, and fails (LeaseLost) when it does not.
 """
 
 from __future__ import annotations
@@ -191,6 +195,35 @@ class S3Lease:
         self._thread.join(timeout=10)
         if not self.lost:
             self.s3.delete_if(LEASE_KEY, self.etag)
+
+
+class HeldLease:
+    """A lease held by another process of the same run (a multi-node run's controller): this process writes under it
+    while the store's lease still names that holder (`holder_id`); it neither renews nor releases it."""
+
+    def __init__(self, store, run_name: str, holder_id: str):
+        self.store, self.run_name, self.holder_id = store, run_name, holder_id
+        self.check()
+
+    def _holder(self) -> Holder | None:
+        if self.store.s3 is not None:
+            found = self.store.s3.stat(LEASE_KEY)
+            return Holder.parse(found[0]) if found else None
+        try:
+            return Holder.parse((Path(self.store.local_root) / LEASE_KEY).read_bytes())
+        except OSError:
+            return None
+
+    def check(self) -> None:
+        """Raise LeaseLost unless the store's lease is the holder's this process writes for."""
+        holder = self._holder()
+        if holder is None or holder.id != self.holder_id:
+            who = holder.describe() if holder else "nobody"
+            raise LeaseLost(f"run {self.run_name}: its lease in {self.store.uri} is held by {who}, not by this run's "
+                            f"controller (holder {self.holder_id}); it writes nothing more")
+
+    def release(self) -> None:
+        """Not ours to release: the holder does."""
 
 
 def acquire(store, run_name: str, timeout_s: float = 60.0, log: Callable[[str], None] = LOG.warning,

@@ -1,8 +1,8 @@
 """A run's durable state: its name, local directory, checkpoint store, MLflow run, and the resume manifest.
 
-A checkpoint holds `actor/` (full HF save_pretrained weights or the LoRA adapter, written by rank 0; `sharded/`: the
-optimizer and every rank's sampling stream through torch.distributed.checkpoint; actor_state.pt: schedule, KL
-controller, minibatch stream, iteration, consumed rollouts, world size), `critic/` (the critic's critic_save output of the same iteration, in
+A checkpoint holds `actor/` (all written by rank 0: full HF save_pretrained weights or the LoRA adapter;
+optimizer.pt: the full optimizer state, gathered from the shards; actor_state.pt: schedule, KL controller, minibatch
+stream, iteration, consumed rollouts, world size, every rank's sampling stream), `critic/` (the critic's critic_save output of the same iteration, in
 every launch mode) and state.json (the manifest: iteration, critic step, tracking run id, global RNG states, config).
 Re-running with the same run name resumes from the newest complete checkpoint that passes its checks: one that fails
 them (a corrupt or missing file) is said and passed over for the previous one; when none passes, the run fails naming
@@ -17,6 +17,8 @@ adapter's base against).
 
 One writer per run name: opening a run takes the lease of its store (components/storage/lease.py) before anything
 of the run is touched; another live run of the name is refused naming its holder, and the lease is released at close.
+An attempt of a run on several nodes opens it under the lease its controller holds (`lease_holder`: the holder id),
+checked before every checkpoint.
 RunPlace has a slot for the run's secret, which the run's servers are started with (components/serving/services.py
 makes it, once per attempt); what is logged to MLflow has the passwords of URLs taken out (tracker.redact).
 """
@@ -37,7 +39,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from components.launch.stack import running_mlflow_uri
-from components.storage.lease import acquire as acquire_lease
+from components.storage.lease import HeldLease, acquire as acquire_lease
 from components.storage.store import CheckpointStore
 from components.tracking.tracker import Tracker, resolve_tracking_uri
 from models.config import RLHFConfig, merge, run_name_for
@@ -133,13 +135,15 @@ class RunSession:
 
     @classmethod
     def open(cls, cfg: RLHFConfig, tags: dict[str, str] | None = None,
-             log: Callable[[str], None] = LOG.warning) -> "RunSession":
+             log: Callable[[str], None] = LOG.warning, lease_holder: str | None = None) -> "RunSession":
         """Resolve the run; take its lease (one writer per run name: another live run of this name is refused,
-        naming it, before anything of it is touched); if its store has a checkpoint, download the newest that passes
-        its checks (an older one when the newest fails them, said through `log`) and remember the manifest."""
+        naming it, before anything of it is touched), or with `lease_holder` write under the lease of that holder
+        (a multi-node run's controller); if its store has a checkpoint, download the newest that passes its checks
+        (an older one when the newest fails them, said through `log`) and remember the manifest."""
         name = run_name_for(cfg)
         store = CheckpointStore.from_uri(checkpoint_uri(cfg, name), s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
-        lease = acquire_lease(store, name, cfg.deploy.checkpoint.lease_timeout_s, log, _flow_run_id())
+        lease = (HeldLease(store, name, lease_holder) if lease_holder else
+                 acquire_lease(store, name, cfg.deploy.checkpoint.lease_timeout_s, log, _flow_run_id()))
         try:
             cfg, reward_files = store_reward_files(cfg, store)
             models, data = model_provenance(cfg), data_provenance(cfg)

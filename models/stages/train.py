@@ -99,7 +99,7 @@ class Scorer:
         save_trained(self.model, self.tokenizer, self.me, directory)
 
     def load_weights(self, directory) -> None:
-        load_trained(self.model, AutoModelForSequenceClassification, directory, self.lora, self.sharded)
+        load_trained(self.model, AutoModelForSequenceClassification, directory, self.lora, self.me)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The `dist` weight transfer of the rollout server (`rollout.vllm.weight_transfer`): vLLM's own weight-transfer API
 (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update`) with a backend of
-ours registered in its factory: a torch.distributed group of two (gloo on CPU, NCCL where the engine is on a GPU) with
-actor rank 0, which broadcasts the tensors one at a time; each is loaded as it arrives (vLLM's own backends need CUDA
+ours registered in its factory: a torch.distributed group (gloo on CPU, NCCL where the engine is on a GPU) of actor
+rank 0 and the engine's workers (one per tensor-parallel shard), which rank 0 broadcasts the tensors to one at a time; each is loaded as it arrives (vLLM's own backends need CUDA
 on both ends and vLLM on the trainer's side, which has none). Tensors come in the actor's Hugging Face names with a
 tied lm_head included (without it vLLM silently keeps the old head). The trainer's side: components/serving/rollout/
 client.py.
@@ -26,12 +26,14 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 @dataclass
 class GroupInitInfo(WeightTransferInitInfo):
-    """Where the trainer's side of the group is: its TCPStore (the trainer is rank 0, this engine rank 1)."""
+    """Where the trainer's side of the group is: its TCPStore (the trainer is rank 0, this engine's workers ranks 1 to
+    world_size - 1: one per tensor-parallel shard, as vLLM's own NCCL engine numbers them)."""
 
     master_address: str
     master_port: int
     backend: str = "gloo"
     timeout_s: float = 600.0
+    world_size: int = 2
 
 
 @dataclass
@@ -44,24 +46,25 @@ class GroupUpdateInfo(WeightTransferUpdateInfo):
     ready_key: str = ""  # set in the trainer's store once this side receives: the trainer broadcasts then
 
 
-def process_group(backend: str, store, rank: int, timeout: datetime.timedelta, peer: str = ""):
-    """A torch.distributed group of two over `store`, without a default process group: gloo (on loopback when the
+def process_group(backend: str, store, rank: int, timeout: datetime.timedelta, peer: str = "", size: int = 2):
+    """A torch.distributed group of `size` over `store`, without a default process group: gloo (on loopback when the
     peer is on this machine), or NCCL (GPUs). As client.process_group."""
     if backend == "nccl":
         options = torch.distributed.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
+        return torch.distributed.ProcessGroupNCCL(store, rank, size, options)
     Gloo = torch.distributed.ProcessGroupGloo
     options = Gloo._Options()
     options._timeout = timeout
     options._devices = [Gloo.create_device(hostname="127.0.0.1") if peer in LOOPBACK else Gloo.create_default_device()]
-    return Gloo(store, rank, 2, options)
+    return Gloo(store, rank, size, options)
 
 
 class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
-    """vLLM weight-transfer engine over a torch.distributed group of two processes (no default process group on
-    either side): the trainer broadcasts each tensor from rank 0, this engine receives it into a fresh buffer and
-    loads it at once through vLLM's layerwise reload (checkpoint format: vLLM repacks for its kernels)."""
+    """vLLM weight-transfer engine over a torch.distributed group of the trainer and the engine's workers (no default
+    process group on either side): the trainer broadcasts each tensor from rank 0, every worker receives it into a
+    fresh buffer and loads it (its shard of it) at once through vLLM's layerwise reload (checkpoint format: vLLM
+    repacks for its kernels)."""
 
     init_info_cls = GroupInitInfo
     update_info_cls = GroupUpdateInfo
@@ -69,14 +72,17 @@ class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateIn
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.group = self.store = None
+        self.rank = 1
 
     def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
         connect = datetime.timedelta(seconds=min(init_info.timeout_s, INIT_CONNECT_TIMEOUT_S))
-        self.store = torch.distributed.TCPStore(init_info.master_address, init_info.master_port, 2, is_master=False,
-                                                timeout=connect)
+        self.store = torch.distributed.TCPStore(init_info.master_address, init_info.master_port,
+                                                init_info.world_size, is_master=False, timeout=connect)
         self.store.set_timeout(timeout)
-        self.group = process_group(init_info.backend, self.store, 1, timeout, init_info.master_address)
+        self.rank = 1 + self.parallel_config.rank  # this worker's place among the engine's tensor-parallel workers
+        self.group = process_group(init_info.backend, self.store, self.rank, timeout, init_info.master_address,
+                                   init_info.world_size)
 
     def start_weight_update(self) -> None:
         initialize_layerwise_reload(self.model)
@@ -94,8 +100,8 @@ class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateIn
                 self.group.broadcast(tensor, 0).wait()
                 yield name, tensor
 
-        if update_info.ready_key:
-            self.store.set(update_info.ready_key, "1")
+        if update_info.ready_key:  # one key per worker: the trainer broadcasts once every worker receives
+            self.store.set(f"{update_info.ready_key}-{self.rank}", "1")
         self.model.load_weights(arriving())
 
     def shutdown(self) -> None:
