@@ -2,8 +2,9 @@
 
 - the prompt: the row's messages rendered with the tools' JSON schemas and the generation prompt;
 - a model turn: the sampled ids as they are (its stop token included), read as a message by the tokenizer's
-  response template (transformers' `parse_response`, the prompt so far as its prefix); a reply that does not parse
-  (a malformed tool call) is plain text, which ends the episode;
+  response template (transformers' `parse_response`, the prompt so far as its prefix: models/chat.py's
+  `read_response`, the rollout server's parser too); a reply that does not parse (a malformed tool call) is plain
+  text, which ends the episode;
 - an environment reply: the ids of the tool messages as the template renders them after an assistant turn
   (`suffix_ids`: a dummy conversation rendered with and without them, the first cut after its last end-of-turn
   token), appended to prompt + completion so far.
@@ -18,22 +19,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from models.chat import read_response, render as render_ids, response_template as response_template_of
+
 SENTINELS = {"name": "tool_name_a8f3e2b1", "key": "tool_arg_key_b9d4f5c2", "value": "tool_arg_val_d6e7a9f3",
              "content": "tool_content_c4f9a8e2"}
 
 
 class ChatFormatError(ValueError):
     """A chat template or tokenizer that cannot carry tool-calling episodes; the message names the field."""
-
-
-def fallback_response_template(model_type: str | None) -> dict | None:
-    """transformers' response template for a model family whose tokenizer ships none (what `transformers serve`
-    falls back to, by model type), or None."""
-    if not model_type:
-        return None
-    from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS  # heavy: only for a tokenizer without one
-
-    return next((template for types, template in _RESPONSE_TEMPLATE_FALLBACKS.items() if model_type in types), None)
 
 
 def read_template(value: str | None, field: str = "environment.chat_template") -> str | None:
@@ -57,16 +50,13 @@ class ChatFormat:
                  response_template: dict | None = None):
         self.tokenizer = tokenizer
         self.template = chat_template
-        self.response_template = (response_template or getattr(tokenizer, "response_template", None)
-                                  or fallback_response_template(model_type))
+        self.response_template = response_template or response_template_of(tokenizer, model_type)
         self.eos_id = tokenizer.eos_token_id
 
     def render(self, messages: list[dict], tools: list[dict] | None = None,
                add_generation_prompt: bool = False) -> list[int]:
-        ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, chat_template=self.template,
-                                                 add_generation_prompt=add_generation_prompt, tokenize=True,
-                                                 return_dict=False)
-        return list(ids)
+        return render_ids(self.tokenizer, messages, tools, add_generation_prompt=add_generation_prompt,
+                          chat_template=self.template)
 
     def prompt_ids(self, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """The prompt of an episode: its messages with the tools' schemas and the generation prompt."""
@@ -92,17 +82,13 @@ class ChatFormat:
         parse (a malformed tool call) is its decoded text (TRL's `parse_response`)."""
         tokenizer = self.tokenizer
         try:
-            parsed = tokenizer.parse_response(ids, schema=self.response_template, prefix=prefix, tools=tools or None)
-            if parsed is None:
-                raise ValueError("nothing parsed")
-            if isinstance(parsed.get("content"), str) and tokenizer.eos_token:
-                parsed["content"] = parsed["content"].removesuffix(tokenizer.eos_token)
-            if not parsed.get("content"):
-                parsed["content"] = ""
-            if "tool_calls" in parsed:
-                check_tool_calls(parsed["tool_calls"])
-        except (ValueError, TypeError, KeyError):
-            parsed = {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+            parsed = read_response(tokenizer, self.response_template, ids, prefix, tools)
+        except ValueError:
+            return {"role": "assistant", "content": tokenizer.decode(ids, skip_special_tokens=True)}
+        if isinstance(parsed.get("content"), str) and tokenizer.eos_token:
+            parsed["content"] = parsed["content"].removesuffix(tokenizer.eos_token)
+        if not parsed.get("content"):
+            parsed["content"] = ""
         return parsed
 
     def conversation(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[list[int], list[int]]:
@@ -160,14 +146,3 @@ class ChatFormat:
                                   f"transformers has none for its model type: tool calls cannot be parsed; save the "
                                   f"tokenizer with a response_template (transformers' chat response parsing docs)")
 
-
-def check_tool_calls(tool_calls) -> None:
-    """Every tool call has a function name and arguments (missing arguments become {}); else ValueError."""
-    if not isinstance(tool_calls, list):
-        raise ValueError("tool_calls must be a list")
-    for i, call in enumerate(tool_calls):
-        function = call.get("function", call) if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise ValueError(f"tool_calls[{i}] has no function name")
-        if function.get("arguments") is None:
-            function["arguments"] = {}

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from models.chat import ChatTemplateError
 from models.data import DataError, read_rows, render_messages
 from models.deploy import DeployConfig
 from models.environments.chat import ChatFormat, ChatFormatError
@@ -202,7 +203,7 @@ def tool_conversation_ids(tokenizer, row: dict, where: str) -> tuple[list[int], 
     messages = [{k: v for k, v in m.items() if v is not None} for m in row["messages"]]  # Arrow fills absent keys
     try:
         ids, mask = ChatFormat(tokenizer).conversation(messages, tools or None)
-    except ChatFormatError as exc:
+    except (ChatFormatError, ChatTemplateError) as exc:
         raise DataError(f"{where}: {exc}") from None
     if 1 not in mask:
         raise DataError(f"{where}: the conversation has no assistant turn to learn")
