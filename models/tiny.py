@@ -21,7 +21,10 @@ models/tasks/arithmetic.py, and the model is pretrained on conversations without
 calling a tool is what an SFT stage teaches it.
 
 `rlhf models tiny --out DIR` builds all five and writes DIR/MANIFEST.json (how they were built, the sha256 of every
-file and of every tensor as it loads); `--out models/assets/tiny` replaces the shipped ones.
+file and of every tensor as it loads); `--out models/assets/tiny` replaces the shipped ones. The shipped `chat` was
+built apart, on one torch thread (its MANIFEST entry's `built_with`), and rebuilds bit for bit with
+`ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 python -c "from models.tiny import build_tiny;
+build_tiny('DIR', names=['chat'])"`.
 """
 
 from __future__ import annotations
