@@ -19,6 +19,7 @@ from components.storage.store import CheckpointStore
 from components.tracking.run import checkpoint_uri
 from models.config import RLHFConfig
 from models.export import export_policy
+from models.tiny_files import file_digests, manifest_digest
 
 MODEL_KEY = "model"  # where a run keeps its exported model in its store
 
@@ -53,16 +54,23 @@ def export_checkpoint(store: CheckpointStore, out_dir: str | Path, iteration: in
     return out_dir, iteration
 
 
+def publish_directory(session, local: str | Path) -> dict:
+    """A job's model (a Hugging Face directory on this machine) into its store as `model/`, with every file's sha256
+    beside it, and named in its MLflow run (tag model.uri). Returns {"model": store URI, "model_dir", "files":
+    {path: sha256}, "digest"}: what a pipeline records and a later stage checks."""
+    uri = session.store.put_dir(Path(local), MODEL_KEY)
+    files = file_digests(local)
+    session.tracker.client.set_tag(session.tracker.run_id, "model.uri", uri)
+    return {"model": uri, "model_dir": str(local), "files": files, "digest": manifest_digest(files)}
+
+
 def publish_model(session) -> dict:
-    """The last step of a run (components/runs.py): its final policy exported from its last checkpoint into its
-    store (`model/`) and logged to its MLflow run as the run's model (registered under tracking.register_as when
-    set). Returns where it went: {"model": store URI, "mlflow_model_id": ..., "iteration": N}."""
-    staging = session.local_dir / "export"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        out, iteration = export_checkpoint(session.store, staging / "model")
-        uri = session.store.put_dir(out, MODEL_KEY)
-        model_id = session.tracker.log_model(out, step=iteration, register_as=session.cfg.tracking.register_as)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return {"model": uri, "mlflow_model_id": model_id, "iteration": iteration}
+    """The last step of an RL run (components/jobs/rl.py): its final policy exported from its last checkpoint into
+    its store (`model/`, as publish_directory) and logged to its MLflow run as the run's model (registered under
+    tracking.register_as when set). Returns where it went: publish_directory's, "mlflow_model_id", "iteration"."""
+    local = session.local_dir / "model"
+    shutil.rmtree(local, ignore_errors=True)
+    out, iteration = export_checkpoint(session.store, local)
+    published = publish_directory(session, out)
+    model_id = session.tracker.log_model(out, step=iteration, register_as=session.cfg.tracking.register_as)
+    return {**published, "mlflow_model_id": model_id, "iteration": iteration}

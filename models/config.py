@@ -26,7 +26,7 @@ import re
 import secrets
 import time
 from pathlib import Path
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 import yaml
 from pydantic import BaseModel, Field, PositiveInt, create_model, model_validator
@@ -261,6 +261,7 @@ RunConfig = create_model(
 class RLHFConfig(RunConfig):
     """A run as its processes receive it: what it trains (the run's config) and where its parts run (`deploy`)."""
 
+    job: ClassVar[str] = "rl"  # what components/runs.py builds for it (the other jobs: models/stages/config.py)
     deploy: DeployConfig = Field(default_factory=DeployConfig, description="Where the run's parts run (set by the deployment).")
 
     @model_validator(mode="after")
@@ -285,6 +286,11 @@ class RLHFConfig(RunConfig):
         return RunConfig.model_validate(self.model_dump(exclude={"deploy"}))
 
     @property
+    def name_prefix(self) -> str:
+        """Of a generated run name: '<algorithm>-<timestamp>-<random>'."""
+        return self.algorithm
+
+    @property
     def critic_carries_reward(self) -> bool:
         """Whether the critic serves the reward model's scores too (critic.combine_reward with a reward model; a
         reward function is scored where deploy.reward says)."""
@@ -302,10 +308,12 @@ class RLHFConfig(RunConfig):
         return resolve_model(value, field, self.model.revision if value == self.model.policy else None)
 
 
-def run_name_for(cfg: RunConfig) -> str:
-    """The run's name: its run_name, or '<algorithm>-<timestamp>-<random>' (two unnamed runs started in the same
+def run_name_for(cfg) -> str:
+    """A job's run name, whatever the job (an RL run, a stage, an eval): its run_name, or
+    '<name_prefix>-<timestamp>-<random>' (an RL run's algorithm, a stage's name: two unnamed runs started in the same
     second get names of their own)."""
-    return cfg.run_name or f"{cfg.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    prefix = getattr(cfg, "name_prefix", None) or cfg.algorithm  # a RunConfig (no deployment yet): its algorithm
+    return cfg.run_name or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def with_schedule_lengths(cfg: RLHFConfig) -> RLHFConfig:

@@ -50,7 +50,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_train(args) -> int:
-    """A training run in this process, through the same run builder as a flow run (components/runs.py): it
+    """A training run in this process, through the same job builder as a flow run (components/runs.py): it
     checkpoints, resumes by run_name, logs to MLflow (the local stack's server when `rlhf up` runs, else the state
     directory's store) and runs the held-out eval. Its critic and reward model run in this process unless
     `--set deploy.critic.launch=local` (etc.) says otherwise."""

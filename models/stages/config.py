@@ -1,8 +1,11 @@
-"""What a run of a stage before RL trains (`rlhf sft`, `rlhf reward-model`, their deployments, and each such stage of a
-pipeline): one section per stage, and the run around it. Where its ranks run is the deployment's (models/deploy.py),
-as for an RL run. The defaults are the embedded default: the tiny policy, the shipped task's builtin data, sizes that
-train in seconds on a 2-core CPU; for a real model lower the learning rate (~1e-5 SFT, ~1e-5 reward model) and raise
-max_length.
+"""What a job other than an RL run trains or measures (`rlhf sft`, `rlhf reward-model`, `rlhf dpo`, `rlhf eval`, their
+deployments, and each such stage of a pipeline): one section per stage, and the run around it. Where its ranks run is
+the deployment's (models/deploy.py), as for an RL run. The defaults are the embedded default: the tiny policy, the
+shipped task's builtin data, sizes that train in seconds on a 2-core CPU; for a real model lower the learning rate
+(~1e-5 SFT, ~1e-5 reward model, ~5e-7 DPO) and raise max_length.
+
+Every run config of a job (these, and models/config.RLHFConfig for RL) names its job (`job`: what components/runs.py
+builds) and the prefix of its generated run name (`name_prefix`).
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ from models.deploy import DeployConfig
 from models.sections import OptimConfig, Section
 from models.tiny_files import embedded_model_path, is_embedded
 
-STAGES = ("sft", "reward_model")
+STAGES = ("sft", "reward_model", "dpo")  # the stages that train on the actor's ranks (models/stages/train.py)
 
 
 class StageTraining(Section):
     """What the SFT and reward-model stages share: their data, the update loop's batch geometry, optimizer, LoRA."""
 
     data: str = Field(description=f"Training rows: {PROMPT_SOURCES}.")
+    subset: Optional[str] = Field(None, description="Configuration (subset) of `data` (and of `eval_data`), for a data set that has several (hub data sets, local folders whose README declares configs); None = its only (or default) one.")
     split: str = Field("train", description="Split of `data` to train on (a single file is this split).")
     eval_data: Optional[str] = Field(None, description="Held-out rows, a source like `data`; None = split `eval_split` of `data`.")
     eval_split: Optional[str] = Field("test", description="Split of the held-out rows; None = no held-out eval.")
@@ -55,6 +59,19 @@ class RewardModelConfig(StageTraining):
     center_rewards_coefficient: Optional[float] = Field(None, ge=0, description="Adds coefficient x mean((r_chosen + r_rejected)^2) to the loss (TRL's; Eisenstein et al. 2023 suggest 0.01): rewards are defined only up to a shift, this pins their mean near 0. None = off.")
 
 
+class DPOConfig(StageTraining):
+    """Direct preference optimisation on preference pairs (Rafailov et al. 2023), as TRL's DPOTrainer: the policy
+    trains on each pair's chosen and rejected completions against a frozen reference, the model it starts from (the
+    SFT model in a pipeline; with LoRA, the model with its adapters disabled). Its implicit reward of a completion is
+    beta x (log pi(completion) - log pi_ref(completion)), summed over the completion's tokens."""
+
+    data: str = Field("builtin:sentiment_preference", description=f"Preference pairs (prompt, chosen, rejected): {PROMPT_SOURCES}.")
+    beta: float = Field(0.1, gt=0, description="The KL strength beta (TRL's default 0.1): the implicit reward's scale; a larger beta keeps the policy nearer its reference. For loss_type='ipo' the regularisation tau.")
+    loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="'sigmoid': DPO's -log sigmoid(beta x (chosen log-ratio - rejected log-ratio)); 'ipo': IPO's (Azar et al. 2023) squared loss (mean per-token log-ratio difference - 1 / (2 beta))^2, as TRL 1.16 computes it.")
+    epochs: PositiveInt = Field(1, description="Passes over the training pairs (seeded order per epoch).")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4), description="AdamW and its schedule (1e-4 suits the tiny models; TRL's default is 1e-6 for a real model).")
+
+
 class StageRunConfig(Section):
     """What one run of a stage trains: the model it trains from, the stage's section, its seed, name, MLflow and
     checkpoints (a flow's `config` parameter; where its ranks run is the `deploy` beside it)."""
@@ -71,6 +88,16 @@ class StageRunConfig(Section):
         """The stage's own section."""
         return getattr(self, self.stage)
 
+    @property
+    def job(self) -> str:
+        """The job that runs this config (components/runs.py): the stage."""
+        return self.stage
+
+    @property
+    def name_prefix(self) -> str:
+        """Of a generated run name: '<stage>-<timestamp>-<random>'."""
+        return self.stage.replace("_", "-")
+
 
 class SFTRunConfig(StageRunConfig):
     """What a supervised fine-tuning run trains (`rlhf sft`, sft/default)."""
@@ -84,6 +111,52 @@ class RewardModelRunConfig(StageRunConfig):
 
     stage: ClassVar[str] = "reward_model"
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="The reward-model stage.")
+
+
+class DPORunConfig(StageRunConfig):
+    """What a DPO run trains (`rlhf dpo`, dpo/default): `model` is the policy it starts from and its frozen reference."""
+
+    stage: ClassVar[str] = "dpo"
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description="The DPO stage.")
+
+
+class EvalSection(Section):
+    """A policy against a reference policy on held-out prompts, judged by a reward model (and a gold reward)."""
+
+    prompts: str = Field("builtin:sentiment", description=f"Held-out prompts: {PROMPT_SOURCES}.")
+    subset: Optional[str] = Field(None, description="Configuration (subset) of `prompts`, as data.subset.")
+    split: str = Field("test", description="Split of `prompts` to read (a single file is this split).")
+    prompt_key: str = Field("prompt", description="Column holding the prompt (a string or chat messages).")
+    max_prompts: Optional[PositiveInt] = Field(None, description="Evaluate on the first N prompts only (None = all).")
+    samples_per_prompt: PositiveInt = Field(4, description="Responses each policy samples per prompt; the win rate pairs the j-th of one with the j-th of the other.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature of both policies (0 = greedy: one response each tells little when both policies are near-deterministic).")
+    gold: Optional[str] = Field("models.tasks.sentiment:gold_reward", pattern=r"^[\w.]+:\w+$", description="Gold reward 'package.module:function(prompts, responses)' read beside the reward model's score (proxy vs gold, as Gao et al. measure over-optimisation); None = no gold.")
+    table_rows: PositiveInt = Field(32, description="Prompts shown in the sample table (Prefect artifact and MLflow table).")
+
+
+class EvalJudging(EvalSection):
+    """The eval job's section: the comparison, and how both policies sample."""
+
+    max_new_tokens: PositiveInt = Field(16, description="Longest response of either policy (16 suits the tiny models).")
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens (0 disables).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1.0 disables).")
+    normalize: bool = Field(False, description="Score with the reward model's (score - reward_mean) / reward_std (its config.json's statistics), as reward.normalize.")
+
+
+class EvalRunConfig(Section):
+    """What an eval run compares (`rlhf eval`; a pipeline's eval stage): `model`, the policy under test, against
+    `reference`, judged by `reward`."""
+
+    job: ClassVar[str] = "eval"
+    name_prefix: ClassVar[str] = "eval"
+    run_name: Optional[str] = Field(None, pattern=RUN_NAME_PATTERN, description="Name of the run (letters, digits, '.', '_', '-'); None = 'eval-<timestamp>-<random>'.")
+    seed: int = Field(0, description="Seed of the sampling (one seed for both policies: their j-th responses are paired).")
+    model: str = Field("tiny/policy", description="The policy under test: a local directory or hub id ('tiny/<name>' = the embedded default).")
+    reference: str = Field("tiny/policy", description="The policy it is compared against (a pipeline's SFT model).")
+    reward: str = Field("tiny/reward", description="The reward model that judges both (one label).")
+    eval: EvalJudging = Field(default_factory=EvalJudging, description="The comparison.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Unused by an eval (it keeps no checkpoint); present as in every job's config.")
 
 
 class Deployed:
@@ -112,6 +185,20 @@ class RewardModelRun(RewardModelRunConfig, Deployed):
     deploy: DeployConfig = Field(default_factory=DeployConfig, description=DEPLOY_DESCRIPTION)
 
 
-StageRun = SFTRun | RewardModelRun
-STAGE_RUNS: dict[str, type] = {"sft": SFTRun, "reward_model": RewardModelRun}
-STAGE_RUN_CONFIGS: dict[str, type] = {"sft": SFTRunConfig, "reward_model": RewardModelRunConfig}
+class DPORun(DPORunConfig, Deployed):
+    """A DPO run with its deployment."""
+
+    deploy: DeployConfig = Field(default_factory=DeployConfig, description=DEPLOY_DESCRIPTION)
+
+
+class EvalRun(EvalRunConfig, Deployed):
+    """An eval run with its deployment."""
+
+    deploy: DeployConfig = Field(default_factory=DeployConfig, description=DEPLOY_DESCRIPTION)
+
+
+StageRun = SFTRun | RewardModelRun | DPORun
+# every job but RL's, by name: its config as a run receives it (with `deploy`), and as a flow's `config` parameter
+STAGE_RUNS: dict[str, type] = {"sft": SFTRun, "reward_model": RewardModelRun, "dpo": DPORun, "eval": EvalRun}
+STAGE_RUN_CONFIGS: dict[str, type] = {"sft": SFTRunConfig, "reward_model": RewardModelRunConfig, "dpo": DPORunConfig,
+                                      "eval": EvalRunConfig}

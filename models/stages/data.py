@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -44,6 +44,11 @@ class Sequences:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def head(self, n: int) -> "Sequences":
+        """The first `n` rows."""
+        return Sequences(self.ids[:n], self.prompt_lengths[:n], self.source, self.dropped, self.truncated,
+                         self.mismatched)
+
     def rows(self, indices: list[int]) -> dict:
         """The rows `indices` as a command carries them to every rank (plain lists)."""
         return {"ids": [self.ids[i] for i in indices], "prompt_lengths": [self.prompt_lengths[i] for i in indices]}
@@ -60,12 +65,19 @@ class Pairs:
     texts: list[tuple[str, str, str]]  # (prompt, chosen, rejected) as given, for sample tables
     dropped: int = 0  # pairs longer than max_length
     mismatched: int = 0
+    prompt_lengths: list[tuple[int, int]] = field(default_factory=list)  # the prompt's tokens in (chosen, rejected)
 
     def __len__(self) -> int:
         return len(self.chosen)
 
+    def head(self, n: int) -> "Pairs":
+        """The first `n` pairs."""
+        return Pairs(self.chosen[:n], self.rejected[:n], self.margin[:n] if self.margin is not None else None,
+                     self.source, self.texts[:n], self.dropped, self.mismatched, self.prompt_lengths[:n])
+
     def rows(self, indices: list[int]) -> dict:
-        out = {"chosen": [self.chosen[i] for i in indices], "rejected": [self.rejected[i] for i in indices]}
+        out = {"chosen": [self.chosen[i] for i in indices], "rejected": [self.rejected[i] for i in indices],
+               "prompt_lengths": [self.prompt_lengths[i] for i in indices]}
         if self.margin is not None:
             out["margin"] = [self.margin[i] for i in indices]
         return out
@@ -128,9 +140,10 @@ def position_limit(tokenizer, max_length: int | None, model_config=None) -> int 
 # ---------------------------------------------------------------- SFT rows
 
 def load_sequences(source: str, split: str, tokenizer, max_length: int | None = None,
-                   field: str = "sft.data") -> Sequences:
-    """SFT rows of `source` (split `split`) tokenized; a DataError naming the source and the problem otherwise."""
-    rows = _rows(source, split, field)
+                   field: str = "sft.data", subset: str | None = None) -> Sequences:
+    """SFT rows of `source` (split `split`, configuration `subset`) tokenized; a DataError naming the source and the
+    problem otherwise."""
+    rows = _rows(source, split, field, subset)
     names = rows.column_names
     if "messages" in names and "prompt" not in names:
         form = "messages"
@@ -168,10 +181,10 @@ def load_sequences(source: str, split: str, tokenizer, max_length: int | None = 
 # ---------------------------------------------------------------- preference pairs
 
 def load_pairs(source: str, split: str, tokenizer, max_length: int | None = None,
-               field: str = "reward_model.data") -> Pairs:
-    """Preference pairs of `source` (split `split`) tokenized; a DataError naming the source and the problem
-    otherwise."""
-    rows = _rows(source, split, field)
+               field: str = "reward_model.data", subset: str | None = None) -> Pairs:
+    """Preference pairs of `source` (split `split`, configuration `subset`) tokenized; a DataError naming the source
+    and the problem otherwise."""
+    rows = _rows(source, split, field, subset)
     missing = [c for c in ("prompt", "chosen", "rejected") if c not in rows.column_names]
     if missing:
         raise DataError(f"{field}: '{source}' lacks the column(s) {missing} (TRL's preference form: prompt, chosen, "
@@ -193,6 +206,7 @@ def load_pairs(source: str, split: str, tokenizer, max_length: int | None = None
             out.margin.append(float(margin))
         out.chosen.append(chosen)
         out.rejected.append(rejected)
+        out.prompt_lengths.append((c_len, r_len))
         out.texts.append(tuple(_text(row[k]) for k in ("prompt", "chosen", "rejected")))
     if not out.chosen:
         raise DataError(f"{field}: no pair of '{source}' (split '{split}') fits max_length={max_length} tokens")
@@ -203,8 +217,8 @@ def _text(value) -> str:
     return value if isinstance(value, str) else " | ".join(f"{m.get('role')}: {m.get('content')}" for m in value)
 
 
-def _rows(source: str, split: str, field: str):
-    rows = read_rows(source, split, field)
+def _rows(source: str, split: str, field: str, subset: str | None = None):
+    rows = read_rows(source, split, field, subset)
     if len(rows) == 0:
         raise DataError(f"{field}: split '{split}' of '{source}' is empty")
     return rows
@@ -212,11 +226,12 @@ def _rows(source: str, split: str, field: str):
 
 # ---------------------------------------------------------------- what a stage was made from
 
-def rows_digest(source: str, split: str, field: str) -> str:
-    """sha256 of the rows of `source` (split `split`) as read: every row as canonical JSON, in order. The same rows
-    give the same digest whatever the file format they came in; any changed value, row or order changes it."""
+def rows_digest(source: str, split: str, field: str, subset: str | None = None) -> str:
+    """sha256 of the rows of `source` (split `split`, configuration `subset`) as read: every row as canonical JSON, in
+    order. The same rows give the same digest whatever the file format they came in; any changed value, row or order
+    changes it."""
     digest = hashlib.sha256()
-    for row in _rows(source, split, field):
+    for row in _rows(source, split, field, subset):
         digest.update(json.dumps(row, sort_keys=True, default=str, separators=(",", ":")).encode())
         digest.update(b"\n")
     return digest.hexdigest()
