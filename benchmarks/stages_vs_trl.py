@@ -28,7 +28,8 @@ import torch
 from benchmarks.common import log, quick_flag, stats, write_result
 from models.stages.config import RewardModelRun, SFTRun
 from models.stages.data import load_pairs, load_sequences
-from models.stages.train import build_stage, train_step
+from models.stages.kinds import build_stage
+from models.stages.train import train_step
 from models.policy import load_policy_tokenizer
 from models.tiny_files import embedded_model_path
 

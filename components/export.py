@@ -59,7 +59,7 @@ def publish_directory(session, local: str | Path) -> dict:
     beside it, and named in its MLflow run (tag model.uri). Returns {"model": store URI, "model_dir", "files":
     {path: sha256}, "digest"}: what a pipeline records and a later stage checks."""
     uri = session.store.put_dir(Path(local), MODEL_KEY)
-    files = file_digests(local)
+    files = file_digests(Path(local))
     session.tracker.client.set_tag(session.tracker.run_id, "model.uri", uri)
     return {"model": uri, "model_dir": str(local), "files": files, "digest": manifest_digest(files)}
 

@@ -25,6 +25,7 @@ import math
 import re
 import secrets
 import time
+import typing
 from pathlib import Path
 from typing import ClassVar, Literal, Optional
 
@@ -422,16 +423,30 @@ def load_config(path: str | Path | None = None, preset_name: str = "auto", overr
 
 
 def describe(section=None, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(dotted field, type, default, description) of every field of the tree (an RLHFConfig of field defaults unless
-    `section` is given), depth first: what `rlhf config --describe` prints."""
+    """(dotted field, type, default, description) of every field of a config tree (an RLHFConfig of field defaults
+    unless `section` is given: any config, a pipeline's, a stage's, a sweep's), depth first; a section that is absent
+    by default (Optional) is described with its fields too: what `rlhf config --describe` prints."""
     section = section if section is not None else RLHFConfig()
     rows = []
     for name, field in type(section).model_fields.items():
         value, annotation = getattr(section, name), field.annotation
-        if isinstance(value, BaseModel):
-            rows.append((f"{prefix}{name}", "section", "", field.description or ""))
-            rows += describe(value, f"{prefix}{name}.")
+        nested = value if isinstance(value, BaseModel) else optional_section(annotation)
+        if nested is not None:
+            rows.append((f"{prefix}{name}", "section", "" if value is not None else "None (absent unless given)",
+                         field.description or ""))
+            rows += describe(nested, f"{prefix}{name}.")
             continue
         kind = annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
         rows.append((f"{prefix}{name}", kind, repr(value), field.description or ""))
     return rows
+
+
+def optional_section(annotation) -> BaseModel | None:
+    """The default instance of the section an Optional[Section] field holds when given; None for any other field."""
+    for arg in typing.get_args(annotation):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            try:
+                return arg()
+            except ValueError:  # a section with required fields
+                return None
+    return None

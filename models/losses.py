@@ -131,7 +131,7 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
     with torch.no_grad():
         chosen_reward, rejected_reward = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
         stats = {"loss": loss.detach(), "rewards/chosen": chosen_reward.mean(), "rewards/rejected": rejected_reward.mean(),
-                 "rewards/accuracies": (chosen_reward > rejected_reward).float().mean(),
+                 "rewards/accuracies": (chosen_reward > rejected_reward).to(chosen_reward.dtype).mean(),
                  "rewards/margins": (chosen_reward - rejected_reward).mean(),
                  "logps/chosen": chosen_logps.detach().mean(), "logps/rejected": rejected_logps.detach().mean()}
     return loss, stats

@@ -24,7 +24,8 @@ from components.cli.options import add_config_args
 from components.launch import stack
 from components.sweep.config import SweepConfig
 
-PROGRESS_COMMANDS = ("train", "export")  # commands a user watches: the Hugging Face download bars stay on
+PROGRESS_COMMANDS = ("train", "export")
+DESCRIBED = ("run", "deploy", "pipeline", "sft", "reward-model", "dpo", "eval", "sweep")  # rlhf config --describe WHAT  # commands a user watches: the Hugging Face download bars stay on
 
 SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-5 ...] [--model PATH] [--reward PATH] [--no-combine]
                       [--port 8400] [--checkpoint-dir DIR] [--checkpoint-uri s3://bucket/run] [--restore-iteration N]
@@ -193,8 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="print the resolved config (or, with --describe, every field and what it means)")
     add_config_args(config)
-    config.add_argument("--describe", action="store_true", help="print every field of the config tree with its type, "
-                        "default and description instead")
+    config.add_argument("--describe", nargs="?", const="run", metavar="WHAT", choices=DESCRIBED,
+                        help="print every field of a config tree with its type, default and description instead: "
+                             f"{', '.join(DESCRIBED)} (default: run, what `rlhf train` takes, its deploy section "
+                             "included)")
     config.set_defaults(run="components.cli.commands:cmd_config")
 
     train = sub.add_parser("train", help="a training run in this process (checkpoints, resume by run_name, MLflow, eval; no Prefect)")

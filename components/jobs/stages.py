@@ -22,7 +22,8 @@ from models.loop import DIRECT, Steps
 from models.policy import load_policy_tokenizer
 from models.stages.config import StageRun
 from models.stages.data import Pairs, Sequences, load_pairs, load_sequences, position_limit
-from models.stages.train import stage_kind, total_steps
+from models.stages.kinds import stage_kind
+from models.stages.train import total_steps
 
 STATS_ROWS = 1000  # pairs whose rewards give the reward statistics when a reward model has no held-out split
 

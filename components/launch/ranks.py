@@ -28,7 +28,8 @@ from models import distributed
 from models.config import RLHFConfig
 from models.loop import Leader, build_actor, execute
 from models.stages.config import STAGE_RUNS
-from models.stages.train import StageLeader, build_stage, execute_stage
+from models.stages.kinds import build_stage
+from models.stages.train import StageLeader, execute_stage
 
 def job(name: str):
     """What the ranks of a job are given, build and execute: (config class, build(cfg, me), execute(state, cfg,

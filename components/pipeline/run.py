@@ -80,9 +80,10 @@ class Outcome:
     seconds: float = 0.0
 
     def summary(self) -> dict:
-        out = {"cached": self.cached, "model": self.record.get("model"), "metrics": self.record.get("metrics", {}),
-               "key": self.record.get("key"), "run_name": self.record.get("run_name"),
-               "mlflow_run_id": self.record.get("mlflow_run_id"), "seconds": round(self.seconds, 2)}
+        out = {"cached": self.cached, "model": self.record.get("model"), "digest": self.record.get("digest"),
+               "metrics": self.record.get("metrics", {}), "key": self.record.get("key"),
+               "run_name": self.record.get("run_name"), "mlflow_run_id": self.record.get("mlflow_run_id"),
+               "provenance": self.record.get("provenance"), "seconds": round(self.seconds, 2)}
         return {**out, "given": True} if self.given else out
 
 

@@ -32,6 +32,7 @@ from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, distributions, version
 from pathlib import Path
 
+from models.hub import resolve_model
 from models.stages.data import rows_digest
 from models.tiny_files import embedded_model_path, file_digests, is_embedded, manifest_digest
 
@@ -100,8 +101,6 @@ def vllm_version(python: str | Path) -> str | None:
 def model_record(value: str, field: str = "model", revision: str | None = None) -> dict:
     """What a model field names, by content: {source: tiny | local | hub, digest: of its files, [revision, commit]}
     (a hub id: its snapshot in the Hugging Face cache at `revision`, the commit it resolved to)."""
-    from models.hub import resolve_model  # resolves a hub id in the cache (huggingface_hub): only then needed
-
     if is_embedded(value):
         return {"source": "tiny", "digest": manifest_digest(file_digests(embedded_model_path(value)))}
     if Path(value).expanduser().is_dir():

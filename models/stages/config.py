@@ -35,7 +35,7 @@ class StageTraining(Section):
     max_length: Optional[PositiveInt] = Field(None, description="Longest sequence (prompt + completion) in tokens; None = the model's position limit. A longer SFT row is cut to it (its prompt alone filling it: dropped); a longer pair is dropped; both counted.")
     epochs: PositiveInt = Field(1, description="Passes over the training rows (seeded order per epoch).")
     max_steps: Optional[PositiveInt] = Field(None, description="Stop after this many optimizer steps (None = epochs x rows / batch_size, rounded up).")
-    batch_size: PositiveInt = Field(32, description="Rows (SFT) or pairs (reward model) per optimizer step, over all ranks.")
+    batch_size: PositiveInt = Field(32, description="Rows (SFT) or pairs (reward model, DPO) per optimizer step, over all ranks.")
     micro_batch_size: PositiveInt = Field(32, description="Rows or pairs per forward pass on a rank (gradient accumulation inside a step).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype (autocast); trainable weights and optimizer states stay float32.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="Train LoRA adapters instead of all weights; the stage's output model has them merged.")
@@ -69,7 +69,7 @@ class DPOConfig(StageTraining):
     beta: float = Field(0.1, gt=0, description="The KL strength beta (TRL's default 0.1): the implicit reward's scale; a larger beta keeps the policy nearer its reference. For loss_type='ipo' the regularisation tau.")
     loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="'sigmoid': DPO's -log sigmoid(beta x (chosen log-ratio - rejected log-ratio)); 'ipo': IPO's (Azar et al. 2023) squared loss (mean per-token log-ratio difference - 1 / (2 beta))^2, as TRL 1.16 computes it.")
     epochs: PositiveInt = Field(1, description="Passes over the training pairs (seeded order per epoch).")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-4), description="AdamW and its schedule (1e-4 suits the tiny models; TRL's default is 1e-6 for a real model).")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3), description="AdamW and its schedule (1e-3 suits the tiny models; ~5e-7 a real one: TRL's default is 1e-6).")
 
 
 class StageRunConfig(Section):

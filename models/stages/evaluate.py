@@ -1,11 +1,12 @@
 """The pipeline's eval stage and its hand-off checks: model code, in the pipeline's own process.
 
-`compare_policies`: the RL policy and the SFT policy each answer the same held-out prompts (the native engine, one
-sampling seed for both), the reward model scores every answer as the RL stage scores rollouts (the policy's tokens
-when it shares their tokenizer, else the text), and the gold reward when one is given, so proxy and gold can be read
-side by side (Gao et al. 2023 measure over-optimisation so). Metrics: each policy's mean reward-model score, gold
-reward and response length; the win rate of the RL policy judged by the reward model (a tie counts one half) and by
-the gold reward; a table of samples.
+`compare_policies`: the policy under test (a pipeline's RL or DPO policy) and the reference policy (its SFT policy)
+each answer the same held-out prompts (the native engine, one sampling seed for both), the reward model scores every
+answer as the RL stage scores rollouts (the policy's tokens when it shares their tokenizer, else the text), and the
+gold reward when one is given, so proxy and gold can be read side by side (Gao et al. 2023 measure over-optimisation
+so). Metrics: each policy's mean reward-model score, gold reward and response length (eval/policy_*,
+eval/reference_*); the win rate of the policy judged by the reward model (a tie counts one half) and by the gold
+reward; a table of samples.
 
 The hand-off checks load a stage's output as the next stage loads it, before the next starts: a policy as
 AutoModelForCausalLM, a reward model as AutoModelForSequenceClassification (models/reward.load_reward_model: any newly
@@ -15,7 +16,6 @@ model to match the one its stage recorded.
 
 from __future__ import annotations
 
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -24,7 +24,7 @@ from models.config import RolloutConfig, Sampling
 from models.data import PromptSet
 from models.engines import build_engine
 from models.loading import from_pretrained
-from models.policy import Policy, load_policy_tokenizer
+from models.policy import Policy
 from models.reward import (HandOffError, load_reward_function, load_reward_model, load_reward_tokenizer,
                            reward_model_scores, same_tokenizer, text_reward_scores)
 from models.stages.data import Pairs, right_padded
@@ -71,15 +71,15 @@ def check_reward_model(path: str, pairs: Pairs | None, recorded: float | None, f
 def compare_policies(policy_path: str, reference_path: str, reward_path: str, prompts: PromptSet, sampling: Sampling,
                      samples: int, gold: str | None, seed: int, table_rows: int, normalize: bool = False,
                      device: torch.device | str = "cpu") -> tuple[dict, list[dict]]:
-    """The RL policy (`policy_path`) against the SFT policy (`reference_path`): `samples` responses of each per prompt
-    (one sampling seed for both: the j-th responses are paired); returns (metrics, rows)."""
+    """The policy under test (`policy_path`) against the reference policy (`reference_path`): `samples` responses of
+    each per prompt (one sampling seed for both: the j-th responses are paired); returns (metrics, rows)."""
     reward = load_reward_model(reward_path, normalize=normalize, device=device)
     reward_tokenizer = load_reward_tokenizer(reward_path)
     gold_fn = load_reward_function(gold, "eval.gold") if gold else None
     asked = [p for p in prompts.prompts for _ in range(samples)]
     columns = [c for c in prompts.columns for _ in range(samples)]
     sides = {}
-    for side, path in (("rl", policy_path), ("sft", reference_path)):
+    for side, path in (("policy", policy_path), ("reference", reference_path)):
         policy = Policy.load(path, device=device, field=f"{side} policy", reference=False)
         policy.model.eval()
         engine = build_engine(RolloutConfig(), policy)
@@ -103,14 +103,17 @@ def win_rate(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def comparison_metrics(sides: dict) -> dict[str, float]:
-    rl, sft = sides["rl"], sides["sft"]
-    metrics = {"eval/rl_rm_score": float(rl["scores"].mean()), "eval/sft_rm_score": float(sft["scores"].mean()),
-               "eval/win_rate": win_rate(rl["scores"], sft["scores"]),
-               "eval/rl_response_length": float(rl["lengths"].mean()),
-               "eval/sft_response_length": float(sft["lengths"].mean()), "eval/samples": float(len(rl["scores"]))}
-    if rl["gold"] is not None:
-        metrics.update({"eval/rl_gold_reward": float(rl["gold"].mean()), "eval/sft_gold_reward": float(sft["gold"].mean()),
-                        "eval/gold_win_rate": win_rate(rl["gold"], sft["gold"])})
+    policy, reference = sides["policy"], sides["reference"]
+    metrics = {"eval/policy_rm_score": float(policy["scores"].mean()),
+               "eval/reference_rm_score": float(reference["scores"].mean()),
+               "eval/win_rate": win_rate(policy["scores"], reference["scores"]),
+               "eval/policy_response_length": float(policy["lengths"].mean()),
+               "eval/reference_response_length": float(reference["lengths"].mean()),
+               "eval/samples": float(len(policy["scores"]))}
+    if policy["gold"] is not None:
+        metrics.update({"eval/policy_gold_reward": float(policy["gold"].mean()),
+                        "eval/reference_gold_reward": float(reference["gold"].mean()),
+                        "eval/gold_win_rate": win_rate(policy["gold"], reference["gold"])})
     return metrics
 
 
@@ -118,26 +121,10 @@ def comparison_rows(prompts: list[str], sides: dict, limit: int) -> list[dict]:
     rows = []
     for i in range(min(limit, len(prompts))):
         row = {"prompt": prompts[i]}
-        for side in ("sft", "rl"):
+        for side in ("reference", "policy"):
             row[f"{side}_response"] = sides[side]["responses"][i]
             row[f"{side}_rm_score"] = round(float(sides[side]["scores"][i]), 4)
             if sides[side]["gold"] is not None:
                 row[f"{side}_gold"] = round(float(sides[side]["gold"][i]), 4)
         rows.append(row)
     return rows
-
-
-def export_policy(actor_dir: Path, base: str, out: Path) -> Path:
-    """The RL stage's policy as a plain HF model directory: an actor checkpoint's full weights as they are, or its
-    LoRA adapter merged into `base` (the SFT model it was trained from); the tokenizer beside."""
-    if (actor_dir / "adapter_config.json").exists():
-        from peft import PeftModel  # heavy: only a LoRA policy needs it
-
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32),
-                                          str(actor_dir)).merge_and_unload()
-    else:
-        model = AutoModelForCausalLM.from_pretrained(actor_dir, dtype=torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    load_policy_tokenizer(str(actor_dir) if (actor_dir / "tokenizer_config.json").exists() else base).save_pretrained(out)
-    return out

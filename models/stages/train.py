@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForSequenceClassification
 
-from models.distributed import SINGLE, Dist, full_state_dict, local_device, shard_model
-from models.loading import autocast, disable_dropout, from_pretrained, make_optimizer
+from models.distributed import SINGLE, Dist, full_state_dict, shard_model
+from models.loading import autocast, disable_dropout, from_pretrained
 from models.loop import Leader, restore_actor, save_actor
 from models.losses import bradley_terry_loss, completion_mask, sft_loss
 from models.policy import Policy, load_policy_tokenizer, load_trained, save_trained
@@ -220,26 +220,6 @@ class RewardModel(StageKind):
         metrics.update({"eval/pairs": float(len(chosen)), "reward_mean": float(both.mean()),
                         "reward_std": float(both.std()) if len(both) > 1 else 1.0})
         return metrics, [{"chosen_score": float(c), "rejected_score": float(r)} for c, r in zip(chosen, rejected)]
-
-
-def stage_kind(stage: str) -> StageKind:
-    """The kind of a stage (models/stages/config.STAGES)."""
-    from models.stages.dpo import DPO  # dpo.py builds on this module's pieces
-
-    return {"sft": SFT(), "reward_model": RewardModel(), "dpo": DPO()}[stage]
-
-
-def build_stage(cfg: StageRun, me: Dist = SINGLE) -> StageState:
-    """This rank's trainee of `cfg.stage` (sharded with FSDP2 over the ranks for a full fine-tune unless
-    deploy.actor.fsdp='off'), its optimizer and generators."""
-    torch.manual_seed(cfg.seed)  # the same new score head on every rank
-    train, kind = cfg.train, stage_kind(cfg.stage)
-    shard = me.active and cfg.deploy.actor.fsdp == "auto" and not train.lora.enabled
-    trainee = kind.build(cfg, cfg.resolve_model_path(cfg.model), local_device(cfg.deploy.device, me), me, shard)
-    trainee.model.train()
-    optimizer, scheduler = make_optimizer(trainee.trainable_parameters(), train.optim)
-    return StageState(trainee, kind, optimizer, scheduler, torch.Generator().manual_seed(cfg.seed + 1_000_003 * me.rank),
-                      torch.Generator().manual_seed(cfg.seed), me)
 
 
 # ---------------------------------------------------------------- the batch of a command, on this rank
