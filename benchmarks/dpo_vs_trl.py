@@ -25,11 +25,10 @@ from __future__ import annotations
 import gc
 import statistics
 import tempfile
-import time
 
 import torch
 
-from benchmarks.common import log, quick_flag, stats, write_result
+from benchmarks.common import log, quick_flag, side_by_side, stats, write_result
 from models.data import builtin_rows
 from models.policy import load_policy_tokenizer
 from models.stages.config import DPORun
@@ -77,7 +76,7 @@ def run_round(steps: int, state_dir: str) -> tuple[list[float], list[float], lis
     our seconds per step, the tokens per step (after the warm-up), facts about TRL's setup and the first step's
     metrics of both sides."""
     from datasets import Dataset  # optional: comes with trl (the bench extra)
-    from transformers import AutoModelForCausalLM, TrainerCallback  # heavy
+    from transformers import AutoModelForCausalLM  # heavy
     from transformers.trainer_callback import PrinterCallback  # heavy: as above
     from trl import DPOTrainer  # optional: the bench extra
 
@@ -88,49 +87,29 @@ def run_round(steps: int, state_dir: str) -> tuple[list[float], list[float], lis
     rows = [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in builtin_rows("sentiment_preference", "train")]
     dataset = Dataset.from_list(rows)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    batches: list[dict] = []
-    trl_seconds, our_seconds, tokens, first = [], [], [], []
+    first: list[dict] = []
 
-    class KeepBatch(DPOTrainer):
-        def training_step(self, model, inputs, *args, **kwargs):
-            batches.append(inputs)
-            return super().training_step(model, inputs, *args, **kwargs)
+    def ours_on(batch: dict) -> None:
+        metrics = train_step(ours, cfg, trl_rows(batch))
+        if len(first) < WARMUP:  # the warm-up steps: the same numbers on both sides
+            step = len(first)
+            first.append({"ours": {name: metrics[f"train/{name}"] for name in SAME},
+                          "trl": {name: trainer._metrics["train"][name][step] for name in SAME}})
 
-    class Interleave(TrainerCallback):
-        """TRL's clock runs from the end of our previous step to the end of its own; then ours runs on its batch."""
-
-        def __init__(self):
-            self.start = None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            if self.start is None:
-                self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            trl_seconds.append(time.perf_counter() - self.start)
-            tokens.append(int(batches[-1]["attention_mask"].sum()))
-            started = time.perf_counter()
-            metrics = train_step(ours, cfg, trl_rows(batches[-1]))
-            our_seconds.append(time.perf_counter() - started)
-            if len(first) < WARMUP:  # the warm-up steps: the same numbers on both sides
-                step = len(first)
-                first.append({"ours": {name: metrics[f"train/{name}"] for name in SAME},
-                              "trl": {name: trainer._metrics["train"][name][step] for name in SAME}})
-            self.start = time.perf_counter()
-
+    trainer_class, callback, timings = side_by_side(DPOTrainer, ours_on)
     with tempfile.TemporaryDirectory(prefix="trl-dpo-") as out:
         args = trl_args(out, WARMUP + steps)
-        trainer = KeepBatch(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                            callbacks=[Interleave()])
+        trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                callbacks=[callback])
         trainer.remove_callback(PrinterCallback)
         facts = {"trainer": "DPOTrainer", "optim": str(getattr(args.optim, "value", args.optim)),
                  "model_dtype": str(trainer.model.dtype), "device": str(trainer.accelerator.device),
                  "reference": type(trainer.ref_model).__name__, "loss_type": list(args.loss_type), "beta": args.beta,
                  "pairs": len(rows)}
         trainer.train()
-    if len(trl_seconds) != WARMUP + steps:
-        raise RuntimeError(f"TRL ran {len(trl_seconds)} steps, expected {WARMUP + steps}")
-    return trl_seconds[WARMUP:], our_seconds[WARMUP:], tokens[WARMUP:], facts, first
+    if len(timings["trl"]) != WARMUP + steps:
+        raise RuntimeError(f"TRL ran {len(timings['trl'])} steps, expected {WARMUP + steps}")
+    return timings["trl"][WARMUP:], timings["ours"][WARMUP:], timings["tokens"][WARMUP:], facts, first
 
 
 def main(argv=None) -> dict:

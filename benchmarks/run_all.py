@@ -18,7 +18,7 @@ import traceback
 
 from benchmarks.common import ROOT, load_average, log, machine, results_dir, versions
 
-BENCHMARKS = ("generate", "rollout_engine", "async_rollouts", "rloo_vs_trl", "stages_vs_trl", "pipeline_cache",
+BENCHMARKS = ("generate", "rollout_engine", "async_rollouts", "rloo_vs_trl", "stages_vs_trl", "dpo_vs_trl", "pipeline_cache",
               "critic_http", "overlap", "what_if", "distributed", "critic_ranks", "memory", "gpu")
 PAGE = ROOT / "docs" / "benchmarks.md"
 MARK_START, MARK_END = "<!-- results:start (written by python -m benchmarks.run_all) -->", "<!-- results:end -->"
@@ -85,6 +85,18 @@ def table(results: dict) -> str:
                          "yes" if c["time_ratio_ours_over_trl"]["median"] <= 1.0 else "**no**"])
             rows.append(["", "ms/step: ours vs TRL", f"{fmt(c['ours_seconds_per_step'], 1e3, 1)} vs "
                          f"{fmt(c['trl_seconds_per_step'], 1e3, 1)}", n, "", ""])
+    r = results.get("dpo_vs_trl")
+    if r:
+        reps = r["repetitions"]
+        n = f"{reps['rounds']} rounds x {reps['timed_steps_per_round_per_side']} pairs"
+        rows.append(["DPO step vs TRL 1.16 DPOTrainer", "time ours / TRL (per pair, same batch)",
+                     fmt(r["time_ratio_ours_over_trl"]), n, "<= 1.0", _met(r)])
+        rows.append(["", "ms/step: ours vs TRL", f"{fmt(r['ours_seconds_per_step'], 1e3, 1)} vs "
+                     f"{fmt(r['trl_seconds_per_step'], 1e3, 1)}", n, "", ""])
+        worst = max(d for check in r["same_computation"] for d in check["max_abs_difference_per_step"])
+        rows.append(["", "TRL's metrics (rewards/*, logps/*) ours vs TRL's, warm-up steps: largest difference",
+                     f"{worst:.1e}", f"{reps['rounds']} rounds x {reps['warmup_steps_discarded_per_round']} steps",
+                     "float32", ""])
     r = results.get("pipeline_cache")
     if r:
         n = f"{r['repetitions']['rounds']} rounds"

@@ -40,8 +40,8 @@ def train(cfg, steps: Steps = DIRECT, provenance: dict | None = None) -> dict:
     last metrics, its provenance record (components/tracking/provenance.py; `provenance`: already computed, a
     pipeline's stage), its model (URI in the store, local directory, every file's sha256) and what its kind adds."""
     kind = JOBS[cfg.job]
-    record = provenance or provenance_of(cfg)  # of the config as given (the cache key of a pipeline's stage)
-    cfg, data = kind.prepare(cfg)
+    cfg, data = kind.prepare(cfg)  # bad input fails here, before any model loads
+    record = provenance or provenance_of(cfg)  # a pipeline's stage: its key's, of its config as given
     with recorded(kind, cfg, steps, record) as session:
         result = kind.run(session, data, steps)
         model = steps("publish-model", kind.publish, session, result, steps, retries=1) \

@@ -12,6 +12,7 @@ from components.tracking.run import RunSession
 from models.config import Sampling
 from models.data import PromptSet, load_prompt_set
 from models.distributed import SINGLE, local_device
+from models.loading import check_model_path
 from models.loop import DIRECT, Steps
 from models.policy import load_policy_tokenizer
 from models.stages.config import EvalRun
@@ -26,6 +27,8 @@ class Eval:
 
     def prepare(self, cfg: EvalRun) -> tuple[EvalRun, PromptSet]:
         e = cfg.eval
+        for name in ("model", "reference", "reward"):  # every model exists, named by its field, before any loads
+            check_model_path(cfg.resolve_model_path(getattr(cfg, name)), name)
         prompts = load_prompt_set(e.prompts, e.split, e.prompt_key, load_policy_tokenizer(cfg.resolve_model_path(cfg.model)),
                                   field="eval.prompts", subset=e.subset)
         return cfg, prompts.head(e.max_prompts) if e.max_prompts else prompts

@@ -18,6 +18,7 @@ from components.launch.ranks import actor_ranks
 from components.tracking.run import RunSession
 from models.config import merge
 from models.data import RowStream
+from models.loading import check_model_path
 from models.loop import DIRECT, Steps
 from models.policy import load_policy_tokenizer
 from models.stages.config import StageRun
@@ -38,7 +39,8 @@ class Stage:
         """The config with its derived values (an absolute state directory, the LR schedule's length from the rows it
         trains on), its training rows and its held-out rows (None without eval_split), read with the model's
         tokenizer: bad data fails here, before any model loads."""
-        data, held_out = stage_rows(cfg.stage, cfg.train, cfg.resolve_model_path(cfg.model))
+        path = check_model_path(cfg.resolve_model_path(cfg.model), "model")
+        data, held_out = stage_rows(cfg.stage, cfg.train, path)
         updates = {"deploy.state_dir": str(cfg.resolved_state_dir())}
         if cfg.train.optim.total_steps is None:
             updates[f"{cfg.stage}.optim.total_steps"] = total_steps(cfg.train, len(data))

@@ -19,6 +19,7 @@ from models.reward import HandOffError, load_reward_model, reward_model_scores
 from models.stages.config import RewardModelRun, SFTRun
 from models.stages.data import right_padded
 from models.loop import Steps
+from models.metrics import find
 from models.stages.evaluate import check_reward_model
 
 
@@ -86,6 +87,8 @@ def test_two_ranks_train_the_reward_model_like_one(tmp_path):
     two = train_stage(stage_config(RewardModelRun, tmp_path, run_name="two", section={"max_steps": 3},
                                    deploy={"state_dir": str(tmp_path), "tracking": {"system_metrics": False},
                                            "actor": {"nproc_per_node": 2}}))
+    logged = {name for m in one["history"] + one["evals"] for name in m} | set(one["metrics"])
+    assert [name for name in logged if find(name, "reward_model") is None] == []  # docs/metrics.md lists them
     for a, b in zip(one["history"], two["history"], strict=True):
         for name in ("train/loss", "train/accuracy", "train/grad_norm", "train/margin"):
             assert b[name] == pytest.approx(a[name], rel=1e-6, abs=1e-7), (name, a["step"])

@@ -2,13 +2,14 @@
 client.
 
 The server runs in `.venv-vllm` (Makefile `vllm-venv`), never in the project's: vLLM needs numpy >= 2, PyTriton pins
-numpy < 2. So its modules (app, weights, body, main) import nothing from the project but each other (tests/
+numpy < 2. So its modules (app, weights, body, main, group) import nothing from the project but each other (tests/
 test_imports.py checks it), and this package's __init__ (like components/ and components/serving/) imports nothing. On
 a cluster the server is its own pod, from an image with `vllm`.
 
     app.py      the FastAPI app: endpoints, the Guard (run's secret, body sizes), ServedModel (vllm.LLM, version, run)
     weights.py  the `dist` weight transfer: a torch.distributed group as a vLLM weight-transfer engine
     body.py     the `http` weight transfer's body: a streaming reader and the safetensors header
+    group.py    the torch.distributed group of two both sides of the `dist` weight transfer join
     main.py     the entry point: `python -m components.serving.rollout.main --model DIR --port P ...`
     client.py   the client (rank 0 of the actor, in the project's environment): requests and the weight transfers
 """

@@ -25,6 +25,7 @@ from models.config import merge
 from models.data import builtin_rows
 from models.deploy import DeployConfig
 from models.reward import HandOffError
+from models.metrics import find
 from models.stages.config import SFTRunConfig
 from tests.conftest import headroom_closed
 
@@ -130,7 +131,13 @@ def test_a_dpo_pipeline_reuses_sft_and_its_policy_learns_the_gold_preference(run
     assert dpo["eval/pairs"] == 200 and dpo["eval/rewards/accuracies"] >= 0.8, dpo
     assert {"train/rewards/chosen", "train/rewards/rejected", "train/rewards/accuracies", "train/rewards/margins",
             "train/logps/chosen", "train/logps/rejected"} <= set(dpo)  # TRL's names
+    assert [name for name in dpo if find(name, "dpo") is None] == []  # docs/metrics.md lists what it logged
     judged = summary["stages"]["eval"]["metrics"]
+    assert [name for name in judged if find(name, "eval") is None] == []
+    print(f"dpo pipeline: {summary['seconds']}s (dpo {summary['stages']['dpo']['seconds']}s, eval "
+          f"{summary['stages']['eval']['seconds']}s); held-out implicit-reward accuracy "
+          f"{dpo['eval/rewards/accuracies']:.3f}; gold {judged['eval/reference_gold_reward']:.3f} -> "
+          f"{judged['eval/policy_gold_reward']:.3f}")
     assert judged["eval/samples"] == 160
     closed = headroom_closed(judged["eval/reference_gold_reward"], judged["eval/policy_gold_reward"])
     assert closed >= 0.3, judged

@@ -11,6 +11,7 @@ from components.runs import JOBS, open_session
 from models.backends import LocalCritic
 from models.config import preset
 from models.algorithms import Backends
+from models.metrics import find
 from models.loop import Leader, build_actor, build_critic_trainer, gold_function, load_prompts, prompt_batches
 from models.prepare import prepare_run
 from models.step import train_step
@@ -150,6 +151,8 @@ def test_shared_metric_names_in_mlflow(cfg):
         assert run.data.params["ppo.ratio_eps"] == "0.2"
         artifacts = {a.path for a in session.tracker.client.list_artifacts(run.info.run_id)}
         assert "config.yaml" in artifacts
+    for algorithm, logged in names.items():  # every name a run logs is in the list docs/metrics.md is generated from
+        assert [name for name in logged if find(name, "rl") is None] == [], algorithm
     shared = names["ppo"] & names["rloo"]
     assert {"objective/kl", "reward", "objective/gold_reward", "objective/entropy", "policy/approxkl_avg",
             "loss", "step_time", "time/generate"} <= shared
