@@ -25,7 +25,7 @@ from components.sweep.space import SweepError, check_sweep
 from models.config import RLHFConfig, merge, nested
 from models.deploy import DeployConfig
 
-PIPELINE_ONLY = {"base_model", "sft", "reward_model", "rl"}  # keys of a pipeline's file that a run's config has not
+PIPELINE_ONLY = {"base_model", "sft", "reward_model", "rl", "dpo"}  # keys of a pipeline's file that a run's config has not
 
 
 class NumberLoader(yaml.SafeLoader):

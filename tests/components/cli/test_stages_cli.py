@@ -39,7 +39,8 @@ def test_two_rlhf_sft_of_one_run_name_started_together_one_trains_the_other_is_r
     codes = sorted(proc.returncode for proc in procs)
     assert codes == [0, 1], [err[-3000:] for _, err in outs]
     winner, loser = (0, 1) if procs[0].returncode == 0 else (1, 0)
-    assert re.search(r"rlhf sft failed: run_name='twice' is being written by pid \d+ on ", outs[loser][1]), outs[loser][1][-2000:]
+    refusal = r"rlhf sft failed: RunLocked: run_name='twice' is being written by pid \d+ on "
+    assert re.search(refusal, outs[loser][1]), outs[loser][1][-2000:]
     result = json.loads((tmp_path / f"summary{winner}.json").read_text())
     assert result["steps"] == 6 and result["model"].endswith("/checkpoints/twice/model") and result["job"] == "sft"
     assert [e["step"] for e in result["evals"]] == [0, 6] and "eval/loss" in result["metrics"]
@@ -50,6 +51,8 @@ def test_two_rlhf_sft_of_one_run_name_started_together_one_trains_the_other_is_r
     (["reward-model", "--set", "reward_model.center_rewards_coefficient=-1"], "center_rewards_coefficient"),
     (["sft", "--set", "sft.batch_sise=8"], "batch_sise"),
     (["pipeline", "--set", "rl.algorithm=dpo"], "rl.algorithm"),
+    (["dpo", "--set", "dpo.loss_type=hinge"], "loss_type"),
+    (["eval", "--set", "eval.samples_per_prompt=0"], "samples_per_prompt"),
 ])
 def test_bad_input_is_refused_naming_the_field(args, expected):
     with pytest.raises(SystemExit) as err:
