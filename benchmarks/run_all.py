@@ -20,6 +20,8 @@ from benchmarks.common import ROOT, load_average, log, machine, results_dir, ver
 
 BENCHMARKS = ("generate", "rollout_engine", "async_rollouts", "rloo_vs_trl", "stages_vs_trl", "dpo_vs_trl", "pipeline_cache",
               "critic_http", "overlap", "what_if", "distributed", "critic_ranks", "memory", "gpu")
+# results measured on their own (not by run_all): `python -m benchmarks.memory --lora --baseline DIR` (two checkouts)
+MEASURED_APART = ("memory_lora",)
 PAGE = ROOT / "docs" / "benchmarks.md"
 MARK_START, MARK_END = "<!-- results:start (written by python -m benchmarks.run_all) -->", "<!-- results:end -->"
 
@@ -32,7 +34,7 @@ def fmt(s: dict, scale: float = 1.0, digits: int = 2, unit: str = "") -> str:
 def load_results(directory=None) -> dict:
     """Every benchmark's latest result file (benchmarks/results/<name>.json), by name."""
     directory = directory or results_dir(False)
-    return {name: json.loads((directory / f"{name}.json").read_text()) for name in BENCHMARKS
+    return {name: json.loads((directory / f"{name}.json").read_text()) for name in BENCHMARKS + MEASURED_APART
             if (directory / f"{name}.json").exists()}
 
 
@@ -224,6 +226,15 @@ def table(results: dict) -> str:
     if r:
         params = r["model"]["parameters"]
         rows += memory_rows(r["settings"], f"Memory, {params / 1e6:.0f}M Qwen2-shaped, {r['device']}")
+    r = results.get("memory_lora")
+    if r:
+        params = r["model"]["parameters"]
+        for row in r["settings"]:
+            rows.append([f"LoRA r={row['lora']['r']}, model.dtype=bfloat16, {params / 1e6:.0f}M Qwen2-shaped, "
+                         f"{r['device']} ({row['code']})", "frozen base; adapters; peak RSS; s/step",
+                         f"{row['frozen_bytes'] / 2**20:.0f} MiB {'/'.join(row['frozen_dtypes'])}; "
+                         f"{row['trainable_bytes'] / 2**20:.1f} MiB; {row['peak_rss_bytes'] / 2**30:.2f} GiB; "
+                         f"{fmt(row['seconds_per_step'])}", f"{row['seconds_per_step']['n']} steps", "—", ""])
     r = results.get("gpu")
     if r:
         if r.get("skipped"):

@@ -1,11 +1,14 @@
-"""A trained model out of a run: its final policy as a Hugging Face model in the run's store and in MLflow (the last
-step of every run), and `rlhf export RUN [--iteration N] --out DIR` for any run or checkpoint.
+"""A trained model out of a run: its final model as a Hugging Face model in the run's store and in MLflow (the last
+step of every run: an RL run's policy, an SFT or reward-model stage's model), and `rlhf export RUN [--iteration N]
+--out DIR` for any run or checkpoint.
 
-Both go through one path: the actor part of a checkpoint (iter_<N>/actor) is downloaded from the run's store and
-converted by models/export.py with the run's own config (its base model for LoRA, its model.dtype), so what a run
-leaves and what `rlhf export` writes for the same iteration are the same files. A run keeps its model beside its
-checkpoints, as `<store>/model/` (sha256-checked like a checkpoint part), and logs it to its MLflow run as the run's
-model (an MLflow 3 logged model in the transformers flavor, registered under tracking.register_as when set).
+All go through one path: the trained part of a checkpoint (iter_<N>/actor of an RL run, iter_<N>/trainee of a stage)
+is downloaded from the run's store and converted by models/export.py as the checkpoint's manifest says (`export`: the
+part, the task, the job's dtype, and the base a LoRA adapter merges onto with the digest its run recorded), so what a
+run leaves and what `rlhf export` writes for the same iteration are the same files. A job keeps its model beside its
+checkpoints, as `<store>/model/` (sha256-checked like a checkpoint part, every file's sha256 in its summary), and an
+RL run logs it to its MLflow run as the run's model (an MLflow 3 logged model in the transformers flavor, registered
+under tracking.register_as when set).
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ from components.storage.backends import CheckpointError
 from components.storage.store import CheckpointStore
 from components.tracking.run import checkpoint_uri
 from models.config import RLHFConfig
-from models.export import export_policy
-from models.tiny_files import file_digests, manifest_digest
+from models.deploy import DeployConfig
+from models.export import export_model, export_spec
+from models.resolve import file_digests, resolve_model
+from models.tiny_files import manifest_digest
 
 MODEL_KEY = "model"  # where a run keeps its exported model in its store
+PARTS = ("actor", "trainee")  # the trained part of an RL run's checkpoint, of a stage's
 
 
 def run_store(cfg: RLHFConfig, run: str) -> CheckpointStore:
@@ -34,9 +40,11 @@ def run_store(cfg: RLHFConfig, run: str) -> CheckpointStore:
     return CheckpointStore.from_uri(uri, s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
 
 
-def export_checkpoint(store: CheckpointStore, out_dir: str | Path, iteration: int | None = None) -> tuple[Path, int]:
-    """The policy of checkpoint `iteration` (the latest by default) of `store` as a Hugging Face model in `out_dir`;
-    returns (out_dir, iteration)."""
+def export_checkpoint(store: CheckpointStore, out_dir: str | Path, iteration: int | None = None,
+                      deploy: DeployConfig | None = None, config: dict | None = None) -> tuple[Path, int]:
+    """The model of checkpoint `iteration` (the latest by default) of `store` as a Hugging Face model in `out_dir`,
+    `config` entries added to its config.json; `deploy`: where this machine finds the base of a LoRA adapter
+    (models/resolve.py). Returns (out_dir, iteration)."""
     iteration = store.latest() if iteration is None else iteration
     if iteration is None:
         raise CheckpointError(f"no checkpoint in {store.uri}: nothing to export")
@@ -45,32 +53,41 @@ def export_checkpoint(store: CheckpointStore, out_dir: str | Path, iteration: in
     out_dir = Path(out_dir)
     scratch = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir.parent if out_dir.parent.is_dir() else None))
     try:
-        state = store.load(scratch, iteration, parts=("actor",))
-        cfg = RLHFConfig.model_validate(state["config"])
-        base = cfg.resolve_model_path(cfg.model.policy) if (scratch / "actor" / "adapter_config.json").exists() else None
-        export_policy(scratch / "actor", out_dir, base, cfg.model.dtype)
+        state = store.load(scratch, iteration, parts=PARTS)
+        spec = state.get("export") or rl_export_spec(state)
+        trained = scratch / spec["part"]
+        base = spec["base"]
+        found = resolve_model(base["value"], base["field"], base["revision"], deploy) \
+            if (trained / "adapter_config.json").exists() else None
+        export_model(trained, out_dir, found.path if found else None, spec["dtype"], spec["task"], config,
+                     base_digest=base.get("digest"))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return out_dir, iteration
 
 
-def publish_directory(session, local: str | Path) -> dict:
-    """A job's model (a Hugging Face directory on this machine) into its store as `model/`, with every file's sha256
-    beside it, and named in its MLflow run (tag model.uri). Returns {"model": store URI, "model_dir", "files":
-    {path: sha256}, "digest"}: what a pipeline records and a later stage checks."""
-    uri = session.store.put_dir(Path(local), MODEL_KEY)
-    files = file_digests(Path(local))
-    session.tracker.client.set_tag(session.tracker.run_id, "model.uri", uri)
-    return {"model": uri, "model_dir": str(local), "files": files, "digest": manifest_digest(files)}
+def rl_export_spec(state: dict) -> dict:
+    """The export of an RL checkpoint written before manifests said (its config's policy and dtype)."""
+    cfg = RLHFConfig.model_validate(state["config"])
+    return export_spec("actor", "causal-lm", cfg.model.dtype, cfg.model.policy, cfg.model.revision, "model.policy",
+                       state.get("models", {}).get("model.policy"))
 
 
-def publish_model(session) -> dict:
-    """The last step of an RL run (components/jobs/rl.py): its final policy exported from its last checkpoint into
-    its store (`model/`, as publish_directory) and logged to its MLflow run as the run's model (registered under
-    tracking.register_as when set). Returns where it went: publish_directory's, "mlflow_model_id", "iteration"."""
+def publish_model(session, config: dict | None = None, log_model: bool = True) -> dict:
+    """The last step of every job that trains a model (components/runs.py): its model exported from its last
+    checkpoint (`config` entries added to its config.json: a reward model's statistics) into its store (`model/`,
+    every file's sha256 beside it), named in its MLflow run (tag model.uri) and, with `log_model` (an RL run's
+    policy), logged to it as the run's model (registered under tracking.register_as when set). Returns {"model": store
+    URI, "model_dir", "files": {path: sha256}, "digest", "iteration", "mlflow_model_id" (when logged)}."""
     local = session.local_dir / "model"
     shutil.rmtree(local, ignore_errors=True)
-    out, iteration = export_checkpoint(session.store, local)
-    published = publish_directory(session, out)
-    model_id = session.tracker.log_model(out, step=iteration, register_as=session.cfg.tracking.register_as)
-    return {**published, "mlflow_model_id": model_id, "iteration": iteration}
+    out, iteration = export_checkpoint(session.store, local, deploy=session.cfg.deploy, config=config)
+    uri = session.store.put_dir(out, MODEL_KEY)
+    files = file_digests(out)
+    session.tracker.client.set_tag(session.tracker.run_id, "model.uri", uri)
+    published = {"model": uri, "model_dir": str(out), "files": files, "digest": manifest_digest(files),
+                 "iteration": iteration}
+    if log_model:
+        published["mlflow_model_id"] = session.tracker.log_model(out, step=iteration,
+                                                                 register_as=session.cfg.tracking.register_as)
+    return published

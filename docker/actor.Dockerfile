@@ -37,6 +37,9 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
 COPY models/ models/
 COPY components/ components/
 COPY flows/ flows/
+# the shipped configs and reward files (examples/README.md): `reward.function: examples/rewards/gsm8k.py:...` resolves
+# against this working directory in every pod (a run also stores its reward files in its store: models/reward.py)
+COPY examples/ examples/
 COPY prefect.yaml ./
 RUN pip install --no-deps -e . && python -c "import components, flows, models"
 

@@ -34,7 +34,7 @@ from pydantic import BaseModel, Field, PositiveInt, create_model, model_validato
 
 from models.algorithms import ALGORITHMS
 from models.deploy import DeployConfig
-from models.hub import resolve_model
+from models.resolve import Resolved, resolve_model
 from models.sections import STATE_DIR_ENV, OptimConfig, Section, default_state_dir  # noqa: F401 (re-exported)
 from models.tiny_files import TINY_PREFIX, embedded_model_path, is_embedded, is_tiny_policy  # noqa: F401 (re-exported)
 
@@ -48,9 +48,9 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    policy: str = Field("tiny/policy", description="The actor: a local directory saved with save_pretrained, a hub id 'org/name' (read from the Hugging Face cache offline; fetched into it where the hub is reachable), or 'tiny/<name>', the embedded default shipped with the package (tiny/policy, tiny/reward, tiny/critic, tiny/reward-chars), which brings the `tiny` preset's settings.")
+    policy: str = Field("tiny/policy", description="The actor: a local directory saved with save_pretrained, a hub id 'org/name' (read from the Hugging Face cache offline; downloaded into it only where deploy.cache.hub_downloads allows), s3://bucket/prefix (fetched once per machine into deploy.cache.dir, checked by digest), or 'tiny/<name>', the embedded default shipped with the package (tiny/policy, tiny/reward, tiny/critic, tiny/reward-chars), which brings the `tiny` preset's settings.")
     revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of model.policy when it is a hub id, and of model.reward / model.critic when they name the same id; None = the repository's main branch.")
-    reward: Optional[str] = Field(None, description="Sequence-classification reward model (num_labels=1) for reward.source='model' (a directory, hub id or tiny/<name>); None = the policy family's own: tiny/reward for the embedded tiny policy, required for any other policy.")
+    reward: Optional[str] = Field(None, description="Sequence-classification reward model (num_labels=1) for reward.source='model' (a directory, hub id, s3://bucket/prefix or tiny/<name>); None = the policy family's own: tiny/reward for the embedded tiny policy, required for any other policy.")
     critic: Optional[str] = Field(None, description="Critic checkpoint, read as token classification with one label (a critic saved by a run, or a checkpoint of the policy's family, given a new value head); it reads the policy's tokens, so it must share the policy's tokenizer. None = initialised from model.reward when that shares the policy's tokenizer (NeMo-Aligner), else from model.policy (veRL, OpenRLHF).")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA settings for the actor.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Compute dtype of the actor, critic and reward model (mixed precision; the tiny preset uses float32, and the exported model is saved in it): 'bfloat16' computes under autocast while the trained weights, their gradients and AdamW states stay float32 (master weights); with FSDP2 the weights are also all-gathered in it and gradients reduced in float32; the frozen reference is stored in it. 'float16' has no loss scaling: prefer bfloat16 (docs/memory.md).")
@@ -103,12 +103,20 @@ class CriticConfig(Section):
 FUNCTION_SPEC = re.compile(r"^(?:[\w.]+|.+\.py):\w+$")  # 'package.module:fn' or 'path/to/rewards.py:fn'
 
 
+class StoredFile(Section):
+    """A file a run stored in its store where it started (a reward file): its digest and where the copy is."""
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$", description="sha256 of the file's bytes.")
+    uri: str = Field(description="The stored copy: <run store>/rewards/<sha256>.py (file:// or s3://).")
+
+
 class RewardConfig(Section):
     """What scores the responses: a reward model, or Python reward functions (TRL's reward_funcs / reward_weights).
-    A function is 'package.module:fn' (importable where it scores) or 'path/to/rewards.py:fn' (a file loaded by
-    path in every process that scores: in process, the reward server); a relative path is resolved against the
-    working directory of the process that starts the run. On a cluster the file must exist at that path in every pod
-    that scores: in the image, or in the code the deployment pulls."""
+    A function is 'package.module:fn' (importable where it scores) or 'path/to/rewards.py:fn' (a file; a relative
+    path is resolved against the working directory of the process that starts the run). A run reads each such file
+    once where it starts and stores its bytes in its store (reward.files); every process that scores (the reward
+    server in another directory or pod, the actor's rank 0) loads those bytes by their digest, never the path, so a
+    file that exists only where the run starts needs no image rebuild."""
 
     source: Literal["model", "function"] = Field("model", description="Score responses with the reward model or with reward functions (reward.function / reward.functions).")
     function: Optional[str] = Field(None, description="One reward function for source='function': 'package.module:fn' or 'path/to/rewards.py:fn', called as fn(prompts, responses, **columns) -> list[float] (columns: the data set's other columns it names).")
@@ -117,6 +125,7 @@ class RewardConfig(Section):
     gold: Optional[str] = Field(None, description="Gold reward function logged as objective/gold_reward (format as reward.function); None = the shipped task's own when the data is a builtin task, else none.")
     transport: Literal["auto", "tokens", "text"] = Field("auto", description="How rollouts reach the reward model: 'tokens' (the policy's ids: the RM must share the policy's tokenizer, checked before anything loads), 'text' (reward_text: prompt and response strings the RM tokenizes itself), 'auto' = text when the RM's tokenizer differs from the policy's, else tokens.")
     chat_template: bool = Field(False, description="With text transport, format (prompt, response) with the reward model's chat template (user, assistant) when it has one; otherwise 'prompt response' + EOS.")
+    files: Optional[dict[str, StoredFile]] = Field(None, description="Set by the run where it starts (leave unset): each reward file of reward.function / functions / gold, by the absolute path it was read from, with its sha256 and its copy in the run's store; every process that scores loads that copy, checked by its digest. None = none stored yet (a process loads the file by its path).")
     normalize: bool = Field(False, description="Score with the reward model's (score - reward_mean) / reward_std, the statistics the reward_model stage stores in its config.json (as OpenRLHF's normalize_reward; Bradley-Terry rewards are defined only up to a shift); a reward model without them is refused.")
 
     @model_validator(mode="after")
@@ -165,7 +174,8 @@ class RewardConfig(Section):
 
 PROMPT_SOURCES = ("'builtin:<task>' (sentiment, sentiment_target; the stages' sentiment_sft and sentiment_preference), a local .parquet/.jsonl/.json/.csv/.arrow file, a .txt "
                   "file (one prompt a line), a folder of such files (file names decide the splits), a folder written by "
-                  "Dataset.save_to_disk, or a hub dataset id (only where the hub is reachable)")
+                  "Dataset.save_to_disk, s3://bucket/key or s3://bucket/prefix (fetched once per machine into deploy.cache.dir, "
+                  "checked by digest), or a hub data set id (its snapshot in the Hugging Face cache, at `revision`)")
 
 
 class DataConfig(Section):
@@ -174,6 +184,7 @@ class DataConfig(Section):
 
     prompts: Optional[str] = Field(None, description=f"Where the prompts come from: {PROMPT_SOURCES}; the tiny preset uses builtin:sentiment, any other policy must name its data.")
     subset: Optional[str] = Field(None, description="Configuration (subset) of a data set that has several, e.g. 'main' of openai/gsm8k: hub data sets, and local folders whose README declares configs; None = its only (or default) one.")
+    revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of data.prompts when it is a hub data set id; None = its main branch.")
     split: str = Field("train", description="Split to read (folders, save_to_disk DatasetDicts, hub datasets; a single file is this split).")
     prompt_key: str = Field("prompt", description="Column holding the prompt: a string, or chat messages (a list of {role, content}) rendered with the policy's chat template.")
     chat_template: bool = Field(False, description="Wrap a plain-string prompt as a user turn of the policy's chat template (chat messages are always rendered with it).")
@@ -187,6 +198,7 @@ class EvalConfig(Section):
 
     prompts: Optional[str] = Field(None, description=f"Eval prompts (None = no eval): {PROMPT_SOURCES}.")
     subset: Optional[str] = Field(None, description="Configuration (subset) of eval.prompts, as data.subset.")
+    revision: Optional[str] = Field(None, description="Hub revision of eval.prompts, as data.revision.")
     split: str = Field("test", description="Split of eval.prompts to read (a single file is this split).")
     prompt_key: str = Field("prompt", description="Column holding the eval prompt (as data.prompt_key).")
     max_prompts: Optional[PositiveInt] = Field(None, description="Evaluate on the first N rows only (None = all).")
@@ -300,13 +312,18 @@ class RLHFConfig(RunConfig):
     def resolved_state_dir(self) -> Path:
         return self.deploy.resolved_state_dir()
 
-    def resolve_model_path(self, value: str) -> str:
-        """The local directory of a model field's value (models/hub.py): `tiny/<name>` = the embedded default shipped
-        with the package, a local directory as it is, a hub id = its snapshot in the Hugging Face cache (at
-        model.revision when it is the policy's id). A missing model fails naming its field."""
+    def resolve_model(self, value: str) -> Resolved:
+        """Where a model field's value is on this machine, and its provenance (models/resolve.py): `tiny/<name>` =
+        the embedded default shipped with the package, a local directory as it is, a hub id = its snapshot in the
+        Hugging Face cache (at model.revision when it is the policy's id), s3:// = fetched into deploy.cache.dir. A
+        missing model fails naming its field."""
         field = next((f"model.{name}" for name in ("policy", "reward", "critic") if getattr(self.model, name) == value),
                      "model")
-        return resolve_model(value, field, self.model.revision if value == self.model.policy else None)
+        return resolve_model(value, field, self.model.revision if value == self.model.policy else None, self.deploy)
+
+    def resolve_model_path(self, value: str) -> str:
+        """The local directory of a model field's value (`resolve_model`)."""
+        return self.resolve_model(value).path
 
 
 def run_name_for(cfg) -> str:

@@ -2,10 +2,13 @@
 run reads them.
 
 A source is `builtin:<task>`, a local file (.parquet, .jsonl, .json, .csv, .arrow; .txt = one prompt a line), a folder
-of such files, a folder written by `Dataset.save_to_disk`, or a hub dataset id (where the hub is reachable, or in the
-datasets cache). Rows are read with HF `datasets`. A data set with several configurations (subsets: GSM8K's `main`
-and `socratic`) is read at `subset` (data.subset): hub data sets, and local folders whose README.md declares
-`configs` as the hub's do. The prompt is the `prompt_key` column: a string, or chat messages (a list of {role, content})
+of such files, a folder written by `Dataset.save_to_disk`, s3://bucket/key (one such file) or s3://bucket/prefix (a
+folder of them), or a hub data set id at `revision` (data.revision). Where each is on this machine is the resolver's
+(models/resolve.py): an s3:// source is fetched once into the cache directory and checked by digest, a hub data set
+is its snapshot in the Hugging Face cache, read as a local folder (nothing downloads unless the deployment allows
+it). Rows are read with HF `datasets`. A data set with several configurations (subsets: GSM8K's `main` and
+`socratic`) is read at `subset` (data.subset): hub data sets, and local folders whose README.md declares `configs`
+as the hub's do. The prompt is the `prompt_key` column: a string, or chat messages (a list of {role, content})
 rendered with the policy's chat template. Every other column travels with its prompt to the reward functions
 (models/reward.py), one value per sample.
 
@@ -20,11 +23,13 @@ the actor's checkpoint; a resumed run goes on with the next unseen rows.
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional
 
+from models.deploy import DeployConfig
+from models.resolve import resolve_data
 from models.tasks import sentiment
 
 DATA_FILES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
@@ -85,33 +90,38 @@ class DataError(ValueError):
 # ---------------------------------------------------------------- reading a source
 
 
-def read_rows(source: str, split: str = "train", field: str = "data.prompts", subset: str | None = None):
-    """The rows of `source` (at configuration `subset`) as a `datasets.Dataset` (see the module docstring for the
-    forms a source takes)."""
+def read_rows(source: str, split: str = "train", field: str = "data.prompts", subset: str | None = None,
+              revision: str | None = None, deploy: Optional[DeployConfig] = None):
+    """The rows of `source` (at configuration `subset`, a hub data set at `revision`) as a `datasets.Dataset` (see
+    the module docstring for the forms a source takes); `deploy`: the deployment's cache and download settings."""
     import datasets  # heavy (pyarrow, pandas: ~1 s): only reading a data set needs it
 
     datasets.disable_progress_bars()
-    subset_field = field.rsplit(".", 1)[0] + ".subset"
-    path = Path(source).expanduser()
-    if subset is not None and (source.startswith("builtin:") or path.is_file()):
-        raise DataError(f"{subset_field}: '{source}' has no configurations (a builtin task or a single file); "
-                        f"leave {subset_field} unset")
-    if source.startswith("builtin:"):
+    section = field.rsplit(".", 1)[0]
+    if not source:
+        raise DataError(f"{field}: not set; name the rows (a local file or folder, s3://..., a hub data set id, or "
+                        f"builtin:<task>: models/data.py)")
+    try:
+        found = resolve_data(source, field, revision, deploy, subset)
+    except (FileNotFoundError, ValueError) as exc:
+        raise DataError(str(exc)) from None
+    if revision is not None and found.source != "hub":
+        raise DataError(f"{section}.revision: '{source}' is no hub data set id: a revision names a hub branch, tag "
+                        f"or commit; leave {section}.revision unset")
+    path = Path(found.path) if found.path else None
+    if subset is not None and (path is None or path.is_file()):
+        raise DataError(f"{section}.subset: '{source}' has no configurations (a builtin task or a single file); "
+                        f"leave {section}.subset unset")
+    if path is None:
         return datasets.Dataset.from_list(builtin_rows(source.split(":", 1)[1], split, field))
     try:
-        if path.is_dir():
-            return _read_folder(path, split, field, subset)
-        if path.is_file():
-            return _read_file(path, split, field)
+        return _read_folder(path, split, field, subset) if path.is_dir() else _read_file(path, split, field)
     except DataError:
         raise
     except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many kinds for an unreadable file
         if "corresponds to no data" in str(exc):  # datasets' way of saying the file has no row
             raise DataError(f"{field}: split '{split}' of '{source}' is empty") from exc
         raise DataError(f"{field}: cannot read '{source}': {type(exc).__name__}: {exc}") from exc
-    if path.suffix in DATA_FILES or path.suffix == ".txt" or source.startswith((".", "/", "~")):
-        raise DataError(f"{field}: '{source}' does not exist (a file, a folder, builtin:<task> or a hub dataset id)")
-    return _read_hub(source, split, field, subset)
 
 
 # rows of the stages' builtin data sets per split (train, test): generated from a seed of their own per split
@@ -213,29 +223,17 @@ def _config_names(path: Path) -> list[str]:
         return []
 
 
-def _read_hub(source: str, split: str, field: str, subset: str | None = None):
-    import datasets  # heavy (pyarrow, pandas: ~1 s): only reading a data set needs it
-
-    try:
-        return datasets.load_dataset(source, name=subset, split=split)
-    except Exception as exc:  # noqa: BLE001 - offline, unknown id, no such split: all end the run here
-        offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
-        reason = ("; the hub is not reachable from here (HF_HUB_OFFLINE=1): copy the data set to a local file or "
-                  "folder (save_to_disk) and point at that") if offline else ""
-        raise DataError(f"{field}: '{source}' is no local file or folder, and loading it as a hub dataset failed "
-                        f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}){reason}") from exc
-
-
 # ---------------------------------------------------------------- rows -> prompts
 
 
 def load_prompt_set(source: str, split: str, prompt_key: str, tokenizer, max_prompt_length: int | None = None,
                     long_prompts: str = "error", chat_template: bool = False, field: str = "data.prompts",
-                    subset: str | None = None) -> PromptSet:
-    """Read `source` (at configuration `subset`) and turn its rows into prompts for the policy whose `tokenizer` is
-    given: checks the prompt column, renders chat messages, applies the length policy. Raises DataError naming what
-    is wrong."""
-    rows = read_rows(source, split, field, subset)
+                    subset: str | None = None, revision: str | None = None,
+                    deploy: Optional[DeployConfig] = None) -> PromptSet:
+    """Read `source` (at configuration `subset`, revision `revision`: `read_rows`) and turn its rows into prompts
+    for the policy whose `tokenizer` is given: checks the prompt column, renders chat messages, applies the length
+    policy. Raises DataError naming what is wrong."""
+    rows = read_rows(source, split, field, subset, revision, deploy)
     if prompt_key not in rows.column_names:
         raise DataError(f"{field}: '{source}' has no column '{prompt_key}' (the prompt_key); its columns: "
                         f"{rows.column_names}")

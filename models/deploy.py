@@ -11,12 +11,11 @@ one machine never race for one); a number = that port, or a free one when it is 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Literal, Optional
 
-import re
-
-from pydantic import Field, PositiveInt, field_validator
+from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
 from models.sections import Section, default_state_dir
 
@@ -26,18 +25,22 @@ DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
 
 
-class ActorPlacement(Section):
-    """How many processes train the actor, and how they talk. Rank 0 runs the flow (or `rlhf train`); the others
-    follow its commands. One node: rank 0 starts ranks 1..N-1 itself. Several nodes: every pod runs torchrun."""
+READY_TIMEOUT_S = 900.0  # a server's readiness wait: a cold GPU node joins in 3-6 min, then pulls the image, then loads
 
-    nproc_per_node: PositiveInt = Field(1, description="Actor ranks per node (one per GPU; on CPU, each gets cores / ranks threads).")
-    nnodes: PositiveInt = Field(1, description="Nodes (node groups of nproc_per_node ranks each); more than one: the run's controller starts them where `launch` says.")
-    launch: Literal["local", "jobset"] = Field("local", description="Where the node groups of a run with nnodes > 1 run: 'local' = torchrun processes on this machine (over loopback); 'jobset' = a JobSet on the cluster (components/cluster/jobset.py; pods as deploy.cluster says).")
-    max_restarts: int = Field(0, ge=0, le=100, description="Times the node groups are restarted together after one fails (JobSet's failurePolicy.maxRestarts); each attempt resumes from the run's last checkpoint.")
+
+class ActorPlacement(Section):
+    """How many processes train the actor, and how they talk. One node: rank 0 is the flow run (or `rlhf train`) and
+    starts ranks 1..N-1 itself. Several nodes: the flow run (or `rlhf train`) is the run's controller and starts
+    `nnodes` node groups (torchrun each) where `launch` says; node group 0's rank 0 runs the run, the others follow."""
+
+    nproc_per_node: PositiveInt = Field(1, description="Actor ranks per node (one per GPU; on CPU, each gets its cores / ranks threads).")
+    nnodes: PositiveInt = Field(1, description="Node groups of the actor; more than one makes the flow run (or `rlhf train`) the run's controller: it starts the groups where `launch` says, relays rank 0's log, restarts them after a failure (`max_restarts`) and returns the run's summary.")
+    launch: Literal["local", "jobset"] = Field("local", description="Where the node groups of nnodes > 1 run: 'local' = one torchrun per group on this machine over loopback, each with the environment JobSet gives a pod and a state directory of its own (nothing shared but the run's checkpoint store); 'jobset' = a JobSet on Kubernetes (components/cluster/jobset.py), its pods admitted together by Kueue.")
+    max_restarts: NonNegativeInt = Field(2, le=100, description="With nnodes > 1: how many times the whole set of node groups is restarted after one fails (JobSet's failurePolicy.maxRestarts); each restart resumes from the run's last checkpoint. A failure a restart cannot mend (the run's name taken by another run, its lease lost) is not restarted.")
     backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="torch.distributed backend: 'auto' = nccl with CUDA, gloo on CPU.")
     fsdp: Literal["auto", "off"] = Field("auto", description="'auto' shards a full fine-tune with FSDP2 (fully_shard per transformer block) when world size > 1; 'off' replicates it and sums gradients. LoRA always replicates the frozen base and syncs only the adapters.")
     master_addr: str = Field("127.0.0.1", description="Address of rank 0 for ranks started by rank 0 itself (torchrun sets its own).")
-    master_port: Optional[int] = Field(None, ge=1024, le=65535, description="Port of rank 0's rendezvous; None = a free one (single node); a busy port makes rank 0 pick a free one.")
+    master_port: Optional[int] = Field(None, ge=1024, le=65535, description="Port of rank 0's rendezvous; None = a free one (one node, or launch=local), 29500 on a JobSet; a busy port makes a local rank 0 pick a free one.")
     collective_timeout_s: float = Field(300.0, gt=0, description="A collective (and the rendezvous at start) that waits longer than this, because a rank died or hangs, fails the run.")
 
     @property
@@ -53,7 +56,7 @@ class ServerPlacement(Section):
     port: Optional[int] = Field(None, ge=1, le=65533, description="HTTP port P of the server (gRPC P+1, metrics P+2); None = a free block picked at start.")
     max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic-batching queue delay of the server's batched models.")
     torch_threads: Optional[PositiveInt] = Field(None, description="torch intra-op threads of the server process; None = 1 on a CPU-only host (it usually shares the cores with the actor; 2+2 threads on 2 cores ran ~4x slower), torch's default with CUDA.")
-    ready_timeout_s: float = Field(180.0, gt=0, description="How long to wait for the server to become ready (with launch=deployment, also for its flow run to start: raise it for a cold GPU pool).")
+    ready_timeout_s: float = Field(READY_TIMEOUT_S, gt=0, description="How long to wait for the server to become ready; with launch=deployment, also for its flow run to start (a cold GPU node: 3-6 min to join, then the image pull and the model load). The run's log says every ~30 s what it waits for and how long it has waited; a local server that exits fails the wait at once.")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
     auth: Literal["secret", "none"] = Field("secret", description="'secret' = every request but liveness/readiness must carry the run's secret (generated per run, handed to the server through its environment; components/serving/auth.py), others are refused (403); 'none' = open mode: inference, model config and metadata answer anyone who reaches the port (NeMo-Aligner's own client sends no credentials); the server says so when it starts.")
 
@@ -65,26 +68,34 @@ class CriticPlacement(ServerPlacement):
 
 class RolloutPlacement(Section):
     """The vLLM rollout server (components/serving/rollout/; rollout.engine=vllm): its own process and
-    environment (.venv-vllm; on a cluster its own pod), with its own copy of the actor's weights."""
+    environment (.venv-vllm; on a cluster its own pod), with its own copy of the actor's weights; `replicas` of them."""
 
     launch: Literal["local", "deployment", "kubernetes"] = Field("local", description="'local' = a child process of the run (own process group, stopped with it); 'deployment' = the rollout-server/default Prefect deployment (its own GPU node on a cluster); 'kubernetes' = a LeaderWorkerSet of `replicas` servers the run creates on its cluster (deploy.cluster; the vLLM image), deleted with the run.")
     python: str = Field(".venv-vllm/bin/python", description="Interpreter of the server's environment (`make vllm-venv`; an image with `vllm` on a cluster). Relative paths resolve against the project root.")
     host: str = Field("127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
-    port: Optional[int] = Field(None, ge=0, le=65535, description="HTTP port of the server; None or 0 = a free one picked at start; a busy port makes a local server pick a free one.")
+    port: Optional[int] = Field(None, ge=0, le=65535, description="HTTP port of the server (replica i: port + i); None or 0 = a free one picked at start; a busy port makes a local server pick a free one.")
+    replicas: PositiveInt = Field(1, description="Independent rollout servers, each with its own copy of the weights: each iteration's prompts are spread over them at once (in equal shares of whole prompts: a prompt's samples all come from one replica, and are seeded by their place in the batch, so the samples do not depend on the replica count), and every replica is refit after every update.")
+    tensor_parallel_size: PositiveInt = Field(1, description="GPUs each replica shards the model over (vLLM's tensor parallelism); more than 1 needs that many GPUs on the server's host (refused on a CPU host; on the cluster at most the GPUs of one server node, deploy.cluster.servers.gpus_per_node) and weight_transfer='dist' (each of the replica's GPU workers joins the weight-transfer group).")
     max_model_len: Optional[PositiveInt] = Field(None, description="Longest prompt + response the engine accepts (its KV cache is sized for it); None = the model's own limit (max_position_embeddings).")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV-cache space in GiB on a CPU host (VLLM_CPU_KVCACHE_SPACE).")
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="Share of the GPU's memory vLLM may take (weights + KV cache) on a GPU host; the rest is left to a trainer on the same GPU and to NCCL.")
     enforce_eager: bool = Field(True, description="Run without CUDA graphs / torch.compile: starts in seconds instead of ~1 min; turn off for long runs on a GPU.")
     threads: Optional[PositiveInt] = Field(None, description="CPU threads of the engine (OMP_NUM_THREADS); None = every core on a CPU-only host (the actor waits while the server generates, the server idles while the actor trains), vLLM's default otherwise. Set it lower when other work shares the cores.")
     cpu_cores: Optional[str] = Field(None, coerce_numbers_to_str=True, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$", description="CPU cores the server runs on on a CPU host, every thread of its process (and vLLM's OpenMP threads bound to them: VLLM_CPU_OMP_THREADS_BIND), a Linux core list, e.g. '1', '2-3' or '0,4-5'; None = every core, vLLM's default binding. With asynchronous rollouts, keep the server and the actor on cores of their own (as separate pods would be).")
-    replicas: PositiveInt = Field(1, description="Independent rollout servers; the trainer spreads each iteration's prompts over them and refits every one.")
-    tensor_parallel_size: PositiveInt = Field(1, description="GPUs one rollout server shards the model over (vLLM tensor parallelism); on the cluster at most the GPUs of one server node (deploy.cluster.servers.gpus_per_node).")
-    ready_timeout_s: float = Field(300.0, gt=0, description="How long to wait for the server to load the model and answer /health; with launch=deployment, also how long its flow run may take to start and publish its address (pod scheduling and the image pull count here: raise it for a cold GPU pool).")
+    ready_timeout_s: float = Field(READY_TIMEOUT_S, gt=0, description="How long to wait for every replica to load the model and answer /health; with launch=deployment, also how long its flow run may take to start and publish its address (a cold GPU node: 3-6 min to join, then the image pull and the model load). The run's log says every ~30 s what it waits for and how long it has waited; a local server that exits fails the wait at once.")
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generate or weight-update request.")
     max_request_sequences: PositiveInt = Field(4096, description="Largest /generate request: prompts x n sampled sequences; a bigger one is refused (400) naming the fields.")
     max_request_tokens: PositiveInt = Field(1 << 23, description="Largest /generate request in new tokens: prompts x n x max_new_tokens; a bigger one is refused (400) naming the fields.")
     max_body_mib: PositiveInt = Field(32, description="Largest JSON request body (MiB) the server reads, checked from Content-Length before reading (a weight upload is bounded by the model's own size instead); 1,024 prompts of 2,048 tokens take ~13 MiB.")
-    weight_transfer: Literal["http", "dist"] = Field("dist", description="How the actor's weights reach the server after every update: 'dist' = a torch.distributed group of two (actor rank 0 and the server; gloo on CPU, NCCL on GPUs), tensors broadcast one at a time and loaded as they arrive; 'http' = a safetensors body streamed to POST /update_weights (a server the actor cannot reach with a process group: only its HTTP port is open).")
+    weight_transfer: Literal["http", "dist"] = Field("dist", description="How the actor's weights reach every replica after every update: 'dist' = a torch.distributed group per replica (actor rank 0 and the replica's workers; gloo on CPU, NCCL on GPUs), tensors broadcast one at a time and loaded as they arrive; 'http' = a safetensors body streamed to each replica's POST /update_weights (a server the actor cannot reach with a process group: only its HTTP port is open). Either way the replicas receive each tensor at once, gathered once.")
+
+    @model_validator(mode="after")
+    def _tensor_parallel_needs_dist(self):
+        if self.tensor_parallel_size > 1 and self.weight_transfer == "http":
+            raise ValueError(f"deploy.rollout.tensor_parallel_size={self.tensor_parallel_size} needs "
+                             f"deploy.rollout.weight_transfer='dist': an HTTP body reaches the server's process, not "
+                             f"the GPU workers that hold the model's shards")
+        return self
 
 
 class TrackingPlacement(Section):
@@ -94,8 +105,16 @@ class TrackingPlacement(Section):
 
 class CheckpointPlacement(Section):
     uri: Optional[str] = Field(None, description="file:///dir, a path, or s3://bucket/prefix; None uses <state_dir>/checkpoints. The run name is appended.")
-    s3_endpoint_url: Optional[str] = Field(None, description="Endpoint of an S3-compatible store (None = AWS or $AWS_ENDPOINT_URL_S3).")
+    s3_endpoint_url: Optional[str] = Field(None, description="Endpoint of an S3-compatible store, for the checkpoints and for s3:// models and data (None = AWS or $AWS_ENDPOINT_URL_S3).")
     lease_timeout_s: float = Field(60.0, ge=5, description="One writer per run name: a run holds a lease on its checkpoint store (a file lock locally, a lease object created with a conditional put on S3, renewed every third of this); another run of the same name is refused while the lease is held, and takes a lease over that was not renewed for this long (its holder is gone; logged).")
+
+
+class CachePlacement(Section):
+    """How this deployment's processes bring models and data that are not local paths onto their machine
+    (models/resolve.py): s3:// sources into a cache directory, hub ids into the Hugging Face cache."""
+
+    dir: Optional[str] = Field(None, description="Where s3:// models and data and a run's stored reward files are fetched on each machine (once; a later run reuses them while their ETags are unchanged); a volume the run's pods share on a cluster fetches each once for all of them. None = $RLHF_CACHE_DIR, else <HF_HOME>/rlhf-flows (HF_HOME: ~/.cache/huggingface unless set; /cache/huggingface on the cluster's shared volume).")
+    hub_downloads: bool = Field(False, description="Download a hub id (model or data set) that is not in the Hugging Face cache into it at run time, one process (or pod) at a time under a lock in the cache, the others waiting for it; false = nothing downloads at run time: a missing one fails naming its field and the `hf download` command. The cluster's deployments set true (the cache on the pods' shared volume); HF_HUB_OFFLINE=1 forbids it either way.")
 
 
 class PodPlacement(Section):
@@ -162,8 +181,9 @@ class DeployConfig(Section):
     reward: ServerPlacement = Field(default_factory=ServerPlacement, description="The reward server (algorithms without a critic, or a critic that does not carry the reward model).")
     rollout: RolloutPlacement = Field(default_factory=RolloutPlacement, description="The vLLM rollout server (rollout.engine=vllm).")
     tracking: TrackingPlacement = Field(default_factory=TrackingPlacement, description="The MLflow tracking server.")
-    checkpoint: CheckpointPlacement = Field(default_factory=CheckpointPlacement, description="The checkpoint store.")
+    checkpoint: CheckpointPlacement = Field(default_factory=CheckpointPlacement, description="The checkpoint store (its s3_endpoint_url also serves s3:// models and data).")
     cluster: ClusterPlacement = Field(default_factory=ClusterPlacement, description="The run's own pods on Kubernetes (the actor's node groups with actor.launch=jobset, servers with launch=kubernetes).")
+    cache: CachePlacement = Field(default_factory=CachePlacement, description="Models and data that are not local paths: s3:// sources and hub ids (models/resolve.py).")
 
     def resolved_state_dir(self) -> Path:
         return Path(self.state_dir).absolute() if self.state_dir else default_state_dir()

@@ -10,7 +10,6 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -107,11 +106,12 @@ def from_env() -> Dist:
 
 def init(me: Dist, backend: str, timeout_s: float, device: torch.device, init_method: str | None = None) -> Dist:
     """Join the process group as `me` (a no-op for one rank): at `init_method` (tcp://host:port), else where the
-    environment says (MASTER_ADDR/MASTER_PORT). CPU ranks share the cores: cores / local ranks threads each."""
+    environment says (MASTER_ADDR/MASTER_PORT). CPU ranks share the cores this process may run on (a node group's
+    share of a machine: components/launch/nodes.py): cores / local ranks threads each."""
     if not me.active:
         return me
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // me.local_world_size))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // me.local_world_size))
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method=init_method or "env://", rank=me.rank, world_size=me.world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
@@ -128,25 +128,6 @@ def local_device(device: str, me: Dist) -> torch.device:
         torch.cuda.set_device(me.local_rank)
         return torch.device("cuda", me.local_rank)
     return torch.device("cpu" if device == "auto" else device)
-
-
-def check_shared_directory(me: Dist, directory: Path) -> None:
-    """Checkpoints need one directory every rank sees (rank 0 writes the weights and uploads what all ranks wrote);
-    on several nodes that is a shared volume. Fail at start, naming it, rather than at the first checkpoint."""
-    if not me.active:
-        return
-    marker = me.broadcast_object(str(directory / f".ranks-{os.getpid()}") if me.is_leader else None)
-    if me.is_leader:
-        Path(marker).parent.mkdir(parents=True, exist_ok=True)
-        Path(marker).touch()
-    me.barrier()
-    missing = me.all_reduce(torch.tensor(0 if Path(marker).exists() else 1))
-    me.barrier()
-    if me.is_leader:
-        Path(marker).unlink(missing_ok=True)
-    if int(missing):
-        raise RuntimeError(f"{int(missing)} actor rank(s) do not see {directory}: with actor.nnodes > 1 the state "
-                           f"directory ($RLHF_STATE_DIR) must be a volume shared by every node")
 
 
 def shutdown(me: Dist = SINGLE, graceful: bool = False) -> None:

@@ -7,7 +7,7 @@ import contextlib
 import torch
 from torch import nn
 
-from models.hub import resolve_model
+from models.resolve import model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -26,15 +26,10 @@ def resolve_device(device: str = "auto") -> torch.device:
     return torch.device(device)
 
 
-def check_model_path(path: str, field: str, revision: str | None = None) -> str:
-    """The local directory of `path` (a directory, a hub id in the Hugging Face cache, tiny/<name>: models/hub.py),
-    before any weights are touched; a missing one fails naming `field` and how to get it."""
-    return resolve_model(path, field, revision)
-
-
 def from_pretrained(auto_class, path: str, field: str, **kwargs):
-    """`auto_class.from_pretrained(path)` with the config field named in any error."""
-    path = check_model_path(path, field)
+    """`auto_class.from_pretrained(path)` with the config field named in any error; `path` is a local directory
+    (what a config's resolve_model_path gives: models/resolve.py) or tiny/<name>."""
+    path = model_path(path, field)
     try:
         return auto_class.from_pretrained(path, **kwargs)
     except Exception as exc:  # noqa: BLE001 - re-raised with the field that pointed here
@@ -58,6 +53,23 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
+    return model
+
+
+def base_dtype(dtype: str, lora) -> torch.dtype:
+    """The dtype a trained model is loaded in (one precision policy for the policy, the critic and the reward model:
+    docs/memory.md): float32 master weights for a full fine-tune (autocast computes in `dtype`); with LoRA the frozen
+    base in the compute dtype `dtype`, as peft, TRL and veRL load it (its adapters stay float32: `adapters_in_float32`)."""
+    return DTYPES[dtype] if lora is not None and lora.enabled else torch.float32
+
+
+def adapters_in_float32(model: nn.Module) -> nn.Module:
+    """The trainable parameters of a LoRA model (its adapters, a reward model's score head in modules_to_save) in
+    float32, whatever the dtype of the frozen base they sit on: AdamW in bf16 would lose updates below a weight's
+    precision (peft upcasts the adapters of a bf16 base already; a copied score head it does not)."""
+    for param in model.parameters():
+        if param.requires_grad and param.dtype != torch.float32:
+            param.data = param.data.float()
     return model
 
 

@@ -44,10 +44,10 @@ def read_data(cfg: RLHFConfig) -> tuple[PromptSet, PromptSet | None]:
     if not d.prompts:
         raise DataError("data.prompts: not set; name the training prompts (a local file or folder, a hub data set id, "
                         "or builtin:<task>: models/data.py)")
-    prompts = checked_prompt_set(cfg, tokenizer, d.prompts, d.split, d.prompt_key, "data.prompts", d.subset)
+    prompts = checked_prompt_set(cfg, tokenizer, d.prompts, d.split, d.prompt_key, "data.prompts", d.subset, d.revision)
     if not e.prompts or not e.every:
         return prompts, None
-    evals = checked_prompt_set(cfg, tokenizer, e.prompts, e.split, e.prompt_key, "eval.prompts", e.subset)
+    evals = checked_prompt_set(cfg, tokenizer, e.prompts, e.split, e.prompt_key, "eval.prompts", e.subset, e.revision)
     evals = evals.head(e.max_prompts) if e.max_prompts else evals
     if len(evals) < cfg.deploy.actor.world_size:  # as training: every rank evaluates its share, none may be empty
         raise DataError(f"eval.prompts: '{e.prompts}' has {len(evals)} prompt(s) (split '{e.split}'"
@@ -57,14 +57,14 @@ def read_data(cfg: RLHFConfig) -> tuple[PromptSet, PromptSet | None]:
 
 
 def checked_prompt_set(cfg: RLHFConfig, tokenizer, source: str, split: str, prompt_key: str, field: str,
-                       subset: str | None = None) -> PromptSet:
+                       subset: str | None = None, revision: str | None = None) -> PromptSet:
     found = load_prompt_set(source, split, prompt_key, tokenizer, cfg.data.max_prompt_length, cfg.data.long_prompts,
-                            cfg.data.chat_template, field, subset)
+                            cfg.data.chat_template, field, subset, revision, cfg.deploy)
     names = sorted({k for row in found.columns for k in row})
     if cfg.reward.source == "function":
-        load_reward_functions(cfg.reward, probe=False).check_columns(names, f"{field} '{source}'")
+        load_reward_functions(cfg.reward, probe=False, deploy=cfg.deploy).check_columns(names, f"{field} '{source}'")
     if spec := gold_spec(cfg):
-        load_reward_function(spec, "reward.gold", probe=False).check_columns(names, f"{field} '{source}'")
+        gold_loader(cfg, spec, probe=False).check_columns(names, f"{field} '{source}'")
     return found
 
 
@@ -119,7 +119,7 @@ def critic_text_reward(cfg: RLHFConfig, trainer: CriticTrainer):
 
 def build_local_reward(cfg: RLHFConfig):
     if cfg.reward.source == "function":
-        return FunctionReward(load_reward_functions(cfg.reward))
+        return FunctionReward(load_reward_functions(cfg.reward, deploy=cfg.deploy))
     model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, local_device(cfg.deploy.device, SINGLE),
                               normalize=cfg.reward.normalize)
     if cfg.reward.transport == "text":
@@ -134,7 +134,12 @@ def gold_spec(cfg: RLHFConfig) -> str | None:
 
 
 def gold_function(cfg: RLHFConfig):
-    return load_reward_function(spec, "reward.gold") if (spec := gold_spec(cfg)) else None
+    return gold_loader(cfg, spec) if (spec := gold_spec(cfg)) else None
+
+
+def gold_loader(cfg: RLHFConfig, spec: str, probe: bool = True):
+    """The gold reward function `spec` of the run (a file the run stored: loaded by its digest)."""
+    return load_reward_function(spec, "reward.gold", probe, files=cfg.reward.files, deploy=cfg.deploy)
 
 
 # ---------------------------------------------------------------- what every rank executes
@@ -163,34 +168,59 @@ def execute(state: ActorState, cfg: RLHFConfig, command: dict, critic=None, rewa
 
 
 def save_actor(state: ActorState, directory: Path) -> None:
-    """Full HF weights written by rank 0 (gathered from the shards on CPU: loadable anywhere); the optimizer and every
-    rank's sampling stream saved sharded with torch.distributed.checkpoint; the rest (schedule, KL controller,
-    minibatch stream, counters, world size) in actor_state.pt."""
-    import torch.distributed.checkpoint as dcp  # heavy (~1.7 s): only checkpoints need it
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict  # heavy: as dcp above
+    """Everything a resume needs, written by rank 0 alone into `directory` (the ranks may be on machines that share no
+    directory: the run's store is all they share): the full HF weights and the full optimizer state, each gathered
+    from the shards on CPU (loadable by any number of ranks: optimizer.pt), and actor_state.pt: schedule, KL
+    controller, minibatch stream, counters, the world size and every rank's sampling stream."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict  # heavy (~1.7 s)
 
     me = state.me
-    directory.mkdir(parents=True, exist_ok=True)
-    state.policy.save(directory)
-    dcp.save({"optimizer": get_optimizer_state_dict(state.policy.model, state.optimizer),
-              f"sampling_rank{me.rank}": state.generator.get_state()}, checkpoint_id=str(directory / "sharded"))
     if me.is_leader:
-        torch.save({**state.state_dict(), "world_size": me.world_size}, directory / "actor_state.pt")
+        directory.mkdir(parents=True, exist_ok=True)
+    state.policy.save(directory)
+    optimizer = get_optimizer_state_dict(state.policy.model, state.optimizer,
+                                         options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sampling = me.gather_object(state.generator.get_state())
+    if me.is_leader:
+        torch.save(optimizer, directory / "optimizer.pt")
+        torch.save({**state.state_dict(), "world_size": me.world_size, "sampling": sampling},
+                   directory / "actor_state.pt")
     me.barrier()
 
 
 def restore_actor(state: ActorState, directory: Path) -> str | None:
-    """Load a `save_actor` directory. With the world size it was saved with: everything. With another: the full
-    weights and the schedule/counters, a fresh optimizer and sampling streams; returns that warning."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # heavy
+    """Load a `save_actor` directory, which rank 0 alone reads (it exists on rank 0's machine only) and broadcasts:
+    the weights, the optimizer state, the schedule and counters, whatever the world size it was saved with; every
+    rank's sampling stream when that world size is this one, else fresh streams (returns that warning)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict  # heavy (~1.7 s)
 
     me = state.me
     state.policy.load_weights(directory)
-    saved = load_state(directory / "actor_state.pt")  # no pickle: models/safe_io.py
+    saved = me.broadcast_object(load_state(directory / "actor_state.pt") if me.is_leader else None)  # no pickle
     state.load_state_dict(saved)
+    if "sampling" not in saved:  # written before optimizer.pt: the optimizer and streams sharded by every rank (DCP)
+        return _restore_sharded(state, directory, saved["world_size"])
+    optimizer = load_state(directory / "optimizer.pt") if me.is_leader else {}
+    set_optimizer_state_dict(state.policy.model, state.optimizer, optimizer,
+                             options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=me.active))
     if saved["world_size"] != me.world_size:
         warning = (f"actor checkpoint {directory} was saved by {saved['world_size']} rank(s), resuming on "
-                   f"{me.world_size}: weights restored, optimizer states and sampling streams start fresh")
+                   f"{me.world_size}: weights and optimizer states restored, sampling streams start fresh")
+        LOG.warning(warning)
+        return warning
+    state.generator.set_state(saved["sampling"][me.rank])
+    return None
+
+
+def _restore_sharded(state: ActorState, directory: Path, world_size: int) -> str | None:
+    """A checkpoint of the earlier layout (`sharded/`: torch.distributed.checkpoint files of every rank): read by every
+    rank from `directory`, so the ranks must share it (one node)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # heavy
+
+    me = state.me
+    if world_size != me.world_size:
+        warning = (f"actor checkpoint {directory} was saved by {world_size} rank(s), resuming on {me.world_size}: "
+                   f"weights restored, optimizer states and sampling streams start fresh")
         LOG.warning(warning)
         return warning
     shards = {"optimizer": get_optimizer_state_dict(state.policy.model, state.optimizer),

@@ -19,7 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from models.config import LoraConfig
 from models.data import encode
 from models.distributed import SINGLE, Dist, full_state_dict, is_sharded, shard_model
-from models.loading import DTYPES, autocast, checkpoint_activations, disable_dropout, freeze, from_pretrained
+from models.loading import (DTYPES, adapters_in_float32, autocast, base_dtype, checkpoint_activations, disable_dropout,
+                            freeze, from_pretrained)
 from models.engines.base import Rollout, Weights
 
 
@@ -58,19 +59,22 @@ class Policy:
 
         Memory (docs/memory.md): the trainable weights, their gradients and AdamW states stay float32 (master
         weights); `dtype` is the compute dtype (autocast; with FSDP2 also the dtype the blocks are all-gathered in,
-        gradients reduced in float32) and the frozen reference's storage dtype. `gradient_checkpointing` recomputes
+        gradients reduced in float32) and the storage dtype of what is frozen: the reference, and with LoRA the base
+        (the adapters float32). `gradient_checkpointing` recomputes
         each block's activations in the backward pass instead of keeping them. `reference=False`: no frozen copy
         (supervised fine-tuning needs none)."""
         device = torch.device(device)
         tokenizer = load_policy_tokenizer(path, field)
-        model = disable_dropout(from_pretrained(AutoModelForCausalLM, path, field, dtype=torch.float32)).to(device)
+        model = disable_dropout(from_pretrained(AutoModelForCausalLM, path, field, dtype=base_dtype(dtype, lora)))
+        model = model.to(device)
         if lora is not None and lora.enabled:  # replicated on every rank; only the adapters train and sync
             from peft import LoraConfig as PeftLoraConfig, get_peft_model  # heavy: peft is needed only with LoRA
 
             if gradient_checkpointing:
                 checkpoint_activations(model, field)
-            model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                         target_modules=lora.target_modules, task_type="CAUSAL_LM"))
+            model = adapters_in_float32(get_peft_model(model, PeftLoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+                task_type="CAUSAL_LM")))
             return cls(model, tokenizer, lora=True, dtype=dtype, me=me, device=device)
         if not reference:
             if gradient_checkpointing:
@@ -154,8 +158,9 @@ class Policy:
         save_trained(self.model, self.tokenizer, self.me, directory)
 
     def load_weights(self, directory) -> None:
-        """Actor weights from a `save` directory (LoRA: the adapter), into the (sharded) model on every rank."""
-        load_trained(self.model, AutoModelForCausalLM, directory, self.lora, self.sharded)
+        """Actor weights from a `save` directory (LoRA: the adapter), read by rank 0, into the (sharded) model on
+        every rank."""
+        load_trained(self.model, AutoModelForCausalLM, directory, self.lora, self.me)
 
 
 def save_trained(model, tokenizer, me: Dist, directory) -> None:
@@ -167,19 +172,21 @@ def save_trained(model, tokenizer, me: Dist, directory) -> None:
         tokenizer.save_pretrained(directory)
 
 
-def load_trained(model, auto_class, directory, lora: bool, sharded: bool) -> None:
-    """What `save_trained` wrote into `model` (sharded or not) on every rank: LoRA its adapter, else the full weights
-    read as `auto_class`."""
+def load_trained(model, auto_class, directory, lora: bool, me: Dist = SINGLE) -> None:
+    """What `save_trained` wrote into `model` (sharded or not) on every rank, read by rank 0 alone (the directory may
+    exist on its machine only) and broadcast: LoRA its adapter, else the full weights read as `auto_class`."""
+    directory = Path(directory)
     if lora:
         from peft import set_peft_model_state_dict  # heavy: peft is needed only with LoRA
 
-        set_peft_model_state_dict(model, load_file(str(Path(directory) / "adapter_model.safetensors")))
+        adapter = load_file(str(directory / "adapter_model.safetensors")) if me.is_leader else None
+        set_peft_model_state_dict(model, me.broadcast_object(adapter))
         return
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict  # heavy (~1.7 s)
 
-    loaded = auto_class.from_pretrained(directory, dtype=torch.float32).state_dict()
-    if sharded:
-        set_model_state_dict(model, loaded, options=StateDictOptions(full_state_dict=True))
+    loaded = auto_class.from_pretrained(directory, dtype=torch.float32).state_dict() if me.is_leader else {}
+    if me.active:  # sharded or replicated: tensor by tensor from rank 0 into each rank's part
+        set_model_state_dict(model, loaded, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     else:
         model.load_state_dict(loaded)
 

@@ -1,7 +1,8 @@
 """What a run derives from its config, computed once at the entry point and carried with the run.
 
 `prepare_run(cfg)` is the one explicit place that checks the models a config names before any weights load: each
-exists (a path, a hub id in the Hugging Face cache, or the embedded default `tiny/...` shipped with the package), the
+exists (a path, a hub id in the Hugging Face cache, an s3:// prefix fetched into this machine's cache, or the embedded
+default `tiny/...` shipped with the package: models/resolve.py), the
 models not given follow the policy's family (model.reward: the family's own or required; model.critic: the reward
 model when it shares the policy's tokenizer, else the policy), and every model that reads the policy's token ids (the
 critic, a reward model on the token transport) shares the policy's tokenizer (tokenizers only: nothing heavy loads).
@@ -16,7 +17,6 @@ from __future__ import annotations
 from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig, is_tiny_policy, merge, with_schedule_lengths
 from models.data import DataError
-from models.loading import check_model_path
 from models.reward import absolute_spec, load_reward_tokenizer, same_tokenizer
 
 FAMILY_REWARD = "tiny/reward"  # the reward model of the embedded tiny policy's family
@@ -52,8 +52,9 @@ def absolute_reward_files(cfg: RLHFConfig) -> dict:
 
 
 def check_models(cfg: RLHFConfig, fields: tuple[str, ...] = ("policy", "reward", "critic")) -> None:
-    """Every model a `model.<field>` names exists (a hub id: in the Hugging Face cache, or fetched into it where the
-    hub is reachable), before anything loads; the first that does not fails, naming its field. A reward model that
+    """Every model a `model.<field>` names is on this machine (models/resolve.py: a hub id in the Hugging Face cache,
+    or downloaded into it where the deployment allows; an s3:// prefix fetched into the cache), before anything
+    loads; the first that does not fails, naming its field. A reward model that
     is needed and not given fails too."""
     for field in fields:
         if field == "reward" and cfg.reward.source == "model" and not cfg.model.reward:
@@ -61,10 +62,7 @@ def check_models(cfg: RLHFConfig, fields: tuple[str, ...] = ("policy", "reward",
                              f"'{cfg.model.policy}' (a sequence-classification checkpoint with one label); or score "
                              f"with Python functions: reward.source=function, reward.function=path/to/rewards.py:fn")
         if value := getattr(cfg.model, field):
-            try:
-                check_model_path(cfg.resolve_model_path(value), f"model.{field}")
-            except FileNotFoundError as exc:
-                raise FileNotFoundError(f"model.{field}: {exc}" if not str(exc).startswith("model.") else str(exc)) from None
+            cfg.resolve_model(value)  # a missing one raises naming its field (models/resolve.py)
 
 
 def critic_source(cfg: RLHFConfig) -> dict:

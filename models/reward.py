@@ -1,8 +1,12 @@
 """Rewards: a sequence-classification reward model, or Python reward functions.
 
 A function is named 'package.module:function' (imported: it must be importable in the process that scores) or
-'path/to/rewards.py:function' (the file loaded by path, under a module name of its own: no package, no sys.path
-entry needed). Several functions with weights (reward.functions / reward.weights, as TRL's reward_funcs /
+'path/to/rewards.py:function' (a file, under a module name of its own: no package, no sys.path entry needed). A run
+stores the bytes of each such file in its store where it starts (reward.files: its sha256 and stored copy, by the
+absolute path it was read from), and every process that scores for it (the reward server wherever it runs, the
+actor's rank 0) loads those bytes, checked by their digest, never the path: a file that exists only where the run
+started scores everywhere, and a changed reward needs no image rebuild. A process with no stored copy of a file (a
+standalone `rlhf serve reward`) loads it by its path. Several functions with weights (reward.functions / reward.weights, as TRL's reward_funcs /
 reward_weights) score as their weighted sum; each one's scores travel with it for the metrics rewards/<name>/mean.
 """
 
@@ -16,13 +20,15 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from models.deploy import DeployConfig
 from models.loading import DTYPES, disable_dropout, freeze, from_pretrained
+from models.resolve import fetch_file
 
 RewardFn = Callable[[list[str], list[str]], list[float]]
 
@@ -104,25 +110,40 @@ def is_file_spec(spec: str) -> bool:
     return spec.rpartition(":")[0].endswith(".py")
 
 
+def reward_file(spec: str) -> Path:
+    """The file a file spec names, as an absolute, normalised path (against this process's working directory)."""
+    return Path(os.path.abspath(os.path.expanduser(spec.rpartition(":")[0])))
+
+
 def absolute_spec(spec: str) -> str:
     """A file spec with its path made absolute (against this process's working directory); a module spec as it is."""
     if not is_file_spec(spec):
         return spec
-    target, _, attr = spec.rpartition(":")
-    return f"{Path(target).expanduser().absolute()}:{attr}"
+    return f"{reward_file(spec)}:{spec.rpartition(':')[2]}"
 
 
-def import_function(spec: str, field: str = "reward.function"):
-    """The object a spec names: 'package.module:fn' imported, 'path/to/rewards.py:fn' loaded from the file (once per
-    process and path, as the module 'rlhf_rewards_<hash of the path>')."""
+def import_function(spec: str, field: str = "reward.function", files: Optional[dict] = None,
+                    deploy: Optional[DeployConfig] = None):
+    """The object a spec names: 'package.module:fn' imported; 'path/to/rewards.py:fn' loaded from the run's stored
+    copy of the file when `files` (reward.files) has one (by its digest, as the module 'rlhf_rewards_<sha256>'),
+    else from the path (as 'rlhf_rewards_<hash of the path>'), once per process."""
     target, _, attr = spec.rpartition(":")
     if is_file_spec(spec):
-        path = Path(target).expanduser().absolute()
-        if not path.is_file():
+        path = origin = reward_file(spec)
+        stored = (files or {}).get(str(path))
+        if stored is not None:
+            sha256, uri = (stored["sha256"], stored["uri"]) if isinstance(stored, dict) else (stored.sha256, stored.uri)
+            try:
+                path = fetch_file(uri, sha256, field, deploy)
+            except (FileNotFoundError, RuntimeError) as exc:
+                raise ValueError(str(exc)) from exc
+            name = f"rlhf_rewards_{sha256[:24]}"
+        elif not path.is_file():
             raise ValueError(f"{field}: reward file '{path}' does not exist in this process (working directory "
-                             f"{os.getcwd()}); the file must be at this path in every process that scores: on a "
-                             f"cluster, in the image or in the code the deployment pulls")
-        name = "rlhf_rewards_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
+                             f"{os.getcwd()}), and the run stored no copy of it (reward.files): a run stores each "
+                             f"reward file where it starts, for every process that scores")
+        else:
+            name = "rlhf_rewards_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
         module = sys.modules.get(name)
         if module is None:
             loader_spec = importlib.util.spec_from_file_location(name, path)
@@ -132,9 +153,9 @@ def import_function(spec: str, field: str = "reward.function"):
                 loader_spec.loader.exec_module(module)
             except Exception as exc:
                 del sys.modules[name]
-                raise ValueError(f"{field}: loading '{path}' failed: {type(exc).__name__}: {exc}") from exc
+                raise ValueError(f"{field}: loading '{origin}' failed: {type(exc).__name__}: {exc}") from exc
         if not hasattr(module, attr):
-            raise ValueError(f"{field}: '{path}' has no function '{attr}'")
+            raise ValueError(f"{field}: '{origin}' has no function '{attr}'")
         return getattr(module, attr)
     try:
         return getattr(importlib.import_module(target), attr)
@@ -143,7 +164,8 @@ def import_function(spec: str, field: str = "reward.function"):
                          f"here, or a file 'path/to/rewards.py:function'") from exc
 
 
-def load_reward_function(spec: str, field: str = "reward.function", probe: bool = True) -> RewardFn:
+def load_reward_function(spec: str, field: str = "reward.function", probe: bool = True, files: Optional[dict] = None,
+                         deploy: Optional[DeployConfig] = None) -> RewardFn:
     """Load a reward function (`import_function`) and wrap it so a wrong length or non-finite value fails loudly.
 
     The function is called as fn(prompts, responses, **columns): the data set's other columns (models/data.py), one
@@ -151,9 +173,10 @@ def load_reward_function(spec: str, field: str = "reward.function", probe: bool 
     function of (prompts, responses) alone gets none. The wrapper takes `columns` as a list of row dicts.
 
     With `probe`, a function that reads no column is called once on two dummy samples so a broken function fails
-    before training starts; `check_columns` checks a data set's columns against what it needs."""
+    before training starts; `check_columns` checks a data set's columns against what it needs. `files`, `deploy`:
+    the run's stored reward files and where to fetch them (`import_function`)."""
     attr = spec.rpartition(":")[2]
-    fn = import_function(spec, field)
+    fn = import_function(spec, field, files, deploy)
     if not callable(fn):
         raise ValueError(f"{field}: '{spec}' is not callable")
     required, optional, any_column = column_parameters(fn)
@@ -219,11 +242,12 @@ class WeightedRewards:
             fn.check_columns(names, source)
 
 
-def load_reward_functions(reward, probe: bool = True) -> WeightedRewards:
-    """The reward functions of a RewardConfig (reward.function, or reward.functions with reward.weights), loaded."""
+def load_reward_functions(reward, probe: bool = True, deploy: Optional[DeployConfig] = None) -> WeightedRewards:
+    """The reward functions of a RewardConfig (reward.function, or reward.functions with reward.weights), loaded (a
+    file the run stored: from its stored copy, fetched with `deploy`'s settings)."""
     specs = reward.specs()
     fields = ["reward.function"] if reward.function else [f"reward.functions[{i}]" for i in range(len(specs))]
-    return WeightedRewards([load_reward_function(s, f, probe) for s, f in zip(specs, fields)],
+    return WeightedRewards([load_reward_function(s, f, probe, reward.files, deploy) for s, f in zip(specs, fields)],
                            reward.function_weights(), reward.function_names())
 
 

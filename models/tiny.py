@@ -30,7 +30,7 @@ from transformers import (GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadM
                           LlamaForSequenceClassification, PreTrainedTokenizerFast, get_cosine_schedule_with_warmup)
 
 from models.critic import init_critic
-from models.tiny_files import file_digests
+from models.resolve import file_digests
 from models.tasks import sentiment
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]

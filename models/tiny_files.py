@@ -43,12 +43,6 @@ def embedded_model_path(value: str) -> Path:
     return EMBEDDED_DIR / name
 
 
-def file_digests(directory: Path) -> dict[str, str]:
-    """sha256 of every file under `directory`, by path relative to it."""
-    return {str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
 def manifest_digest(files: dict[str, str]) -> str:
     """One sha256 for a directory from its `file_digests`: over every file's relative path and sha256, in path order."""
     return hashlib.sha256("".join(f"{name}\0{digest}\n" for name, digest in sorted(files.items())).encode()).hexdigest()

@@ -5,6 +5,7 @@ import os
 import socket
 from pathlib import Path
 
+import psutil
 import pytest
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -101,3 +102,18 @@ def assert_learned_with_eval(metrics_path: Path, evals_path: Path) -> list[dict]
     history = json.loads(metrics_path.read_text())
     assert_learned([m["objective/gold_reward"] for m in history])
     return history
+
+
+def run_processes(state: Path) -> list:
+    """Live processes of a run started with RLHF_STATE_DIR=`state`: its own, its servers' and its ranks', and its node
+    groups' (each has a state directory of its own below `state`). What must be gone once the run ended."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            where = p.environ().get("RLHF_STATE_DIR", "")
+            if (where == str(state) or where.startswith(f"{state}/")) and p.status() != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+

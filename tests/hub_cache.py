@@ -66,10 +66,10 @@ def build_qwen2(out: Path, seed: int = 0, reward: bool = False) -> Path:
     return Path(out)
 
 
-def put_in_cache(source: Path, cache: Path, repo_id: str, branch: str = "main") -> str:
-    """Lay the files of `source` out in the hub cache `cache` as repo `repo_id` at `branch` (huggingface_hub's
-    layout); returns the commit hash the branch points to."""
-    repo = Path(cache) / ("models--" + repo_id.replace("/", "--"))
+def put_in_cache(source: Path, cache: Path, repo_id: str, branch: str = "main", repo_type: str = "model") -> str:
+    """Lay the files of `source` out in the hub cache `cache` as repo `repo_id` (a model or a dataset) at `branch`
+    (huggingface_hub's layout); returns the commit hash the branch points to."""
+    repo = Path(cache) / (f"{repo_type}s--" + repo_id.replace("/", "--"))
     files = sorted(p for p in Path(source).rglob("*") if p.is_file())
     commit = hashlib.sha1(b"".join(p.read_bytes() for p in files) + branch.encode()).hexdigest()
     for path in files:

@@ -14,7 +14,8 @@ import os
 from pathlib import Path
 
 from components.cli.options import parse_overrides
-from components.cluster.objects import RunIdentity, Site, dumps, manifest_node_spec, run_manifests
+from components.cluster.objects import RunIdentity, Site, dumps, run_manifests
+from components.controller import node_spec
 from models.config import load_config, run_name_for
 
 
@@ -27,7 +28,8 @@ def cmd_manifests(args) -> int:
     run_name = run_name_for(cfg)
     identity = RunIdentity.of(run_name, "manifests")
     actor = cfg.deploy.actor
-    nodes = manifest_node_spec(cfg, identity.name) if actor.nnodes > 1 and actor.launch == "jobset" else None
+    store = f"{(cfg.deploy.checkpoint.uri or '<deploy.checkpoint.uri>').rstrip('/')}/{run_name}"
+    nodes = node_spec(cfg, run_name, store) if actor.nnodes > 1 and actor.launch == "jobset" else None
     objects = run_manifests(cfg, site, identity, nodes)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

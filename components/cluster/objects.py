@@ -36,8 +36,7 @@ from typing import Mapping, Optional
 import yaml
 
 from components.cluster.network_policy import RUN_LABEL, policies
-from components.launch.nodes import NODE_JOB, NodeSpec
-from components.launch.ranks import BACKEND_ENV, TIMEOUT_ENV
+from components.launch.nodes import NO_RESTART_EXIT_CODE, NODE_JOB, NodeSpec, node_argv
 from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig, merge
 from models.deploy import ClusterPlacement, PodPlacement
@@ -52,7 +51,6 @@ READY_PATHS = {"critic": "/v2/health/ready", "reward": "/v2/health/ready", "roll
 SECRET_DIR, SECRET_KEY = "/var/run/rlhf", "secret"
 TRAINER_PLACEHOLDER = "<the IP of the pod that runs the run: known when it starts>"
 SECRET_PLACEHOLDER = "<the run's secret: generated when the run starts, never written to a file>"
-NO_RESTART_EXIT_CODE = 78  # components/launch/nodes.NO_RESTART_EXIT_CODE: a node group's failure no restart mends
 JOBSET_ENV = {"JOBSET_NAME": "jobset.sigs.k8s.io/jobset-name", "REPLICATED_JOB_NAME": "jobset.sigs.k8s.io/replicatedjob-name",
               "JOB_INDEX": "jobset.sigs.k8s.io/job-index"}  # JobSet annotates its pods; Kubernetes adds JOB_COMPLETION_INDEX
 
@@ -160,20 +158,6 @@ def pod_template(cluster: ClusterPlacement, placement: PodPlacement, labels: dic
 
 
 # ------------------------------------------------------------------------------------------------ the actor's nodes
-def rank0_address(jobset: str) -> str:
-    """Node group 0's pod, through the JobSet's headless Service (subdomain = the JobSet's name)."""
-    return f"{jobset}-{NODE_JOB}-0-0.{jobset}"
-
-
-def node_args(spec: NodeSpec) -> list[str]:
-    """What each node pod runs: the node group's own command (components/launch/nodes.node_argv, as LocalNodes runs
-    it), with the image's interpreter. It finds rank 0's address from the pod's JOBSET_* environment (the JobSet's
-    DNS name of pod 0, `rank0_address`), waits until that name resolves (the early-DNS trap), then runs torchrun
-    with its node rank from JOB_COMPLETION_INDEX and passes on the exit code of its first failed rank."""
-    return ["python", "-m", "components.launch.nodes", "--nnodes", str(spec.nnodes), "--nproc-per-node",
-            str(spec.nproc_per_node), "--master-port", str(spec.master_port), "--", *spec.command]
-
-
 def jobset(spec: NodeSpec, cluster: ClusterPlacement, site: Site, identity: RunIdentity) -> dict:
     """The JobSet of the actor's node groups (see the module's docstring)."""
     if not re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", spec.name):
@@ -185,7 +169,7 @@ def jobset(spec: NodeSpec, cluster: ClusterPlacement, site: Site, identity: RunI
     labels = {**PART_OF, RUN_LABEL: identity.run_label, PART_LABEL: "actor-nodes", ROLE_LABEL: "actor"}
     env = pod_env(cluster, site, spec.env)
     env += [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{a}']"}}} for k, a in JOBSET_ENV.items()]
-    template = pod_template(cluster, cluster.actor, labels, image=site.image, args=node_args(spec), env=env,
+    template = pod_template(cluster, cluster.actor, labels, image=site.image, args=node_argv(spec, "python"), env=env,
                             gpus=spec.nproc_per_node, service_account=cluster.actor_service_account,
                             restart_policy="Never", ports={"rendezvous": spec.master_port})
     # a group that exits NO_RESTART_EXIT_CODE met a failure no restart mends: its Job fails by its pod failure
@@ -297,16 +281,6 @@ def kubernetes_servers(cfg: RLHFConfig) -> list[str]:
     if not (ALGORITHMS[cfg.algorithm].needs_critic and cfg.critic_carries_reward):
         kinds.append("reward")
     return [k for k in kinds if getattr(cfg.deploy, k).launch == "kubernetes"]
-
-
-def manifest_node_spec(cfg: RLHFConfig, name: str) -> NodeSpec:
-    """The node groups' spec a run's controller builds (components/controller.node_spec), for manifests written
-    before any run: its store shown by its URI's place, the ranks' settings as the config says."""
-    actor = cfg.deploy.actor
-    store = f"{(cfg.deploy.checkpoint.uri or '<deploy.checkpoint.uri>').rstrip('/')}/<run name>"
-    return NodeSpec(name, actor.nnodes, actor.nproc_per_node, actor.master_port or 29500,
-                    ["-m", "components.runs", "--store", store],
-                    {BACKEND_ENV: actor.backend, TIMEOUT_ENV: str(actor.collective_timeout_s)}, actor.max_restarts)
 
 
 def run_manifests(cfg: RLHFConfig, site: Site, identity: RunIdentity, nodes: Optional[NodeSpec] = None) -> list[dict]:

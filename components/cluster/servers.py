@@ -109,14 +109,15 @@ class KubeServers:
             return self.probes[replica]()
         return probe
 
-    def wait_until_ready(self, timeout: float) -> Health:
+    def wait_until_ready(self, timeout: float, report: Optional[Callable[[str], None]] = None) -> Health:
         """Every replica's pod runs and its server answers healthy; raises ServerNotReady naming what was seen last
-        (one timeout for all: a cold pool's node start and image pull count)."""
+        (one timeout for all: a cold pool's node start and image pull count); `report` is told every ~30 s what is
+        awaited."""
         deadline = time.monotonic() + timeout
         health = Health(False, "not looked at yet")
         for replica, url in enumerate(self.urls):
             health = wait_until_ready(self._replica_probe(replica), max(1.0, deadline - time.monotonic()),
-                                      f"{self.name} server replica {replica}", url, poll_s=self.poll_s)
+                                      f"{self.name} server replica {replica}", url, poll_s=self.poll_s, report=report)
         return health
 
     def death(self, settle_s: float = 20.0) -> Optional[str]:

@@ -12,7 +12,7 @@ from components.tracking.run import RunSession
 from models.config import Sampling
 from models.data import PromptSet, load_prompt_set
 from models.distributed import SINGLE, local_device
-from models.loading import check_model_path
+from models.resolve import resolve_data
 from models.loop import DIRECT, Steps
 from models.policy import load_policy_tokenizer
 from models.stages.config import EvalRun
@@ -27,14 +27,21 @@ class Eval:
 
     def prepare(self, cfg: EvalRun) -> tuple[EvalRun, PromptSet]:
         e = cfg.eval
-        for name in ("model", "reference", "reward"):  # every model exists, named by its field, before any loads
-            check_model_path(cfg.resolve_model_path(getattr(cfg, name)), name)
+        for name in ("model", "reference", "reward"):  # every model is here, named by its field, before any loads
+            cfg.resolve_model(getattr(cfg, name), name)
         prompts = load_prompt_set(e.prompts, e.split, e.prompt_key, load_policy_tokenizer(cfg.resolve_model_path(cfg.model)),
-                                  field="eval.prompts", subset=e.subset)
+                                  field="eval.prompts", subset=e.subset, revision=e.revision, deploy=cfg.deploy)
         return cfg, prompts.head(e.max_prompts) if e.max_prompts else prompts
 
     def tags(self, cfg: EvalRun) -> dict[str, str]:
         return {"stage": "eval", "model": cfg.model, "reference": cfg.reference, "reward": cfg.reward}
+
+    def sources(self, cfg: EvalRun, store) -> tuple[EvalRun, dict, dict, dict]:
+        """The provenance of the policies, the judge and the held-out prompts (models/resolve.py)."""
+        models = {name: cfg.resolve_model(getattr(cfg, name), name).provenance for name in ("model", "reference", "reward")}
+        e = cfg.eval
+        return cfg, models, {"eval.prompts": resolve_data(e.prompts, "eval.prompts", e.revision, cfg.deploy, e.subset)
+                             .provenance}, {}
 
     def restore_parts(self, cfg: EvalRun) -> None:
         return None
@@ -45,8 +52,8 @@ class Eval:
     def run(self, session: RunSession, prompts: PromptSet, steps: Steps = DIRECT) -> dict:
         cfg, e = session.cfg, session.cfg.eval
         sampling = Sampling(max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_k=e.top_k, top_p=e.top_p)
-        metrics, rows = steps("compare-policies", compare_policies, cfg.resolve_model_path(cfg.model),
-                              cfg.resolve_model_path(cfg.reference), cfg.resolve_model_path(cfg.reward), prompts,
+        paths = [cfg.resolve_model(getattr(cfg, name), name).path for name in ("model", "reference", "reward")]
+        metrics, rows = steps("compare-policies", compare_policies, *paths, prompts,
                               sampling, e.samples_per_prompt, e.gold, cfg.seed, e.table_rows, e.normalize,
                               local_device(cfg.deploy.device, SINGLE))
         session.log_eval(0, metrics, rows)

@@ -1,6 +1,8 @@
 """What an RL run plugs into the job builder (components/runs.py): PPO, RLOO, GRPO on the actor's ranks.
 
     prepare    models/prepare.py (the models checked, derived values filled in), the prompts read (models/data.py)
+    sources    its reward files stored in its store (every process that scores loads them by digest), the provenance
+               of its models and data (models/resolve.py)
     run        the rollout server when the engine holds its own weights (it loads beside the actor); the actor on its
                ranks, restored from the run's checkpoint (weights, optimizer, RNGs); the run's services: the rollout
                server given the actor's weights, and what the algorithm scores with (a critic server, a reward server
@@ -26,9 +28,11 @@ import torch
 from components.export import publish_model
 from components.launch.ranks import actor_ranks
 from components.serving.services import RunServices, rollout_server, run_services
-from components.tracking.run import RunSession, tuple_state
+from components.tracking.run import (RunSession, data_provenance, model_provenance, store_reward_files,
+                                     tuple_state)
 from models.config import RLHFConfig
 from models.data import PromptSet
+from models.export import export_spec
 from models.loop import DIRECT, Leader, Steps, read_data, run_loop
 from models.prepare import prepare_run
 
@@ -47,6 +51,12 @@ class RL:
     def tags(self, cfg: RLHFConfig) -> dict[str, str]:
         return {"algorithm": cfg.algorithm, "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
                 "reward_transport": cfg.reward.transport}
+
+    def sources(self, cfg: RLHFConfig, store) -> tuple[RLHFConfig, dict, dict, dict]:
+        """Its reward files stored in its store (reward.files: what every process of the run receives), the
+        provenance of its models and data."""
+        cfg, reward_files = store_reward_files(cfg, store)
+        return cfg, model_provenance(cfg), data_provenance(cfg), reward_files
 
     def restore_parts(self, cfg: RLHFConfig) -> tuple[str, ...] | None:
         """launch=deployment: the critic server (maybe on another node) restores its part from the store itself."""
@@ -107,8 +117,11 @@ def checkpoint(session: RunSession, actor: Leader, critic_info: dict | None) -> 
             stored["critic"] = key
         else:
             parts["critic"] = Path(critic_info["path"])
+    cfg = session.cfg
     state = {"critic_step": (critic_info or {}).get("step"),
-             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+             "export": export_spec("actor", "causal-lm", cfg.model.dtype, cfg.model.policy, cfg.model.revision,
+                                   "model.policy", session.models.get("model.policy"))}
     return session.checkpoint(actor, "actor", state, parts=parts, stored=stored)
 
 

@@ -2,23 +2,24 @@
 DPO (models/stages/train.py and dpo.py say what each trains).
 
     prepare    its rows read with the model's tokenizer: bad data fails here, before any model loads
+    sources    the provenance of the model it trains from (models/resolve.py)
     run        the trainee on the actor's ranks (components/launch/ranks.py), restored from the job's checkpoint; the
                held-out eval before the first step; optimizer steps in segments between checkpoints and evals; the
-               eval after the last step; the output model written (LoRA merged; a reward model with the reward
-               statistics of its held-out eval in its config.json)
-    publish    that model stored beside the checkpoints with the sha256 of every file (components/export.py)
+               eval after the last step
+    publish    the last checkpoint's model as a plain HF model directory (components/export.py, the one export: LoRA
+               merged onto its digest-checked base, the stage's dtype; a reward model with the reward statistics of
+               its held-out eval in its config.json) stored beside the checkpoints with the sha256 of every file
 """
 
 from __future__ import annotations
 
-import shutil
-
-from components.export import publish_directory
+from components.export import publish_model
 from components.launch.ranks import actor_ranks
 from components.tracking.run import RunSession
 from models.config import merge
 from models.data import RowStream
-from models.loading import check_model_path
+from models.deploy import DeployConfig
+from models.export import export_spec
 from models.loop import DIRECT, Steps
 from models.policy import load_policy_tokenizer
 from models.stages.config import StageRun
@@ -39,8 +40,7 @@ class Stage:
         """The config with its derived values (an absolute state directory, the LR schedule's length from the rows it
         trains on), its training rows and its held-out rows (None without eval_split), read with the model's
         tokenizer: bad data fails here, before any model loads."""
-        path = check_model_path(cfg.resolve_model_path(cfg.model), "model")
-        data, held_out = stage_rows(cfg.stage, cfg.train, path)
+        data, held_out = stage_rows(cfg.stage, cfg.train, cfg.resolve_model_path(cfg.model), deploy=cfg.deploy)
         updates = {"deploy.state_dir": str(cfg.resolved_state_dir())}
         if cfg.train.optim.total_steps is None:
             updates[f"{cfg.stage}.optim.total_steps"] = total_steps(cfg.train, len(data))
@@ -48,6 +48,10 @@ class Stage:
 
     def tags(self, cfg: StageRun) -> dict[str, str]:
         return {"stage": cfg.stage, "model": cfg.model}
+
+    def sources(self, cfg: StageRun, store) -> tuple[StageRun, dict, dict, dict]:
+        """The provenance of the model it trains from."""
+        return cfg, {"model": cfg.resolve_model(cfg.model).provenance}, {}, {}
 
     def restore_parts(self, cfg: StageRun) -> None:
         return None
@@ -61,33 +65,36 @@ class Stage:
             log_data(session, data, held_out, steps)
             steps("restore", session.restore, trainee, "trainee")
             history, evaluations = stage_loop(cfg, trainee, data, held_out, session, steps)
-            output = steps("export-model", export, session, trainee, data, evaluations)
+            stats = reward_stats(cfg, trainee, data, evaluations)
         steps.log(f"{cfg.stage} run {session.name} finished after {trainee.state.iteration} steps")
         return {"stage": cfg.stage, "steps": trainee.state.iteration, "history": history, "evals": evaluations,
-                "metrics": {**(history[-1] if history else {}), **(evaluations[-1] if evaluations else {})}, **output}
+                "metrics": {**(history[-1] if history else {}), **(evaluations[-1] if evaluations else {})},
+                **({"reward_stats": stats} if stats else {})}
 
     def publish(self, session: RunSession, result: dict, steps: Steps = DIRECT) -> dict:
-        out = publish_directory(session, result["model_dir"])
+        out = publish_model(session, result.get("reward_stats"), log_model=False)
         steps.log(f"{session.cfg.stage} model: {out['model']}")
         return out
 
 
 # ---------------------------------------------------------------- data
 
-def stage_rows(stage: str, train, path: str, held_out_only: bool = False):
-    """The training rows and the held-out rows (None without eval_split) of a stage's section, tokenized with the
-    tokenizer of the model at `path` and cut to its position limit (max_length); `held_out_only`: (None, held-out)."""
+def stage_rows(stage: str, train, path: str, held_out_only: bool = False, deploy: DeployConfig | None = None):
+    """The training rows and the held-out rows (None without eval_split) of a stage's section (at its subset and
+    revision), tokenized with the tokenizer of the model at `path` and cut to its position limit (max_length);
+    `held_out_only`: (None, held-out)."""
     from transformers import AutoConfig  # heavy (~3 s): only a stage's run needs it
 
     tokenizer = load_policy_tokenizer(path, "model")
     limit = position_limit(tokenizer, train.max_length, AutoConfig.from_pretrained(path))
     load = load_pairs if stage_kind(stage).pairs else load_sequences
     field_name = f"{stage}.data"
-    data = None if held_out_only else load(train.data, train.split, tokenizer, limit, field_name, train.subset)
+    data = None if held_out_only else load(train.data, train.split, tokenizer, limit, field_name, train.subset,
+                                           train.revision, deploy)
     held_out = None
     if train.eval_split is not None:
         held_out = load(train.eval_data or train.data, train.eval_split, tokenizer, limit,
-                        f"{stage}.eval_data" if train.eval_data else field_name, train.subset)
+                        f"{stage}.eval_data" if train.eval_data else field_name, train.subset, train.revision, deploy)
         if train.max_eval_rows:
             held_out = held_out.head(train.max_eval_rows)
     return data, held_out
@@ -145,7 +152,7 @@ def stage_loop(cfg: StageRun, trainee, data, held_out, session: RunSession,
         steps.log(f"{cfg.stage} step {stop}/{total}: " + ", ".join(f"{k} {v:.4f}" for k, v in done[-1].items()
                                                                    if k.startswith("train/")))
         if stop % cfg.checkpoint.every == 0 or stop == total:
-            uri = steps("checkpoint", session.checkpoint, trainee, "trainee")
+            uri = steps("checkpoint", checkpoint, session, trainee)
             steps.log(f"checkpoint step {stop}: {uri}")
         if held is not None and train.eval_every and stop % train.eval_every == 0 and stop != total:
             evaluate(stop)
@@ -165,15 +172,20 @@ def eval_table(held_out, rows: list[dict], limit: int = 32) -> list[dict]:
 
 # ---------------------------------------------------------------- the output
 
-def export(session: RunSession, trainee, data, evaluations: list[dict]) -> dict:
-    """The stage's model as a plain HF model directory, written from the trainee on its ranks (LoRA merged; a reward
-    model with reward_mean / reward_std in its config.json: those of its last held-out eval, else of up to
-    STATS_ROWS training pairs); returns its local directory (and a reward model's statistics)."""
-    local = session.local_dir / "model"
-    shutil.rmtree(local, ignore_errors=True)
-    config = None
-    if session.cfg.stage == "reward_model":
-        last = evaluations[-1] if evaluations else trainee.evaluate(data.rows(list(range(min(len(data), STATS_ROWS)))))[0]
-        config = {"reward_mean": last["reward_mean"], "reward_std": last["reward_std"]}
-    trainee.export(local, config)
-    return {"model_dir": str(local), **({"reward_stats": config} if config else {})}
+def reward_stats(cfg: StageRun, trainee, data, evaluations: list[dict]) -> dict | None:
+    """What a reward model's config.json carries beside its weights (`reward.normalize` reads them): reward_mean and
+    reward_std of its last held-out eval, else of up to STATS_ROWS training pairs scored now; None for other stages."""
+    if cfg.stage != "reward_model":
+        return None
+    last = evaluations[-1] if evaluations else trainee.evaluate(data.rows(list(range(min(len(data), STATS_ROWS)))))[0]
+    return {"reward_mean": last["reward_mean"], "reward_std": last["reward_std"]}
+
+
+def checkpoint(session: RunSession, trainee) -> str:
+    """The trainee (all ranks take part) as the checkpoint's `trainee` part, with how it exports (its task, dtype and
+    the base a LoRA adapter merges onto)."""
+    cfg = session.cfg
+    task = "sequence-classification" if cfg.stage == "reward_model" else "causal-lm"
+    spec = export_spec("trainee", task, cfg.train.dtype, cfg.model, cfg.model_revision, "model",
+                       session.models.get("model"))
+    return session.checkpoint(trainee, "trainee", {"export": spec})

@@ -204,11 +204,19 @@ class Health:
 Probe = Callable[[], Health]
 
 
+REPORT_EVERY_S = 30.0  # how often a readiness wait says what it waits for
+
+
 def wait_until_ready(probe: Probe, timeout: float, name: str, url: str, process: Optional[ChildProcess] = None,
-                     poll_s: float = 0.25) -> Health:
+                     poll_s: float = 0.25, report: Optional[Callable[[str], None]] = None,
+                     report_every_s: float = REPORT_EVERY_S) -> Health:
     """Look at the server through `probe` until it serves, and return what it answered; raise ServerNotReady naming
-    what was seen last after `timeout`, at once if `process` (the server, when it is our child) exits first."""
+    what was seen last after `timeout`, at once if `process` (the server, when it is our child) exits first. Every
+    `report_every_s` of waiting, `report` is told what is awaited and for how long already ('waiting for the
+    rollout server at URL: nothing listening at ... (30 s of 900 s)'): a cold node takes minutes."""
     last = [Health(False, f"nothing seen at {url} yet", "not_listening")]
+    started = time.monotonic()
+    said = [started]
 
     def ready() -> Optional[Health]:
         if process is not None and (code := process.poll()) is not None:
@@ -219,6 +227,10 @@ def wait_until_ready(probe: Probe, timeout: float, name: str, url: str, process:
         except ServerNotReady as exc:  # a state waiting cannot mend: with our child's log tail
             tail = f"; last lines of {process.log_path}:\n{process.tail()}" if process is not None else ""
             raise ServerNotReady(f"{exc}{tail}", exc.reason) from None
+        now = time.monotonic()
+        if not last[0].ok and report is not None and now - said[0] >= report_every_s:
+            said[0] = now
+            report(f"waiting for the {name} at {url}: {last[0].status} ({now - started:.0f} s of {timeout:.0f} s)")
         return last[0] if last[0].ok else None
 
     found = wait_for(ready, timeout, poll_s)
@@ -231,19 +243,22 @@ def wait_until_ready(probe: Probe, timeout: float, name: str, url: str, process:
 class ServerProcess(ChildProcess):
     """A server of a run as a child process in its own process group, logging to a file; a context manager that
     stops it. `probe` looks at it (one kind per server); `on_stop` removes what the server leaves behind when killed
-    (e.g. Triton's workspace and shared memory)."""
+    (e.g. Triton's workspace and shared memory); `title` names it in messages ('<name> server' unless given, e.g.
+    'rollout server replica 1')."""
 
     def __init__(self, name: str, argv: Sequence[str], url: str, log_path: str | Path, probe: Probe,
-                 env: Optional[dict] = None, on_stop: Optional[Callable[["ServerProcess"], None]] = None):
+                 env: Optional[dict] = None, on_stop: Optional[Callable[["ServerProcess"], None]] = None,
+                 title: Optional[str] = None):
         self.name, self.url, self.probe, self._on_stop = name, url, probe, on_stop
+        self.title = title or f"{name} server"
         super().__init__(argv, log_path, env)
 
     @property
     def port(self) -> int:
         return int(self.url.rsplit(":", 1)[1].split("/", 1)[0])
 
-    def wait_until_ready(self, timeout: float = 180.0) -> Health:
-        return wait_until_ready(self.probe, timeout, f"{self.name} server", self.url, self)
+    def wait_until_ready(self, timeout: float = 180.0, report: Optional[Callable[[str], None]] = None) -> Health:
+        return wait_until_ready(self.probe, timeout, self.title, self.url, self, report=report)
 
     def death(self, settle_s: float = 20.0) -> Optional[str]:
         """Why the server cannot serve, or None while it does (its probe says so): called after a request failed. A
@@ -255,8 +270,8 @@ class ServerProcess(ChildProcess):
             if health.ok:
                 return None  # alive and serving: the failure was not this server's
             if not wait_for(lambda: self.poll() is not None, settle_s):
-                return f"{self.name} server (pid {self.pid}, {self.url}) is not healthy: {health.status}"
-        return self.exit_description(f"{self.name} server", self.url)
+                return f"{self.title} (pid {self.pid}, {self.url}) is not healthy: {health.status}"
+        return self.exit_description(self.title, self.url)
 
     def stop(self, grace_s: float = 20.0) -> Optional[int]:
         """SIGTERM to the group, SIGKILL after `grace_s`; returns the server's exit code. Safe to call twice."""

@@ -2,10 +2,12 @@
 
 One node (`deploy.actor.nproc_per_node` = N > 1, no torchrun around us): rank 0 starts ranks 1..N-1 as child processes in a
 process group of their own, with the standard environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), and watches them. Several nodes: every pod runs
-`torchrun ... -m components.launch.ranks -- <command of rank 0>`; the process that torchrun makes rank 0 execs the command
-(the Prefect flow run), every other rank follows. Either way a follower joins the process group, receives the run's
-config from rank 0, builds the same actor, and executes rank 0's commands until told to stop (models/loop.py).
+MASTER_ADDR, MASTER_PORT), and watches them. Several nodes: the run's controller starts node groups, each a torchrun
+(components/launch/nodes.py), whose rank 0 runs the run (components/launch/attempt.py) and whose other ranks follow;
+`torchrun ... -m components.launch.ranks -- <command>` still makes the process torchrun makes rank 0 exec the command
+and every other rank follow. Either way a follower joins the process group, receives the run's config from rank 0,
+builds the same actor, and executes rank 0's commands until told to stop (models/loop.py). The ranks share no
+directory: whatever rank 0 reads from a checkpoint it broadcasts (models/loop.py restore_actor).
 
 Faults: collectives time out after `deploy.actor.collective_timeout_s`; rank 0 names a follower that died (rank, exit code,
 log tail) or went silent; followers exit when rank 0 disappears; no process of the run outlives it.
@@ -24,6 +26,7 @@ from components.launch.processes import PARENT_PID_ENV, ChildProcess, exit_with_
 
 quiet()  # this module is a process's entry point too: before the model libraries below read these settings
 
+from components.storage import s3  # noqa: F401 - registers the s3:// transport: a rank loads an s3:// model itself
 from models import distributed
 from models.config import RLHFConfig
 from models.loop import Leader, build_actor, execute
@@ -108,7 +111,8 @@ def actor_ranks(cfg, log_dir: Path) -> Iterator[Leader]:
         me, init_method = outer, None
     elif cfg.deploy.actor.world_size > 1:
         if cfg.deploy.actor.nnodes > 1:
-            raise ValueError("deploy.actor.nnodes > 1: start every node under torchrun (the actor-gpu job template does)")
+            raise ValueError("deploy.actor.nnodes > 1: the run's node groups are started by its controller "
+                             "(components/launch/controller.py: `rlhf train` and the training flows), not here")
         followers = Followers.for_actor(cfg, log_dir)
         me, init_method = distributed.Dist(0, cfg.deploy.actor.world_size, 0, cfg.deploy.actor.world_size), followers.init_method
     else:
@@ -119,7 +123,6 @@ def actor_ranks(cfg, log_dir: Path) -> Iterator[Leader]:
             distributed.init(me, distributed.resolve_backend(cfg.deploy.actor.backend, device), cfg.deploy.actor.collective_timeout_s,
                              device, init_method)
             me.broadcast_object((name, cfg.model_dump_json()))
-            distributed.check_shared_directory(me, cfg.resolved_state_dir() / "runs")
         leader = leader_class(cfg, build(cfg, me), followers.describe_failure if followers else lambda: None)
         yield leader
         if me.active:
@@ -145,7 +148,6 @@ def follow() -> int:
         name, payload = me.broadcast_object(None)
         config_class, build, run, _ = job(name)
         cfg = config_class.model_validate_json(payload)
-        distributed.check_shared_directory(me, cfg.resolved_state_dir() / "runs")
         state = build(cfg, me)
         while (command := me.broadcast_object(None))["op"] != "stop":
             run(state, cfg, command)

@@ -37,11 +37,11 @@ EXAMPLE_RL_EVAL = EvalConfig(prompts="builtin:sentiment", every=4, temperature=1
 
 
 class PipelineSFT(SFTConfig):
-    model: Optional[str] = Field(None, description="A ready SFT model (a directory or hub id) used instead of training one: the stage is then not trained.")
+    model: Optional[str] = Field(None, description="A ready SFT model (a directory, hub id at its main branch, or s3://bucket/prefix) used instead of training one: the stage is then not trained.")
 
 
 class PipelineRewardModel(RewardModelConfig):
-    model: Optional[str] = Field(None, description="A ready reward model (AutoModelForSequenceClassification, 1 label) used instead of training one: the stage is then not trained.")
+    model: Optional[str] = Field(None, description="A ready reward model (AutoModelForSequenceClassification, 1 label: a directory, hub id at its main branch, or s3://bucket/prefix) used instead of training one: the stage is then not trained.")
     init: Literal["sft", "base"] = Field("sft", description="What the reward model is trained from: the SFT stage's model (InstructGPT, OpenRLHF, NeMo-Aligner) or base_model; a new score head either way.")
 
 
@@ -66,7 +66,8 @@ class PipelineConfig(Section):
     """The stages of one pipeline and what each is made from."""
 
     name: str = Field("sentiment", pattern=RUN_NAME_PATTERN, description="Name of the pipeline (letters, digits, '.', '_', '-'): its MLflow parent run and its flow run.")
-    base_model: str = Field("tiny/policy", description="The model the SFT stage starts from: a local directory or hub id ('tiny/<name>' = the embedded default).")
+    base_model: str = Field("tiny/policy", description="The model the SFT stage starts from: a local directory, a hub id (at base_revision), s3://bucket/prefix or 'tiny/<name>' (the embedded default).")
+    base_revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of base_model when it is a hub id; None = its main branch.")
     seed: int = Field(0, description="Seed of every stage (rows' order, initialisation, sampling).")
     sft: PipelineSFT = Field(default_factory=PipelineSFT, description="Supervised fine-tuning on completions.")
     reward_model: PipelineRewardModel = Field(default_factory=PipelineRewardModel, description="The Bradley-Terry reward model.")

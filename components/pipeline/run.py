@@ -51,14 +51,14 @@ from components.pipeline.config import PipelineConfig
 from components.pipeline.lineage import PipelineRun
 from components.runs import train
 from components.tracking.provenance import digest as record_digest
-from components.tracking.provenance import model_record, provenance
+from components.tracking.provenance import provenance
 from models.config import RLHFConfig, merge
 from models.deploy import DeployConfig
 from models.loop import DIRECT, Steps
 from models.stages.config import DPORun, EvalRun, RewardModelRun, SFTRun
 from models.stages.evaluate import check_policy
 from models.stages.evaluate import check_reward_model as check_loaded_reward_model
-from models.tiny_files import embedded_model_path, file_digests, is_embedded
+from models.resolve import file_digests, resolve_model
 
 STEP_NAMES = {"sft": "sft-stage", "reward_model": "reward-model-stage", "rl": "rl-stage", "dpo": "dpo-stage",
               "eval": "eval-stage"}
@@ -140,16 +140,12 @@ def pipeline_run(cfg: PipelineConfig, deploy: DeployConfig, steps: Steps) -> Ite
 
 # ---------------------------------------------------------------- one stage: given, reused or built
 
-def resolve(model: str) -> str:
-    return str(embedded_model_path(model)) if is_embedded(model) else model
-
-
 def given(p: Pipeline, stage: str, model: str) -> Outcome:
-    """A ready model named in the config: used as it is (not trained, not recorded)."""
-    path = resolve(model)
-    found = model_record(model, f"{stage}.model")
-    outcome = Outcome({"model": model, "digest": found["digest"], "provenance": found, "metrics": {}}, given=True,
-                      local_dir=path if Path(path).is_dir() else model)
+    """A ready model named in the config: used as it is (not trained, not recorded), wherever it is
+    (models/resolve.py)."""
+    found = resolve_model(model, f"{stage}.model", None, p.deploy)
+    outcome = Outcome({"model": model, "digest": found.digest, "provenance": found.provenance, "metrics": {}},
+                      given=True, local_dir=found.path)
     p.steps.log(f"{stage}: the given model {model}")
     return outcome
 
@@ -232,11 +228,14 @@ def job_config(stage: str, cfg: PipelineConfig, deploy: DeployConfig, upstream: 
     fields = {"seed": cfg.seed, "tracking": {"experiment": cfg.tracking.experiment, "parent_run_id": parent_run_id},
               "checkpoint": cfg.checkpoint.model_dump(), "deploy": deploy.model_dump()}
     if stage == "sft":
-        return SFTRun.model_validate({**fields, "model": cfg.base_model, "sft": cfg.sft.model_dump(exclude={"model"})})
+        return SFTRun.model_validate({**fields, "model": cfg.base_model, "model_revision": cfg.base_revision,
+                                      "sft": cfg.sft.model_dump(exclude={"model"})})
     if stage == "reward_model":
-        init = upstream["sft"] if cfg.reward_model.init == "sft" else cfg.base_model
-        return RewardModelRun.model_validate({**fields, "model": init,
-                                              "reward_model": cfg.reward_model.model_dump(exclude={"model", "init"})})
+        from_sft = cfg.reward_model.init == "sft"
+        return RewardModelRun.model_validate({
+            **fields, "model": upstream["sft"] if from_sft else cfg.base_model,
+            "model_revision": None if from_sft else cfg.base_revision,
+            "reward_model": cfg.reward_model.model_dump(exclude={"model", "init"})})
     if stage == "rl":  # the policy and its reference from the SFT stage, PPO's critic initialised from the reward model
         return RLHFConfig.of(merge(cfg.rl, {
             "model.policy": upstream["sft"], "model.reward": upstream["reward_model"], "model.critic": None,
@@ -251,7 +250,7 @@ def job_config(stage: str, cfg: PipelineConfig, deploy: DeployConfig, upstream: 
                "normalize": cfg.rl.reward.normalize and trained == "rl",
                "max_new_tokens": e.max_new_tokens or cfg.rl.generation.max_new_tokens,
                "top_k": cfg.rl.generation.top_k, "top_p": cfg.rl.generation.top_p}
-    judge = upstream["reward_model"] if trained == "rl" else resolve(cfg.judge)
+    judge = upstream["reward_model"] if trained == "rl" else cfg.judge
     return EvalRun.model_validate({**fields, "model": upstream[trained], "reference": upstream["sft"], "reward": judge,
                                    "eval": section})
 
@@ -295,7 +294,7 @@ def reward_model_handoff(p: Pipeline, result: dict) -> dict:
     """The reward model as saved loads as the RL stage loads it (no newly initialised weight, one label), and scores
     its held-out pairs as its stage recorded."""
     recorded = result["metrics"].get("eval/accuracy")
-    pairs = (stage_rows("reward_model", p.cfg.reward_model, result["model_dir"], held_out_only=True)[1]
+    pairs = (stage_rows("reward_model", p.cfg.reward_model, result["model_dir"], held_out_only=True, deploy=p.deploy)[1]
              if recorded is not None else None)
     accuracy = p.steps("hand-off-reward-model", check_loaded_reward_model, result["model_dir"], pairs, recorded,
                        "reward_model.model")

@@ -196,6 +196,7 @@ def rollout_argv(cfg: RLHFConfig, port: int, host: Optional[str] = None, instanc
             "--max-request-tokens", str(v.max_request_tokens), "--max-body-mib", str(v.max_body_mib)]
     argv += ["--max-model-len", str(v.max_model_len)] if v.max_model_len else []
     argv += ["--cpu-cores", v.cpu_cores] if v.cpu_cores else []
+    argv += ["--tensor-parallel-size", str(v.tensor_parallel_size)] if v.tensor_parallel_size > 1 else []
     return argv + (["--enforce-eager"] if v.enforce_eager else [])
 
 
@@ -205,7 +206,7 @@ def rollout_env(cfg: RLHFConfig, secret: Optional[str] = None) -> dict[str, str]
     v = cfg.deploy.rollout
     # a CPU-only host: every core (the actor's ranks wait while the server generates, and the server idles while they
     # train); vLLM on 1 of 2 cores generated 1.27x the native engine's tokens/s, on both 1.89x (benchmarks/rollout_engine)
-    threads = v.threads or (os.cpu_count() if not torch.cuda.is_available() else None)
+    threads = v.threads or (len(os.sched_getaffinity(0)) if not torch.cuda.is_available() else None)
     extra = {"VLLM_CPU_KVCACHE_SPACE": f"{v.kv_cache_gib:g}", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
              PARENT_PID_ENV: str(os.getpid()), **(secret_env(secret) if secret else {})}
     if threads:
@@ -246,17 +247,30 @@ def rollout_probe(url: str, instance: Optional[str] = None, timeout_s: float = 2
     return probe
 
 
+def check_tensor_parallel(cfg: RLHFConfig) -> None:
+    """A rollout server sharded over GPUs needs them on the host it starts on: refused on a CPU host, naming the field."""
+    tp = cfg.deploy.rollout.tensor_parallel_size
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if tp > 1 and gpus < tp:
+        raise ValueError(f"deploy.rollout.tensor_parallel_size={tp}: the rollout server shards the model over {tp} "
+                         f"GPUs, and this host has {gpus}" + (" (a CPU host runs tensor_parallel_size=1)" if not gpus else ""))
+
+
 def launch_rollout(cfg: RLHFConfig, log_path: str | Path, host: Optional[str] = None, secret: Optional[str] = None,
-                   trainer_host: str = "127.0.0.1") -> ServerProcess:
+                   trainer_host: str = "127.0.0.1", replica: Optional[int] = None) -> ServerProcess:
     """Start the rollout server of `cfg` as a child process (not waiting for it) holding the run's `secret` (None:
     this process's $RLHF_RUN_SECRET, else a new one; `server.secret`), setting up weight transfers with `trainer_host` only: on
-    `deploy.rollout.port`, or a free port when that one is busy, 0 or None."""
+    `deploy.rollout.port` (replica i: port + i), or a free port when that one is busy, 0 or None. `replica`: its
+    index among the run's replicas, which names it ('rollout server replica i')."""
+    check_tensor_parallel(cfg)
     host = host or cfg.deploy.rollout.host
-    port = free_port(host, cfg.deploy.rollout.port)
+    base = cfg.deploy.rollout.port
+    port = free_port(host, base + (replica or 0) if base else base)
     instance = secrets.token_hex(8)
     secret = secret or read_secret() or new_secret()
     url = f"http://{connect_host(host)}:{port}"
     server = ServerProcess("rollout", rollout_argv(cfg, port, host, instance, trainer_host), url, log_path,
-                           rollout_probe(url, instance), rollout_env(cfg, secret))
+                           rollout_probe(url, instance), rollout_env(cfg, secret),
+                           title=None if replica is None else f"rollout server replica {replica}")
     server.secret = secret
     return server

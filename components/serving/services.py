@@ -27,9 +27,12 @@ cluster, as the critic's saves need it anyway): a server that cannot see its run
 Kubernetes a deployment server's pod is labelled as the run's, and NetworkPolicies let only the run's own actor pods
 reach it (components/cluster/network_policy.py).
 
-Both kinds of started server answer the same three questions: `wait_until_ready`, `death()` (why it cannot serve: it
-exited, its flow run ended, or it answers but is unhealthy) and `stop()`. `RunServices.guard` asks every server of the
-run after a failed step, so a run fails naming the server that went away, not the broken connection.
+Both kinds of started server answer the same three questions: `wait_until_ready` (saying every ~30 s in the run's log
+what it waits for and how long it has waited), `death()` (why it cannot serve: it exited, its flow run ended, or it
+answers but is unhealthy) and `stop()`. `RunServices.guard` asks every server of the run after a failed step, so a
+run fails naming the server that went away, not the broken connection. The rollout server is `deploy.rollout.replicas`
+servers (`Replicas`: one per replica, each on its own port or its own flow run) answering the same questions, with
+their `urls`: ready when every replica is, dead when one is (named: 'rollout server replica 1 (pid, url) exited ...').
 
 How the steps of starting them execute is the caller's `Steps` (models/loop.py): directly (`rlhf train`), or as
 Prefect tasks whose messages go to the run's log (the flows: components.tasks.FlowSteps). Everything is torn down on success, failure
@@ -58,7 +61,8 @@ from prefect.variables import Variable
 
 from components.cluster.network_policy import RUN_POLICIES, own_job
 from components.cluster.servers import start_servers
-from components.launch.processes import Health, Probe, ServerProcess, free_port, wait_for, wait_until_ready
+from components.launch.processes import (REPORT_EVERY_S, Health, Probe, ServerProcess, free_port, wait_for,
+                                         wait_until_ready)
 from components.serving.auth import new_secret, triton_token
 from components.serving.launcher import launch, launch_rollout, rollout_probe, triton_probe
 from components.serving.rollout.client import RolloutClient, run_token
@@ -166,9 +170,13 @@ def address_variable(flow_run_id) -> str:
     return f"rlhf_server_{str(flow_run_id).replace('-', '')}"
 
 
-def final_state(flow_run_id):
+def current_state(flow_run_id):
     with get_client(sync_client=True) as client:
-        state = client.read_flow_run(flow_run_id).state
+        return client.read_flow_run(flow_run_id).state
+
+
+def final_state(flow_run_id):
+    state = current_state(flow_run_id)
     return state if state is not None and state.is_final() else None
 
 
@@ -247,31 +255,42 @@ class DeploymentServer:
     lease while it lives (released when it stops), and its Secret block is deleted when it stops."""
 
     def __init__(self, kind: str, flow_run_id, probe_for: Callable[[str], Probe], lease: Lease,
-                 secret_block: Optional[str] = None, policies=None):
+                 secret_block: Optional[str] = None, policies=None, title: Optional[str] = None):
         self.name, self.flow_run_id, self.probe_for = kind, flow_run_id, probe_for
+        self.title = title or f"{kind} server"
         self.secret_block, self.policies = secret_block, policies
         self.url: Optional[str] = None
         self.probe: Optional[Probe] = None
         self.lease = lease
 
-    def wait_until_ready(self, timeout: float) -> Health:
+    def wait_until_ready(self, timeout: float, report: Optional[Callable[[str], None]] = None) -> Health:
         """Wait for the published address, then for the server there to serve (one timeout for both: a cold GPU
-        pool's pod start and image pull count)."""
-        deadline = time.monotonic() + timeout
+        pool's pod start and image pull count); `report` is told every ~30 s what is awaited."""
+        started = time.monotonic()
+        deadline, said = started + timeout, [started]
 
         def published() -> Optional[str]:
             url = Variable.get(address_variable(self.flow_run_id), default=None)
-            if not url and (state := final_state(self.flow_run_id)) is not None:
-                raise ServerDied(f"{self.name} server flow run {self.flow_run_id} ended ({state.name}) before "
+            if url:
+                return url
+            state = current_state(self.flow_run_id)
+            if state is not None and state.is_final():
+                raise ServerDied(f"{self.title} flow run {self.flow_run_id} ended ({state.name}) before "
                                  f"publishing its address: {state.message or 'no message'}")
-            return url
+            if report is not None and (now := time.monotonic()) - said[0] >= REPORT_EVERY_S:
+                said[0] = now
+                report(f"waiting for the {self.title}'s flow run {self.flow_run_id} to start and publish its address: "
+                       f"{state.name if state is not None else 'no state yet'} ({now - started:.0f} s of "
+                       f"{timeout:.0f} s)")
+            return None
 
         self.url = wait_for(published, timeout, poll_s=1.0)
         if not self.url:
-            raise TimeoutError(f"{self.name} server flow run {self.flow_run_id} did not publish its address within "
+            raise TimeoutError(f"{self.title} flow run {self.flow_run_id} did not publish its address within "
                                f"{timeout:.0f}s (is a worker serving {self.name}-server/default?)")
         self.probe = self.probe_for(self.url)
-        return wait_until_ready(self.probe, max(1.0, deadline - time.monotonic()), f"{self.name} server", self.url)
+        return wait_until_ready(self.probe, max(1.0, deadline - time.monotonic()), self.title, self.url,
+                                report=report)
 
     def death(self, settle_s: float = 20.0) -> Optional[str]:
         """Its flow run ended (with its state's message), or the server answers but is unhealthy; else None."""
@@ -281,8 +300,8 @@ class DeploymentServer:
                 return None
             state = wait_for(lambda: final_state(self.flow_run_id), settle_s, poll_s=1.0)
             if state is None:
-                return f"{self.name} server ({self.url}, flow run {self.flow_run_id}) is not healthy: {health.status}"
-        return f"{self.name} server flow run {self.flow_run_id} ended: {state.name} ({state.message or 'no message'})"
+                return f"{self.title} ({self.url}, flow run {self.flow_run_id}) is not healthy: {health.status}"
+        return f"{self.title} flow run {self.flow_run_id} ended: {state.name} ({state.message or 'no message'})"
 
     def stop(self) -> None:
         try:
@@ -295,7 +314,7 @@ class DeploymentServer:
                 self.policies.release()
 
 
-def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace) -> DeploymentServer:
+def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace, title: Optional[str] = None) -> DeploymentServer:
     """Run `kind`'s deployment for this run: the run's secret in a Secret block of its own (the flow run's parameter
     is the block's name), this flow run's id for the server to watch, and (a rollout server) the address the run's
     weight transfers come from."""
@@ -324,7 +343,70 @@ def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace) -> DeploymentS
         lease.release()
         raise
     return DeploymentServer(kind, run.id, probe_at(kind, cfg, run_secret(place)), lease, block,
-                            policies=RUN_POLICIES if job else None)
+                            policies=RUN_POLICIES if job else None, title=title)
+
+
+class Replicas:
+    """The rollout server's replicas as one server of the run: one server each (a `ServerProcess` of this process, or
+    a `DeploymentServer`), on a port or a flow run of its own. Ready when every replica serves; dead when one is,
+    named; stopped together. The interface every launch of the rollout server answers (a LeaderWorkerSet's too:
+    components/cluster/servers.py): `urls`, `wait_until_ready`, `death`, `stop`."""
+
+    name = "rollout"
+
+    def __init__(self, servers: list):
+        self.servers = servers
+
+    @property
+    def urls(self) -> list[str]:
+        return [server.url for server in self.servers]
+
+    @property
+    def url(self) -> str:
+        return self.servers[0].url
+
+    def wait_until_ready(self, timeout: float, report: Optional[Callable[[str], None]] = None) -> Health:
+        """Wait for each replica in turn, within one `timeout` for all (they start together); what each answered."""
+        deadline = time.monotonic() + timeout
+        seen = [server.wait_until_ready(max(1.0, deadline - time.monotonic()), report) for server in self.servers]
+        return Health(True, "ready", info={server.title: health.info for server, health in zip(self.servers, seen)})
+
+    def death(self, settle_s: float = 20.0) -> Optional[str]:
+        """Why a replica cannot serve (the first that cannot, named), else None."""
+        return next((why for server in self.servers if (why := server.death(settle_s))), None)
+
+    def stop(self, grace_s: float = TEARDOWN_GRACE_S) -> str:
+        """Stop every replica (each however it was started); says how each ended."""
+        ended = []
+        for server in self.servers:
+            if isinstance(server, ServerProcess):
+                ended.append(f"{server.title}: pid {server.pid}, exit code {server.stop(grace_s)}")
+            else:
+                server.stop()
+                ended.append(f"{server.title}: flow run {server.flow_run_id} cancelled")
+        return "; ".join(ended)
+
+
+def rollout_replicas(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT) -> Replicas:
+    """Start the run's `deploy.rollout.replicas` rollout servers where deploy.rollout.launch says (not waited for);
+    what started is stopped again when one fails to start."""
+    count, servers = cfg.deploy.rollout.replicas, []
+    try:
+        for i in range(count):
+            replica = i if count > 1 else None
+            title = f"rollout server replica {i}" if count > 1 else "rollout server"
+            if cfg.deploy.rollout.launch == "local":
+                log = place.log_dir / ("rollout-server.log" if count == 1 else f"rollout-server-{i}.log")
+                server = launch_rollout(cfg, log, secret=run_secret(place), trainer_host="127.0.0.1", replica=replica)
+                steps.log(f"{title} starting: pid {server.pid}, {server.url}, log {server.log_path}")
+            else:
+                server = start_deployment("rollout", cfg, place, title)
+                steps.log(f"{title}: started deployment rollout-server/default as flow run {server.flow_run_id}")
+            servers.append(server)
+    except BaseException:
+        Replicas(servers).stop()
+        raise
+    return Replicas(servers)
 
 
 def start_kubernetes(kind: str, cfg: RLHFConfig, place: RunPlace):
@@ -345,7 +427,9 @@ def started(kind: str, cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT):
     """The `kind` server of the run, started where its section says (a child process, or its deployment), not yet
     ready; stopped after the block, first thing (a cancelled run must not wait on an in-flight request)."""
     secret = run_secret(place)  # made here, before a step may see a copy of `place`
-    if section(kind, cfg).launch == "local":
+    if kind == "rollout" and section(kind, cfg).launch != "kubernetes":  # a LeaderWorkerSet holds its replicas
+        server = steps("deploy-rollout-server", rollout_replicas, cfg, place, steps)
+    elif section(kind, cfg).launch == "local":
         critic_dir = {"checkpoint_dir": str(place.critic_dir)} if kind == "critic" and place.critic_dir else {}
         server = steps(f"deploy-{kind}-server", local_server, kind, cfg, place.log_dir / f"{kind}-server.log",
                        secret, **critic_dir)
@@ -361,17 +445,23 @@ def started(kind: str, cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT):
     finally:
         # the run is done with it (a critic's saves are complete and atomic): a local server gets TEARDOWN_GRACE_S to
         # stop by itself, then it is killed (PyTriton's graceful stop spends ~6 s polling its unloaded models)
-        code = server.stop(TEARDOWN_GRACE_S) if isinstance(server, ServerProcess) else server.stop()
-        steps.log(f"{kind} server stopped" + (f" (pid {server.pid}, exit code {code})" if isinstance(server, ServerProcess)
-                                              else f" ({server.describe()} deleted)" if hasattr(server, "describe")
-                                              else f" (flow run {server.flow_run_id} cancelled)"))
+        if isinstance(server, Replicas):
+            steps.log(f"rollout server stopped ({server.stop(TEARDOWN_GRACE_S)})")
+        else:
+            code = server.stop(TEARDOWN_GRACE_S) if isinstance(server, ServerProcess) else server.stop()
+            steps.log(f"{kind} server stopped" + (f" (pid {server.pid}, exit code {code})"
+                                                  if isinstance(server, ServerProcess)
+                                                  else f" ({server.describe()} deleted)" if hasattr(server, "describe")
+                                                  else f" (flow run {server.flow_run_id} cancelled)"))
 
 
 def wait_ready(kind: str, server, cfg: RLHFConfig, steps: Steps = DIRECT) -> str:
-    """Wait until the started server serves; returns its URL."""
+    """Wait until the started server (every replica) serves, saying every ~30 s in the run's log what it waits for;
+    returns its URL (the first replica's)."""
     started_at = time.monotonic()
-    health = steps("wait-until-ready", server.wait_until_ready, section(kind, cfg).ready_timeout_s)
-    steps.log(f"{kind} server ready at {server.url} after {time.monotonic() - started_at:.1f}s"
+    health = steps("wait-until-ready", server.wait_until_ready, section(kind, cfg).ready_timeout_s, steps.log)
+    where = ", ".join(getattr(server, "urls", [server.url]))
+    steps.log(f"{kind} server ready at {where} after {time.monotonic() - started_at:.1f}s"
               + (f": {health.info}" if health.info else ""))
     return server.url
 
@@ -440,19 +530,24 @@ def trainer_host(cfg: RLHFConfig) -> str:
     return "127.0.0.1" if cfg.deploy.rollout.launch == "local" else advertised_host("0.0.0.0")
 
 
-def connect_engine(actor, url: str, cfg: RLHFConfig, place: RunPlace) -> RolloutClient:
-    """Rank 0's engine talks to the server (as this run, over the configured weight transfer) and sends it the actor's
-    current weights (a new run's, a resumed run's checkpoint, LoRA merged; all ranks gather them)."""
-    client = RolloutClient(url, run_token(place.run_name), cfg.deploy.rollout.request_timeout_s, secret=run_secret(place))
+def connect_engine(actor, urls: list[str], cfg: RLHFConfig, place: RunPlace) -> list[RolloutClient]:
+    """Rank 0's engine talks to every replica (as this run, over the configured weight transfer: a group of its own
+    per replica) and sends them the actor's current weights (a new run's, a resumed run's checkpoint, LoRA merged; all
+    ranks gather them)."""
+    token = run_token(place.run_name)  # one run token for all replicas: each serves this trainer only
+    clients = []
     try:
-        if cfg.deploy.rollout.weight_transfer == "dist":
-            client.use_dist(trainer_host(cfg))
-        actor.state.engine.connect(client)
+        for url in urls:
+            clients.append(RolloutClient(url, token, cfg.deploy.rollout.request_timeout_s, secret=run_secret(place)))
+            if cfg.deploy.rollout.weight_transfer == "dist":
+                clients[-1].use_dist(trainer_host(cfg))
+        actor.state.engine.connect(clients)
         actor.refit()
     except BaseException:
-        client.close()
+        for client in clients:
+            client.close()
         raise
-    return client
+    return clients
 
 
 @contextmanager
@@ -462,13 +557,14 @@ def rollout_service(server, actor, cfg: RLHFConfig, place: RunPlace, steps: Step
     if server is None:
         yield []
         return
-    url = wait_ready("rollout", server, cfg, steps)
-    client = steps("connect-rollout-engine", connect_engine, actor, url, cfg, place)
-    steps.log(f"rollout engine at {url} holds the actor's weights ({actor.state.engine.last_refit})")
+    wait_ready("rollout", server, cfg, steps)
+    clients = steps("connect-rollout-engine", connect_engine, actor, server.urls, cfg, place)
+    steps.log(f"rollout engine at {', '.join(server.urls)} holds the actor's weights ({actor.state.engine.last_refit})")
     try:
-        yield [Service("rollout server", client, server.death)]
+        yield [Service("rollout server", clients, server.death)]
     finally:
-        client.close()
+        for client in clients:
+            client.close()
 
 
 @contextmanager

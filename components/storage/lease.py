@@ -28,6 +28,11 @@ Fencing: a lease's `token` is its holder's id. A run's store commits `latest.jso
 token of the run's lease (CheckpointStore.fence, at open; CheckpointStore.save(fence=token), conditionally on
 latest.json's version): a holder that stalled past its lease's timeout and was taken over cannot move latest.json,
 even when it wakes up between its own check and its commit.
+
+A job on several nodes writes from another process than the one that took its lease: its controller holds the lease
+(and fences the store with it) for all its attempts, and node group 0's rank 0 of each attempt writes the checkpoints
+under it (`HeldLease`, whose token is the controller's): before each write it checks that the lease still names the
+controller's holder id, and fails (LeaseLost) when it does not; its commits are fenced by the same token.
 """
 
 from __future__ import annotations
@@ -263,6 +268,38 @@ class S3Lease(Lease):
         self._thread.join(timeout=10)
         if not self.lost:
             self.s3.delete_if(self.key, self.etag)  # only while it is still ours
+
+
+class HeldLease(Lease):
+    """A lease held by another process of the same job (a multi-node run's controller): this process writes under it
+    while the store's lease still names that holder (`holder_id`, also its fencing token); it neither renews nor
+    releases it."""
+
+    def __init__(self, store, run_name: str, holder_id: str):
+        self.store, self.run_name, self.holder_id = store, run_name, holder_id
+        self.holder = Holder(run_name, id=holder_id)
+        self.where = f"{store.uri}/{LEASE_KEY}"
+        self.check()
+
+    def _holder(self) -> Holder | None:
+        if self.store.s3 is not None:
+            found = self.store.s3.stat(LEASE_KEY)
+            return Holder.parse(found[0]) if found else None
+        try:
+            return Holder.parse((Path(self.store.local_root) / LEASE_KEY).read_bytes())
+        except OSError:
+            return None
+
+    def check(self) -> None:
+        """Raise LeaseLost unless the store's lease is the holder's this process writes for."""
+        holder = self._holder()
+        if holder is None or holder.id != self.holder_id:
+            who = holder.describe() if holder else "nobody"
+            raise LeaseLost(f"run {self.run_name}: its lease in {self.store.uri} is held by {who}, not by this run's "
+                            f"controller (holder {self.holder_id}); it writes nothing more")
+
+    def release(self) -> None:
+        """Not ours to release: the holder does."""
 
 
 def lock_path(path: Path) -> Path:

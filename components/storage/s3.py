@@ -1,8 +1,11 @@
-"""Thin boto3 adapter for an S3 (or S3-compatible) prefix: fail-fast probe, transfers, listing."""
+"""Thin boto3 adapter for an S3 (or S3-compatible) prefix: fail-fast probe, transfers, listing; and the transport
+of s3:// models and data (`S3Source`), which it registers with the resolver (models/resolve.py) when imported: every
+process of a job imports this module (through its checkpoint store, or components/launch/ranks.py)."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +18,8 @@ from boto3.s3.transfer import TransferConfig
 from boto3.exceptions import Boto3Error
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+from models.resolve import register_remote
 
 _MISSING = ("404", "NoSuchKey", "NotFound")
 _CONDITION_FAILED = ("412", "PreconditionFailed", "409", "ConditionalRequestConflict")
@@ -214,3 +219,50 @@ class S3Store:
                 response = self.client.delete_objects(Bucket=self.location.bucket, Delete={"Objects": batch})
             if response.get("Errors"):
                 raise self._error(f"cannot delete objects at {self.endpoint}: {response['Errors'][:3]}")
+
+
+class S3Source:
+    """s3:// models and data for the resolver (models/resolve.Remote): list a prefix (or one object) with sizes and
+    ETags, read the digests a CheckpointStore wrote beside a prefix (`<prefix>.sha256.json`), download an object."""
+
+    def __init__(self, endpoint_url: str | None = None) -> None:
+        self.endpoint_url = endpoint_url
+        self._stores: dict[str, S3Store] = {}
+
+    def _store(self, uri: str) -> S3Store:
+        """The S3Store of a bucket/prefix, one client per prefix of this source."""
+        if uri not in self._stores:
+            self._stores[uri] = S3Store(S3Location.parse(uri), endpoint_url=self.endpoint_url)
+        return self._stores[uri]
+
+    def objects(self, uri: str, prefix_only: bool) -> tuple[bool, dict[str, tuple[int, str]]]:
+        location = S3Location.parse(uri)
+        store = self._store(f"s3://{location.bucket}")
+        if not prefix_only and location.prefix:
+            with store._errors(f"read {uri}"):
+                try:
+                    head = store.client.head_object(Bucket=location.bucket, Key=location.prefix)
+                    return False, {location.prefix.rsplit("/", 1)[-1]: (int(head["ContentLength"]), head["ETag"])}
+                except ClientError as exc:
+                    if str(exc.response.get("Error", {}).get("Code", "")) not in _MISSING:
+                        raise
+        prefix = f"{location.prefix}/" if location.prefix else ""
+        found = {}
+        with store._errors(f"list {uri}/"):
+            for page in store.client.get_paginator("list_objects_v2").paginate(Bucket=location.bucket, Prefix=prefix):
+                for obj in page.get("Contents", []):
+                    if not obj["Key"].endswith("/"):  # a "folder" placeholder some tools write
+                        found[obj["Key"][len(prefix):]] = (int(obj["Size"]), obj["ETag"])
+        return True, found
+
+    def digests(self, uri: str) -> dict[str, str] | None:
+        location = S3Location.parse(uri)
+        raw = self._store(f"s3://{location.bucket}").get_bytes(f"{location.prefix}.sha256.json")
+        return json.loads(raw) if raw is not None else None
+
+    def download(self, uri: str, name: str, local: Path) -> None:
+        if not self._store(uri).download_file(name, local):
+            raise FileNotFoundError(f"{uri}/{name} does not exist")
+
+
+register_remote("s3", S3Source)

@@ -460,6 +460,11 @@ class CheckpointStore:
         self._backend.put_bytes(self._check_key(key), json.dumps(value, indent=1, sort_keys=True).encode())
         return self._checkpoint_uri(key)
 
+    def put_bytes(self, key: str, data: bytes) -> str:
+        """Store `data` at `key` (atomically replacing what was there); return its URI."""
+        self._backend.put_bytes(self._check_key(key), data)
+        return self._checkpoint_uri(key)
+
     def delete_all(self) -> None:
         """Delete everything in this store (its checkpoints, latest.json, stored directories and records)."""
         self._backend.delete_keys(self._backend.list_keys(""))

@@ -8,10 +8,11 @@ manifests and its MLflow tags (`provenance.*`), and whose digest is a pipeline s
               or activation checkpointing, not the names of its sources: those are in `data` and `models` by content)
     seed
     data      each data source it reads: the digest of its rows as read (every row as canonical JSON, in order:
-              models/stages/data.rows_digest), its split and subset
-    models    each model it starts from or is judged by: the digest of its files (sha256 of every file), and for a hub
-              id the revision asked for and the commit it resolved to (not the id or the path: the same bytes are the
-              same model wherever they lie)
+              models/stages/data.rows_digest), its split, subset and revision (a hub data set's resolved commit too)
+    models    each model it starts from or is judged by, as models/resolve.py resolves it (tiny/, a path, a hub id at a
+              revision, s3://): the digest of its files (sha256 of every file), and for a hub id the revision asked
+              for and the commit it resolved to (not the id or the path: the same bytes are the same model wherever
+              they lie)
     files     each reward and gold function: its name and the sha256 of the bytes of the file that defines it (a
               'path/to/rewards.py:fn' file, or the module file of 'package.module:fn')
     code      CODE_VERSION, the digest of models/ (the package's model code: every .py file's path and bytes) and the
@@ -32,9 +33,9 @@ from functools import lru_cache
 from importlib.metadata import PackageNotFoundError, distributions, version
 from pathlib import Path
 
-from models.hub import resolve_model
+from models.deploy import DeployConfig
+from models.resolve import resolve_data, resolve_model
 from models.stages.data import rows_digest
-from models.tiny_files import embedded_model_path, file_digests, is_embedded, manifest_digest
 
 CODE_VERSION = 1  # bump when what a job computes changes outside models/ (see the module docstring)
 PACKAGE_ROOT = Path(__file__).resolve().parents[2]
@@ -98,23 +99,24 @@ def vllm_version(python: str | Path) -> str | None:
 
 # ---------------------------------------------------------------- models, data, files
 
-def model_record(value: str, field: str = "model", revision: str | None = None) -> dict:
-    """What a model field names, by content: {source: tiny | local | hub, digest: of its files, [revision, commit]}
-    (a hub id: its snapshot in the Hugging Face cache at `revision`, the commit it resolved to)."""
-    if is_embedded(value):
-        return {"source": "tiny", "digest": manifest_digest(file_digests(embedded_model_path(value)))}
-    if Path(value).expanduser().is_dir():
-        return {"source": "local", "digest": manifest_digest(file_digests(Path(value).expanduser()))}
-    path = Path(resolve_model(value, field, revision))
-    return {"source": "hub", "revision": revision, "commit": path.name,  # <cache>/models--org--name/snapshots/<commit>
-            "digest": manifest_digest(file_digests(path))}
+def model_record(value: str, field: str = "model", revision: str | None = None,
+                 deploy: DeployConfig | None = None) -> dict:
+    """What a model field names, by content (models/resolve.py's provenance without its value and paths): {source:
+    tiny | local | hub | s3, digest: of its files, [revision, commit] for a hub id}."""
+    found = resolve_model(value, field, revision, deploy).provenance
+    return {key: found[key] for key in ("source", "digest", "revision", "commit") if key in found}
 
 
-def data_record(source: str, split: str, field: str, subset: str | None = None) -> dict:
-    """What a data source gives, by content: the digest of its rows as read, with its split and subset."""
+def data_record(source: str, split: str, field: str, subset: str | None = None, revision: str | None = None,
+                deploy: DeployConfig | None = None) -> dict:
+    """What a data source gives, by content: the digest of its rows as read, with its split, subset and revision (a
+    hub data set: the commit it resolved to)."""
     if not source:
         raise ValueError(f"{field}: not set; name the data (a local file or folder, a hub data set id, or builtin:<task>)")
-    return {"digest": rows_digest(source, split, field, subset), "split": split, "subset": subset}
+    record = {"digest": rows_digest(source, split, field, subset, revision, deploy), "split": split, "subset": subset,
+              "revision": revision}
+    found = resolve_data(source, field, revision, deploy, subset).provenance
+    return {**record, "commit": found["commit"]} if found.get("commit") else record
 
 
 def function_record(spec: str, field: str) -> dict:
@@ -135,7 +137,7 @@ def function_record(spec: str, field: str) -> dict:
 # ---------------------------------------------------------------- what changes what is trained
 
 # per job kind: the fields of its section that do NOT change what it trains or measures
-STAGE_NOT_TRAINED = {"model", "data", "subset", "split", "eval_data", "eval_split", "max_eval_rows", "eval_every",
+STAGE_NOT_TRAINED = {"model", "data", "subset", "revision", "split", "eval_data", "eval_split", "max_eval_rows", "eval_every",
                      "micro_batch_size"}
 # a reward model's stored statistics (reward_mean, reward_std) are those of its last held-out eval: which held-out rows
 # it reads changes its output (the held-out data's digest is in `data`)
@@ -143,13 +145,13 @@ REWARD_MODEL_NOT_TRAINED = STAGE_NOT_TRAINED - {"max_eval_rows"}
 RL_NOT_TRAINED = {
     "run_name": True, "seed": True,  # the seed is the record's own
     "model": {"policy", "reward", "critic", "revision", "gradient_checkpointing"},  # models by content; a memory knob
-    "data": {"prompts", "subset", "split"},  # by content (data.prompts)
+    "data": {"prompts", "subset", "split", "revision"},  # by content (data.prompts)
     "eval": True, "tracking": True, "checkpoint": True,  # the held-out eval, MLflow, checkpoints: not what is trained
     "generation": {"micro_batch_size"},  # memory, not the math
     "critic": {"micro_batch_size", "combine_reward"},  # memory; where the reward model is served, not its scores
-    "reward": {"function", "functions", "gold"},  # by content (files); the gold reward is only measured
+    "reward": {"function", "functions", "gold", "files"},  # by content (files); the gold reward is only measured
 }
-EVAL_NOT_MEASURED = {"prompts", "subset", "split", "gold"}  # by content (data.prompts, files.gold)
+EVAL_NOT_MEASURED = {"prompts", "subset", "revision", "split", "gold"}  # by content (data.prompts, files.gold)
 
 
 def training_config(cfg) -> dict:
@@ -166,11 +168,12 @@ def training_config(cfg) -> dict:
 def provenance(cfg) -> dict:
     """The provenance record of a job's config (the module docstring), as given (before its job prepares it)."""
     record = {"job": cfg.job, "config": training_config(cfg), "seed": cfg.seed, "code": code_version()}
+    deploy = cfg.deploy
     if cfg.job == "rl":
         d, r = cfg.data, cfg.reward
-        record["data"] = {"prompts": data_record(d.prompts, d.split, "data.prompts", d.subset)}
+        record["data"] = {"prompts": data_record(d.prompts, d.split, "data.prompts", d.subset, d.revision, deploy)}
         record["models"] = {name: model_record(value, f"model.{name}", cfg.model.revision if value == cfg.model.policy
-                                               else None)
+                                               else None, deploy)
                             for name in ("policy", "reward", "critic") if (value := getattr(cfg.model, name))}
         record["files"] = {f"reward.{i}": function_record(spec, "reward.functions") for i, spec in enumerate(r.specs())}
         if cfg.rollout.engine == "vllm":
@@ -178,15 +181,16 @@ def provenance(cfg) -> dict:
         return record
     if cfg.job == "eval":
         e = cfg.eval
-        record["data"] = {"prompts": data_record(e.prompts, e.split, "eval.prompts", e.subset)}
-        record["models"] = {"policy": model_record(cfg.model, "model"), "reference": model_record(cfg.reference, "reference"),
-                            "reward": model_record(cfg.reward, "reward")}
+        record["data"] = {"prompts": data_record(e.prompts, e.split, "eval.prompts", e.subset, e.revision, deploy)}
+        record["models"] = {"policy": model_record(cfg.model, "model", None, deploy),
+                            "reference": model_record(cfg.reference, "reference", None, deploy),
+                            "reward": model_record(cfg.reward, "reward", None, deploy)}
         record["files"] = {"gold": function_record(e.gold, "eval.gold")} if e.gold else {}
         return record
     t = cfg.train
-    record["data"] = {"train": data_record(t.data, t.split, f"{cfg.stage}.data", t.subset)}
+    record["data"] = {"train": data_record(t.data, t.split, f"{cfg.stage}.data", t.subset, t.revision, deploy)}
     if t.eval_split is not None and cfg.job == "reward_model":
         field = f"{cfg.stage}.eval_data" if t.eval_data else f"{cfg.stage}.data"
-        record["data"]["eval"] = data_record(t.eval_data or t.data, t.eval_split, field, t.subset)
-    record["models"] = {"model": model_record(cfg.model, "model")}
+        record["data"]["eval"] = data_record(t.eval_data or t.data, t.eval_split, field, t.subset, t.revision, deploy)
+    record["models"] = {"model": model_record(cfg.model, "model", cfg.model_revision, deploy)}
     return record

@@ -8,10 +8,20 @@ states). Re-running with the same run name resumes from the newest complete chec
 that fails them (a corrupt or missing file) is said and passed over for the previous one; when none passes, the job
 fails naming each checkpoint and the cause; only "no checkpoint yet" starts a new run.
 
+What a job is made of travels with it: opening an RL run stores the bytes of every reward file it names (a local
+'path/to/rewards.py:fn') in its store, `rewards/<sha256>.py`, and sets reward.files, so every process that scores
+loads those bytes by their digest (models/reward.py); the session holds them with the provenance of every model and
+data set the job reads (models/resolve.py: its source, hub commit, s3 ETags, the digest of its files), as MLflow tags
+(`reward.function.sha256`, `model.policy.digest`, ...), in the summary and in every checkpoint's manifest (what `rlhf
+export` checks a LoRA adapter's base against), and the job's provenance record (components/tracking/provenance.py:
+what a pipeline stage's key is the digest of) as `provenance.*` tags.
+
 One writer per run name: opening a job takes the lease of its store (components/storage/lease.py) before anything of
 it is touched, and fences the store with it (latest.json names the lease from then on); another live job of the name
 is refused naming its holder; every checkpoint is committed only while the store still names this lease (a holder
-that stalled and was taken over commits nothing), and the lease is released at close.
+that stalled and was taken over commits nothing), and the lease is released at close. An attempt of a run on several
+nodes opens it under the lease its controller holds (`lease_holder`: the holder id, also the fencing token), checked
+before every checkpoint.
 RunPlace has a slot for the run's secret, which the run's servers are started with (components/serving/services.py
 makes it, once per attempt); what is logged to MLflow has the passwords of URLs taken out (tracker.redact).
 """
@@ -19,6 +29,7 @@ makes it, once per attempt); what is logged to MLflow has the passwords of URLs 
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import os
@@ -31,11 +42,13 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch
 
 from components.launch.stack import running_mlflow_uri
-from components.storage.lease import acquire as acquire_lease
+from components.storage.lease import HeldLease, acquire as acquire_lease
 from components.storage.store import CheckpointStore
 from components.tracking.provenance import digest
 from components.tracking.tracker import Tracker, resolve_tracking_uri
-from models.config import run_name_for
+from models.config import RLHFConfig, merge, run_name_for
+from models.resolve import resolve_data
+from models.reward import is_file_spec, reward_file
 
 if TYPE_CHECKING:  # only annotations here: what reads a run's record (a sweep, rlhf compare) loads no model code
     from models.loop import Leader
@@ -108,22 +121,30 @@ class RunSession:
     resumed_from: int | None = None
     manifest: dict = field(default_factory=dict)
     lease: object = None  # one writer per run name (components/storage/lease.py), released at close
-    provenance: dict = field(default_factory=dict)  # what the job is made of (components/pipeline/provenance.py)
+    provenance: dict = field(default_factory=dict)  # what the job is made of (components/tracking/provenance.py)
+    models: dict = field(default_factory=dict)  # model field -> its provenance (models/resolve.py)
+    data: dict = field(default_factory=dict)  # data field -> its provenance (data.prompts, eval.prompts)
+    reward_files: dict = field(default_factory=dict)  # reward field -> {path, sha256, uri} (store_reward_files)
 
     @classmethod
     def open(cls, cfg, tags: dict[str, str] | None = None, log: Callable[[str], None] = LOG.warning,
-             parts: tuple[str, ...] | None = None, provenance: dict | None = None) -> "RunSession":
+             parts: tuple[str, ...] | None = None, provenance: dict | None = None, lease_holder: str | None = None,
+             sources: Callable | None = None) -> "RunSession":
         """Resolve the job's run name; take its lease (one writer per run name: another live job of this name is
-        refused, naming it, before anything of it is touched) and fence its store with it; if the store has a
-        checkpoint, download the newest that passes its checks (its `parts`; an older one when the newest fails
+        refused, naming it, before anything of it is touched), or with `lease_holder` write under the lease of that
+        holder (a multi-node run's controller), and fence its store with it; `sources(cfg, store)` (the job's kind)
+        stores what must travel with it and says what it reads: (cfg, models, data, reward_files); if the store has
+        a checkpoint, download the newest that passes its checks (its `parts`; an older one when the newest fails
         them, said through `log`) into `restore_dir` and remember its manifest; start or continue its MLflow run,
-        tagged with `tags` and the `provenance` record."""
+        tagged with `tags`, its sources and the `provenance` record."""
         name = run_name_for(cfg)
         store = CheckpointStore.from_uri(checkpoint_uri(cfg, name), s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
-        lease = acquire_lease(store, name, timeout_s=cfg.deploy.checkpoint.lease_timeout_s, log=log,
-                              flow_run_id=_flow_run_id(), what=f"run_name={name!r}")
+        lease = (HeldLease(store, name, lease_holder) if lease_holder else
+                 acquire_lease(store, name, timeout_s=cfg.deploy.checkpoint.lease_timeout_s, log=log,
+                               flow_run_id=_flow_run_id(), what=f"run_name={name!r}"))
         try:
             store.fence(lease.token)  # from now on latest.json moves only for this lease
+            cfg, models, data, reward_files = sources(cfg, store) if sources else (cfg, {}, {}, {})
             local_dir = cfg.resolved_state_dir() / "runs" / name
             local_dir.mkdir(parents=True, exist_ok=True)
             manifest, resumed_from = {}, None
@@ -134,13 +155,16 @@ class RunSession:
             record = provenance or {}
             tracker = Tracker(default_tracking_uri(cfg), cfg.tracking.experiment, name,
                               run_id=manifest.get("tracking_run_id"),
-                              tags={"job": cfg.job, **provenance_tags(record), **nested, **(tags or {})},
+                              tags={"job": cfg.job, **record_tags(record),
+                                    **provenance_tags({**models, **data}, reward_files), **nested, **(tags or {})},
                               system_metrics=cfg.deploy.tracking.system_metrics)
-            tracker.start(cfg.model_dump(mode="json"))  # URL passwords redacted by the tracker
+            # URL passwords redacted by the tracker; the reward files' digests are tags (their paths make no param names)
+            tracker.start(cfg.model_dump(mode="json", exclude={"reward": {"files"}} if cfg.job == "rl" else None))
         except BaseException:
             lease.release()
             raise
-        return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest, lease=lease, provenance=record)
+        return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest, lease=lease, provenance=record,
+                   models=models, data=data, reward_files=reward_files)
 
     @property
     def restore_dir(self) -> Path:
@@ -184,7 +208,8 @@ class RunSession:
         step = leader.state
         manifest = {"iteration": step.iteration, "episode": step.episode, "run_name": self.name,
                     "world_size": step.me.world_size, "tracking_run_id": self.tracker.run_id,
-                    "config": self.cfg.model_dump(mode="json"), "provenance": self.provenance, **(state or {})}
+                    "config": self.cfg.model_dump(mode="json"), "provenance": self.provenance, "models": self.models,
+                    "data": self.data, "reward_files": self.reward_files, **(state or {})}
         uri = self.store.save(step.iteration, {part: staging / part, **(parts or {})}, _jsonable(manifest),
                               stored=stored, fence=self.lease.token)
         for key in (stored or {}).values():
@@ -223,7 +248,66 @@ class RunSession:
                 self.lease.release()
 
 
-def provenance_tags(record: dict, prefix: str = "provenance") -> dict[str, str]:
+REWARD_FILES = "rewards"  # <run store>/rewards/<sha256>.py: the bytes of the run's reward files
+
+
+def store_reward_files(cfg: RLHFConfig, store: CheckpointStore) -> tuple[RLHFConfig, dict]:
+    """The run's reward files ('path/to/rewards.py:fn' in reward.function, reward.functions, reward.gold; absolute
+    after prepare_run), each read here and stored in the run's store by its sha256, and the config with reward.files
+    naming them; returns (config, {field: {path, sha256, uri}}). A file missing here whose copy the config already
+    names (a config carried over from the run's manifest) keeps that copy."""
+    r = cfg.reward
+    specs = [("reward.function", r.function), *((f"reward.functions.{i}", s) for i, s in enumerate(r.functions or [])),
+             ("reward.gold", r.gold)]
+    files = {path: stored.model_dump() for path, stored in (r.files or {}).items()}
+    record = {}
+    for field_name, spec in specs:
+        if not spec or not is_file_spec(spec):
+            continue
+        path = reward_file(spec)
+        if path.is_file():
+            data = path.read_bytes()
+            sha256 = hashlib.sha256(data).hexdigest()
+            files[str(path)] = {"sha256": sha256, "uri": store.put_bytes(f"{REWARD_FILES}/{sha256}.py", data)}
+        elif str(path) not in files:
+            raise ValueError(f"{field_name}: reward file '{path}' does not exist where the run starts (working "
+                             f"directory {os.getcwd()})")
+        record[field_name] = {"path": str(path), **files[str(path)]}
+    return (merge(cfg, {"reward.files": files}) if files else cfg), record
+
+
+def model_provenance(cfg: RLHFConfig) -> dict:
+    """{model.<field>: provenance} of every model an RL run names (models/resolve.py: source, hub commit, s3 ETags,
+    the digest of its files)."""
+    return {f"model.{name}": cfg.resolve_model(value).provenance for name in ("policy", "reward", "critic")
+            if (value := getattr(cfg.model, name))}
+
+
+def data_provenance(cfg: RLHFConfig) -> dict:
+    """{data.prompts / eval.prompts: provenance} of the data an RL run reads (models/resolve.py: a local file's, an
+    s3:// object's or a hub data set's digest and origin; builtin data: its name)."""
+    d, e = cfg.data, cfg.eval
+    sources = [("data.prompts", d.prompts, d.revision, d.subset)]
+    if e.prompts and e.every:
+        sources.append(("eval.prompts", e.prompts, e.revision, e.subset))
+    return {name: resolve_data(value, name, revision, cfg.deploy, subset).provenance
+            for name, value, revision, subset in sources if value}
+
+
+def provenance_tags(sources: dict, reward_files: dict) -> dict[str, str]:
+    """MLflow tags of what a job reads: each reward file's sha256, each model's and data set's digest (and hub
+    commit)."""
+    tags = {f"{field_name}.sha256": entry["sha256"] for field_name, entry in reward_files.items()}
+    for field_name, provenance in sources.items():
+        if provenance["digest"] is None:  # builtin data: made by code
+            continue
+        tags[f"{field_name}.digest"] = provenance["digest"]
+        if provenance.get("commit"):
+            tags[f"{field_name}.commit"] = provenance["commit"]
+    return tags
+
+
+def record_tags(record: dict, prefix: str = "provenance") -> dict[str, str]:
     """A provenance record as MLflow tags: 'provenance.digest' (the record's digest: a pipeline stage's key) and
     'provenance.<dotted key>' -> value for what it is made of (data, models, files, code; its config fields are the
     run's params already)."""
@@ -235,7 +319,7 @@ def provenance_tags(record: dict, prefix: str = "provenance") -> dict[str, str]:
         if key == "config" and prefix == "provenance":
             continue
         if isinstance(value, dict):
-            out.update(provenance_tags(value, name))
+            out.update(record_tags(value, name))
         elif value is not None:
             out[name] = value if isinstance(value, str) else json.dumps(value)
     return out

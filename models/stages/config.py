@@ -17,7 +17,7 @@ from pydantic import Field, PositiveInt
 from models.config import PROMPT_SOURCES, RUN_NAME_PATTERN, CheckpointConfig, LoraConfig, TrackingConfig
 from models.deploy import DeployConfig
 from models.sections import OptimConfig, Section
-from models.tiny_files import embedded_model_path, is_embedded
+from models.resolve import Resolved, resolve_model
 
 STAGES = ("sft", "reward_model", "dpo")  # the stages that train on the actor's ranks (models/stages/train.py)
 
@@ -27,6 +27,7 @@ class StageTraining(Section):
 
     data: str = Field(description=f"Training rows: {PROMPT_SOURCES}.")
     subset: Optional[str] = Field(None, description="Configuration (subset) of `data` (and of `eval_data`), for a data set that has several (hub data sets, local folders whose README declares configs); None = its only (or default) one.")
+    revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of `data` (and of `eval_data`) when it is a hub data set id; None = its main branch.")
     split: str = Field("train", description="Split of `data` to train on (a single file is this split).")
     eval_data: Optional[str] = Field(None, description="Held-out rows, a source like `data`; None = split `eval_split` of `data`.")
     eval_split: Optional[str] = Field("test", description="Split of the held-out rows; None = no held-out eval.")
@@ -79,7 +80,8 @@ class StageRunConfig(Section):
     stage: ClassVar[str]
     run_name: Optional[str] = Field(None, pattern=RUN_NAME_PATTERN, description="Name of the run (letters, digits, '.', '_', '-'); re-running with the same name resumes it. None = '<stage>-<timestamp>-<random>'.")
     seed: int = Field(0, description="Seed of the rows' order and the initialisation (a reward model's new score head).")
-    model: str = Field("tiny/policy", description="The model the stage trains from: a local directory or hub id ('tiny/<name>' = the embedded default); the reward model is this model's backbone with a new score head.")
+    model: str = Field("tiny/policy", description="The model the stage trains from: a local directory, a hub id (at model_revision), s3://bucket/prefix or 'tiny/<name>' (the embedded default); the reward model is this model's backbone with a new score head.")
+    model_revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of `model` when it is a hub id; None = its main branch.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=50), description="Checkpoints (every N optimizer steps, and at the end) and resume.")
 
@@ -125,6 +127,7 @@ class EvalSection(Section):
 
     prompts: str = Field("builtin:sentiment", description=f"Held-out prompts: {PROMPT_SOURCES}.")
     subset: Optional[str] = Field(None, description="Configuration (subset) of `prompts`, as data.subset.")
+    revision: Optional[str] = Field(None, description="Hub revision of `prompts`, as data.revision.")
     split: str = Field("test", description="Split of `prompts` to read (a single file is this split).")
     prompt_key: str = Field("prompt", description="Column holding the prompt (a string or chat messages).")
     max_prompts: Optional[PositiveInt] = Field(None, description="Evaluate on the first N prompts only (None = all).")
@@ -166,8 +169,14 @@ class Deployed:
     def resolved_state_dir(self):
         return self.deploy.resolved_state_dir()
 
+    def resolve_model(self, value: str, field: str = "model") -> Resolved:
+        """Where a model is on this machine (models/resolve.py): `model` at model_revision, or another field's value
+        (an eval's reference and reward) as it is, named by `field`."""
+        revision = getattr(self, "model_revision", None) if value == self.model else None
+        return resolve_model(value, field, revision, self.deploy)
+
     def resolve_model_path(self, value: str) -> str:
-        return str(embedded_model_path(value)) if is_embedded(value) else value
+        return self.resolve_model(value).path
 
 
 DEPLOY_DESCRIPTION = "Where the run's ranks run, its state directory, tracking and checkpoint stores (set by the deployment)."

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from models.data import DataError, read_rows, render_messages
+from models.deploy import DeployConfig
 
 
 @dataclass
@@ -139,11 +140,12 @@ def position_limit(tokenizer, max_length: int | None, model_config=None) -> int 
 
 # ---------------------------------------------------------------- SFT rows
 
-def load_sequences(source: str, split: str, tokenizer, max_length: int | None = None,
-                   field: str = "sft.data", subset: str | None = None) -> Sequences:
-    """SFT rows of `source` (split `split`, configuration `subset`) tokenized; a DataError naming the source and the
-    problem otherwise."""
-    rows = _rows(source, split, field, subset)
+def load_sequences(source: str, split: str, tokenizer, max_length: int | None = None, field: str = "sft.data",
+                   subset: str | None = None, revision: str | None = None,
+                   deploy: DeployConfig | None = None) -> Sequences:
+    """SFT rows of `source` (split `split`; configuration `subset`, hub revision `revision`: models/data.read_rows)
+    tokenized; a DataError naming the source and the problem otherwise."""
+    rows = _rows(source, split, field, subset, revision, deploy)
     names = rows.column_names
     if "messages" in names and "prompt" not in names:
         form = "messages"
@@ -180,11 +182,11 @@ def load_sequences(source: str, split: str, tokenizer, max_length: int | None = 
 
 # ---------------------------------------------------------------- preference pairs
 
-def load_pairs(source: str, split: str, tokenizer, max_length: int | None = None,
-               field: str = "reward_model.data", subset: str | None = None) -> Pairs:
-    """Preference pairs of `source` (split `split`, configuration `subset`) tokenized; a DataError naming the source
-    and the problem otherwise."""
-    rows = _rows(source, split, field, subset)
+def load_pairs(source: str, split: str, tokenizer, max_length: int | None = None, field: str = "reward_model.data",
+               subset: str | None = None, revision: str | None = None, deploy: DeployConfig | None = None) -> Pairs:
+    """Preference pairs of `source` (split `split`; `subset`, `revision` as `load_sequences`) tokenized; a DataError
+    naming the source and the problem otherwise."""
+    rows = _rows(source, split, field, subset, revision, deploy)
     missing = [c for c in ("prompt", "chosen", "rejected") if c not in rows.column_names]
     if missing:
         raise DataError(f"{field}: '{source}' lacks the column(s) {missing} (TRL's preference form: prompt, chosen, "
@@ -217,8 +219,9 @@ def _text(value) -> str:
     return value if isinstance(value, str) else " | ".join(f"{m.get('role')}: {m.get('content')}" for m in value)
 
 
-def _rows(source: str, split: str, field: str, subset: str | None = None):
-    rows = read_rows(source, split, field, subset)
+def _rows(source: str, split: str, field: str, subset: str | None = None, revision: str | None = None,
+          deploy: DeployConfig | None = None):
+    rows = read_rows(source, split, field, subset, revision, deploy)
     if len(rows) == 0:
         raise DataError(f"{field}: split '{split}' of '{source}' is empty")
     return rows
@@ -226,12 +229,13 @@ def _rows(source: str, split: str, field: str, subset: str | None = None):
 
 # ---------------------------------------------------------------- what a stage was made from
 
-def rows_digest(source: str, split: str, field: str, subset: str | None = None) -> str:
-    """sha256 of the rows of `source` (split `split`, configuration `subset`) as read: every row as canonical JSON, in
-    order. The same rows give the same digest whatever the file format they came in; any changed value, row or order
-    changes it."""
+def rows_digest(source: str, split: str, field: str, subset: str | None = None, revision: str | None = None,
+                deploy: DeployConfig | None = None) -> str:
+    """sha256 of the rows of `source` (split `split`, configuration `subset`, hub revision `revision`) as read: every
+    row as canonical JSON, in order. The same rows give the same digest whatever the file format they came in; any
+    changed value, row or order changes it."""
     digest = hashlib.sha256()
-    for row in _rows(source, split, field, subset):
+    for row in _rows(source, split, field, subset, revision, deploy):
         digest.update(json.dumps(row, sort_keys=True, default=str, separators=(",", ":")).encode())
         digest.update(b"\n")
     return digest.hexdigest()

@@ -16,7 +16,6 @@ model to match the one its stage recorded.
 
 from __future__ import annotations
 
-
 import torch
 from transformers import AutoModelForCausalLM
 

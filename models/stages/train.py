@@ -13,8 +13,8 @@ rank 0 sends the step's global batch, every rank trains on its block of it, micr
 the batch's completion tokens (SFT: TRL's token mean over the batch) or pairs (reward model: the mean over pairs), so
 the step is the single-process step whatever the world size. FSDP2 shards a full fine-tune over the ranks; LoRA
 replicates the frozen base. Checkpoints are the RL actor's (models/loop.save_actor / restore_actor): full HF weights
-(or the adapter) written by rank 0, the optimizer sharded, the schedule and counters beside. `export` writes the
-stage's output: a plain HF model directory (LoRA merged) that the next stage loads with from_pretrained.
+(or the adapter) written by rank 0, the optimizer sharded, the schedule and counters beside. The stage's output is
+exported from its last checkpoint as every job's is (models/export.py, components/export.py).
 
 Padding: every batch is right-padded and a sequence is scored at index length-1: the padding (and only the padding)
 holds an id the config names as the pad id for that forward, so a pad id equal to EOS cannot move the scored
@@ -23,7 +23,6 @@ position onto the token before the EOS (the reward collator pitfall of TRL #937)
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +31,8 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForSequenceClassification
 
-from models.distributed import SINGLE, Dist, full_state_dict, shard_model
-from models.loading import autocast, disable_dropout, from_pretrained
+from models.distributed import SINGLE, Dist, shard_model
+from models.loading import adapters_in_float32, autocast, base_dtype, disable_dropout, from_pretrained
 from models.loop import Leader, restore_actor, save_actor
 from models.losses import bradley_terry_loss, completion_mask, sft_loss
 from models.policy import Policy, load_policy_tokenizer, load_trained, save_trained
@@ -55,18 +54,22 @@ class Scorer:
     def load(cls, path: str, lora, dtype: str, device: torch.device, me: Dist = SINGLE, shard: bool = False,
              field: str = "model") -> "Scorer":
         tokenizer = load_policy_tokenizer(path, field)
-        model = from_pretrained(AutoModelForSequenceClassification, path, field, num_labels=1, dtype=torch.float32)
+        # one precision policy with the actor's (models/loading.base_dtype): float32 master weights for a full
+        # fine-tune, sharded with the same MixedPrecisionPolicy; with LoRA the frozen base in the compute dtype
+        model = from_pretrained(AutoModelForSequenceClassification, path, field, num_labels=1,
+                                dtype=base_dtype(dtype, lora))
         if model.config.pad_token_id is None:  # HF's own pooling refuses batches without one (we score by length)
             model.config.pad_token_id = tokenizer.pad_token_id
         model = disable_dropout(model).to(device)
         if lora is not None and lora.enabled:
             from peft import LoraConfig as PeftLoraConfig, get_peft_model  # heavy: peft is needed only with LoRA
 
-            model = get_peft_model(model, PeftLoraConfig(r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                                         target_modules=lora.target_modules, task_type="SEQ_CLS"))
+            model = adapters_in_float32(get_peft_model(model, PeftLoraConfig(
+                r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout, target_modules=lora.target_modules,
+                task_type="SEQ_CLS")))
             return cls(model, tokenizer, True, dtype, me, device, sharded=False)
         if shard:
-            model = shard_model(model)
+            model = shard_model(model, dtype)
         return cls(model, tokenizer, False, dtype, me, device, sharded=shard)
 
     def scores(self, tokens: Tensor, lengths: Tensor) -> Tensor:
@@ -99,7 +102,7 @@ class Scorer:
         save_trained(self.model, self.tokenizer, self.me, directory)
 
     def load_weights(self, directory) -> None:
-        load_trained(self.model, AutoModelForSequenceClassification, directory, self.lora, self.sharded)
+        load_trained(self.model, AutoModelForSequenceClassification, directory, self.lora, self.me)
 
 
 @dataclass
@@ -293,33 +296,6 @@ def equal_passes(me: Dist, chunks: list[slice]) -> list[slice]:
     return chunks + [slice(0, 1)] * (count - len(chunks))
 
 
-# ---------------------------------------------------------------- the stage's output
-
-def export(state: StageState, directory: Path, config: dict | None = None) -> None:
-    """The stage's model as the next stage loads it: a plain HF model directory (LoRA merged into the base, the
-    tokenizer beside), with `config` entries added to its config.json (the reward statistics); by rank 0, a
-    collective on every rank (the full state dict is gathered from the shards)."""
-    trainee, me = state.policy, state.me
-    state_dict = None if trainee.lora else full_state_dict(trainee.model)
-    if me.is_leader:
-        if trainee.lora:
-            model = copy.deepcopy(trainee.model).merge_and_unload()
-            state_dict = model.state_dict()
-        else:
-            model = trainee.model
-        saved_config = copy.deepcopy(model.config)
-        for key, value in (config or {}).items():
-            setattr(saved_config, key, value)
-        Path(directory).mkdir(parents=True, exist_ok=True)
-        original, model.config = model.config, saved_config
-        try:
-            model.save_pretrained(directory, state_dict=state_dict)
-        finally:
-            model.config = original
-        trainee.tokenizer.save_pretrained(directory)
-    me.barrier()
-
-
 # ---------------------------------------------------------------- what every rank executes
 
 def execute_stage(state: StageState, cfg: StageRun, command: dict):
@@ -335,8 +311,6 @@ def execute_stage(state: StageState, cfg: StageRun, command: dict):
         return save_actor(state, Path(command["dir"]))
     if op == "restore":
         return restore_actor(state, Path(command["dir"]))
-    if op == "export":
-        return export(state, Path(command["dir"]), command.get("config"))
     raise ValueError(f"unknown stage command {op!r}")
 
 
@@ -352,9 +326,6 @@ class StageLeader(Leader):
 
     def evaluate(self, rows: dict) -> tuple[dict, list[dict]]:
         return self.run({"op": "evaluate", "rows": rows})
-
-    def export(self, directory: Path, config: dict | None = None) -> None:
-        self.run({"op": "export", "dir": str(directory), "config": config})
 
 
 def total_steps(train, rows: int) -> int:

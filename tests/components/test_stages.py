@@ -12,9 +12,12 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from components.export import export_checkpoint
 from components.jobs.stages import stage_rows
 from components.runs import train as train_stage
+from components.storage.store import CheckpointStore
 from models.critic import init_critic
+from models.resolve import file_digests, resolve_model
 from models.reward import HandOffError, load_reward_model, reward_model_scores
 from models.stages.config import RewardModelRun, SFTRun
 from models.stages.data import right_padded
@@ -133,7 +136,8 @@ def test_a_reward_model_without_its_score_head_is_refused_naming_it(tmp_path, ti
 
 def test_a_lora_stage_exports_its_adapters_merged(tmp_path, tiny_models):
     """SFT with LoRA: the output is a plain causal LM (no peft needed to load it), the base weights moved only where
-    adapters were, the checkpoints hold the adapter alone."""
+    adapters were, the checkpoints hold the adapter alone. One export: the stage's model is its last checkpoint
+    exported as `rlhf export` exports it, the same bytes, merged onto the base whose digest the run recorded."""
     result = train_stage(stage_config(SFTRun, tmp_path, run_name="lora",
                                       section={"max_steps": 2, "lora": {"enabled": True, "r": 4},
                                                "optim": {"lr": 1e-2}}))
@@ -145,3 +149,7 @@ def test_a_lora_stage_exports_its_adapters_merged(tmp_path, tiny_models):
     latest = json.loads((store / "latest.json").read_text())  # its fresh prefix, iter_2-<id>
     assert latest["iteration"] == 2 and (store / latest["path"] / "trainee" / "adapter_model.safetensors").exists()
     assert result["steps"] == 2
+    manifest = json.loads((store / latest["path"] / "state.json").read_text())["state"]
+    assert manifest["export"]["base"]["digest"] == resolve_model("tiny/policy").digest == manifest["models"]["model"]["digest"]
+    out, iteration = export_checkpoint(CheckpointStore.from_uri(str(store)), tmp_path / "exported")
+    assert iteration == 2 and file_digests(out) == result["files"]

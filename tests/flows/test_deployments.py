@@ -114,6 +114,20 @@ def stack_processes(s, marker: str) -> list[psutil.Process]:
     return found
 
 
+def node_group_processes(s) -> list[psutil.Process]:
+    """Live processes of this stack's node groups (each has a state directory of its own under the stack's)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if (any(m in " ".join(p.info["cmdline"] or []) for m in ("components.runs", "components.launch.nodes"))
+                    and p.info["status"] != psutil.STATUS_ZOMBIE
+                    and p.environ().get("RLHF_STATE_DIR", "").startswith(str(s["state_dir"]))):
+                found.append(p)
+        except psutil.Error:
+            continue
+    return found
+
+
 def server_processes(s, marker: str) -> list[psutil.Process]:
     """Live critic/reward server processes of this stack whose command line also mentions `marker` (e.g. the run's
     directory)."""
@@ -435,21 +449,28 @@ def critic_followers(s) -> list[psutil.Process]:
     return stack_processes(s, "components.serving.triton.main --follow")
 
 
-def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_loses_a_rank_and_resumes_on_one(local_stack):
-    """deploy.actor.nproc_per_node=2 with deploy.critic.launch=deployment: the PPO flow starts critic-server/default, finds its
-    address and cancels it at the end, and the checkpoint holds the critic of its own iteration (adopted from the
-    store). The same run name then resumes on 2 ranks (the local critic restored from the checkpoint), where rank 1
-    (rank 0 is the flow run) is killed mid-run: the run fails naming it and leaves nothing. It resumes on 1 rank."""
+def test_ppo_on_two_node_groups_with_the_critic_as_a_deployment_resumes_on_two_ranks_loses_one_and_resumes_on_one(local_stack):
+    """deploy.actor.nnodes=2 with deploy.critic.launch=deployment: the PPO flow run is the run's controller; node group
+    0's rank 0 starts critic-server/default, finds its address and cancels it at the end, its log reaches the flow
+    run's, and the checkpoint holds the critic of its own iteration (adopted from the store). The same run name then
+    resumes on 2 ranks of one node (the local critic restored from the checkpoint the node groups wrote), where rank
+    1 (rank 0 is the flow run) is killed mid-run: the run fails naming it and leaves nothing. It resumes on 1 rank."""
     s = local_stack
     config, two = {"iterations": 2, "run_name": "e2e-dist", "checkpoint": {"every": 1}}, {"actor": {"nproc_per_node": 2}}
-    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", config, {**two, "critic": {"launch": "deployment"}})))
+    nodes = {"actor": {"nnodes": 2}, "critic": {"launch": "deployment"}}
+    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", config, nodes)))
     assert run["state"]["type"] == "COMPLETED", run["state"]
+    said = [log["message"] for log in stack.prefect_post(s['api'], "/logs/filter", {
+        "logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200}, timeout=10).json()]
+    assert any("this process controls them, node group 0's rank 0 runs the run" in m for m in said), said
+    assert [m.split(":")[0] for m in said if m.startswith("iteration ")] == ["iteration 1/2", "iteration 2/2"], said
+    assert not node_group_processes(s)
     client, mrun = mlflow_run(s, "e2e-dist")
     assert [m.value for m in client.get_metric_history(mrun.info.run_id, "dist/world_size")] == [2.0, 2.0]
     ckpt = s["state_dir"] / "checkpoints" / "e2e-dist"
     iter_2 = ckpt / json.loads((ckpt / "latest.json").read_text())["path"]  # iter_2-<id>: a fresh prefix per save
     manifest = json.loads((iter_2 / "state.json").read_text())
-    assert manifest["state"]["world_size"] == 2 and "actor/sharded/.metadata" in manifest["files"]
+    assert manifest["state"]["world_size"] == 2 and "actor/optimizer.pt" in manifest["files"]
     assert not actor_followers(s)
     body = {"flow_runs": {"start_time": {"after_": run["start_time"]}}, "deployments": {}, "limit": 50}
     runs = stack.prefect_post(s['api'], "/flow_runs/filter", body, timeout=10).json()
@@ -478,7 +499,7 @@ def test_ppo_on_two_actor_ranks_with_the_critic_as_a_deployment_resumes_on_two_l
     said = [log["message"] for log in stack.prefect_post(s['api'], "/logs/filter", {
         "logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}, timeout=10).json()]
     assert [m.split(":")[0] for m in said if m.startswith("iteration ")][0] == "iteration 3/200"
-    # ... and on one rank from the 2-rank checkpoint: full weights, a fresh optimizer, a warning
+    # ... and on one rank from the 2-rank checkpoint: its weights and optimizer states, fresh sampling streams, a warning
     checkpointed = json.loads(latest.read_text())["iteration"]
     client, mrun = mlflow_run(s, "e2e-dist")
     logged = max(m.step for m in client.get_metric_history(mrun.info.run_id, "dist/world_size"))  # MLflow keeps these

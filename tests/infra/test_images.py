@@ -4,7 +4,8 @@
   vLLM image's pins are the Makefile's vllm-venv pins; `make image` passes the same (dry run, `make -n`),
 * the paths the deployments rely on: the images' working directory is where prefect.yaml's pull step runs the flows,
   and the vLLM environment is the interpreter the training deployments name as deploy.rollout.python,
-* what the images copy exists, and local state (.venv, .rlhf, .git) stays out of the build context.
+* what the images copy exists (examples/ included: its reward files), and local state (.venv, .rlhf, .git) stays
+  out of the build context.
 """
 
 from __future__ import annotations
@@ -122,3 +123,8 @@ def test_images_copy_what_exists_and_leave_local_state_out():
     assert {".git", ".venv", ".venv-*", ".rlhf"} <= ignored
     copied = {source.rstrip("/") for c in _instructions(ACTOR, "COPY") for source in c.split()[:-1]}
     assert copied and not copied & ignored, copied & ignored
+    # the shipped configs and reward files are in the image, where the deployments run from (its WORKDIR): the
+    # README's cluster example scores with examples/rewards/gsm8k.py
+    assert {"models", "components", "flows", "examples"} <= copied
+    assert (REPO / "examples" / "rewards" / "gsm8k.py").is_file() and not any(
+        line.strip().rstrip("/") in ("examples", "examples/*", "examples/**") for line in ignored)

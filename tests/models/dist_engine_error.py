@@ -25,7 +25,7 @@ if __name__ == "__main__":
     me = distributed.init(distributed.from_env(), "gloo", 60, torch.device("cpu"))
     engine = VLLMEngine(pad_id=0, stop_ids=torch.tensor([1]), me=me)
     if me.is_leader:
-        engine.server = RolloutClient(url, "test/1", timeout_s=10)  # nothing listens there: no version to ask
+        engine.servers = [RolloutClient(url, "test/1", timeout_s=10)]  # nothing listens there: no version to ask
     try:
         engine.generate([[5, 6, 7]] * (me.rank + 1), 2, Sampling(), torch.Generator().manual_seed(0))
         raised = None

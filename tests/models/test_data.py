@@ -94,8 +94,9 @@ def test_bad_data_is_refused_naming_the_file_and_the_problem(tmp_path, tokenizer
         load(tmp_path / "blank.jsonl", tokenizer)
     with pytest.raises(DataError, match=r"unknown builtin task 'math'; known: sentiment, sentiment_target"):
         load("builtin:math", tokenizer)
-    with pytest.raises(DataError, match=r"'someone/some-data-set' is no local file or folder.*HF_HUB_OFFLINE=1"):
-        read_rows("someone/some-data-set")  # the hub is not reachable here: said so
+    with pytest.raises(DataError, match=r"^data.prompts: 'someone/some-data-set' is not in the Hugging Face cache .*"
+                                        r"`hf download someone/some-data-set --repo-type dataset`"):
+        read_rows("someone/some-data-set")  # nothing downloads here: said so, with the command that fetches it
 
 
 def test_chat_messages_are_rendered_with_the_policys_chat_template(tmp_path, tokenizer, tiny_models):

@@ -1,5 +1,6 @@
 """The actor on 2 ranks (real gloo process groups over loopback, FSDP2) against one rank on the same data: the update
-loop, one PPO and one RLOO update on fixed rollouts, and the pieces they rest on."""
+loop, one PPO and one RLOO update on fixed rollouts (2 ranks on one node, and 2 node groups of 1 rank each as the run's
+controller starts them), and the pieces they rest on."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from components.launch.nodes import LocalNodes, NodeSpec
+from components.launch.processes import wait_for
 from models import distributed
 from models.algorithms import ALGORITHMS
 from models.config import Sampling, preset
@@ -42,7 +45,9 @@ def test_blocks_are_found_from_no_split_modules(tiny_models):
 @pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
 def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
     """N ranks x B/N rollouts give the same update as 1 rank x B: actor weights to 1e-5 (float32), loss, KL and the
-    grad norm (which would show gradients averaged instead of summed) to 1e-4 relative."""
+    grad norm (which would show gradients averaged instead of summed) to 1e-4 relative. The same 2 ranks as 2 node
+    groups (deploy.actor.nnodes=2: two torchruns over loopback started by LocalNodes, each with a pod's environment
+    and a state directory of its own) give the one-node update to 1e-5."""
     cfg = prepare_run(preset("tiny", **{
         "deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "algorithm": algorithm,
         "model.reward": tiny_models["reward"], "ppo.rollout_batch_size": 12, "ppo.minibatch_size": 6,
@@ -72,28 +77,43 @@ def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
                            str(tmp_path / "two.pt")], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     two = torch.load(tmp_path / "two.pt", weights_only=False)
+    nodes = LocalNodes(NodeSpec("rlhf-update-test", 2, 1, _free_port(), [str(SCRIPT), str(tmp_path / "cfg.json"),
+                                str(tmp_path / "fixture.pt"), str(tmp_path / "nodes.pt")]), tmp_path / "logs",
+                       tmp_path / "nodes")
+    try:
+        nodes.start()
+        status = wait_for(lambda: (s := nodes.status()).phase in ("succeeded", "failed") and s, 600, poll_s=0.5)
+        assert status.phase == "succeeded", (status, nodes.logs(0, 40), nodes.logs(1, 40))
+    finally:
+        nodes.delete()
+    two_nodes = torch.load(tmp_path / "nodes.pt", weights_only=False)
 
     assert two["metrics"]["dist/world_size"] == 2 and one_metrics["dist/world_size"] == 1
     assert one_weights.keys() == two["weights"].keys()
     moved = 0.0
     initial = build_actor(cfg).policy.model.state_dict()
     steps = section.epochs * -(-n_prompts * k // section.minibatch_size)  # optimizer steps of the update
-    for name, value in one_weights.items():
-        other = two["weights"][name].clone()
-        if name.endswith("attn.c_attn.bias"):
-            # The key bias has a mathematically zero gradient (softmax is invariant to a constant added to every key
-            # of a query's row), so its gradient is float noise (~1e-10) that depends on summation order, and AdamW
-            # turns noise into steps of up to lr each. Bound it by that, and hold everything else to 1e-5.
-            keys = slice(value.shape[0] // 3, 2 * value.shape[0] // 3)
-            assert float((other[keys] - value[keys]).abs().max()) <= 2 * section.optim.lr * steps
-            other[keys] = value[keys]
-        torch.testing.assert_close(other, value, rtol=0, atol=1e-5, msg=name)
-        moved = max(moved, float((value - initial[name]).abs().max()))
+    for reference, result in ((one_weights, two["weights"]), (two["weights"], two_nodes["weights"])):
+        assert result.keys() == reference.keys()
+        for name, value in reference.items():
+            other = result[name].clone()
+            if name.endswith("attn.c_attn.bias"):
+                # The key bias has a mathematically zero gradient (softmax is invariant to a constant added to every
+                # key of a query's row), so its gradient is float noise (~1e-10) that depends on summation order, and
+                # AdamW turns noise into steps of up to lr each. Bound it by that, and hold everything else to 1e-5.
+                keys = slice(value.shape[0] // 3, 2 * value.shape[0] // 3)
+                assert float((other[keys] - value[keys]).abs().max()) <= 2 * section.optim.lr * steps
+                other[keys] = value[keys]
+            torch.testing.assert_close(other, value, rtol=0, atol=1e-5, msg=name)
+            moved = max(moved, float((value - initial[name]).abs().max()))
     assert moved > 1e-4  # the update moved the weights far beyond the tolerance
+    print(f"{algorithm}: 2 node groups vs 2 ranks on one node, largest weight difference "
+          f"{max(float((two_nodes['weights'][n] - v).abs().max()) for n, v in two['weights'].items()):.1e}")
     keys = [k for k in one_metrics if not k.startswith(NON_DETERMINISTIC)]
     assert {"loss", "objective/kl", "grad_norm", "policy/approxkl_avg"} <= set(keys)
     for key in keys:
         assert two["metrics"][key] == pytest.approx(one_metrics[key], rel=1e-4, abs=1e-6), key
+        assert two_nodes["metrics"][key] == pytest.approx(two["metrics"][key], rel=1e-4, abs=1e-6), key
     # what a rollout engine receives after the update: every weight, gathered from the FSDP2 shards, the tied
     # lm_head included, equal to the full state dict the same ranks gather for a checkpoint
     for engine, weights in ((one_engine, one_weights), (two["engine_weights"], two["weights"])):

@@ -28,3 +28,30 @@ def test_scores_are_read_at_the_last_real_token_when_pad_is_eos(tiny_models):
     assert torch.allclose(ours, alone, atol=1e-5) and torch.allclose(ours, inference, atol=1e-5)
     assert not torch.allclose(ours, naive, atol=1e-3)  # the pitfall is real on this batch
     assert torch.allclose(again, ours, atol=1e-6) and scorer.model.config.pad_token_id == eos  # and restored it
+
+
+def test_the_reward_model_trainer_shards_with_the_actors_mixed_precision_policy(tiny_models):
+    """One precision policy (models/loading.base_dtype, distributed.shard_model): a full fine-tune of the reward model
+    sharded with FSDP2 (here over a real one-rank gloo group) keeps float32 master weights and computes its blocks
+    in the compute dtype, as the actor does: the weights a block's linear layers compute with are bf16, the
+    sharded parameters float32."""
+    import socket
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        scorer = Scorer.load(tiny_models["reward"], None, "bfloat16", torch.device("cpu"), shard=True)
+        assert scorer.sharded and {p.dtype for p in scorer.model.parameters()} == {torch.float32}
+        seen = []
+        linear = next(m for m in scorer.model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
+        linear.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
+        tokens, lengths = torch.tensor([[5, 17, 30, 42, 8]]), torch.tensor([5])
+        scorer.scores(tokens, lengths).sum().backward()
+        assert seen == [torch.bfloat16]
+        assert all(p.grad is None or p.grad.dtype == torch.float32 for p in scorer.model.parameters())
+    finally:
+        dist.destroy_process_group()

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from models.tiny_files import EMBEDDED_DIR, NAMES, embedded_model_path, file_digests, manifest
+from models.resolve import file_digests
+from models.tiny_files import EMBEDDED_DIR, NAMES, embedded_model_path, manifest
 
 CAPABILITIES = ("default", "avx2")  # the kernel sets every x86-64 machine of this kind has (AVX-512 ones have a third)
 

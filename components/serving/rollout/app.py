@@ -109,6 +109,7 @@ class InitRequest(BaseModel):
     master_port: int = Field(ge=1, le=65535, description="Port of the trainer's TCPStore.")
     backend: str = Field("gloo", pattern="^(gloo|nccl)$", description="torch.distributed backend of the group.")
     timeout_s: float = Field(600.0, gt=0, le=3600, description="How long a collective of the group may wait (joining the store: at most 30 s).")
+    world_size: int = Field(2, ge=2, description="The group's size: the trainer and this server's workers (1 + tensor_parallel_size).")
 
 
 class UpdateRequest(BaseModel):
@@ -129,15 +130,17 @@ class ServedModel:
 
     def __init__(self, model: str, dtype: str, max_model_len: Optional[int], seed: int, enforce_eager: bool,
                  gpu_memory_utilization: float, instance: str = "", trainer_host: str = "127.0.0.1",
-                 max_sequences: int = 4096, max_tokens: int = 1 << 23):
+                 max_sequences: int = 4096, max_tokens: int = 1 << 23, tensor_parallel_size: int = 1):
         self.instance = instance  # the launcher's nonce, echoed by /health: it knows it reached its own server
         self.trainer_host = trainer_host  # the one address a weight-transfer group is set up with
         self.max_sequences, self.max_tokens = max_sequences, max_tokens
         self.broken: Optional[str] = None  # why the weights are inconsistent (a failed update), until the next one
         self.run: Optional[str] = None  # the run this server serves, bound by its first weight update
         self.model_dir = model
+        self.tensor_parallel_size = tensor_parallel_size
         self.llm = LLM(model=model, dtype=dtype, max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
                        gpu_memory_utilization=gpu_memory_utilization, logprobs_mode="processed_logprobs",
+                       tensor_parallel_size=tensor_parallel_size,
                        enable_prefix_caching=True, weight_transfer_config={"backend": TRANSFER_BACKEND})
         config = self.llm.llm_engine.model_config
         self.vocab_size = config.get_vocab_size()
@@ -157,6 +160,7 @@ class ServedModel:
     def describe(self) -> dict:
         return {"status": "broken" if self.broken else "ok", "model": self.model_dir, "weights_version": self.version,
                 "bound": self.run is not None, "instance": self.instance, "vocab_size": self.vocab_size,
+                "tensor_parallel_size": self.tensor_parallel_size,
                 "max_model_len": self.max_model_len, "broken": self.broken, "idle_s": self.idle_s()}
 
     def idle_s(self) -> float:
@@ -280,6 +284,7 @@ class ServedModel:
                 raise HTTPException(exc.status_code if isinstance(exc, HTTPException) else 500,
                                     f"weights: {self.broken}") from None
             self.run, self.version, self.broken = run, version, None
+        log.info(f"weights version {version} applied in {time.perf_counter() - started:.2f}s")
         return {"weights_version": version, "run": run, "seconds": time.perf_counter() - started, "lock_wait_s": waited,
                 "idle_s": self.idle_s()}
 
@@ -309,6 +314,10 @@ class ServedModel:
         """Join the trainer's group: only at the address this server was given, one set-up at a time, and without the
         generation lock while connecting (a trainer that never answers costs its own request, bounded, nothing
         else)."""
+        if req.world_size != 1 + self.tensor_parallel_size:
+            raise HTTPException(400, f"world_size: this server's weight-transfer group is the trainer and its "
+                                     f"{self.tensor_parallel_size} worker(s): {1 + self.tensor_parallel_size}, not "
+                                     f"{req.world_size}")
         if req.master_address != self.trainer_host:
             raise HTTPException(403, f"master_address: this server sets up weight transfers with its trainer at "
                                      f"{self.trainer_host!r} only, not {req.master_address!r}")
@@ -319,7 +328,7 @@ class ServedModel:
             try:
                 self.llm.collective_rpc("init_weight_transfer_engine", args=(
                     {"master_address": req.master_address, "master_port": req.master_port, "backend": req.backend,
-                     "timeout_s": req.timeout_s},))
+                     "timeout_s": req.timeout_s, "world_size": req.world_size},))
             except Exception as exc:  # noqa: BLE001 - the trainer's store did not answer: its request fails, we serve on
                 raise HTTPException(502, f"master_address: cannot join the trainer's group at {req.master_address}:"
                                          f"{req.master_port} ({type(exc).__name__}: {exc})") from None
@@ -415,6 +424,10 @@ def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_t
     @app.post("/update_weights")
     async def update_weights(request: Request, version: int = Query(..., ge=1), run: str = Query(..., min_length=1)) -> dict:
         served.check_update(run, version)  # before reading the body
+        if served.tensor_parallel_size > 1:
+            raise HTTPException(409, f"update_weights: this server's model is sharded over "
+                                     f"{served.tensor_parallel_size} GPU workers, which an HTTP body does not reach: "
+                                     f"its weights come over POST /weights/init and /weights/update")
         body = BodyReader(int(request.headers["content-length"]), timeout_s=body_timeout_s)  # Guard checked it
         # the engine reads and loads the tensors as they arrive, in a thread: /health keeps answering meanwhile
         applied = asyncio.ensure_future(run_in_threadpool(served.update_http, body, version, run))

@@ -73,9 +73,10 @@ class RolloutClient:
                 "transport": self.transport.name}
 
     def use_dist(self, host: str, timeout_s: float | None = None) -> None:
-        """Move weights over a torch.distributed group with the server from now on (its TCPStore at `host`, the
-        address the server reaches this process at)."""
-        self.transport = DistWeights(self, host, timeout_s or self.timeout_s)
+        """Move weights over a torch.distributed group with the server's workers (one per tensor-parallel shard, as
+        its /health says) from now on; its TCPStore at `host`, the address the server reaches this process at."""
+        workers = int(self.health().get("tensor_parallel_size", 1))
+        self.transport = DistWeights(self, host, timeout_s or self.timeout_s, workers)
 
     def check(self, response: httpx.Response) -> dict:
         if response.status_code >= 400:
@@ -151,19 +152,20 @@ def listening_socket(host: str) -> socket.socket:
 
 
 class DistWeights:
-    """Weights broadcast over a torch.distributed group of two: this process (rank 0) and the rollout server."""
+    """Weights broadcast over a torch.distributed group of this process (rank 0) and the rollout server's `workers`
+    (ranks 1.., one per tensor-parallel shard: each loads its shard of every tensor)."""
 
     name = "dist"
 
-    def __init__(self, client: RolloutClient, host: str, timeout_s: float):
-        self.client = client
+    def __init__(self, client: RolloutClient, host: str, timeout_s: float, workers: int = 1):
+        self.client, self.workers = client, workers
         self.backend = "nccl" if torch.cuda.is_available() else "gloo"
         self.device = torch.device("cuda") if self.backend == "nccl" else torch.device("cpu")
         self.timeout = datetime.timedelta(seconds=timeout_s)
         listener = listening_socket(host)
         port = listener.getsockname()[1]
         try:
-            self.store = torch.distributed.TCPStore(host, port, 2, is_master=True, wait_for_workers=False,
+            self.store = torch.distributed.TCPStore(host, port, 1 + workers, is_master=True, wait_for_workers=False,
                                                     timeout=self.timeout, master_listen_fd=listener.fileno())
         except BaseException:
             listener.close()
@@ -176,7 +178,7 @@ class DistWeights:
 
         def join() -> None:
             try:
-                joined["group"] = process_group(self.backend, self.store, 0, self.timeout, host)
+                joined["group"] = process_group(self.backend, self.store, 0, self.timeout, host, 1 + workers)
             except Exception as exc:  # noqa: BLE001 - the server never joined: said below, or by its refusal
                 joined["error"] = exc
 
@@ -184,7 +186,7 @@ class DistWeights:
         waiter.start()
         client.check(client.http.post("/weights/init", json={
             "run": client.run, "master_address": host, "master_port": port, "backend": self.backend,
-            "timeout_s": timeout_s}))
+            "timeout_s": timeout_s, "world_size": 1 + workers}))
         waiter.join(timeout_s)
         if "group" not in joined:
             raise EngineRequestError(f"rollout server {client.url} joined the weight-transfer group, but this side "
@@ -200,8 +202,8 @@ class DistWeights:
             "run": self.client.run, "version": version, "names": [name for name, _, _ in weights.specs],
             "dtype_names": [str(dtype).removeprefix("torch.") for _, dtype, _ in weights.specs],
             "shapes": [list(shape) for _, _, shape in weights.specs]})
-        # broadcast only once the server receives: a refused update answers first, and nothing is sent
-        while not self.store.check([key]):
+        # broadcast only once every worker of the server receives: a refused update answers first, and nothing is sent
+        while not self.store.check([f"{key}-{rank}" for rank in range(1, 1 + self.workers)]):
             if answer.done():
                 answer.result()  # raises the server's refusal
                 raise EngineRequestError("rollout server answered the weight update before receiving it")

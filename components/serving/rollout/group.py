@@ -1,4 +1,5 @@
-"""The torch.distributed group of two the `dist` weight transfer runs over, for both its sides: the actor's rank 0
+"""The torch.distributed group the `dist` weight transfer runs over (the actor's rank 0 and the engine's workers), for
+both its sides: the actor's rank 0
 (client.py, the project's environment) and the rollout server (weights.py, .venv-vllm). Runs in either environment:
 imports torch only (components/serving/rollout/__init__.py)."""
 
@@ -11,15 +12,15 @@ import torch
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
-def process_group(backend: str, store, rank: int, timeout: datetime.timedelta, peer: str = ""):
-    """A torch.distributed group of two over `store`, without a default process group: gloo (its sockets on loopback
-    when `peer`, the other side's address, is this machine), or NCCL (GPUs)."""
+def process_group(backend: str, store, rank: int, timeout: datetime.timedelta, peer: str = "", size: int = 2):
+    """A torch.distributed group of `size` over `store`, without a default process group: gloo (its sockets on
+    loopback when `peer`, the other side's address, is this machine), or NCCL (GPUs)."""
     if backend == "nccl":
         options = torch.distributed.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return torch.distributed.ProcessGroupNCCL(store, rank, 2, options)
+        return torch.distributed.ProcessGroupNCCL(store, rank, size, options)
     Gloo = torch.distributed.ProcessGroupGloo
     options = Gloo._Options()
     options._timeout = timeout
     options._devices = [Gloo.create_device(hostname="127.0.0.1") if peer in LOOPBACK else Gloo.create_default_device()]
-    return Gloo(store, rank, 2, options)
+    return Gloo(store, rank, size, options)

@@ -99,6 +99,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is sharded over.")
     parser.add_argument("--instance", default="", help="Nonce echoed by /health (the launcher checks it reached its own server).")
     parser.add_argument("--cpu-cores", default=None, help="Cores every thread of this process runs on, e.g. 1 or 2-3,6.")
     parser.add_argument("--trainer-host", default="127.0.0.1", help="The one address POST /weights/init may name (the trainer's).")
@@ -124,7 +125,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     started = time.perf_counter()
     served = ServedModel(args.model, args.dtype, args.max_model_len, args.seed, args.enforce_eager,
                          args.gpu_memory_utilization, args.instance, args.trainer_host, args.max_request_sequences,
-                         args.max_request_tokens)
+                         args.max_request_tokens, args.tensor_parallel_size)
     log.info(f"engine loaded in {time.perf_counter() - started:.1f}s: {json.dumps(served.describe())}")
     app = build_app(served, secret, args.max_body_mib << 20, args.body_timeout_s)
     uvicorn.Server(uvicorn.Config(app, log_level="warning", limit_concurrency=args.limit_concurrency,

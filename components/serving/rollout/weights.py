@@ -1,7 +1,7 @@
 """The `dist` weight transfer of the rollout server (`rollout.vllm.weight_transfer`): vLLM's own weight-transfer API
 (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update`) with a backend of
-ours registered in its factory: a torch.distributed group of two (gloo on CPU, NCCL where the engine is on a GPU) with
-actor rank 0, which broadcasts the tensors one at a time; each is loaded as it arrives (vLLM's own backends need CUDA
+ours registered in its factory: a torch.distributed group (gloo on CPU, NCCL where the engine is on a GPU) of actor
+rank 0 and the engine's workers (one per tensor-parallel shard), which rank 0 broadcasts the tensors to one at a time; each is loaded as it arrives (vLLM's own backends need CUDA
 on both ends and vLLM on the trainer's side, which has none). Tensors come in the actor's Hugging Face names with a
 tied lm_head included (without it vLLM silently keeps the old head). The trainer's side: components/serving/rollout/
 client.py.
@@ -27,12 +27,14 @@ INIT_CONNECT_TIMEOUT_S = 30.0  # /weights/init: how long joining the trainer's s
 
 @dataclass
 class GroupInitInfo(WeightTransferInitInfo):
-    """Where the trainer's side of the group is: its TCPStore (the trainer is rank 0, this engine rank 1)."""
+    """Where the trainer's side of the group is: its TCPStore (the trainer is rank 0, this engine's workers ranks 1 to
+    world_size - 1: one per tensor-parallel shard, as vLLM's own NCCL engine numbers them)."""
 
     master_address: str
     master_port: int
     backend: str = "gloo"
     timeout_s: float = 600.0
+    world_size: int = 2
 
 
 @dataclass
@@ -46,9 +48,10 @@ class GroupUpdateInfo(WeightTransferUpdateInfo):
 
 
 class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):
-    """vLLM weight-transfer engine over a torch.distributed group of two processes (no default process group on
-    either side): the trainer broadcasts each tensor from rank 0, this engine receives it into a fresh buffer and
-    loads it at once through vLLM's layerwise reload (checkpoint format: vLLM repacks for its kernels)."""
+    """vLLM weight-transfer engine over a torch.distributed group of the trainer and the engine's workers (no default
+    process group on either side): the trainer broadcasts each tensor from rank 0, every worker receives it into a
+    fresh buffer and loads it (its shard of it) at once through vLLM's layerwise reload (checkpoint format: vLLM
+    repacks for its kernels)."""
 
     init_info_cls = GroupInitInfo
     update_info_cls = GroupUpdateInfo
@@ -56,14 +59,17 @@ class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateIn
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.group = self.store = None
+        self.rank = 1
 
     def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
         connect = datetime.timedelta(seconds=min(init_info.timeout_s, INIT_CONNECT_TIMEOUT_S))
-        self.store = torch.distributed.TCPStore(init_info.master_address, init_info.master_port, 2, is_master=False,
-                                                timeout=connect)
+        self.store = torch.distributed.TCPStore(init_info.master_address, init_info.master_port,
+                                                init_info.world_size, is_master=False, timeout=connect)
         self.store.set_timeout(timeout)
-        self.group = process_group(init_info.backend, self.store, 1, timeout, init_info.master_address)
+        self.rank = 1 + self.parallel_config.rank  # this worker's place among the engine's tensor-parallel workers
+        self.group = process_group(init_info.backend, self.store, self.rank, timeout, init_info.master_address,
+                                   init_info.world_size)
 
     def start_weight_update(self) -> None:
         initialize_layerwise_reload(self.model)
@@ -81,8 +87,8 @@ class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateIn
                 self.group.broadcast(tensor, 0).wait()
                 yield name, tensor
 
-        if update_info.ready_key:
-            self.store.set(update_info.ready_key, "1")
+        if update_info.ready_key:  # one key per worker: the trainer broadcasts once every worker receives
+            self.store.set(f"{update_info.ready_key}-{self.rank}", "1")
         self.model.load_weights(arriving())
 
     def shutdown(self) -> None:

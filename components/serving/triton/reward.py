@@ -134,5 +134,5 @@ def load_reward(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], obj
                                     reward_tokenizer=load_reward_tokenizer(path), chat_template=cfg.reward.chat_template)
     else:
         tokenizer = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")
-        callables = RewardCallables(function=load_reward_functions(cfg.reward), tokenizer=tokenizer)
+        callables = RewardCallables(function=load_reward_functions(cfg.reward, deploy=cfg.deploy), tokenizer=tokenizer)
     return callables.bindings(spec.max_batch_size, cfg.deploy.reward.max_queue_delay_us), None

@@ -6,11 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
-
-from tests.conftest import EVAL_SAMPLED, assert_learned_with_eval
 
 RLHF = str(Path(sys.executable).parent / "rlhf")
 
@@ -190,18 +187,3 @@ def test_a_model_path_that_does_not_exist_fails_fast_naming_the_field(tmp_path):
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("rlhf train failed: FileNotFoundError: model.policy: model path") and "no-such-model" in last
     assert not (tmp_path / "state" / "runs").exists()  # refused before the run opened
-
-
-@pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
-def test_train_on_two_ranks_learns_the_shipped_task(tiny_models, tmp_path, algorithm):
-    """`rlhf train --set deploy.actor.nproc_per_node=2`: rank 0 starts rank 1, both shard the actor (FSDP2 over gloo) and
-    the run learns by the margin of the single-process learning test (tests/models/test_steps.py). The held-out eval
-    (the task's 40 test prompts, 4 samples each) runs on both ranks at 0, 6 and 12, over every prompt, and rises."""
-    metrics, evals = tmp_path / "m.json", tmp_path / "e.json"
-    run("train", "--set", f"algorithm={algorithm}", "--set", "deploy.actor.nproc_per_node=2", "--set", "iterations=12",
-        "--set", f"model.policy={tiny_models['policy']}", "--set", f"model.reward={tiny_models['reward']}",
-        *[arg for key, value in EVAL_SAMPLED.items() for arg in ("--set", f"{key}={value}")],
-        "--metrics-out", str(metrics), "--eval-out", str(evals), env={"RLHF_STATE_DIR": str(tmp_path / "state")})
-    history = assert_learned_with_eval(metrics, evals)
-    assert {m["dist/world_size"] for m in history} == {2.0}
-    assert history[-1]["episode"] == 12 * (64 if algorithm == "ppo" else 16 * 4)  # every prompt of every rank counted

@@ -12,8 +12,9 @@ import pytest
 import yaml
 
 from components.cli.main import main as rlhf
-from components.cluster.objects import (QUEUE_LABEL, RunIdentity, Site, jobset, leader_worker_set, manifest_node_spec,
+from components.cluster.objects import (QUEUE_LABEL, RunIdentity, Site, jobset, leader_worker_set,
                                         server_args, server_urls)
+from components.controller import node_spec
 from components.launch.nodes import NodeSpec
 from models.config import RLHFConfig, load_config
 from tests.infra.schemas import validate
@@ -74,7 +75,7 @@ def test_the_jobset_runs_torchrun_on_every_node_and_finds_rank_0_through_its_own
     (container,) = pod["containers"]
     assert container["args"][:3] == ["python", "-m", "components.launch.nodes"]
     assert container["args"][3:9] == ["--nnodes", "2", "--nproc-per-node", "2", "--master-port", "29500"]
-    assert container["args"][9:] == ["--", "-m", "components.runs", "--store", "s3://bucket/rlhf/checkpoints/<run name>"]
+    assert container["args"][9:] == ["--", "-m", "components.runs", "--store", "s3://bucket/rlhf/checkpoints/demo"]
     env = {e["name"]: e for e in container["env"]}
     # what the node command reads to find rank 0: <jobset>-node-0-0.<jobset>, from JobSet's annotations
     assert env["JOBSET_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['jobset.sigs.k8s.io/jobset-name']"
@@ -141,7 +142,7 @@ def test_owned_by_the_runs_job_so_a_deleted_flow_run_pod_takes_them_with_it():
     cfg = _cfg()
     identity = RunIdentity("rlhf-demo-1", "ppo-x7k2q", {"name": "ppo-x7k2q", "uid": "uid-1"})
     site = Site.of(cfg.deploy.cluster, {})
-    spec = manifest_node_spec(_cfg(**{"deploy.actor.nnodes": 2}), "rlhf-demo-1")
+    spec = node_spec(_cfg(**{"deploy.actor.nnodes": 2}), "demo", "s3://b/rlhf/checkpoints/demo")
     for obj in (jobset(spec, cfg.deploy.cluster, site, identity),
                 leader_worker_set("critic", cfg, site, identity, ["x"])):
         assert obj["metadata"]["ownerReferences"] == [{"apiVersion": "batch/v1", "kind": "Job", "name": "ppo-x7k2q",

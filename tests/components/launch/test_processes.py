@@ -4,6 +4,7 @@ member of the group is left; the poll helper."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import time
@@ -11,7 +12,8 @@ import time
 import psutil
 import pytest
 
-from components.launch.processes import ChildProcess, alive, group_members, stop_group, wait_for
+from components.launch.processes import (ChildProcess, Health, ServerNotReady, alive, group_members, stop_group,
+                                         wait_for, wait_until_ready)
 
 # a leader that starts a grandchild ignoring SIGTERM in its group, prints its pid, then sleeps
 STUBBORN = """
@@ -78,3 +80,17 @@ def test_a_process_sharing_our_group_is_stopped_alone(tmp_path):
         code = proc.stop(grace_s=5.0)
     assert code == -signal.SIGTERM
     assert proc.group_members() == []
+
+
+def test_a_readiness_wait_says_what_it_waits_for_and_how_long_it_has_waited():
+    """A cold GPU node takes minutes to serve: every report_every_s of waiting (30 s in a run) the run's log is told
+    what is awaited, where, what was seen and how long of how long it has waited; the timeout names the last sight."""
+    said = []
+    never = lambda: Health(False, "nothing listening at 127.0.0.1:9 (refused)", "not_listening")  # noqa: E731
+    with pytest.raises(ServerNotReady, match=r"timed out after 1s waiting for rollout server replica 1 at "
+                                             r"http://127\.0\.0\.1:9: nothing listening") as err:
+        wait_until_ready(never, 1.0, "rollout server replica 1", "http://127.0.0.1:9", poll_s=0.05, report=said.append,
+                         report_every_s=0.3)
+    assert err.value.reason == "not_listening"
+    assert said and all(re.fullmatch(r"waiting for the rollout server replica 1 at http://127\.0\.0\.1:9: nothing "
+                                     r"listening at 127\.0\.0\.1:9 \(refused\) \(\d+ s of 1 s\)", m) for m in said), said

@@ -239,6 +239,55 @@ def test_the_server_serves_one_run_and_issues_the_versions(engine, server, polic
         client.close()
 
 
+def test_prompts_spread_over_two_replicas_sample_what_one_replica_samples(engine, server, policy):
+    """Two replicas (here the module's server reached twice, so both hold the same weights) each sample a contiguous
+    share of whole prompts, seeded by the prompts' places in the batch: every prompt keeps its k samples, and they are
+    the samples one replica draws for the whole batch (same tokens; logprobs within float noise)."""
+    prompts = policy.encode_prompts(sentiment.prompts(5))
+    sampling = Sampling(max_new_tokens=6, temperature=1.0)
+    two = VLLMEngine(policy.pad_id, policy.stop_ids)
+    two.connect([RolloutClient(server.url, RUN, timeout_s=60) for _ in range(2)])
+    try:
+        one_rollout = engine.generate(prompts, 3, sampling, torch.Generator().manual_seed(11))
+        two_rollout = two.generate(prompts, 3, sampling, torch.Generator().manual_seed(11))
+    finally:
+        two.close()
+    assert torch.equal(two_rollout.tokens, one_rollout.tokens)
+    assert torch.equal(two_rollout.prompt_lengths, one_rollout.prompt_lengths)  # each prompt's 3 rows together, in order
+    torch.testing.assert_close(two_rollout.sample_logprobs, one_rollout.sample_logprobs, rtol=0, atol=1e-4)
+    assert two_rollout.versions.tolist() == [engine.version] * 15
+
+
+def test_every_replica_must_apply_the_version_the_trainer_made(engine, server, policy):
+    """After a refit every replica holds the trainer's version, or the refit fails naming the replica that does not:
+    here both "replicas" are the module's server, so the second update of one version is refused (409) and the
+    engine names that replica instead of sampling from weights that may differ."""
+    two = VLLMEngine(policy.pad_id, policy.stop_ids)
+    two.connect([RolloutClient(server.url, RUN, timeout_s=60) for _ in range(2)])
+    try:
+        with pytest.raises(EngineRequestError, match=r"rollout server replica [01] \(http://127\.0\.0\.1:\d+\): the "
+                                                     r"weight update failed: .*409: version: the server holds weights "
+                                                     rf"version {engine.version + 1}; an update makes version "
+                                                     rf"{engine.version + 2}, not {engine.version + 1}"):
+            two.update_weights(policy.engine_weights())
+        assert two.version == engine.version  # the engine did not move on
+    finally:
+        two.close()
+
+
+def test_tensor_parallelism_is_refused_on_a_cpu_host_and_with_http_weights(tiny_models, tmp_path):
+    """deploy.rollout.tensor_parallel_size > 1 needs GPUs on the server's host: refused here before anything starts,
+    naming the field; and an HTTP body cannot reach the GPU workers that hold the shards: refused in the config."""
+    with pytest.raises(ValueError, match=r"^deploy\.rollout\.tensor_parallel_size=2: the rollout server shards the "
+                                         r"model over 2 GPUs, and this host has 0 \(a CPU host runs tensor_parallel_"
+                                         r"size=1\)"):
+        launch_rollout(config(tiny_models, tmp_path, tensor_parallel_size=2), tmp_path / "never.log")
+    assert not (tmp_path / "never.log").exists()
+    with pytest.raises(ValueError, match=r"deploy\.rollout\.tensor_parallel_size=2 needs "
+                                         r"deploy\.rollout\.weight_transfer='dist'"):
+        config(tiny_models, tmp_path, tensor_parallel_size=2, weight_transfer="http")
+
+
 def test_a_failed_update_breaks_health_until_a_full_update_and_never_advances_the_version(server, policy):
     """A weight update that fails half way (here: the trainer announces a dist update and never sends a tensor, so
     the server's receive times out) leaves some weights new and some old: /health answers 503 naming why, the

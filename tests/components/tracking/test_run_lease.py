@@ -1,8 +1,9 @@
 """One writer per run name, on a local store and on S3 (moto server): a second live run of the name is refused naming
 the holder and touches nothing of the live run; a holder that died is taken over (at once locally: the kernel drops
 its lock; after the timeout on S3) and that is said; a run whose S3 lease was taken over writes nothing more, and a
-holder fenced out of its store cannot move latest.json, even mid-save; run names that would leave the state directory
-or the store are refused."""
+holder fenced out of its store cannot move latest.json, even mid-save; a multi-node run's rank 0 writes under its
+controller's lease while the lease names it; run names that would leave the state directory or the store are
+refused."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pydantic import ValidationError
 
 from components.cli.main import main as cli_main
 from components.launch.processes import wait_for
-from components.storage.lease import LEASE_KEY, LeaseLost, RunLocked, acquire
+from components.storage.lease import LEASE_KEY, HeldLease, LeaseLost, RunLocked, acquire
 from components.storage.store import CheckpointStore
 from components.runs import JOBS, open_session
 from components.storage.lease import holder_alive
@@ -150,6 +151,41 @@ def test_a_fenced_out_holder_cannot_commit_locally(tmp_path):
 def test_a_fenced_out_holder_cannot_commit_on_s3(s3_bucket, tmp_path):
     endpoint, bucket = s3_bucket
     fenced_out(CheckpointStore.from_uri(f"s3://{bucket}/runs/fenced", s3_endpoint_url=endpoint), tmp_path)
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_a_node_group_writes_under_its_controllers_lease_only_while_the_controller_holds_it(where, tmp_path, s3_bucket):
+    """The controller (here a process of its own) holds the lease; rank 0, in another process, opens the run under
+    it: refused nothing, releasing nothing. Once the controller is gone and another run takes the name, rank 0's next
+    check fails (LeaseLost naming the new holder) instead of writing over it."""
+    endpoint, bucket = s3_bucket
+    uri, endpoint = (f"s3://{bucket}/runs/held", endpoint) if where == "s3" else (str(tmp_path / "store"), None)
+    store = CheckpointStore.from_uri(uri, s3_endpoint_url=endpoint)
+    controller = hold_in_a_process(uri, endpoint, 5.0)
+    try:
+        held = HeldLease(store, "held", store.get_json(LEASE_KEY)["id"])  # the id the hand-off carries
+        held.check()
+        held.release()  # not its to release
+        held.check()
+        with pytest.raises(LeaseLost, match=rf"run held: its lease in .* is held by pid {controller.pid} on .*, not "
+                                            r"by this run's controller \(holder another-holder-id\)"):
+            HeldLease(store, "held", "another-holder-id")
+    finally:
+        controller.kill()
+        controller.wait()
+    other = wait_for(lambda: _try_acquire(store), 30, poll_s=1.0)  # the controller is gone: another run takes over
+    try:
+        with pytest.raises(LeaseLost, match=rf"is held by pid {os.getpid()} on .*writes nothing more"):
+            held.check()
+    finally:
+        other.release()
+
+
+def _try_acquire(store):
+    try:
+        return acquire(store, "held", timeout_s=5.0)
+    except RunLocked:
+        return None
 
 
 def test_two_runs_starting_at_once_on_s3_get_one_lease(s3_bucket):

@@ -1,13 +1,17 @@
 """A run's checkpoints on S3 (moto server) and tracking in MLflow (sqlite): resume gives the identical model and continues
-the same MLflow run, and the next iteration after resume equals the one the uninterrupted run computes."""
+the same MLflow run, and the next iteration after resume equals the one the uninterrupted run computes. The run's
+policy is a model on S3 too (stored as a run stores its model): fetched into the machine's cache, checked by digest,
+it trains, and the run's record names where it came from (its ETags and the digest of its files)."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from components.jobs.rl import checkpoint, restore_actor
 from components.runs import JOBS, open_session
+from components.storage.store import CheckpointStore
 from models.backends import LocalCritic
 from models.config import preset
 from models.algorithms import Backends
@@ -22,8 +26,11 @@ NON_DETERMINISTIC = ("time/", "throughput/", "step_time")
 @pytest.fixture
 def cfg(tiny_models, tmp_path, s3_bucket, mlflow_uri):
     endpoint, bucket = s3_bucket
+    CheckpointStore.from_uri(f"s3://{bucket}/models", s3_endpoint_url=endpoint).put_dir(Path(tiny_models["policy"]),
+                                                                                       "policy")
     return prepare_run(preset("tiny", **{
-        "deploy.state_dir": str(tmp_path / "state"), "model.policy": tiny_models["policy"],
+        "deploy.state_dir": str(tmp_path / "state"), "model.policy": f"s3://{bucket}/models/policy",
+        "deploy.cache.dir": str(tmp_path / "cache"),
         "model.reward": tiny_models["reward"], "run_name": "resume-me", "algorithm": "ppo",
         "deploy.checkpoint.uri": f"s3://{bucket}/ckpt", "deploy.checkpoint.s3_endpoint_url": endpoint,
         "deploy.tracking.uri": mlflow_uri, "deploy.tracking.system_metrics": False,
@@ -77,6 +84,13 @@ def run_iterations(cfg, session, state, critic, n):
 def test_s3_checkpoint_resume_is_exact_and_continues_the_mlflow_run(cfg):
     session = open_session(JOBS["rl"], cfg)
     assert session.resumed_from is None and session.store.uri.startswith("s3://")
+    policy = session.models["model.policy"]  # fetched from S3, the same bytes as the tiny policy
+    assert policy["source"] == "s3" and policy["uri"] == cfg.model.policy and set(policy["etags"]) >= {"config.json"}
+    assert policy["digest"] == cfg.resolve_model("tiny/policy").digest
+    assert cfg.resolve_model_path(cfg.model.policy).startswith(str(Path(cfg.deploy.cache.dir) / "s3"))
+    run = session.tracker.client.get_run(session.tracker.run_id)
+    assert run.data.tags["model.policy.digest"] == policy["digest"]
+    assert session.data == {"data.prompts": {"source": "builtin", "value": "builtin:sentiment", "digest": None}}
     state = build_actor(cfg)
     critic = LocalCritic(build_critic_trainer(cfg, checkpoint_dir=session.critic_dir))
     run_iterations(cfg, session, state, critic, 2)
@@ -85,6 +99,8 @@ def test_s3_checkpoint_resume_is_exact_and_continues_the_mlflow_run(cfg):
     assert saved_step > 0
     assert uri.endswith("iter_2") or "iter_2" in uri
     assert session.store.list() == [2] and session.store.latest() == 2
+    manifest = json.loads(session.store.s3.get_bytes(f"{uri.rsplit('/', 1)[1]}/state.json"))["state"]
+    assert manifest["models"]["model.policy"] == policy and manifest["export"]["base"]["digest"] == policy["digest"]
     tokens, lengths = fixed_input(state.policy)
     with torch.no_grad():
         expected_logp = state.policy.logprobs(tokens, lengths)[0]
