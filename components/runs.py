@@ -67,7 +67,7 @@ def train(cfg, steps: Steps = DIRECT, provenance: dict | None = None, lease_hold
     record = provenance or provenance_of(cfg)  # a pipeline's stage: its key's, of its config as given
     with recorded(kind, cfg, steps, record, lease_holder) as session:
         result = kind.run(session, data, steps)
-        model = steps("publish-model", kind.publish, session, result, steps, retries=1) \
+        model = steps("export-model", kind.publish, session, result, steps, retries=1) \
             if getattr(kind, "publishes", True) else {}
         return {"job": cfg.job, "run_name": session.name, "mlflow_run_id": session.tracker.run_id,
                 "checkpoint": session.store.uri, "provenance": record, "models": session.models,
@@ -91,9 +91,10 @@ def open_session(kind, cfg, steps: Steps = DIRECT, provenance: dict | None = Non
     session = RunSession.open(cfg, {**kind.tags(cfg), **steps.tags()}, log=steps.log, parts=kind.restore_parts(cfg),
                               provenance=provenance, lease_holder=lease_holder, sources=kind.sources)
     kind.opened(session)
-    what = f"{cfg.job} run {session.name}"
+    what = f"run {session.name}" if cfg.job == "rl" else f"{cfg.job} run {session.name}"
     if session.resumed_from is not None:
-        steps.log(f"{what}: resuming from checkpoint {session.resumed_from} ({session.store.uri})")
+        unit = "iteration" if cfg.job == "rl" else "step"
+        steps.log(f"{what}: resuming from checkpoint {unit} {session.resumed_from} ({session.store.uri})")
     else:
         steps.log(f"{what}: new run, checkpoints in {session.store.uri}")
     steps.log(f"MLflow run {session.tracker.run_id} at {session.tracker.tracking_uri}")

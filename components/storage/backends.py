@@ -202,8 +202,8 @@ class S3Backend:
 
     def get_versioned(self, key: str) -> tuple[bytes | None, object]:
         """(the bytes of `key`, its ETag) for `swap`."""
-        found = self.s3.stat(key)
-        return (None, None) if found is None else (found[0], found[1])
+        found = self.s3.versioned(key)
+        return (None, None) if found is None else found
 
     def swap(self, key: str, data: bytes, version: object) -> bool:
         """A conditional put: If-Match the ETag get_versioned gave (If-None-Match: * when it was absent); False

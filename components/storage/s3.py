@@ -9,6 +9,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timezone
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from urllib.parse import urlparse
@@ -171,7 +172,14 @@ class S3Store:
             return None
         body, response = found
         now = parsedate_to_datetime(response["ResponseMetadata"]["HTTPHeaders"]["date"])
+        if now.tzinfo is None:  # a proxy's Date without a zone: HTTP dates are GMT
+            now = now.replace(tzinfo=timezone.utc)
         return body, response["ETag"], (now - response["LastModified"]).total_seconds()
+
+    def versioned(self, key: str) -> tuple[bytes, str] | None:
+        """(body, ETag) of `key` (what a conditional write on it names), None if it does not exist."""
+        found = self._get_object(key)
+        return None if found is None else (found[0], found[1]["ETag"])
 
     def _get_object(self, key: str) -> tuple[bytes, dict] | None:
         """(body, boto3's get_object answer) of `key`, None if it does not exist; failures named as reads of it."""

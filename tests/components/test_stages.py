@@ -66,7 +66,7 @@ def test_a_stage_resumes_where_it_stopped_falling_back_past_a_corrupted_checkpoi
     said = Said()
     second = train_stage(stage_config(SFTRun, tmp_path, run_name="resumed", section={"max_steps": 4}), said)
     assert any("fails its sha256 check" in m and "falling back" in m for m in said.messages), said.messages
-    assert any("resuming from checkpoint 2" in m for m in said.messages), said.messages
+    assert any("resuming from checkpoint step 2" in m for m in said.messages), said.messages
     assert [m["step"] for m in first["history"]] == [1, 2, 3] and [m["step"] for m in second["history"]] == [3, 4]
     assert second["mlflow_run_id"] == first["mlflow_run_id"]  # the same MLflow run goes on
     assert [e["step"] for e in second["evals"]] == [4]  # the eval at 0 was the first attempt's
