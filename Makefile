@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 
 include infra/terraform/tools.mk
 
-.PHONY: venv vllm-venv demo pipeline test test-fast bench models docs image clean
+.PHONY: venv vllm-venv verifiers-venv demo pipeline test test-fast bench models docs image clean
 
 # torch's pin, read from pyproject.toml: the one place it is written (the venv, the images)
 TORCH_VERSION := $(shell sed -n 's/^ *"torch==\([^"]*\)".*/\1/p' pyproject.toml)
@@ -47,6 +47,23 @@ $(VLLM_STAMP):
 
 vllm-venv: $(VLLM_STAMP)
 
+# verifiers' own environment (environment.verifiers): its environments and its OpenAI clients run here, against the
+# rollout server, in a worker process of their own (components/verifiers/worker.py). verifiers 0.2.1 is
+# the last release whose top-level API is the classic one (load_environment, SingleTurnEnv/MultiTurnEnv/ToolEnv);
+# 0.4 dropped it. No torch or transformers in it. Re-created only when the pins change (the stamp names them).
+VERIFIERS_VENV ?= .venv-verifiers
+VERIFIERS_PINS ?= "verifiers==0.2.1" "openai==3.57.0" "httpx==0.28.1" "pydantic==2.14.4" "datasets==5.2.0"
+VERIFIERS_STAMP := $(VERIFIERS_VENV)/.verifiers-0.2.1.stamp
+
+$(VERIFIERS_STAMP):
+	test -x $(VERIFIERS_VENV)/bin/python || $(PYTHON) -m venv $(VERIFIERS_VENV)
+	$(VERIFIERS_VENV)/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+	$(VERIFIERS_VENV)/bin/python -m pip install -q --disable-pip-version-check $(VERIFIERS_PINS)
+	rm -f $(VERIFIERS_VENV)/.verifiers*.stamp
+	touch $@
+
+verifiers-venv: $(VERIFIERS_STAMP)
+
 # The embedded tiny models ship with the package (models/assets/tiny); this rebuilds them (the script that made them:
 # what it trains depends on the CPU's kernels, so the shipped files change only when this is run on purpose).
 models: venv
@@ -62,9 +79,9 @@ pipeline: venv
 
 # Test files run in parallel, one pytest worker per core (pytest-xdist); a file's tests stay on one worker, in order,
 # because modules share expensive fixtures (a whole local stack, a critic server).
-# The three environments are built side by side first (mostly downloads and unpacking: about a minute saved).
+# The environments are built side by side first (mostly downloads and unpacking: about a minute saved).
 test:
-	$(MAKE) -j3 venv tools vllm-venv
+	$(MAKE) -j4 venv tools vllm-venv verifiers-venv
 	$(PY) -m pytest -q -n auto --dist loadfile --durations=25
 
 # The contributors' inner loop: the modules that start no server, stack or second process (math, config, data,

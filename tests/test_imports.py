@@ -146,7 +146,8 @@ def test_no_cycles_between_the_subpackages_of_components():
     assert found == [], "cycles between the parts of components/:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
-ROLLOUT_SERVER = tuple(f"components.serving.rollout.{m}" for m in ("app", "weights", "body", "main", "group"))
+ROLLOUT_SERVER = tuple(f"components.serving.rollout.{m}"
+                       for m in ("app", "weights", "body", "main", "group", "chat", "openai"))
 
 
 def test_the_rollout_server_imports_nothing_of_the_project():

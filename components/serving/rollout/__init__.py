@@ -9,7 +9,9 @@ a cluster the server is its own pod, from an image with `vllm`.
     app.py      the FastAPI app: endpoints, the Guard (run's secret, body sizes), ServedModel (vllm.LLM, version, run)
     weights.py  the `dist` weight transfer: a torch.distributed group as a vLLM weight-transfer engine
     body.py     the `http` weight transfer's body: a streaming reader and the safetensors header
-    group.py    the torch.distributed group of two both sides of the `dist` weight transfer join
+    group.py    the torch.distributed group both sides of the `dist` transfer join (actor's rank 0, engine's workers)
+    openai.py   the OpenAI-compatible endpoints environments use (chat completions, tokenize, token generate)
+    chat.py     chat templates and tool-call parsing, shared with the trainer (no project imports)
     main.py     the entry point: `python -m components.serving.rollout.main --model DIR --port P ...`
     client.py   the client (rank 0 of the actor, in the project's environment): requests and the weight transfers
 """

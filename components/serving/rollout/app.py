@@ -46,6 +46,8 @@ Endpoints:
   POST /update_weights     ?version=<next>&run=<token>, body: a safetensors file of the full state dict
   POST /weights/init       {run, master_address, master_port, backend, timeout_s}: join the trainer's group
   POST /weights/update     {run, version, names, dtype_names, shapes}: receive the tensors over that group
+  GET /v1/models, POST /v1/chat/completions(/tokens), /tokenize, /inference/v1/generate: what environments use
+                           (components/serving/rollout/openai.py, vLLM's own shapes)
 Bad input is a 4xx whose body names the field (`detail`), and the server keeps serving.
 
 Runs in .venv-vllm: imports nothing from the project (components/serving/rollout/__init__.py); started by main.py.
@@ -59,6 +61,7 @@ import json
 import logging
 import threading
 import time
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -72,8 +75,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from vllm import LLM, SamplingParams, TokensPrompt
+from vllm.exceptions import VLLMClientError
 
 from components.serving.rollout.body import BodyReader, safetensors_header
+from components.serving.rollout.openai import add_openai_endpoints, client_error, error_body, is_openai_path
 from components.serving.rollout.weights import TRANSFER_BACKEND
 
 log = logging.getLogger("rlhf.rollout_server")
@@ -156,12 +161,14 @@ class ServedModel:
         self.lock = threading.Lock()
         self.init_lock = threading.Lock()  # one transfer set-up at a time; never the generation lock while connecting
         self.started, self.busy_s = time.monotonic(), 0.0  # the engine's busy time (generating, loading weights)
+        self.tool_stats: Counter = Counter()  # chat completions with tools: parsed calls, none, malformed markup
 
     def describe(self) -> dict:
         return {"status": "broken" if self.broken else "ok", "model": self.model_dir, "weights_version": self.version,
                 "bound": self.run is not None, "instance": self.instance, "vocab_size": self.vocab_size,
                 "tensor_parallel_size": self.tensor_parallel_size,
-                "max_model_len": self.max_model_len, "broken": self.broken, "idle_s": self.idle_s()}
+                "max_model_len": self.max_model_len, "broken": self.broken, "idle_s": self.idle_s(),
+                "tool_calls": {k: self.tool_stats[k] for k in ("parsed", "none", "malformed")}}
 
     def idle_s(self) -> float:
         """Seconds since the engine loaded during which it neither generated nor loaded weights (cumulative: a
@@ -242,18 +249,7 @@ class ServedModel:
                                  max_tokens=req.max_new_tokens, stop_token_ids=req.stop_token_ids, logprobs=0,
                                  seed=None if req.seed is None else req.seed + i * req.n, detokenize=False)
                   for i in range(len(req.prompt_token_ids))]
-        prompts = [TokensPrompt(prompt_token_ids=ids) for ids in req.prompt_token_ids]
-        with self.lock:
-            self.check_run(req.run)
-            if self.broken:
-                raise HTTPException(503, f"weights: inconsistent after a failed update ({self.broken}); send a full "
-                                         f"update before generating")
-            if req.expected_version is not None and req.expected_version != self.version:
-                raise HTTPException(409, f"expected_version: the engine holds weights version {self.version}, "
-                                         f"not {req.expected_version}")
-            version = self.version  # stamped when the generation starts: the weights it samples with
-            with self.busy():
-                outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs, version = self.sample(req.prompt_token_ids, params, run=req.run, expected_version=req.expected_version)
         samples = []
         for out in outputs:
             rows = []
@@ -263,6 +259,29 @@ class ServedModel:
                 rows.append({"token_ids": ids, "logprobs": logprobs, "is_end": c.finish_reason == "stop"})
             samples.append(rows)
         return {"weights_version": version, "samples": samples, "idle_s": self.idle_s()}
+
+    def sample(self, prompts: list[list[int]], params, run: Optional[str] = None,
+               expected_version: Optional[int] = None, salt: Optional[str] = None) -> tuple[list, int]:
+        """Generate from token-id prompts under the lock (one `SamplingParams` each, or one for all): vLLM's outputs
+        and the weights version they were sampled with. A refit waits for a generation in flight, and a request that
+        arrives during a refit waits for it. Every prompt's prefix-cache blocks are salted with the weights version
+        (vLLM's `cache_salt`): besides the cache reset of every refit, no request can be served KV blocks computed
+        with other weights."""
+        with self.lock:
+            if run is not None:
+                self.check_run(run)
+            if self.broken:
+                raise HTTPException(503, f"weights: inconsistent after a failed update ({self.broken}); send a full "
+                                         f"update before generating")
+            if expected_version is not None and expected_version != self.version:
+                raise HTTPException(409, f"expected_version: the engine holds weights version {self.version}, "
+                                         f"not {expected_version}")
+            version = self.version  # stamped when the generation starts: the weights it samples with
+            cache_salt = f"{salt or ''}|weights-v{version}"
+            engine_prompts = [TokensPrompt(prompt_token_ids=ids, cache_salt=cache_salt) for ids in prompts]
+            with self.busy():
+                outputs = self.llm.generate(engine_prompts, params, use_tqdm=False)
+        return outputs, version
 
     # -- weights
     def _apply(self, run: str, version: int, load) -> dict:
@@ -386,24 +405,24 @@ class Guard:
         headers = dict(scope["headers"])
         scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
         if not given or scheme.lower() != "bearer":
-            return await _refuse(send, 401, "authorization: this server serves one run: send "
+            return await _refuse(send, scope["path"], 401, "authorization: this server serves one run: send "
                                             "'Authorization: Bearer <the run's secret>'", {b"www-authenticate": b"Bearer"})
         if not hmac.compare_digest(given.strip().encode(), self.secret):
-            return await _refuse(send, 403, "authorization: not this run's secret")
+            return await _refuse(send, scope["path"], 403, "authorization: not this run's secret")
         if scope["method"] in ("POST", "PUT", "PATCH"):
             length = headers.get(b"content-length")
             if length is None or not length.isdigit():
-                return await _refuse(send, 411, "content-length: required (a body of known size)")
+                return await _refuse(send, scope["path"], 411, "content-length: required (a body of known size)")
             limit = self.max_upload if scope["path"] == "/update_weights" else self.max_body
             if int(length) > limit:
                 what = "the model's weights" if scope["path"] == "/update_weights" else "deploy.rollout.max_body_mib"
-                return await _refuse(send, 413, f"content-length: {int(length)} bytes exceed this endpoint's limit "
+                return await _refuse(send, scope["path"], 413, f"content-length: {int(length)} bytes exceed this endpoint's limit "
                                                 f"of {limit} ({what})")
         return await self.app(scope, receive, send)
 
 
-async def _refuse(send, status: int, detail: str, headers: Optional[dict] = None) -> None:
-    body = json.dumps({"detail": detail}).encode()
+async def _refuse(send, path: str, status: int, detail: str, headers: Optional[dict] = None) -> None:
+    body = json.dumps(error_body(status, detail) if is_openai_path(path) else {"detail": detail}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *(headers or {}).items()]})
@@ -451,13 +470,26 @@ def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_t
     def update(req: UpdateRequest, ready_key: str = Query(..., min_length=1)) -> dict:
         return served.update_group(req, ready_key)
 
+    def refusal(request: Request, status: int, detail, headers: Optional[dict] = None) -> JSONResponse:
+        body = error_body(status, str(detail)) if is_openai_path(request.url.path) else {"detail": detail}
+        return JSONResponse(body, status_code=status, headers=headers)
+
     @app.exception_handler(StarletteHTTPException)
     async def named(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         """Every refusal names what it refuses: FastAPI's own for a body that is not JSON says `body:` too."""
         detail = exc.detail
         if isinstance(detail, str) and detail.startswith("There was an error parsing the body"):
             detail = f"body: not valid JSON ({detail})"
-        return JSONResponse({"detail": detail}, status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return refusal(request, exc.status_code, detail, getattr(exc, "headers", None))
+
+    @app.exception_handler(VLLMClientError)
+    async def refused_by_vllm(request: Request, exc: VLLMClientError) -> JSONResponse:
+        """vLLM's own checks of a request (SamplingParams, its request models' validators): a 4xx naming the field,
+        not a 500 (`temperature` over 2 on /generate, both `add_generation_prompt` and `continue_final_message` on
+        /tokenize)."""
+        return refusal(request, *client_error(exc))
+
+    add_openai_endpoints(app, served)
 
     app.add_middleware(Guard, secret=secret, max_body=max_body, max_upload=served.max_upload_bytes)
     return app

@@ -1,0 +1,149 @@
+"""A batch of rollouts of a verifiers environment against the run's rollout server, in verifiers' own environment
+(.venv-verifiers, `make verifiers-venv`: verifiers 0.2.1, the classic API), returned as plain JSON.
+
+    python -m components.verifiers.worker < request.json > answer.json
+
+The run's secret comes in through $RLHF_RUN_SECRET (verifiers' `api_key_var`: its OpenAI client sends it as the
+bearer token the server checks), never on the command line. The request (JSON on stdin):
+
+    {"env_id": "my-env", "env_args": {...},            vf.load_environment(env_id, **env_args)
+     "base_url": "http://127.0.0.1:P/v1",              the rollout server's OpenAI-compatible endpoints
+     "client_type": "openai_chat_completions_token",   or "openai_chat_completions" (messages in, text re-rendered)
+     "sampling_args": {"temperature": 1.0, "max_tokens": 64, ...},
+     "split": "train", "example_ids": [0, 1, 2],       rows of the environment's dataset (or "eval" dataset)
+     "rollouts_per_example": 4, "max_concurrent": 32}
+
+The answer (JSON on stdout, schema version 1), one entry per rollout, the k rollouts of an example consecutive:
+
+    {"schema": 1, "env_id", "client_type", "model",
+     "rollouts": [{"example_id", "reward", "metrics": {name: float}, "error": str|null, "stop_condition",
+                   "is_truncated", "turns",
+                   "messages": [...],                      the whole conversation (prompt + completion), OpenAI JSON
+                   "steps": [{"prompt_ids", "completion_ids", "completion_logprobs", "completion_mask",
+                              "is_truncated"}],            one per model turn, as the server sampled it
+                   "samples": [{"prompt_ids", "completion_ids", "completion_mask", "completion_logprobs"}]}]}
+
+`samples` are the steps merged as prime-rl merges them: while a step's prompt ids extend the previous sample's
+prompt + completion ids, the step joins that sample (the tokens between, the environment's reply, with mask 0 and
+logprob 0, then the step's completion); otherwise a new sample starts. A rollout that errored keeps its tokens with
+every mask 0 (nothing of it trains). The merge (`merge_steps`) is pure Python, also imported by the trainer's side.
+
+Runs in .venv-verifiers: imports nothing from the project but this package (components/verifiers/__init__.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from typing import Any
+
+SECRET_ENV = "RLHF_RUN_SECRET"  # as components/serving/auth.py
+SCHEMA = 1
+
+
+def merge_steps(steps: list[dict], errored: bool = False) -> list[dict]:
+    """A rollout's steps as training samples (prime-rl's rule): a step whose prompt ids extend the current sample's
+    prompt + completion ids continues it (the ids between them masked, logprob 0), else starts a new sample."""
+    samples: list[dict] = []
+    for step in steps:
+        prompt, completion = list(step["prompt_ids"]), list(step["completion_ids"])
+        mask, logprobs = list(step["completion_mask"]), [float(x) for x in step["completion_logprobs"]]
+        if samples:
+            last = samples[-1]
+            seen = last["prompt_ids"] + last["completion_ids"]
+            if prompt[:len(seen)] == seen:
+                between = prompt[len(seen):]
+                last["completion_ids"] += between + completion
+                last["completion_mask"] += [0] * len(between) + mask
+                last["completion_logprobs"] += [0.0] * len(between) + logprobs
+                continue
+        samples.append({"prompt_ids": prompt, "completion_ids": completion, "completion_mask": mask,
+                        "completion_logprobs": logprobs})
+    if errored:
+        for sample in samples:
+            sample["completion_mask"] = [0] * len(sample["completion_mask"])
+    return samples
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "model_dump"):
+        return _jsonable(value.model_dump(exclude_none=True))
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return str(value)
+
+
+def rollout_record(output: dict) -> dict:
+    """One rollout of verifiers' RolloutOutput (with its trajectory) as this worker's JSON."""
+    steps = []
+    for step in output.get("trajectory") or []:
+        tokens = step.get("tokens")
+        if tokens is None:  # the server answered without token ids: a contract failure, said, not hidden
+            raise RuntimeError("a trajectory step has no token ids: the server's answer lacked prompt_token_ids, "
+                               "choices[].token_ids or logprobs.content")
+        steps.append({"prompt_ids": list(tokens["prompt_ids"]), "completion_ids": list(tokens["completion_ids"]),
+                      "completion_logprobs": [float(x) for x in tokens["completion_logprobs"]],
+                      "completion_mask": list(tokens["completion_mask"]),
+                      "is_truncated": bool(tokens.get("is_truncated", False))})
+    error = output.get("error")
+    prompt, completion = output.get("prompt") or [], output.get("completion") or []
+    return {"example_id": output.get("example_id"), "reward": float(output.get("reward") or 0.0),
+            "metrics": {k: float(v) for k, v in (output.get("metrics") or {}).items()
+                        if isinstance(v, (int, float))},
+            "error": None if error is None else str(_jsonable(error)), "stop_condition": output.get("stop_condition"),
+            "is_truncated": bool(output.get("is_truncated")), "turns": len(steps),
+            "messages": _jsonable(list(prompt) + list(completion)), "steps": steps,
+            "samples": merge_steps(steps, errored=error is not None)}
+
+
+async def run(request: dict) -> dict:
+    import verifiers as vf  # the worker's own environment (.venv-verifiers): not importable in the project's
+
+    env = vf.load_environment(request["env_id"], **request.get("env_args", {}))
+    client = vf.ClientConfig(client_type=request.get("client_type", "openai_chat_completions_token"),
+                             api_base_url=request["base_url"], api_key_var=SECRET_ENV,
+                             max_retries=int(request.get("max_retries", 0)),
+                             timeout=float(request.get("timeout_s", 600)))
+    model = request.get("model") or await served_model(request["base_url"])
+    dataset = env.get_eval_dataset() if request.get("split") == "eval" else env.get_dataset()
+    rows = [dataset[int(i)] for i in request.get("example_ids", range(len(dataset)))]
+    k = int(request.get("rollouts_per_example", 1))
+    sampling = {"logprobs": True, **request.get("sampling_args", {})}
+    sampling["extra_body"] = {"return_token_ids": True, **sampling.get("extra_body", {})}
+    limit = asyncio.Semaphore(int(request.get("max_concurrent", 32)))
+
+    async def group(row: dict) -> list:
+        inputs = [{key: row[key] for key in ("prompt", "answer", "info", "example_id", "task") if key in row}
+                  for _ in range(k)]
+        async with limit:
+            return await env.run_group(inputs, client, model, sampling, state_columns=["trajectory"])
+
+    groups = await asyncio.gather(*(group(row) for row in rows))
+    return {"schema": SCHEMA, "env_id": request["env_id"], "client_type": client.client_type, "model": model,
+            "rollouts": [rollout_record(dict(output)) for outputs in groups for output in outputs]}
+
+
+async def served_model(base_url: str) -> str:
+    """The id of the model the server serves (GET /v1/models), which requests must name."""
+    from openai import AsyncOpenAI  # comes with verifiers, in the worker's own environment
+
+    async with AsyncOpenAI(base_url=base_url, api_key=os.environ.get(SECRET_ENV, ""), max_retries=0) as client:
+        return (await client.models.list()).data[0].id
+
+
+def main() -> None:
+    if not os.environ.get(SECRET_ENV):
+        raise SystemExit(f"${SECRET_ENV}: the run's secret is needed (the rollout server serves its run only)")
+    answer = asyncio.run(run(json.load(sys.stdin)))
+    json.dump(answer, sys.stdout)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
