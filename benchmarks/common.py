@@ -131,3 +131,38 @@ def quick_flag(argv=None) -> bool:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (a ~3 minute check, not for reporting)")
     return parser.parse_args(argv).quick
+
+
+def side_by_side(trainer_class, ours):
+    """What a benchmark against one of TRL's trainers runs TRL with, unchanged but for two hooks: a subclass of
+    `trainer_class` that keeps the batch each `training_step` received, and a `TrainerCallback` that at each of TRL's
+    step ends takes TRL's time (from the end of our previous step to the end of its own) and runs `ours(batch)` on
+    that very batch, outside TRL's clock, so the sides alternate step by step and see the same background load.
+    Returns (the subclass, the callback, {"trl": seconds per step, "ours": ..., "tokens": per step})."""
+    from transformers import TrainerCallback  # heavy: only a benchmark against TRL needs it
+
+    batches: list[dict] = []
+    timings: dict[str, list] = {"trl": [], "ours": [], "tokens": []}
+
+    class KeepBatch(trainer_class):
+        def training_step(self, model, inputs, *args, **kwargs):
+            batches.append(inputs)
+            return super().training_step(model, inputs, *args, **kwargs)
+
+    class Interleave(TrainerCallback):
+        def __init__(self):
+            self.start = None
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            if self.start is None:
+                self.start = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            timings["trl"].append(time.perf_counter() - self.start)
+            timings["tokens"].append(int(batches[-1]["attention_mask"].sum()))
+            started = time.perf_counter()
+            ours(batches[-1])
+            timings["ours"].append(time.perf_counter() - started)
+            self.start = time.perf_counter()
+
+    return KeepBatch, Interleave(), timings

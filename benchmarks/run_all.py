@@ -18,7 +18,7 @@ import traceback
 
 from benchmarks.common import ROOT, load_average, log, machine, results_dir, versions
 
-BENCHMARKS = ("generate", "rollout_engine", "async_rollouts", "rloo_vs_trl", "stages_vs_trl", "pipeline_cache",
+BENCHMARKS = ("generate", "rollout_engine", "async_rollouts", "rloo_vs_trl", "stages_vs_trl", "dpo_vs_trl", "pipeline_cache",
               "critic_http", "overlap", "what_if", "distributed", "critic_ranks", "memory", "gpu")
 # results measured on their own (not by run_all): `python -m benchmarks.memory --lora --baseline DIR` (two checkouts)
 MEASURED_APART = ("memory_lora",)
@@ -55,6 +55,15 @@ def memory_rows(r: dict, label: str) -> list[list[str]]:
     return rows
 
 
+def step_rows(title: str, c: dict, reps: dict) -> list[list[str]]:
+    """The rows of one optimizer step of ours against one of TRL's trainers on the same batches (target <= 1.0)."""
+    n = f"{reps['rounds']} rounds x {reps['timed_steps_per_round_per_side']} pairs"
+    return [[title, "time ours / TRL (per pair, same batch)", fmt(c["time_ratio_ours_over_trl"]), n, "<= 1.0",
+             "yes" if c["time_ratio_ours_over_trl"]["median"] <= 1.0 else "**no**"],
+            ["", "ms/step: ours vs TRL", f"{fmt(c['ours_seconds_per_step'], 1e3, 1)} vs "
+             f"{fmt(c['trl_seconds_per_step'], 1e3, 1)}", n, "", ""]]
+
+
 def table(results: dict) -> str:
     """The generated part of docs/benchmarks.md: when and where each result was measured, the results table and the
     phase tables, from the result files alone."""
@@ -78,15 +87,17 @@ def table(results: dict) -> str:
                          f"{fmt(lr['trl']['generated_tokens_per_iteration'], digits=0)}", n, "", ""])
     r = results.get("stages_vs_trl")
     if r:
-        reps = r["repetitions"]
-        n = f"{reps['rounds']} rounds x {reps['timed_steps_per_round_per_side']} pairs"
         for stage, trainer in (("sft", "SFTTrainer"), ("reward_model", "RewardTrainer")):
-            c = r[stage]
-            rows.append([f"{'SFT' if stage == 'sft' else 'Reward-model'} step vs TRL 1.16 {trainer}",
-                         "time ours / TRL (per pair, same batch)", fmt(c["time_ratio_ours_over_trl"]), n, "<= 1.0",
-                         "yes" if c["time_ratio_ours_over_trl"]["median"] <= 1.0 else "**no**"])
-            rows.append(["", "ms/step: ours vs TRL", f"{fmt(c['ours_seconds_per_step'], 1e3, 1)} vs "
-                         f"{fmt(c['trl_seconds_per_step'], 1e3, 1)}", n, "", ""])
+            rows += step_rows(f"{'SFT' if stage == 'sft' else 'Reward-model'} step vs TRL 1.16 {trainer}", r[stage],
+                              r["repetitions"])
+    r = results.get("dpo_vs_trl")
+    if r:
+        reps = r["repetitions"]
+        rows += step_rows("DPO step vs TRL 1.16 DPOTrainer", r, reps)
+        worst = max(d for check in r["same_computation"] for d in check["max_abs_difference_per_step"])
+        rows.append(["", "TRL's metrics (rewards/*, logps/*) ours vs TRL's, warm-up steps: largest difference",
+                     f"{worst:.1e}", f"{reps['rounds']} rounds x {reps['warmup_steps_discarded_per_round']} steps",
+                     "float32", ""])
     r = results.get("pipeline_cache")
     if r:
         n = f"{r['repetitions']['rounds']} rounds"

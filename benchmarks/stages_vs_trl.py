@@ -21,14 +21,14 @@ from __future__ import annotations
 import gc
 import statistics
 import tempfile
-import time
 
 import torch
 
-from benchmarks.common import log, quick_flag, stats, write_result
+from benchmarks.common import log, quick_flag, side_by_side, stats, write_result
 from models.stages.config import RewardModelRun, SFTRun
 from models.stages.data import load_pairs, load_sequences
-from models.stages.train import build_stage, train_step
+from models.stages.kinds import build_stage
+from models.stages.train import train_step
 from models.policy import load_policy_tokenizer
 from models.tiny_files import embedded_model_path
 
@@ -74,7 +74,7 @@ def run_round(stage: str, steps: int, state_dir: str) -> tuple[list[float], list
     """TRL's trainer for WARMUP + steps optimizer steps, one of ours after each on the same batch; returns TRL's and
     our seconds per step, the tokens per step (after the warm-up) and facts about TRL's setup."""
     from datasets import Dataset  # optional: comes with trl (the bench extra)
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback  # heavy
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification  # heavy
     from transformers.trainer_callback import PrinterCallback  # heavy: as above
     from trl import RewardTrainer, SFTTrainer  # optional: the bench extra
 
@@ -94,46 +94,21 @@ def run_round(stage: str, steps: int, state_dir: str) -> tuple[list[float], list
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
         model.config.pad_token_id = tokenizer.pad_token_id
         trainer_class = RewardTrainer
-    batches: list[dict] = []
-    trl_seconds, our_seconds, tokens = [], [], []
-
-    class KeepBatch(trainer_class):
-        def training_step(self, model, inputs, *args, **kwargs):
-            batches.append(inputs)
-            return super().training_step(model, inputs, *args, **kwargs)
-
-    class Interleave(TrainerCallback):
-        """TRL's clock runs from the end of our previous step to the end of its own; then ours runs on its batch."""
-
-        def __init__(self):
-            self.start = None
-
-        def on_step_begin(self, args, state, control, **kwargs):
-            if self.start is None:
-                self.start = time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kwargs):
-            trl_seconds.append(time.perf_counter() - self.start)
-            rows = trl_rows(stage, batches[-1])
-            tokens.append(int(batches[-1]["attention_mask"].sum()))
-            started = time.perf_counter()
-            train_step(ours, cfg, rows)
-            our_seconds.append(time.perf_counter() - started)
-            self.start = time.perf_counter()
-
+    trainer_class, callback, timings = side_by_side(trainer_class,
+                                                    lambda batch: train_step(ours, cfg, trl_rows(stage, batch)))
     with tempfile.TemporaryDirectory(prefix=f"trl-{stage}-") as out:
         args = trl_args(stage, out, WARMUP + steps)
-        trainer = KeepBatch(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
-                            callbacks=[Interleave()])
+        trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                                callbacks=[callback])
         trainer.remove_callback(PrinterCallback)
         facts = {"trainer": trainer_class.__name__, "optim": str(getattr(args.optim, "value", args.optim)),
                  "model_dtype": str(trainer.model.dtype), "device": str(trainer.accelerator.device),
                  "gradient_checkpointing": bool(getattr(trainer.model, "is_gradient_checkpointing", False)),
                  "rows": len(data)}
         trainer.train()
-    if len(trl_seconds) != WARMUP + steps:
-        raise RuntimeError(f"TRL ran {len(trl_seconds)} steps, expected {WARMUP + steps}")
-    return trl_seconds[WARMUP:], our_seconds[WARMUP:], tokens[WARMUP:], facts
+    if len(timings["trl"]) != WARMUP + steps:
+        raise RuntimeError(f"TRL ran {len(timings['trl'])} steps, expected {WARMUP + steps}")
+    return timings["trl"][WARMUP:], timings["ours"][WARMUP:], timings["tokens"][WARMUP:], facts
 
 
 def compare(stage: str, rounds: int, steps: int) -> dict:

@@ -72,9 +72,10 @@ def control(cfg: RLHFConfig, steps: Steps) -> dict:
         shared_by_pods(base, tracking)
     store = CheckpointStore.from_uri(checkpoint_uri(cfg, name), s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
     tags = steps.tags()
-    lease = acquire_lease(store, name, cfg.deploy.checkpoint.lease_timeout_s, steps.log,
-                          tags.get("prefect.flow_run_id") or None)
+    lease = acquire_lease(store, name, timeout_s=cfg.deploy.checkpoint.lease_timeout_s, log=steps.log,
+                          flow_run_id=tags.get("prefect.flow_run_id") or None, what=f"run_name={name!r}")
     try:
+        store.fence(lease.token)  # every attempt's rank 0 commits under this lease's token only
         cfg, _ = store_reward_files(cfg, store)  # a reward file on this machine only reaches rank 0 through the store
         handed = merge(cfg, {"run_name": name, "deploy.state_dir": None, "deploy.checkpoint.uri": base,
                              "deploy.tracking.uri": tracking})  # a node's state directory is its own

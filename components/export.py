@@ -5,10 +5,10 @@ step of every run: an RL run's policy, an SFT or reward-model stage's model), an
 All go through one path: the trained part of a checkpoint (iter_<N>/actor of an RL run, iter_<N>/trainee of a stage)
 is downloaded from the run's store and converted by models/export.py as the checkpoint's manifest says (`export`: the
 part, the task, the job's dtype, and the base a LoRA adapter merges onto with the digest its run recorded), so what a
-run leaves and what `rlhf export` writes for the same iteration are the same files. A run keeps its model beside its
-checkpoints, as `<store>/model/` (sha256-checked like a checkpoint part), and an RL run logs it to its MLflow run as
-the run's model (an MLflow 3 logged model in the transformers flavor, registered under tracking.register_as when
-set).
+run leaves and what `rlhf export` writes for the same iteration are the same files. A job keeps its model beside its
+checkpoints, as `<store>/model/` (sha256-checked like a checkpoint part, every file's sha256 in its summary), and an
+RL run logs it to its MLflow run as the run's model (an MLflow 3 logged model in the transformers flavor, registered
+under tracking.register_as when set).
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from components.tracking.run import checkpoint_uri
 from models.config import RLHFConfig
 from models.deploy import DeployConfig
 from models.export import export_model, export_spec
-from models.resolve import resolve_model
+from models.resolve import file_digests, resolve_model
+from models.tiny_files import manifest_digest
 
 MODEL_KEY = "model"  # where a run keeps its exported model in its store
 PARTS = ("actor", "trainee")  # the trained part of an RL run's checkpoint, of a stage's
@@ -72,16 +73,21 @@ def rl_export_spec(state: dict) -> dict:
                        state.get("models", {}).get("model.policy"))
 
 
-def publish_model(session) -> dict:
-    """The last step of a run (components/runs.py): its final policy exported from its last checkpoint into its
-    store (`model/`) and logged to its MLflow run as the run's model (registered under tracking.register_as when
-    set). Returns where it went: {"model": store URI, "mlflow_model_id": ..., "iteration": N}."""
-    staging = session.local_dir / "export"
-    shutil.rmtree(staging, ignore_errors=True)
-    try:
-        out, iteration = export_checkpoint(session.store, staging / "model", deploy=session.cfg.deploy)
-        uri = session.store.put_dir(out, MODEL_KEY)
-        model_id = session.tracker.log_model(out, step=iteration, register_as=session.cfg.tracking.register_as)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return {"model": uri, "mlflow_model_id": model_id, "iteration": iteration}
+def publish_model(session, config: dict | None = None, log_model: bool = True) -> dict:
+    """The last step of every job that trains a model (components/runs.py): its model exported from its last
+    checkpoint (`config` entries added to its config.json: a reward model's statistics) into its store (`model/`,
+    every file's sha256 beside it), named in its MLflow run (tag model.uri) and, with `log_model` (an RL run's
+    policy), logged to it as the run's model (registered under tracking.register_as when set). Returns {"model": store
+    URI, "model_dir", "files": {path: sha256}, "digest", "iteration", "mlflow_model_id" (when logged)}."""
+    local = session.local_dir / "model"
+    shutil.rmtree(local, ignore_errors=True)
+    out, iteration = export_checkpoint(session.store, local, deploy=session.cfg.deploy, config=config)
+    uri = session.store.put_dir(out, MODEL_KEY)
+    files = file_digests(out)
+    session.tracker.client.set_tag(session.tracker.run_id, "model.uri", uri)
+    published = {"model": uri, "model_dir": str(out), "files": files, "digest": manifest_digest(files),
+                 "iteration": iteration}
+    if log_model:
+        published["mlflow_model_id"] = session.tracker.log_model(out, step=iteration,
+                                                                 register_as=session.cfg.tracking.register_as)
+    return published

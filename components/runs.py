@@ -1,183 +1,104 @@
-"""The one run builder: a training run composed from its config, for `rlhf train` and the Prefect flows alike.
+"""The one job builder: every kind of job (an RL run, SFT, a reward model, DPO, an eval) composed from its config, for
+the CLI (`rlhf train | sft | reward-model | dpo | eval`), the Prefect flows and the pipeline's stages alike.
 
-    prepare the run (models/prepare.py) and read its data (models/data.py): bad input fails before any model loads
-    open or resume its record: the MLflow run and the checkpoint store, its reward files stored there and the
-        provenance of its models recorded (components/tracking/run.py)
-    start the rollout server when the engine holds its own weights (it loads beside the actor)
-    start the actor on its ranks, restored from the run's last checkpoint
-    the run's services: the rollout server given the actor's weights, and what the algorithm scores with (a critic
-        server, a reward server unless the critic carries the reward model), each ready
-    the one training loop (models/loop.py): iterations, held-out evals, metrics, checkpoints
-    the trained model out (components/export.py): the last checkpoint's policy as a Hugging Face model in the run's
-        store and as the MLflow run's model
-    the summary; everything torn down on success, failure and cancellation
+    prepare the job (its kind's: derived config values, its data read): bad input fails before any model loads
+    open or resume its record (components/tracking/run.py, the one session): the run's lease taken and its store
+        fenced, the newest checkpoint that passes its checks downloaded (an older one when the newest fails them),
+        its MLflow run started or continued, tagged with what the job is made of
+    run what the job's kind trains (components/jobs/: rl.py, stages.py, evaluation.py), checkpointing through the
+        session (committed only under the run's lease)
+    its model out (the kind's `publish`: stored beside the checkpoints with every file's sha256; an RL run's also
+        logged to MLflow as the run's model)
+    the summary; the session closed (MLflow FINISHED or FAILED, the lease released) on success, failure and
+        cancellation
 
-How each named step executes is the caller's `Steps` (models/loop.py): directly here (`rlhf train`), as Prefect tasks
-in a flow (components/tasks.py). Where the servers run is the config's `deploy` section.
+A kind is what plugs in: `prepare(cfg) -> (cfg, data)`, `tags(cfg)`, `sources(cfg, store)` (what travels with the
+job and what it reads), `restore_parts(cfg)`, `opened(session)`, `run(session, data, steps) -> result`,
+`publish(session, result, steps) -> model` (none for an eval). How each named step executes is the caller's `Steps`
+(models/loop.py): directly (the CLI), as Prefect tasks of a flow run (components/tasks.py), or nested in a pipeline's
+stage. Where the ranks and servers run is the config's `deploy`.
 
-With the actor on several nodes, the process that calls `train` is the run's controller (components/controller.py)
-and node group 0's rank 0 runs the run: every rank of a node group runs this module (`main`), rank 0 the run the
-controller handed over, the others follow it.
+With the actor on several nodes, the process that calls `train` for an RL run is the run's controller
+(components/controller.py) and node group 0's rank 0 runs the run: every rank of a node group runs this module
+(`main`), rank 0 the run the controller handed over (under the controller's lease: `lease_holder`), the others follow
+it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import sys
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Iterator, Optional
 
 from components.controller import RelaySteps, control, controls, handoff, report
 from components.environment import first_line
-from components.export import publish_model
+from components.jobs.evaluation import Eval
+from components.jobs.rl import RL
+from components.jobs.stages import Stage
 from components.launch.nodes import NO_RESTART_EXIT_CODE
 from components.launch.processes import exit_with_parent
-from components.launch.ranks import actor_ranks, follow
-from components.serving.services import RunServices, rollout_server, run_services
-from components.storage.store import CheckpointStore
+from components.launch.ranks import follow
 from components.storage.lease import LeaseLost, RunLocked
+from components.storage.store import CheckpointStore
+from components.tracking.provenance import provenance as provenance_of
 from components.tracking.run import RunSession, closed_when_done
 from models.config import RLHFConfig
-from models.data import PromptSet
-from models.loop import DIRECT, Leader, Steps, read_data, run_loop
-from models.prepare import prepare_run
+from models.loop import DIRECT, Steps
+
+JOBS = {"rl": RL(), "sft": Stage("sft"), "reward_model": Stage("reward_model"), "dpo": Stage("dpo"), "eval": Eval()}
 
 
-def train(cfg: RLHFConfig, steps: Steps = DIRECT, lease_holder: Optional[str] = None) -> dict:
-    """Run (or resume, by run name) the training run of `cfg` to its last iteration; returns its summary: run name,
-    MLflow run id, iterations, the metrics of each iteration this attempt ran (`history`), its evals and the last
-    checkpoint. With the actor on several nodes this process controls the run instead (components/controller.py);
-    `lease_holder`: node group 0's rank 0 writes under its controller's lease."""
-    cfg = prepare_run(cfg)
-    prompts, evals = read_data(cfg)  # bad data fails here, before any model loads
-    if controls(cfg):
+def train(cfg, steps: Steps = DIRECT, provenance: dict | None = None, lease_holder: Optional[str] = None) -> dict:
+    """Run (or resume, by run name) the job of `cfg` (its `job`: models/config.RLHFConfig, or a stage's or an eval's
+    config from models/stages/config.py) to its end; returns its summary: job, run name, MLflow run id, checkpoint
+    store, steps (RL: iterations), the metrics of each step this attempt ran (`history`), its held-out evals, its
+    last metrics, its provenance record (components/tracking/provenance.py; `provenance`: already computed, a
+    pipeline's stage), what it read (models, data, reward files), its model (URI in the store, local directory, every
+    file's sha256) and what its kind adds. An RL run on several nodes: this process controls it
+    (components/controller.py); `lease_holder`: node group 0's rank 0 writes under its controller's lease."""
+    kind = JOBS[cfg.job]
+    cfg, data = kind.prepare(cfg)  # bad input fails here, before any model loads
+    if cfg.job == "rl" and controls(cfg):
         return control(cfg, steps)
-    with recorded_run(cfg, steps, lease_holder) as session:
-        cfg = session.cfg  # with its reward files stored (reward.files): what every process of the run receives
-        with rollout_server(cfg, session.place, steps) as rollout, actor_on_ranks(cfg, session, steps) as actor, \
-                run_services(cfg, session.place, actor, steps, rollout) as services:
-            log_data(session, prompts, evals, steps)
-            history, evaluations = run_loop(cfg, actor, prompts, evals, RunRecord(session, services, steps), steps)
-            model = steps("export-model", publish_model, session, retries=1)  # the trained model out: store + MLflow
-            steps.log(f"model of iteration {model['iteration']}: {model['model']} (MLflow logged model "
-                      f"{model['mlflow_model_id']})")
-            return {**summary(session, actor, history, evaluations, steps), **model}
+    record = provenance or provenance_of(cfg)  # a pipeline's stage: its key's, of its config as given
+    with recorded(kind, cfg, steps, record, lease_holder) as session:
+        result = kind.run(session, data, steps)
+        model = steps("export-model", kind.publish, session, result, steps, retries=1) \
+            if getattr(kind, "publishes", True) else {}
+        return {"job": cfg.job, "run_name": session.name, "mlflow_run_id": session.tracker.run_id,
+                "checkpoint": session.store.uri, "provenance": record, "models": session.models,
+                "data": session.data, "reward_files": session.reward_files, **result, **model}
 
 
 @contextmanager
-def recorded_run(cfg: RLHFConfig, steps: Steps = DIRECT, lease_holder: Optional[str] = None) -> Iterator[RunSession]:
-    """Open (or resume) the run of a prepared config; on the way out close its MLflow run as FINISHED or FAILED."""
-    with closed_when_done(steps("open-run", open_session, cfg, steps, lease_holder, retries=2)) as session:
+def recorded(kind, cfg, steps: Steps = DIRECT, provenance: dict | None = None,
+             lease_holder: Optional[str] = None) -> Iterator[RunSession]:
+    """The job's session (opened or resumed) for the block; closed on the way out as FINISHED or FAILED."""
+    with closed_when_done(steps("open-run", open_session, kind, cfg, steps, provenance, lease_holder,
+                                retries=2)) as session:
         yield session
 
 
-def open_session(cfg: RLHFConfig, steps: Steps, lease_holder: Optional[str] = None) -> RunSession:
-    """Resolve the run name, download the last complete checkpoint if there is one, start or continue the MLflow run."""
-    # said through steps.log: a lease taken over, a checkpoint passed over
-    session = RunSession.open(cfg, steps.tags(), log=steps.log, lease_holder=lease_holder)
+def open_session(kind, cfg, steps: Steps = DIRECT, provenance: dict | None = None,
+                 lease_holder: Optional[str] = None) -> RunSession:
+    """Resolve the run name, take its lease (or write under its controller's), download the last complete
+    checkpoint if there is one, start or continue the MLflow run tagged with the job's provenance; said in the job's
+    log (a lease taken over, a checkpoint passed over too)."""
+    session = RunSession.open(cfg, {**kind.tags(cfg), **steps.tags()}, log=steps.log, parts=kind.restore_parts(cfg),
+                              provenance=provenance, lease_holder=lease_holder, sources=kind.sources)
+    kind.opened(session)
+    what = f"run {session.name}" if cfg.job == "rl" else f"{cfg.job} run {session.name}"
     if session.resumed_from is not None:
-        steps.log(f"run {session.name}: resuming from checkpoint iteration {session.resumed_from} ({session.store.uri})")
+        unit = "iteration" if cfg.job == "rl" else "step"
+        steps.log(f"{what}: resuming from checkpoint {unit} {session.resumed_from} ({session.store.uri})")
     else:
-        steps.log(f"run {session.name}: new run, checkpoints in {session.store.uri}")
+        steps.log(f"{what}: new run, checkpoints in {session.store.uri}")
     steps.log(f"MLflow run {session.tracker.run_id} at {session.tracker.tracking_uri}")
     return session
-
-
-@contextmanager
-def actor_on_ranks(cfg: RLHFConfig, session: RunSession, steps: Steps = DIRECT) -> Iterator[Leader]:
-    """The actor on all its ranks, restored from the run's checkpoint; every rank stopped on the way out."""
-    with actor_ranks(cfg, session.local_dir / "logs") as actor:
-        if warning := steps("restore-actor", session.restore_actor, actor):
-            steps.log(f"warning: {warning}")
-        yield actor
-
-
-@dataclass
-class RunRecord:
-    """What the training loop records into (models/loop.Record): the run's MLflow run and checkpoint store, scored by
-    the run's services."""
-
-    session: RunSession
-    services: RunServices
-    steps: Steps
-
-    @property
-    def critic(self):
-        return self.services.critic
-
-    @property
-    def reward(self):
-        return self.services.reward
-
-    def guard(self, fn, *args, **kwargs):
-        return self.services.guard(fn, *args, **kwargs)
-
-    def log(self, iteration: int, metrics: dict, samples: list[dict]) -> None:
-        self.session.log(iteration, metrics, samples)
-        if "conversation" in (samples[0] if samples else {}) and self.session.logs_table(iteration):
-            # an environment run's episodes, whole conversations, beside the run as well (MLflow has them too)
-            key = re.sub(r"[^a-z0-9-]+", "-", f"episodes-{self.session.name}".lower()).strip("-")
-            self.steps.table(key[:128], samples, f"Episodes of iteration {iteration} (run {self.session.name}): "
-                                                 f"turns, tool calls and results, reward")
-        m = metrics
-        stale = ""  # an engine with its own weights: how far its sampling is from the trainer's logprobs, and why
-        if "rollout/staleness_max" in m:
-            stale = (f" sampler logp diff {m['sampling/sampling_logp_difference/max']:.1e} "
-                     f"staleness {m['rollout/staleness_max']:g}")
-        gold = f"gold {m['objective/gold_reward']:+.3f} " if "objective/gold_reward" in m else ""
-        tools = (f" tools {m['tools/call_frequency']:.2f}/episode errors {m['env/errors']:g} timeouts "
-                 f"{m['env/timeouts']:g}") if "tools/call_frequency" in m else ""
-        self.steps.log(f"iteration {iteration}/{self.session.cfg.iterations}: {gold}reward {m['reward']:+.3f} "
-                       f"KL {m['objective/kl']:.3f} step {m['step_time']:.2f}s{stale}{tools}")
-
-    def log_eval(self, iteration: int, metrics: dict, rows: list[dict]) -> None:
-        """An eval's metrics at step=iteration, its samples as an MLflow table and a table beside the run."""
-        self.session.log_eval(iteration, metrics, rows)
-        text = f"eval at iteration {iteration}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
-        key = re.sub(r"[^a-z0-9-]+", "-", f"eval-{self.session.name}".lower()).strip("-")
-        self.steps.table(key[:128], rows, f"Held-out {text} (run {self.session.name})")
-        self.steps.log(text)
-
-    def checkpoint(self, actor: Leader) -> str:
-        """critic_save on the critic, then actor (all ranks) + critic + manifest into the store; `latest` last."""
-        critic_info = self.critic.save() if self.critic is not None else None
-        uri = self.session.save(actor, critic_info)
-        self.steps.log(f"checkpoint iteration {actor.state.iteration}: {uri}")
-        return uri
-
-
-def log_data(session: RunSession, prompts: PromptSet, evals: PromptSet | None, steps: Steps = DIRECT) -> None:
-    """What the run reads: counts in the log and in MLflow (data/rows, data/filtered_rows, eval/rows at step 0)."""
-    counts = {"data/rows": len(prompts), "data/filtered_rows": prompts.filtered, "data/truncated_rows": prompts.truncated}
-    note = f"data: {len(prompts)} prompts from {prompts.source}"
-    if prompts.filtered or prompts.truncated:
-        note += (f" ({prompts.filtered} filtered, {prompts.truncated} truncated: longer than "
-                 f"data.max_prompt_length={session.cfg.data.max_prompt_length})")
-    if evals is not None:
-        counts.update({"eval/rows": len(evals), "eval/filtered_rows": evals.filtered})
-        note += f"; eval: {len(evals)} prompts from {evals.source}"
-    session.tracker.log_side_metrics(counts, step=0)
-    steps.log(note)
-
-
-HEADLINE = ("reward", "reward_std", "kl")  # with objective/* and rewards/*: the last iteration's, in a summary
-
-
-def summary(session: RunSession, actor: Leader, history: list[dict], evaluations: list[dict],
-            steps: Steps = DIRECT) -> dict:
-    """What a run returns (a flow run's result; `rlhf train --summary-out`)."""
-    steps.log(f"run {session.name} finished: {actor.state.iteration} iterations on {actor.me.world_size} actor rank(s)")
-    final = history[-1] if history else {}
-    return {"run_name": session.name, "mlflow_run_id": session.tracker.run_id, "iterations": actor.state.iteration,
-            "checkpoint": session.store.uri, "models": session.models, "data": session.data,
-            "reward_files": session.reward_files,
-            "final": {k: v for k, v in final.items() if k in HEADLINE or k.startswith(("objective/", "rewards/"))},
-            "history": history, "evals": evaluations}
 
 
 # ---------------------------------------------------------------- a rank of a node group

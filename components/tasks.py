@@ -1,6 +1,6 @@
-"""How a training flow runs the run builder (components/runs.py) as Prefect sees it: each named step a task of the
-flow run, each message in its log, each table and the progress an artifact; the flow run's config deep-merged over
-its deployment's parameters; a failure's first line as the flow run's state message."""
+"""How a job's flow runs the job builder (components/runs.py) as Prefect sees it: each named step a task of the flow
+run, each message in its log, each table and the progress an artifact; the flow run's config deep-merged over its
+deployment's parameters; a failure's first line as the flow run's state message."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from components.environment import first_line
 from components.runs import train
 from models.config import RLHFConfig, deep_merge, from_layers, run_name_for
 from models.loop import Steps
+from models.stages.config import STAGE_RUNS
 
 FLOW_PARAMETERS = ("config", "deploy")  # a training flow's parameters: what the run trains, where it runs
 
@@ -66,11 +67,24 @@ def given_parameters() -> dict:
 
 
 def train_flow(algorithm: str, config, deploy) -> dict:
-    """The body of a training flow: its run (named after the flow run unless it has a name) built and run with its
-    steps as this flow run's tasks."""
+    """The body of a training flow (ppo, reinforce): its run, as `job_flow` runs it."""
     with reported_failure():
-        cfg = flow_config(config, deploy, algorithm)
-        return train(cfg.model_copy(update={"run_name": cfg.run_name or flow_run.get_name()}), FlowSteps())
+        return job_flow(flow_config(config, deploy, algorithm))
+
+
+def stage_flow(stage: str, config, deploy) -> dict:
+    """The body of a stage's flow (sft, reward-model, dpo): its run, as `job_flow` runs it; the summary without its
+    per-step history (the flow run's result: the model, its digests, the held-out evals)."""
+    with reported_failure():
+        merged = merged_parameters(config, deploy)
+        cfg = STAGE_RUNS[stage].model_validate({**merged["config"], "deploy": merged["deploy"]})
+        return {k: v for k, v in job_flow(cfg).items() if k != "history"}
+
+
+def job_flow(cfg) -> dict:
+    """A job (named after the flow run unless it has a name) built and run by the one job builder, its steps as this
+    flow run's tasks."""
+    return train(cfg.model_copy(update={"run_name": cfg.run_name or flow_run.get_name()}), FlowSteps())
 
 
 def flow_run_namer(algorithm: str) -> Callable[[], str]:

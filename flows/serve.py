@@ -9,7 +9,7 @@ from flows.compare import compare
 from flows.ppo import ppo
 from flows.reinforce import reinforce
 from flows.servers import critic_server, reward_server, rollout_server
-from flows.stages import pipeline, reward_model, sft
+from flows.stages import dpo, pipeline, reward_model, sft
 from flows.sweep import EXAMPLE_CONFIG, EXAMPLE_SWEEP, sweep_flow
 
 
@@ -30,9 +30,13 @@ def deployments():
         reward_model.to_deployment(name="default", parameters={"config": {}, "deploy": {}},
                                    description="A Bradley-Terry reward model on preference pairs (the embedded "
                                                "default: builtin:sentiment_preference)"),
+        dpo.to_deployment(name="default", parameters={"config": {}, "deploy": {}},
+                          description="DPO on preference pairs against the frozen model it starts from (the embedded "
+                                      "default: the tiny policy, builtin:sentiment_preference)"),
         pipeline.to_deployment(name="default", parameters={"config": {}, "deploy": {}},
-                               description="sft -> reward_model -> rl -> eval on the embedded default, each stage "
-                                           "reused when nothing it was made from changed (Cached)"),
+                               description="sft -> reward_model -> rl -> eval (sft -> dpo -> eval with a dpo section) on "
+                                           "the embedded default, each stage reused when nothing it was made from "
+                                           "changed (Cached)"),
         sweep_flow.to_deployment(name="default", parameters={"config": EXAMPLE_CONFIG.model_dump(mode="json", exclude_unset=True),
                                                               "sweep": EXAMPLE_SWEEP.model_dump(mode="json")},
                                  description="A hyperparameter sweep (Optuna): trials are runs of ppo/default or "

@@ -60,9 +60,12 @@ def sweep_flow(config: RunConfig = EXAMPLE_CONFIG, sweep: SweepConfig = EXAMPLE_
     by iteration, the eval stage's metrics at step 0)."""
     given_deploy = deploy.model_dump(mode="json", exclude_unset=True)
     if pipeline is not None:
+        if pipeline.dpo is not None:
+            raise SweepError("pipeline: a pipeline sweep varies the pipeline's RL stage, and this pipeline has a dpo "
+                             "section instead (sft -> dpo -> eval)")
         config = merge(pipeline.rl, {"tracking.experiment": pipeline.tracking.experiment})
     config = RLHFConfig.of(config, deploy)
-    space = check_sweep(config, sweep)  # bad input fails here, before any trial starts
+    space = check_sweep(config, sweep, pipeline=pipeline is not None)  # bad input fails here, before any trial starts
     if pipeline is None:
         deployment = training_deployment(config)  # ppo/default or reinforce/default, which must exist
         parameters = lambda cfg: {"config": cfg.run.model_dump(mode="json"),  # noqa: E731

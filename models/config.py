@@ -25,8 +25,9 @@ import math
 import re
 import secrets
 import time
+import typing
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, Field, PositiveInt, create_model, model_validator
@@ -324,6 +325,7 @@ RunConfig = create_model(
 class RLHFConfig(RunConfig):
     """A run as its processes receive it: what it trains (the run's config) and where its parts run (`deploy`)."""
 
+    job: ClassVar[str] = "rl"  # what components/runs.py builds for it (the other jobs: models/stages/config.py)
     deploy: DeployConfig = Field(default_factory=DeployConfig, description="Where the run's parts run (set by the deployment).")
 
     @model_validator(mode="after")
@@ -348,6 +350,11 @@ class RLHFConfig(RunConfig):
         return RunConfig.model_validate(self.model_dump(exclude={"deploy"}))
 
     @property
+    def name_prefix(self) -> str:
+        """Of a generated run name: '<algorithm>-<timestamp>-<random>'."""
+        return self.algorithm
+
+    @property
     def critic_carries_reward(self) -> bool:
         """Whether the critic serves the reward model's scores too (critic.combine_reward with a reward model; a
         reward function is scored where deploy.reward says)."""
@@ -370,10 +377,12 @@ class RLHFConfig(RunConfig):
         return self.resolve_model(value).path
 
 
-def run_name_for(cfg: RunConfig) -> str:
-    """The run's name: its run_name, or '<algorithm>-<timestamp>-<random>' (two unnamed runs started in the same
+def run_name_for(cfg) -> str:
+    """A job's run name, whatever the job (an RL run, a stage, an eval): its run_name, or
+    '<name_prefix>-<timestamp>-<random>' (an RL run's algorithm, a stage's name: two unnamed runs started in the same
     second get names of their own)."""
-    return cfg.run_name or f"{cfg.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    prefix = getattr(cfg, "name_prefix", None) or cfg.algorithm  # a RunConfig (no deployment yet): its algorithm
+    return cfg.run_name or f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
 def with_schedule_lengths(cfg: RLHFConfig) -> RLHFConfig:
@@ -482,16 +491,30 @@ def load_config(path: str | Path | None = None, preset_name: str = "auto", overr
 
 
 def describe(section=None, prefix: str = "") -> list[tuple[str, str, str, str]]:
-    """(dotted field, type, default, description) of every field of the tree (an RLHFConfig of field defaults unless
-    `section` is given), depth first: what `rlhf config --describe` prints."""
+    """(dotted field, type, default, description) of every field of a config tree (an RLHFConfig of field defaults
+    unless `section` is given: any config, a pipeline's, a stage's, a sweep's), depth first; a section that is absent
+    by default (Optional) is described with its fields too: what `rlhf config --describe` prints."""
     section = section if section is not None else RLHFConfig()
     rows = []
     for name, field in type(section).model_fields.items():
         value, annotation = getattr(section, name), field.annotation
-        if isinstance(value, BaseModel):
-            rows.append((f"{prefix}{name}", "section", "", field.description or ""))
-            rows += describe(value, f"{prefix}{name}.")
+        nested = value if isinstance(value, BaseModel) else optional_section(annotation)
+        if nested is not None:
+            rows.append((f"{prefix}{name}", "section", "" if value is not None else "None (absent unless given)",
+                         field.description or ""))
+            rows += describe(nested, f"{prefix}{name}.")
             continue
         kind = annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
         rows.append((f"{prefix}{name}", kind, repr(value), field.description or ""))
     return rows
+
+
+def optional_section(annotation) -> BaseModel | None:
+    """The default instance of the section an Optional[Section] field holds when given; None for any other field."""
+    for arg in typing.get_args(annotation):
+        if isinstance(arg, type) and issubclass(arg, BaseModel):
+            try:
+                return arg()
+            except ValueError:  # a section with required fields
+                return None
+    return None

@@ -7,7 +7,7 @@ no-ops.
 
 `run_loop` is the one training loop: the iteration, the held-out eval schedule (at 0, every eval.every, at the end;
 not repeated at a resume point) and the checkpoint cadence. How each part runs is the caller's `Steps`: directly
-(`rlhf train`), or as the flow's Prefect tasks (components/tasks.py); the run builder (components/runs.py) composes
+(`rlhf train`), or as the flow's Prefect tasks (components/tasks.py); the job builder (components/runs.py) composes
 the run around it for both.
 """
 
@@ -309,7 +309,7 @@ class Steps:
     """How the named steps of a run execute and where its messages go: here, directly (`rlhf train`: printed). A
     flow passes components.tasks.FlowSteps: each step a Prefect task of the flow run (named as the UI shows it),
     each message in the run's log, each table a Prefect artifact. The one seam between a run and what executes it:
-    the run builder (components/runs.py), the training loop and the servers' start-up all go through it."""
+    the job builder (components/runs.py), the training loop and the servers' start-up all go through it."""
 
     def __call__(self, name: str, fn: Callable, *args, retries: int = 0, **kwargs):
         return fn(*args, **kwargs)
@@ -332,7 +332,7 @@ DIRECT = Steps()
 
 
 class Record(Protocol):
-    """Where the loop's results go and how it checkpoints (components/runs.RunRecord: MLflow and the run's
+    """Where the loop's results go and how it checkpoints (components/jobs/rl.RunRecord: MLflow and the run's
     checkpoint store), and what it scores with: the run's `critic` and `reward` backends, each call made through
     `guard` (a failure while a server of the run is gone names that server)."""
 

@@ -101,3 +101,37 @@ def reward_metrics(chosen: Tensor, rejected: Tensor) -> dict[str, Tensor]:
     both = torch.cat([chosen, rejected])
     return {"accuracy": (chosen > rejected).float().mean(), "margin": (chosen - rejected).mean(),
             "min_reward": both.min(), "mean_reward": both.mean(), "max_reward": both.max()}
+
+
+def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor, ref_rejected_logps: Tensor,
+             beta: float, loss_type: str = "sigmoid", chosen_tokens: Tensor | None = None,
+             rejected_tokens: Tensor | None = None) -> tuple[Tensor, dict]:
+    """Direct preference optimisation over pairs [B], as TRL 1.16's DPOTrainer computes it, from each completion's
+    log-probability summed over its tokens under the policy and the frozen reference:
+
+        log-ratio  h = log pi(y) - log pi_ref(y)            (chosen: h_w, rejected: h_l)
+        'sigmoid'  -mean(log sigmoid(beta (h_w - h_l)))      (Rafailov et al. 2023)
+        'ipo'      mean((h_w / n_w - h_l / n_l - 1 / (2 beta))^2)   (Azar et al. 2023; n: completion tokens, TRL's
+                   length normalisation)
+
+    Stats with TRL's names: rewards/chosen and rewards/rejected (the mean implicit reward beta h), rewards/accuracies
+    (share of pairs whose chosen implicit reward exceeds the rejected one's), rewards/margins (mean beta (h_w - h_l)),
+    logps/chosen and logps/rejected (the mean summed log-probabilities under the policy)."""
+    chosen_ratio, rejected_ratio = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    if loss_type == "sigmoid":
+        per_pair = -torch.nn.functional.logsigmoid(beta * (chosen_ratio - rejected_ratio))
+    elif loss_type == "ipo":
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("dpo_loss: loss_type='ipo' needs the completions' token counts")
+        per_pair = (chosen_ratio / chosen_tokens.clamp(min=1) - rejected_ratio / rejected_tokens.clamp(min=1)
+                    - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"dpo.loss_type: {loss_type!r} is not 'sigmoid' or 'ipo'")
+    loss = per_pair.mean()
+    with torch.no_grad():
+        chosen_reward, rejected_reward = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+        stats = {"loss": loss.detach(), "rewards/chosen": chosen_reward.mean(), "rewards/rejected": rejected_reward.mean(),
+                 "rewards/accuracies": (chosen_reward > rejected_reward).to(chosen_reward.dtype).mean(),
+                 "rewards/margins": (chosen_reward - rejected_reward).mean(),
+                 "logps/chosen": chosen_logps.detach().mean(), "logps/rejected": rejected_logps.detach().mean()}
+    return loss, stats

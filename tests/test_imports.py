@@ -146,7 +146,7 @@ def test_no_cycles_between_the_subpackages_of_components():
     assert found == [], "cycles between the parts of components/:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
-ROLLOUT_SERVER = (*(f"components.serving.rollout.{m}" for m in ("app", "weights", "body", "main", "openai")),
+ROLLOUT_SERVER = (*(f"components.serving.rollout.{m}" for m in ("app", "weights", "body", "main", "group", "openai")),
                   "models.chat")  # the chat templates and tool-call parsing, the trainer's too
 
 

@@ -8,9 +8,13 @@ from pathlib import Path
 import yaml
 
 from components.cli.options import parse_overrides
+from components.pipeline.config import PipelineFile
 from components.cli.progress import ProgressSteps
 from components.runs import train
-from models.config import PRESETS, describe, load_config
+from components.sweep.config import SweepConfig
+from models.config import PRESETS, RLHFConfig, describe, load_config
+from models.deploy import DeployConfig
+from models.stages.config import STAGE_RUNS
 from models.tiny import build_tiny
 
 # Where `rlhf train`'s parts run unless its config says otherwise: the critic and reward model in this process (no
@@ -35,11 +39,21 @@ def cmd_models_tiny(args) -> int:
     return 0
 
 
+def described(what: str):
+    """The config tree `rlhf config --describe WHAT` prints: a default instance of it."""
+    if what == "run":
+        return RLHFConfig()
+    if what == "sweep":
+        return SweepConfig.model_construct(name="<name>", space={})
+    return {"deploy": DeployConfig, "pipeline": PipelineFile}.get(what, STAGE_RUNS.get(what.replace("-", "_")))()
+
+
 def cmd_config(args) -> int:
-    """The resolved config as YAML, or with --describe every field with its type, default and description."""
+    """The resolved config as YAML, or with --describe [WHAT] every field of a config tree (a run's by default; a
+    deployment's, a pipeline's, a stage's, an eval's, a sweep's) with its type, default and description."""
     if args.describe:
-        tiny = PRESETS["tiny"]()
-        for field, kind, default, description in describe():
+        tiny = PRESETS["tiny"]() if args.describe == "run" else {}
+        for field, kind, default, description in describe(described(args.describe)):
             preset = f"; tiny preset {tiny[field]!r}" if field in tiny else ""
             print(f"{field}:" if kind == "section" else f"{field}  ({kind}, default {default}{preset})")
             print(f"    {description}")
@@ -50,7 +64,7 @@ def cmd_config(args) -> int:
 
 
 def cmd_train(args) -> int:
-    """A training run in this process, through the same run builder as a flow run (components/runs.py): it
+    """A training run in this process, through the same job builder as a flow run (components/runs.py): it
     checkpoints, resumes by run_name, logs to MLflow (the local stack's server when `rlhf up` runs, else the state
     directory's store) and runs the held-out eval. Its critic and reward model run in this process unless
     `--set deploy.critic.launch=local` (etc.) says otherwise."""

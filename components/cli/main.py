@@ -3,7 +3,8 @@ it runs, so `rlhf up`, `status` and `--help` start without loading torch, Triton
 
     rlhf models tiny | config | train          components/cli/commands.py
     rlhf export                                 components/cli/export.py (a run's model as a Hugging Face directory)
-    rlhf sft | reward-model | pipeline          components/cli/stages.py (the stages before RL; the whole pipeline)
+    rlhf sft | reward-model | dpo | eval        components/cli/stages.py (the jobs other than RL)
+    rlhf pipeline                               components/cli/stages.py (the whole pipeline)
     rlhf serve critic|reward                    components/cli/serve.py (a server in the foreground)
     rlhf up | down | status | demo              components/launch/stack.py (the local Prefect + MLflow + deployments stack)
     rlhf compare                                components/cli/compare.py (PPO vs RLOO from MLflow; a sweep's trials)
@@ -23,7 +24,8 @@ from components.cli.options import add_config_args
 from components.launch import stack
 from components.sweep.config import SweepConfig
 
-PROGRESS_COMMANDS = ("train", "export")  # commands a user watches: the Hugging Face download bars stay on
+PROGRESS_COMMANDS = ("train", "export")
+DESCRIBED = ("run", "deploy", "pipeline", "sft", "reward-model", "dpo", "eval", "sweep")  # rlhf config --describe WHAT  # commands a user watches: the Hugging Face download bars stay on
 
 SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-5 ...] [--model PATH] [--reward PATH] [--no-combine]
                       [--port 8400] [--checkpoint-dir DIR] [--checkpoint-uri s3://bucket/run] [--restore-iteration N]
@@ -140,10 +142,18 @@ optionally `deploy` (where its ranks and servers run; the RL stage's critic and 
 unless it says otherwise). The same flow is the pipeline/default deployment."""
 
 
+STAGE_COMMANDS = (  # (command, job, what it does)
+    ("sft", "sft", "supervised fine-tuning on completions (TRL's prompt/completion or messages rows)"),
+    ("reward-model", "reward_model", "a Bradley-Terry reward model on preference pairs (prompt, chosen, rejected)"),
+    ("dpo", "dpo", "direct preference optimisation on preference pairs (prompt, chosen, rejected), against the frozen "
+                   "model it starts from"),
+    ("eval", "eval", "a policy against a reference policy on held-out prompts, judged by a reward model and a gold reward"),
+)
+
+
 def add_stage_parsers(sub) -> None:
-    """`rlhf sft`, `rlhf reward-model` (components/cli/stages.py) and `rlhf pipeline`."""
-    for name, stage, text in (("sft", "sft", "supervised fine-tuning on completions (TRL's prompt/completion or messages rows)"),
-                              ("reward-model", "reward_model", "a Bradley-Terry reward model on preference pairs (prompt, chosen, rejected)")):
+    """`rlhf sft | reward-model | dpo | eval` (components/cli/stages.py) and `rlhf pipeline`."""
+    for name, stage, text in STAGE_COMMANDS:
         p = sub.add_parser(name, help=f"{text}, in this process (checkpoints, resume by run_name, MLflow)")
         p.add_argument("--config", help=f"YAML file with any subset of the run's tree (model, {stage}, seed, tracking, checkpoint, deploy)")
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help=f"override, e.g. --set {stage}.optim.lr=1e-4 (repeatable)")
@@ -184,8 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     config = sub.add_parser("config", help="print the resolved config (or, with --describe, every field and what it means)")
     add_config_args(config)
-    config.add_argument("--describe", action="store_true", help="print every field of the config tree with its type, "
-                        "default and description instead")
+    config.add_argument("--describe", nargs="?", const="run", metavar="WHAT", choices=DESCRIBED,
+                        help="print every field of a config tree with its type, default and description instead: "
+                             f"{', '.join(DESCRIBED)} (default: run, what `rlhf train` takes, its deploy section "
+                             "included)")
     config.set_defaults(run="components.cli.commands:cmd_config")
 
     train = sub.add_parser("train", help="a training run in this process (checkpoints, resume by run_name, MLflow, eval; no Prefect)")

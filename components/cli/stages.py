@@ -1,12 +1,13 @@
-"""`rlhf sft`, `rlhf reward-model` and `rlhf pipeline`: the stages before RL and the whole pipeline in this process,
-through the same run builders as their flows (components/stages.py, components/pipeline/run.py)."""
+"""`rlhf sft`, `rlhf reward-model`, `rlhf dpo`, `rlhf eval` and `rlhf pipeline`: a job other than an RL run, and the
+whole pipeline, in this process, through the same job builder as their flows (components/runs.py,
+components/pipeline/run.py)."""
 
 from __future__ import annotations
 
 from components.cli.files import load_tree, write_summary
 from components.pipeline.config import PipelineFile
 from components.pipeline.run import run_pipeline
-from components.stages import train_stage
+from components.runs import train
 from models.stages.config import STAGE_RUNS
 
 # Where `rlhf pipeline`'s RL stage runs its critic and reward model unless the file says otherwise: in this process,
@@ -15,9 +16,9 @@ PIPELINE_DEPLOY = {"critic": {"launch": "in_process"}, "reward": {"launch": "in_
 
 
 def cmd_stage(args) -> int:
-    """A stage run (sft or reward_model) in this process: checkpoints, resume by run_name, MLflow, held-out eval."""
-    cfg = load_tree(STAGE_RUNS[args.stage], args.config, args.set)
-    result = train_stage(cfg)
+    """A stage run (sft, reward_model, dpo) or an eval in this process: checkpoints, resume by run_name, MLflow,
+    held-out eval."""
+    result = train(load_tree(STAGE_RUNS[args.stage], args.config, args.set))
     write_summary(result, args.summary_out)
     return 0
 

@@ -25,7 +25,7 @@ from components.sweep.space import SweepError, check_sweep
 from models.config import RLHFConfig, merge, nested
 from models.deploy import DeployConfig
 
-PIPELINE_ONLY = {"base_model", "sft", "reward_model", "rl"}  # keys of a pipeline's file that a run's config has not
+PIPELINE_ONLY = {"base_model", "sft", "reward_model", "rl", "dpo"}  # keys of a pipeline's file that a run's config has not
 
 
 class NumberLoader(yaml.SafeLoader):
@@ -69,12 +69,15 @@ def cmd_sweep(args) -> int:
     if is_pipeline(args.config):  # trials over the pipeline's RL stage (--space fields of its rl section)
         given = load_tree(PipelineFile, args.config, args.set)
         pipeline = given.pipeline
+        if pipeline.dpo is not None:
+            raise SystemExit("invalid sweep: a pipeline sweep varies the pipeline's RL stage, and this pipeline has a "
+                             "dpo section instead (sft -> dpo -> eval)")
         config = RLHFConfig.of(merge(pipeline.rl, {"tracking.experiment": pipeline.tracking.experiment}), given.deploy)
     else:
         config = load_cli_config(args)
     sweep = load_sweep(args)
     try:
-        check_sweep(config, sweep)
+        check_sweep(config, sweep, pipeline=pipeline is not None)
     except SweepError as exc:
         raise SystemExit(f"invalid sweep: {exc}") from None
     env = project_env()

@@ -31,16 +31,14 @@ from models import distributed
 from models.config import RLHFConfig
 from models.loop import Leader, build_actor, execute
 from models.stages.config import STAGE_RUNS
-from models.stages.train import StageLeader, build_stage, execute_stage
-
-RL = "rl"  # the job of an RL run's ranks; the stages before RL name theirs (models/stages/config.STAGES)
-
+from models.stages.kinds import build_stage
+from models.stages.train import StageLeader, execute_stage
 
 def job(name: str):
     """What the ranks of a job are given, build and execute: (config class, build(cfg, me), execute(state, cfg,
-    command), rank 0's Leader class). `rl`: the actor (models/loop.py); `sft` / `reward_model`: the stages before
-    RL (models/stages/train.py)."""
-    if name == RL:
+    command), rank 0's Leader class). `rl`: the actor (models/loop.py); `sft` / `reward_model` / `dpo`: a stage's
+    trainee (models/stages/train.py)."""
+    if name == RLHFConfig.job:
         return RLHFConfig, build_actor, execute, Leader
     return STAGE_RUNS[name], build_stage, execute_stage, StageLeader
 
@@ -96,10 +94,11 @@ class Followers:
 
 
 @contextmanager
-def actor_ranks(cfg: RLHFConfig, log_dir: Path, name: str = RL) -> Iterator[Leader]:
+def actor_ranks(cfg, log_dir: Path) -> Iterator[Leader]:
     """The actor on all its ranks, this process being rank 0; followers are stopped on exit, whatever happened.
     `cfg` is prepared (models/prepare.py: absolute state dir, schedule lengths, reward transport): the ranks get it
-    as it is. `name`: the job (`job`): an RL run's actor, or the trainee of a stage before RL on the same ranks."""
+    as it is. Its job (`cfg.job`, see `job`): an RL run's actor, or a stage's trainee on the same ranks."""
+    name = cfg.job
     _, build, _, leader_class = job(name)
     outer = distributed.from_env()  # torchrun (several nodes) made us a rank already
     followers = None

@@ -215,7 +215,7 @@ def _require_free(port: int, what: str) -> None:
 
 DEPLOYMENTS = ("ppo/default", "reinforce/default", "critic-server/default", "reward-server/default",
                "rollout-server/default", "compare/default", "sweep/default", "sft/default", "reward-model/default",
-               "pipeline/default")
+               "dpo/default", "pipeline/default")
 
 
 def _wait_deployments(api_url: str, pid: int, state: Path, timeout: float) -> None:

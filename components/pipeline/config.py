@@ -8,8 +8,10 @@ stage. Light (pydantic and the config tree only): the CLI's parser and a sweep's
     rl            an RL run's config (models/config.RunConfig) whose model fields are filled from upstream: the policy
                   and its reference = the SFT model, the reward model = the RM stage's, PPO's critic initialised from
                   the reward model (NeMo-Aligner); its run name and MLflow parent are the pipeline's
-    eval          the RL policy against the SFT policy on held-out prompts, judged by the reward model (and the gold
-                  reward when one is given)
+    dpo           instead of reward_model + rl: DPO of the SFT model on preference pairs, its frozen reference the SFT
+                  model (sft -> dpo -> eval)
+    eval          the trained policy (RL's or DPO's) against the SFT policy on held-out prompts, judged by the reward
+                  model (a DPO pipeline's: eval.judge) and the gold reward when one is given
 
 The defaults are the embedded default: every stage on the tiny models and the shipped task's builtin data.
 """
@@ -18,15 +20,17 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, PositiveInt, ValidationInfo, field_validator
+from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_validator
 
-from models.config import (PROMPT_SOURCES, RUN_NAME_PATTERN, CheckpointConfig, EvalConfig, RunConfig, deep_merge, preset,
+from models.config import (RUN_NAME_PATTERN, CheckpointConfig, EvalConfig, RunConfig, deep_merge, is_tiny_policy, preset,
                            preset_for)
 from models.deploy import DeployConfig
 from models.sections import Section
-from models.stages.config import RewardModelConfig, SFTConfig
+from models.stages.config import DPOConfig, EvalSection, RewardModelConfig, SFTConfig
 
-STAGE_ORDER = ("sft", "reward_model", "rl", "eval")
+STAGE_ORDER = ("sft", "reward_model", "rl", "dpo", "eval")  # every stage a pipeline may have, in order
+RL_STAGES = ("sft", "reward_model", "rl", "eval")
+DPO_STAGES = ("sft", "dpo", "eval")
 # the RL stage's held-out eval by default: the reward model's score and the gold reward along the run, sampled (the
 # greedy answers of the tiny policies are all alike)
 EXAMPLE_RL_EVAL = EvalConfig(prompts="builtin:sentiment", every=4, temperature=1.0, samples_per_prompt=4)
@@ -41,20 +45,15 @@ class PipelineRewardModel(RewardModelConfig):
     init: Literal["sft", "base"] = Field("sft", description="What the reward model is trained from: the SFT stage's model (InstructGPT, OpenRLHF, NeMo-Aligner) or base_model; a new score head either way.")
 
 
-class PipelineEval(Section):
-    """The eval stage: the RL policy against the SFT policy on held-out prompts."""
+class PipelineDPO(DPOConfig):
+    """The DPO stage: the SFT model trained on preference pairs against itself, frozen (its reference)."""
 
-    prompts: str = Field("builtin:sentiment", description=f"Held-out prompts: {PROMPT_SOURCES}.")
-    subset: Optional[str] = Field(None, description="Configuration (subset) of `prompts`, as data.subset.")
-    revision: Optional[str] = Field(None, description="Hub revision of `prompts`, as data.revision.")
-    split: str = Field("test", description="Split of `prompts` to read (a single file is this split).")
-    prompt_key: str = Field("prompt", description="Column holding the prompt (a string or chat messages).")
-    max_prompts: Optional[PositiveInt] = Field(None, description="Evaluate on the first N prompts only (None = all).")
-    samples_per_prompt: PositiveInt = Field(4, description="Responses each policy samples per prompt; the win rate pairs the j-th of one with the j-th of the other.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature of both policies (0 = greedy: one response each tells little when both policies are near-deterministic).")
+
+class PipelineEval(EvalSection):
+    """The eval stage: the trained policy (RL's or DPO's) against the SFT policy on held-out prompts."""
+
     max_new_tokens: Optional[PositiveInt] = Field(None, description="Longest response; None = rl.generation.max_new_tokens.")
-    gold: Optional[str] = Field("models.tasks.sentiment:gold_reward", pattern=r"^[\w.]+:\w+$", description="Gold reward 'package.module:function(prompts, responses)' read beside the reward model's score (proxy vs gold, as Gao et al. measure over-optimisation); None = no gold.")
-    table_rows: PositiveInt = Field(32, description="Prompts shown in the sample table (Prefect artifact and MLflow table).")
+    judge: Optional[str] = Field(None, description="The reward model that judges a DPO pipeline's eval (a directory, hub id or tiny/<name>); None = reward_model.model when given, else the embedded tiny/reward for the embedded base model. A pipeline with an RL stage is judged by its reward model.")
 
 
 class PipelineTracking(Section):
@@ -73,10 +72,33 @@ class PipelineConfig(Section):
     sft: PipelineSFT = Field(default_factory=PipelineSFT, description="Supervised fine-tuning on completions.")
     reward_model: PipelineRewardModel = Field(default_factory=PipelineRewardModel, description="The Bradley-Terry reward model.")
     rl: RunConfig = Field(default_factory=lambda: RunConfig(algorithm="rloo", eval=EXAMPLE_RL_EVAL), validate_default=True, description="The RL stage: an RL run's config; its model.policy, model.reward and model.critic, run_name, seed and MLflow parent are set by the pipeline; what it leaves unset gets the preset of base_model (the tiny preset for tiny/policy).")
-    eval: PipelineEval = Field(default_factory=PipelineEval, description="The RL policy against the SFT policy on held-out prompts.")
+    dpo: Optional[PipelineDPO] = Field(None, description="A DPO stage instead of reward_model and rl: the pipeline runs sft -> dpo -> eval (None = sft -> reward_model -> rl -> eval).")
+    eval: PipelineEval = Field(default_factory=PipelineEval, description="The trained policy against the SFT policy on held-out prompts.")
     tracking: PipelineTracking = Field(default_factory=PipelineTracking, description="MLflow lineage.")
-    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=50), description="Checkpoints of the SFT and reward-model stages (every N optimizer steps, and at the end); the RL stage's are rl.checkpoint.")
+    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=50), description="Checkpoints of the SFT, reward-model and DPO stages (every N optimizer steps, and at the end); the RL stage's are rl.checkpoint.")
 
+
+    @property
+    def stages(self) -> tuple[str, ...]:
+        """The stages this pipeline runs, in order."""
+        return DPO_STAGES if self.dpo is not None else RL_STAGES
+
+    @model_validator(mode="after")
+    def _each_stage_has_what_it_needs(self) -> "PipelineConfig":
+        if self.dpo is None and not self.rl.data.prompts:
+            raise ValueError(f"rl.data.prompts: not set; base_model '{self.base_model}' is not the embedded tiny policy, "
+                             f"so the RL stage's prompts must be named (a local file or folder, a hub data set id, or "
+                             f"builtin:<task>)")
+        if self.dpo is not None and self.judge is None:
+            raise ValueError(f"eval.judge: not set; a DPO pipeline's eval needs a reward model to judge with, and "
+                             f"base_model '{self.base_model}' has no embedded one (give eval.judge or reward_model.model)")
+        return self
+
+    @property
+    def judge(self) -> str | None:
+        """The reward model that judges the eval stage of a DPO pipeline (eval.judge, else reward_model.model, else
+        the embedded base model's own)."""
+        return self.eval.judge or self.reward_model.model or ("tiny/reward" if is_tiny_policy(self.base_model) else None)
 
     @field_validator("rl", mode="before")
     @classmethod

@@ -14,7 +14,7 @@ from components.tracking.tracker import Tracker, get_or_create_experiment
 from models.config import RLHFConfig
 from models.deploy import DeployConfig
 
-REGISTERED = {"sft": "sft", "reward_model": "reward-model", "rl": "policy"}  # '<register_as>-<suffix>'
+REGISTERED = {"sft": "sft", "reward_model": "reward-model", "rl": "policy", "dpo": "policy"}  # '<register_as>-<suffix>'
 
 
 class PipelineRun:
@@ -73,13 +73,6 @@ class PipelineRun:
             client.create_model_version(name, source=record["model"], run_id=source, tags=tags,
                                         model_id=model.model_id)
         return model.model_id
-
-    def nested(self, name: str, tags: dict[str, str] | None = None) -> Tracker:
-        """A run nested under the pipeline's (the eval stage's)."""
-        tracker = Tracker(self.tracking_uri, self.cfg.tracking.experiment, name,
-                          tags={"mlflow.parentRunId": self.run_id, "pipeline": self.cfg.name, **(tags or {})},
-                          system_metrics=False)
-        return tracker
 
     def close(self, status: str) -> None:
         self.tracker.end(status)

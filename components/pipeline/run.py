@@ -1,30 +1,32 @@
 """The pipeline as one DAG, for `rlhf pipeline` and the `pipeline/default` flow alike:
 
-    sft           supervised fine-tuning of base_model (components/stages.py), or the ready sft.model
+    sft           supervised fine-tuning of base_model, or the ready sft.model
     reward_model  Bradley-Terry from the SFT model (or base_model), or the ready reward_model.model
-    rl            an RL run (components/runs.train) of the SFT policy against the reward model (PPO's critic
-                  initialised from it); its policy exported as a plain model (LoRA merged)
-    eval          the RL policy against the SFT policy on held-out prompts (models/stages/evaluate.py)
+    rl            an RL run of the SFT policy against the reward model (PPO's critic initialised from it); its
+                  policy exported as a plain model (LoRA merged)
+    dpo           (instead of reward_model and rl, with a `dpo` section) DPO of the SFT model, its frozen reference
+    eval          the trained policy against the SFT policy on held-out prompts (models/stages/evaluate.py)
 
-Each stage, in order: its key from its config, its data's digests, its upstream models' digests and the code version
-(cache.py); a record for that key is reused (a Prefect task in the Cached state, `cached: true` in the summary);
-otherwise the stage is built under its lock (a pipeline racing for the same key waits, then reuses it) and recorded
-beside its checkpoints. `rerun_from` (`--from STAGE`) builds that stage and every one after it again, from scratch.
-Before the next stage starts, a stage's output is loaded as the next stage loads it (the hand-off checks: a built
-stage's right after it is saved, its result in its record; a given model's when it is named; a reused stage's
-files are those checked, sha256 for sha256, under the same code and library versions, the key says). Lineage: an
-MLflow parent run with the stages' runs nested, every trained model logged with its upstream models and data
-digests (lineage.py).
+Every stage is a job of the one job builder (components/runs.py), run as a stage of the pipeline: its key is the
+digest of the job's provenance record (components/tracking/provenance.py: the config fields that change what it
+trains, its data, reward and gold files and upstream models by content, the code version); a record for that key is
+reused (a Prefect task in the Cached state, `cached: true` in the summary); otherwise the job is built under the
+stage's lease (a pipeline racing for the same key waits, then reuses it) and recorded beside its checkpoints.
+`rerun_from` (`--from STAGE`) builds that stage and every one after it again, from scratch. Before the next stage
+starts, a stage's output is loaded as the next stage loads it (the hand-off checks: a built stage's right after it
+is saved, its result in its record; a given model's when it is named; a reused stage's files are those checked,
+sha256 for sha256, under the same code and library versions, the key says). Lineage: an MLflow parent run with the
+stages' runs nested, every trained model logged with its upstream models and data digests (lineage.py).
 
 How each named step executes is the caller's `Steps` (models/loop.py): directly, or as Prefect tasks of the flow run
-(components/tasks.FlowSteps); a stage is one step, the steps of its run nest inside it.
+(components/tasks.FlowSteps); a stage is one step, the steps of its job nest inside it.
 
 Where Prefect's own caching fits and where not: Prefect caches a task by a key (`cache_key_fn`) in its result
 storage, and isolation_level=SERIALIZABLE with a lock manager makes racing tasks run once. Here the key needs data
 and model digests computed in the run, the record must live beside the checkpoints (S3 for a cluster: Prefect's S3
 result storage needs prefect-aws, and its lock managers are a local file system or Redis, none shared through S3),
 a reused model must still be in the store with its digests, and `rlhf pipeline` runs without a Prefect server. So the
-records and the lock are ours (cache.py), and Prefect is told the outcome: a reused stage's task ends in the state
+records and the lease are ours (cache.py), and Prefect is told the outcome: a reused stage's task ends in the state
 Completed named 'Cached' (what Prefect's own cache gives), with the record as its result.
 """
 
@@ -43,27 +45,23 @@ from prefect.context import TaskRunContext
 from prefect.client.schemas.objects import State
 from prefect.states import Completed
 
-from components.pipeline.cache import Records, build_once, code_version, model_digest, stage_dir, stage_key
-from components.pipeline.config import STAGE_ORDER, PipelineConfig
+from components.jobs.stages import stage_rows
+from components.pipeline.cache import Records, build_once, stage_dir
+from components.pipeline.config import PipelineConfig
 from components.pipeline.lineage import PipelineRun
-from components.export import MODEL_KEY
 from components.runs import train
-from components.stages import stage_rows, train_stage
-from components.storage.store import CheckpointStore
-from models.config import RLHFConfig, Sampling, merge
-from models.data import load_prompt_set
+from components.tracking.provenance import digest as record_digest
+from components.tracking.provenance import provenance
+from models.config import RLHFConfig, merge
 from models.deploy import DeployConfig
-from models.distributed import SINGLE, local_device
 from models.loop import DIRECT, Steps
-from models.policy import load_policy_tokenizer
-from models.stages.config import RewardModelRun, SFTRun
-from models.stages.data import rows_digest
-from models.resolve import file_digests, resolve_model
-from models.stages.evaluate import check_policy, compare_policies
+from models.stages.config import DPORun, EvalRun, RewardModelRun, SFTRun
+from models.stages.evaluate import check_policy
 from models.stages.evaluate import check_reward_model as check_loaded_reward_model
-from models.tiny_files import manifest_digest
+from models.resolve import file_digests, resolve_model
 
-STEP_NAMES = {"sft": "sft-stage", "reward_model": "reward-model-stage", "rl": "rl-stage", "eval": "eval-stage"}
+STEP_NAMES = {"sft": "sft-stage", "reward_model": "reward-model-stage", "rl": "rl-stage", "dpo": "dpo-stage",
+              "eval": "eval-stage"}
 
 
 class PipelineError(RuntimeError):
@@ -82,9 +80,10 @@ class Outcome:
     seconds: float = 0.0
 
     def summary(self) -> dict:
-        out = {"cached": self.cached, "model": self.record.get("model"), "metrics": self.record.get("metrics", {}),
-               "key": self.record.get("key"), "run_name": self.record.get("run_name"),
-               "mlflow_run_id": self.record.get("mlflow_run_id"), "seconds": round(self.seconds, 2)}
+        out = {"cached": self.cached, "model": self.record.get("model"), "digest": self.record.get("digest"),
+               "metrics": self.record.get("metrics", {}), "key": self.record.get("key"),
+               "run_name": self.record.get("run_name"), "mlflow_run_id": self.record.get("mlflow_run_id"),
+               "provenance": self.record.get("provenance"), "seconds": round(self.seconds, 2)}
         return {**out, "given": True} if self.given else out
 
 
@@ -107,22 +106,22 @@ def run_pipeline(cfg: PipelineConfig, deploy: DeployConfig | None = None, steps:
                  rerun_from: str | None = None) -> dict:
     """Run the pipeline of `cfg` (its stages reused where their keys match); returns its summary:
     {"name", "mlflow_run_id", "seconds", "stages": {stage: {"cached", "model", "metrics", ...}}}."""
-    if rerun_from is not None and rerun_from not in STAGE_ORDER:
-        raise PipelineError(f"--from: unknown stage {rerun_from!r}; the stages: {', '.join(STAGE_ORDER)}")
+    stages = cfg.stages
+    if rerun_from is not None and rerun_from not in stages:
+        raise PipelineError(f"--from: {rerun_from!r} is not a stage of this pipeline; its stages: {', '.join(stages)}")
     deploy = (deploy or DeployConfig()).model_copy(update={"state_dir": str((deploy or DeployConfig()).resolved_state_dir())})
     base = deploy.checkpoint.uri or (deploy.resolved_state_dir() / "checkpoints").as_uri()
-    forced = set(STAGE_ORDER[STAGE_ORDER.index(rerun_from):]) if rerun_from else set()
+    forced = set(stages[stages.index(rerun_from):]) if rerun_from else set()
     started = time.time()
     with pipeline_run(cfg, deploy, steps) as lineage:
-        p = Pipeline(cfg, deploy, steps, Records(base, deploy.checkpoint.s3_endpoint_url), lineage, forced)
-        steps.log(f"pipeline {cfg.name}: stages in {base}, MLflow run {lineage.run_id}"
+        records = Records(base, deploy.checkpoint.s3_endpoint_url, deploy.checkpoint.lease_timeout_s)
+        p = Pipeline(cfg, deploy, steps, records, lineage, forced)
+        steps.log(f"pipeline {cfg.name}: {' -> '.join(stages)}, stages in {base}, MLflow run {lineage.run_id}"
                   + (f"; rebuilding from {rerun_from}" if rerun_from else ""))
-        sft_stage(p)
-        reward_model_stage(p)
-        rl_stage(p)
-        eval_stage(p)
+        for name in stages:
+            STAGES[name](p)
         summary = {"name": cfg.name, "mlflow_run_id": lineage.run_id, "seconds": round(time.time() - started, 2),
-                   "stages": {stage: p.outcomes[stage].summary() for stage in STAGE_ORDER}}
+                   "stages": {stage: p.outcomes[stage].summary() for stage in stages}}
         steps.log(f"pipeline {cfg.name} finished in {summary['seconds']:.0f}s: " + ", ".join(
             f"{stage} {'given' if o.given else 'cached' if o.cached else 'built'}" for stage, o in p.outcomes.items()))
         return summary
@@ -151,29 +150,44 @@ def given(p: Pipeline, stage: str, model: str) -> Outcome:
     return outcome
 
 
-def stage(p: Pipeline, name: str, inputs: tuple[dict, dict[str, str], dict[str, str]],
-          build: Callable[[Pipeline, str], dict]) -> Outcome:
-    """Reuse the record of the stage's key (from `inputs`: its config, data digests and upstream model digests), or
-    build it (under its lock) and record it; returns the outcome."""
-    config, data, upstream = inputs
-    key = stage_key(name, config, data, upstream, code_version())
+def stage(p: Pipeline, name: str, job, handoff: Callable[[Pipeline, dict], dict] = lambda p, result: {}) -> Outcome:
+    """Reuse the record of the stage's key (the digest of its job's provenance record), or build it (under its lease)
+    and record it; returns the outcome. `job`: the stage's job config (its run name is the pipeline's: set here);
+    `handoff(p, result)`: the stage's hand-off check of a built job's result, what it adds to the record."""
+    record = provenance(job)
+    key = record_digest(record)
     started = time.time()
-    record = p.steps(STEP_NAMES[name], run_or_reuse, p, name, key, build)
-    if isinstance(record, State):  # a Prefect task that ended Cached gives its state back
-        record = record.result()
-    outcome = Outcome(record, cached=record.get("reused", False), seconds=time.time() - started)
-    outcome.record = {k: v for k, v in record.items() if k != "reused"}
-    if record.get("model"):
+
+    def build(p: Pipeline, key: str) -> dict:
+        result = train(job.model_copy(update={"run_name": stage_dir(name, key)}), p.steps, provenance=record)
+        return {**stage_record(result), "provenance": record, **handoff(p, result)}
+
+    found = p.steps(STEP_NAMES[name], run_or_reuse, p, name, key, build)
+    if isinstance(found, State):  # a Prefect task that ended Cached gives its state back
+        found = found.result()
+    outcome = Outcome(found, cached=found.get("reused", False), seconds=time.time() - started)
+    outcome.record = {k: v for k, v in found.items() if k != "reused"}
+    if found.get("model"):
         outcome.local_dir = local_model(p, name, outcome.record)
-    if not outcome.cached and record.get("model"):
+    if not outcome.cached and found.get("model"):
+        upstream = {k: v["digest"] for k, v in record["models"].items()}
+        data = {k: v["digest"] for k, v in record["data"].items()}
         outcome.record["logged_model_id"] = p.lineage.log_model(name, outcome.record, upstream, data)
         p.records.write(name, key, outcome.record)
     p.lineage.record_stage(name, {**outcome.record, "cached": outcome.cached})
     return outcome
 
 
+def stage_record(result: dict) -> dict:
+    """A job's summary as its stage's record: small (no per-step history), JSON."""
+    keep = ("model", "files", "digest", "run_name", "mlflow_run_id", "reward_stats", "steps", "evals", "rows")
+    record = {k: result[k] for k in keep if k in result}
+    record["metrics"] = {k: v for k, v in result["metrics"].items() if isinstance(v, (int, float))}
+    return record
+
+
 def run_or_reuse(p: Pipeline, name: str, key: str, build: Callable[[Pipeline, str], dict]):
-    """The body of a stage's step: its valid record (reused), or a new build recorded under the stage's lock
+    """The body of a stage's step: its valid record (reused), or a new build recorded under the stage's lease
     (cache.build_once). Inside a Prefect task a reused record ends the task as Completed named 'Cached', what
     Prefect's own cache gives."""
     record = build_once(p.records, name, key, lambda: build(p, key), p.cfg.name, p.steps.log, name in p.forced)
@@ -200,104 +214,71 @@ def local_model(p: Pipeline, name: str, record: dict) -> str:
     return str(path)
 
 
-def stage_tracking(p: Pipeline) -> dict:
-    return {"experiment": p.cfg.tracking.experiment, "parent_run_id": p.lineage.run_id}
-
-
 def stage_deploy(p: Pipeline) -> DeployConfig:
-    """The deployment of a stage's run: the pipeline's, its checkpoints under the records' base."""
+    """Where a stage's job runs: the pipeline's deployment, its checkpoints under the records' base."""
     return p.deploy.model_copy(update={"checkpoint": p.deploy.checkpoint.model_copy(update={"uri": p.records.base_uri})})
 
 
-# ---------------------------------------------------------------- what each stage is made from (its key's inputs)
-
-def sft_inputs(cfg: PipelineConfig, deploy: DeployConfig | None = None) -> tuple[dict, dict, dict]:
-    """(config, data digests, upstream model digests) of the SFT stage."""
-    return ({"sft": cfg.sft.model_dump(mode="json", exclude={"model"}), "seed": cfg.seed},
-            stage_data(cfg.sft, "sft", deploy),
-            {"base_model": model_digest(cfg.base_model, "base_model", cfg.base_revision, deploy)})
-
-
-def reward_model_inputs(cfg: PipelineConfig, sft_digest: str,
-                        deploy: DeployConfig | None = None) -> tuple[dict, dict, dict]:
-    """... of the reward-model stage, trained from the SFT model (`sft_digest`) or from base_model."""
-    init = (sft_digest if cfg.reward_model.init == "sft"
-            else model_digest(cfg.base_model, "base_model", cfg.base_revision, deploy))
-    return ({"reward_model": cfg.reward_model.model_dump(mode="json", exclude={"model"}), "seed": cfg.seed},
-            stage_data(cfg.reward_model, "reward_model", deploy), {"init": init})
-
-
-def rl_inputs(cfg: PipelineConfig, sft_digest: str, reward_digest: str,
-              deploy: DeployConfig | None = None) -> tuple[dict, dict, dict]:
-    """... of the RL stage: its run config without what the pipeline sets (its models, name, MLflow place)."""
-    section = cfg.rl.model_dump(mode="json", exclude={"run_name": True, "seed": True,
-                                                      "tracking": {"parent_run_id", "experiment"},
-                                                      "model": {"policy", "reward", "critic"}})
-    d, e = cfg.rl.data, cfg.rl.eval
-    data = {"prompts": rows_digest(d.prompts, d.split, "rl.data.prompts", d.subset, d.revision, deploy)}
-    if e.prompts and e.every:
-        data["eval"] = rows_digest(e.prompts, e.split, "rl.eval.prompts", e.subset, e.revision, deploy)
-    return {"rl": section, "seed": cfg.seed}, data, {"policy": sft_digest, "reward": reward_digest}
-
-
-def eval_inputs(cfg: PipelineConfig, rl_digest: str, sft_digest: str, reward_digest: str,
-                deploy: DeployConfig | None = None) -> tuple[dict, dict, dict]:
-    """... of the eval stage: the two policies and the judge."""
-    e = cfg.eval
-    config = {"eval": e.model_dump(mode="json"), "seed": cfg.seed, "normalize": cfg.rl.reward.normalize,
-              "max_new_tokens": e.max_new_tokens or cfg.rl.generation.max_new_tokens}
-    data = {"prompts": rows_digest(e.prompts, e.split, "eval.prompts", e.subset, e.revision, deploy)}
-    return config, data, {"policy": rl_digest, "reference": sft_digest, "reward": reward_digest}
+def job_config(stage: str, cfg: PipelineConfig, deploy: DeployConfig, upstream: dict[str, str],
+               parent_run_id: str | None = None):
+    """The job config of a stage (its run name aside: the pipeline names it after its key), from the pipeline's
+    config, where it runs, and the local directories of the upstream stages' models (`upstream`: stage -> path).
+    Every job gets the pipeline's seed, its MLflow place (nested under the pipeline's run) and its checkpoint
+    cadence (the RL stage: its own rl.checkpoint)."""
+    fields = {"seed": cfg.seed, "tracking": {"experiment": cfg.tracking.experiment, "parent_run_id": parent_run_id},
+              "checkpoint": cfg.checkpoint.model_dump(), "deploy": deploy.model_dump()}
+    if stage == "sft":
+        return SFTRun.model_validate({**fields, "model": cfg.base_model, "model_revision": cfg.base_revision,
+                                      "sft": cfg.sft.model_dump(exclude={"model"})})
+    if stage == "reward_model":
+        from_sft = cfg.reward_model.init == "sft"
+        return RewardModelRun.model_validate({
+            **fields, "model": upstream["sft"] if from_sft else cfg.base_model,
+            "model_revision": None if from_sft else cfg.base_revision,
+            "reward_model": cfg.reward_model.model_dump(exclude={"model", "init"})})
+    if stage == "rl":  # the policy and its reference from the SFT stage, PPO's critic initialised from the reward model
+        return RLHFConfig.of(merge(cfg.rl, {
+            "model.policy": upstream["sft"], "model.reward": upstream["reward_model"], "model.critic": None,
+            "seed": cfg.seed, "tracking.experiment": cfg.tracking.experiment, "tracking.parent_run_id": parent_run_id}),
+            deploy)
+    if stage == "dpo":
+        return DPORun.model_validate({**fields, "model": upstream["sft"], "dpo": cfg.dpo.model_dump()})
+    # eval: the trained policy (RL's or DPO's) against the SFT policy, judged by the reward model (a DPO pipeline's:
+    # its judge) and the gold reward
+    e, trained = cfg.eval, "dpo" if cfg.dpo is not None else "rl"
+    section = {**e.model_dump(exclude={"max_new_tokens", "judge"}),
+               "normalize": cfg.rl.reward.normalize and trained == "rl",
+               "max_new_tokens": e.max_new_tokens or cfg.rl.generation.max_new_tokens,
+               "top_k": cfg.rl.generation.top_k, "top_p": cfg.rl.generation.top_p}
+    judge = upstream["reward_model"] if trained == "rl" else cfg.judge
+    return EvalRun.model_validate({**fields, "model": upstream[trained], "reference": upstream["sft"], "reward": judge,
+                                   "eval": section})
 
 
-def stage_data(section, name: str, deploy: DeployConfig | None = None) -> dict[str, str]:
-    """Digests of a stage's training rows and held-out rows (at its subset and revision)."""
-    out = {"train": rows_digest(section.data, section.split, f"{name}.data", section.subset, section.revision, deploy)}
-    if section.eval_split is not None:
-        source = section.eval_data or section.data
-        field_name = f"{name}.eval_data" if section.eval_data else f"{name}.data"
-        out["eval"] = rows_digest(source, section.eval_split, field_name, section.subset, section.revision, deploy)
-    return out
+def job(p: Pipeline, stage_name: str):
+    """The job config of a stage of this pipeline run (`job_config` with its upstream stages' models here)."""
+    upstream = {name: outcome.local_dir for name, outcome in p.outcomes.items()}
+    return job_config(stage_name, p.cfg, stage_deploy(p), upstream, p.lineage.run_id)
 
 
-def digest(p: Pipeline, stage_name: str) -> str:
-    """The digest of an upstream stage's model (the sha256 of its files): what a downstream key is made from."""
-    return p.outcomes[stage_name].record["digest"]
-
-
-# ---------------------------------------------------------------- sft
+# ---------------------------------------------------------------- the stages
 
 def sft_stage(p: Pipeline) -> None:
     cfg = p.cfg
     if cfg.sft.model:
         p.outcomes["sft"] = given(p, "sft", cfg.sft.model)
         p.steps("hand-off-sft", check_policy, p.outcomes["sft"].local_dir, "sft.model")
-    else:
-        p.outcomes["sft"] = stage(p, "sft", sft_inputs(cfg, p.deploy), build_sft)
+        return
+    p.outcomes["sft"] = stage(p, "sft", job(p, "sft"), policy_handoff("sft"))
 
 
-def build_sft(p: Pipeline, key: str) -> dict:
-    """The SFT run, then its hand-off check: the model as saved loads as the RL stage loads a policy."""
-    cfg = p.cfg
-    run = SFTRun.model_validate({"run_name": stage_dir("sft", key), "seed": cfg.seed, "model": cfg.base_model,
-                                 "model_revision": cfg.base_revision,
-                                 "sft": cfg.sft.model_dump(exclude={"model"}), "tracking": stage_tracking(p),
-                                 "checkpoint": cfg.checkpoint.model_dump(), "deploy": stage_deploy(p).model_dump()})
-    result = train_stage(run, p.steps)
-    p.steps("hand-off-sft", check_policy, result["model_dir"], "sft.model")
-    return {**stage_record(result), "handoff": {"loads_as": "AutoModelForCausalLM"}}
+def policy_handoff(name: str):
+    """A stage's policy as saved loads as the next stage loads a policy."""
+    def check(p: Pipeline, result: dict) -> dict:
+        p.steps(f"hand-off-{name.replace('_', '-')}", check_policy, result["model_dir"], f"{name} model")
+        return {"handoff": {"loads_as": "AutoModelForCausalLM"}}
+    return check
 
-
-def stage_record(result: dict) -> dict:
-    """A stage run's summary as its record: small (no history), JSON."""
-    keep = ("model", "files", "digest", "run_name", "mlflow_run_id", "reward_stats", "steps")
-    record = {k: result[k] for k in keep if k in result}
-    record["metrics"] = {k: v for k, v in result["metrics"].items() if isinstance(v, (int, float))}
-    record["evals"] = result.get("evals", [])
-    return record
-
-
-# ---------------------------------------------------------------- reward model
 
 def reward_model_stage(p: Pipeline) -> None:
     cfg = p.cfg
@@ -305,105 +286,54 @@ def reward_model_stage(p: Pipeline) -> None:
         p.outcomes["reward_model"] = given(p, "reward_model", cfg.reward_model.model)
         p.steps("hand-off-reward-model", check_loaded_reward_model, p.outcomes["reward_model"].local_dir, None, None,
                 "reward_model.model")
-    else:
-        p.outcomes["reward_model"] = stage(p, "reward_model", reward_model_inputs(cfg, digest(p, "sft"), p.deploy),
-                                           build_reward_model)
+        return
+    p.outcomes["reward_model"] = stage(p, "reward_model", job(p, "reward_model"), reward_model_handoff)
 
 
-def build_reward_model(p: Pipeline, key: str) -> dict:
-    """The reward-model run, then its hand-off check: the model as saved loads as the RL stage loads it (no newly
-    initialised weight, one label), and scores its held-out pairs as its stage recorded."""
-    cfg = p.cfg
-    from_sft = cfg.reward_model.init == "sft"
-    run = RewardModelRun.model_validate({
-        "run_name": stage_dir("reward_model", key), "seed": cfg.seed,
-        "model": p.outcomes["sft"].local_dir if from_sft else cfg.base_model,
-        "model_revision": None if from_sft else cfg.base_revision,
-        "reward_model": cfg.reward_model.model_dump(exclude={"model", "init"}), "tracking": stage_tracking(p),
-        "checkpoint": cfg.checkpoint.model_dump(), "deploy": stage_deploy(p).model_dump()})
-    result = train_stage(run, p.steps)
-    record = stage_record(result)
-    recorded = record["metrics"].get("eval/accuracy")
-    pairs = (stage_rows("reward_model", cfg.reward_model, result["model_dir"], held_out_only=True, deploy=p.deploy)[1]
+def reward_model_handoff(p: Pipeline, result: dict) -> dict:
+    """The reward model as saved loads as the RL stage loads it (no newly initialised weight, one label), and scores
+    its held-out pairs as its stage recorded."""
+    recorded = result["metrics"].get("eval/accuracy")
+    pairs = (stage_rows("reward_model", p.cfg.reward_model, result["model_dir"], held_out_only=True, deploy=p.deploy)[1]
              if recorded is not None else None)
     accuracy = p.steps("hand-off-reward-model", check_loaded_reward_model, result["model_dir"], pairs, recorded,
                        "reward_model.model")
     if accuracy is not None:
         p.steps.log(f"hand-off: the reward model as saved scores {accuracy:.4f} of its held-out pairs right (its "
                     f"stage recorded {recorded:.4f})")
-    return {**record, "handoff": {"loads_as": "AutoModelForSequenceClassification", "held_out_accuracy": accuracy,
-                                  "recorded": recorded}}
-
-
-# ---------------------------------------------------------------- rl
-
-def rl_run(p: Pipeline, key: str) -> RLHFConfig:
-    """The RL stage's run: the pipeline's rl section with the policy and its reference from the SFT stage, the reward
-    model from the reward-model stage, the critic (PPO) initialised from the reward model; named after its key."""
-    cfg = p.cfg
-    return RLHFConfig.of(merge(cfg.rl, {
-        "model.policy": p.outcomes["sft"].local_dir, "model.reward": p.outcomes["reward_model"].local_dir,
-        "model.critic": None, "run_name": stage_dir("rl", key), "seed": cfg.seed,
-        "tracking.experiment": cfg.tracking.experiment, "tracking.parent_run_id": p.lineage.run_id}), stage_deploy(p))
+    return {"handoff": {"loads_as": "AutoModelForSequenceClassification", "held_out_accuracy": accuracy,
+                        "recorded": recorded}}
 
 
 def rl_stage(p: Pipeline) -> None:
-    p.outcomes["rl"] = stage(p, "rl", rl_inputs(p.cfg, digest(p, "sft"), digest(p, "reward_model"), p.deploy), build_rl)
+    p.outcomes["rl"] = stage(p, "rl", job(p, "rl"), rl_handoff)
 
 
-def build_rl(p: Pipeline, key: str) -> dict:
-    """The RL run (resumed from its checkpoints if an earlier build of this key died): the model it published (its
-    last checkpoint's policy, LoRA merged onto the SFT model: components/export.py, the one export) is the stage's."""
-    cfg = rl_run(p, key)
-    result = train(cfg, p.steps)
-    store = CheckpointStore.from_uri(result["checkpoint"], s3_endpoint_url=p.deploy.checkpoint.s3_endpoint_url)
-    files = store.get_json(f"{MODEL_KEY}.sha256.json")  # what the run published, each file's sha256
-    local = local_model(p, "rl", {"model": result["model"], "key": key, "files": files})
-    p.steps("hand-off-rl", check_policy, local, "rl policy")  # as the eval stage loads it
-    uri = result["model"]
-    evals = result.get("evals", [])
-    curves = {name: [m.get(name) for m in result["history"]] for name in ("reward", "objective/gold_reward",
-                                                                          "objective/kl") if result["history"]
-              and name in result["history"][0]}
-    return {"model": uri, "files": files, "digest": manifest_digest(files), "run_name": result["run_name"],
-            "mlflow_run_id": result["mlflow_run_id"], "metrics": {**result["final"], "iterations": result["iterations"]},
-            "evals": evals, "curves": curves, "handoff": {"loads_as": "AutoModelForCausalLM"}}
+def rl_handoff(p: Pipeline, result: dict) -> dict:
+    """The RL policy as exported loads as the eval stage loads it; the run's curves beside its record."""
+    policy_handoff("rl")(p, result)
+    history = result["history"]
+    curves = {name: [m.get(name) for m in history] for name in ("reward", "objective/gold_reward", "objective/kl")
+              if history and name in history[0]}
+    return {"metrics": {**result["final"], "iterations": result["iterations"]}, "curves": curves,
+            "handoff": {"loads_as": "AutoModelForCausalLM"}}
 
 
-# ---------------------------------------------------------------- eval
+def dpo_stage(p: Pipeline) -> None:
+    p.outcomes["dpo"] = stage(p, "dpo", job(p, "dpo"), policy_handoff("dpo"))
+
 
 def eval_stage(p: Pipeline) -> None:
+    """The eval job; its sample table beside the pipeline's run."""
     cfg = p.cfg
-    p.outcomes["eval"] = stage(p, "eval", eval_inputs(cfg, digest(p, "rl"), digest(p, "sft"), digest(p, "reward_model"),
-                                                      p.deploy), build_eval)
+    p.outcomes["eval"] = stage(p, "eval", job(p, "eval"))
     rows = p.outcomes["eval"].record.get("rows", [])
     if rows:
         metrics = p.outcomes["eval"].record["metrics"]
+        trained = "dpo" if cfg.dpo is not None else "rl"
         p.steps.table(re.sub(r"[^a-z0-9-]+", "-", f"pipeline-{cfg.name}-eval".lower())[:128], rows,
-                      f"Pipeline {cfg.name}: RL policy vs SFT policy on held-out prompts: "
+                      f"Pipeline {cfg.name}: {trained} policy vs SFT policy on held-out prompts: "
                       + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
 
 
-def build_eval(p: Pipeline, key: str) -> dict:
-    cfg, e = p.cfg, p.cfg.eval
-    policy = p.outcomes["rl"].local_dir
-    prompts = load_prompt_set(e.prompts, e.split, e.prompt_key, load_policy_tokenizer(policy), field="eval.prompts",
-                              subset=e.subset, revision=e.revision, deploy=p.deploy)
-    prompts = prompts.head(e.max_prompts) if e.max_prompts else prompts
-    sampling = Sampling.of(cfg.rl.generation, temperature=e.temperature,
-                           max_new_tokens=e.max_new_tokens or cfg.rl.generation.max_new_tokens)
-    tracker = p.lineage.nested(stage_dir("eval", key), tags={"stage": "eval"})
-    tracker.start({"eval": e.model_dump(mode="json"), "policy": p.outcomes["rl"].record["model"],
-                   "reference": p.outcomes["sft"].record["model"], "reward": p.outcomes["reward_model"].record["model"]})
-    status = "FAILED"
-    try:
-        metrics, rows = compare_policies(policy, p.outcomes["sft"].local_dir, p.outcomes["reward_model"].local_dir,
-                                         prompts, sampling, e.samples_per_prompt, e.gold, cfg.seed, e.table_rows,
-                                         cfg.rl.reward.normalize, local_device(p.deploy.device, SINGLE))
-        tracker.log_metrics(metrics, step=0)
-        tracker.log_table(rows, step=0, name="eval")
-        status = "FINISHED"
-    finally:
-        tracker.end(status)
-    p.steps.log("eval: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
-    return {"metrics": metrics, "rows": rows, "run_name": stage_dir("eval", key), "mlflow_run_id": tracker.run_id}
+STAGES = {"sft": sft_stage, "reward_model": reward_model_stage, "rl": rl_stage, "dpo": dpo_stage, "eval": eval_stage}

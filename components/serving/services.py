@@ -18,9 +18,12 @@ Every server of a run takes requests of that run only (components/serving/auth.p
 `run_secret`, once per run attempt, and kept in its RunPlace) reaches a local server through its environment, and a
 deployment's through a Prefect Secret block named per run (its name is the flow run's parameter, never the value;
 deleted when the server stops); every client of the run sends it. A server dies with its run: a local one watches its parent process
-(processes.exit_with_parent: a SIGKILLed run leaves no server behind), a deployment's flow run holds a lease the run
-renews (a Prefect variable named after the server's flow run, `RunLease`) and stops its server within
-`LEASE_TIMEOUT_S` of the run's end, cancellation or crash, or as soon as the training flow run's state is final. On
+(processes.exit_with_parent: a SIGKILLed run leaves no server behind), a deployment's flow run watches a lease the run
+holds in its own store for that server (`servers/<kind>-<id>`, components/storage/lease.py: a file lock the kernel
+drops with the run's process, or an S3 object the run renews; the server's `lease` parameter names it) and stops its
+server as soon as the lease is gone (S3: not renewed for `LEASE_TIMEOUT_S`): the run ended, was cancelled or crashed;
+or as soon as the training flow run's state is final. The run's store must be one its servers reach (S3 on a
+cluster, as the critic's saves need it anyway): a server that cannot see its run's lease fails at once, saying so. On
 Kubernetes a deployment server's pod is labelled as the run's, and NetworkPolicies let only the run's own actor pods
 reach it (components/cluster/network_policy.py).
 
@@ -43,7 +46,6 @@ import re
 import secrets
 import shutil
 import socket
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -66,6 +68,8 @@ from components.serving.launcher import launch, launch_rollout, rollout_probe, t
 from components.serving.rollout.client import RolloutClient, run_token
 from components.serving.triton.clients import RewardClient, critic_backend, reward_backend
 from components.serving.triton.contract import ServerSpec
+from components.storage.lease import Lease, acquire as acquire_lease, holder_alive
+from components.storage.store import CheckpointStore
 from components.tracking.run import RunPlace
 from models.algorithms import ALGORITHMS
 from models.backends import LocalCritic
@@ -75,8 +79,8 @@ from models.loop import DIRECT, Steps, build_critic_trainer, build_local_reward,
 
 ADVERTISE_ENV = "RLHF_ADVERTISE_HOST"
 TEARDOWN_GRACE_S = 2.0
-LEASE_RENEW_S = 5.0  # how often a run renews the lease its deployment servers watch
-LEASE_TIMEOUT_S = 30.0  # a deployment server whose lease was not renewed for this long stops (its run is gone)
+LEASE_TIMEOUT_S = 30.0  # a deployment server whose run's lease (S3) was not renewed for this long stops (its run is gone)
+SERVER_LEASES = "servers"  # in a run's store: the leases its deployment servers watch
 
 
 class ServerDied(RuntimeError):
@@ -183,10 +187,6 @@ def cancel_flow_run(flow_run_id) -> None:
             client.set_flow_run_state(flow_run_id, Cancelling(), force=True)
 
 
-def lease_variable(flow_run_id) -> str:
-    return f"rlhf_lease_{str(flow_run_id).replace('-', '')}"
-
-
 def secret_block_name(run_name: str) -> str:
     """A Prefect Secret block's name for one server of run `run_name` (block names: lowercase, digits, dashes)."""
     slug = re.sub(r"[^a-z0-9]+", "-", run_name.lower()).strip("-")[:40] or "run"
@@ -214,72 +214,54 @@ def delete_secret(name: str) -> None:
         pass
 
 
-class RunLease:
-    """The run's side of a deployment server's lease: a Prefect variable named after the server's flow run, set to a
-    new value every LEASE_RENEW_S by a thread of the run, and removed when the run stops the server. The server's
-    flow run stops its server once the value has not changed for LEASE_TIMEOUT_S (`lease_lost`): the run ended,
-    was cancelled or crashed without stopping it."""
-
-    def __init__(self, server_flow_run_id, renew_s: float = LEASE_RENEW_S):
-        self.name, self.renew_s = lease_variable(server_flow_run_id), renew_s
-        self._stop = threading.Event()
-        self._renew()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="server-lease")
-        self._thread.start()
-
-    def _renew(self) -> None:
-        Variable.set(self.name, f"{time.time():.3f}-{secrets.token_hex(2)}", overwrite=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.renew_s):
-            try:
-                self._renew()
-            except Exception:  # noqa: BLE001 - the API hiccuped: the next renewal tries again (the timeout is 6 renewals)
-                pass
-
-    def release(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self.renew_s + 5)
-        try:
-            Variable.unset(self.name)
-        except Exception:  # noqa: BLE001 - best effort: the server stops on the missing renewals either way
-            pass
+def server_lease(kind: str, cfg: RLHFConfig, place: RunPlace) -> tuple[Lease, str]:
+    """The run's side of a deployment server's lease: `servers/<kind>-<id>` in the run's store, held by this process
+    until the server is stopped; returns it and its URI (the server's `lease` parameter)."""
+    store = CheckpointStore.from_uri(place.store_uri, s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
+    key = f"{SERVER_LEASES}/{kind}-{secrets.token_hex(6)}"
+    lease = acquire_lease(store, f"the {kind} server of run {place.run_name}", key, timeout_s=LEASE_TIMEOUT_S)
+    return lease, f"{store.uri.rstrip('/')}/{key}"
 
 
-def lease_lost(own_flow_run_id, training_flow_run_id=None, timeout_s: float = LEASE_TIMEOUT_S,
-               clock=time.monotonic):
-    """The server flow run's side of its lease: a callable that returns why the server must stop (its lease was not
-    renewed for `timeout_s` of this process's own clock, so no clock skew between pods matters; or the training flow
-    run's state is final), else None."""
-    name = lease_variable(own_flow_run_id)
-    seen = {"value": None, "at": clock()}
+def lease_lost(lease_uri: Optional[str], training_flow_run_id=None, timeout_s: float = LEASE_TIMEOUT_S,
+               s3_endpoint_url: Optional[str] = None):
+    """The server flow run's side of its run's lease (`server_lease`): a callable that returns why the server must
+    stop (the lease is gone: released, its holder's process ended, or on S3 not renewed for `timeout_s` by the
+    store's own clock, so no clock skew between pods matters; or the training flow run's state is final), else
+    None. A lease it cannot see when it starts fails at once (the run's store is not one this server reaches)."""
+    watched = None
+    if lease_uri:
+        store_uri, _, name = lease_uri.rpartition(f"/{SERVER_LEASES}/")
+        store = CheckpointStore.from_uri(store_uri, s3_endpoint_url=s3_endpoint_url)
+        watched = (store, f"{SERVER_LEASES}/{name}")
+        if holder_alive(*watched, timeout_s) is None:
+            raise RuntimeError(f"this server's run holds no lease at {lease_uri} as this server sees it: the run is "
+                               f"gone, or its checkpoint store (deploy.checkpoint.uri) is not one this server reaches "
+                               f"(a cluster's servers need a shared store: S3)")
 
     def lost():
-        value = Variable.get(name, default=None)
-        if value is not None and value != seen["value"]:
-            seen.update(value=value, at=clock())
         if training_flow_run_id is not None and (state := final_state(training_flow_run_id)) is not None:
             return f"its training flow run {training_flow_run_id} ended ({state.name})"
-        if clock() - seen["at"] > timeout_s:
-            return (f"its run's lease ({name}) was not renewed for {timeout_s:.0f}s: the training run ended, was "
-                    f"cancelled or crashed")
+        if watched is not None and holder_alive(*watched, timeout_s) is None:
+            return (f"its run's lease ({lease_uri}) is gone (released, its process ended, or not renewed for "
+                    f"{timeout_s:.0f}s): the training run ended, was cancelled or crashed")
         return None
     return lost
 
 
 class DeploymentServer:
     """A server run by its Prefect deployment (its own flow run, on a cluster its own node): found at the address its
-    flow run publishes, probed like a local one, stopped by cancelling that flow run. It holds the run's lease while
-    it lives, and its Secret block is deleted when it stops."""
+    flow run publishes, probed like a local one, stopped by cancelling that flow run. The run holds the server's
+    lease while it lives (released when it stops), and its Secret block is deleted when it stops."""
 
-    def __init__(self, kind: str, flow_run_id, probe_for: Callable[[str], Probe], secret_block: Optional[str] = None,
-                 policies=None, title: Optional[str] = None):
+    def __init__(self, kind: str, flow_run_id, probe_for: Callable[[str], Probe], lease: Lease,
+                 secret_block: Optional[str] = None, policies=None, title: Optional[str] = None):
         self.name, self.flow_run_id, self.probe_for = kind, flow_run_id, probe_for
         self.title = title or f"{kind} server"
         self.secret_block, self.policies = secret_block, policies
         self.url: Optional[str] = None
         self.probe: Optional[Probe] = None
-        self.lease = RunLease(flow_run_id)
+        self.lease = lease
 
     def wait_until_ready(self, timeout: float, report: Optional[Callable[[str], None]] = None) -> Health:
         """Wait for the published address, then for the server there to serve (one timeout for both: a cold GPU
@@ -339,8 +321,9 @@ def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace, title: Optiona
     block = secret_block_name(place.run_name)
     save_secret(block, run_secret(place))
     job = own_job()  # on Kubernetes: the server's pod is labelled as this run's, and takes traffic from it only
+    lease, lease_uri = server_lease(kind, cfg, place)
     try:
-        parameters = {"config": cfg.model_dump(mode="json"), "secret_block": block,
+        parameters = {"config": cfg.model_dump(mode="json"), "secret_block": block, "lease": lease_uri,
                       "training_flow_run_id": str(flow_run.get_id()) if flow_run.get_id() else None}
         if kind == "critic":
             parameters.update(checkpoint_uri=place.store_uri, restore_iteration=place.critic_restore_iteration)
@@ -357,8 +340,9 @@ def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace, title: Optiona
             raise
     except BaseException:
         delete_secret(block)
+        lease.release()
         raise
-    return DeploymentServer(kind, run.id, probe_at(kind, cfg, run_secret(place)), block,
+    return DeploymentServer(kind, run.id, probe_at(kind, cfg, run_secret(place)), lease, block,
                             policies=RUN_POLICIES if job else None, title=title)
 
 
@@ -635,11 +619,12 @@ def advertised_host(bind: str) -> str:
 
 def host_server(kind: str, cfg: RLHFConfig, checkpoint_uri: Optional[str] = None,
                 restore_iteration: Optional[int] = None, secret_block: Optional[str] = None,
-                training_flow_run_id: Optional[str] = None, trainer_host: Optional[str] = None) -> int:
+                training_flow_run_id: Optional[str] = None, trainer_host: Optional[str] = None,
+                lease: Optional[str] = None) -> int:
     """Body of the critic-server, reward-server and rollout-server deployments: start the server with the run's
     secret (read from the Secret block `secret_block`), publish its address, serve until cancelled or until the run
-    it serves is gone (its lease was not renewed for LEASE_TIMEOUT_S, or `training_flow_run_id` reached a final
-    state): then the server is stopped and this flow run completes, saying why.
+    it serves is gone (its `lease` in the run's store is gone, or `training_flow_run_id` reached a final state): then
+    the server is stopped and this flow run completes, saying why.
 
     The critic saves into a fresh directory of this flow run and uploads every save to the run's store at
     `checkpoint_uri`; with `restore_iteration` it starts from iter_<N>/critic of that store (any error doing so
@@ -662,7 +647,7 @@ def host_server(kind: str, cfg: RLHFConfig, checkpoint_uri: Optional[str] = None
     try:
         with local_server(kind, cfg, server_dir / f"{kind}-server.log", secret, trainer_host, **fields) as server:
             server.wait_until_ready(section(kind, cfg).ready_timeout_s)
-            lost = lease_lost(flow_run.get_id(), training_flow_run_id)
+            lost = lease_lost(lease, training_flow_run_id, s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
             why = serve_published(kind, server, f"http://{advertised_host(section(kind, cfg).host)}:{server.port}", lost)
             logger.warning(f"{kind} server: stopping: {why}")
     finally:

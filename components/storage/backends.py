@@ -8,6 +8,7 @@ final keys; a commit point is written with a conditional create.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import uuid
@@ -30,6 +31,8 @@ class Backend(Protocol):
     def put_bytes(self, key: str, data: bytes) -> None: ...
     def create_bytes(self, key: str, data: bytes) -> None: ...
     def get_bytes(self, key: str) -> bytes | None: ...
+    def get_versioned(self, key: str) -> tuple[bytes | None, object]: ...
+    def swap(self, key: str, data: bytes, version: object) -> bool: ...
     def list_keys(self, prefix: str) -> list[str]: ...
     def delete_prefix(self, prefix: str) -> None: ...
     def delete_keys(self, keys: list[str]) -> None: ...
@@ -98,6 +101,27 @@ class LocalBackend:
     def get_bytes(self, key: str) -> bytes | None:
         path = self._path(key)
         return path.read_bytes() if path.is_file() else None
+
+    def get_versioned(self, key: str) -> tuple[bytes | None, object]:
+        """(the bytes of `key`, its version: the bytes themselves) for `swap`."""
+        data = self.get_bytes(key)
+        return data, data
+
+    def swap(self, key: str, data: bytes, version: object) -> bool:
+        """Replace `key` with `data` only if it still holds `version` (what get_versioned gave; None: absent), under
+        an flock beside it, so two processes on this file system swap one at a time; False when it changed."""
+        target = self._path(key)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target.with_name(f".{target.name}.swap"), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if self.get_bytes(key) != version:
+                return False
+            self.put_bytes(key, data)
+            return True
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
 
     def list_keys(self, prefix: str) -> list[str]:
         base = self._path(prefix) if prefix else self.root
@@ -175,6 +199,16 @@ class S3Backend:
 
     def get_bytes(self, key: str) -> bytes | None:
         return self.s3.get_bytes(key)
+
+    def get_versioned(self, key: str) -> tuple[bytes | None, object]:
+        """(the bytes of `key`, its ETag) for `swap`."""
+        found = self.s3.versioned(key)
+        return (None, None) if found is None else found
+
+    def swap(self, key: str, data: bytes, version: object) -> bool:
+        """A conditional put: If-Match the ETag get_versioned gave (If-None-Match: * when it was absent); False
+        when someone else wrote it since."""
+        return self.s3.put_if(key, data, absent=version is None, etag=version) is not None
 
     def list_keys(self, prefix: str) -> list[str]:
         return self.s3.list_keys(f"{prefix}/" if prefix else "")

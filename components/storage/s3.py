@@ -9,7 +9,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import timezone
 from email.utils import parsedate_to_datetime
 from pathlib import Path
 from urllib.parse import urlparse
@@ -172,7 +172,14 @@ class S3Store:
             return None
         body, response = found
         now = parsedate_to_datetime(response["ResponseMetadata"]["HTTPHeaders"]["date"])
+        if now.tzinfo is None:  # a proxy's Date without a zone: HTTP dates are GMT
+            now = now.replace(tzinfo=timezone.utc)
         return body, response["ETag"], (now - response["LastModified"]).total_seconds()
+
+    def versioned(self, key: str) -> tuple[bytes, str] | None:
+        """(body, ETag) of `key` (what a conditional write on it names), None if it does not exist."""
+        found = self._get_object(key)
+        return None if found is None else (found[0], found[1]["ETag"])
 
     def _get_object(self, key: str) -> tuple[bytes, dict] | None:
         """(body, boto3's get_object answer) of `key`, None if it does not exist; failures named as reads of it."""
@@ -200,40 +207,6 @@ class S3Store:
         """Object body, or None if it does not exist."""
         found = self._get_object(key)
         return None if found is None else found[0]
-
-    def create_bytes(self, key: str, data: bytes) -> bool:
-        """Write `key` only if it does not exist (a conditional write: IfNoneMatch='*'); False when it exists."""
-        return self._conditional_put(key, data, IfNoneMatch="*")
-
-    def replace_bytes(self, key: str, data: bytes, etag: str) -> bool:
-        """Overwrite `key` only if it still holds the version `etag` (IfMatch); False when it changed or is gone."""
-        return self._conditional_put(key, data, IfMatch=etag)
-
-    def _conditional_put(self, key: str, data: bytes, **condition) -> bool:
-        with self._errors(f"write s3://{self.location.bucket}/{self._key(key)}"):
-            try:
-                self.client.put_object(Bucket=self.location.bucket, Key=self._key(key), Body=data, **condition)
-            except ClientError as exc:
-                code = str(exc.response.get("Error", {}).get("Code", ""))
-                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-                if code in ("PreconditionFailed", "ConditionalRequestConflict") or status in (409, 412) \
-                        or code in _MISSING:
-                    return False
-                raise
-        return True
-
-    def head(self, key: str) -> tuple[str, float] | None:
-        """(ETag, seconds since it was last written, by the store's clock) of `key`; None if it does not exist."""
-        with self._errors(f"read s3://{self.location.bucket}/{self._key(key)}"):
-            try:
-                response = self.client.head_object(Bucket=self.location.bucket, Key=self._key(key))
-            except ClientError as exc:
-                if str(exc.response.get("Error", {}).get("Code", "")) in _MISSING:
-                    return None
-                raise
-        served = response.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
-        now = parsedate_to_datetime(served) if served else datetime.now(timezone.utc)
-        return response["ETag"], (now - response["LastModified"]).total_seconds()
 
     def list_keys(self, prefix: str = "") -> list[str]:
         """Keys (relative to the store prefix) that start with `prefix`, sorted."""

@@ -1,5 +1,5 @@
 """Checkpoint store on local disk (`file:///abs/dir` or a plain path) or S3 (`s3://bucket/prefix`): saving, reading,
-restoring and pruning checkpoints (the backends: components/storage/backends.py; its lock: components/storage/locks.py).
+restoring and pruning checkpoints (the backends: components/storage/backends.py).
 
 Layout under the store root:
     iter_<N>-<id>/<part>/...   the part directories given to `save` (e.g. actor/, critic/), under a prefix of their
@@ -7,8 +7,15 @@ Layout under the store root:
                                (a resumed run that saves iteration N again, an interrupted upload)
     iter_<N>-<id>/state.json   {"iteration", "state", "files": {relpath: sha256}, "parts", "created"}: written last,
                                the commit point: a prefix without it is an incomplete save, never read
-    latest.json                {"iteration": N, "path": "iter_<N>-<id>"}: moved only after that state.json exists
+    latest.json                {"iteration": N, "path": "iter_<N>-<id>", "fence": token}: moved only after that
+                               state.json exists, and (with a fence) only while it names the writer's lease
 A store written before fresh prefixes (iter_<N>/) reads as before.
+
+One writer: a run's lease (components/storage/lease.py) fences its store when the run opens (`fence(token)`: latest.json
+names the lease's token from then on, {"iteration": null, ...} before a first checkpoint), and every `save(...,
+fence=token)` moves latest.json with a conditional write on the version it read, only while it still names that
+token. A holder whose lease was taken over (it stalled, the next holder fenced the store) fails with LeaseLost before
+its upload and again at its commit, and latest.json stays where the new holder put it.
 
 Locally every file is fsynced before state.json is written, and state.json and latest.json are written to a temporary
 name, fsynced, renamed and their directory fsynced: a power cut leaves the previous checkpoint or the new one.
@@ -22,7 +29,6 @@ safetensors, JSON and torch.load(weights_only=True) files (models/critic.py, mod
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -30,13 +36,13 @@ import re
 import secrets
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from urllib.parse import urlparse
 
 from components.storage.backends import Backend, CheckpointError, LocalBackend, S3Backend
-from components.storage.locks import file_lock, object_lock
+from components.storage.lease import LeaseLost
 from components.storage.s3 import S3Location, S3Store
 
 _ITER_RE = re.compile(r"^iter_(\d+)(?:-\d{8}T\d{12}Z-[0-9a-f]{4})?$")  # iter_<N> (before fresh prefixes) or iter_<N>-<id>
@@ -131,6 +137,7 @@ class CheckpointStore:
         state: dict,
         *,
         stored: dict[str, str] | None = None,
+        fence: str | None = None,
         _after_file: Callable[[str], None] | None = None,
     ) -> str:
         """Upload `parts` to a fresh iter_<N>-<id>/<name>/, then its state.json, then latest.json; return the
@@ -139,9 +146,13 @@ class CheckpointStore:
         `stored` names parts already in this store (written by `put_dir`, e.g. by a critic server on another node):
         name -> key. They are copied inside the store (server-side on S3) with the digests `put_dir` recorded, so
         the checkpoint is complete, and `latest` moves, only once every part is in place.
+        `fence`: the writer's lease token; latest.json moves only while it names it (the module docstring), else
+        LeaseLost, checked before the upload and at the commit.
         `_after_file(relpath)` is called after each uploaded file (tests use it to simulate a crash).
         """
         stored = stored or {}
+        if fence is not None:
+            self._fenced(self._backend.get_versioned("latest.json")[0], fence, f"iteration {iteration}")
         if iteration < 0:
             raise CheckpointError(f"iteration must be >= 0, got {iteration}")
         for name in [*parts, *stored]:
@@ -168,16 +179,56 @@ class CheckpointStore:
                 manifest["files"][f"{name}/{rel}"] = digest
         manifest["created"] = datetime.now(timezone.utc).isoformat()
         self._backend.create_bytes(f"{key}/state.json", json.dumps(manifest, indent=1).encode())  # the commit point
-        self._backend.put_bytes("latest.json", json.dumps({"iteration": iteration, "path": key}).encode())
+        pointer = {"iteration": iteration, "path": key}
+        if fence is None:
+            self._backend.put_bytes("latest.json", json.dumps(pointer).encode())
+        else:
+            self._move_latest({**pointer, "fence": fence}, fence, f"iteration {iteration} ({key})")
         return self._checkpoint_uri(key)
 
-    def _pointer(self) -> dict | None:
-        """latest.json ({"iteration", "path"}), None when the store has no checkpoint yet."""
-        data = self._backend.get_bytes("latest.json")
+    def fence(self, token: str) -> None:
+        """Make `token` (a lease's) the one writer whose saves move latest.json from now on: a holder before it, whose
+        lease was taken over, cannot move it any more (the module docstring)."""
+        for _ in range(10):
+            raw, version = self._backend.get_versioned("latest.json")
+            try:
+                current = self._pointer(raw)
+            except CorruptCheckpoint:
+                current = None  # an unreadable pointer: restore falls back to the newest complete checkpoint
+            pointer = {"iteration": None, "path": None} if current is None else dict(current)
+            if self._backend.swap("latest.json", json.dumps({**pointer, "fence": token}).encode(), version):
+                return
+        raise CheckpointError(f"cannot fence {self.uri}: its latest.json keeps changing (another writer?)")
+
+    def _move_latest(self, pointer: dict, fence: str, what: str) -> None:
+        """Write latest.json = `pointer` on the version read, while it names `fence`."""
+        for _ in range(10):
+            raw, version = self._backend.get_versioned("latest.json")
+            self._fenced(raw, fence, what)
+            if self._backend.swap("latest.json", json.dumps(pointer).encode(), version):
+                return
+        raise CheckpointError(f"cannot commit {what} to {self.uri}: its latest.json keeps changing")
+
+    def _fenced(self, raw: bytes | None, fence: str, what: str) -> None:
+        """LeaseLost unless latest.json (`raw`) names `fence` (or no writer yet)."""
+        try:
+            named = json.loads(raw).get("fence") if raw else None
+        except (ValueError, AttributeError):
+            named = None
+        if named is not None and named != fence:
+            raise LeaseLost(f"{self.uri}: latest.json names another writer (lease {named}), not this one's ({fence}): "
+                            f"this run's lease was taken over; {what} is not committed")
+
+    def _pointer(self, data: bytes | None | bool = False) -> dict | None:
+        """latest.json ({"iteration", "path"}; read now unless its bytes are given), None when the store has no
+        checkpoint yet (no latest.json, or a fenced one naming none)."""
+        data = self._backend.get_bytes("latest.json") if data is False else data
         if data is None:
             return None
         try:
             pointer = json.loads(data)
+            if pointer.get("iteration") is None and "fence" in pointer:
+                return None  # fenced before its first checkpoint
             pointer = {"iteration": int(pointer["iteration"]), "path": str(pointer.get("path") or
                                                                          f"iter_{int(pointer['iteration'])}")}
         except (ValueError, KeyError, TypeError) as exc:
@@ -393,7 +444,7 @@ class CheckpointStore:
         for k in keys:
             self._backend.get_file(k, Path(dest) / k[len(key) + 1 :])
 
-    # -- small records and one writer at a time (a pipeline's stage records and their build lock)
+    # -- small records (a pipeline's stage records)
     def get_json(self, key: str) -> dict | None:
         """The JSON object stored at `key`, None if there is none."""
         raw = self._backend.get_bytes(self._check_key(key))
@@ -421,23 +472,6 @@ class CheckpointStore:
             for entry in self._backend.root.iterdir():
                 if entry.is_dir():
                     shutil.rmtree(entry, ignore_errors=True)
-
-    @contextlib.contextmanager
-    def exclusive(self, key: str, owner: dict, waiting: Callable[[dict | None], None] = lambda _: None,
-                  poll_s: float = 1.0, stale_s: float = 120.0) -> Iterator[None]:
-        """Hold the lock `key` of this store while the block runs: one holder at a time, across processes and (on S3)
-        machines; the others wait, polling every `poll_s` (`waiting(holder)` is called once, with what the holder
-        wrote). Local: an flock on the file, released by the OS if the holder dies. S3: an object written with a
-        conditional create, rewritten every stale_s / 4 while held; one not rewritten for `stale_s` (its holder
-        died) is taken over with a conditional overwrite (only one waiter wins it). (components/storage/locks.py)"""
-        key = self._check_key(key)
-        body = json.dumps(owner).encode()
-        if isinstance(self._backend, LocalBackend):
-            lock = file_lock(self._backend.root / key, body, waiting, poll_s)
-        else:
-            lock = object_lock(self._backend.s3, key, body, waiting, poll_s, stale_s, lambda: self.get_json(key))
-        with lock:
-            yield
 
     @staticmethod
     def _check_key(key: str) -> str:

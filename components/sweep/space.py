@@ -3,12 +3,16 @@
 `check_sweep(config, sweep)` refuses, naming the field: a dotted field the config does not have, a field the sweep
 itself sets (algorithm, run_name, tracking.parent_run_id), a range on a field that is not a number, a value or a
 combination of values the config refuses (every grid combination; for random and tpe every combination of the lists'
-values and the ranges' ends), and a metric that a trial's config cannot produce. It returns the space as Optuna
+values and the ranges' ends), and a metric that a trial's config cannot produce: one no run logs (the list the code
+logs, models/metrics.py, generated into docs/metrics.md; the closest names are suggested), and one this config does
+not log (a held-out eval it does not run, a gold reward it does not have, a critic's with an algorithm that has none,
+the vLLM engine's with the native one). It returns the space as Optuna
 distributions (and the grid's combinations), and `trial_config` makes a trial's config from the base config.
 """
 
 from __future__ import annotations
 
+import difflib
 import itertools
 import types
 import typing
@@ -21,6 +25,8 @@ from pydantic import BaseModel, ValidationError
 from components.sweep.config import SweepConfig
 from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig, RunConfig, merge
+from models.data import builtin_gold
+from models.metrics import find, names
 
 SET_BY_THE_SWEEP = ("algorithm", "run_name", "tracking.parent_run_id")  # one deployment per sweep; trials are named
 
@@ -37,15 +43,16 @@ class Space:
     grid: Optional[list[dict[str, Any]]] = None
 
 
-def check_sweep(config: RLHFConfig, sweep: SweepConfig) -> Space:
-    """The space of `sweep` over `config`, or a SweepError naming what is wrong (before any trial starts)."""
+def check_sweep(config: RLHFConfig, sweep: SweepConfig, pipeline: bool = False) -> Space:
+    """The space of `sweep` over `config`, or a SweepError naming what is wrong (before any trial starts).
+    `pipeline`: the trials are pipelines whose RL stage `config` is (their metric read from the pipeline's run)."""
     distributions = {field: distribution(field, values) for field, values in sweep.space.items()}
     corners = {field: values if isinstance(values, list) else [_number(field, values.low), _number(field, values.high)]
                for field, values in sweep.space.items()}
     combinations = [dict(zip(corners, values)) for values in itertools.product(*corners.values())]
     for combination in combinations:
-        if problem := metric_problem(_valid(config, combination), sweep.metric):
-            where = "" if metric_problem(config, sweep.metric) else f" (with {_show(combination)})"
+        if problem := metric_problem(_valid(config, combination), sweep.metric, pipeline):
+            where = "" if metric_problem(config, sweep.metric, pipeline) else f" (with {_show(combination)})"
             raise SweepError(f"sweep.metric: {problem}{where}")
     return Space(distributions, combinations if sweep.sampler == "grid" else None)
 
@@ -88,16 +95,33 @@ def field_type(field: str) -> type:
     return kind
 
 
-def metric_problem(cfg: RLHFConfig, metric: str) -> Optional[str]:
-    """Why a run of `cfg` would never log `metric` (None when it can)."""
-    if metric.startswith("eval/") and not (cfg.eval.prompts and cfg.eval.every):
-        return (f"'{metric}' is logged by the held-out eval, which this config does not run: set eval.prompts and "
-                f"eval.every > 0 (eval.prompts={cfg.eval.prompts!r}, eval.every={cfg.eval.every})")
-    if metric.endswith("gold_reward") and not cfg.reward.gold:
-        return f"'{metric}' needs a gold reward, and reward.gold is None"
-    if metric.startswith(("critic/", "loss/value")) and not ALGORITHMS[cfg.algorithm].needs_critic:
-        return f"'{metric}' comes from a critic, and {cfg.algorithm} has none"
-    return None
+def metric_problem(cfg: RLHFConfig, metric: str, pipeline: bool = False) -> Optional[str]:
+    """Why a run of `cfg` (a pipeline whose RL stage it is) would never log `metric` (None when it can)."""
+    entry = find(metric, "rl")
+    if entry is None and pipeline and (entry := find(metric, "pipeline")) is not None:
+        return None  # the pipeline's own: its eval stage's, a stage's last metrics
+    if entry is None:
+        known = names("pipeline" if pipeline else "rl")
+        close = difflib.get_close_matches(metric, known, n=3, cutoff=0.5)
+        return (f"'{metric}' is not a metric {'a pipeline' if pipeline else 'an RL run'} logs"
+                + (f" (did you mean {', '.join(map(repr, close))}?)" if close else "")
+                + "; docs/metrics.md lists every metric the code logs")
+    why = {"never": f"'{metric}' is logged once (at step 0 or per checkpoint), not a result to optimise",
+           "eval": (f"'{metric}' is logged by the held-out eval, which this config does not run: set eval.prompts and "
+                    f"eval.every > 0 (eval.prompts={cfg.eval.prompts!r}, eval.every={cfg.eval.every})"),
+           "gold": f"'{metric}' needs a gold reward, and reward.gold is None (and data.prompts is not a builtin task)",
+           "critic": f"'{metric}' comes from a critic, and {cfg.algorithm} has none",
+           "rloo": f"'{metric}' is the REINFORCE family's, and {cfg.algorithm} has a critic",
+           "vllm": f"'{metric}' comes from an engine with its own weights, and rollout.engine is {cfg.rollout.engine!r}",
+           "async": f"'{metric}' needs asynchronous rollouts, and rollout.max_off_policy_steps is 0",
+           "functions": f"'{metric}' needs reward functions, and reward.source is {cfg.reward.source!r}",
+           "environment": f"'{metric}' is an environment run's, and environment.factory is not set"}
+    held = {"never": False, "eval": bool(cfg.eval.prompts and cfg.eval.every),
+            "gold": bool(cfg.reward.gold or builtin_gold(cfg.data.prompts)),
+            "critic": ALGORITHMS[cfg.algorithm].needs_critic, "rloo": not ALGORITHMS[cfg.algorithm].needs_critic,
+            "vllm": cfg.rollout.engine != "native", "async": cfg.rollout.max_off_policy_steps > 0,
+            "functions": cfg.reward.source == "function", "binary": True, "environment": cfg.environment.enabled}
+    return next((why[need] for need in entry.needs if not held[need]), None)
 
 
 def trial_config(config: RLHFConfig, sweep: SweepConfig, number: int, params: dict, parent_run_id: str) -> RLHFConfig:

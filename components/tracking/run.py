@@ -1,24 +1,27 @@
-"""A run's durable state: its name, local directory, checkpoint store, MLflow run, and the resume manifest.
+"""The one session of every job (an RL run, SFT, a reward model, DPO, an eval): its name, local directory, checkpoint
+store, lease, MLflow run and resume manifest, opened by the one job builder (components/runs.py).
 
-A checkpoint holds `actor/` (all written by rank 0: full HF save_pretrained weights or the LoRA adapter;
-optimizer.pt: the full optimizer state, gathered from the shards; actor_state.pt: schedule, KL controller, minibatch
-stream, iteration, consumed rollouts, world size, every rank's sampling stream), `critic/` (the critic's critic_save output of the same iteration, in
-every launch mode) and state.json (the manifest: iteration, critic step, tracking run id, global RNG states, config).
-Re-running with the same run name resumes from the newest complete checkpoint that passes its checks: one that fails
-them (a corrupt or missing file) is said and passed over for the previous one; when none passes, the run fails naming
-each checkpoint and the cause; only "no checkpoint yet" starts a new run.
+A checkpoint holds the parts the job saves (an RL run: `actor/` and `critic/`; a stage: `trainee/`; every rank's part
+written as models/loop.save_actor does) and state.json, the manifest: iteration, episode, world size, the MLflow run
+id, the config, the provenance of what the job is made of, and what the job adds (an RL run: its critic step and RNG
+states). Re-running with the same run name resumes from the newest complete checkpoint that passes its checks: one
+that fails them (a corrupt or missing file) is said and passed over for the previous one; when none passes, the job
+fails naming each checkpoint and the cause; only "no checkpoint yet" starts a new run.
 
-What a run is made of travels with it: opening it stores the bytes of every reward file it names (a local
+What a job is made of travels with it: opening an RL run stores the bytes of every reward file it names (a local
 'path/to/rewards.py:fn') in its store, `rewards/<sha256>.py`, and sets reward.files, so every process that scores
-loads those bytes by their digest (models/reward.py); the digests are MLflow tags (`reward.function.sha256`, ...) and
-the run's record holds them with the provenance of every model (models/resolve.py: its source, hub commit, s3 ETags,
-the digest of its files), in the summary and in every checkpoint's manifest (what `rlhf export` checks a LoRA
-adapter's base against).
+loads those bytes by their digest (models/reward.py); the session holds them with the provenance of every model and
+data set the job reads (models/resolve.py: its source, hub commit, s3 ETags, the digest of its files), as MLflow tags
+(`reward.function.sha256`, `model.policy.digest`, ...), in the summary and in every checkpoint's manifest (what `rlhf
+export` checks a LoRA adapter's base against), and the job's provenance record (components/tracking/provenance.py:
+what a pipeline stage's key is the digest of) as `provenance.*` tags.
 
-One writer per run name: opening a run takes the lease of its store (components/storage/lease.py) before anything
-of the run is touched; another live run of the name is refused naming its holder, and the lease is released at close.
-An attempt of a run on several nodes opens it under the lease its controller holds (`lease_holder`: the holder id),
-checked before every checkpoint.
+One writer per run name: opening a job takes the lease of its store (components/storage/lease.py) before anything of
+it is touched, and fences the store with it (latest.json names the lease from then on); another live job of the name
+is refused naming its holder; every checkpoint is committed only while the store still names this lease (a holder
+that stalled and was taken over commits nothing), and the lease is released at close. An attempt of a run on several
+nodes opens it under the lease its controller holds (`lease_holder`: the holder id, also the fencing token), checked
+before every checkpoint.
 RunPlace has a slot for the run's secret, which the run's servers are started with (components/serving/services.py
 makes it, once per attempt); what is logged to MLflow has the passwords of URLs taken out (tracker.redact).
 """
@@ -27,9 +30,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
-import random
 import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,9 +44,9 @@ import torch
 from components.launch.stack import running_mlflow_uri
 from components.storage.lease import HeldLease, acquire as acquire_lease
 from components.storage.store import CheckpointStore
+from components.tracking.provenance import digest
 from components.tracking.tracker import Tracker, resolve_tracking_uri
 from models.config import RLHFConfig, merge, run_name_for
-from models.export import export_spec
 from models.resolve import resolve_data
 from models.reward import is_file_spec, reward_file
 
@@ -64,12 +67,13 @@ def _flow_run_id() -> str | None:
         return None
 
 
-def checkpoint_uri(cfg: RLHFConfig, run_name: str) -> str:
+def checkpoint_uri(cfg, run_name: str) -> str:
+    """Where a job's checkpoints go: deploy.checkpoint.uri, else <state_dir>/checkpoints, then the run's name."""
     base = cfg.deploy.checkpoint.uri or (cfg.resolved_state_dir() / "checkpoints").as_uri()
     return f"{base.rstrip('/')}/{run_name}"
 
 
-def default_tracking_uri(cfg: RLHFConfig) -> str:
+def default_tracking_uri(cfg) -> str:
     """Config > $MLFLOW_TRACKING_URI > the local stack's MLflow server (if `rlhf up` runs) > sqlite in state_dir."""
     if cfg.deploy.tracking.uri:
         return cfg.deploy.tracking.uri
@@ -95,8 +99,8 @@ class RunPlace:
 
 @contextmanager
 def closed_when_done(session):
-    """A run's record (a RunSession, a stage's session) for the block, closed on the way out: its MLflow run
-    FINISHED, or FAILED when the block raised (a failure, a cancellation)."""
+    """A job's session for the block, closed on the way out: its MLflow run FINISHED, or FAILED when the block
+    raised (a failure, a cancellation); its lease released either way."""
     status = "FAILED"
     try:
         yield session
@@ -107,7 +111,9 @@ def closed_when_done(session):
 
 @dataclass
 class RunSession:
-    cfg: RLHFConfig
+    """A job's durable state (the module docstring)."""
+
+    cfg: object  # the job's config: models/config.RLHFConfig, or a stage's / an eval's (models/stages/config.py)
     name: str
     local_dir: Path
     store: CheckpointStore
@@ -115,10 +121,61 @@ class RunSession:
     resumed_from: int | None = None
     manifest: dict = field(default_factory=dict)
     lease: object = None  # one writer per run name (components/storage/lease.py), released at close
+    provenance: dict = field(default_factory=dict)  # what the job is made of (components/tracking/provenance.py)
     models: dict = field(default_factory=dict)  # model field -> its provenance (models/resolve.py)
     data: dict = field(default_factory=dict)  # data field -> its provenance (data.prompts, eval.prompts)
     reward_files: dict = field(default_factory=dict)  # reward field -> {path, sha256, uri} (store_reward_files)
 
+    @classmethod
+    def open(cls, cfg, tags: dict[str, str] | None = None, log: Callable[[str], None] = LOG.warning,
+             parts: tuple[str, ...] | None = None, provenance: dict | None = None, lease_holder: str | None = None,
+             sources: Callable | None = None) -> "RunSession":
+        """Resolve the job's run name; take its lease (one writer per run name: another live job of this name is
+        refused, naming it, before anything of it is touched), or with `lease_holder` write under the lease of that
+        holder (a multi-node run's controller), and fence its store with it; `sources(cfg, store)` (the job's kind)
+        stores what must travel with it and says what it reads: (cfg, models, data, reward_files); if the store has
+        a checkpoint, download the newest that passes its checks (its `parts`; an older one when the newest fails
+        them, said through `log`) into `restore_dir` and remember its manifest; start or continue its MLflow run,
+        tagged with `tags`, its sources and the `provenance` record."""
+        name = run_name_for(cfg)
+        store = CheckpointStore.from_uri(checkpoint_uri(cfg, name), s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
+        lease = (HeldLease(store, name, lease_holder) if lease_holder else
+                 acquire_lease(store, name, timeout_s=cfg.deploy.checkpoint.lease_timeout_s, log=log,
+                               flow_run_id=_flow_run_id(), what=f"run_name={name!r}"))
+        try:
+            store.fence(lease.token)  # from now on latest.json moves only for this lease
+            cfg, models, data, reward_files = sources(cfg, store) if sources else (cfg, {}, {}, {})
+            local_dir = cfg.resolved_state_dir() / "runs" / name
+            local_dir.mkdir(parents=True, exist_ok=True)
+            manifest, resumed_from = {}, None
+            restored = store.restore(local_dir / "restore", parts=parts, log=log)
+            if restored is not None:
+                resumed_from, manifest = restored[0], from_jsonable(restored[1])
+            nested = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
+            record = provenance or {}
+            tracker = Tracker(default_tracking_uri(cfg), cfg.tracking.experiment, name,
+                              run_id=manifest.get("tracking_run_id"),
+                              tags={"job": cfg.job, **record_tags(record),
+                                    **provenance_tags({**models, **data}, reward_files), **nested, **(tags or {})},
+                              system_metrics=cfg.deploy.tracking.system_metrics)
+            # URL passwords redacted by the tracker; the reward files' digests are tags (their paths make no param names)
+            tracker.start(cfg.model_dump(mode="json", exclude={"reward": {"files"}} if cfg.job == "rl" else None))
+        except BaseException:
+            lease.release()
+            raise
+        return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest, lease=lease, provenance=record,
+                   models=models, data=data, reward_files=reward_files)
+
+    @property
+    def restore_dir(self) -> Path:
+        """Where the checkpoint the job resumes from was downloaded (one directory per part)."""
+        return self.local_dir / "restore"
+
+    @property
+    def start_iteration(self) -> int:
+        return int(self.manifest.get("iteration", 0))
+
+    # -- an RL run's servers
     @property
     def critic_restore_iteration(self) -> int | None:
         """The checkpoint iteration whose critic a (deployment) critic server must start from; None for a new critic."""
@@ -133,116 +190,55 @@ class RunSession:
         """One RunPlace per session: the servers of the run share it (and the secret made for them)."""
         return RunPlace(self.name, self.local_dir / "logs", self.critic_dir, self.store.uri, self.critic_restore_iteration)
 
-    @classmethod
-    def open(cls, cfg: RLHFConfig, tags: dict[str, str] | None = None,
-             log: Callable[[str], None] = LOG.warning, lease_holder: str | None = None) -> "RunSession":
-        """Resolve the run; take its lease (one writer per run name: another live run of this name is refused,
-        naming it, before anything of it is touched), or with `lease_holder` write under the lease of that holder
-        (a multi-node run's controller); if its store has a checkpoint, download the newest that passes its checks
-        (an older one when the newest fails them, said through `log`) and remember the manifest."""
-        name = run_name_for(cfg)
-        store = CheckpointStore.from_uri(checkpoint_uri(cfg, name), s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
-        lease = (HeldLease(store, name, lease_holder) if lease_holder else
-                 acquire_lease(store, name, cfg.deploy.checkpoint.lease_timeout_s, log, _flow_run_id()))
-        try:
-            cfg, reward_files = store_reward_files(cfg, store)
-            models, data = model_provenance(cfg), data_provenance(cfg)
-            local_dir = cfg.resolved_state_dir() / "runs" / name
-            local_dir.mkdir(parents=True, exist_ok=True)
-            manifest, resumed_from = {}, None
-            restore_dir = local_dir / "restore"
-            shutil.rmtree(local_dir / "critic", ignore_errors=True)  # never resume a critic newer/older than the actor
-            # launch=deployment: the critic server (maybe on another node) restores its part from the store itself
-            parts = ("actor",) if cfg.deploy.critic.launch == "deployment" else None
-            restored = store.restore(restore_dir, parts=parts, log=log)
-            if restored is not None:
-                resumed_from, manifest = restored[0], from_jsonable(restored[1])
-                if (restore_dir / "critic").exists():
-                    shutil.copytree(restore_dir / "critic", local_dir / "critic")
-            nested = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
-            tracker = Tracker(default_tracking_uri(cfg), cfg.tracking.experiment, name,
-                              run_id=manifest.get("tracking_run_id"),
-                              tags={"algorithm": cfg.algorithm,
-                                    "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
-                                    "reward_transport": cfg.reward.transport,
-                                    **provenance_tags({**models, **data}, reward_files),
-                                    **nested, **(tags or {})},
-                              system_metrics=cfg.deploy.tracking.system_metrics)
-            # URL passwords redacted by the tracker; the reward files' digests are tags (their paths make no param names)
-            tracker.start(cfg.model_dump(mode="json", exclude={"reward": {"files"}}))
-        except BaseException:
-            lease.release()
-            raise
-        return cls(cfg, name, local_dir, store, tracker, resumed_from, manifest, lease=lease, models=models,
-                   data=data, reward_files=reward_files)
+    # -- checkpoints
+    def restore(self, leader: Leader, part: str) -> str | None:
+        """Load part `part` of the downloaded checkpoint into the freshly built job on all its ranks (models/loop
+        Leader.restore); returns its warning (another world size: the optimizer starts fresh), None for a new run."""
+        return leader.restore(self.restore_dir / part) if self.resumed_from is not None else None
 
-    @property
-    def start_iteration(self) -> int:
-        return int(self.manifest.get("iteration", 0))
-
-    def restore_actor(self, actor: Leader) -> str | None:
-        """Load the downloaded checkpoint into the freshly built actor on all its ranks (weights, optimizer, RNGs);
-        returns a warning when the checkpoint was saved by another number of ranks (then the optimizer starts fresh)."""
-        if self.resumed_from is None:
-            return None
-        warning = actor.restore(self.local_dir / "restore" / "actor")
-        torch.set_rng_state(self.manifest["rng"]["torch"])
-        random.setstate(_tuple_state(self.manifest["rng"]["python"]))
-        return warning
-
-    def save(self, actor: Leader, critic_info: dict | None) -> str:
-        """Checkpoint the actor (all ranks take part) + the critic of the same iteration + the manifest; prune;
-        record in MLflow."""
-        if self.lease is not None:
-            self.lease.check()  # a run whose lease was taken over writes nothing more
-        state = actor.state
-        stage = self.local_dir / "staging"
-        shutil.rmtree(stage, ignore_errors=True)
-        actor_dir = stage / "actor"
-        actor.save(actor_dir)
-        parts, stored = {"actor": actor_dir}, {}
-        if critic_info:
-            # a server with the run's store (launch=deployment) uploaded its save there: adopted inside the store;
-            # a local child or in-process critic saved into a directory on this machine
-            key = self.store.key_of(critic_info["path"])
-            if key is not None:
-                stored["critic"] = key
-            else:
-                parts["critic"] = Path(critic_info["path"])
-        manifest = {"iteration": state.iteration, "episode": state.episode, "run_name": self.name,
-                    "world_size": state.me.world_size,
-                    "tracking_run_id": self.tracker.run_id, "critic_step": (critic_info or {}).get("step"),
-                    "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-                    "config": self.cfg.model_dump(mode="json"), "models": self.models, "data": self.data,
-                    "reward_files": self.reward_files,
-                    "export": export_spec("actor", "causal-lm", self.cfg.model.dtype, self.cfg.model.policy,
-                                          self.cfg.model.revision, "model.policy", self.models.get("model.policy"))}
-        uri = self.store.save(state.iteration, parts, _jsonable(manifest), stored=stored)
-        for key in stored.values():
+    def checkpoint(self, leader: Leader, part: str, state: dict | None = None, parts: dict[str, Path] | None = None,
+                   stored: dict[str, str] | None = None) -> str:
+        """Save the job on all its ranks as part `part` (with `parts`, directories saved beside it, and `stored`, parts
+        already in the store: a deployment critic's upload, adopted and then deleted), and a manifest with `state`
+        (what the job adds); committed only while this job's lease fences the store; prune; record in MLflow."""
+        self.lease.check()  # a job whose lease was taken over writes nothing more
+        staging = self.local_dir / "staging"
+        shutil.rmtree(staging, ignore_errors=True)
+        leader.save(staging / part)
+        step = leader.state
+        manifest = {"iteration": step.iteration, "episode": step.episode, "run_name": self.name,
+                    "world_size": step.me.world_size, "tracking_run_id": self.tracker.run_id,
+                    "config": self.cfg.model_dump(mode="json"), "provenance": self.provenance, "models": self.models,
+                    "data": self.data, "reward_files": self.reward_files, **(state or {})}
+        uri = self.store.save(step.iteration, {part: staging / part, **(parts or {})}, _jsonable(manifest),
+                              stored=stored, fence=self.lease.token)
+        for key in (stored or {}).values():
             self.store.delete_dir(key)
         self.store.prune(self.cfg.checkpoint.keep_last)
-        self.tracker.log_checkpoint(uri, state.iteration)
-        shutil.rmtree(stage, ignore_errors=True)
+        self.tracker.log_checkpoint(uri, step.iteration)
+        shutil.rmtree(staging, ignore_errors=True)
         return uri
 
-    def log(self, iteration: int, metrics: dict, samples: list[dict]) -> None:
-        """Metrics at step=iteration; a step already logged by an earlier attempt (recomputed after resume) is skipped."""
-        if self.tracker.last_step is not None and iteration <= self.tracker.last_step:
-            return
-        self.tracker.log_metrics(metrics, step=iteration)
-        if self.logs_table(iteration):
-            self.tracker.log_table(samples, step=iteration)
+    # -- MLflow
+    def log_steps(self, steps: list[tuple[int, dict]]) -> None:
+        """The metrics of several steps (iterations) in one batch; a step an earlier attempt logged (recomputed after
+        a resume) is skipped."""
+        last = self.tracker.last_step
+        fresh = [(step, metrics) for step, metrics in steps if last is None or step > last]
+        if fresh:
+            self.tracker.log_steps(fresh)
 
-    def logs_table(self, iteration: int) -> bool:
-        """Whether iteration `iteration`'s samples are logged as a table (every tracking.table_every, and the first)."""
-        return iteration % self.cfg.tracking.table_every == 0 or iteration == 1
-
-    def log_eval(self, iteration: int, metrics: dict, rows: list[dict]) -> None:
-        """A held-out eval before iteration + 1 (or at the end): its metrics at step=iteration and its samples as
-        the MLflow table tables/eval_<iteration>.json."""
-        self.tracker.log_side_metrics(metrics, step=iteration)
+    def log_eval(self, step: int, metrics: dict, rows: list[dict]) -> None:
+        """A held-out eval's metrics at `step` (beside the steps' own) and its rows as the MLflow table
+        tables/eval_<step>.json."""
+        self.tracker.log_side_metrics(metrics, step=step)
         if rows:
-            self.tracker.log_table(rows, step=iteration, name="eval")
+            self.tracker.log_table(rows, step=step, name="eval")
+
+    def log_data(self, counts: dict[str, float], note: str, log: Callable[[str], None]) -> None:
+        """What the job reads: counts in MLflow at step 0 (data/rows, eval/rows, ...) and a line in its log."""
+        self.tracker.log_side_metrics(counts, step=0)
+        log(note)
 
     def close(self, status: str) -> None:
         try:
@@ -271,8 +267,8 @@ def store_reward_files(cfg: RLHFConfig, store: CheckpointStore) -> tuple[RLHFCon
         path = reward_file(spec)
         if path.is_file():
             data = path.read_bytes()
-            digest = hashlib.sha256(data).hexdigest()
-            files[str(path)] = {"sha256": digest, "uri": store.put_bytes(f"{REWARD_FILES}/{digest}.py", data)}
+            sha256 = hashlib.sha256(data).hexdigest()
+            files[str(path)] = {"sha256": sha256, "uri": store.put_bytes(f"{REWARD_FILES}/{sha256}.py", data)}
         elif str(path) not in files:
             raise ValueError(f"{field_name}: reward file '{path}' does not exist where the run starts (working "
                              f"directory {os.getcwd()})")
@@ -281,15 +277,15 @@ def store_reward_files(cfg: RLHFConfig, store: CheckpointStore) -> tuple[RLHFCon
 
 
 def model_provenance(cfg: RLHFConfig) -> dict:
-    """{model.<field>: provenance} of every model the run names (models/resolve.py: source, hub commit, s3 ETags,
+    """{model.<field>: provenance} of every model an RL run names (models/resolve.py: source, hub commit, s3 ETags,
     the digest of its files)."""
     return {f"model.{name}": cfg.resolve_model(value).provenance for name in ("policy", "reward", "critic")
             if (value := getattr(cfg.model, name))}
 
 
 def data_provenance(cfg: RLHFConfig) -> dict:
-    """{data.prompts / eval.prompts: provenance} of the data the run reads (models/resolve.py: a local file's,
-    an s3:// object's or a hub data set's digest and origin; builtin data: its name; reasoning_gym data: its name and
+    """{data.prompts / eval.prompts: provenance} of the data an RL run reads (models/resolve.py: a local file's, an
+    s3:// object's or a hub data set's digest and origin; builtin data: its name; reasoning_gym data: its name and
     options)."""
     d, e = cfg.data, cfg.eval
     sources = [("data.prompts", d.prompts, d.revision, d.subset, d.options)]
@@ -301,7 +297,7 @@ def data_provenance(cfg: RLHFConfig) -> dict:
 
 
 def provenance_tags(sources: dict, reward_files: dict) -> dict[str, str]:
-    """MLflow tags of what a run is made of: each reward file's sha256, each model's and data set's digest (and hub
+    """MLflow tags of what a job reads: each reward file's sha256, each model's and data set's digest (and hub
     commit)."""
     tags = {f"{field_name}.sha256": entry["sha256"] for field_name, entry in reward_files.items()}
     for field_name, provenance in sources.items():
@@ -311,6 +307,24 @@ def provenance_tags(sources: dict, reward_files: dict) -> dict[str, str]:
         if provenance.get("commit"):
             tags[f"{field_name}.commit"] = provenance["commit"]
     return tags
+
+
+def record_tags(record: dict, prefix: str = "provenance") -> dict[str, str]:
+    """A provenance record as MLflow tags: 'provenance.digest' (the record's digest: a pipeline stage's key) and
+    'provenance.<dotted key>' -> value for what it is made of (data, models, files, code; its config fields are the
+    run's params already)."""
+    if not record:
+        return {}
+    out = {f"{prefix}.digest": digest(record)} if prefix == "provenance" else {}
+    for key, value in record.items():
+        name = f"{prefix}.{key}"
+        if key == "config" and prefix == "provenance":
+            continue
+        if isinstance(value, dict):
+            out.update(record_tags(value, name))
+        elif value is not None:
+            out[name] = value if isinstance(value, str) else json.dumps(value)
+    return out
 
 
 def _jsonable(value):
@@ -324,8 +338,8 @@ def _jsonable(value):
     return value
 
 
-def _tuple_state(value):
-    return tuple(_tuple_state(v) if isinstance(v, list) else v for v in value)
+def tuple_state(value):
+    return tuple(tuple_state(v) if isinstance(v, list) else v for v in value)
 
 
 def from_jsonable(value):

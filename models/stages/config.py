@@ -1,8 +1,11 @@
-"""What a run of a stage before RL trains (`rlhf sft`, `rlhf reward-model`, their deployments, and each such stage of a
-pipeline): one section per stage, and the run around it. Where its ranks run is the deployment's (models/deploy.py),
-as for an RL run. The defaults are the embedded default: the tiny policy, the shipped task's builtin data, sizes that
-train in seconds on a 2-core CPU; for a real model lower the learning rate (~1e-5 SFT, ~1e-5 reward model) and raise
-max_length.
+"""What a job other than an RL run trains or measures (`rlhf sft`, `rlhf reward-model`, `rlhf dpo`, `rlhf eval`, their
+deployments, and each such stage of a pipeline): one section per stage, and the run around it. Where its ranks run is
+the deployment's (models/deploy.py), as for an RL run. The defaults are the embedded default: the tiny policy, the
+shipped task's builtin data, sizes that train in seconds on a 2-core CPU; for a real model lower the learning rate
+(~1e-5 SFT, ~1e-5 reward model, ~5e-7 DPO) and raise max_length.
+
+Every run config of a job (these, and models/config.RLHFConfig for RL) names its job (`job`: what components/runs.py
+builds) and the prefix of its generated run name (`name_prefix`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from models.deploy import DeployConfig
 from models.sections import OptimConfig, Section
 from models.resolve import Resolved, resolve_model
 
-STAGES = ("sft", "reward_model")
+STAGES = ("sft", "reward_model", "dpo")  # the stages that train on the actor's ranks (models/stages/train.py)
 
 
 class StageTraining(Section):
@@ -33,7 +36,7 @@ class StageTraining(Section):
     max_length: Optional[PositiveInt] = Field(None, description="Longest sequence (prompt + completion) in tokens; None = the model's position limit. A longer SFT row is cut to it (its prompt alone filling it: dropped); a longer pair is dropped; both counted.")
     epochs: PositiveInt = Field(1, description="Passes over the training rows (seeded order per epoch).")
     max_steps: Optional[PositiveInt] = Field(None, description="Stop after this many optimizer steps (None = epochs x rows / batch_size, rounded up).")
-    batch_size: PositiveInt = Field(32, description="Rows (SFT) or pairs (reward model) per optimizer step, over all ranks.")
+    batch_size: PositiveInt = Field(32, description="Rows (SFT) or pairs (reward model, DPO) per optimizer step, over all ranks.")
     micro_batch_size: PositiveInt = Field(32, description="Rows or pairs per forward pass on a rank (gradient accumulation inside a step).")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype (autocast); trainable weights and optimizer states stay float32.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="Train LoRA adapters instead of all weights; the stage's output model has them merged.")
@@ -57,6 +60,19 @@ class RewardModelConfig(StageTraining):
     center_rewards_coefficient: Optional[float] = Field(None, ge=0, description="Adds coefficient x mean((r_chosen + r_rejected)^2) to the loss (TRL's; Eisenstein et al. 2023 suggest 0.01): rewards are defined only up to a shift, this pins their mean near 0. None = off.")
 
 
+class DPOConfig(StageTraining):
+    """Direct preference optimisation on preference pairs (Rafailov et al. 2023), as TRL's DPOTrainer: the policy
+    trains on each pair's chosen and rejected completions against a frozen reference, the model it starts from (the
+    SFT model in a pipeline; with LoRA, the model with its adapters disabled). Its implicit reward of a completion is
+    beta x (log pi(completion) - log pi_ref(completion)), summed over the completion's tokens."""
+
+    data: str = Field("builtin:sentiment_preference", description=f"Preference pairs (prompt, chosen, rejected): {PROMPT_SOURCES}.")
+    beta: float = Field(0.1, gt=0, description="The KL strength beta (TRL's default 0.1): the implicit reward's scale; a larger beta keeps the policy nearer its reference. For loss_type='ipo' the regularisation tau.")
+    loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="'sigmoid': DPO's -log sigmoid(beta x (chosen log-ratio - rejected log-ratio)); 'ipo': IPO's (Azar et al. 2023) squared loss (mean per-token log-ratio difference - 1 / (2 beta))^2, as TRL 1.16 computes it.")
+    epochs: PositiveInt = Field(1, description="Passes over the training pairs (seeded order per epoch).")
+    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3), description="AdamW and its schedule (1e-3 suits the tiny models; ~5e-7 a real one: TRL's default is 1e-6).")
+
+
 class StageRunConfig(Section):
     """What one run of a stage trains: the model it trains from, the stage's section, its seed, name, MLflow and
     checkpoints (a flow's `config` parameter; where its ranks run is the `deploy` beside it)."""
@@ -74,6 +90,16 @@ class StageRunConfig(Section):
         """The stage's own section."""
         return getattr(self, self.stage)
 
+    @property
+    def job(self) -> str:
+        """The job that runs this config (components/runs.py): the stage."""
+        return self.stage
+
+    @property
+    def name_prefix(self) -> str:
+        """Of a generated run name: '<stage>-<timestamp>-<random>'."""
+        return self.stage.replace("_", "-")
+
 
 class SFTRunConfig(StageRunConfig):
     """What a supervised fine-tuning run trains (`rlhf sft`, sft/default)."""
@@ -89,6 +115,53 @@ class RewardModelRunConfig(StageRunConfig):
     reward_model: RewardModelConfig = Field(default_factory=RewardModelConfig, description="The reward-model stage.")
 
 
+class DPORunConfig(StageRunConfig):
+    """What a DPO run trains (`rlhf dpo`, dpo/default): `model` is the policy it starts from and its frozen reference."""
+
+    stage: ClassVar[str] = "dpo"
+    dpo: DPOConfig = Field(default_factory=DPOConfig, description="The DPO stage.")
+
+
+class EvalSection(Section):
+    """A policy against a reference policy on held-out prompts, judged by a reward model (and a gold reward)."""
+
+    prompts: str = Field("builtin:sentiment", description=f"Held-out prompts: {PROMPT_SOURCES}.")
+    subset: Optional[str] = Field(None, description="Configuration (subset) of `prompts`, as data.subset.")
+    revision: Optional[str] = Field(None, description="Hub revision of `prompts`, as data.revision.")
+    split: str = Field("test", description="Split of `prompts` to read (a single file is this split).")
+    prompt_key: str = Field("prompt", description="Column holding the prompt (a string or chat messages).")
+    max_prompts: Optional[PositiveInt] = Field(None, description="Evaluate on the first N prompts only (None = all).")
+    samples_per_prompt: PositiveInt = Field(4, description="Responses each policy samples per prompt; the win rate pairs the j-th of one with the j-th of the other.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature of both policies (0 = greedy: one response each tells little when both policies are near-deterministic).")
+    gold: Optional[str] = Field("models.tasks.sentiment:gold_reward", pattern=r"^[\w.]+:\w+$", description="Gold reward 'package.module:function(prompts, responses)' read beside the reward model's score (proxy vs gold, as Gao et al. measure over-optimisation); None = no gold.")
+    table_rows: PositiveInt = Field(32, description="Prompts shown in the sample table (Prefect artifact and MLflow table).")
+
+
+class EvalJudging(EvalSection):
+    """The eval job's section: the comparison, and how both policies sample."""
+
+    max_new_tokens: PositiveInt = Field(16, description="Longest response of either policy (16 suits the tiny models).")
+    top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens (0 disables).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1.0 disables).")
+    normalize: bool = Field(False, description="Score with the reward model's (score - reward_mean) / reward_std (its config.json's statistics), as reward.normalize.")
+
+
+class EvalRunConfig(Section):
+    """What an eval run compares (`rlhf eval`; a pipeline's eval stage): `model`, the policy under test, against
+    `reference`, judged by `reward`."""
+
+    job: ClassVar[str] = "eval"
+    name_prefix: ClassVar[str] = "eval"
+    run_name: Optional[str] = Field(None, pattern=RUN_NAME_PATTERN, description="Name of the run (letters, digits, '.', '_', '-'); None = 'eval-<timestamp>-<random>'.")
+    seed: int = Field(0, description="Seed of the sampling (one seed for both policies: their j-th responses are paired).")
+    model: str = Field("tiny/policy", description="The policy under test: a local directory or hub id ('tiny/<name>' = the embedded default).")
+    reference: str = Field("tiny/policy", description="The policy it is compared against (a pipeline's SFT model).")
+    reward: str = Field("tiny/reward", description="The reward model that judges both (one label).")
+    eval: EvalJudging = Field(default_factory=EvalJudging, description="The comparison.")
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Unused by an eval (it keeps no checkpoint); present as in every job's config.")
+
+
 class Deployed:
     """What a stage run with its deployment answers (a run as its processes receive it: what it trains, and where
     its parts run, `deploy`)."""
@@ -96,10 +169,11 @@ class Deployed:
     def resolved_state_dir(self):
         return self.deploy.resolved_state_dir()
 
-    def resolve_model(self, value: str) -> Resolved:
-        """Where a model is on this machine (models/resolve.py): `model` at model_revision, or a path."""
-        revision = self.model_revision if value == self.model else None
-        return resolve_model(value, "model", revision, self.deploy)
+    def resolve_model(self, value: str, field: str = "model") -> Resolved:
+        """Where a model is on this machine (models/resolve.py): `model` at model_revision, or another field's value
+        (an eval's reference and reward) as it is, named by `field`."""
+        revision = getattr(self, "model_revision", None) if value == self.model else None
+        return resolve_model(value, field, revision, self.deploy)
 
     def resolve_model_path(self, value: str) -> str:
         return self.resolve_model(value).path
@@ -120,6 +194,20 @@ class RewardModelRun(RewardModelRunConfig, Deployed):
     deploy: DeployConfig = Field(default_factory=DeployConfig, description=DEPLOY_DESCRIPTION)
 
 
-StageRun = SFTRun | RewardModelRun
-STAGE_RUNS: dict[str, type] = {"sft": SFTRun, "reward_model": RewardModelRun}
-STAGE_RUN_CONFIGS: dict[str, type] = {"sft": SFTRunConfig, "reward_model": RewardModelRunConfig}
+class DPORun(DPORunConfig, Deployed):
+    """A DPO run with its deployment."""
+
+    deploy: DeployConfig = Field(default_factory=DeployConfig, description=DEPLOY_DESCRIPTION)
+
+
+class EvalRun(EvalRunConfig, Deployed):
+    """An eval run with its deployment."""
+
+    deploy: DeployConfig = Field(default_factory=DeployConfig, description=DEPLOY_DESCRIPTION)
+
+
+StageRun = SFTRun | RewardModelRun | DPORun
+# every job but RL's, by name: its config as a run receives it (with `deploy`), and as a flow's `config` parameter
+STAGE_RUNS: dict[str, type] = {"sft": SFTRun, "reward_model": RewardModelRun, "dpo": DPORun, "eval": EvalRun}
+STAGE_RUN_CONFIGS: dict[str, type] = {"sft": SFTRunConfig, "reward_model": RewardModelRunConfig, "dpo": DPORunConfig,
+                                      "eval": EvalRunConfig}

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -50,6 +50,11 @@ class Sequences:
     def __len__(self) -> int:
         return len(self.ids)
 
+    def head(self, n: int) -> "Sequences":
+        """The first `n` rows."""
+        return Sequences(self.ids[:n], self.prompt_lengths[:n], self.source, self.dropped, self.truncated,
+                         self.mismatched, self.masks[:n] if self.masks is not None else None)
+
     def rows(self, indices: list[int]) -> dict:
         """The rows `indices` as a command carries them to every rank (plain lists)."""
         out = {"ids": [self.ids[i] for i in indices], "prompt_lengths": [self.prompt_lengths[i] for i in indices]}
@@ -69,12 +74,19 @@ class Pairs:
     texts: list[tuple[str, str, str]]  # (prompt, chosen, rejected) as given, for sample tables
     dropped: int = 0  # pairs longer than max_length
     mismatched: int = 0
+    prompt_lengths: list[tuple[int, int]] = field(default_factory=list)  # the prompt's tokens in (chosen, rejected)
 
     def __len__(self) -> int:
         return len(self.chosen)
 
+    def head(self, n: int) -> "Pairs":
+        """The first `n` pairs."""
+        return Pairs(self.chosen[:n], self.rejected[:n], self.margin[:n] if self.margin is not None else None,
+                     self.source, self.texts[:n], self.dropped, self.mismatched, self.prompt_lengths[:n])
+
     def rows(self, indices: list[int]) -> dict:
-        out = {"chosen": [self.chosen[i] for i in indices], "rejected": [self.rejected[i] for i in indices]}
+        out = {"chosen": [self.chosen[i] for i in indices], "rejected": [self.rejected[i] for i in indices],
+               "prompt_lengths": [self.prompt_lengths[i] for i in indices]}
         if self.margin is not None:
             out["margin"] = [self.margin[i] for i in indices]
         return out
@@ -238,6 +250,7 @@ def load_pairs(source: str, split: str, tokenizer, max_length: int | None = None
             out.margin.append(float(margin))
         out.chosen.append(chosen)
         out.rejected.append(rejected)
+        out.prompt_lengths.append((c_len, r_len))
         out.texts.append(tuple(_text(row[k]) for k in ("prompt", "chosen", "rejected")))
     if not out.chosen:
         raise DataError(f"{field}: no pair of '{source}' (split '{split}') fits max_length={max_length} tokens")
@@ -249,8 +262,8 @@ def _text(value) -> str:
 
 
 def _rows(source: str, split: str, field: str, subset: str | None = None, revision: str | None = None,
-          deploy: DeployConfig | None = None):
-    rows = read_rows(source, split, field, subset, revision, deploy)
+          deploy: DeployConfig | None = None, options: dict | None = None):
+    rows = read_rows(source, split, field, subset, revision, deploy, options)
     if len(rows) == 0:
         raise DataError(f"{field}: split '{split}' of '{source}' is empty")
     return rows
@@ -259,12 +272,12 @@ def _rows(source: str, split: str, field: str, subset: str | None = None, revisi
 # ---------------------------------------------------------------- what a stage was made from
 
 def rows_digest(source: str, split: str, field: str, subset: str | None = None, revision: str | None = None,
-                deploy: DeployConfig | None = None) -> str:
+                deploy: DeployConfig | None = None, options: dict | None = None) -> str:
     """sha256 of the rows of `source` (split `split`, configuration `subset`, hub revision `revision`) as read: every
     row as canonical JSON, in order. The same rows give the same digest whatever the file format they came in; any
-    changed value, row or order changes it."""
+    changed value, row or order changes it. `options`: a generated source's (reasoning_gym:<task>)."""
     digest = hashlib.sha256()
-    for row in _rows(source, split, field, subset, revision, deploy):
+    for row in _rows(source, split, field, subset, revision, deploy, options):
         digest.update(json.dumps(row, sort_keys=True, default=str, separators=(",", ":")).encode())
         digest.update(b"\n")
     return digest.hexdigest()

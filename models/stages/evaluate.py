@@ -1,11 +1,12 @@
 """The pipeline's eval stage and its hand-off checks: model code, in the pipeline's own process.
 
-`compare_policies`: the RL policy and the SFT policy each answer the same held-out prompts (the native engine, one
-sampling seed for both), the reward model scores every answer as the RL stage scores rollouts (the policy's tokens
-when it shares their tokenizer, else the text), and the gold reward when one is given, so proxy and gold can be read
-side by side (Gao et al. 2023 measure over-optimisation so). Metrics: each policy's mean reward-model score, gold
-reward and response length; the win rate of the RL policy judged by the reward model (a tie counts one half) and by
-the gold reward; a table of samples.
+`compare_policies`: the policy under test (a pipeline's RL or DPO policy) and the reference policy (its SFT policy)
+each answer the same held-out prompts (the native engine, one sampling seed for both), the reward model scores every
+answer as the RL stage scores rollouts (the policy's tokens when it shares their tokenizer, else the text), and the
+gold reward when one is given, so proxy and gold can be read side by side (Gao et al. 2023 measure over-optimisation
+so). Metrics: each policy's mean reward-model score, gold reward and response length (eval/policy_*,
+eval/reference_*); the win rate of the policy judged by the reward model (a tie counts one half) and by the gold
+reward; a table of samples.
 
 The hand-off checks load a stage's output as the next stage loads it, before the next starts: a policy as
 AutoModelForCausalLM, a reward model as AutoModelForSequenceClassification (models/reward.load_reward_model: any newly
@@ -69,15 +70,15 @@ def check_reward_model(path: str, pairs: Pairs | None, recorded: float | None, f
 def compare_policies(policy_path: str, reference_path: str, reward_path: str, prompts: PromptSet, sampling: Sampling,
                      samples: int, gold: str | None, seed: int, table_rows: int, normalize: bool = False,
                      device: torch.device | str = "cpu") -> tuple[dict, list[dict]]:
-    """The RL policy (`policy_path`) against the SFT policy (`reference_path`): `samples` responses of each per prompt
-    (one sampling seed for both: the j-th responses are paired); returns (metrics, rows)."""
+    """The policy under test (`policy_path`) against the reference policy (`reference_path`): `samples` responses of
+    each per prompt (one sampling seed for both: the j-th responses are paired); returns (metrics, rows)."""
     reward = load_reward_model(reward_path, normalize=normalize, device=device)
     reward_tokenizer = load_reward_tokenizer(reward_path)
     gold_fn = load_reward_function(gold, "eval.gold") if gold else None
     asked = [p for p in prompts.prompts for _ in range(samples)]
     columns = [c for c in prompts.columns for _ in range(samples)]
     sides = {}
-    for side, path in (("rl", policy_path), ("sft", reference_path)):
+    for side, path in (("policy", policy_path), ("reference", reference_path)):
         policy = Policy.load(path, device=device, field=f"{side} policy", reference=False)
         policy.model.eval()
         engine = build_engine(RolloutConfig(), policy)
@@ -101,14 +102,17 @@ def win_rate(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def comparison_metrics(sides: dict) -> dict[str, float]:
-    rl, sft = sides["rl"], sides["sft"]
-    metrics = {"eval/rl_rm_score": float(rl["scores"].mean()), "eval/sft_rm_score": float(sft["scores"].mean()),
-               "eval/win_rate": win_rate(rl["scores"], sft["scores"]),
-               "eval/rl_response_length": float(rl["lengths"].mean()),
-               "eval/sft_response_length": float(sft["lengths"].mean()), "eval/samples": float(len(rl["scores"]))}
-    if rl["gold"] is not None:
-        metrics.update({"eval/rl_gold_reward": float(rl["gold"].mean()), "eval/sft_gold_reward": float(sft["gold"].mean()),
-                        "eval/gold_win_rate": win_rate(rl["gold"], sft["gold"])})
+    policy, reference = sides["policy"], sides["reference"]
+    metrics = {"eval/policy_rm_score": float(policy["scores"].mean()),
+               "eval/reference_rm_score": float(reference["scores"].mean()),
+               "eval/win_rate": win_rate(policy["scores"], reference["scores"]),
+               "eval/policy_response_length": float(policy["lengths"].mean()),
+               "eval/reference_response_length": float(reference["lengths"].mean()),
+               "eval/samples": float(len(policy["scores"]))}
+    if policy["gold"] is not None:
+        metrics.update({"eval/policy_gold_reward": float(policy["gold"].mean()),
+                        "eval/reference_gold_reward": float(reference["gold"].mean()),
+                        "eval/gold_win_rate": win_rate(policy["gold"], reference["gold"])})
     return metrics
 
 
@@ -116,7 +120,7 @@ def comparison_rows(prompts: list[str], sides: dict, limit: int) -> list[dict]:
     rows = []
     for i in range(min(limit, len(prompts))):
         row = {"prompt": prompts[i]}
-        for side in ("sft", "rl"):
+        for side in ("reference", "policy"):
             row[f"{side}_response"] = sides[side]["responses"][i]
             row[f"{side}_rm_score"] = round(float(sides[side]["scores"][i]), 4)
             if sides[side]["gold"] is not None:

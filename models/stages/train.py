@@ -1,9 +1,12 @@
-"""The stages before RL on the actor's ranks: what each rank builds and the commands it executes (as models/loop.py
-does for the RL stage, through the same ranks: components/launch/ranks.py).
+"""The stages that train on the actor's ranks: what each rank builds and the commands it executes (as models/loop.py
+does for an RL run, through the same ranks: components/launch/ranks.py). A stage is a `StageKind`: what it trains,
+its loss on a batch of rows and its held-out metrics; the rest (optimizer, steps, evals, checkpoints, export) is one
+code path for every stage.
 
     sft            the policy (models/policy.Policy, no reference copy), loss on completion tokens (models/losses.sft_loss)
     reward_model   an AutoModelForSequenceClassification with one label (`Scorer`), Bradley-Terry on pairs
                    (models/losses.bradley_terry_loss), each sequence scored at its last real token
+    dpo            the policy and its frozen reference on pairs (models/stages/dpo.py, models/losses.dpo_loss)
 
 One optimizer step per `train` command, through the one update loop of the actor and the critic (models/update.py):
 rank 0 sends the step's global batch, every rank trains on its block of it, micro-batches weighted by their share of
@@ -28,14 +31,14 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForSequenceClassification
 
-from models.distributed import SINGLE, Dist, local_device, shard_model
-from models.loading import adapters_in_float32, autocast, base_dtype, disable_dropout, from_pretrained, make_optimizer
+from models.distributed import SINGLE, Dist, shard_model
+from models.loading import adapters_in_float32, autocast, base_dtype, disable_dropout, from_pretrained
 from models.loop import Leader, restore_actor, save_actor
 from models.losses import bradley_terry_loss, completion_mask, sft_loss
 from models.policy import Policy, load_policy_tokenizer, load_trained, save_trained
 from models.stages.config import StageRun
 from models.stages.data import right_padded
-from models.update import micro_batches, minibatch_update
+from models.update import MicroLoss, micro_batches, minibatch_update
 
 
 class Scorer:
@@ -108,6 +111,7 @@ class StageState:
     models/loop.save_actor / restore_actor read it (`policy` is the model being trained, either kind)."""
 
     policy: Policy | Scorer
+    kind: "StageKind"
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     generator: torch.Generator  # unused by the update (no sampling); kept per rank as the actor's is
@@ -127,22 +131,98 @@ class StageState:
         self.iteration, self.episode, self.data = int(state["iteration"]), int(state["episode"]), state.get("data")
 
 
-def build_stage(cfg: StageRun, me: Dist = SINGLE) -> StageState:
-    """This rank's trainee of `cfg.stage` (sharded with FSDP2 over the ranks for a full fine-tune unless
-    deploy.actor.fsdp='off'), its optimizer and generators."""
-    torch.manual_seed(cfg.seed)  # the same new score head on every rank
-    train = cfg.train
-    device = local_device(cfg.deploy.device, me)
-    shard = me.active and cfg.deploy.actor.fsdp == "auto" and not train.lora.enabled
-    path = cfg.resolve_model_path(cfg.model)
-    if cfg.stage == "sft":
-        trainee = Policy.load(path, train.lora, train.dtype, device, field="model", me=me, shard=shard, reference=False)
-    else:
-        trainee = Scorer.load(path, train.lora, train.dtype, device, me, shard)
-    trainee.model.train()
-    optimizer, scheduler = make_optimizer(trainee.trainable_parameters(), train.optim)
-    return StageState(trainee, optimizer, scheduler, torch.Generator().manual_seed(cfg.seed + 1_000_003 * me.rank),
-                      torch.Generator().manual_seed(cfg.seed), me)
+class StageKind:
+    """What a stage trains and measures: its trainee, the loss of a batch of its rows, its held-out metrics."""
+
+    name: str
+    pairs: bool  # trains on preference pairs (models/stages/data.load_pairs), else on SFT rows (load_sequences)
+
+    def build(self, cfg: StageRun, path: str, device: torch.device, me: Dist, shard: bool):
+        """This rank's trainee, from the model at `path`."""
+        raise NotImplementedError
+
+    def step(self, trainee, cfg: StageRun, mine: dict) -> tuple[Tensor, MicroLoss]:
+        """(the weight of each of this rank's rows in the step's loss, the loss of a micro-batch of them)."""
+        raise NotImplementedError
+
+    def evaluate(self, trainee, cfg: StageRun, mine: dict, rows: dict, me: Dist) -> tuple[dict[str, float], list[dict]]:
+        """The held-out metrics of the global `rows` (`mine`: this rank's block): rank 0's, ({}, []) elsewhere."""
+        raise NotImplementedError
+
+
+class SFT(StageKind):
+    """Completion-only SFT: the mean -log p of the completion tokens over the batch (TRL's token mean)."""
+
+    name, pairs = "sft", False
+
+    def build(self, cfg, path, device, me, shard):
+        train = cfg.train
+        return Policy.load(path, train.lora, train.dtype, device, field="model", me=me, shard=shard, reference=False)
+
+    def step(self, trainee, cfg, mine):
+        batch = sft_batch(mine, trainee.pad_id)
+
+        def micro_loss(idx: Tensor):
+            logp, _ = trainee.logprobs(batch["tokens"][idx], batch["lengths"][idx])
+            return sft_loss(logp.cpu(), batch["mask"][idx])
+        return batch["mask"].sum(1), micro_loss  # completion tokens per row: the loss is their mean over the batch
+
+    def evaluate(self, trainee, cfg, mine, rows, me):
+        """eval/loss (the mean -log p over completion tokens), eval/num_tokens."""
+        batch = sft_batch(mine, trainee.pad_id)
+        sums, tokens = [], []
+        for mb in equal_passes(me, micro_batches(len(batch["tokens"]), cfg.train.micro_batch_size)):
+            logp, _ = trainee.logprobs(batch["tokens"][mb], batch["lengths"][mb])
+            mask = batch["mask"][mb]
+            sums.append((-logp.cpu().double() * mask).sum(1))
+            tokens.append(mask.sum(1).double())
+        n = len(batch["tokens"])
+        nll, count = me.all_gather_cat(torch.cat(sums)[:n]), me.all_gather_cat(torch.cat(tokens)[:n])
+        if not me.is_leader:
+            return {}, []
+        return {"eval/loss": float(nll.sum() / count.sum().clamp(min=1)), "eval/num_tokens": float(count.sum())}, []
+
+
+class RewardModel(StageKind):
+    """Bradley-Terry on pairs, the mean over pairs (TRL's RewardTrainer)."""
+
+    name, pairs = "reward_model", True
+
+    def build(self, cfg, path, device, me, shard):
+        return Scorer.load(path, cfg.train.lora, cfg.train.dtype, device, me, shard)
+
+    def step(self, trainee, cfg, mine):
+        batch = pair_batch(mine, trainee.tokenizer.pad_token_id)
+        k = batch["n"]
+
+        def micro_loss(idx: Tensor):
+            both = torch.cat([idx, idx + k])
+            scores = trainee.scores(batch["tokens"][both], batch["lengths"][both])
+            margin = batch["margin"][idx] if "margin" in batch else None
+            return bradley_terry_loss(scores[:len(idx)], scores[len(idx):], margin, cfg.train.center_rewards_coefficient)
+        return torch.ones(k), micro_loss  # the loss is the mean over pairs
+
+    def evaluate(self, trainee, cfg, mine, rows, me):
+        """TRL's metrics (eval/accuracy, eval/margin, eval/min|mean|max_reward), eval/loss and the reward statistics
+        of all held-out rewards (reward_mean, reward_std: what is stored with the model); a row per pair."""
+        batch = pair_batch(mine, trainee.tokenizer.pad_token_id)
+        k = batch["n"]
+        chosen, rejected = [], []
+        for mb in equal_passes(me, micro_batches(k, cfg.train.micro_batch_size)):
+            idx = torch.arange(k)[mb]
+            scores = trainee.scores(batch["tokens"][torch.cat([idx, idx + k])], batch["lengths"][torch.cat([idx, idx + k])])
+            chosen.append(scores[:len(idx)].double())
+            rejected.append(scores[len(idx):].double())
+        chosen, rejected = me.all_gather_cat(torch.cat(chosen)[:k]), me.all_gather_cat(torch.cat(rejected)[:k])
+        if not me.is_leader:
+            return {}, []
+        margin = torch.tensor(rows["margin"], dtype=torch.float64) if "margin" in rows else None
+        loss, stats = bradley_terry_loss(chosen, rejected, margin, cfg.train.center_rewards_coefficient)
+        both = torch.cat([chosen, rejected])
+        metrics = {f"eval/{name}": float(value) for name, value in {**stats, "loss": loss}.items()}
+        metrics.update({"eval/pairs": float(len(chosen)), "reward_mean": float(both.mean()),
+                        "reward_std": float(both.std()) if len(both) > 1 else 1.0})
+        return metrics, [{"chosen_score": float(c), "rejected_score": float(r)} for c, r in zip(chosen, rejected)]
 
 
 # ---------------------------------------------------------------- the batch of a command, on this rank
@@ -159,9 +239,12 @@ def sft_batch(rows: dict, pad_id: int) -> dict[str, Tensor]:
 
 
 def pair_batch(rows: dict, pad_id: int) -> dict[str, Tensor]:
-    """Chosen rows 0..n-1 then rejected rows n..2n-1, right-padded to one width."""
+    """Chosen rows 0..n-1 then rejected rows n..2n-1, right-padded to one width; each row's prompt length."""
     tokens, lengths = right_padded(rows["chosen"] + rows["rejected"], pad_id)
     out = {"tokens": tokens, "lengths": lengths, "n": len(rows["chosen"])}
+    if "prompt_lengths" in rows:
+        out["prompt_lengths"] = torch.tensor([c for c, _ in rows["prompt_lengths"]] + [r for _, r in rows["prompt_lengths"]],
+                                             dtype=torch.long)
     if "margin" in rows:
         out["margin"] = torch.tensor(rows["margin"], dtype=torch.float32)
     return out
@@ -182,23 +265,7 @@ def train_step(state: StageState, cfg: StageRun, rows: dict) -> dict[str, float]
     train, trainee = cfg.train, state.policy
     mine, global_rows, n = my_rows(rows, state.me)
     trainee.model.train()
-    if cfg.stage == "sft":
-        batch = sft_batch(mine, trainee.pad_id)
-        weights = batch["mask"].sum(1)  # completion tokens per row: the loss is their mean over the batch
-
-        def micro_loss(idx: Tensor):
-            logp, _ = trainee.logprobs(batch["tokens"][idx], batch["lengths"][idx])
-            return sft_loss(logp.cpu(), batch["mask"][idx])
-    else:
-        batch = pair_batch(mine, trainee.tokenizer.pad_token_id)
-        weights = torch.ones(batch["n"])  # the loss is the mean over pairs
-        k = batch["n"]
-
-        def micro_loss(idx: Tensor):
-            scores = trainee.scores(batch["tokens"][torch.cat([idx, idx + k])],
-                                    batch["lengths"][torch.cat([idx, idx + k])])
-            margin = batch["margin"][idx] if "margin" in batch else None
-            return bradley_terry_loss(scores[:len(idx)], scores[len(idx):], margin, train.center_rewards_coefficient)
+    weights, micro_loss = state.kind.step(trainee, cfg, mine)
     stats = minibatch_update(trainee.trainable_parameters(), state.optimizer, state.scheduler, micro_loss, weights,
                              global_rows, n, n, 1, train.micro_batch_size, train.optim.grad_clip, state.shuffle,
                              state.me, sharded=trainee.sharded)
@@ -215,51 +282,19 @@ def train_step(state: StageState, cfg: StageRun, rows: dict) -> dict[str, float]
 @torch.no_grad()
 def evaluate(state: StageState, cfg: StageRun, rows: dict) -> tuple[dict[str, float], list[dict]]:
     """The held-out metrics of the global rows `rows` (every rank scores its block; rank 0 returns them, the others
-    ({}, [])). SFT: eval/loss (the mean -log p over completion tokens), eval/num_tokens. Reward model: TRL's
-    metrics (eval/accuracy, eval/margin, eval/min|mean|max_reward), eval/loss and the reward statistics of all
-    held-out rewards (reward_mean, reward_std: what is stored with the model)."""
-    trainee, me = state.policy, state.me
-    mine, _, _ = my_rows(rows, me)
+    ({}, [])): the stage kind's (SFT: eval/loss; reward model: TRL's accuracy and margin, the reward statistics; DPO:
+    the implicit rewards' accuracy and margins)."""
+    trainee = state.policy
+    mine, _, _ = my_rows(rows, state.me)
     was_training = trainee.model.training
     trainee.model.eval()
-    size = cfg.train.micro_batch_size
-    if cfg.stage == "sft":
-        batch = sft_batch(mine, trainee.pad_id)
-        chunks = micro_batches(len(batch["tokens"]), size)
-        sums, tokens = [], []
-        for mb in _equal_passes(me, chunks):
-            logp, _ = trainee.logprobs(batch["tokens"][mb], batch["lengths"][mb])
-            mask = batch["mask"][mb]
-            sums.append((-logp.cpu().double() * mask).sum(1))
-            tokens.append(mask.sum(1).double())
-        nll, count = me.all_gather_cat(torch.cat(sums)[:len(batch["tokens"])]), me.all_gather_cat(torch.cat(tokens)[:len(batch["tokens"])])
+    try:
+        return state.kind.evaluate(trainee, cfg, mine, rows, state.me)
+    finally:
         trainee.model.train(was_training)
-        if not me.is_leader:
-            return {}, []
-        return {"eval/loss": float(nll.sum() / count.sum().clamp(min=1)), "eval/num_tokens": float(count.sum())}, []
-    batch = pair_batch(mine, trainee.tokenizer.pad_token_id)
-    k = batch["n"]
-    chunks = micro_batches(k, size)
-    chosen, rejected = [], []
-    for mb in _equal_passes(me, chunks):
-        idx = torch.arange(k)[mb]
-        scores = trainee.scores(batch["tokens"][torch.cat([idx, idx + k])], batch["lengths"][torch.cat([idx, idx + k])])
-        chosen.append(scores[:len(idx)].double())
-        rejected.append(scores[len(idx):].double())
-    chosen, rejected = me.all_gather_cat(torch.cat(chosen)[:k]), me.all_gather_cat(torch.cat(rejected)[:k])
-    trainee.model.train(was_training)
-    if not me.is_leader:
-        return {}, []
-    margin = torch.tensor(rows["margin"], dtype=torch.float64) if "margin" in rows else None
-    loss, stats = bradley_terry_loss(chosen, rejected, margin, cfg.train.center_rewards_coefficient)
-    both = torch.cat([chosen, rejected])
-    metrics = {f"eval/{name}": float(value) for name, value in {**stats, "loss": loss}.items()}
-    metrics.update({"eval/pairs": float(len(chosen)), "reward_mean": float(both.mean()),
-                    "reward_std": float(both.std()) if len(both) > 1 else 1.0})
-    return metrics, [{"chosen_score": float(c), "rejected_score": float(r)} for c, r in zip(chosen, rejected)]
 
 
-def _equal_passes(me: Dist, chunks: list[slice]) -> list[slice]:
+def equal_passes(me: Dist, chunks: list[slice]) -> list[slice]:
     """`chunks`, then empty passes until every rank has run as many forward passes as the one with the most (with
     FSDP each pass is a collective); an empty pass reads row 0 and is cut off by the caller."""
     count = int(me.all_reduce(torch.tensor(len(chunks)), op="max"))

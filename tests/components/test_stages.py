@@ -1,7 +1,7 @@
-"""The stages before RL as runs (components/stages.py) on real ranks, a real MLflow store and checkpoint store: resume
-where a run stopped, two ranks (gloo, FSDP2) against one on the same data, the reward model's output (statistics,
-hand-off as the RL stage loads it), a LoRA stage's merged output, and a reward model without its score head refused
-naming the weight."""
+"""The stages as jobs of the one job builder (components/runs.py) on real ranks, a real MLflow store and checkpoint
+store: resume where a run stopped, falling back past a corrupted latest checkpoint; two ranks (gloo, FSDP2) against
+one on the same data; the reward model's output (statistics, hand-off as the RL stage loads it); a LoRA stage's merged
+output; and a reward model without its score head refused naming the weight."""
 
 from __future__ import annotations
 
@@ -13,13 +13,16 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from components.export import export_checkpoint
-from components.stages import stage_rows, train_stage
+from components.jobs.stages import stage_rows
+from components.runs import train as train_stage
 from components.storage.store import CheckpointStore
 from models.critic import init_critic
 from models.resolve import file_digests, resolve_model
 from models.reward import HandOffError, load_reward_model, reward_model_scores
 from models.stages.config import RewardModelRun, SFTRun
 from models.stages.data import right_padded
+from models.loop import Steps
+from models.metrics import find
 from models.stages.evaluate import check_reward_model
 
 
@@ -28,6 +31,16 @@ def stage_config(kind, tmp_path, **fields):
     section = {"batch_size": 8, "micro_batch_size": 3, "max_eval_rows": 24, **fields.pop("section", {})}
     name = "sft" if kind is SFTRun else "reward_model"
     return kind.model_validate({**base, **fields, name: section})
+
+
+class Said(Steps):
+    """The steps of a job run here, its messages kept."""
+
+    def __init__(self):
+        self.messages: list[str] = []
+
+    def log(self, message: str) -> None:
+        self.messages.append(message)
 
 
 def weights(directory) -> dict[str, torch.Tensor]:
@@ -40,13 +53,21 @@ def assert_close(a: dict, b: dict, atol: float) -> None:
     assert worst <= atol, worst
 
 
-def test_a_stage_resumes_where_it_stopped(tmp_path):
-    """2 steps, stopped, then resumed to 4 under the same name: the steps, the rows and the weights of a straight run
-    of 4 (float32 tolerance: another run of the same kernels)."""
+def test_a_stage_resumes_where_it_stopped_falling_back_past_a_corrupted_checkpoint(tmp_path):
+    """3 steps (checkpoints at 2 and 3), stopped; the latest checkpoint corrupted; resumed to 4 under the same name:
+    it falls back to step 2, saying so, and ends with the steps, the rows and the weights of a straight run of 4
+    (float32 tolerance: another run of the same kernels)."""
     straight = train_stage(stage_config(SFTRun, tmp_path, run_name="straight", section={"max_steps": 4}))
-    first = train_stage(stage_config(SFTRun, tmp_path, run_name="resumed", section={"max_steps": 2}))
-    second = train_stage(stage_config(SFTRun, tmp_path, run_name="resumed", section={"max_steps": 4}))
-    assert [m["step"] for m in first["history"]] == [1, 2] and [m["step"] for m in second["history"]] == [3, 4]
+    first = train_stage(stage_config(SFTRun, tmp_path, run_name="resumed", section={"max_steps": 3}))
+    store = tmp_path / "checkpoints" / "resumed"
+    latest = json.loads((store / "latest.json").read_text())
+    assert latest["iteration"] == 3
+    (store / latest["path"] / "trainee" / "model.safetensors").write_bytes(b"corrupted")
+    said = Said()
+    second = train_stage(stage_config(SFTRun, tmp_path, run_name="resumed", section={"max_steps": 4}), said)
+    assert any("fails its sha256 check" in m and "falling back" in m for m in said.messages), said.messages
+    assert any("resuming from checkpoint step 2" in m for m in said.messages), said.messages
+    assert [m["step"] for m in first["history"]] == [1, 2, 3] and [m["step"] for m in second["history"]] == [3, 4]
     assert second["mlflow_run_id"] == first["mlflow_run_id"]  # the same MLflow run goes on
     assert [e["step"] for e in second["evals"]] == [4]  # the eval at 0 was the first attempt's
     assert second["metrics"]["rows"] == straight["metrics"]["rows"] == 32
@@ -69,6 +90,8 @@ def test_two_ranks_train_the_reward_model_like_one(tmp_path):
     two = train_stage(stage_config(RewardModelRun, tmp_path, run_name="two", section={"max_steps": 3},
                                    deploy={"state_dir": str(tmp_path), "tracking": {"system_metrics": False},
                                            "actor": {"nproc_per_node": 2}}))
+    logged = {name for m in one["history"] + one["evals"] for name in m} | set(one["metrics"])
+    assert [name for name in logged if find(name, "reward_model") is None] == []  # docs/metrics.md lists them
     for a, b in zip(one["history"], two["history"], strict=True):
         for name in ("train/loss", "train/accuracy", "train/grad_norm", "train/margin"):
             assert b[name] == pytest.approx(a[name], rel=1e-6, abs=1e-7), (name, a["step"])

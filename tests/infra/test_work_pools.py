@@ -63,9 +63,9 @@ def _env(job: dict) -> dict:
 
 
 def test_every_deployment_is_rendered(rendered):
-    assert len(rendered) == len(_prefect_yaml()["deployments"]) == 10
+    assert len(rendered) == len(_prefect_yaml()["deployments"]) == 11
     assert {"ppo/default", "reinforce/default", "critic-server/default", "rollout-server/default",
-            "sweep/default", "pipeline/default"} <= set(rendered)
+            "sweep/default", "dpo/default", "pipeline/default"} <= set(rendered)
 
 
 def test_every_pod_runs_its_flow_run(rendered):
@@ -99,7 +99,7 @@ def test_the_images_and_pools(rendered):
         assert image == expected, name
         role = job["spec"]["template"]["spec"]["nodeSelector"]["rlhf/role"]
         assert role == ("actor" if name in ("ppo/default", "reinforce/default", "sft/default", "reward-model/default",
-                                            "pipeline/default") else "critic"), name
+                                            "dpo/default", "pipeline/default") else "critic"), name
 
 
 def test_every_job_is_valid_for_kubernetes(rendered):

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from components.runs import train
-from components.stages import train_stage
 from models.config import preset
+from models.metrics import find
 from models.stages.config import SFTRun
 from tests.conftest import assert_learned
 
@@ -36,7 +36,7 @@ def sft_model(state_dir) -> str:
         "sft": {"data": "builtin:arithmetic_sft", "max_steps": SFT_STEPS, "batch_size": 32, "micro_batch_size": 32,
                 "max_eval_rows": 64, "optim": {"lr": 3e-3}},
         "deploy": {"state_dir": str(state_dir), "tracking": {"system_metrics": False}}, "checkpoint": {"every": 1000}})
-    result = train_stage(run)
+    result = train(run)
     print(f"SFT: held-out loss {result['evals'][0]['eval/loss']:.3f} -> {result['evals'][-1]['eval/loss']:.3f}")
     return result["model_dir"]
 
@@ -76,6 +76,8 @@ def test_after_the_sft_stage_rl_raises_task_success_with_the_tool(sft_model, sta
     assert all(m["env/errors"] == 0 and m["env/timeouts"] == 0 for m in history)
     evals = result["evals"]
     assert [e["iteration"] for e in evals] == [0, 12]
+    logged = {name for m in history + evals for name in m}
+    assert [name for name in sorted(logged) if find(name, "rl") is None] == []  # all in docs/metrics.md's list
     assert all(0 <= e["eval/success"] <= e["eval/pass_at_2"] <= e["eval/pass_at_4"] <= 1 for e in evals)
 
 

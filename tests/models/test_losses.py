@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from models.losses import entropy_bonus, explained_variance, ppo_policy_loss, reinforce_loss, tis_weights, value_loss
+from models.losses import (dpo_loss, entropy_bonus, explained_variance, ppo_policy_loss, reinforce_loss, tis_weights,
+                           value_loss)
 
 pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
 
@@ -197,3 +198,38 @@ def test_decoupled_ppo_with_stale_rollouts_matches_a_float64_reference(tiny_mode
     reference = sum(min(math.exp(proximal[b, t].item() - behaviour[b, t].item()), cap) * -theta[b, t].item() * adv[b].item()
                     for b in range(len(ro)) for t in range(mask.shape[1]) if mask[b, t]) / n
     assert reinforce_loss(theta, adv, mask, w).item() == pytest.approx(reference, rel=1e-12)
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo"])
+def test_dpo_loss_and_trls_metrics_match_a_float64_reference(loss_type):
+    """DPO's loss, its gradient and TRL's metrics from per-pair sums of completion log-probabilities, against a
+    float64 reference written pair by pair (Rafailov et al. 2023 eq. 7; IPO: Azar et al. 2023 eq. 17 with TRL 1.16's
+    per-token normalisation); the gradient pushes the chosen completion's log-probability up and the rejected one's
+    down."""
+    gen = torch.Generator().manual_seed(3)
+    logps = (-20 * torch.rand(6, 2, generator=gen, dtype=torch.float64)).requires_grad_()
+    ref = -20 * torch.rand(6, 2, generator=gen, dtype=torch.float64)
+    tokens = torch.randint(1, 12, (6, 2), generator=gen).double()
+    beta = 0.3
+    loss, stats = dpo_loss(logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], beta, loss_type, tokens[:, 0], tokens[:, 1])
+    terms, chosen, rejected = [], [], []
+    for (lw, ll), (rw, rl), (nw, nl) in zip(logps.tolist(), ref.tolist(), tokens.tolist()):
+        hw, hl = lw - rw, ll - rl
+        if loss_type == "sigmoid":
+            terms.append(math.log1p(math.exp(-beta * (hw - hl))))  # -log sigmoid(x)
+        else:
+            terms.append((hw / nw - hl / nl - 1 / (2 * beta)) ** 2)
+        chosen.append(beta * hw)
+        rejected.append(beta * hl)
+    assert float(loss) == pytest.approx(sum(terms) / 6, rel=1e-12)
+    assert float(stats["rewards/chosen"]) == pytest.approx(sum(chosen) / 6, rel=1e-12)
+    assert float(stats["rewards/rejected"]) == pytest.approx(sum(rejected) / 6, rel=1e-12)
+    assert float(stats["rewards/margins"]) == pytest.approx((sum(chosen) - sum(rejected)) / 6, rel=1e-12)
+    assert float(stats["rewards/accuracies"]) == sum(c > r for c, r in zip(chosen, rejected)) / 6
+    assert float(stats["logps/chosen"]) == pytest.approx(float(logps[:, 0].mean()), rel=1e-12)
+    assert float(stats["logps/rejected"]) == pytest.approx(float(logps[:, 1].mean()), rel=1e-12)
+    loss.backward()
+    if loss_type == "sigmoid":  # every pair: d/d(logp_w) < 0 (minimising raises it), d/d(logp_l) > 0
+        assert (logps.grad[:, 0] < 0).all() and (logps.grad[:, 1] > 0).all()
+    with pytest.raises(ValueError, match="dpo.loss_type: 'hinge' is not 'sigmoid' or 'ipo'"):
+        dpo_loss(logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], beta, "hinge")

@@ -108,3 +108,16 @@ def test_config_describe_prints_every_field_with_its_description():
         assert at is not None, name
         assert lines[at + 1].strip() == description, name
     assert "generation.max_new_tokens  (int, default 256; tiny preset 16)" in lines
+
+
+@pytest.mark.parametrize("what, field", [("deploy", "actor.nproc_per_node"), ("pipeline", "dpo.beta"),
+                                         ("sft", "sft.epochs"), ("reward-model", "reward_model.center_rewards_coefficient"),
+                                         ("dpo", "dpo.loss_type"), ("eval", "eval.samples_per_prompt"),
+                                         ("sweep", "metric")])
+def test_config_describe_covers_every_config(what, field):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["config", "--describe", what]) == 0
+    lines = out.getvalue().splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"{field}  ("))
+    assert lines[at + 1].strip()  # with its description

@@ -78,7 +78,9 @@ def test_pairs_with_a_margin_column(tmp_path, tokenizer):
     pairs = load_pairs(str(tmp_path / "pairs.json"), "train", tokenizer)
     assert pairs.margin == [1.5] and len(pairs) == 1
     assert tokenizer.decode(pairs.chosen[0]) == "review the cat : the cat is good . <eos>"
-    assert pairs.rows([0]) == {"chosen": pairs.chosen, "rejected": pairs.rejected, "margin": [1.5]}
+    prompt = len(tokenizer("review the cat :")["input_ids"])  # where each completion starts (DPO scores from there)
+    assert pairs.rows([0]) == {"chosen": pairs.chosen, "rejected": pairs.rejected, "margin": [1.5],
+                               "prompt_lengths": [(prompt, prompt)]}
 
 
 def test_bad_rows_are_refused_naming_the_field_and_the_row(tmp_path, tokenizer, chat_tokenizer):

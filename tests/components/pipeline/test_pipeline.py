@@ -2,8 +2,10 @@
 checkpoint store and a temporary Prefect server: one module-scoped series of runs read by several tests. A first run
 builds every stage; a rerun reuses them all (in Prefect, each stage's task Cached); a rerun with only an RL setting
 changed reuses sft and the reward model; one with other preference data retrains the reward model, rl and eval, not
-sft; --from rebuilds a stage and what follows; the lineage is in MLflow; a reward model without its score head stops
-the pipeline before its RL stage. And a stage's own flow (flows/stages.py) runs its steps as tasks."""
+sft; --from rebuilds a stage and what follows; a pipeline with a `dpo` section reuses sft and trains DPO, whose
+implicit reward ranks held-out pairs by their gold preference and whose policy beats the SFT policy on the gold
+reward; the lineage and provenance are in MLflow; a reward model without its score head stops the pipeline before its
+RL stage. And a stage's own flow (flows/stages.py) runs its steps as tasks."""
 
 from __future__ import annotations
 
@@ -16,14 +18,16 @@ from prefect import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.testing.utilities import prefect_test_harness
 
-from components.pipeline.config import STAGE_ORDER, PipelineConfig
+from components.pipeline.config import RL_STAGES, PipelineConfig
 from components.pipeline.run import STEP_NAMES, run_pipeline
 from flows.stages import pipeline, sft
 from models.config import merge
 from models.data import builtin_rows
 from models.deploy import DeployConfig
 from models.reward import HandOffError
+from models.metrics import find
 from models.stages.config import SFTRunConfig
+from tests.conftest import headroom_closed
 
 SMALL = {"name": "tiny-pipeline",
          "sft": {"max_steps": 6, "batch_size": 16, "max_eval_rows": 32},
@@ -32,6 +36,12 @@ SMALL = {"name": "tiny-pipeline",
                 "reinforce": {"rollout_batch_size": 4, "num_rollouts_per_prompt": 2, "minibatch_size": 8},
                 "eval": {"prompts": "builtin:sentiment", "every": 2, "max_prompts": 4, "samples_per_prompt": 1}},
          "eval": {"max_prompts": 6, "samples_per_prompt": 2}}
+# sft -> dpo -> eval on the same SFT stage; the held-out implicit-reward accuracy (200 pairs: 0.895 here at 60 steps,
+# 0.86 at 45) and the eval's gold reward (the task's 40 held-out prompts x 4 samples each: 0.06 -> 0.94) are what it
+# is judged by
+DPO = {"dpo": {"max_steps": 60, "batch_size": 32, "micro_batch_size": 32, "max_eval_rows": 200, "beta": 0.5,
+               "optim": {"lr": 1e-3}},
+       "eval": {"max_prompts": None, "samples_per_prompt": 4}}
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +69,7 @@ def runs(tmp_path_factory, prefect_server):
                                                    "reward_model.eval_data": "builtin:sentiment_preference",
                                                    "tracking.register_as": "tiny"}), deploy)
     out["from_reward_model"] = run_pipeline(cfg, deploy, rerun_from="reward_model")
+    out["dpo"] = run_pipeline(merge(cfg, DPO), deploy)
     return out
 
 
@@ -68,15 +79,15 @@ def cached(summary: dict) -> dict[str, bool]:
 
 def test_a_first_run_builds_every_stage(runs):
     stages = runs["first"]["stages"]
-    assert list(stages) == list(STAGE_ORDER) and not any(cached(runs["first"]).values())
+    assert list(stages) == list(RL_STAGES) and not any(cached(runs["first"]).values())
     for stage in ("sft", "reward_model", "rl"):
         assert stages[stage]["model"].startswith("file://") and stages[stage]["model"].endswith("/model")
         assert stages[stage]["key"] and stages[stage]["mlflow_run_id"]
     assert stages["sft"]["metrics"]["eval/loss"] > 0
     assert 0 <= stages["reward_model"]["metrics"]["eval/accuracy"] <= 1 and stages["reward_model"]["metrics"]["step"] == 30
     assert {"reward", "objective/gold_reward"} <= set(stages["rl"]["metrics"])
-    assert {"eval/win_rate", "eval/rl_rm_score", "eval/sft_rm_score", "eval/rl_gold_reward", "eval/sft_gold_reward",
-            "eval/gold_win_rate"} <= set(stages["eval"]["metrics"])
+    assert {"eval/win_rate", "eval/policy_rm_score", "eval/reference_rm_score", "eval/policy_gold_reward",
+            "eval/reference_gold_reward", "eval/gold_win_rate"} <= set(stages["eval"]["metrics"])
     assert stages["eval"]["metrics"]["eval/samples"] == 12  # 6 prompts x 2 samples of each policy
     model = stages["reward_model"]["model"][len("file://"):]
     handoff = json.loads((Path(model).parent / "record.json").read_text())["handoff"]  # the model as saved, rescored
@@ -87,7 +98,7 @@ def test_a_first_run_builds_every_stage(runs):
 def test_a_rerun_reuses_every_stage(runs):
     first, again = runs["first"]["stages"], runs["again"]["stages"]
     assert all(cached(runs["again"]).values())
-    for stage in STAGE_ORDER:
+    for stage in RL_STAGES:
         assert again[stage]["key"] == first[stage]["key"] and again[stage]["model"] == first[stage]["model"]
         assert again[stage]["mlflow_run_id"] == first[stage]["mlflow_run_id"]  # the run that built it
         assert again[stage]["metrics"] == first[stage]["metrics"]
@@ -110,6 +121,29 @@ def test_from_a_stage_rebuilds_it_and_every_later_one(runs):
     assert again["reward_model"]["metrics"]["eval/accuracy"] == pytest.approx(first["reward_model"]["metrics"]["eval/accuracy"], abs=0.02)
 
 
+def test_a_dpo_pipeline_reuses_sft_and_its_policy_learns_the_gold_preference(runs):
+    """sft -> dpo -> eval: the SFT stage of the RL pipeline is reused; DPO's implicit reward (beta x (log pi - log
+    pi_ref)) ranks >= 0.8 of the held-out pairs (held-out templates, never trained on) as their gold preference does;
+    the DPO policy closes >= 0.3 of the gold reward's headroom over the SFT policy on held-out prompts."""
+    summary = runs["dpo"]
+    assert list(summary["stages"]) == ["sft", "dpo", "eval"]
+    assert cached(summary) == {"sft": True, "dpo": False, "eval": False}
+    dpo = summary["stages"]["dpo"]["metrics"]
+    assert dpo["eval/pairs"] == 200 and dpo["eval/rewards/accuracies"] >= 0.8, dpo
+    assert {"train/rewards/chosen", "train/rewards/rejected", "train/rewards/accuracies", "train/rewards/margins",
+            "train/logps/chosen", "train/logps/rejected"} <= set(dpo)  # TRL's names
+    assert [name for name in dpo if find(name, "dpo") is None] == []  # docs/metrics.md lists what it logged
+    judged = summary["stages"]["eval"]["metrics"]
+    assert [name for name in judged if find(name, "eval") is None] == []
+    print(f"dpo pipeline: {summary['seconds']}s (dpo {summary['stages']['dpo']['seconds']}s, eval "
+          f"{summary['stages']['eval']['seconds']}s); held-out implicit-reward accuracy "
+          f"{dpo['eval/rewards/accuracies']:.3f}; gold {judged['eval/reference_gold_reward']:.3f} -> "
+          f"{judged['eval/policy_gold_reward']:.3f}")
+    assert judged["eval/samples"] == 160
+    closed = headroom_closed(judged["eval/reference_gold_reward"], judged["eval/policy_gold_reward"])
+    assert closed >= 0.3, judged
+
+
 def test_the_lineage_is_in_mlflow(runs):
     client = MlflowClient(f"sqlite:///{runs['state'] / 'mlflow.db'}")
     first, again = runs["first"], runs["again"]
@@ -125,7 +159,7 @@ def test_the_lineage_is_in_mlflow(runs):
     models = {m.name: m for m in client.search_logged_models([experiment])}
     rm = models["tiny-pipeline-reward-model"]
     assert rm.tags["uri"] == first["stages"]["reward_model"]["model"]
-    assert rm.tags["upstream.init"] and rm.tags["data.train"] and rm.tags["data.eval"]
+    assert rm.tags["upstream.model"] and rm.tags["data.train"] and rm.tags["data.eval"]
     assert rm.source_run_id in {first["stages"]["reward_model"]["mlflow_run_id"],
                                 runs["from_reward_model"]["stages"]["reward_model"]["mlflow_run_id"],
                                 runs["data_changed"]["stages"]["reward_model"]["mlflow_run_id"]}
@@ -136,6 +170,12 @@ def test_the_lineage_is_in_mlflow(runs):
     assert [v.source for v in versions["tiny-reward-model"]] == [changed["reward_model"]["model"]]
     assert [v.source for v in versions["tiny-policy"]] == [changed["rl"]["model"]]
     assert versions["tiny-policy"][0].tags["upstream.reward"] and not client.search_registered_models("name = 'tiny-sft'")
+    # each stage's run carries its provenance: the digest (its key), its data and models by content, the code
+    built = client.get_run(first["stages"]["reward_model"]["mlflow_run_id"]).data.tags
+    assert built["provenance.digest"] == first["stages"]["reward_model"]["key"]
+    assert built["provenance.models.model.digest"] == first["stages"]["sft"]["digest"]  # trained from the SFT model
+    assert first["stages"]["reward_model"]["provenance"]["models"]["model"]["digest"] == first["stages"]["sft"]["digest"]
+    assert built["provenance.data.train.digest"] and built["provenance.code.models"] and built["job"] == "reward_model"
 
 
 def test_a_reward_model_without_its_score_head_stops_the_pipeline_before_rl(runs, tiny_models):
@@ -161,7 +201,7 @@ def task_states(flow_run_id) -> dict[str, list[str]]:
 
 def test_prefect_shows_each_stage_as_a_task_and_a_reused_one_cached(runs):
     built, reused = task_states(runs["first_flow_run"]), task_states(runs["again_flow_run"])
-    for name in STEP_NAMES.values():
+    for name in (STEP_NAMES[stage] for stage in RL_STAGES):
         assert built[name] == ["Completed"] and reused[name] == ["Cached"], name
     assert "sft-steps" in built and "rloo-iteration" in built  # a stage's own steps nest inside its task
     assert "sft-steps" not in reused and "rloo-iteration" not in reused

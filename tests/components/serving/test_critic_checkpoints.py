@@ -19,7 +19,8 @@ from components.serving.launcher import launch
 from components.serving.triton.clients import critic_backend
 from components.serving.triton.contract import PENDING_PREFIX, ServerSpec
 from components.storage.backends import CheckpointError
-from components.tracking.run import RunSession
+from components.jobs.rl import checkpoint
+from components.runs import JOBS, open_session
 from models.config import merge, preset
 from models.algorithms import Backends
 from models.loop import Leader, build_actor, gold_function, load_prompts, prompt_batches
@@ -50,17 +51,17 @@ def iterate(cfg, session, state, critic, n):
     batches = prompt_batches(load_prompts(cfg), cfg.ppo.rollout_batch_size, cfg.seed, start_batch=state.iteration)
     for _ in range(n):
         metrics, samples = train_step(state, next(batches), cfg, Backends(critic=critic), gold_function(cfg))
-        session.log(state.iteration, metrics, samples)
+        session.log_steps([(state.iteration, metrics)])
 
 
 def test_a_crash_between_critic_save_and_actor_checkpoint_resumes_both_of_one_iteration(cfg, tmp_path):
-    session = RunSession.open(cfg)
+    session = open_session(JOBS["rl"], cfg)
     state = build_actor(cfg)
     with critic_server(cfg, session, tmp_path / "node-a") as server:
         client = critic_backend(cfg, server.url)
         try:
             iterate(cfg, session, state, client, 1)
-            session.save(Leader(cfg, state), client.save())
+            checkpoint(session, Leader(cfg, state), client.save())
             iterate(cfg, session, state, client, 1)
             newer = client.save()  # the critic of iteration 2 reaches the store, then the flow dies before its checkpoint
         finally:
@@ -73,7 +74,7 @@ def test_a_crash_between_critic_save_and_actor_checkpoint_resumes_both_of_one_it
     assert f"{key}/critic/critic_state.pt" in files and f"{key}/critic/model/model.safetensors" in files
     assert store.key_of(newer["path"]) == f"{PENDING_PREFIX}/step-{newer['step']}"  # never adopted
 
-    resumed = RunSession.open(cfg)
+    resumed = open_session(JOBS["rl"], cfg)
     assert resumed.resumed_from == 1 and resumed.critic_restore_iteration == 1
     assert not (resumed.local_dir / "restore" / "critic").exists()  # the server restores its part itself
     saved_step = resumed.manifest["critic_step"]
@@ -141,14 +142,14 @@ def forbidding_endpoint(s3_bucket):
 
 def test_a_403_on_the_critic_checkpoint_fails_the_run_naming_the_uri(cfg, forbidding_endpoint, tmp_path):
     local = merge(cfg, {"deploy.critic.launch": "in_process"})
-    session = RunSession.open(local)
+    session = open_session(JOBS["rl"], local)
     state = build_actor(local)
     from models.backends import LocalCritic
     from models.loop import build_critic_trainer
 
     critic = LocalCritic(build_critic_trainer(local, checkpoint_dir=session.critic_dir))
     iterate(local, session, state, critic, 1)
-    session.save(Leader(local, state), critic.save())
+    checkpoint(session, Leader(local, state), critic.save())
     critic.close()
     session.close("KILLED")
     bucket = urlparse(cfg.deploy.checkpoint.uri).netloc
@@ -158,12 +159,12 @@ def test_a_403_on_the_critic_checkpoint_fails_the_run_naming_the_uri(cfg, forbid
     # older checkpoint: only a checkpoint that fails its checks is passed over)
     forbidden = merge(local, {"deploy.checkpoint.s3_endpoint_url": forbidding_endpoint})
     with pytest.raises(CheckpointError) as err:
-        RunSession.open(forbidden)
+        open_session(JOBS["rl"], forbidden)
     assert critic_uri.search(str(err.value)) and "403" in str(err.value) and "passes its checks" not in str(err.value)
 
     # launch=deployment: the run reads only the actor; the critic server's restore fails, naming the URI and the 403
     deployment = merge(forbidden, {"deploy.critic.launch": "deployment"})
-    resumed = RunSession.open(deployment)
+    resumed = open_session(JOBS["rl"], deployment)
     assert resumed.critic_restore_iteration == 1
     with pytest.raises(ServerNotReady) as err:
         critic_server(deployment, resumed, tmp_path / "node-c", restore_iteration=1)

@@ -19,7 +19,7 @@ import pytest
 from components.storage.backends import CheckpointError
 from components.storage.store import CheckpointStore
 
-pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
+FAST = pytest.mark.fast  # no server, stack or second process: `make test-fast` (the local stores; S3 starts moto)
 
 REPO = Path(__file__).resolve().parents[3]
 PREFIX = r"iter_{}-\d{{8}}T\d{{12}}Z-[0-9a-f]{{4}}"  # a save's fresh prefix
@@ -48,9 +48,19 @@ def same_tree(a: Path, b: Path) -> bool:
     return bool(files_a) and files_a == files_b
 
 
-@pytest.fixture(params=["file", "path", "s3"])
+@pytest.fixture(params=[pytest.param("file", marks=FAST), pytest.param("path", marks=FAST), "s3"])
 def store_uri(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str | None]:
-    """(uri, s3 endpoint or None) for a fresh store of each kind."""
+    """(uri, s3 endpoint or None) for a fresh store of each kind (the local ones `fast`)."""
+    return fresh_store(request, tmp_path)
+
+
+@pytest.fixture(params=["file", "path", "s3"])
+def crashing_store_uri(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str | None]:
+    """As store_uri, for a test that crashes a second process (never `fast`)."""
+    return fresh_store(request, tmp_path)
+
+
+def fresh_store(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str | None]:
     if request.param == "file":
         return (tmp_path / "store").as_uri(), None
     if request.param == "path":
@@ -149,7 +159,8 @@ store.save(2, {"actor": actor}, {"step": 2}, _after_file=lambda rel: os._exit(17
 """
 
 
-def test_interrupted_save_keeps_previous_checkpoint(store_uri, tmp_path: Path) -> None:
+def test_interrupted_save_keeps_previous_checkpoint(crashing_store_uri, tmp_path: Path) -> None:
+    store_uri = crashing_store_uri
     store = open_store(store_uri)
     parts1 = make_parts(tmp_path / "src", 1)
     store.save(1, parts1, {"step": 1})
@@ -218,6 +229,7 @@ def test_put_dir_and_get_dir_replace_contents(store_uri, tmp_path: Path) -> None
         store.get_dir("absent", tmp_path / "none")
 
 
+@FAST
 def test_unreachable_endpoint_fails_fast(aws_env) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -240,6 +252,7 @@ def test_endpoint_from_environment(s3_bucket, monkeypatch: pytest.MonkeyPatch, t
     assert store.list() == [0]
 
 
+@FAST
 def test_bad_uri_and_state_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="unsupported checkpoint URI"):
         CheckpointStore.from_uri("gs://bucket/x")
@@ -289,6 +302,7 @@ def test_an_empty_store_restores_nothing(store_uri, tmp_path: Path) -> None:
     assert open_store(store_uri).restore(tmp_path / "restore") is None
 
 
+@FAST
 @pytest.mark.parametrize("relpath", ["../escaped.txt", "actor/../../escaped.txt", "{tmp}/escaped.txt", "actor",
                                      "unknown/escaped.txt", "actor//escaped.txt", "actor\\..\\..\\escaped.txt"])
 def test_a_manifest_path_outside_its_destination_is_refused(tmp_path: Path, relpath: str) -> None:
@@ -308,6 +322,7 @@ def test_a_manifest_path_outside_its_destination_is_refused(tmp_path: Path, relp
     assert not dest.exists() or not any(dest.rglob("*.json"))  # refused before any download
 
 
+@FAST
 def test_store_keys_never_leave_a_local_store(tmp_path: Path) -> None:
     store = CheckpointStore.from_uri(str(tmp_path / "store"))
     actor = make_parts(tmp_path / "src", 1, big=10)["actor"]

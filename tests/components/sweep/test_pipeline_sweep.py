@@ -12,11 +12,14 @@ import pytest
 from components.cli.main import main
 from components.cli.sweep import is_pipeline
 from components.pipeline.config import PipelineConfig
-from components.pipeline.run import reward_model_inputs, rl_inputs, sft_inputs
+from components.pipeline.run import job_config
+from components.tracking.provenance import digest, provenance
 from components.sweep.config import SweepConfig
 from components.sweep.space import check_sweep, trial_config
 from flows.sweep import pipeline_trial
 from models.config import RLHFConfig, merge
+from models.deploy import DeployConfig
+from models.tiny_files import EMBEDDED_DIR
 
 EXAMPLE = Path(__file__).resolve().parents[3] / "examples" / "pipeline.yaml"
 
@@ -31,9 +34,11 @@ def test_trials_of_a_pipeline_share_its_upstream_stages():
     assert [t.name for t in trials] == ["lr-t0", "lr-t1"] and {t.tracking.parent_run_id for t in trials} == {"parent"}
     assert [t.rl.reinforce.optim.lr for t in trials] == [1e-4, 1e-3]
     assert trials[0].sft == trials[1].sft == pipeline.sft and trials[0].eval == pipeline.eval
-    assert sft_inputs(trials[0]) == sft_inputs(trials[1])
-    assert reward_model_inputs(trials[0], "s" * 64) == reward_model_inputs(trials[1], "s" * 64)
-    assert rl_inputs(trials[0], "s" * 64, "r" * 64) != rl_inputs(trials[1], "s" * 64, "r" * 64)
+    upstream = {"sft": str(EMBEDDED_DIR / "policy"), "reward_model": str(EMBEDDED_DIR / "reward")}
+    keys = [{stage: digest(provenance(job_config(stage, trial, DeployConfig(), upstream, trial.tracking.parent_run_id)))
+             for stage in ("sft", "reward_model", "rl")} for trial in trials]
+    assert (keys[0]["sft"], keys[0]["reward_model"]) == (keys[1]["sft"], keys[1]["reward_model"])
+    assert keys[0]["rl"] != keys[1]["rl"]
 
 
 def test_rlhf_sweep_takes_a_pipeline_file_and_checks_its_rl_section(monkeypatch):

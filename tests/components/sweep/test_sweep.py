@@ -86,8 +86,27 @@ def test_a_combination_the_config_refuses_as_a_whole_is_named():
 
 def test_a_metric_the_config_cannot_produce_is_refused():
     assert "set eval.prompts and eval.every > 0 (eval.prompts=None, eval.every=0)" in refused(GRID, RLHFConfig(algorithm="rloo"))
-    assert "reward.gold is None" in refused(GRID, base(reward={"gold": None}), metric="objective/gold_reward")
+    no_gold = RLHFConfig(algorithm="rloo", reward={"gold": None}, data={"prompts": "prompts.txt"})
+    assert "reward.gold is None" in refused(GRID, no_gold, metric="objective/gold_reward")
+    builtin = base(reward={"gold": None}, data={"prompts": "builtin:sentiment"})  # the shipped task's own gold reward
+    check_sweep(builtin, SweepConfig(name="s", space=GRID, metric="objective/gold_reward"))
+    assert "comes from a critic, and rloo has none" in refused(GRID, base(), metric="loss/value_avg")
+    assert "rollout.engine is 'native'" in refused(GRID, base(), metric="rollout/staleness_max")
+    assert "logged once" in refused(GRID, base(), metric="data/rows")
     check_sweep(RLHFConfig(algorithm="rloo"), SweepConfig(name="s", space=GRID, metric="reward"))  # any step
+
+
+def test_a_metric_no_run_logs_is_refused_before_any_trial_starts_naming_the_close_ones():
+    """What the issue's new user tried: `metric: eval/score` (the name the docs once gave). Refused at once, with
+    the names the code logs that come close (models/metrics.py, the list docs/metrics.md is generated from)."""
+    message = refused(GRID, base(), metric="eval/score")
+    assert "'eval/score' is not a metric an RL run logs (did you mean 'eval/reward'" in message
+    assert "docs/metrics.md lists every metric the code logs" in message
+    functions = base(reward={"source": "function", "function": "rewards.py:accuracy_reward"})
+    check_sweep(functions, SweepConfig(name="s", space=GRID, metric="rewards/accuracy_reward/mean"))
+    assert "needs reward functions" in refused(GRID, base(), metric="rewards/x/mean")
+    check_sweep(base(), SweepConfig(name="s", space=GRID, metric="eval/win_rate"), pipeline=True)  # its eval stage's
+    assert "is not a metric an RL run logs" in refused(GRID, base(), metric="eval/win_rate")
 
 
 @pytest.mark.parametrize("sweep, field, expected", [

@@ -1,8 +1,9 @@
 """One writer per run name, on a local store and on S3 (moto server): a second live run of the name is refused naming
 the holder and touches nothing of the live run; a holder that died is taken over (at once locally: the kernel drops
-its lock; after the timeout on S3) and that is said; a run whose S3 lease was taken over writes nothing more; a
-multi-node run's rank 0 writes under its controller's lease while the lease names it; run names that would leave the
-state directory or the store are refused."""
+its lock; after the timeout on S3) and that is said; a run whose S3 lease was taken over writes nothing more, and a
+holder fenced out of its store cannot move latest.json, even mid-save; a multi-node run's rank 0 writes under its
+controller's lease while the lease names it; run names that would leave the state directory or the store are
+refused."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ from components.cli.main import main as cli_main
 from components.launch.processes import wait_for
 from components.storage.lease import LEASE_KEY, HeldLease, LeaseLost, RunLocked, acquire
 from components.storage.store import CheckpointStore
-from components.tracking.run import RunSession
+from components.runs import JOBS, open_session
+from components.storage.lease import holder_alive
 from models.config import RLHFConfig, RunConfig
 
 REPO = Path(__file__).resolve().parents[3]
@@ -34,14 +36,14 @@ def cfg(tmp_path, mlflow_uri):
 
 
 def test_a_second_run_of_a_live_name_is_refused_and_touches_nothing(cfg):
-    first = RunSession.open(cfg)
+    first = open_session(JOBS["rl"], cfg)
     (first.critic_dir / "model").mkdir(parents=True)
     (first.critic_dir / "model" / "weights.bin").write_bytes(b"live")
     with pytest.raises(RunLocked, match=rf"run_name='twice' is being written by pid {os.getpid()} on "):
-        RunSession.open(cfg)
+        open_session(JOBS["rl"], cfg)
     assert (first.critic_dir / "model" / "weights.bin").read_bytes() == b"live"  # the live run's critic is intact
     first.close("FINISHED")
-    second = RunSession.open(cfg)  # released at close: the name is free again, and its new writer cleans up
+    second = open_session(JOBS["rl"], cfg)  # released at close: the name is free again, and its new writer cleans up
     assert not (first.critic_dir / "model").exists()
     second.close("FINISHED")
 
@@ -87,8 +89,10 @@ def test_s3_one_writer_a_stale_lease_taken_over_and_a_lost_lease_stops_writing(s
     try:
         with pytest.raises(RunLocked, match=rf"pid {holder.pid} on .*renewed \d+s ago"):
             acquire(store, "held", timeout_s=5.0)
+        assert holder_alive(store, LEASE_KEY, 5.0).pid == holder.pid  # what a server watching it sees
         os.kill(holder.pid, signal.SIGKILL)  # its renewals stop; the object stays behind
         holder.wait()
+        assert wait_for(lambda: holder_alive(store, LEASE_KEY, 5.0) is None, 30, poll_s=0.5)  # gone after 5 s
         said: list[str] = []
 
         def taken():
@@ -113,6 +117,40 @@ def test_s3_one_writer_a_stale_lease_taken_over_and_a_lost_lease_stops_writing(s
     finally:
         holder.kill()
         holder.wait()
+
+
+def fenced_out(store: CheckpointStore, tmp_path: Path) -> None:
+    """A holder whose lease was taken over cannot commit: the next holder fenced the store (before or during the old
+    holder's save), so latest.json stays where the new holder put it, and the old one fails naming why."""
+    old = acquire(store, "fenced")
+    store.fence(old.token)
+    part = tmp_path / "part"
+    part.mkdir(exist_ok=True)
+    (part / "weights.bin").write_bytes(b"w" * 1000)
+    store.save(1, {"actor": part}, {"by": "old"}, fence=old.token)
+    assert store.latest() == 1
+    new_token = "another-holder"
+    store.fence(new_token)  # taken over while the old holder stalled (S3), and fenced at once
+    with pytest.raises(LeaseLost, match=r"latest.json names another writer .* iteration 2 is not committed"):
+        store.save(2, {"actor": part}, {"by": "old"}, fence=old.token)  # refused before its upload
+    store.fence(old.token)  # the old holder's fence again, to race it mid-save:
+    with pytest.raises(LeaseLost, match=r"iteration 3 \(iter_3-.*\) is not committed"):
+        store.save(3, {"actor": part}, {"by": "old"}, fence=old.token, _after_file=lambda rel: store.fence(new_token))
+    pointer = json.loads(store._backend.get_bytes("latest.json"))
+    assert (pointer["iteration"], pointer["fence"]) == (1, new_token)  # latest.json never moved for the old holder
+    assert store.restore(tmp_path / "restored")[1] == {"by": "old"} and store.latest() == 1
+    store.save(2, {"actor": part}, {"by": "new"}, fence=new_token)  # the new holder commits
+    assert store.latest() == 2
+    old.release()
+
+
+def test_a_fenced_out_holder_cannot_commit_locally(tmp_path):
+    fenced_out(CheckpointStore.from_uri(str(tmp_path / "store")), tmp_path)
+
+
+def test_a_fenced_out_holder_cannot_commit_on_s3(s3_bucket, tmp_path):
+    endpoint, bucket = s3_bucket
+    fenced_out(CheckpointStore.from_uri(f"s3://{bucket}/runs/fenced", s3_endpoint_url=endpoint), tmp_path)
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])

@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from components.jobs.rl import checkpoint, restore_actor
+from components.runs import JOBS, open_session
 from components.storage.store import CheckpointStore
-from components.tracking.run import RunSession
 from models.backends import LocalCritic
 from models.config import preset
 from models.algorithms import Backends
+from models.metrics import find
 from models.loop import Leader, build_actor, build_critic_trainer, gold_function, load_prompts, prompt_batches
 from models.prepare import prepare_run
 from models.step import train_step
@@ -74,13 +76,13 @@ def run_iterations(cfg, session, state, critic, n):
     out = []
     for _ in range(n):
         metrics, samples = train_step(state, next(batches), cfg, backends, gold_function(cfg))
-        session.log(state.iteration, metrics, samples)
+        session.log_steps([(state.iteration, metrics)])
         out.append(metrics)
     return out
 
 
 def test_s3_checkpoint_resume_is_exact_and_continues_the_mlflow_run(cfg):
-    session = RunSession.open(cfg)
+    session = open_session(JOBS["rl"], cfg)
     assert session.resumed_from is None and session.store.uri.startswith("s3://")
     policy = session.models["model.policy"]  # fetched from S3, the same bytes as the tiny policy
     assert policy["source"] == "s3" and policy["uri"] == cfg.model.policy and set(policy["etags"]) >= {"config.json"}
@@ -92,7 +94,7 @@ def test_s3_checkpoint_resume_is_exact_and_continues_the_mlflow_run(cfg):
     state = build_actor(cfg)
     critic = LocalCritic(build_critic_trainer(cfg, checkpoint_dir=session.critic_dir))
     run_iterations(cfg, session, state, critic, 2)
-    uri = session.save(Leader(cfg, state), critic.save())
+    uri = checkpoint(session, Leader(cfg, state), critic.save())
     saved_step = critic.trainer.step
     assert saved_step > 0
     assert uri.endswith("iter_2") or "iter_2" in uri
@@ -111,11 +113,11 @@ def test_s3_checkpoint_resume_is_exact_and_continues_the_mlflow_run(cfg):
     session.close("KILLED")
 
     # ... while a new process resumes from the store's latest checkpoint
-    resumed = RunSession.open(cfg)
+    resumed = open_session(JOBS["rl"], cfg)
     assert resumed.resumed_from == 2 and resumed.start_iteration == 2
     assert resumed.tracker.run_id == session.tracker.run_id
     state2 = build_actor(cfg)
-    assert resumed.restore_actor(Leader(cfg, state2)) is None  # same world size: nothing reset
+    assert restore_actor(resumed, Leader(cfg, state2)) is None  # same world size: nothing reset
     critic2 = LocalCritic(build_critic_trainer(cfg, checkpoint_dir=resumed.critic_dir))
     assert critic2.trainer.step == saved_step
     # what a checkpoint guarantees everywhere: the restored weights and optimizer states are bitwise the saved ones
@@ -146,7 +148,7 @@ def test_shared_metric_names_in_mlflow(cfg):
     names = {}
     for algorithm in ("ppo", "rloo"):
         c = prepare_run(cfg.model_copy(update={"algorithm": algorithm, "run_name": f"names-{algorithm}"}))
-        session = RunSession.open(c)
+        session = open_session(JOBS["rl"], c)
         state = build_actor(c)
         if algorithm == "ppo":
             critic = LocalCritic(build_critic_trainer(c, checkpoint_dir=session.critic_dir))
@@ -157,14 +159,16 @@ def test_shared_metric_names_in_mlflow(cfg):
 
             metrics, samples = train_step(state, load_prompts(c)[:4], c, Backends(reward=build_local_reward(c)),
                                           gold_function(c))
-        session.log(1, metrics, samples)
+        session.log_steps([(1, metrics)])
         session.close("FINISHED")
         run = session.tracker.client.get_run(session.tracker.run_id)
         names[algorithm] = set(run.data.metrics)
         assert run.data.tags["algorithm"] == algorithm
         assert run.data.params["ppo.ratio_eps"] == "0.2"
         artifacts = {a.path for a in session.tracker.client.list_artifacts(run.info.run_id)}
-        assert "config.yaml" in artifacts and "tables" in artifacts
+        assert "config.yaml" in artifacts
+    for algorithm, logged in names.items():  # every name a run logs is in the list docs/metrics.md is generated from
+        assert [name for name in logged if find(name, "rl") is None] == [], algorithm
     shared = names["ppo"] & names["rloo"]
     assert {"objective/kl", "reward", "objective/gold_reward", "objective/entropy", "policy/approxkl_avg",
             "loss", "step_time", "time/generate"} <= shared
@@ -173,8 +177,8 @@ def test_shared_metric_names_in_mlflow(cfg):
 def test_corrupted_checkpoint_is_refused(cfg, s3_bucket):
     import boto3
 
-    session = RunSession.open(cfg.model_copy(update={"run_name": "corrupt"}))
-    session.save(Leader(cfg, build_actor(cfg)), None)
+    session = open_session(JOBS["rl"], cfg.model_copy(update={"run_name": "corrupt"}))
+    checkpoint(session, Leader(cfg, build_actor(cfg)), None)
     session.close("FINISHED")
     endpoint, bucket = s3_bucket
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
@@ -182,4 +186,4 @@ def test_corrupted_checkpoint_is_refused(cfg, s3_bucket):
                if o["Key"].endswith("/actor/config.json"))
     s3.put_object(Bucket=bucket, Key=key, Body=json.dumps({"tampered": True}).encode())
     with pytest.raises(Exception, match="no checkpoint of .* passes its checks: file actor/config.json"):
-        RunSession.open(cfg.model_copy(update={"run_name": "corrupt"}))
+        open_session(JOBS["rl"], cfg.model_copy(update={"run_name": "corrupt"}))

@@ -1,0 +1,198 @@
+"""What an RL run plugs into the job builder (components/runs.py): PPO, RLOO, GRPO on the actor's ranks.
+
+    prepare    models/prepare.py (the models checked, derived values filled in), the prompts read (models/data.py)
+    sources    its reward files stored in its store (every process that scores loads them by digest), the provenance
+               of its models and data (models/resolve.py)
+    run        the rollout server when the engine holds its own weights (it loads beside the actor); the actor on its
+               ranks, restored from the run's checkpoint (weights, optimizer, RNGs); the run's services: the rollout
+               server given the actor's weights, and what the algorithm scores with (a critic server, a reward server
+               unless the critic carries the reward model), each ready; the one training loop (models/loop.py)
+    publish    the last checkpoint's policy as a Hugging Face model in the run's store and as the MLflow run's model
+               (components/export.py)
+
+Where the servers run is the config's `deploy` section; how each named step executes is the caller's `Steps`.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from components.export import publish_model
+from components.launch.ranks import actor_ranks
+from components.serving.services import RunServices, rollout_server, run_services
+from components.tracking.run import (RunSession, data_provenance, model_provenance, store_reward_files,
+                                     tuple_state)
+from models.config import RLHFConfig
+from models.data import PromptSet
+from models.export import export_spec
+from models.loop import DIRECT, Leader, Steps, read_data, run_loop
+from models.prepare import prepare_run
+
+HEADLINE = ("reward", "reward_std", "kl")  # with objective/* and rewards/*: the last iteration's, in a summary
+
+
+class RL:
+    """An RL run (models/config.RLHFConfig)."""
+
+    name = "rl"
+
+    def prepare(self, cfg: RLHFConfig) -> tuple[RLHFConfig, tuple[PromptSet, PromptSet | None]]:
+        cfg = prepare_run(cfg)
+        return cfg, read_data(cfg)  # bad data fails here, before any model loads
+
+    def tags(self, cfg: RLHFConfig) -> dict[str, str]:
+        return {"algorithm": cfg.algorithm, "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
+                "reward_transport": cfg.reward.transport}
+
+    def sources(self, cfg: RLHFConfig, store) -> tuple[RLHFConfig, dict, dict, dict]:
+        """Its reward files stored in its store (reward.files: what every process of the run receives), the
+        provenance of its models and data."""
+        cfg, reward_files = store_reward_files(cfg, store)
+        return cfg, model_provenance(cfg), data_provenance(cfg), reward_files
+
+    def restore_parts(self, cfg: RLHFConfig) -> tuple[str, ...] | None:
+        """launch=deployment: the critic server (maybe on another node) restores its part from the store itself."""
+        return ("actor",) if cfg.deploy.critic.launch == "deployment" else None
+
+    def opened(self, session: RunSession) -> None:
+        """A critic is resumed from the checkpoint the actor is, never newer or older."""
+        shutil.rmtree(session.critic_dir, ignore_errors=True)
+        if session.resumed_from is not None and (session.restore_dir / "critic").exists():
+            shutil.copytree(session.restore_dir / "critic", session.critic_dir)
+
+    def run(self, session: RunSession, data, steps: Steps = DIRECT) -> dict:
+        cfg, (prompts, evals) = session.cfg, data
+        with rollout_server(cfg, session.place, steps) as rollout, actor_on_ranks(cfg, session, steps) as actor, \
+                run_services(cfg, session.place, actor, steps, rollout) as services:
+            log_data(session, prompts, evals, steps)
+            history, evaluations = run_loop(cfg, actor, prompts, evals, RunRecord(session, services, steps), steps)
+            steps.log(f"run {session.name} finished: {actor.state.iteration} iterations on {actor.me.world_size} "
+                      f"actor rank(s)")
+        final = history[-1] if history else {}
+        return {"steps": actor.state.iteration, "iterations": actor.state.iteration, "history": history,
+                "evals": evaluations, "metrics": final,
+                "final": {k: v for k, v in final.items() if k in HEADLINE or k.startswith(("objective/", "rewards/"))}}
+
+    def publish(self, session: RunSession, result: dict, steps: Steps = DIRECT) -> dict:
+        model = publish_model(session)  # the trained model out: store + MLflow
+        steps.log(f"model of iteration {model['iteration']}: {model['model']} (MLflow logged model "
+                  f"{model['mlflow_model_id']})")
+        return model
+
+
+@contextmanager
+def actor_on_ranks(cfg: RLHFConfig, session: RunSession, steps: Steps = DIRECT) -> Iterator[Leader]:
+    """The actor on all its ranks, restored from the run's checkpoint; every rank stopped on the way out."""
+    with actor_ranks(cfg, session.local_dir / "logs") as actor:
+        if warning := steps("restore-actor", restore_actor, session, actor):
+            steps.log(f"warning: {warning}")
+        yield actor
+
+
+def restore_actor(session: RunSession, actor: Leader) -> str | None:
+    """The downloaded checkpoint into the freshly built actor on all its ranks (weights, optimizer, RNGs); returns a
+    warning when it was saved by another number of ranks (then the optimizer starts fresh)."""
+    warning = session.restore(actor, "actor")
+    if session.resumed_from is not None:
+        torch.set_rng_state(session.manifest["rng"]["torch"])
+        random.setstate(tuple_state(session.manifest["rng"]["python"]))
+    return warning
+
+
+def checkpoint(session: RunSession, actor: Leader, critic_info: dict | None) -> str:
+    """The actor (all ranks take part) + the critic of the same iteration (a local save, or a deployment critic's
+    upload adopted inside the store) + the manifest with the critic's step and the RNG states."""
+    parts, stored = {}, {}
+    if critic_info:
+        key = session.store.key_of(critic_info["path"])
+        if key is not None:
+            stored["critic"] = key
+        else:
+            parts["critic"] = Path(critic_info["path"])
+    cfg = session.cfg
+    state = {"critic_step": (critic_info or {}).get("step"),
+             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+             "export": export_spec("actor", "causal-lm", cfg.model.dtype, cfg.model.policy, cfg.model.revision,
+                                   "model.policy", session.models.get("model.policy"))}
+    return session.checkpoint(actor, "actor", state, parts=parts, stored=stored)
+
+
+@dataclass
+class RunRecord:
+    """What the training loop records into (models/loop.Record): the run's MLflow run and checkpoint store, scored by
+    the run's services."""
+
+    session: RunSession
+    services: RunServices
+    steps: Steps
+
+    @property
+    def critic(self):
+        return self.services.critic
+
+    @property
+    def reward(self):
+        return self.services.reward
+
+    def guard(self, fn, *args, **kwargs):
+        return self.services.guard(fn, *args, **kwargs)
+
+    def log(self, iteration: int, metrics: dict, samples: list[dict]) -> None:
+        """Metrics at step=iteration (one an earlier attempt logged is skipped), a sample table every
+        tracking.table_every iterations, a line in the log."""
+        session = self.session
+        if session.tracker.last_step is None or iteration > session.tracker.last_step:
+            session.log_steps([(iteration, metrics)])
+            if iteration % session.cfg.tracking.table_every == 0 or iteration == 1:
+                session.tracker.log_table(samples, step=iteration)
+                if "conversation" in (samples[0] if samples else {}):
+                    # an environment run's episodes, whole conversations, beside the run as well (MLflow has them)
+                    key = re.sub(r"[^a-z0-9-]+", "-", f"episodes-{session.name}".lower()).strip("-")
+                    self.steps.table(key[:128], samples, f"Episodes of iteration {iteration} (run {session.name}): "
+                                                         f"turns, tool calls and results, reward")
+        m = metrics
+        stale = ""  # an engine with its own weights: how far its sampling is from the trainer's logprobs, and why
+        if "rollout/staleness_max" in m:
+            stale = (f" sampler logp diff {m['sampling/sampling_logp_difference/max']:.1e} "
+                     f"staleness {m['rollout/staleness_max']:g}")
+        gold = f"gold {m['objective/gold_reward']:+.3f} " if "objective/gold_reward" in m else ""
+        tools = (f" tools {m['tools/call_frequency']:.2f}/episode errors {m['env/errors']:g} timeouts "
+                 f"{m['env/timeouts']:g}") if "tools/call_frequency" in m else ""
+        self.steps.log(f"iteration {iteration}/{session.cfg.iterations}: {gold}reward {m['reward']:+.3f} "
+                       f"KL {m['objective/kl']:.3f} step {m['step_time']:.2f}s{stale}{tools}")
+
+    def log_eval(self, iteration: int, metrics: dict, rows: list[dict]) -> None:
+        """An eval's metrics at step=iteration, its samples as an MLflow table and a table beside the run."""
+        self.session.log_eval(iteration, metrics, rows)
+        text = f"eval at iteration {iteration}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items())
+        key = re.sub(r"[^a-z0-9-]+", "-", f"eval-{self.session.name}".lower()).strip("-")
+        self.steps.table(key[:128], rows, f"Held-out {text} (run {self.session.name})")
+        self.steps.log(text)
+
+    def checkpoint(self, actor: Leader) -> str:
+        """critic_save on the critic, then actor (all ranks) + critic + manifest into the store; `latest` last."""
+        critic_info = self.critic.save() if self.critic is not None else None
+        uri = checkpoint(self.session, actor, critic_info)
+        self.steps.log(f"checkpoint iteration {actor.state.iteration}: {uri}")
+        return uri
+
+
+def log_data(session: RunSession, prompts: PromptSet, evals: PromptSet | None, steps: Steps = DIRECT) -> None:
+    """What the run reads: counts in the log and in MLflow (data/rows, data/filtered_rows, eval/rows at step 0)."""
+    counts = {"data/rows": len(prompts), "data/filtered_rows": prompts.filtered, "data/truncated_rows": prompts.truncated}
+    note = f"data: {len(prompts)} prompts from {prompts.source}"
+    if prompts.filtered or prompts.truncated:
+        note += (f" ({prompts.filtered} filtered, {prompts.truncated} truncated: longer than "
+                 f"data.max_prompt_length={session.cfg.data.max_prompt_length})")
+    if evals is not None:
+        counts.update({"eval/rows": len(evals), "eval/filtered_rows": evals.filtered})
+        note += f"; eval: {len(evals)} prompts from {evals.source}"
+    session.log_data(counts, note, steps.log)

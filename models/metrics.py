@@ -1,0 +1,158 @@
+"""Every metric a job logs to MLflow, what it means, and when a run logs it: the one list docs/metrics.md is generated
+from (tools/docs.py), a sweep checks its metric against before any trial starts (components/sweep/space.py), and the
+tests check what the runs they make log against (every name logged is here).
+
+A name may hold a placeholder: `<name>` (a reward function's name), `<phase>`, `<k>`, or end in `*` (system metrics).
+`needs` says when an RL run logs it (a sweep refuses a metric its trials' config cannot produce): 'critic' (an
+algorithm with a critic: PPO), 'rloo' (the REINFORCE family), 'vllm' (an engine with its own weights), 'eval' (the
+held-out eval: eval.prompts and eval.every), 'gold' (a gold reward: reward.gold, or the shipped task's on its data),
+'functions' (reward functions), 'binary' (held-out scores all 0 or 1, or eval.success_threshold set), 'async'
+(rollout.max_off_policy_steps > 0), 'environment' (an environment run: environment.factory).
+Light: no torch.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Metric:
+    names: tuple[str, ...]
+    what: str
+    trl: str | None = None  # TRL 1.x's name for it ('same' when it is ours too), None when TRL has none
+    needs: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Group:
+    title: str
+    jobs: tuple[str, ...]  # the jobs that log it ('rl', 'sft', 'reward_model', 'dpo', 'eval', 'pipeline')
+    intro: str
+    metrics: tuple[Metric, ...]
+
+
+M = Metric
+EVERY_ITERATION = Group("Every iteration (PPO and RLOO)", ("rl",), "At step = the iteration, over the rollouts of all actor ranks.", (
+    M(("reward",), "Mean score of the iteration's rollouts as the objective sees them (reward model or the weighted sum of the reward functions; RLOO: after `missing_eos_penalty`). No KL in it.", "same"),
+    M(("reward_std",), "Standard deviation of those scores.", "same"),
+    M(("rewards/<name>/mean", "rewards/<name>/std"), "Each reward function's own scores (reward.function / reward.functions; `<name>` = the function's name, `_2`... when two share one). `reward` is their weighted sum.", "same", ("functions",)),
+    M(("frac_reward_zero_std",), "RLOO (k > 1 samples per prompt): share of prompts whose k samples all scored the same (no learning signal from that group).", "same", ("rloo",)),
+    M(("kl",), "Mean per-token KL of the policy to the frozen reference over the response tokens (k1: log pi - log pi_ref, at the behaviour policy).", "same"),
+    M(("objective/kl",), "The same KL summed per sequence, averaged over sequences: the unit of `kl.target` for the adaptive controller."),
+    M(("objective/kl_coef",), "The KL coefficient beta used this iteration (`kl.init`, or the adaptive controller's)."),
+    M(("objective/non_score_reward",), "Mean of -beta x KL per sequence: the KL part of the shaped reward."),
+    M(("objective/rlhf_reward",), "Mean of score - beta x KL per sequence: what the policy maximises."),
+    M(("objective/entropy",), "Mean over sequences of the summed -log pi of the sampled tokens (a per-sequence entropy estimate)."),
+    M(("objective/gold_reward",), "Mean gold reward (reward.gold, or the shipped task's own on builtin data).", None, ("gold",)),
+    M(("entropy",), "Mean per-token entropy of the policy's distribution over the response tokens, from the update's forward passes (averaged over minibatches).", "same"),
+    M(("loss",), "The actor's loss (PPO: clipped surrogate + entropy bonus; RLOO: REINFORCE / clipped ratio loss), token-weighted, averaged over optimizer steps.", "same"),
+    M(("grad_norm",), "The actor's global gradient norm before clipping, averaged over optimizer steps.", "same"),
+    M(("policy/skipped_steps",), "The actor's optimizer steps skipped this iteration because the loss or the gradient norm was not finite (weights and optimizer state left as they were)."),
+    M(("clip_ratio/region_mean",), "Share of response tokens whose ratio to the behaviour policy was clipped (outside 1 +- eps on the side the advantage pushes).", "same"),
+    M(("learning_rate",), "The actor's learning rate after this iteration's steps.", "same"),
+    M(("policy/approxkl_avg",), "Approximate KL(old, new) of the update (k3), averaged over steps (CleanRL's approx_kl)."),
+    M(("val/ratio",), "Mean ratio new / behaviour policy over the response tokens during the update."),
+    M(("completions/mean_length", "completions/min_length", "completions/max_length"), "Mean, shortest and longest response length in tokens.", "same"),
+    M(("completions/clipped_ratio",), "Share of responses cut at `generation.max_new_tokens` without a stop token.", "same"),
+    M(("completions/mean_terminated_length",), "Mean length of the responses that ended with a stop token (0 when none did).", "same"),
+    M(("step_time",), "Wall-clock seconds of the iteration (rollout, scoring, update, refit), the slowest rank's.", "same"),
+    M(("time/<phase>",), "Seconds in a phase of the iteration, the slowest rank's: `generate`, `logprobs`, `reference`, `critic_wait` (PPO) / `reward_wait` (RLOO), `train`, `critic_train_wait` (PPO), `refit` (vLLM engine)."),
+    M(("throughput/generate_tokens_per_s",), "Response tokens generated per second of `time/generate`."),
+    M(("tokens/generated",), "Response tokens this iteration."),
+    M(("episode",), "Rollouts consumed so far, all ranks."),
+    M(("iteration",), "The iteration just finished."),
+    M(("dist/world_size",), "Actor ranks."),
+))
+PPO_ONLY = Group("PPO only", ("rl",), "With a critic.", (
+    M(("loss/value_avg",), "The critic's clipped value loss, averaged over its steps.", None, ("critic",)),
+    M(("val/clipfrac_avg",), "Share of value predictions clipped by `critic.loss_clip_val`.", None, ("critic",)),
+    M(("val/explained_variance",), "1 - Var(returns - values) / Var(returns) over the response tokens, before the critic's update.", None, ("critic",)),
+    M(("val/return_mean", "val/value_mean"), "Means over the response tokens of the returns and the critic's values.", None, ("critic",)),
+    M(("critic/step",), "The critic's optimizer steps so far.", None, ("critic",)),
+    M(("critic/skipped_steps",), "The critic's optimizer steps skipped in this `critic_train` because the loss or the gradient norm was not finite.", None, ("critic",)),
+))
+BOTH_ADVANTAGES = Group("Advantages", ("rl",), "PPO: over the response tokens, after whitening; RLOO: of the sequence advantages (reward with KL minus the baseline).", (
+    M(("val/advantage_mean",), "Mean advantage."),
+    M(("val/advantage_std",), "RLOO: standard deviation of the sequence advantages.", None, ("rloo",)),
+))
+VLLM = Group("The vLLM engine (`rollout.engine=vllm`)", ("rl",), "An engine with its own copy of the weights.", (
+    M(("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"), "abs(trainer logprob - engine logprob) of the sampled tokens, over the response tokens.", "same", ("vllm",)),
+    M(("sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max"), "The truncated importance weights min(pi_trainer / pi_engine, `rollout.tis_cap`) the loss uses.", "same", ("vllm",)),
+    M(("rollout/tis_capped_frac",), "Share of tokens whose weight hit the cap.", None, ("vllm",)),
+    M(("rollout/staleness_mean", "rollout/staleness_max"), "Weight versions between the rollouts and the weights trained from (asynchronous rollouts).", None, ("vllm",)),
+    M(("time/rollout_wait", "time/engine_idle", "time/refit_wait"), "Waiting for rollouts asked for ahead; the server's idle time between refits; a refit waiting for a generation in flight.", None, ("vllm", "async")),
+))
+ENVIRONMENT = Group("Environment runs (`environment.factory`: [Environments and tools](environments.md))", ("rl",), "Over the episodes of all actor ranks. `completions/*` count the model-sampled tokens only (the environment's replies are not the model's), as TRL counts them.", (
+    M(("tools/call_frequency",), "Tool calls per episode.", "same", ("environment",)),
+    M(("tools/failure_frequency",), "Tool calls that failed (the tool raised, or is unknown) per tool call.", "same", ("environment",)),
+    M(("env/turns_mean", "env/turns_max"), "Model turns per episode.", None, ("environment",)),
+    M(("env/tool_use_ratio",), "Share of episodes with at least one tool call.", None, ("environment",)),
+    M(("env/turn_limit_ratio",), "Share of episodes ended by `environment.max_turns` with a tool call unanswered.", None, ("environment",)),
+    M(("env/overlong_ratio",), "Share of episodes ended because a tool reply did not fit `generation.max_new_tokens` (or the model's positions).", None, ("environment",)),
+    M(("env/errors",), "Episodes that failed this iteration (an exception in reset or get_reward, a worker that died, a reward function that raised or returned a bad value, an instance lost with its worker): scored 0, left out of the loss.", None, ("environment",)),
+    M(("env/timeouts",), "Episodes that missed `environment.call_deadline_s` or `episode_deadline_s` (their worker killed): scored 0, left out of the loss.", None, ("environment",)),
+))
+HELD_OUT = Group("Held-out eval (`eval.*`, at step = the iteration it ran before)", ("rl", "pipeline"), "TRL's evaluation logs its training names with an `eval_` prefix; ours use `eval/`. A pipeline's run logs its RL stage's at their iterations.", (
+    M(("eval/reward",), "Mean score of the eval samples.", "eval_reward", ("eval",)),
+    M(("eval/rewards/<name>/mean", "eval/rewards/<name>/std"), "Each reward function's (with reward functions).", None, ("eval", "functions")),
+    M(("eval/gold_reward",), "Mean gold reward (when the run has one).", None, ("eval", "gold")),
+    M(("eval/completions/mean_length",), "Mean response length.", "eval_completions/mean_length", ("eval",)),
+    M(("eval/success", "eval/pass_at_<k>"), "When every score is 0 or 1, or `eval.success_threshold` is set (a sample succeeds when its score reaches it): the share of samples that succeed, and for k = 1, 2, 4, ... up to `eval.samples_per_prompt` the chance that one of k samples of a prompt succeeds (Chen et al. 2021's unbiased estimator from all its samples), averaged over prompts.", None, ("eval", "binary")),
+    M(("eval/accuracy",), "When every score is 0 or 1: the share of samples scoring 1.", None, ("eval", "binary")),
+    M(("eval/samples",), "Eval samples scored.", None, ("eval",)),
+    M(("eval/tools/*", "eval/env/*"), "An environment run's episode metrics (above), over the eval's episodes.", None, ("eval", "environment")),
+))
+ONCE = Group("Once per run", ("rl", "sft", "reward_model", "dpo", "eval"), "At step 0, and at each checkpoint.", (
+    M(("data/rows", "data/filtered_rows", "data/truncated_rows"), "Training prompts read, dropped or cut as longer than `data.max_prompt_length` (RL).", None, ("never",)),
+    M(("data/dropped_rows",), "A stage's rows (pairs) dropped as longer than its max_length.", None, ("never",)),
+    M(("eval/rows", "eval/filtered_rows"), "The same for the eval prompts (rows).", None, ("never",)),
+    M(("checkpoint/iteration",), "The iteration (step) of each checkpoint saved.", None, ("never",)),
+    M(("system/*",), "CPU, memory, disk, network (GPU when present) from MLflow's system metrics (`deploy.tracking.system_metrics`).", None, ("never",)),
+))
+STAGES = Group("The stages (`rlhf sft`, `rlhf reward-model`, `rlhf dpo`, the pipeline)", ("sft", "reward_model", "dpo"), "At step = the optimizer step; the held-out eval's at the step it ran after (0: before the first).", (
+    M(("train/loss", "train/grad_norm", "train/skipped_steps"), "Of the step's optimizer update: the mean loss (SFT: -log p over completion tokens; reward model: Bradley-Terry; DPO: its loss), the gradient norm before clipping, steps skipped for a non-finite loss or norm."),
+    M(("learning_rate", "step", "rows"), "The learning rate after the step, optimizer steps so far, rows (SFT) or pairs (reward model, DPO) consumed."),
+    M(("train/accuracy", "train/margin", "train/min_reward", "train/mean_reward", "train/max_reward"), "Reward model, the step's pairs, as TRL's RewardTrainer names them: the share with r(chosen) > r(rejected), mean r(chosen) - r(rejected), the rewards' range and mean.", "same"),
+    M(("eval/loss", "eval/num_tokens"), "SFT, held out: the mean -log p over the completion tokens, and how many there were. Reward model and DPO: their loss over the held-out pairs.", "eval_loss"),
+    M(("eval/accuracy", "eval/margin", "eval/min_reward", "eval/mean_reward", "eval/max_reward", "eval/pairs"), "Reward model, held out, as TRL's RewardTrainer names them (above), and the pairs scored (DPO too).", "eval_accuracy"),
+    M(("reward_mean", "reward_std"), "Reward model: the statistics of its held-out rewards, stored in its config.json (`reward.normalize`)."),
+    M(("train/rewards/chosen", "train/rewards/rejected", "eval/rewards/chosen", "eval/rewards/rejected"), "DPO: the mean implicit reward beta x (log pi(y) - log pi_ref(y)) of the chosen and of the rejected completions (log-probabilities summed over the completion's tokens).", "rewards/chosen"),
+    M(("train/rewards/accuracies", "eval/rewards/accuracies"), "DPO: the share of pairs whose chosen completion's implicit reward exceeds the rejected one's.", "rewards/accuracies"),
+    M(("train/rewards/margins", "eval/rewards/margins"), "DPO: the mean implicit reward of the chosen minus the rejected completion.", "rewards/margins"),
+    M(("train/logps/chosen", "train/logps/rejected", "eval/logps/chosen", "eval/logps/rejected"), "DPO: the mean log-probability of the chosen and of the rejected completions under the policy, summed over their tokens.", "logps/chosen"),
+))
+EVAL_JOB = Group("The eval (`rlhf eval`, a pipeline's eval stage)", ("eval", "pipeline"), "At step 0: the policy under test (a pipeline's RL or DPO policy) against the reference policy (its SFT policy), each sampling the same held-out prompts with one seed.", (
+    M(("eval/policy_rm_score", "eval/reference_rm_score", "eval/win_rate"), "The reward model's mean score of each policy, and the share of paired samples where the policy's scores higher (a tie counts one half)."),
+    M(("eval/policy_gold_reward", "eval/reference_gold_reward", "eval/gold_win_rate"), "The same by the gold reward, when `eval.gold` names one (proxy and gold side by side).", None, ("gold",)),
+    M(("eval/policy_response_length", "eval/reference_response_length", "eval/samples"), "Mean response lengths in tokens, and samples per policy."),
+))
+PIPELINE = Group("A pipeline's run", ("pipeline",), "Its MLflow parent run, at step 0: each stage's last metrics as `<stage>/<name>` (`sft/eval/loss`, `reward_model/eval/accuracy`, `rl/reward`, `dpo/eval/rewards/accuracies`), and those above marked for a pipeline.", (
+    M(("sft/*", "reward_model/*", "rl/*", "dpo/*"), "A stage's last metrics (its record's)."),
+))
+GROUPS = (EVERY_ITERATION, PPO_ONLY, BOTH_ADVANTAGES, VLLM, ENVIRONMENT, HELD_OUT, ONCE, STAGES, EVAL_JOB, PIPELINE)
+
+
+def pattern(name: str) -> re.Pattern:
+    """A metric name (with its placeholders) as a regular expression."""
+    text = re.escape(name).replace(r"\*", ".+")
+    return re.compile("^" + re.sub(r"<[a-z]+>", "[^/]+", text) + "$")
+
+
+def entries(job: str) -> list[tuple[str, Metric]]:
+    """(name, its entry) of every metric the job `job` logs."""
+    return [(name, metric) for group in GROUPS if job in group.jobs for metric in group.metrics for name in metric.names]
+
+
+def find(name: str, job: str) -> Metric | None:
+    """The entry of a logged metric name of a job (a name listed as it is before one a placeholder matches), None
+    when the job logs no such metric."""
+    listed = entries(job)
+    exact = next((metric for known, metric in listed if known == name), None)
+    return exact or next((metric for known, metric in listed if pattern(known).match(name)), None)
+
+
+def names(job: str) -> list[str]:
+    """Every name (with its placeholders) a job logs, in the documented order."""
+    return list(dict.fromkeys(name for name, _ in entries(job)))

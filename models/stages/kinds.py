@@ -1,0 +1,32 @@
+"""The stages that train on the actor's ranks, by name, and what a rank builds for one: the one place a stage kind
+(models/stages/train.StageKind) is registered."""
+
+from __future__ import annotations
+
+import torch
+
+from models.distributed import SINGLE, Dist, local_device
+from models.loading import make_optimizer
+from models.stages.config import StageRun
+from models.stages.dpo import DPO
+from models.stages.train import RewardModel, SFT, StageKind, StageState
+
+KINDS: dict[str, StageKind] = {"sft": SFT(), "reward_model": RewardModel(), "dpo": DPO()}
+
+
+def stage_kind(stage: str) -> StageKind:
+    """The kind of a stage (models/stages/config.STAGES)."""
+    return KINDS[stage]
+
+
+def build_stage(cfg: StageRun, me: Dist = SINGLE) -> StageState:
+    """This rank's trainee of `cfg.stage` (sharded with FSDP2 over the ranks for a full fine-tune unless
+    deploy.actor.fsdp='off'), its optimizer and generators."""
+    torch.manual_seed(cfg.seed)  # the same new score head on every rank
+    train, kind = cfg.train, stage_kind(cfg.stage)
+    shard = me.active and cfg.deploy.actor.fsdp == "auto" and not train.lora.enabled
+    trainee = kind.build(cfg, cfg.resolve_model_path(cfg.model), local_device(cfg.deploy.device, me), me, shard)
+    trainee.model.train()
+    optimizer, scheduler = make_optimizer(trainee.trainable_parameters(), train.optim)
+    return StageState(trainee, kind, optimizer, scheduler, torch.Generator().manual_seed(cfg.seed + 1_000_003 * me.rank),
+                      torch.Generator().manual_seed(cfg.seed), me)
