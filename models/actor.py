@@ -35,6 +35,7 @@ class ActorState:
     iteration: int = 0
     episode: int = 0  # rollouts consumed so far (all ranks)
     data: dict | None = None  # where the prompt stream stands after the last step (models/data.PromptStream.state)
+    episodes: object = None  # an environment run's environments on this rank (models/environments/episodes.py)
 
     @classmethod
     def create(cls, policy: Policy, optim: OptimConfig, kl: KLConfig, seed: int, me: Dist = SINGLE,
@@ -44,6 +45,11 @@ class ActorState:
         sampling = torch.Generator().manual_seed(seed + 1_000_003 * me.rank)
         return cls(policy, build_engine(rollout or RolloutConfig(), policy), optimizer, scheduler, kl_ctl, sampling,
                    torch.Generator().manual_seed(seed), me)
+
+    def close(self) -> None:
+        """Stop what this rank started besides the model: its environment workers."""
+        if self.episodes is not None:
+            self.episodes.close()
 
     def state_dict(self) -> dict:
         """What every rank holds alike (the optimizer and the sampling stream are saved per rank, see checkpoint)."""
@@ -116,7 +122,7 @@ def rollout_logprobs(policy: Policy, rollout: Rollout, cfg: RLHFConfig, timers: 
         if i < len(chunks):
             old.append(logp)
             ref.append(ref_logp)
-    mask = rollout.response_mask
+    mask = rollout.loss_mask
     return torch.cat(old) * mask, torch.cat(ref) * mask
 
 
@@ -150,7 +156,7 @@ def actor_update(state: ActorState, rollout: Rollout, loss_fn: LossFn, minibatch
         return loss_fn(logp.cpu(), entropy.cpu(), idx)
 
     return minibatch_update(policy.trainable_parameters(), state.optimizer, state.scheduler, micro_loss,
-                            rollout.response_mask.sum(1), rows, n_global, minibatch_size, epochs, micro_batch_size,
+                            rollout.loss_mask.sum(1), rows, n_global, minibatch_size, epochs, micro_batch_size,
                             grad_clip, state.shuffle, me, sharded=policy.sharded)
 
 
@@ -161,10 +167,10 @@ def common_metrics(state: ActorState, rollout: Rollout, scores: Tensor, gold: Te
     (objective/*, episode, time/*; docs/metrics.md)."""
     me = state.me
     gather = me.all_gather_cat
-    mask = rollout.response_mask
+    mask = rollout.loss_mask
     scores, kl_seq, non_score = gather(scores), gather(kl_seq), gather(non_score)
     entropy = gather((-old_logp * mask).sum(1))
-    response_lengths = gather(rollout.response_lengths).float()
+    response_lengths = gather(rollout.sampled_lengths).float()
     ended = gather(rollout.is_end.long()).bool()
     response_tokens = int(response_lengths.sum())
     seconds = {k: float(v) for k, v in zip(timers.seconds, me.all_reduce(torch.tensor(list(timers.seconds.values())), "max"))}

@@ -78,19 +78,21 @@ def shape_rewards(scores: Tensor, kl: Tensor, mask: Tensor, beta: float) -> Tens
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float = 1.0, lam: float = 0.95) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation over [B, T] (Schulman et al. 2016).
 
-    The response occupies the masked positions of each row; the value after the last response token is 0 (terminal).
-    Returns (advantages, returns) with returns = advantages + values on the mask, and both 0 off the mask.
+    The actions are the masked positions of each row, in order: positions off the mask between two actions (a
+    multi-turn episode's environment tokens) are skipped, so the next action's value and advantage carry across
+    them; the value after the last action is 0 (terminal). Returns (advantages, returns) with returns = advantages +
+    values on the mask, and both 0 off the mask.
     """
     advantages = torch.zeros_like(rewards)
     last_gae = torch.zeros_like(rewards[:, 0])
-    T = rewards.shape[1]
-    for t in reversed(range(T)):
-        next_mask = mask[:, t + 1] if t + 1 < T else torch.zeros_like(mask[:, 0])
-        next_value = values[:, t + 1] * next_mask if t + 1 < T else torch.zeros_like(values[:, 0])
+    next_value = torch.zeros_like(values[:, 0])
+    for t in reversed(range(rewards.shape[1])):
+        on = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last_gae = delta + gamma * lam * next_mask * last_gae
-        advantages[:, t] = last_gae * mask[:, t]
-        last_gae = last_gae * mask[:, t]
+        here = delta + gamma * lam * last_gae
+        advantages[:, t] = here * on
+        last_gae = torch.where(on > 0, here, last_gae)
+        next_value = torch.where(on > 0, values[:, t], next_value)
     returns = (advantages + values) * mask
     return advantages, returns
 

@@ -27,7 +27,7 @@ import secrets
 import time
 import typing
 from pathlib import Path
-from typing import ClassVar, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, Field, PositiveInt, create_model, model_validator
@@ -48,7 +48,7 @@ class LoraConfig(Section):
 
 
 class ModelConfig(Section):
-    policy: str = Field("tiny/policy", description="The actor: a local directory saved with save_pretrained, a hub id 'org/name' (read from the Hugging Face cache offline; downloaded into it only where deploy.cache.hub_downloads allows), s3://bucket/prefix (fetched once per machine into deploy.cache.dir, checked by digest), or 'tiny/<name>', the embedded default shipped with the package (tiny/policy, tiny/reward, tiny/critic, tiny/reward-chars), which brings the `tiny` preset's settings.")
+    policy: str = Field("tiny/policy", description="The actor: a local directory saved with save_pretrained, a hub id 'org/name' (read from the Hugging Face cache offline; downloaded into it only where deploy.cache.hub_downloads allows), s3://bucket/prefix (fetched once per machine into deploy.cache.dir, checked by digest), or 'tiny/<name>', the embedded default shipped with the package (tiny/policy, tiny/reward, tiny/critic, tiny/reward-chars; tiny/chat: a small chat model with Qwen2.5's chat template, for environments and tools); tiny/policy brings the `tiny` preset's settings.")
     revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of model.policy when it is a hub id, and of model.reward / model.critic when they name the same id; None = the repository's main branch.")
     reward: Optional[str] = Field(None, description="Sequence-classification reward model (num_labels=1) for reward.source='model' (a directory, hub id, s3://bucket/prefix or tiny/<name>); None = the policy family's own: tiny/reward for the embedded tiny policy, required for any other policy.")
     critic: Optional[str] = Field(None, description="Critic checkpoint, read as token classification with one label (a critic saved by a run, or a checkpoint of the policy's family, given a new value head); it reads the policy's tokens, so it must share the policy's tokenizer. None = initialised from model.reward when that shares the policy's tokenizer (NeMo-Aligner), else from model.policy (veRL, OpenRLHF).")
@@ -133,9 +133,6 @@ class RewardConfig(Section):
         if self.function and self.functions:
             raise ValueError("reward.function and reward.functions are both set: give one function as "
                              "reward.function, or several as reward.functions (with reward.weights)")
-        if self.source == "function" and not (self.function or self.functions):
-            raise ValueError("reward.function (or reward.functions) is required when reward.source='function' "
-                             "(format 'package.module:function' or 'path/to/rewards.py:function')")
         for name, value in (("function", self.function), ("gold", self.gold),
                             *((f"functions[{i}]", v) for i, v in enumerate(self.functions or []))):
             if value is not None and not FUNCTION_SPEC.match(value):
@@ -172,7 +169,7 @@ class RewardConfig(Section):
         return names
 
 
-PROMPT_SOURCES = ("'builtin:<task>' (sentiment, sentiment_target; the stages' sentiment_sft and sentiment_preference), a local .parquet/.jsonl/.json/.csv/.arrow file, a .txt "
+PROMPT_SOURCES = ("'builtin:<task>' (sentiment, sentiment_target; the stages' sentiment_sft and sentiment_preference; the tool-use task arithmetic and its SFT conversations arithmetic_sft), 'reasoning_gym:<task>' (a reasoning-gym task, e.g. chain_sum, generated from its options), a local .parquet/.jsonl/.json/.csv/.arrow file, a .txt "
                   "file (one prompt a line), a folder of such files (file names decide the splits), a folder written by "
                   "Dataset.save_to_disk, s3://bucket/key or s3://bucket/prefix (fetched once per machine into deploy.cache.dir, "
                   "checked by digest), or a hub data set id (its snapshot in the Hugging Face cache, at `revision`)")
@@ -187,6 +184,7 @@ class DataConfig(Section):
     revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of data.prompts when it is a hub data set id; None = its main branch.")
     split: str = Field("train", description="Split to read (folders, save_to_disk DatasetDicts, hub datasets; a single file is this split).")
     prompt_key: str = Field("prompt", description="Column holding the prompt: a string, or chat messages (a list of {role, content}) rendered with the policy's chat template.")
+    options: Optional[dict[str, Any]] = Field(None, description="Options of a generated source, reasoning_gym:<task>: size (rows; default 1000 for train, 200 for another split), seed (default 0; another split than train is drawn from another seed, without the train split's questions) and the task's own parameters (e.g. chain_sum's min_terms, max_digits).")
     chat_template: bool = Field(False, description="Wrap a plain-string prompt as a user turn of the policy's chat template (chat messages are always rendered with it).")
     max_prompt_length: Optional[PositiveInt] = Field(None, description="Longest prompt in policy tokens (None = no limit); what happens to a longer one: long_prompts.")
     long_prompts: Literal["error", "filter", "truncate_left"] = Field("error", description="A prompt longer than max_prompt_length: 'error' refuses the data set before any model loads, 'filter' drops the row (counted and logged), 'truncate_left' keeps its last max_prompt_length tokens.")
@@ -201,10 +199,12 @@ class EvalConfig(Section):
     revision: Optional[str] = Field(None, description="Hub revision of eval.prompts, as data.revision.")
     split: str = Field("test", description="Split of eval.prompts to read (a single file is this split).")
     prompt_key: str = Field("prompt", description="Column holding the eval prompt (as data.prompt_key).")
+    options: Optional[dict[str, Any]] = Field(None, description="Options of a generated eval source (reasoning_gym:<task>), as data.options; give the same task parameters as data.options for held-out rows of the same task.")
     max_prompts: Optional[PositiveInt] = Field(None, description="Evaluate on the first N rows only (None = all).")
     every: int = Field(0, ge=0, description="Evaluate every N iterations, and at iteration 0 (before any update) and at the end (0 = never).")
     samples_per_prompt: PositiveInt = Field(1, description="Responses sampled per eval prompt (k of pass@k).")
     temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 = greedy).")
+    success_threshold: Optional[float] = Field(None, description="A sample succeeds when its score is at least this (eval/success, eval/pass_at_<k>); None = only when every score is 0 or 1 (a verifiable reward), success being 1.")
     table_rows: PositiveInt = Field(32, description="Eval samples shown in the Prefect artifact and the MLflow table.")
 
 
@@ -243,6 +243,40 @@ class RolloutConfig(Section):
         return self
 
 
+class EnvironmentConfig(Section):
+    """Multi-turn rollouts against environments (models/environments/, docs/environments.md): each rollout is an
+    episode of model turns and environment replies, built in token ids; the environments and the reward functions
+    run in worker processes with deadlines."""
+
+    factory: Optional[Union[str, dict[str, str]]] = Field(None, description="TRL's environment_factory, run unchanged: a class built with no arguments, one instance per rollout (pooled, reset(**row) before each), its public methods the tools, an optional get_reward() scored with weight 1 under the class's name; 'path/to/env.py:Class' or 'package.module:Class', or a mapping name -> such a spec (each row's `environment` column picks its environment). None = single-turn rollouts.")
+    max_turns: Optional[PositiveInt] = Field(None, description="Rounds of tool calls an episode may make after its first reply (TRL's max_tool_calling_iterations); None = as many as generation.max_new_tokens holds.")
+    chat_template: Optional[str] = Field(None, description="A chat template file (.jinja) used instead of the policy's own to render the episodes; the template must be prefix-preserving (checked before the run starts): for a family whose own is not (Qwen3 drops past reasoning), TRL ships training templates (trl/chat_templates/*_training.jinja). None = the policy tokenizer's.")
+    workers: PositiveInt = Field(4, description="Worker processes per actor rank that run the environments and the reward functions of an episode (each in its main thread, so signal.alarm works); the instances are spread over them. A worker whose call outlives its deadline is killed (SIGKILL) and replaced, which also ends the other episodes it held.")
+    call_deadline_s: float = Field(60.0, gt=0, description="Deadline of one call into an environment or a reward function (reset, a tool, get_reward, a reward function over the worker's rows): past it the worker is killed, the episode scores 0 and is counted (env/timeouts).")
+    episode_deadline_s: float = Field(300.0, gt=0, description="Deadline of an episode's calls into its environment, summed over its turns (generation time does not count).")
+    single_session: Literal["serialise", "refuse"] = Field("serialise", description="An environment class that declares it serves one session at a time (OpenEnv's SUPPORTS_CONCURRENT_SESSIONS = False): 'serialise' runs its episodes one after another on each actor rank, saying so; 'refuse' fails the run before it starts.")
+
+    @model_validator(mode="after")
+    def _specs(self) -> "EnvironmentConfig":
+        specs = {"": self.factory} if isinstance(self.factory, str) else dict(self.factory or {})
+        if isinstance(self.factory, dict) and not self.factory:
+            raise ValueError("environment.factory: an empty mapping; give 'path/to/env.py:Class' or a mapping "
+                             "name -> spec")
+        for name, spec in specs.items():
+            if not FUNCTION_SPEC.match(spec):
+                where = f"environment.factory.{name}" if name else "environment.factory"
+                raise ValueError(f"{where} must look like 'package.module:Class' or 'path/to/env.py:Class', got {spec!r}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.factory is not None
+
+    def factories(self) -> dict[str | None, str]:
+        """{environment name: spec}; the single factory's name is None (every row uses it)."""
+        return {None: self.factory} if isinstance(self.factory, str) else dict(self.factory or {})
+
+
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"  # a directory name and an S3 key part: no '/', no '..'
 
 
@@ -258,12 +292,29 @@ class _Tree(Section):
     data: DataConfig = Field(default_factory=DataConfig, description="Training prompts.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine.")
+    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig, description="Environments and tools: multi-turn rollouts (none by default).")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Rollout sampling.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty against the frozen reference policy.")
     critic: CriticConfig = Field(default_factory=CriticConfig, description="Critic (value model) training (algorithms with a critic).")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward source.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resume.")
+
+    @model_validator(mode="after")
+    def _reward_source(self):
+        r, env = self.reward, self.environment
+        if env.enabled:
+            if r.source != "function":
+                raise ValueError("reward.source: an environment run is scored by its environments' get_reward and "
+                                 "reward functions (reward.functions, which may take environments=); set "
+                                 "reward.source=function")
+            if self.rollout.max_off_policy_steps:
+                raise ValueError(f"rollout.max_off_policy_steps={self.rollout.max_off_policy_steps}: an environment "
+                                 f"run's episodes are sampled turn by turn with the current weights; set it to 0")
+        elif r.source == "function" and not r.specs():
+            raise ValueError("reward.function (or reward.functions) is required when reward.source='function' "
+                             "(format 'package.module:function' or 'path/to/rewards.py:function')")
+        return self
 
 
 RunConfig = create_model(

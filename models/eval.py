@@ -1,14 +1,20 @@
 """Held-out evaluation (eval.*): the policy answers prompts it does not train on, scored by the run's own reward and
-the gold reward, on every actor rank with its share of the prompts, through the run's rollout engine.
+the gold reward, on every actor rank with its share of the prompts, through the run's rollout engine; in an
+environment run, each prompt is an episode against its environment (models/environments/), scored as training is.
 
 It adds no trainer step and leaves the training stream as it is: it samples from a generator of its own (seeded from
 the run's seed and the iteration), never the actor's, and touches neither the optimizer, the KL controller nor the
-counters. Metrics (rank 0): eval/reward, eval/gold_reward, eval/completions/mean_length; when every score is 0 or 1 (a
-verifiable reward), eval/accuracy and eval/pass_at_k (pass@k, k = eval.samples_per_prompt: a prompt passes when one
-of its k samples scores 1); with reward functions, eval/rewards/<name>/mean and /std of each.
+counters. Metrics (rank 0): eval/reward, eval/gold_reward, eval/completions/mean_length; success metrics when every
+score is 0 or 1 (a verifiable reward) or eval.success_threshold says what succeeds: eval/success (the share of
+samples that succeed; eval/accuracy too for 0/1 scores) and eval/pass_at_<j> for j = 1, 2, 4, ... up to k =
+eval.samples_per_prompt (Chen et al. 2021's unbiased estimator from the k samples of each prompt: the chance that
+one of j samples succeeds); with reward functions, eval/rewards/<name>/mean and /std of each; in an environment run,
+the episodes' tool and environment metrics under eval/ (eval/tools/call_frequency, eval/env/errors, ...).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -17,7 +23,10 @@ from models.algorithms import ALGORITHMS, Backends
 from models.config import RLHFConfig, Sampling
 from models.data import Batch
 from models.reward import RewardFn
-from models.step import function_reward_metrics, prompt_ids, rollouts_on_leader, sample_rows
+from models.environments.episodes import episode_metrics, episode_stats
+from models.environments.episodes import episode_rows as episode_rows_table
+from models.step import (episode_rows, function_reward_metrics, prompt_ids, reward_names, rollouts_on_leader,
+                         sample_rows)
 from models.update import micro_batches
 
 
@@ -38,10 +47,17 @@ def evaluate(state: ActorState, prompts: Batch, cfg: RLHFConfig, backends: Backe
     columns = [c for c in prompts.columns[share] for _ in range(k)]
     generator = torch.Generator().manual_seed(eval_seed(cfg.seed, iteration, me.rank))
     sampling = Sampling.of(cfg.generation, temperature=e.temperature)  # validated: 0 is greedy
-    rollout = state.engine.generate(prompt_ids(policy, prompts.prompts[share], prompts.templated, cfg), k, sampling,
-                                    generator)
-    responses = policy.decode_responses(rollout)
-    batch = rollouts_on_leader(me, rollout, mine, responses, columns, policy.pad_id)
+    played = None
+    if state.episodes is not None:
+        played = state.episodes.play(state.engine, episode_rows(prompts, share, k), sampling, generator,
+                                     cfg.generation.max_new_tokens, policy.pad_id)
+        rollout = played.rollout
+    else:
+        rollout = state.engine.generate(prompt_ids(policy, prompts.prompts[share], prompts.templated, cfg), k,
+                                        sampling, generator)
+    responses = played.responses if played is not None else policy.decode_responses(rollout)
+    batch = rollouts_on_leader(me, rollout, mine, responses, columns, policy.pad_id, played)
+    stats = me.all_gather_cat(episode_stats(played.episodes)) if played is not None else None
     if batch is None:
         return {}, []
     chunks = micro_batches(len(batch["lengths"]), cfg.generation.micro_batch_size)
@@ -50,9 +66,12 @@ def evaluate(state: ActorState, prompts: Batch, cfg: RLHFConfig, backends: Backe
     gold = (torch.tensor(gold_fn(batch["prompts"], batch["responses"], batch["columns"]), dtype=torch.float64)
             if gold_fn is not None else None)
     lengths = (batch["lengths"] - batch["prompt_lengths"]).double()
-    metrics = eval_metrics(scores, gold, lengths, k)
+    metrics = eval_metrics(scores, gold, lengths, k, e.success_threshold)
     metrics.update({f"eval/{name}": value for name, value in
-                    function_reward_metrics(scored, cfg.reward.function_names()).items()})
+                    function_reward_metrics(scored, reward_names(state, cfg)).items()})
+    if played is not None:
+        metrics.update(episode_metrics(stats, prefix="eval/"))
+        return metrics, episode_rows_table(played.episodes, state.episodes.names, e.table_rows)
     return metrics, eval_rows(batch, scores, gold, e.table_rows)
 
 
@@ -61,17 +80,38 @@ def eval_seed(seed: int, iteration: int, rank: int) -> int:
     return (seed * 1_000_033 + 7_919 * (iteration + 1) + 104_729 * rank + 17) % (2**63 - 1)
 
 
-def eval_metrics(scores: torch.Tensor, gold: torch.Tensor | None, response_lengths: torch.Tensor, k: int) -> dict:
-    """Means over every eval sample; accuracy and pass@k when the scores are all 0 or 1 (samples of a prompt are
-    consecutive, k each)."""
+def eval_metrics(scores: torch.Tensor, gold: torch.Tensor | None, response_lengths: torch.Tensor, k: int,
+                 success_threshold: float | None = None) -> dict:
+    """Means over every eval sample; success metrics (see the module docstring) when the scores are all 0 or 1 or a
+    `success_threshold` is given (samples of a prompt are consecutive, k each)."""
     metrics = {"eval/reward": float(scores.mean()), "eval/completions/mean_length": float(response_lengths.mean()),
                "eval/samples": float(len(scores))}
     if gold is not None:
         metrics["eval/gold_reward"] = float(gold.mean())
-    if bool(((scores == 0) | (scores == 1)).all()):
+    binary = bool(((scores == 0) | (scores == 1)).all())
+    if not binary and success_threshold is None:
+        return metrics
+    success = scores >= (success_threshold if success_threshold is not None else 1.0)
+    metrics["eval/success"] = float(success.double().mean())
+    if binary:
         metrics["eval/accuracy"] = float(scores.mean())
-        metrics[f"eval/pass_at_{k}"] = float(scores.view(-1, k).amax(dim=1).mean())
+    correct = success.view(-1, k).sum(1).tolist()
+    for j in pass_ks(k):
+        metrics[f"eval/pass_at_{j}"] = sum(pass_at_k(k, c, j) for c in correct) / len(correct)
     return metrics
+
+
+def pass_ks(k: int) -> list[int]:
+    """The j of the pass@j reported for k samples per prompt: 1, 2, 4, ... below k, and k."""
+    return sorted({2**i for i in range(k.bit_length()) if 2**i < k} | {k})
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The chance that at least one of k samples drawn without replacement from n, c of which succeed, succeeds:
+    1 - C(n-c, k) / C(n, k) (Chen et al. 2021's unbiased pass@k estimator)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def eval_rows(batch: dict, scores: torch.Tensor, gold: torch.Tensor | None, limit: int) -> list[dict]:

@@ -27,6 +27,7 @@ from models.backends import FunctionReward, LocalRewardModel
 from models.config import RLHFConfig
 from models.critic import CriticTrainer
 from models.data import Batch, DataError, PromptSet, PromptStream, builtin_gold, load_prompt_set
+from models.environments.episodes import check_environment_run, start_episodes
 from models.eval import evaluate, is_eval_iteration
 from models.distributed import SINGLE, Dist, local_device
 from models.policy import Policy, load_policy_tokenizer
@@ -44,10 +45,18 @@ def read_data(cfg: RLHFConfig) -> tuple[PromptSet, PromptSet | None]:
     if not d.prompts:
         raise DataError("data.prompts: not set; name the training prompts (a local file or folder, a hub data set id, "
                         "or builtin:<task>: models/data.py)")
-    prompts = checked_prompt_set(cfg, tokenizer, d.prompts, d.split, d.prompt_key, "data.prompts", d.subset, d.revision)
-    if not e.prompts or not e.every:
+    prompts = checked_prompt_set(cfg, tokenizer, d.prompts, d.split, d.prompt_key, "data.prompts", d.subset, d.revision,
+                                 d.options)
+    evals = None
+    if e.prompts and e.every:
+        evals = checked_prompt_set(cfg, tokenizer, e.prompts, e.split, e.prompt_key, "eval.prompts", e.subset,
+                                   e.revision, e.options)
+    if cfg.environment.enabled:  # the environments probed, their reward functions' columns checked, in a worker
+        check_environment_run(cfg, tokenizer, {f"{field} '{found.source}'": columns_of(found)
+                                               for field, found in (("data.prompts", prompts), ("eval.prompts", evals))
+                                               if found is not None})
+    if evals is None:
         return prompts, None
-    evals = checked_prompt_set(cfg, tokenizer, e.prompts, e.split, e.prompt_key, "eval.prompts", e.subset, e.revision)
     evals = evals.head(e.max_prompts) if e.max_prompts else evals
     if len(evals) < cfg.deploy.actor.world_size:  # as training: every rank evaluates its share, none may be empty
         raise DataError(f"eval.prompts: '{e.prompts}' has {len(evals)} prompt(s) (split '{e.split}'"
@@ -57,15 +66,20 @@ def read_data(cfg: RLHFConfig) -> tuple[PromptSet, PromptSet | None]:
 
 
 def checked_prompt_set(cfg: RLHFConfig, tokenizer, source: str, split: str, prompt_key: str, field: str,
-                       subset: str | None = None, revision: str | None = None) -> PromptSet:
+                       subset: str | None = None, revision: str | None = None, options: dict | None = None) -> PromptSet:
     found = load_prompt_set(source, split, prompt_key, tokenizer, cfg.data.max_prompt_length, cfg.data.long_prompts,
-                            cfg.data.chat_template, field, subset, revision, cfg.deploy)
-    names = sorted({k for row in found.columns for k in row})
-    if cfg.reward.source == "function":
+                            cfg.data.chat_template, field, subset, revision, cfg.deploy, options)
+    names = columns_of(found)
+    if cfg.reward.source == "function" and not cfg.environment.enabled:  # an environment run's: read_data's check
         load_reward_functions(cfg.reward, probe=False, deploy=cfg.deploy).check_columns(names, f"{field} '{source}'")
     if spec := gold_spec(cfg):
         gold_loader(cfg, spec, probe=False).check_columns(names, f"{field} '{source}'")
     return found
+
+
+def columns_of(found: PromptSet) -> list[str]:
+    """The columns besides the prompt that the rows of a prompt set carry."""
+    return sorted({k for row in found.columns for k in row})
 
 
 def load_prompts(cfg: RLHFConfig) -> list[str]:
@@ -96,7 +110,10 @@ def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
                          reference_device=cfg.deploy.reference_device,
                          gradient_checkpointing=cfg.model.gradient_checkpointing)
     optim = ALGORITHMS[cfg.algorithm].settings(cfg).optim
-    return ActorState.create(policy, optim, cfg.kl, cfg.seed, me, rollout=cfg.rollout)
+    state = ActorState.create(policy, optim, cfg.kl, cfg.seed, me, rollout=cfg.rollout)
+    if cfg.environment.enabled:  # this rank's environment workers, started and probed
+        state.episodes = start_episodes(cfg, policy.tokenizer, policy.model.config, me)
+    return state
 
 
 def build_critic_trainer(cfg: RLHFConfig, checkpoint_dir: str | Path | None = None) -> CriticTrainer:

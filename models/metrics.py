@@ -6,7 +6,8 @@ A name may hold a placeholder: `<name>` (a reward function's name), `<phase>`, `
 `needs` says when an RL run logs it (a sweep refuses a metric its trials' config cannot produce): 'critic' (an
 algorithm with a critic: PPO), 'rloo' (the REINFORCE family), 'vllm' (an engine with its own weights), 'eval' (the
 held-out eval: eval.prompts and eval.every), 'gold' (a gold reward: reward.gold, or the shipped task's on its data),
-'functions' (reward functions), 'binary' (held-out scores all 0 or 1), 'async' (rollout.max_off_policy_steps > 0).
+'functions' (reward functions), 'binary' (held-out scores all 0 or 1, or eval.success_threshold set), 'async'
+(rollout.max_off_policy_steps > 0), 'environment' (an environment run: environment.factory).
 Light: no torch.
 """
 
@@ -83,13 +84,25 @@ VLLM = Group("The vLLM engine (`rollout.engine=vllm`)", ("rl",), "An engine with
     M(("rollout/staleness_mean", "rollout/staleness_max"), "Weight versions between the rollouts and the weights trained from (asynchronous rollouts).", None, ("vllm",)),
     M(("time/rollout_wait", "time/engine_idle", "time/refit_wait"), "Waiting for rollouts asked for ahead; the server's idle time between refits; a refit waiting for a generation in flight.", None, ("vllm", "async")),
 ))
+ENVIRONMENT = Group("Environment runs (`environment.factory`: [Environments and tools](environments.md))", ("rl",), "Over the episodes of all actor ranks. `completions/*` count the model-sampled tokens only (the environment's replies are not the model's), as TRL counts them.", (
+    M(("tools/call_frequency",), "Tool calls per episode.", "same", ("environment",)),
+    M(("tools/failure_frequency",), "Tool calls that failed (the tool raised, or is unknown) per tool call.", "same", ("environment",)),
+    M(("env/turns_mean", "env/turns_max"), "Model turns per episode.", None, ("environment",)),
+    M(("env/tool_use_ratio",), "Share of episodes with at least one tool call.", None, ("environment",)),
+    M(("env/turn_limit_ratio",), "Share of episodes ended by `environment.max_turns` with a tool call unanswered.", None, ("environment",)),
+    M(("env/overlong_ratio",), "Share of episodes ended because a tool reply did not fit `generation.max_new_tokens` (or the model's positions).", None, ("environment",)),
+    M(("env/errors",), "Episodes that failed this iteration (an exception in reset or get_reward, a worker that died, a reward function that raised or returned a bad value, an instance lost with its worker): scored 0, left out of the loss.", None, ("environment",)),
+    M(("env/timeouts",), "Episodes that missed `environment.call_deadline_s` or `episode_deadline_s` (their worker killed): scored 0, left out of the loss.", None, ("environment",)),
+))
 HELD_OUT = Group("Held-out eval (`eval.*`, at step = the iteration it ran before)", ("rl", "pipeline"), "TRL's evaluation logs its training names with an `eval_` prefix; ours use `eval/`. A pipeline's run logs its RL stage's at their iterations.", (
     M(("eval/reward",), "Mean score of the eval samples.", "eval_reward", ("eval",)),
     M(("eval/rewards/<name>/mean", "eval/rewards/<name>/std"), "Each reward function's (with reward functions).", None, ("eval", "functions")),
     M(("eval/gold_reward",), "Mean gold reward (when the run has one).", None, ("eval", "gold")),
     M(("eval/completions/mean_length",), "Mean response length.", "eval_completions/mean_length", ("eval",)),
-    M(("eval/accuracy", "eval/pass_at_<k>"), "When every score is 0 or 1: the share of samples scoring 1, and of prompts with one of its k samples scoring 1.", None, ("eval", "binary")),
+    M(("eval/success", "eval/pass_at_<k>"), "When every score is 0 or 1, or `eval.success_threshold` is set (a sample succeeds when its score reaches it): the share of samples that succeed, and for k = 1, 2, 4, ... up to `eval.samples_per_prompt` the chance that one of k samples of a prompt succeeds (Chen et al. 2021's unbiased estimator from all its samples), averaged over prompts.", None, ("eval", "binary")),
+    M(("eval/accuracy",), "When every score is 0 or 1: the share of samples scoring 1.", None, ("eval", "binary")),
     M(("eval/samples",), "Eval samples scored.", None, ("eval",)),
+    M(("eval/tools/*", "eval/env/*"), "An environment run's episode metrics (above), over the eval's episodes.", None, ("eval", "environment")),
 ))
 ONCE = Group("Once per run", ("rl", "sft", "reward_model", "dpo", "eval"), "At step 0, and at each checkpoint.", (
     M(("data/rows", "data/filtered_rows", "data/truncated_rows"), "Training prompts read, dropped or cut as longer than `data.max_prompt_length` (RL).", None, ("never",)),
@@ -118,7 +131,7 @@ EVAL_JOB = Group("The eval (`rlhf eval`, a pipeline's eval stage)", ("eval", "pi
 PIPELINE = Group("A pipeline's run", ("pipeline",), "Its MLflow parent run, at step 0: each stage's last metrics as `<stage>/<name>` (`sft/eval/loss`, `reward_model/eval/accuracy`, `rl/reward`, `dpo/eval/rewards/accuracies`), and those above marked for a pipeline.", (
     M(("sft/*", "reward_model/*", "rl/*", "dpo/*"), "A stage's last metrics (its record's)."),
 ))
-GROUPS = (EVERY_ITERATION, PPO_ONLY, BOTH_ADVANTAGES, VLLM, HELD_OUT, ONCE, STAGES, EVAL_JOB, PIPELINE)
+GROUPS = (EVERY_ITERATION, PPO_ONLY, BOTH_ADVANTAGES, VLLM, ENVIRONMENT, HELD_OUT, ONCE, STAGES, EVAL_JOB, PIPELINE)
 
 
 def pattern(name: str) -> re.Pattern:

@@ -14,6 +14,8 @@ nobody derives these facts again.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig, is_tiny_policy, merge, with_schedule_lengths
 from models.data import DataError
@@ -41,13 +43,21 @@ def family_reward(cfg: RLHFConfig) -> dict:
 
 
 def absolute_reward_files(cfg: RLHFConfig) -> dict:
-    """Reward functions given as files ('path/to/rewards.py:fn') with their path made absolute, so every process of
-    the run (a server's working directory may be another) loads the same file."""
+    """Reward functions and environments given as files ('path/to/rewards.py:fn') with their path made absolute, so
+    every process of the run (a server's working directory may be another) loads the same file."""
     r = cfg.reward
     out = {name: absolute_spec(value) for name, value in (("reward.function", r.function), ("reward.gold", r.gold))
            if value and absolute_spec(value) != value}
     if r.functions and [absolute_spec(s) for s in r.functions] != r.functions:
         out["reward.functions"] = [absolute_spec(s) for s in r.functions]
+    factory = cfg.environment.factory  # environment classes given as files, the same way
+    if isinstance(factory, str) and absolute_spec(factory) != factory:
+        out["environment.factory"] = absolute_spec(factory)
+    elif isinstance(factory, dict) and {k: absolute_spec(v) for k, v in factory.items()} != factory:
+        out["environment.factory"] = {k: absolute_spec(v) for k, v in factory.items()}
+    template = cfg.environment.chat_template
+    if template and template.endswith(".jinja") and not Path(template).is_absolute():
+        out["environment.chat_template"] = str(Path(template).expanduser().absolute())
     return out
 
 

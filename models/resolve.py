@@ -12,10 +12,10 @@ eval's models; data.prompts, eval.prompts and the stages' data), in every proces
 `resolve_model` / `resolve_data` return a `Resolved`: where the value came from, its local path, and its
 `provenance`, a JSON record of what it is (the contract other code keys on, e.g. the pipeline's cache):
 
-    source    'tiny' | 'local' | 'hub' | 's3' | 'builtin'
+    source    'tiny' | 'local' | 'hub' | 's3' | 'builtin' | 'reasoning_gym'
     value     the field's value as given
     digest    sha256 over every file's relative path and the sha256 of its bytes (models/tiny_files.manifest_digest
-              of file_digests): the same bytes give the same digest whatever the source; None for builtin data
+              of file_digests): the same bytes give the same digest whatever the source; None for generated data
     hub       repo, repo_type ('model' | 'dataset'), revision (as asked, None = main), commit (the one it resolved to)
     s3        uri, etags ({relative name: the object's ETag})
     data      subset (a data set's configuration), when given
@@ -75,7 +75,7 @@ class Resolved:
 
     value: str
     field: str
-    source: str  # 'tiny' | 'local' | 'hub' | 's3' | 'builtin'
+    source: str  # 'tiny' | 'local' | 'hub' | 's3' | 'builtin' | 'reasoning_gym'
     path: Optional[str]
     details: dict = dataclass_field(default_factory=dict)  # hub: repo, repo_type, revision, commit; s3: uri, etags
     known: Optional[dict[str, str]] = None  # file digests already checked (an s3 fetch), else computed on demand
@@ -129,16 +129,19 @@ def model_path(value: str, field: str = "model", revision: Optional[str] = None,
 
 # ---------------------------------------------------------------- data
 
+GENERATED = ("builtin:", "reasoning_gym:")  # data sources whose rows code makes (models/data.py, models/tasks)
+
+
 def resolve_data(value: str, field: str = "data.prompts", revision: Optional[str] = None,
                  deploy: Optional[DeployConfig] = None, subset: Optional[str] = None) -> Resolved:
-    """Where a data source is on this machine: `builtin:<task>` (no path: the rows are made by code), a local file
-    or folder, s3://bucket/key (one object) or s3://bucket/prefix (a folder of files), or a hub data set id at
-    `revision` (its snapshot in the hub cache, read as a local folder; `subset` picks its configuration). A missing
-    one raises FileNotFoundError naming `field`."""
+    """Where a data source is on this machine: `builtin:<task>` or `reasoning_gym:<task>` (no path: the rows are made
+    by code), a local file or folder, s3://bucket/key (one object) or s3://bucket/prefix (a folder of files), or a hub
+    data set id at `revision` (its snapshot in the hub cache, read as a local folder; `subset` picks its
+    configuration). A missing one raises FileNotFoundError naming `field`."""
     deploy = deploy or DeployConfig()
     extra = {"subset": subset} if subset is not None else {}
-    if value.startswith("builtin:"):
-        return Resolved(value, field, "builtin", None, dict(extra))
+    if value.startswith(GENERATED):  # rows made by code from the config: no path
+        return Resolved(value, field, value.split(":", 1)[0], None, dict(extra))
     if value.startswith("s3://"):
         found = fetch_s3(value, field, deploy, prefix_only=False)
         found.details.update(extra)

@@ -12,14 +12,9 @@ reward_weights) score as their weighted sum; each one's scores travel with it fo
 
 from __future__ import annotations
 
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
 import os
-import sys
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
@@ -29,6 +24,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from models.deploy import DeployConfig
 from models.loading import DTYPES, disable_dropout, freeze, from_pretrained
 from models.resolve import fetch_file
+from models.specs import absolute_spec, import_object, is_file_spec, spec_file  # noqa: F401 (re-exported)
 
 RewardFn = Callable[[list[str], list[str]], list[float]]
 
@@ -105,63 +101,32 @@ def reward_model_scores(model, tokens: Tensor, lengths: Tensor) -> Tensor:
     return (scores - stats[0]) / stats[1] if stats is not None else scores
 
 
-def is_file_spec(spec: str) -> bool:
-    """Whether a reward function spec names a file ('path/to/rewards.py:fn') rather than a module."""
-    return spec.rpartition(":")[0].endswith(".py")
-
-
-def reward_file(spec: str) -> Path:
-    """The file a file spec names, as an absolute, normalised path (against this process's working directory)."""
-    return Path(os.path.abspath(os.path.expanduser(spec.rpartition(":")[0])))
-
-
-def absolute_spec(spec: str) -> str:
-    """A file spec with its path made absolute (against this process's working directory); a module spec as it is."""
-    if not is_file_spec(spec):
-        return spec
-    return f"{reward_file(spec)}:{spec.rpartition(':')[2]}"
+def reward_file(spec: str):
+    """The file a file spec names, as an absolute, normalised path (models/specs.spec_file)."""
+    return spec_file(spec)
 
 
 def import_function(spec: str, field: str = "reward.function", files: Optional[dict] = None,
                     deploy: Optional[DeployConfig] = None):
     """The object a spec names: 'package.module:fn' imported; 'path/to/rewards.py:fn' loaded from the run's stored
     copy of the file when `files` (reward.files) has one (by its digest, as the module 'rlhf_rewards_<sha256>'),
-    else from the path (as 'rlhf_rewards_<hash of the path>'), once per process."""
-    target, _, attr = spec.rpartition(":")
-    if is_file_spec(spec):
-        path = origin = reward_file(spec)
-        stored = (files or {}).get(str(path))
-        if stored is not None:
-            sha256, uri = (stored["sha256"], stored["uri"]) if isinstance(stored, dict) else (stored.sha256, stored.uri)
-            try:
-                path = fetch_file(uri, sha256, field, deploy)
-            except (FileNotFoundError, RuntimeError) as exc:
-                raise ValueError(str(exc)) from exc
-            name = f"rlhf_rewards_{sha256[:24]}"
-        elif not path.is_file():
-            raise ValueError(f"{field}: reward file '{path}' does not exist in this process (working directory "
+    else from the path (as 'rlhf_rewards_<hash of the path>'), once per process (models/specs.import_object)."""
+    if not is_file_spec(spec):
+        return import_object(spec, field)
+    origin = reward_file(spec)
+    stored = (files or {}).get(str(origin))
+    if stored is None:
+        if not origin.is_file():
+            raise ValueError(f"{field}: reward file '{origin}' does not exist in this process (working directory "
                              f"{os.getcwd()}), and the run stored no copy of it (reward.files): a run stores each "
                              f"reward file where it starts, for every process that scores")
-        else:
-            name = "rlhf_rewards_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
-        module = sys.modules.get(name)
-        if module is None:
-            loader_spec = importlib.util.spec_from_file_location(name, path)
-            module = importlib.util.module_from_spec(loader_spec)
-            sys.modules[name] = module  # before executing: dataclasses and pickling look the module up by name
-            try:
-                loader_spec.loader.exec_module(module)
-            except Exception as exc:
-                del sys.modules[name]
-                raise ValueError(f"{field}: loading '{origin}' failed: {type(exc).__name__}: {exc}") from exc
-        if not hasattr(module, attr):
-            raise ValueError(f"{field}: '{origin}' has no function '{attr}'")
-        return getattr(module, attr)
+        return import_object(spec, field)
+    sha256, uri = (stored["sha256"], stored["uri"]) if isinstance(stored, dict) else (stored.sha256, stored.uri)
     try:
-        return getattr(importlib.import_module(target), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"{field}: cannot import '{spec}' ({exc}); expected 'package.module:function' importable "
-                         f"here, or a file 'path/to/rewards.py:function'") from exc
+        path = fetch_file(uri, sha256, field, deploy)
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise ValueError(str(exc)) from exc
+    return import_object(spec, field, path=path, module_name=f"rlhf_rewards_{sha256[:24]}")
 
 
 def load_reward_function(spec: str, field: str = "reward.function", probe: bool = True, files: Optional[dict] = None,

@@ -30,6 +30,8 @@ from models.config import RLHFConfig, Sampling
 from models.data import Batch
 from models.distributed import Dist, all_rows, leader_batch
 from models.engines.base import Rollout
+from models.environments.episodes import episode_metrics, episode_stats
+from models.environments.episodes import episode_rows as episode_rows_table
 from models.losses import tis_weights
 from models.reward import RewardFn
 from models.update import micro_batches
@@ -57,13 +59,20 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
         for j, batch in enumerate([prompts, *(ahead or [])]):  # the first of a run (or after a resume) and the next
             state.engine.submit(state.iteration + j, prompt_ids(policy, batch.prompts, batch.templated, cfg), k,
                                 sampling, state.generator)
+    played = None
     with timers("generate"):
-        rollout = state.engine.generate(prompt_ids(policy, prompts.prompts[share], prompts.templated, cfg), k,
-                                        sampling, state.generator, **({"iteration": state.iteration} if pipelined else {}))
-    responses = policy.decode_responses(rollout)
+        if state.episodes is not None:  # an environment run: multi-turn episodes, scored in their workers
+            played = state.episodes.play(state.engine, episode_rows(prompts, share, k), sampling, state.generator,
+                                         cfg.generation.max_new_tokens, policy.pad_id)
+            rollout = played.rollout
+        else:
+            rollout = state.engine.generate(prompt_ids(policy, prompts.prompts[share], prompts.templated, cfg), k,
+                                            sampling, state.generator,
+                                            **({"iteration": state.iteration} if pipelined else {}))
+    responses = played.responses if played is not None else policy.decode_responses(rollout)
 
     # 2. score every rank's rollouts on rank 0, overlapping this rank's logprobs
-    batch = rollouts_on_leader(me, rollout, mine, responses, columns, policy.pad_id)
+    batch = rollouts_on_leader(me, rollout, mine, responses, columns, policy.pad_id, played)
     collect = None
     if batch is not None:
         chunks = micro_batches(len(batch["lengths"]), cfg.generation.micro_batch_size)
@@ -76,7 +85,7 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
     gold = torch.tensor(gold_fn(mine, responses, columns)) if gold_fn is not None else None
 
     # 3. advantages: KL against the frozen reference, then the algorithm's estimator over the rows of all ranks
-    mask = rollout.response_mask
+    mask = rollout.loss_mask
     kl_tokens, kl_seq = sequence_kl(old_logp, ref_logp, mask, cfg.kl.estimator)
     tis = tis_weights(old_logp, rollout.sample_logprobs, mask, cfg.rollout.tis_cap) if own_weights else None
     local = StepData(rollout.tokens, mask, rollout.is_end, old_logp, {}, kl_tokens, state.kl_ctl.value, k,
@@ -120,27 +129,48 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
         groups = adv.scores.double().view(-1, k)
         metrics["frac_reward_zero_std"] = float(torch.isclose(groups.std(1), torch.zeros((), dtype=torch.float64)).double().mean())
     metrics.update(algorithm.metrics(data, adv, critic_stats))
-    metrics.update(function_reward_metrics(data.scored, cfg.reward.function_names()))
+    metrics.update(function_reward_metrics(data.scored, reward_names(state, cfg)))
+    if played is not None:
+        metrics.update(episode_metrics(me.all_gather_cat(episode_stats(played.episodes))))
     if own_weights:
         metrics.update(engine_mismatch(me, old_logp, rollout.sample_logprobs, mask, tis, cfg.rollout.tis_cap))
         staleness = me.all_gather_cat(trained_version - rollout.versions).double()
         metrics.update({"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": float(staleness.max()),
                         **rollout_clock})
     state.kl_ctl.update(metrics["objective/kl"], len(prompts) * k)  # the controller's unit: KL per sequence
+    if played is not None:
+        return metrics, episode_rows_table(played.episodes, state.episodes.names)
     return metrics, sample_rows(mine, responses, adv.scores[rows], gold)
+
+
+def reward_names(state, cfg: RLHFConfig) -> list[str]:
+    """The names of the reward terms: the reward functions', and in an environment run each environment class's
+    with get_reward after them."""
+    return state.episodes.names if state.episodes is not None else cfg.reward.function_names()
+
+
+def episode_rows(prompts: Batch, share: slice, k: int) -> list[dict]:
+    """What each of this rank's episodes is reset with: its data set row, the prompt as the data set holds it (a
+    string or chat messages); k consecutive episodes per prompt."""
+    return [{"prompt": raw, **columns} for raw, columns in zip(prompts.raw[share], prompts.columns[share])
+            for _ in range(k)]
 
 
 def function_reward_metrics(scored: dict, names: list[str]) -> dict[str, float]:
     """rewards/<name>/mean and /std of each reward function (TRL's names) over the rows of all ranks, when the
-    scores came from reward functions (their weighted sum is the score)."""
+    scores came from reward functions (their weighted sum is the score); a term that did not score a row (NaN: an
+    environment's get_reward on another environment's episode) is left out of its mean."""
     each = scored.get("function_rewards")
     if each is None or each.shape[1] != len(names):
         return {}
     each = each.double()
     out = {}
     for i, name in enumerate(names):
-        out[f"rewards/{name}/mean"] = float(each[:, i].mean())
-        out[f"rewards/{name}/std"] = float(each[:, i].std()) if len(each) > 1 else 0.0
+        column = each[:, i][~each[:, i].isnan()]
+        if not len(column):
+            continue
+        out[f"rewards/{name}/mean"] = float(column.mean())
+        out[f"rewards/{name}/std"] = float(column.std()) if len(column) > 1 else 0.0
     return out
 
 
@@ -194,12 +224,15 @@ def prompt_ids(policy, prompts: list[str], templated: bool, cfg: RLHFConfig) -> 
 
 
 def rollouts_on_leader(me: Dist, rollout: Rollout, prompts: list[str], responses: list[str], columns: list[dict],
-                       pad_id: int) -> dict | None:
+                       pad_id: int, played=None) -> dict | None:
     """Every rank's rollouts (tokens, lengths, prompt lengths, texts, data set columns) on rank 0, for its
-    critic/reward requests."""
-    return leader_batch(me, {"tokens": rollout.tokens, "lengths": rollout.lengths,
-                             "prompt_lengths": rollout.prompt_lengths, "prompts": prompts, "responses": responses,
-                             "columns": columns}, pad_id=pad_id)
+    critic/reward requests; an environment run's episodes bring their scores (models/algorithms/base.request_rewards
+    takes them)."""
+    fields = {"tokens": rollout.tokens, "lengths": rollout.lengths, "prompt_lengths": rollout.prompt_lengths,
+              "prompts": prompts, "responses": responses, "columns": columns}
+    if played is not None:
+        fields.update(episode_scores=played.scores.float(), episode_values=played.values.float())
+    return leader_batch(me, fields, pad_id=pad_id)
 
 
 def sample_rows(prompts, responses, scores, gold, limit: int = 16) -> list[dict]:

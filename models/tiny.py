@@ -11,8 +11,20 @@ tokenizer, so the text transport (`reward_text`) runs end to end offline. Everyt
 The policy, reward and critic are built together (~40 s on 2 cores), `reward-chars` (~55 s) from a random stream of
 its own. What they come out as depends on the CPU's kernels (AVX2 and AVX-512 machines, and ATEN_CPU_CAPABILITY,
 give other weights): runs never build them; they load the shipped files, the same bytes on every machine.
-`rlhf models tiny --out DIR` builds all four and writes DIR/MANIFEST.json (how they were built, the sha256 of every
-file and of every tensor as it loads); `--out models/assets/tiny` replaces the shipped ones.
+`chat` is a small chat model (a Llama: see `chat_model`) whose tokenizer carries Qwen2.5's chat template
+(models/assets/templates/qwen2_5.jinja, byte for byte the one Qwen2.5's instruct models ship), its special tokens
+(<|im_start|>, <|im_end|>, <tool_call>, </tool_call>, ...) and transformers' response template of the Qwen2
+family (tokenizer_config.json `response_template`: what `tokenizer.parse_response` reads tool calls with): the model
+the environment and tool-use path runs on (docs/environments.md). Its byte-level BPE (digits one by one, as Qwen2's;
+merges across words, so the template's fixed text is a few tokens) is trained on conversations of
+models/tasks/arithmetic.py, and the model is pretrained on conversations without a tool (small sums, repetitions):
+calling a tool is what an SFT stage teaches it.
+
+`rlhf models tiny --out DIR` builds all five and writes DIR/MANIFEST.json (how they were built, the sha256 of every
+file and of every tensor as it loads); `--out models/assets/tiny` replaces the shipped ones. The shipped `chat` was
+built apart, on one torch thread (its MANIFEST entry's `built_with`), and rebuilds bit for bit with
+`ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 python -c "from models.tiny import build_tiny;
+build_tiny('DIR', names=['chat'])"`.
 """
 
 from __future__ import annotations
@@ -25,13 +37,16 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models as tok_models, pre_tokenizers
-from transformers import (GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig,
-                          LlamaForSequenceClassification, PreTrainedTokenizerFast, get_cosine_schedule_with_warmup)
+from tokenizers import Regex, Tokenizer, decoders, models as tok_models, normalizers, pre_tokenizers, trainers
+from transformers import (GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, GenerationConfig, LlamaConfig,
+                          LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast,
+                          get_cosine_schedule_with_warmup)
 
 from models.critic import init_critic
+from models.environments.chat import ChatFormat
 from models.resolve import file_digests
-from models.tasks import sentiment
+from models.tasks import arithmetic, sentiment
+from models.tiny_files import TEMPLATES_DIR
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>"]
 
@@ -107,10 +122,11 @@ def prefix_rewards(text: str) -> list[float]:
     return [sentiment.gold_reward([""], [text[:i]])[0] if c == " " else float("nan") for i, c in enumerate(text + " ")]
 
 
-VERSION = 2  # of the embedded default's recipe (2: policy 2 heads x 32)
+VERSION = 3  # of the embedded default's recipe (2: policy 2 heads x 32; 3: the chat model)
 BASE = ("policy", "reward", "critic")  # built together: the reward model's data follow the policy's in one stream
 CHARS = "reward-chars"  # built only when named, from a random stream of its own
-NAMES = BASE + (CHARS,)
+CHAT = "chat"  # the same: a stream of its own
+NAMES = BASE + (CHARS, CHAT)
 DEFAULT_STEPS = 600  # training steps of each model when build_tiny is not given a count (the embedded default)
 
 
@@ -151,6 +167,9 @@ def build_tiny(out: str | Path, seed: int = 0, policy_steps: int | None = None, 
     if CHARS in names:
         info.update(_build_reward_chars(out / CHARS, seed, reward_steps, log))
         built.append(CHARS)
+    if CHAT in names:
+        info.update(_build_chat(out / CHAT, seed, policy_steps, log))
+        built.append(CHAT)
     info["seconds"] = round(time.time() - started, 1)
     info["paths"] = {name: str(out / name) for name in built}
     write_manifest(out, info)
@@ -221,9 +240,108 @@ def _build_reward_chars(path: Path, seed: int, steps: int, log) -> dict:
     return {"reward_chars_mse": chars_loss}
 
 
-def _fit(model, rows: list[list[int]], steps: int, rng: random.Random, pad: int, loss_of, warmup: bool = False) -> float:
+# ---------------------------------------------------------------- the chat model (Qwen2.5's chat format)
+
+# Qwen2.5's added tokens, in its order; <|endoftext|> pads, <|im_end|> ends a turn (eos)
+CHAT_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
+                "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+NOT_SPECIAL = {"<tool_call>", "</tool_call>"}  # added tokens that decode as text (Qwen2.5: special=False)
+# pieces the BPE never merges across: single digits (as Qwen2's pre-tokenizer keeps them) and newlines; anything
+# else may merge, so the template's fixed text (the tools' system prompt) becomes a few long tokens and a conversation
+# ~100 tokens instead of ~250: a tiny model trains on it in seconds
+CHAT_SPLIT = r"\p{N}|\n"
+CHAT_VOCAB = 1024
+
+
+def chat_template() -> str:
+    """Qwen2.5's chat template (models/assets/templates/qwen2_5.jinja)."""
+    return (TEMPLATES_DIR / "qwen2_5.jinja").read_text()
+
+
+def qwen2_response_template() -> dict:
+    """transformers' response template of the Qwen2 family (the one `transformers serve` falls back to for model type
+    qwen2): what `tokenizer.parse_response` reads an assistant turn, its tool calls included, with."""
+    from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS  # heavy (~4 s): the build only
+
+    return next(template for types, template in _RESPONSE_TEMPLATE_FALLBACKS.items() if "qwen2" in types)
+
+
+def build_chat_tokenizer(texts: Iterable[str]) -> PreTrainedTokenizerFast:
+    """A byte-level BPE of at most CHAT_VOCAB ids trained on `texts` (split at digits and newlines only), with
+    Qwen2.5's special tokens, chat template and the Qwen2 response template."""
+    tok = Tokenizer(tok_models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(CHAT_SPLIT), "isolated"),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=CHAT_VOCAB, special_tokens=CHAT_SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        padding_side="right", clean_up_tokenization_spaces=False,
+                                        additional_special_tokens=[t for t in CHAT_SPECIAL if t not in NOT_SPECIAL
+                                                                   and t not in ("<|endoftext|>", "<|im_end|>")])
+    tokenizer.chat_template = chat_template()
+    tokenizer.response_template = qwen2_response_template()
+    return tokenizer
+
+
+def chat_model(tokenizer) -> LlamaForCausalLM:
+    """A Llama of 3 layers of 96 (3 heads of 32: the smallest head vLLM's CPU attention serves), rotary positions up
+    to 512. Not the Qwen2 architecture: transformers loads a model of type qwen2 with its Qwen2Tokenizer, which puts
+    Qwen2's word-level pre-tokenizer in place of the tokenizer's own (the long merged tokens would be lost); a llama
+    model's tokenizer loads as saved."""
+    return LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=96, intermediate_size=256, num_hidden_layers=3, num_attention_heads=3,
+        num_key_value_heads=3, max_position_embeddings=512, tie_word_embeddings=True, rope_theta=10000.0,
+        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+
+
+def _build_chat(path: Path, seed: int, steps: int, log) -> dict:
+    """chat: the tokenizer trained on rendered conversations (with and without the calculator's tool schema), then
+    the model pretrained on conversations without a tool; its random streams are its own, derived from `seed`."""
+    stream = _stream_seed(seed, CHAT)
+    rng = random.Random(stream)
+    with torch.random.fork_rng():
+        torch.manual_seed(stream)
+        corpus = arithmetic.chat_corpus(8000, seed=rng.randrange(10**6))
+        demos = arithmetic.sft_rows(400, seed=rng.randrange(10**6))
+        plain = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(tok_models.BPE()))
+        plain.chat_template = chat_template()
+        texts = [plain.apply_chat_template(c, tokenize=False) for c in corpus[:2000]]
+        texts += [plain.apply_chat_template(d["messages"], tools=d["tools"], tokenize=False) for d in demos]
+        tokenizer = build_chat_tokenizer(texts)
+        model = chat_model(tokenizer)
+        rows, masks = [], []
+        chat = ChatFormat(tokenizer)
+        for conversation in corpus:  # loss on the assistant's replies and their ends of turn, as an SFT stage takes it
+            ids, mask = chat.conversation(conversation)
+            rows.append(ids)
+            masks.append(mask)
+        pad = tokenizer.pad_token_id
+
+        def reply_loss(ids, mask, idx):
+            labels = torch.full(ids.shape, -100)
+            for j, i in enumerate(idx.tolist()):
+                labels[j, :len(rows[i])] = torch.where(torch.tensor(masks[i]) > 0, torch.tensor(rows[i]), -100)
+            return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+        loss = _fit(model, rows, steps, rng, pad, reply_loss, warmup=True, log=log)
+        log(f"chat: {sum(p.numel() for p in model.parameters()):,} params, reply loss {loss:.3f} after {steps} steps")
+        model.eval()
+        model.generation_config = GenerationConfig(eos_token_id=[tokenizer.eos_token_id, pad], pad_token_id=pad)
+        model.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return {"chat_reply_loss": loss}
+
+
+def _fit(model, rows: list[list[int]], steps: int, rng: random.Random, pad: int, loss_of, warmup: bool = False,
+         log=None) -> float:
     """AdamW (lr 3e-3; with `warmup`, 10% linear warm-up then cosine decay) on shuffled batches of 64 rows for `steps`
-    steps; `loss_of(ids, mask, row_indices)` gives the batch loss. Returns the last loss."""
+    steps; `loss_of(ids, mask, row_indices)` gives the batch loss. Returns the last loss (`log`: told every 100
+    steps)."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     schedule = get_cosine_schedule_with_warmup(optimizer, steps // 10, steps) if warmup else None
     model.train()
@@ -238,6 +356,8 @@ def _fit(model, rows: list[list[int]], steps: int, rng: random.Random, pad: int,
             if schedule is not None:
                 schedule.step()
             step, loss = step + 1, float(batch_loss.detach())
+            if log is not None and step % 100 == 0:
+                log(f"  step {step}/{steps}: loss {loss:.3f}")
             if step >= steps:
                 break
     return loss
@@ -260,7 +380,8 @@ def state_digest(model) -> str:
 
 
 LOADERS = {"policy": "AutoModelForCausalLM", "reward": "AutoModelForSequenceClassification",
-           "critic": "AutoModelForTokenClassification", CHARS: "AutoModelForSequenceClassification"}
+           "critic": "AutoModelForTokenClassification", CHARS: "AutoModelForSequenceClassification",
+           CHAT: "AutoModelForCausalLM"}
 
 
 def load_digests(out: str | Path) -> dict[str, str]:

@@ -1,5 +1,5 @@
-"""The embedded default as files: the tiny policy, reward model, critic and reward-chars ship with the package
-(models/assets/tiny/<name>, ~1.7 MB in all), so every machine runs the same model whatever CPU kernels it has.
+"""The embedded default as files: the tiny policy, reward model, critic, reward-chars and the chat model ship with
+the package (models/assets/tiny/<name>, ~3.5 MB in all), so every machine runs the same model whatever CPU kernels it has.
 
 `rlhf models tiny --out DIR` (models/tiny.py) is the script that made them; what it trains depends on the CPU's
 kernels (AVX2 vs AVX-512 give other weights), which is why the result is shipped instead of rebuilt on each machine.
@@ -15,8 +15,9 @@ from pathlib import Path
 
 TINY_PREFIX = "tiny"  # model paths "tiny/<name>" name the embedded default
 EMBEDDED_DIR = Path(__file__).parent / "assets" / "tiny"
+TEMPLATES_DIR = Path(__file__).parent / "assets" / "templates"  # chat templates the embedded models carry
 MANIFEST = EMBEDDED_DIR / "MANIFEST.json"
-NAMES = ("policy", "reward", "critic", "reward-chars")
+NAMES = ("policy", "reward", "critic", "reward-chars", "chat")
 
 
 def is_embedded(value: str | None) -> bool:

@@ -153,14 +153,21 @@ class RunRecord:
             session.log_steps([(iteration, metrics)])
             if iteration % session.cfg.tracking.table_every == 0 or iteration == 1:
                 session.tracker.log_table(samples, step=iteration)
+                if "conversation" in (samples[0] if samples else {}):
+                    # an environment run's episodes, whole conversations, beside the run as well (MLflow has them)
+                    key = re.sub(r"[^a-z0-9-]+", "-", f"episodes-{session.name}".lower()).strip("-")
+                    self.steps.table(key[:128], samples, f"Episodes of iteration {iteration} (run {session.name}): "
+                                                         f"turns, tool calls and results, reward")
         m = metrics
         stale = ""  # an engine with its own weights: how far its sampling is from the trainer's logprobs, and why
         if "rollout/staleness_max" in m:
             stale = (f" sampler logp diff {m['sampling/sampling_logp_difference/max']:.1e} "
                      f"staleness {m['rollout/staleness_max']:g}")
         gold = f"gold {m['objective/gold_reward']:+.3f} " if "objective/gold_reward" in m else ""
+        tools = (f" tools {m['tools/call_frequency']:.2f}/episode errors {m['env/errors']:g} timeouts "
+                 f"{m['env/timeouts']:g}") if "tools/call_frequency" in m else ""
         self.steps.log(f"iteration {iteration}/{session.cfg.iterations}: {gold}reward {m['reward']:+.3f} "
-                       f"KL {m['objective/kl']:.3f} step {m['step_time']:.2f}s{stale}")
+                       f"KL {m['objective/kl']:.3f} step {m['step_time']:.2f}s{stale}{tools}")
 
     def log_eval(self, iteration: int, metrics: dict, rows: list[dict]) -> None:
         """An eval's metrics at step=iteration, its samples as an MLflow table and a table beside the run."""

@@ -117,6 +117,7 @@ def actor_ranks(cfg, log_dir: Path) -> Iterator[Leader]:
         me, init_method = distributed.Dist(0, cfg.deploy.actor.world_size, 0, cfg.deploy.actor.world_size), followers.init_method
     else:
         me, init_method = distributed.SINGLE, None
+    leader = None
     try:
         if me.active:
             device = distributed.local_device(cfg.deploy.device, me)
@@ -129,9 +130,17 @@ def actor_ranks(cfg, log_dir: Path) -> Iterator[Leader]:
             me.broadcast_object({"op": "stop"})
             distributed.shutdown(me, graceful=True)
     finally:
+        if leader is not None:
+            close_state(leader.state)
         if followers is not None:
             followers.stop()
         distributed.shutdown()
+
+
+def close_state(state) -> None:
+    """Stop what a rank's state started besides its model (an actor's environment workers)."""
+    if hasattr(state, "close"):
+        state.close()
 
 
 # ---------------------------------------------------------------- the follower side
@@ -149,8 +158,11 @@ def follow() -> int:
         config_class, build, run, _ = job(name)
         cfg = config_class.model_validate_json(payload)
         state = build(cfg, me)
-        while (command := me.broadcast_object(None))["op"] != "stop":
-            run(state, cfg, command)
+        try:
+            while (command := me.broadcast_object(None))["op"] != "stop":
+                run(state, cfg, command)
+        finally:
+            close_state(state)
         distributed.shutdown(me, graceful=True)
     finally:
         distributed.shutdown()

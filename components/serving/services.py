@@ -571,14 +571,16 @@ def rollout_service(server, actor, cfg: RLHFConfig, place: RunPlace, steps: Step
 def run_services(cfg: RLHFConfig, place: RunPlace, actor, steps: Steps = DIRECT, rollout=None) -> Iterator[RunServices]:
     """The services of a training run: the rollout server (`rollout`, started before the actor) connected to
     `actor`, and what the algorithm scores with: a critic (values, and rewards when it carries the reward model) and a
-    reward server unless the critic carries the reward model; without a critic, the reward server alone."""
+    reward server unless the critic carries the reward model; without a critic, the reward server alone. An
+    environment run scores its episodes in its environment workers: no reward server."""
+    scored_apart = not cfg.environment.enabled
     with rollout_service(rollout, actor, cfg, place, steps) as rollouts:
         if not ALGORITHMS[cfg.algorithm].needs_critic:
-            with reward_service(cfg, place, steps) as reward:
-                yield RunServices(rollouts + [reward], reward=reward.backend)
+            with reward_service(cfg, place, steps, needed=scored_apart) as reward:
+                yield RunServices(rollouts + ([reward] if reward else []), reward=reward.backend if reward else None)
             return
         with critic_service(cfg, place, steps) as critic, \
-                reward_service(cfg, place, steps, needed=not cfg.critic_carries_reward) as reward:
+                reward_service(cfg, place, steps, needed=scored_apart and not cfg.critic_carries_reward) as reward:
             yield RunServices(rollouts + [s for s in (critic, reward) if s is not None], critic=critic.backend,
                               reward=reward.backend if reward else critic.reward)
 

@@ -114,12 +114,13 @@ def metric_problem(cfg: RLHFConfig, metric: str, pipeline: bool = False) -> Opti
            "rloo": f"'{metric}' is the REINFORCE family's, and {cfg.algorithm} has a critic",
            "vllm": f"'{metric}' comes from an engine with its own weights, and rollout.engine is {cfg.rollout.engine!r}",
            "async": f"'{metric}' needs asynchronous rollouts, and rollout.max_off_policy_steps is 0",
-           "functions": f"'{metric}' needs reward functions, and reward.source is {cfg.reward.source!r}"}
+           "functions": f"'{metric}' needs reward functions, and reward.source is {cfg.reward.source!r}",
+           "environment": f"'{metric}' is an environment run's, and environment.factory is not set"}
     held = {"never": False, "eval": bool(cfg.eval.prompts and cfg.eval.every),
             "gold": bool(cfg.reward.gold or builtin_gold(cfg.data.prompts)),
             "critic": ALGORITHMS[cfg.algorithm].needs_critic, "rloo": not ALGORITHMS[cfg.algorithm].needs_critic,
             "vllm": cfg.rollout.engine != "native", "async": cfg.rollout.max_off_policy_steps > 0,
-            "functions": cfg.reward.source == "function", "binary": True}
+            "functions": cfg.reward.source == "function", "binary": True, "environment": cfg.environment.enabled}
     return next((why[need] for need in entry.needs if not held[need]), None)
 
 

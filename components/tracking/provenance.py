@@ -108,13 +108,13 @@ def model_record(value: str, field: str = "model", revision: str | None = None,
 
 
 def data_record(source: str, split: str, field: str, subset: str | None = None, revision: str | None = None,
-                deploy: DeployConfig | None = None) -> dict:
+                deploy: DeployConfig | None = None, options: dict | None = None) -> dict:
     """What a data source gives, by content: the digest of its rows as read, with its split, subset and revision (a
-    hub data set: the commit it resolved to)."""
+    hub data set: the commit it resolved to; a generated source, reasoning_gym:<task>: its options)."""
     if not source:
         raise ValueError(f"{field}: not set; name the data (a local file or folder, a hub data set id, or builtin:<task>)")
-    record = {"digest": rows_digest(source, split, field, subset, revision, deploy), "split": split, "subset": subset,
-              "revision": revision}
+    record = {"digest": rows_digest(source, split, field, subset, revision, deploy, options), "split": split,
+              "subset": subset, "revision": revision, **({"options": options} if options else {})}
     found = resolve_data(source, field, revision, deploy, subset).provenance
     return {**record, "commit": found["commit"]} if found.get("commit") else record
 
@@ -171,17 +171,21 @@ def provenance(cfg) -> dict:
     deploy = cfg.deploy
     if cfg.job == "rl":
         d, r = cfg.data, cfg.reward
-        record["data"] = {"prompts": data_record(d.prompts, d.split, "data.prompts", d.subset, d.revision, deploy)}
+        record["data"] = {"prompts": data_record(d.prompts, d.split, "data.prompts", d.subset, d.revision, deploy,
+                                                 d.options)}
         record["models"] = {name: model_record(value, f"model.{name}", cfg.model.revision if value == cfg.model.policy
                                                else None, deploy)
                             for name in ("policy", "reward", "critic") if (value := getattr(cfg.model, name))}
         record["files"] = {f"reward.{i}": function_record(spec, "reward.functions") for i, spec in enumerate(r.specs())}
+        record["files"].update({f"environment.{name or 0}": function_record(spec, "environment.factory")
+                                for name, spec in cfg.environment.factories().items()})
         if cfg.rollout.engine == "vllm":
             record["code"] = {**record["code"], "vllm": vllm_version(cfg.deploy.rollout.python)}
         return record
     if cfg.job == "eval":
         e = cfg.eval
-        record["data"] = {"prompts": data_record(e.prompts, e.split, "eval.prompts", e.subset, e.revision, deploy)}
+        record["data"] = {"prompts": data_record(e.prompts, e.split, "eval.prompts", e.subset, e.revision, deploy,
+                                                 getattr(e, "options", None))}
         record["models"] = {"policy": model_record(cfg.model, "model", None, deploy),
                             "reference": model_record(cfg.reference, "reference", None, deploy),
                             "reward": model_record(cfg.reward, "reward", None, deploy)}

@@ -285,13 +285,15 @@ def model_provenance(cfg: RLHFConfig) -> dict:
 
 def data_provenance(cfg: RLHFConfig) -> dict:
     """{data.prompts / eval.prompts: provenance} of the data an RL run reads (models/resolve.py: a local file's, an
-    s3:// object's or a hub data set's digest and origin; builtin data: its name)."""
+    s3:// object's or a hub data set's digest and origin; builtin data: its name; reasoning_gym data: its name and
+    options)."""
     d, e = cfg.data, cfg.eval
-    sources = [("data.prompts", d.prompts, d.revision, d.subset)]
+    sources = [("data.prompts", d.prompts, d.revision, d.subset, d.options)]
     if e.prompts and e.every:
-        sources.append(("eval.prompts", e.prompts, e.revision, e.subset))
-    return {name: resolve_data(value, name, revision, cfg.deploy, subset).provenance
-            for name, value, revision, subset in sources if value}
+        sources.append(("eval.prompts", e.prompts, e.revision, e.subset, e.options))
+    return {name: {**resolve_data(value, name, revision, cfg.deploy, subset).provenance,
+                   **({"options": options} if options else {})}
+            for name, value, revision, subset, options in sources if value}
 
 
 def provenance_tags(sources: dict, reward_files: dict) -> dict[str, str]:

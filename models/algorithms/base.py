@@ -120,9 +120,19 @@ class Algorithm:
 
 
 def request_rewards(reward, batch: dict, chunks: list[slice]) -> list[Future]:
-    """Reward requests for the rows of `batch` per micro-batch (futures), as tokens or texts: the backend decides."""
+    """Reward requests for the rows of `batch` per micro-batch (futures), as tokens or texts: the backend decides. An
+    environment run's rows were scored in their episodes (models/environments/): their scores, as answers."""
+    if "episode_scores" in batch:
+        return [done({"scores": batch["episode_scores"][mb], "function_rewards": batch["episode_values"][mb]})
+                for mb in chunks]
     return [reward.score_async(batch["tokens"][mb], batch["lengths"][mb], batch["prompt_lengths"][mb],
                                batch["prompts"][mb], batch["responses"][mb], batch["columns"][mb]) for mb in chunks]
+
+
+def done(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def collect_rewards(futures: list[Future]) -> dict:

@@ -32,6 +32,10 @@ class Rollout:
     # under the untempered distribution.
     sample_logprobs: Tensor
     versions: Tensor | None = None  # [B] int64: the weights version each row was sampled with (an engine with its own copy)
+    # [B, L-1] float, 1 where tokens[:, t+1] was sampled by the model: a multi-turn episode's response also holds the
+    # environment's replies (models/environments/), which carry no loss, no KL and no logprob. None: every response
+    # token was sampled (a single-turn rollout)
+    model_tokens: Tensor | None = None
 
     @property
     def response_mask(self) -> Tensor:
@@ -40,8 +44,19 @@ class Rollout:
         return ((positions >= self.prompt_lengths.unsqueeze(1)) & (positions < self.lengths.unsqueeze(1))).float()
 
     @property
+    def loss_mask(self) -> Tensor:
+        """[B, L-1] float, 1 where tokens[:, t+1] is a model-sampled token: what the losses, the advantages, the KL,
+        the entropy and the metrics count (the response mask of a single-turn rollout)."""
+        return self.response_mask if self.model_tokens is None else self.model_tokens
+
+    @property
     def response_lengths(self) -> Tensor:
         return self.lengths - self.prompt_lengths
+
+    @property
+    def sampled_lengths(self) -> Tensor:
+        """[B] the model-sampled tokens of each response (its length, single-turn)."""
+        return self.response_lengths if self.model_tokens is None else self.model_tokens.sum(1).long()
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -111,18 +126,24 @@ def check_samples(responses: Sequence[Sequence[int]], logprobs: Sequence[Sequenc
 
 
 def from_responses(prompt_ids: Sequence[Sequence[int]], responses: Sequence[Tensor], logprobs: Sequence[Tensor],
-                   is_end: Sequence[bool], pad_id: int, versions: Sequence[int] | None = None) -> Rollout:
+                   is_end: Sequence[bool], pad_id: int, versions: Sequence[int] | None = None,
+                   model_tokens: Sequence[Sequence[int]] | None = None) -> Rollout:
     """Right-padded [prompt, response, pad] rows of a rollout from each row's prompt, response tokens (its stop token
-    kept), their logprobs, and whether it ended; pad tokens never enter a response, whatever the pad id is."""
+    kept), their logprobs, and whether it ended; pad tokens never enter a response, whatever the pad id is.
+    `model_tokens`: per response token, 1 when the model sampled it (a multi-turn episode's environment tokens: 0)."""
     prompt_lengths = torch.tensor([len(p) for p in prompt_ids])
     lengths = prompt_lengths + torch.tensor([len(r) for r in responses])
     L = int(lengths.max())
     tokens = torch.full((len(prompt_ids), L), pad_id, dtype=torch.long)
     sample_logprobs = torch.zeros((len(prompt_ids), L - 1))
+    mask = torch.zeros((len(prompt_ids), L - 1)) if model_tokens is not None else None
     for i, (ids, response, lps) in enumerate(zip(prompt_ids, responses, logprobs)):
         p, r = len(ids), len(response)
         tokens[i, :p] = torch.as_tensor(ids)
-        tokens[i, p:p + r] = torch.as_tensor(response)
-        sample_logprobs[i, p - 1:p - 1 + r] = torch.as_tensor(lps, dtype=torch.float32)
+        if r:
+            tokens[i, p:p + r] = torch.as_tensor(response)
+            sample_logprobs[i, p - 1:p - 1 + r] = torch.as_tensor(lps, dtype=torch.float32)
+            if mask is not None:
+                mask[i, p - 1:p - 1 + r] = torch.as_tensor(model_tokens[i], dtype=torch.float32)
     return Rollout(tokens, prompt_lengths, lengths, torch.as_tensor(list(is_end), dtype=torch.bool), sample_logprobs,
-                   torch.as_tensor(list(versions), dtype=torch.long) if versions is not None else None)
+                   torch.as_tensor(list(versions), dtype=torch.long) if versions is not None else None, mask)

@@ -27,8 +27,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from models.chat import ChatTemplateError
 from models.data import DataError, read_rows, render_messages
 from models.deploy import DeployConfig
+from models.environments.chat import ChatFormat, ChatFormatError
 
 
 @dataclass
@@ -41,6 +43,9 @@ class Sequences:
     dropped: int = 0  # rows whose prompt alone fills max_length
     truncated: int = 0  # rows cut to max_length
     mismatched: int = 0  # chat rows whose rendered prompt is not a prefix of the rendered conversation
+    # per row, the tokens trained on (1) when they are not simply those after the prompt (a tool-calling
+    # conversation: its assistant turns, not the tool replies between them); None for a row without
+    masks: list[list[int] | None] | None = None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -48,11 +53,14 @@ class Sequences:
     def head(self, n: int) -> "Sequences":
         """The first `n` rows."""
         return Sequences(self.ids[:n], self.prompt_lengths[:n], self.source, self.dropped, self.truncated,
-                         self.mismatched)
+                         self.mismatched, self.masks[:n] if self.masks is not None else None)
 
     def rows(self, indices: list[int]) -> dict:
         """The rows `indices` as a command carries them to every rank (plain lists)."""
-        return {"ids": [self.ids[i] for i in indices], "prompt_lengths": [self.prompt_lengths[i] for i in indices]}
+        out = {"ids": [self.ids[i] for i in indices], "prompt_lengths": [self.prompt_lengths[i] for i in indices]}
+        if self.masks is not None:
+            out["masks"] = [self.masks[i] for i in indices]
+        return out
 
 
 @dataclass
@@ -157,27 +165,61 @@ def load_sequences(source: str, split: str, tokenizer, max_length: int | None = 
     out = Sequences([], [], source)
     for i, row in enumerate(rows):
         where = f"{field}: row {i} of '{source}' (split '{split}')"
+        mask = None
         if form == "messages":
             messages = row["messages"]
             if not is_chat(messages) or len(messages) < 2 or not isinstance(messages[-1], dict) \
                     or messages[-1].get("role") != "assistant":
                 raise DataError(f"{where}: 'messages' must be a conversation ending with an assistant turn")
-            prompt, completion = messages[:-1], messages[-1:]
+            if is_tool_conversation(row):
+                ids, mask = tool_conversation_ids(tokenizer, row, where)
+                prompt_length, mismatched = mask.index(1), False
+            else:
+                ids, prompt_length, mismatched = sequence_ids(tokenizer, messages[:-1], messages[-1:], where)
         else:
-            prompt, completion = row["prompt"], row["completion"]
-        ids, prompt_length, mismatched = sequence_ids(tokenizer, prompt, completion, where)
+            ids, prompt_length, mismatched = sequence_ids(tokenizer, row["prompt"], row["completion"], where)
         out.mismatched += mismatched
         if max_length is not None and len(ids) > max_length:
             if prompt_length >= max_length:
                 out.dropped += 1
                 continue
             ids, out.truncated = ids[:max_length], out.truncated + 1
+            mask = mask[:max_length] if mask is not None else None
         out.ids.append(ids)
         out.prompt_lengths.append(prompt_length)
+        if mask is not None:
+            out.masks = (out.masks or [None] * (len(out.ids) - 1)) + [mask]
+        elif out.masks is not None:
+            out.masks.append(None)
     if not out.ids:
         raise DataError(f"{field}: no row of '{source}' (split '{split}') fits max_length={max_length} tokens with "
                         f"a completion token to learn")
     return out
+
+
+def is_tool_conversation(row: dict) -> bool:
+    """A `messages` row that calls tools: it has a `tools` column, or a tool message or an assistant tool call."""
+    return bool(row.get("tools")) or any(isinstance(m, dict) and (m.get("role") == "tool" or m.get("tool_calls"))
+                                         for m in row["messages"])
+
+
+def tool_conversation_ids(tokenizer, row: dict, where: str) -> tuple[list[int], list[int]]:
+    """A tool-calling conversation as an environment run's episodes hold it (models/environments/chat.py: the prompt
+    with the tools' schemas, each assistant turn up to its end-of-turn token, the tool replies between), and its
+    mask: 1 on every assistant turn (TRL's assistant-only loss), 0 on the rest."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise DataError(f"{where}: holds chat messages, but the tokenizer has no chat template")
+    tools = row.get("tools")
+    if isinstance(tools, str):
+        tools = json.loads(tools)
+    messages = [{k: v for k, v in m.items() if v is not None} for m in row["messages"]]  # Arrow fills absent keys
+    try:
+        ids, mask = ChatFormat(tokenizer).conversation(messages, tools or None)
+    except (ChatFormatError, ChatTemplateError) as exc:
+        raise DataError(f"{where}: {exc}") from None
+    if 1 not in mask:
+        raise DataError(f"{where}: the conversation has no assistant turn to learn")
+    return ids, mask
 
 
 # ---------------------------------------------------------------- preference pairs
@@ -220,8 +262,8 @@ def _text(value) -> str:
 
 
 def _rows(source: str, split: str, field: str, subset: str | None = None, revision: str | None = None,
-          deploy: DeployConfig | None = None):
-    rows = read_rows(source, split, field, subset, revision, deploy)
+          deploy: DeployConfig | None = None, options: dict | None = None):
+    rows = read_rows(source, split, field, subset, revision, deploy, options)
     if len(rows) == 0:
         raise DataError(f"{field}: split '{split}' of '{source}' is empty")
     return rows
@@ -230,12 +272,12 @@ def _rows(source: str, split: str, field: str, subset: str | None = None, revisi
 # ---------------------------------------------------------------- what a stage was made from
 
 def rows_digest(source: str, split: str, field: str, subset: str | None = None, revision: str | None = None,
-                deploy: DeployConfig | None = None) -> str:
+                deploy: DeployConfig | None = None, options: dict | None = None) -> str:
     """sha256 of the rows of `source` (split `split`, configuration `subset`, hub revision `revision`) as read: every
     row as canonical JSON, in order. The same rows give the same digest whatever the file format they came in; any
-    changed value, row or order changes it."""
+    changed value, row or order changes it. `options`: a generated source's (reasoning_gym:<task>)."""
     digest = hashlib.sha256()
-    for row in _rows(source, split, field, subset, revision, deploy):
+    for row in _rows(source, split, field, subset, revision, deploy, options):
         digest.update(json.dumps(row, sort_keys=True, default=str, separators=(",", ":")).encode())
         digest.update(b"\n")
     return digest.hexdigest()

@@ -230,7 +230,12 @@ class RewardModel(StageKind):
 def sft_batch(rows: dict, pad_id: int) -> dict[str, Tensor]:
     tokens, lengths = right_padded(rows["ids"], pad_id)
     prompt_lengths = torch.tensor(rows["prompt_lengths"])
-    return {"tokens": tokens, "lengths": lengths, "mask": completion_mask(prompt_lengths, lengths, tokens.shape[1])}
+    mask = completion_mask(prompt_lengths, lengths, tokens.shape[1])
+    for i, own in enumerate(rows.get("masks") or []):  # a tool-calling conversation: its assistant turns only
+        if own is not None:
+            mask[i] = 0
+            mask[i, :len(own) - 1] = torch.tensor(own[1:], dtype=mask.dtype)
+    return {"tokens": tokens, "lengths": lengths, "mask": mask}
 
 
 def pair_batch(rows: dict, pad_id: int) -> dict[str, Tensor]:

@@ -20,12 +20,12 @@ serve`, on purpose:
   `weight_versions` spans); prompts' prefix-cache blocks are salted with that version.
 - logprobs are of the distribution sampled from (the engine runs with `logprobs_mode="processed_logprobs"`).
 - tool calls are parsed with the tokenizer's own response template (transformers' `parse_response`,
-  components/serving/rollout/chat.py), not one of vLLM's named parsers; tools for a model without one are refused.
+  models/chat.py, the trainer's too), not one of vLLM's named parsers; tools for a model without one are refused.
   `tool_choice` may be "auto" or "none". A completion whose tool-call markup does not parse comes back as content
   with its finish reason, `tool_parse_error` on the choice saying why, and is counted (/health).
 - bounds as /generate: n x max_tokens per request, the JSON body's size (the Guard); no streaming, no beam search.
 
-Runs in .venv-vllm: imports nothing from the project (components/serving/rollout/__init__.py).
+Runs in .venv-vllm: imports nothing from the project but models/chat.py (components/serving/rollout/__init__.py).
 """
 
 from __future__ import annotations
@@ -56,8 +56,7 @@ from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, Tokeni
 from vllm.exceptions import VLLMClientError
 from vllm.outputs import WeightVersionSpan
 
-from components.serving.rollout.chat import (ChatTemplateError, ToolsUnsupported, parse_completion, render,
-                                             response_template)
+from models.chat import ChatTemplateError, ToolsUnsupported, parse_completion, render, response_template
 
 OPENAI_PREFIXES = ("/v1/", "/tokenize", "/inference/")
 VERSION_HEADER = "X-Weights-Version"

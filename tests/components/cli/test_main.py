@@ -51,7 +51,7 @@ def quick_rlhf(*args: str) -> list[str]:
 
 
 def test_models_tiny_is_the_script_that_made_the_shipped_models(tiny_models, tiny_reward_chars, tmp_path):
-    """`rlhf models tiny` builds the four models with the shipped ones' data, tokenizers and configs (a quick build:
+    """`rlhf models tiny` builds the five models with the shipped ones' data, tokenizers and configs (a quick build:
     QUICK_STEPS steps: the recipe, not its training; what the weights come out as depends on the CPU's kernels, which
     is why the result ships) and records them in its MANIFEST.json; the shipped models themselves are trained (their
     held-out LM loss, against ~4.1 for a uniform guess)."""
@@ -61,11 +61,11 @@ def test_models_tiny_is_the_script_that_made_the_shipped_models(tiny_models, tin
     info = json.loads(proc.stdout[proc.stdout.index("{"):])
     assert info["policy_steps"] == info["reward_steps"] == QUICK_STEPS
     assert {name: Path(path) for name, path in info["paths"].items()} == \
-        {name: out / name for name in ("policy", "reward", "critic", "reward-chars")}
+        {name: out / name for name in ("policy", "reward", "critic", "reward-chars", "chat")}
     shipped = Path(tiny_models["policy"]).parent
     assert Path(tiny_reward_chars) == shipped / "reward-chars"
     manifest = json.loads((out / "MANIFEST.json").read_text())
-    for name in ("policy", "reward", "critic", "reward-chars"):
+    for name in ("policy", "reward", "critic", "reward-chars", "chat"):
         assert load_file(str(out / name / "model.safetensors")).keys() == \
             load_file(str(shipped / name / "model.safetensors")).keys()
         config, shipped_config = (json.loads((d / name / "config.json").read_text()) for d in (out, shipped))
@@ -84,6 +84,9 @@ def test_models_tiny_is_the_script_that_made_the_shipped_models(tiny_models, tin
     assert AutoModelForSequenceClassification.from_pretrained(out / "reward-chars").config.num_labels == 1
     chars = AutoTokenizer.from_pretrained(out / "reward-chars")  # its own tokenizer: one token per character
     assert chars.convert_ids_to_tokens(chars("is good")["input_ids"]) == list("is good")
+    chat = AutoTokenizer.from_pretrained(out / "chat")  # Qwen2.5's chat template and the Qwen2 response template
+    assert chat.chat_template == (shipped / "chat" / "chat_template.jinja").read_text()
+    assert chat.response_template and chat.eos_token == "<|im_end|>"
 
 
 def test_config_errors_name_the_field():

@@ -1,13 +1,13 @@
-"""The chat template and tool-call logic the rollout server and the trainer share (components/serving/rollout/
-chat.py), and the verifiers worker's merge of a rollout's steps (components/verifiers/worker.py): pure functions on
-the test's tiny Qwen2.5-format tokenizer (tests/components/serving/tool_model.py)."""
+"""The chat template and tool-call logic the rollout server and the trainer share (models/chat.py), and the verifiers
+worker's merge of a rollout's steps (components/verifiers/worker.py): pure functions on the test's tiny Qwen2.5-format
+tokenizer (tests/components/serving/tool_model.py)."""
 
 import json
 
 import pytest
 
-from components.serving.rollout.chat import (ChatTemplateError, ToolsUnsupported, normalize_messages,
-                                             parse_completion, render, response_template)
+from models.chat import (ChatTemplateError, ToolsUnsupported, normalize_messages, parse_completion, render,
+                         response_template)
 from components.verifiers.worker import merge_steps
 from tests.components.serving.tool_model import QWEN2_RESPONSE_TEMPLATE, build_tokenizer
 

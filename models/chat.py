@@ -2,14 +2,19 @@
 token ids with the tokenizer's own chat template, and a completion's tool calls parsed with the tokenizer's own
 response template (transformers' `parse_response`).
 
-Imports nothing but transformers' tokenizer API (and the standard library), so that the rollout server (in
-.venv-vllm, transformers 5.19) and the trainer (in .venv, transformers 5.23) import the same module.
+Imports nothing (the standard library only; it is handed tokenizers), so that the rollout server (in .venv-vllm,
+transformers 5.19: components/serving/rollout/openai.py, which may import this module of the project and no other)
+and the trainer (in .venv, transformers 5.23: models/environments/chat.py) run the same code.
 
     response_template(tokenizer, model_type)   the tokenizer's response template, or transformers' own for the
                                                model family (None: the family has none, tools are refused)
     normalize_messages(messages)               OpenAI-format messages as vLLM hands them to a chat template
     render(tokenizer, messages, tools, ...)    -> prompt token ids
-    parse_completion(tokenizer, template, completion_ids, prompt_ids, tools) -> ParsedCompletion
+    read_response(tokenizer, template, completion_ids, prompt_ids, tools) -> the assistant message (ValueError if
+                                               its tool-call markup does not parse)
+    parse_completion(tokenizer, template, completion_ids, prompt_ids, tools) -> ParsedCompletion (OpenAI's shape:
+                                               the server's); models/environments/chat.py reads TRL's shape from
+                                               read_response
 
 Tool calls, as the peers' known failures ask (TRL #4708, #4890): every call of a parallel call is kept; a completion
 whose tool-call markup does not parse (cut off by max_tokens, bad JSON, a call without a name) is returned as plain
@@ -139,36 +144,55 @@ def tool_call_id() -> str:
     return f"chatcmpl-tool-{secrets.token_hex(16)}"  # the shape of vLLM's ids
 
 
-def parse_completion(tokenizer, template: Optional[dict], completion_ids: Sequence[int], prompt_ids: Sequence[int],
-                     tools: Optional[list[dict]] = None, text: Optional[str] = None) -> ParsedCompletion:
-    """Parse a completion's tool calls with the tokenizer's response `template` (`response_template`), the prompt as
-    its prefix (templates that pre-write part of the answer, e.g. an opening <think>). `text`: the completion as the
-    client sees it when there are no calls (vLLM's detokenized text, special tokens skipped); default: decoded here.
-    Never raises for what the model wrote: a call that does not parse leaves the whole text as content, with `error`."""
+def read_response(tokenizer, template: Optional[dict], completion_ids: Sequence[int], prompt_ids: Sequence[int],
+                  tools: Optional[list[dict]] = None) -> dict:
+    """A completion read as an assistant message with the tokenizer's response `template` (`response_template`), the
+    prompt as its prefix (templates that pre-write part of the answer, e.g. an opening <think>): `content`, and
+    `tool_calls` as the template gives them (`{type, function: {name, arguments: a mapping}}`, every call of a
+    parallel call; a call without arguments gets {}). ValueError saying why when the markup does not parse or a call
+    has no name or its arguments are not an object; ToolsUnsupported when there is no template."""
     if template is None:
         raise ToolsUnsupported("tools: this model's tokenizer has no response template, so tool calls in its "
                                "completions cannot be parsed (transformers' parse_response); send no tools, or use "
                                "a tokenizer whose tokenizer_config.json has a `response_template`")
-    plain = text if text is not None else tokenizer.decode(list(completion_ids), skip_special_tokens=True)
     try:
-        parsed = tokenizer.parse_response(list(completion_ids), template, prefix=list(prompt_ids), tools=tools)
+        parsed = tokenizer.parse_response(list(completion_ids), template, prefix=list(prompt_ids), tools=tools or None)
     except Exception as exc:  # noqa: BLE001 - the model wrote markup the template cannot read
-        return ParsedCompletion(plain, [], f"{type(exc).__name__}: {str(exc).splitlines()[0]}")
-    calls, problems = [], []
-    for i, call in enumerate(parsed.get("tool_calls") or []):
+        raise ValueError(f"{type(exc).__name__}: {(str(exc).splitlines() or [''])[0]}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"the response template read no message: {parsed!r}"[:300])
+    calls = parsed.get("tool_calls")
+    if calls is not None and not isinstance(calls, list):
+        raise ValueError(f"tool_calls is not a list: {calls!r}"[:300])
+    for i, call in enumerate(calls or []):
         function = call.get("function") if isinstance(call, dict) else None
         name = function.get("name") if isinstance(function, dict) else None
-        arguments = function.get("arguments", {}) if isinstance(function, dict) else None
-        if not isinstance(name, str) or not name or not isinstance(arguments, dict):
-            problems.append(f"tool call {i} has no name or its arguments are not an object: {call!r}"[:300])
-            continue
-        calls.append({"id": tool_call_id(), "type": "function",
-                      "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}})
-    if problems:
-        return ParsedCompletion(plain, [], "; ".join(problems))
-    reasoning = parsed.get("reasoning_content", parsed.get("thinking"))
+        if isinstance(function, dict) and function.get("arguments") is None:
+            function["arguments"] = {}
+        if not isinstance(name, str) or not name or not isinstance(function.get("arguments"), dict):
+            raise ValueError(f"tool call {i} has no name or its arguments are not an object: {call!r}"[:300])
+    return parsed
+
+
+def parse_completion(tokenizer, template: Optional[dict], completion_ids: Sequence[int], prompt_ids: Sequence[int],
+                     tools: Optional[list[dict]] = None, text: Optional[str] = None) -> ParsedCompletion:
+    """Parse a completion's tool calls (`read_response`) into OpenAI's shape. `text`: the completion as the client
+    sees it when there are no calls (vLLM's detokenized text, special tokens skipped); default: decoded here.
+    Never raises for what the model wrote: a call that does not parse leaves the whole text as content, with `error`."""
+    plain = text if text is not None else tokenizer.decode(list(completion_ids), skip_special_tokens=True)
+    try:
+        parsed = read_response(tokenizer, template, completion_ids, prompt_ids, tools)
+    except ToolsUnsupported:
+        raise
+    except ValueError as exc:
+        return ParsedCompletion(plain, [], str(exc))
+    calls = [{"id": tool_call_id(), "type": "function",
+              "function": {"name": call["function"]["name"],
+                           "arguments": json.dumps(call["function"]["arguments"], ensure_ascii=False)}}
+             for call in parsed.get("tool_calls") or []]
     if not calls:
         return ParsedCompletion(plain, [], None, None)
     content = parsed.get("content")
+    reasoning = parsed.get("reasoning_content", parsed.get("thinking"))
     return ParsedCompletion(content if isinstance(content, str) and content.strip() else None, calls, None,
                             reasoning if isinstance(reasoning, str) and reasoning else None)
