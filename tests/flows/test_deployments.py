@@ -331,7 +331,7 @@ def test_a_killed_critic_rank_fails_the_run_naming_it_leaves_nothing_and_a_rerun
     latest = s["state_dir"] / "checkpoints" / "e2e-kill" / "latest.json"
     config, deploy = {"iterations": 6, "run_name": "e2e-kill", "checkpoint": {"every": 2}}, {"critic": {"nproc_per_node": 2}}
     first = flow_run_id(deployment_run(s, "ppo/default", config, deploy))
-    _wait_for(lambda: latest.exists() and json.loads(latest.read_text())["iteration"] >= 2, 240, "first checkpoint")
+    _wait_for(lambda: latest.exists() and (json.loads(latest.read_text())["iteration"] or 0) >= 2, 240, "first checkpoint")
     server = _wait_for(lambda: server_processes(s, str(run_dir)), 30, "critic server")[0]
     next(p for p in server.children() if "--follow" in " ".join(p.cmdline())).kill()
     run = wait_final(s, first, timeout=60)  # a dead rank fails the run within 60 s
@@ -372,7 +372,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_wi
               "rollout": {"engine": "vllm", "max_off_policy_steps": 1}}
     deploy = {"rollout": {"threads": 1, "launch": "deployment"}}  # 1 thread: the other worker shares the cores
     first = flow_run_id(deployment_run(s, "reinforce/default", config, deploy))
-    _wait_for(lambda: latest.exists() and json.loads(latest.read_text())["iteration"] >= 2, 300, "first checkpoint")
+    _wait_for(lambda: latest.exists() and (json.loads(latest.read_text())["iteration"] or 0) >= 2, 300, "first checkpoint")
     server = _wait_for(lambda: stack_processes(s, "components.serving.rollout.main"), 30, "rollout server")[0]
     server.kill()
     run = wait_final(s, first, timeout=60)  # a dead rollout server fails the run within 60 s
@@ -487,7 +487,7 @@ def test_ppo_on_two_node_groups_with_the_critic_as_a_deployment_resumes_on_two_r
     # rank 1 is killed: the run fails within 60 s naming the rank, and no process of it is left
     latest = ckpt / "latest.json"
     run_id = flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": 200}, two))
-    _wait_for(lambda: json.loads(latest.read_text())["iteration"] >= 3, 240, "a checkpoint of the resumed run")
+    _wait_for(lambda: (json.loads(latest.read_text())["iteration"] or 0) >= 3, 240, "a checkpoint of the resumed run")
     follower = _wait_for(lambda: actor_followers(s), 30, "actor rank 1")[0]
     assert follower.environ()["RANK"] == "1"
     follower.kill()

@@ -7,6 +7,7 @@ And the shipped examples (examples/*.yaml) run as they are, only the model and d
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -73,7 +74,7 @@ def documented(names) -> list[str]:
     """The metric names that docs/metrics.md does not describe (its tables' first column: `a/b`, `a/<name>/mean`,
     shorthand `/max` after a full name)."""
     patterns = []
-    for line in (ROOT / "docs" / "metrics.md").read_text().splitlines():
+    for line in html.unescape((ROOT / "docs" / "metrics.md").read_text()).splitlines():  # `time/&lt;phase>`
         if not line.startswith("| `"):
             continue
         last = None
