@@ -14,6 +14,11 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# One torch/OpenMP thread per process (set before anything imports torch; every server, rank and flow run the tests
+# start inherits it): two pytest workers and their servers share the cores, and on the tiny models a second intra-op
+# thread only adds overhead (tests/models/test_steps.py's learning runs: 90 s -> 59 s on 2 cores with one process).
+# Where the code sets threads itself (the rollout server's OMP_NUM_THREADS, distributed ranks), that still holds.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")
