@@ -65,6 +65,7 @@ class Channel:
         os.close(to_worker_r)
         os.close(from_worker_w)
         self.buffer = b""
+        self.closed = False  # the worker closed its pipe: it died (or is dying)
 
     def send(self, payload: dict) -> None:
         data = json.dumps(payload, default=str).encode() + b"\n"
@@ -84,10 +85,22 @@ class Channel:
                 return None
             chunk = os.read(self.from_worker, 1 << 16)
             if not chunk:
+                self.closed = True
                 return None
             self.buffer += chunk
         line, _, self.buffer = self.buffer.partition(b"\n")
         return json.loads(line)
+
+    def died(self) -> bool:
+        """Whether the worker died (rather than not answering in time). Its pipe closes while it exits, before the
+        process can be reaped: a closed pipe waits briefly for the exit code."""
+        if self.closed:
+            try:
+                self.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            return True
+        return self.process.poll() is not None
 
     def exit_description(self) -> str:
         code = self.process.poll()
@@ -181,7 +194,7 @@ class WorkerPool:
             answer = channel.receive(request.deadline_s)
             seconds = time.monotonic() - started
             if answer is None:
-                dead = channel.process.poll() is not None
+                dead = channel.died()
                 description = channel.exit_description()
                 self.restart(i)
                 if dead:

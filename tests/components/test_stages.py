@@ -98,8 +98,12 @@ def test_two_ranks_train_the_reward_model_like_one(tmp_path):
     mine, theirs = weights(tmp_path / "runs/two/model"), weights(tmp_path / "runs/one/model")
     kept = [k for k in mine if not k.endswith(SHIFT_INVARIANT)]
     assert_close({k: mine[k] for k in kept}, {k: theirs[k] for k in kept}, atol=2e-5)
-    for name in ("eval/accuracy", "eval/margin", "eval/loss", "reward_mean", "reward_std"):
+    for name in ("eval/accuracy", "eval/margin", "eval/loss"):
         assert two["metrics"][name] == pytest.approx(one["metrics"][name], rel=1e-4, abs=1e-6), name
+    # the scores' mean sits near 0, where a relative bound means nothing: with the weights 2e-5 apart, the scores'
+    # statistics agree to 1e-4 on the reward's own scale (seen: 1.1e-5 apart on a mean of -0.081)
+    for name in ("reward_mean", "reward_std"):
+        assert two["metrics"][name] == pytest.approx(one["metrics"][name], rel=1e-4, abs=1e-4), name
 
 
 def test_the_reward_models_output_carries_its_statistics_and_loads_as_the_rl_stage_loads_it(tmp_path):
