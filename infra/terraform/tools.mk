@@ -14,9 +14,10 @@ TF_DIR          ?= infra/terraform
 tools: $(CHECKOV_STAMP)
 
 # Re-created only when the pinned version changes (the stamp file names the version).
-$(CHECKOV_STAMP):
+# Installed by uv like the project's environments (the root Makefile's $$(UV_INSTALL)).
+$(CHECKOV_STAMP): | $(UV)
 	test -x $(CHECKOV_VENV)/bin/python || $(CHECKOV_PYTHON) -m venv $(CHECKOV_VENV)
-	$(CHECKOV_VENV)/bin/python -m pip install --quiet --disable-pip-version-check "checkov==$(CHECKOV_VERSION)"
+	$(UV_INSTALL) $(CHECKOV_VENV)/bin/python "checkov==$(CHECKOV_VERSION)"
 	rm -f $(CHECKOV_VENV)/.checkov-*.stamp
 	touch $@
 
