@@ -36,7 +36,7 @@ from typing import Optional
 from components.cluster.jobset import JobSetNodes
 from components.launch.nodes import LocalNodes, NodeGroups, NodeSpec, NodeStatus
 from components.launch.processes import free_port
-from components.launch.ranks import BACKEND_ENV, TIMEOUT_ENV
+from components.launch.followers import BACKEND_ENV, TIMEOUT_ENV
 from components.storage.store import CheckpointStore
 from components.storage.lease import acquire as acquire_lease
 from components.tracking.run import checkpoint_uri, default_tracking_uri, store_reward_files

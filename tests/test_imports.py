@@ -218,3 +218,45 @@ def test_the_checks_see_what_they_check(tmp_path):
     assert targets("components.cli.x", "components.cli", ["main"], known) == {"components.cli.main"}
     assert targets("components.cli.x", "components.cli", ["helper"], known) == {"components.cli"}  # its __init__
     assert "components.tasks" in project_modules()
+
+
+def loaded_at_start(entry: str) -> tuple[set[str], set[str]]:
+    """(project modules, third-party modules) that `python -m entry` imports before it runs: the closure of the
+    imports outside functions (those under `if TYPE_CHECKING:` included, which only makes it larger)."""
+    known = project_modules()
+    project, third_party, todo = set(), set(), [entry]
+    while todo:
+        name = todo.pop()
+        if name in project:
+            continue
+        project.add(name)
+        for module, names, _, inside, _ in imports(known[name], name):
+            if inside:
+                continue
+            found = targets(name, module, names, known)
+            todo += sorted(found)
+            if module.split(".")[0] not in (*PACKAGES, "tests", "__future__") and module not in sys.stdlib_module_names:
+                third_party |= {module} | {f"{module}.{n}" for n in names}
+    return project, third_party
+
+
+def test_a_critic_or_reward_server_process_starts_without_the_actors_training_code():
+    """A Triton server (`python -m components.serving.triton.main`, started for every run with a critic or reward
+    server, and once more per follower rank of a 2-rank critic) loads the critic or the reward model: not the actor's
+    loop, policy and sharded-weights code (models/loop.py and what it imports: torch.distributed.tensor, peft's LoRA),
+    nor MLflow or Prefect. Its followers come from components/launch/followers.py, not from the actor's ranks."""
+    project, third_party = loaded_at_start("components.serving.triton.main")
+    actor = {"models.loop", "models.actor", "models.policy", "models.step", "components.launch.ranks"}
+    assert project & actor == set(), f"the server process imports the actor's code: {sorted(project & actor)}"
+    heavy = ("torch.distributed.tensor", "torch.distributed.fsdp", "mlflow", "prefect")
+    loaded = sorted(m for m in third_party if any(m == h or m.startswith(f"{h}.") for h in heavy))
+    assert loaded == [], f"the server process imports at start: {loaded}"
+
+
+def test_a_run_outside_prefect_starts_without_prefect():
+    """`rlhf train` and the ranks of a run's node groups (`python -m components.runs`) run jobs without Prefect: only
+    a run with deployment servers talks to it (components/serving/services.py imports it where it does)."""
+    for entry in ("components.runs", "components.cli.commands"):
+        _, third_party = loaded_at_start(entry)
+        loaded = sorted(m for m in third_party if m.split(".")[0] == "prefect")
+        assert loaded == [], f"{entry} imports Prefect at start: {loaded}"

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from components.environment import quiet
-from components.launch.processes import PARENT_PID_ENV, ChildProcess, exit_with_parent, free_port, project_env, wait_for
+from components.launch.followers import BACKEND_ENV, TIMEOUT_ENV, Followers
+from components.launch.processes import exit_with_parent
 
 quiet()  # this module is a process's entry point too: before the model libraries below read these settings
 
@@ -41,57 +42,6 @@ def job(name: str):
     if name == RLHFConfig.job:
         return RLHFConfig, build_actor, execute, Leader
     return STAGE_RUNS[name], build_stage, execute_stage, StageLeader
-
-BACKEND_ENV, TIMEOUT_ENV = "RLHF_DIST_BACKEND", "RLHF_DIST_TIMEOUT_S"
-
-
-class Follower(ChildProcess):
-    """Rank r (> 0) as a child process of rank 0, logging to a file; in a process group of its own, or in rank 0's
-    (a server's followers: whoever stops the server's group stops them too)."""
-
-    def __init__(self, rank: int, argv: list[str], env: dict, log_path: Path, own_group: bool = True):
-        self.rank = rank
-        super().__init__(argv, log_path, env, own_group)
-
-
-class Followers:
-    """Ranks 1..N-1 of one node, started and watched by rank 0 (of the actor, or of a critic server)."""
-
-    def __init__(self, name: str, world: int, host: str, port: int, argv: list[str], env: dict, log_dir: Path,
-                 own_group: bool = True):
-        self.name, self.world = name, world
-        port = free_port(host, port)
-        self.init_method = f"tcp://{host}:{port}"
-        base = project_env({"WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": host,
-                            "MASTER_PORT": str(port), PARENT_PID_ENV: str(os.getpid()), **env})
-        self.ranks = [Follower(r, argv, {**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                               log_dir / f"{name}-rank{r}.log", own_group) for r in range(1, world)]
-
-    @classmethod
-    def for_actor(cls, cfg: RLHFConfig, log_dir: Path) -> "Followers":
-        actor = cfg.deploy.actor
-        return cls("actor", actor.world_size, actor.master_addr, actor.master_port,
-                   [sys.executable, "-m", "components.launch.ranks"],
-                   {BACKEND_ENV: actor.backend, TIMEOUT_ENV: str(actor.collective_timeout_s)}, log_dir)
-
-    def exited(self) -> Optional[str]:
-        """'<name> rank R (pid) exited with code C; last lines of its log' for the first follower that exited."""
-        for f in self.ranks:
-            if f.poll() is not None:
-                return f.exit_description(f"{self.name} rank {f.rank}", lines=20)
-        return None
-
-    def describe_failure(self, settle_s: float = 5.0) -> Optional[str]:
-        """Why a collective failed, as far as the followers tell: the first that exited (rank, code, log tail), or
-        the ranks that still run (then they went silent)."""
-        # a killed peer may close its sockets a moment before its exit is seen
-        wait_for(lambda: any(f.poll() is not None for f in self.ranks), settle_s)
-        return self.exited() or (f"{self.name} ranks {[f.rank for f in self.ranks]} are alive but did not answer a "
-                                 f"collective (hung, or slower than the collective timeout)")
-
-    def stop(self) -> dict[int, Optional[int]]:
-        return {f.rank: f.stop() for f in self.ranks}
-
 
 @contextmanager
 def actor_ranks(cfg, log_dir: Path) -> Iterator[Leader]:

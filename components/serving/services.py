@@ -53,11 +53,6 @@ from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
-from prefect import get_client, get_run_logger
-from prefect.deployments import run_deployment
-from prefect.runtime import flow_run
-from prefect.states import Cancelling
-from prefect.variables import Variable
 
 from components.cluster.network_policy import RUN_POLICIES, own_job
 from components.cluster.servers import start_servers
@@ -171,6 +166,8 @@ def address_variable(flow_run_id) -> str:
 
 
 def current_state(flow_run_id):
+    from prefect import get_client  # heavy (~2 s): only a run with deployment servers talks to Prefect
+
     with get_client(sync_client=True) as client:
         return client.read_flow_run(flow_run_id).state
 
@@ -181,6 +178,9 @@ def final_state(flow_run_id):
 
 
 def cancel_flow_run(flow_run_id) -> None:
+    from prefect import get_client  # heavy: as above
+    from prefect.states import Cancelling  # heavy: as above
+
     with get_client(sync_client=True) as client:
         state = client.read_flow_run(flow_run_id).state
         if state is not None and not state.is_final():
@@ -266,6 +266,8 @@ class DeploymentServer:
     def wait_until_ready(self, timeout: float, report: Optional[Callable[[str], None]] = None) -> Health:
         """Wait for the published address, then for the server there to serve (one timeout for both: a cold GPU
         pool's pod start and image pull count); `report` is told every ~30 s what is awaited."""
+        from prefect.variables import Variable  # heavy: as current_state's prefect
+
         started = time.monotonic()
         deadline, said = started + timeout, [started]
 
@@ -318,6 +320,9 @@ def start_deployment(kind: str, cfg: RLHFConfig, place: RunPlace, title: Optiona
     """Run `kind`'s deployment for this run: the run's secret in a Secret block of its own (the flow run's parameter
     is the block's name), this flow run's id for the server to watch, and (a rollout server) the address the run's
     weight transfers come from."""
+    from prefect.deployments import run_deployment  # heavy: as current_state's prefect
+    from prefect.runtime import flow_run  # heavy: as above
+
     block = secret_block_name(place.run_name)
     save_secret(block, run_secret(place))
     job = own_job()  # on Kubernetes: the server's pod is labelled as this run's, and takes traffic from it only
@@ -591,6 +596,10 @@ def serve_published(kind: str, server: ServerProcess, url: str, lost: Callable[[
     """Publish a ready server's `url` for the flow run that deployed this one (a Prefect variable named after this
     flow run), then serve until the server exits (a failure: raises naming it), this flow run is cancelled, or
     `lost()` says why the run it serves is gone (returns that reason); unpublish either way."""
+    from prefect import get_run_logger  # heavy: as current_state's prefect (loaded already in a server's flow run)
+    from prefect.runtime import flow_run  # heavy: as above
+    from prefect.variables import Variable  # heavy: as above
+
     name = address_variable(flow_run.get_id())
     try:
         Variable.set(name, url, overwrite=True)
@@ -631,6 +640,9 @@ def host_server(kind: str, cfg: RLHFConfig, checkpoint_uri: Optional[str] = None
     fails this flow run, and with it the training flow run, naming the URI and the cause). A rollout server sets up
     weight transfers with `trainer_host` only.
     """
+    from prefect import get_run_logger  # heavy: as current_state's prefect (loaded already in a server's flow run)
+    from prefect.runtime import flow_run  # heavy: as above
+
     logger = get_run_logger()
     server_dir = cfg.resolved_state_dir() / "servers" / f"{kind}-{flow_run.get_id()}"
     if secret_block:

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from components.launch.processes import exit_with_parent
-from components.launch.ranks import BACKEND_ENV, TIMEOUT_ENV, Followers
+from components.launch.followers import BACKEND_ENV, TIMEOUT_ENV, Followers
 from components.serving.triton.contract import (PENDING_PREFIX, TRAIN_STATS, ModelSpec, ServerSpec, check_positions,
                                                 check_vocab, critic_specs, refuse_infer_inputs, request_array,
                                                 reward_text_spec, stack_requests)
