@@ -90,18 +90,31 @@ def test_two_ranks_answer_like_one(pair):
     assert int(two["save"]["step"][0]) == int(one["save"]["step"][0]) == 8  # 2 calls x 2 epochs x 2 batches
 
 
-def test_the_two_rank_checkpoint_loads_in_a_one_rank_server(pair, tiny_models, tmp_path):
+@pytest.fixture(scope="module")
+def restored(pair, tiny_models, tiny_reward_chars, tmp_path_factory):
+    """A 1-rank critic server started from the 2-rank server's save, carrying `tiny/reward-chars` (a character
+    tokenizer, not the policy's) as its reward model: its critic reads the policy's tokens, its reward model text.
+    One server for the checkpoint's and reward-chars' tests below. Yields the server and its log."""
+    root = tmp_path_factory.mktemp("restored")
+    os.symlink(Path(pair["dirs"][1]) / "critic", root / "critic")
+    cfg = preset("tiny", **{"model.policy": tiny_models["policy"], "model.reward": tiny_reward_chars,
+                            "model.critic": tiny_models["critic"], "critic.train_batch_size": 8,
+                            "critic.micro_batch_size": 4, "deploy.state_dir": str(root / "state")})
+    spec = ServerSpec(kind="critic", config=cfg, port=find_free_ports(count=4), checkpoint_dir=str(root / "critic"),
+                      torch_threads=1)
+    with launch(spec, root / "server.log") as server:
+        yield server, root / "server.log"
+
+
+def test_the_two_rank_checkpoint_loads_in_a_one_rank_server(pair, restored):
     saved = Path(pair["dirs"][1]) / "critic"
     assert (saved / "model" / "model.safetensors").exists() and (saved / "optimizer" / ".metadata").exists()
-    restart = tmp_path / "restart"
-    restart.mkdir()
-    os.symlink(saved, restart / "critic")
-    with critic(tiny_models, restart, 1) as one:
-        tokens, lengths, mask = batch(0)
-        values = raw(one.url, "critic_infer", tokens=tokens, sequence_lengths=lengths)["values"]
-        np.testing.assert_allclose(values, pair["two"]["after"]["values"], rtol=0, atol=1e-5)
-        assert int(raw(one.url, "critic_save", dummy_var=np.zeros(1, np.int64))["step"][0]) == 8
-    assert "saved by 2 rank(s), serving on 1" in (restart / "server.log").read_text()
+    one, log = restored
+    tokens, lengths, mask = batch(0)
+    values = raw(one.url, "critic_infer", tokens=tokens, sequence_lengths=lengths)["values"]
+    np.testing.assert_allclose(values, pair["two"]["after"]["values"], rtol=0, atol=1e-5)
+    assert int(raw(one.url, "critic_save", dummy_var=np.zeros(1, np.int64))["step"][0]) == 8
+    assert "saved by 2 rank(s), serving on 1" in log.read_text()
 
 
 def test_bad_requests_are_refused_by_name_and_every_rank_keeps_serving(pair):
@@ -154,9 +167,13 @@ def test_a_dead_rank_stops_the_server_with_an_error_naming_it(pair):
         server.wait_until_ready(5)
 
 
-def test_reward_chars_serves_the_gold_reward_from_text_with_its_own_tokenizer(tiny_models, tiny_reward_chars, tmp_path):
-    """`tiny/reward-chars` (a character tokenizer, not the policy's) behind a reward server: `reward_text` on held-out
-    texts is within 0.1 (mean absolute) of the gold reward, and the flows pick the text transport for it by themselves.
+def test_a_critic_carrying_reward_chars_gives_values_from_tokens_and_the_gold_reward_from_text(
+        restored, tiny_models, tiny_reward_chars):
+    """`tiny/reward-chars` (a character tokenizer, not the policy's) carried by a critic server that reads the policy's
+    tokens (the restored server above): critic_infer returns values only, and `reward_text` on held-out texts is
+    within 0.1 (mean absolute) of the gold reward (the reward server's `reward_text` is the same callable,
+    RewardCallables.text; a whole run through a reward server of reward-chars learns in tests/flows/test_deployments.py);
+    the flows pick the text transport for it by themselves.
 
     Held out: reviews of the task's corpus and word salads drawn from seeds the build never used. (Seen here: 0.04 on
     the corpus, 0.06 on the mix; the word-level reward model's training MSE of 1e-4 shows the gold reward is learnable.)
@@ -167,9 +184,8 @@ def test_reward_chars_serves_the_gold_reward_from_text_with_its_own_tokenizer(ti
     from models.tasks import sentiment
     from models.tiny import _reward_texts
 
-    cfg = preset("tiny", **{"algorithm": "rloo", "model.policy": tiny_models["policy"],
-                            "model.reward": tiny_reward_chars, "deploy.state_dir": str(tmp_path / "state")})
-    assert reward_transport(cfg) == "text"
+    rloo = preset("tiny", **{"algorithm": "rloo", "model.policy": tiny_models["policy"], "model.reward": tiny_reward_chars})
+    assert reward_transport(rloo) == "text"
     assert reward_transport(preset("tiny", **{"algorithm": "rloo", "model.reward": tiny_models["reward"],
                                               "model.policy": tiny_models["policy"]})) == "tokens"
     ppo = {"algorithm": "ppo", "model.policy": tiny_models["policy"], "model.reward": tiny_reward_chars}
@@ -179,31 +195,17 @@ def test_reward_chars_serves_the_gold_reward_from_text_with_its_own_tokenizer(ti
     held_out = sentiment.corpus(200, seed=10_001) + _reward_texts(random.Random(10_002), 200)
     prompts, responses = [p for p, _ in held_out], [r for _, r in held_out]
     gold = np.array(sentiment.gold_reward(prompts, responses), dtype=np.float64)
-    spec = ServerSpec(kind="reward", config=cfg, port=find_free_ports(count=3), torch_threads=1)
-    with launch(spec, tmp_path / "reward.log") as server:
-        scores = np.concatenate([raw(server.url, "reward_text", prompts=texts(*prompts[i:i + 100]),
-                                     responses=texts(*responses[i:i + 100]))["rewards"][:, 0]
-                                 for i in range(0, len(prompts), 100)]).astype(np.float64)
+    server = restored[0]
+    two = ["review the cat :", "describe the movie :"], ["the cat is good .", "it was awful and sad ."]
+    tokens, lengths, _ = batch(0)
+    out = raw(server.url, "critic_infer", tokens=tokens, sequence_lengths=lengths)
+    rewards = raw(server.url, "reward_text", prompts=texts(*two[0]), responses=texts(*two[1]))["rewards"]
+    scores = np.concatenate([raw(server.url, "reward_text", prompts=texts(*prompts[i:i + 100]),
+                                 responses=texts(*responses[i:i + 100]))["rewards"][:, 0]
+                             for i in range(0, len(prompts), 100)]).astype(np.float64)
+    assert set(out) == {"values"} and out["values"].shape == tokens.shape
+    np.testing.assert_allclose(rewards[:, 0], sentiment.gold_reward(*two), atol=0.25)
     mae = float(np.abs(scores - gold).mean())
     print(f"reward-chars: mean absolute error {mae:.3f} to the gold reward on {len(gold)} held-out texts")
     assert scores.shape == gold.shape and mae <= 0.1, mae
     assert np.corrcoef(scores, gold)[0, 1] > 0.9  # it ranks like the gold reward, not merely near its mean
-
-
-def test_critic_server_carrying_reward_chars_gives_values_from_tokens_and_rewards_from_text(
-        tiny_models, tiny_reward_chars, tmp_path):
-    """The critic reads the policy's tokens; the reward model it carries (reward-chars) reads text: critic_infer
-    returns values only, and reward_text the reward model's scores."""
-    from models.tasks import sentiment
-
-    cfg = preset("tiny", **{"model.policy": tiny_models["policy"], "model.reward": tiny_reward_chars,
-                            "model.critic": tiny_models["critic"], "deploy.state_dir": str(tmp_path / "state")})
-    spec = ServerSpec(kind="critic", config=cfg, port=find_free_ports(count=4), checkpoint_dir=str(tmp_path / "critic"),
-                      torch_threads=1)
-    prompts, responses = ["review the cat :", "describe the movie :"], ["the cat is good .", "it was awful and sad ."]
-    with launch(spec, tmp_path / "server.log") as server:
-        tokens, lengths, _ = batch(0)
-        out = raw(server.url, "critic_infer", tokens=tokens, sequence_lengths=lengths)
-        rewards = raw(server.url, "reward_text", prompts=texts(*prompts), responses=texts(*responses))["rewards"]
-    assert set(out) == {"values"} and out["values"].shape == tokens.shape
-    np.testing.assert_allclose(rewards[:, 0], sentiment.gold_reward(prompts, responses), atol=0.25)

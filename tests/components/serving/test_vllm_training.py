@@ -1,12 +1,12 @@
 """Training through the vLLM rollout engine, as a user runs it: `rlhf train --set rollout.engine=vllm` starts the
 rollout server (.venv-vllm) beside the actor's ranks, sends it the actor's weights before the first rollout and after
 every update, and the run learns the shipped task by the margin of the native learning test; the held-out eval samples
-through the same engine. With asynchronous rollouts (rollout.max_off_policy_steps = k) the server generates the next
-batches while the actor trains: staleness never exceeds k and reaches it, and the runs still learn. With
-deploy.rollout.replicas=2 two servers share each batch and every one of them takes every update (each replica's own
-log says so), and a replica killed mid-run fails the run naming it."""
+through the same engine. Synchronous (k=0), every batch is sampled with the current weights; with asynchronous
+rollouts (rollout.max_off_policy_steps = k) the server generates the next batches while the actor trains: staleness
+never exceeds k and reaches it, and the run still learns. With deploy.rollout.replicas=2 two servers share each batch
+and every one of them takes every update (each replica's own log says so), and a replica killed mid-run fails the run
+naming it."""
 
-import json
 import os
 import re
 import signal
@@ -36,54 +36,47 @@ def rlhf_train(args: list[str], state: Path, timeout: float = 900) -> subprocess
                           env=dict(os.environ, HF_HUB_OFFLINE="1", RLHF_STATE_DIR=str(state)))
 
 
-# each algorithm, each way of gathering (one rank, two ranks on one node), one and two replicas
-@pytest.mark.parametrize("algorithm,ranks,replicas", [("rloo", 1, 2), ("ppo", 2, 1)])
-def test_training_with_asynchronous_rollouts_learns(tiny_models, tmp_path, algorithm, ranks, replicas):
-    """k=1: the server generates the next batch while the actor trains. Gold gain >= 0.3 over 12 iterations (as
-    tests/models/test_steps.py); every iteration refitted (time/refit); staleness 0 on the first batch (asked for with
-    the initial weights), then exactly 1 (really one step off, never more); the truncated importance weights corrected
-    a real mismatch (the trainer's logprobs differ from the stale engine's by far more than float32 noise); the
+# each algorithm, each way of gathering (one rank, two ranks on one node), one and two replicas, synchronous and not
+@pytest.mark.parametrize("algorithm,ranks,replicas,k", [("rloo", 1, 2, 0), ("ppo", 2, 1, 1)])
+def test_training_through_the_rollout_server_learns(tiny_models, tmp_path, algorithm, ranks, replicas, k):
+    """Gold gain >= 0.3 over 12 iterations (as tests/models/test_steps.py); every iteration refitted (time/refit); the
     held-out eval samples through the same engine; nothing of the server is left afterwards. With 2 replicas, each
-    replica's own log shows it applied every version the trainer made, 1 (before the first rollout) to 13, in order."""
+    replica's own log shows it applied every version the trainer made, 1 (before the first rollout) to 13, in order.
+
+    k=1: the server generates the next batch while the actor trains: staleness 0 on the first batch (asked for with
+    the initial weights), then exactly 1 (really one step off, never more); the truncated importance weights corrected
+    a real mismatch (the trainer's logprobs differ from the stale engine's by far more than float32 noise).
+    k=0 (the default) is the synchronous step: every batch is sampled after the refit of the update before it, so
+    nothing is stale (staleness 0 every iteration) and the engine's logprobs of the sampled tokens equal the trainer's
+    (float32: diff < 1e-4, against > 1e-2 for the stale k=1 batches), and the run goes on moving the policy (KL > 0)."""
     metrics, evals, state = tmp_path / "m.json", tmp_path / "e.json", tmp_path / "state"
     proc = rlhf_train(train_args(tiny_models, **{
-        "algorithm": algorithm, "deploy.actor.nproc_per_node": ranks, "iterations": 12, "rollout.max_off_policy_steps": 1,
-        "deploy.rollout.replicas": replicas, "run_name": f"async-{algorithm}-{ranks}", **EVAL_SAMPLED})
+        "algorithm": algorithm, "deploy.actor.nproc_per_node": ranks, "iterations": 12, "rollout.max_off_policy_steps": k,
+        "deploy.rollout.replicas": replicas, "run_name": f"k{k}-{algorithm}-{ranks}", **EVAL_SAMPLED})
         + ["--metrics-out", str(metrics), "--eval-out", str(evals)], state)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     history = assert_learned_with_eval(metrics, evals)
     gold = [m["objective/gold_reward"] for m in history]
-    print(f"{algorithm}, {ranks} rank(s), {replicas} replica(s): closed "
+    print(f"{algorithm}, {ranks} rank(s), {replicas} replica(s), k={k}: closed "
           f"{headroom_closed(sum(gold[:2]) / 2, sum(gold[-2:]) / 2):.2f} of the headroom")
     assert {m["dist/world_size"] for m in history} == {float(ranks)}
     assert all(m["time/refit"] > 0 for m in history)
-    assert [m["rollout/staleness_max"] for m in history] == [0.0] + [1.0] * 11
-    assert [m["rollout/staleness_mean"] for m in history] == [0.0] + [1.0] * 11
-    assert max(m["sampling/sampling_logp_difference/max"] for m in history[1:]) > 1e-2  # stale: the correction had work to do
     assert all("time/rollout_wait" in m and "time/engine_idle" in m for m in history)
-    logs = state / "runs" / f"async-{algorithm}-{ranks}" / "logs"
+    if k:
+        assert [m["rollout/staleness_max"] for m in history] == [0.0] + [1.0] * 11
+        assert [m["rollout/staleness_mean"] for m in history] == [0.0] + [1.0] * 11
+        assert max(m["sampling/sampling_logp_difference/max"] for m in history[1:]) > 1e-2  # stale: the correction had work to do
+    else:
+        assert all(m["rollout/staleness_max"] == 0 and m["sampling/sampling_logp_difference/max"] < 1e-4
+                   for m in history), history
+        assert history[-1]["objective/kl"] > 0
+    logs = state / "runs" / f"k{k}-{algorithm}-{ranks}" / "logs"
     names = ["rollout-server.log"] if replicas == 1 else [f"rollout-server-{i}.log" for i in range(replicas)]
     for name in names:
         log = (logs / name).read_text()
         assert "engine loaded" in log and "stopped with code" in log
         assert [int(v) for v in re.findall(r"weights version (\d+) applied", log)] == list(range(1, 14)), name
     assert not leftovers(state)
-
-
-def test_synchronous_rollouts_sample_every_batch_with_the_current_weights(tiny_models, tmp_path):
-    """k=0 (the default) is the synchronous step: every batch is sampled after the refit of the update before it, so
-    nothing is stale (staleness 0 every iteration) and the engine's logprobs of the sampled tokens equal the trainer's
-    (float32: diff < 1e-4, against > 1e-2 for the stale k=1 batches of test_training_with_asynchronous_rollouts_learns),
-    every iteration refits, and the run goes on moving the policy (KL > 0 after the first update)."""
-    out = tmp_path / "k0.json"
-    proc = rlhf_train(train_args(tiny_models, **{"algorithm": "rloo", "iterations": 4, "seed": 3,
-                                                 "rollout.max_off_policy_steps": 0})
-                      + ["--metrics-out", str(out)], tmp_path / "state")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    history = json.loads(out.read_text())
-    assert len(history) == 4
-    assert all(m["rollout/staleness_max"] == 0 and m["sampling/sampling_logp_difference/max"] < 1e-4 for m in history), history
-    assert all(m["time/refit"] > 0 for m in history) and history[-1]["objective/kl"] > 0
 
 
 def test_k2_reaches_its_bound_and_a_killed_rollout_replica_fails_the_run_naming_it(tiny_models, tmp_path):
