@@ -26,6 +26,12 @@ from models.metrics import find
 from models.stages.evaluate import check_reward_model
 
 
+@pytest.fixture(scope="module")
+def state(tmp_path_factory):
+    """The module's state directory: one MLflow store and checkpoint store for its runs (each its own run name)."""
+    return tmp_path_factory.mktemp("stages")
+
+
 def stage_config(kind, tmp_path, **fields):
     base = {"deploy": {"state_dir": str(tmp_path), "tracking": {"system_metrics": False}}, "checkpoint": {"every": 2}}
     section = {"batch_size": 8, "micro_batch_size": 3, "max_eval_rows": 24, **fields.pop("section", {})}
@@ -53,25 +59,25 @@ def assert_close(a: dict, b: dict, atol: float) -> None:
     assert worst <= atol, worst
 
 
-def test_a_stage_resumes_where_it_stopped_falling_back_past_a_corrupted_checkpoint(tmp_path):
+def test_a_stage_resumes_where_it_stopped_falling_back_past_a_corrupted_checkpoint(state):
     """3 steps (checkpoints at 2 and 3), stopped; the latest checkpoint corrupted; resumed to 4 under the same name:
     it falls back to step 2, saying so, and ends with the steps, the rows and the weights of a straight run of 4
     (float32 tolerance: another run of the same kernels)."""
-    straight = train_stage(stage_config(SFTRun, tmp_path, run_name="straight", section={"max_steps": 4}))
-    first = train_stage(stage_config(SFTRun, tmp_path, run_name="resumed", section={"max_steps": 3}))
-    store = tmp_path / "checkpoints" / "resumed"
+    straight = train_stage(stage_config(SFTRun, state, run_name="straight", section={"max_steps": 4}))
+    first = train_stage(stage_config(SFTRun, state, run_name="resumed", section={"max_steps": 3}))
+    store = state / "checkpoints" / "resumed"
     latest = json.loads((store / "latest.json").read_text())
     assert latest["iteration"] == 3
     (store / latest["path"] / "trainee" / "model.safetensors").write_bytes(b"corrupted")
     said = Said()
-    second = train_stage(stage_config(SFTRun, tmp_path, run_name="resumed", section={"max_steps": 4}), said)
+    second = train_stage(stage_config(SFTRun, state, run_name="resumed", section={"max_steps": 4}), said)
     assert any("fails its sha256 check" in m and "falling back" in m for m in said.messages), said.messages
     assert any("resuming from checkpoint step 2" in m for m in said.messages), said.messages
     assert [m["step"] for m in first["history"]] == [1, 2, 3] and [m["step"] for m in second["history"]] == [3, 4]
     assert second["mlflow_run_id"] == first["mlflow_run_id"]  # the same MLflow run goes on
     assert [e["step"] for e in second["evals"]] == [4]  # the eval at 0 was the first attempt's
     assert second["metrics"]["rows"] == straight["metrics"]["rows"] == 32
-    assert_close(weights(tmp_path / "runs/resumed/model"), weights(tmp_path / "runs/straight/model"), atol=1e-6)
+    assert_close(weights(state / "runs/resumed/model"), weights(state / "runs/straight/model"), atol=1e-6)
     assert second["history"][-1]["train/loss"] == pytest.approx(straight["history"][-1]["train/loss"], rel=1e-5)
 
 
@@ -81,21 +87,23 @@ def test_a_stage_resumes_where_it_stopped_falling_back_past_a_corrupted_checkpoi
 SHIFT_INVARIANT = ("transformer.ln_f.bias", "attn.c_attn.bias")
 
 
-def test_two_ranks_train_the_reward_model_like_one(tmp_path):
+def test_two_ranks_train_the_reward_model_like_one_and_its_output_carries_its_statistics(state):
     """A reward model on 2 ranks (FSDP2 shards, gloo) and on 1, same pairs, micro-batches that split each rank's pairs
     unevenly: every step's loss, accuracy and grad norm to 1e-6 (a gradient averaged instead of summed over ranks
     would halve the norm), the weights to 2e-5 (float32 sums in another order; see SHIFT_INVARIANT), the held-out
-    metrics of the sharded eval alike."""
-    one = train_stage(stage_config(RewardModelRun, tmp_path, run_name="one", section={"max_steps": 3}))
-    two = train_stage(stage_config(RewardModelRun, tmp_path, run_name="two", section={"max_steps": 3},
-                                   deploy={"state_dir": str(tmp_path), "tracking": {"system_metrics": False},
+    metrics of the sharded eval alike. The output carries the scores' statistics and loads as the RL stage loads
+    it: rescored as saved, it matches the accuracy its stage recorded; normalized, its scores have mean 0 and std 1."""
+    cfg = stage_config(RewardModelRun, state, run_name="one", section={"max_steps": 3})
+    one = train_stage(cfg)
+    two = train_stage(stage_config(RewardModelRun, state, run_name="two", section={"max_steps": 3},
+                                   deploy={"state_dir": str(state), "tracking": {"system_metrics": False},
                                            "actor": {"nproc_per_node": 2}}))
     logged = {name for m in one["history"] + one["evals"] for name in m} | set(one["metrics"])
     assert [name for name in logged if find(name, "reward_model") is None] == []  # docs/metrics.md lists them
     for a, b in zip(one["history"], two["history"], strict=True):
         for name in ("train/loss", "train/accuracy", "train/grad_norm", "train/margin"):
             assert b[name] == pytest.approx(a[name], rel=1e-6, abs=1e-7), (name, a["step"])
-    mine, theirs = weights(tmp_path / "runs/two/model"), weights(tmp_path / "runs/one/model")
+    mine, theirs = weights(state / "runs/two/model"), weights(state / "runs/one/model")
     kept = [k for k in mine if not k.endswith(SHIFT_INVARIANT)]
     assert_close({k: mine[k] for k in kept}, {k: theirs[k] for k in kept}, atol=2e-5)
     for name in ("eval/accuracy", "eval/margin", "eval/loss"):
@@ -105,23 +113,20 @@ def test_two_ranks_train_the_reward_model_like_one(tmp_path):
     for name in ("reward_mean", "reward_std"):
         assert two["metrics"][name] == pytest.approx(one["metrics"][name], rel=1e-4, abs=1e-4), name
 
-
-def test_the_reward_models_output_carries_its_statistics_and_loads_as_the_rl_stage_loads_it(tmp_path):
-    cfg = stage_config(RewardModelRun, tmp_path, run_name="rm", section={"max_steps": 12, "max_eval_rows": 64})
-    result = train_stage(cfg)
-    model_dir = tmp_path / "runs/rm/model"
+    # the output (the 1-rank run's) carries its statistics and loads as the RL stage loads it
+    model_dir = state / "runs/one/model"
     config = json.loads((model_dir / "config.json").read_text())
-    assert (config["reward_mean"], config["reward_std"]) == (result["metrics"]["reward_mean"], result["metrics"]["reward_std"])
-    assert result["model"].endswith("/checkpoints/rm/model") and result["files"]["config.json"]
+    assert (config["reward_mean"], config["reward_std"]) == (one["metrics"]["reward_mean"], one["metrics"]["reward_std"])
+    assert one["model"].endswith("/checkpoints/one/model") and one["files"]["config.json"]
     _, pairs = stage_rows("reward_model", cfg.train, str(model_dir), held_out_only=True)
-    assert check_reward_model(str(model_dir), pairs, result["metrics"]["eval/accuracy"], "rm") == pytest.approx(
-        result["metrics"]["eval/accuracy"], abs=1 / len(pairs))
+    assert check_reward_model(str(model_dir), pairs, one["metrics"]["eval/accuracy"], "one") == pytest.approx(
+        one["metrics"]["eval/accuracy"], abs=1 / len(pairs))
     normalized = load_reward_model(str(model_dir), normalize=True)
     tokens, lengths = right_padded(pairs.chosen + pairs.rejected, 0)
     scores = reward_model_scores(normalized, tokens, lengths).double()
     assert float(scores.mean()) == pytest.approx(0.0, abs=1e-4) and float(scores.std()) == pytest.approx(1.0, abs=1e-4)
     with pytest.raises(HandOffError, match=r"more than|scores .* right as loaded, its stage recorded"):
-        check_reward_model(str(model_dir), pairs, result["metrics"]["eval/accuracy"] - 0.25, "rm")
+        check_reward_model(str(model_dir), pairs, one["metrics"]["eval/accuracy"] - 0.25, "one")
 
 
 def test_a_reward_model_without_its_score_head_is_refused_naming_it(tmp_path, tiny_models):
@@ -138,22 +143,22 @@ def test_a_reward_model_without_its_score_head_is_refused_naming_it(tmp_path, ti
         load_reward_model(tiny_models["reward"], normalize=True)
 
 
-def test_a_lora_stage_exports_its_adapters_merged(tmp_path, tiny_models):
+def test_a_lora_stage_exports_its_adapters_merged(state, tiny_models):
     """SFT with LoRA: the output is a plain causal LM (no peft needed to load it), the base weights moved only where
     adapters were, the checkpoints hold the adapter alone. One export: the stage's model is its last checkpoint
     exported as `rlhf export` exports it, the same bytes, merged onto the base whose digest the run recorded."""
-    result = train_stage(stage_config(SFTRun, tmp_path, run_name="lora",
+    result = train_stage(stage_config(SFTRun, state, run_name="lora",
                                       section={"max_steps": 2, "lora": {"enabled": True, "r": 4},
                                                "optim": {"lr": 1e-2}}))
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "runs/lora/model").state_dict()
+    merged = AutoModelForCausalLM.from_pretrained(state / "runs/lora/model").state_dict()
     base = AutoModelForCausalLM.from_pretrained(tiny_models["policy"]).state_dict()
     moved = {k for k in base if not torch.equal(base[k], merged[k])}
     assert moved and all(k.endswith("c_attn.weight") for k in moved)  # peft's default GPT-2 target
-    store = tmp_path / "checkpoints" / "lora"
+    store = state / "checkpoints" / "lora"
     latest = json.loads((store / "latest.json").read_text())  # its fresh prefix, iter_2-<id>
     assert latest["iteration"] == 2 and (store / latest["path"] / "trainee" / "adapter_model.safetensors").exists()
     assert result["steps"] == 2
     manifest = json.loads((store / latest["path"] / "state.json").read_text())["state"]
     assert manifest["export"]["base"]["digest"] == resolve_model("tiny/policy").digest == manifest["models"]["model"]["digest"]
-    out, iteration = export_checkpoint(CheckpointStore.from_uri(str(store)), tmp_path / "exported")
+    out, iteration = export_checkpoint(CheckpointStore.from_uri(str(store)), state / "exported")
     assert iteration == 2 and file_digests(out) == result["files"]

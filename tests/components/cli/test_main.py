@@ -1,4 +1,5 @@
-"""The `rlhf` console script as a user runs it (subprocess, offline)."""
+"""The `rlhf` console script as a user runs it (subprocess, offline); refusals before any model loads also through its
+entry point (components/cli/main.main) in this process, where no process of its own is what is checked."""
 
 import json
 import os
@@ -6,8 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
+
+from components.cli.main import main
 
 RLHF = str(Path(sys.executable).parent / "rlhf")
 
@@ -90,10 +94,13 @@ def test_models_tiny_is_the_script_that_made_the_shipped_models(tiny_models, tin
 
 
 def test_config_errors_name_the_field():
+    """A bad value exits non-zero naming the field (the console script in a process of its own; the second refusal
+    through the same entry point in this process)."""
     proc = run("config", "--set", "ppo.optim.lr=-1", check=False)
     assert proc.returncode != 0 and "lr" in proc.stderr and "greater than 0" in proc.stderr
-    proc = run("config", "--set", "reinforce.num_rollouts_per_prompt=1", check=False)
-    assert proc.returncode != 0 and "num_rollouts_per_prompt" in proc.stderr
+    with pytest.raises(SystemExit) as refused:
+        main(["config", "--set", "reinforce.num_rollouts_per_prompt=1"])
+    assert "num_rollouts_per_prompt" in str(refused.value)
 
 
 def test_a_core_list_of_one_core_given_as_a_number_is_read_as_the_string_vllm_takes():
@@ -106,44 +113,70 @@ def test_a_core_list_of_one_core_given_as_a_number_is_read_as_the_string_vllm_ta
         assert merge(RLHFConfig(), overrides).deploy.rollout.cpu_cores == given
 
 
-def test_bad_data_fails_the_run_before_any_model_loads(tiny_models, tmp_path):
+def train_in_process(args: list[str], state: Path, capsys) -> tuple[int, str]:
+    """`rlhf train` through the console script's entry point in this process (what the script runs): its exit code
+    and its stderr. For refusals before any model loads; the exit code and last line of a real process are
+    test_a_model_path_that_does_not_exist_fails_fast_naming_the_field's."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RLHF_STATE_DIR", str(state))
+        code = main(["train", *args])
+    return code, capsys.readouterr().err
+
+
+def test_bad_data_fails_the_run_before_any_model_loads(tiny_models, tmp_path, capsys):
     """A data set without the prompt column: `rlhf train` exits naming the file and the columns there are, before the
     actor or a server starts (no rank log, no rollout server)."""
     (tmp_path / "rows.jsonl").write_text(json.dumps({"question": "review the cat :", "answer": 1}) + "\n")
-    proc = run("train", "--set", f"data.prompts={tmp_path / 'rows.jsonl'}", "--set", f"model.policy={tiny_models['policy']}",
-               "--set", f"model.reward={tiny_models['reward']}", check=False, env={"RLHF_STATE_DIR": str(tmp_path / "state")})
-    assert proc.returncode != 0
+    code, err = train_in_process(["--set", f"data.prompts={tmp_path / 'rows.jsonl'}", "--set",
+                                  f"model.policy={tiny_models['policy']}", "--set", f"model.reward={tiny_models['reward']}"],
+                                 tmp_path / "state", capsys)
+    assert code != 0
     assert f"data.prompts: '{tmp_path / 'rows.jsonl'}' has no column 'prompt' (the prompt_key); its columns: " \
-           "['question', 'answer']" in proc.stderr, proc.stderr[-2000:]
+           "['question', 'answer']" in err, err[-2000:]
     assert not (tmp_path / "state" / "runs").exists()  # nothing of a run was opened
 
 
-def test_an_eval_set_smaller_than_the_actor_ranks_is_refused_before_any_model_loads(tiny_models, tmp_path):
+def test_an_eval_set_smaller_than_the_actor_ranks_is_refused_before_any_model_loads(tiny_models, tmp_path, capsys):
     """Every actor rank evaluates its share of eval.prompts: with 2 ranks and 1 eval prompt, `rlhf train` exits naming
     eval.prompts when the data is read, before any rank starts (it used to die on rank 1 with 'max() arg is an empty
     sequence' and leave rank 0 waiting in the next collective)."""
     (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "review the cat :"}) + "\n")
-    proc = run("train", "--set", "deploy.actor.nproc_per_node=2", "--set", f"eval.prompts={tmp_path / 'eval.jsonl'}",
-               "--set", "eval.every=2", "--set", f"model.policy={tiny_models['policy']}",
-               "--set", f"model.reward={tiny_models['reward']}", check=False, env={"RLHF_STATE_DIR": str(tmp_path / "state")})
-    assert proc.returncode != 0
+    code, err = train_in_process(["--set", "deploy.actor.nproc_per_node=2", "--set", f"eval.prompts={tmp_path / 'eval.jsonl'}",
+                                  "--set", "eval.every=2", "--set", f"model.policy={tiny_models['policy']}",
+                                  "--set", f"model.reward={tiny_models['reward']}"], tmp_path / "state", capsys)
+    assert code != 0
     assert f"eval.prompts: '{tmp_path / 'eval.jsonl'}' has 1 prompt(s) (split 'test') for 2 actor ranks: every rank " \
-           "needs at least one" in proc.stderr, proc.stderr[-2000:]
+           "needs at least one" in err, err[-2000:]
     assert not (tmp_path / "state" / "runs").exists()  # no run opened, no rank started
 
 
-def test_rlhf_train_checkpoints_logs_to_mlflow_and_resumes_by_run_name(tmp_path):
+def test_rlhf_train_checkpoints_logs_to_mlflow_and_resumes_by_run_name_beside_a_run_started_with_it(tmp_path):
     """`rlhf train` is a run like a flow run's (the one run builder): on an empty state directory (the embedded
     models ship with the package: nothing is built), `--set run_name=X --set iterations=2` checkpoints and logs to the
     state directory's MLflow store; the same command with iterations=4 resumes at iteration 3 (nothing redone), and
-    MLflow holds one run X with the metrics of iterations 1 to 4; the summary names the run and its checkpoint."""
+    MLflow holds one run X with the metrics of iterations 1 to 4; the summary names the run and its checkpoint.
+    The first run starts together with another one (another name) on the new state directory: they share its MLflow
+    store, create its tables once (a lock while a sqlite store is first used) and both complete, each its own run."""
     from mlflow.tracking import MlflowClient
 
     state = tmp_path / "state"
     env = {"RLHF_STATE_DIR": str(state)}
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", **env)
     common = ["--set", "algorithm=rloo", "--set", "run_name=cli-resume", "--set", "deploy.tracking.system_metrics=false"]
-    first = run("train", *common, "--set", "iterations=2", "--metrics-out", str(tmp_path / "m1.json"), env=env)
-    assert "iteration 2/2" in first.stdout and "new run" in first.stdout
+    together = [[*common, "--set", "iterations=2", "--metrics-out", str(tmp_path / "m1.json")],
+                ["--set", "algorithm=rloo", "--set", "iterations=1", "--set", "run_name=beside",
+                 "--set", "reinforce.rollout_batch_size=4", "--set", "generation.max_new_tokens=4",
+                 "--set", "deploy.tracking.system_metrics=false"]]
+    procs = [subprocess.Popen([RLHF, "train", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=full_env) for args in together]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [out[-2000:] for out in outputs]
+    client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
+    experiment = client.get_experiment_by_name("rlhf-flows").experiment_id
+    started = client.search_runs([experiment])
+    assert sorted(r.info.run_name for r in started) == ["beside", "cli-resume"], "both runs started together logged"
+    assert all(r.info.status == "FINISHED" for r in started)
+    assert "iteration 2/2" in outputs[0] and "new run" in outputs[0]
     assert json.loads((state / "checkpoints" / "cli-resume" / "latest.json").read_text())["iteration"] == 2
     summary = tmp_path / "summary.json"
     second = run("train", *common, "--set", "iterations=4", "--summary-out", str(summary), env=env)
@@ -154,33 +187,12 @@ def test_rlhf_train_checkpoints_logs_to_mlflow_and_resumes_by_run_name(tmp_path)
     assert (result["run_name"], result["iterations"], len(result["history"])) == ("cli-resume", 4, 2)
     assert result["checkpoint"] == (state / "checkpoints" / "cli-resume").as_uri()
     assert json.loads((state / "checkpoints" / "cli-resume" / "latest.json").read_text())["iteration"] == 4
-    client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("rlhf-flows").experiment_id],
-                              filter_string="attributes.run_name = 'cli-resume'")
+    runs = client.search_runs([experiment], filter_string="attributes.run_name = 'cli-resume'")
     assert len(runs) == 1 and runs[0].info.run_id == result["mlflow_run_id"] and runs[0].info.status == "FINISHED"
     steps = sorted(m.step for m in client.get_metric_history(runs[0].info.run_id, "objective/kl"))
     assert steps == [1, 2, 3, 4]
     assert json.loads((tmp_path / "m1.json").read_text())[1]["episode"] == 2 * 16 * 4
     assert not (state / "models").exists()  # nothing built: the embedded models ship with the package
-
-
-def test_two_runs_started_together_on_an_empty_state_dir_both_complete(tmp_path):
-    """Two `rlhf train` runs (other names) started together on a new state directory share its MLflow store: they
-    create its tables once (a lock while a sqlite store is first used) and both complete, each its own MLflow run."""
-    from mlflow.tracking import MlflowClient
-
-    state = tmp_path / "state"
-    env = dict(os.environ, HF_HUB_OFFLINE="1", RLHF_STATE_DIR=str(state))
-    procs = [subprocess.Popen([RLHF, "train", "--set", "algorithm=rloo", "--set", "iterations=1", "--set", f"run_name=both-{i}",
-                               "--set", "reinforce.rollout_batch_size=4", "--set", "generation.max_new_tokens=4",
-                               "--set", "deploy.tracking.system_metrics=false"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], [out[-2000:] for out in outputs]
-    client = MlflowClient(f"sqlite:///{state / 'mlflow.db'}")
-    runs = client.search_runs([client.get_experiment_by_name("rlhf-flows").experiment_id])
-    assert sorted(r.info.run_name for r in runs) == ["both-0", "both-1"]
-    assert all(r.info.status == "FINISHED" for r in runs)
 
 
 def test_a_model_path_that_does_not_exist_fails_fast_naming_the_field(tmp_path):

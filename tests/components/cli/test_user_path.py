@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 
+from components.cli.main import main
 from tests.hub_cache import build_qwen2, put_in_cache
 
 pytestmark = pytest.mark.slow
@@ -131,8 +132,14 @@ def test_a_users_model_data_and_reward_file_train_and_the_model_comes_out(user):
     versions = client.search_model_versions("name='tiny-math'")
     assert [(str(v.version), v.run_id, v.source) for v in versions] == [("1", run.info.run_id, logged.artifact_location)]
 
-    # `rlhf export` of the last checkpoint: what the run left in its store, and plain transformers loads it
-    rlhf(user, "export", "walk", "--iteration", "3", "--out", str(work / "exported"))
+    # `rlhf export` of the last checkpoint (the console script's entry point, in this process): what the run left in
+    # its store, and plain transformers loads it
+    with pytest.MonkeyPatch.context() as mp:
+        for key in ("HF_HUB_OFFLINE", "HF_HUB_CACHE", "RLHF_STATE_DIR"):
+            mp.setenv(key, user["env"][key])
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        mp.chdir(work)
+        assert main(["export", "walk", "--iteration", "3", "--out", str(work / "exported")]) == 0
     exported = load_file(str(work / "exported" / "model.safetensors"))
     stored = load_file(str(store / "model" / "model.safetensors"))
     assert exported.keys() == stored.keys() and all(torch.equal(exported[k], stored[k]) for k in stored)

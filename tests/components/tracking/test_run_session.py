@@ -4,6 +4,7 @@ policy is a model on S3 too (stored as a run stores its model): fetched into the
 it trains, and the run's record names where it came from (its ETags and the digest of its files)."""
 
 import json
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,22 +20,35 @@ from models.metrics import find
 from models.loop import Leader, build_actor, build_critic_trainer, gold_function, load_prompts, prompt_batches
 from models.prepare import prepare_run
 from models.step import train_step
+from tests.components.conftest import AWS_ENV
 
 NON_DETERMINISTIC = ("time/", "throughput/", "step_time")
 
 
-@pytest.fixture
-def cfg(tiny_models, tmp_path, s3_bucket, mlflow_uri):
-    endpoint, bucket = s3_bucket
-    CheckpointStore.from_uri(f"s3://{bucket}/models", s3_endpoint_url=endpoint).put_dir(Path(tiny_models["policy"]),
-                                                                                       "policy")
-    return prepare_run(preset("tiny", **{
-        "deploy.state_dir": str(tmp_path / "state"), "model.policy": f"s3://{bucket}/models/policy",
-        "deploy.cache.dir": str(tmp_path / "cache"),
-        "model.reward": tiny_models["reward"], "run_name": "resume-me", "algorithm": "ppo",
-        "deploy.checkpoint.uri": f"s3://{bucket}/ckpt", "deploy.checkpoint.s3_endpoint_url": endpoint,
-        "deploy.tracking.uri": mlflow_uri, "deploy.tracking.system_metrics": False,
-        "ppo.rollout_batch_size": 16, "ppo.minibatch_size": 8}))
+@pytest.fixture(scope="module")
+def cfg(tiny_models, tmp_path_factory, moto_endpoint):
+    """The module's runs' config (each test its own run name): one bucket on the moto server holding the policy and
+    the checkpoints, one MLflow store, one state directory; dummy credentials and no endpoint from the shell."""
+    import boto3
+
+    tmp_path = tmp_path_factory.mktemp("run-session")
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "MLFLOW_S3_ENDPOINT_URL", "AWS_PROFILE",
+                     "AWS_SESSION_TOKEN", "MLFLOW_TRACKING_URI"):
+            mp.delenv(name, raising=False)
+        for name, value in AWS_ENV.items():
+            mp.setenv(name, value)
+        bucket = f"test-{uuid.uuid4().hex[:12]}"
+        boto3.client("s3", endpoint_url=moto_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+        CheckpointStore.from_uri(f"s3://{bucket}/models", s3_endpoint_url=moto_endpoint).put_dir(
+            Path(tiny_models["policy"]), "policy")
+        yield prepare_run(preset("tiny", **{
+            "deploy.state_dir": str(tmp_path / "state"), "model.policy": f"s3://{bucket}/models/policy",
+            "deploy.cache.dir": str(tmp_path / "cache"),
+            "model.reward": tiny_models["reward"], "run_name": "resume-me", "algorithm": "ppo",
+            "deploy.checkpoint.uri": f"s3://{bucket}/ckpt", "deploy.checkpoint.s3_endpoint_url": moto_endpoint,
+            "deploy.tracking.uri": f"sqlite:///{tmp_path / 'mlflow.db'}", "deploy.tracking.system_metrics": False,
+            "ppo.rollout_batch_size": 16, "ppo.minibatch_size": 8}))
 
 
 def fixed_input(policy):
@@ -174,13 +188,13 @@ def test_shared_metric_names_in_mlflow(cfg):
             "loss", "step_time", "time/generate"} <= shared
 
 
-def test_corrupted_checkpoint_is_refused(cfg, s3_bucket):
+def test_corrupted_checkpoint_is_refused(cfg):
     import boto3
 
     session = open_session(JOBS["rl"], cfg.model_copy(update={"run_name": "corrupt"}))
     checkpoint(session, Leader(cfg, build_actor(cfg)), None)
     session.close("FINISHED")
-    endpoint, bucket = s3_bucket
+    endpoint, bucket = cfg.deploy.checkpoint.s3_endpoint_url, cfg.deploy.checkpoint.uri.split("/")[2]
     s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
     key = next(o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="ckpt/corrupt/iter_0-")["Contents"]
                if o["Key"].endswith("/actor/config.json"))
