@@ -513,7 +513,7 @@ def test_ppo_on_two_node_groups_with_the_critic_as_a_deployment_resumes_on_two_r
     def sizes() -> list[float]:
         return [m.value for m in sorted(client.get_metric_history(mrun.info.run_id, "dist/world_size"), key=lambda m: m.step)]
 
-    _wait_for(lambda: len(sizes()) > logged, 300, "an iteration of the run resumed on one rank")
+    _wait_for(lambda: len(sizes()) > logged, 600, "an iteration of the run resumed on one rank")
     assert server_processes(s, str(run_dir)), "no critic server of the run resumed on one rank"
     subprocess.run([PREFECT, "flow-run", "cancel", run_id], env=s["env"], check=True, capture_output=True, timeout=60)
     run = wait_final(s, run_id, timeout=120)

@@ -240,56 +240,67 @@ def test_failed_trials_are_recorded_with_their_reason_and_a_sweep_whose_trials_a
     assert [r["state"] for r in table(s, parent.info.run_id, tmp_path)] == ["failed", "failed"]
 
 
-# ------------------------------------------------------------------------------------------------ kill, pruning, rerun
-PRUNE = {"name": "prune", "space": {"reinforce.optim.lr": [1e-3, 1e-8]}, "pruner": "median"}
-
-
-def test_a_sweep_killed_mid_way_resumes_and_prunes_the_trial_it_follows_then_a_rerun_starts_no_trial_and_another_space_is_refused(sweep_stack, tmp_path):
-    """One sweep's lifetime (concurrency 1, a reward server in every trial). Its flow run is killed while its second
-    trial runs; `rlhf sweep` with the same config and sweep (the flow in a shell, the trials on the deployments)
-    resumes it: the finished trial is kept, the running one followed, nothing run again. lr 1e-3 completed first; lr
-    1e-8 learns nothing: at the eval of step 2 its best is below the median of the completed trial's at that step, so
-    the resumed sweep prunes it, and its flow run (with its reward server) is cancelled long before its 6th
-    iteration. A rerun of the finished sweep then starts no trial, and another space under its name is refused."""
+# ------------------------------------------------------------------------------------------------ pruning
+def test_a_trial_that_cannot_learn_is_pruned_at_an_eval_step_cancelled_and_leaves_nothing_running(sweep_stack):
+    """lr 1e-3 completes first (concurrency 1); lr 1e-8 learns nothing: at the eval of step 2 its best is below the
+    median of the completed trial's at that step, so it is pruned, and its flow run (with its reward server) is
+    cancelled long before its 6th iteration."""
     s = sweep_stack
-    config = {**CONFIG, "iterations": 6}
-    first = flow_run_id(start_sweep(s, PRUNE, config))
-    wait_until(lambda: [r["name"] for r in trial_runs(s, "prune")] == ["prune-t0", "prune-t1"], 600, "trial 1 started")
-    assert trial_runs(s, "prune")[0]["state"]["type"] == "COMPLETED"
-    for process in wait_until(lambda: stack_processes(s["state_dir"], first), 30, "the sweep's process"):
-        process.kill()  # the sweep dies without a word; its trial 1 goes on
-    assert wait_final(s, first, timeout=60)["state"]["type"] == "CRASHED"
-    assert [t.state.name for t in study(s, "prune").trials] == ["COMPLETE", "RUNNING"]
-
-    flags = [f"--set={key}={value}" for key, value in (("algorithm", "rloo"), ("iterations", 6),
-             *((f"eval.{k}", v) for k, v in EVAL.items()))]
-    proc = subprocess.run([str(BIN / "rlhf"), "sweep", *flags, "--name", "prune", "--space", "reinforce.optim.lr=[1e-3, 1e-8]",
-                           "--pruner", "median", "--poll-s", "1"], env=s["env"], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "trial 1 (prune-t1) was left running by an earlier run of the sweep" in proc.stdout + proc.stderr
-    good, bad = runs = trial_runs(s, "prune")
-    assert [r["name"] for r in runs] == ["prune-t0", "prune-t1"]  # nothing run again
+    sweep = {"name": "prune", "space": {"reinforce.optim.lr": [1e-3, 1e-8]}, "pruner": "median"}
+    run = wait_final(s, flow_run_id(start_sweep(s, sweep, {**CONFIG, "iterations": 6})))
+    assert run["state"]["type"] == "COMPLETED", run["state"]
+    good, bad = trial_runs(s, "prune")
     assert good["state"]["type"] == "COMPLETED" and bad["state"]["type"] == "CANCELLED", (good["state"], bad["state"])
     assert [t.state.name for t in study(s, "prune").trials] == ["COMPLETE", "PRUNED"]
     assert study(s, "prune").trials[1].user_attrs["reason"].startswith("pruned at step 2: its best eval/reward so far")
     _, (good_run, bad_run) = parent_and_trials(s, "prune")
-    assert good_run.data.tags["sweep.state"] == "complete" and good_run.info.status == "FINISHED"
     assert bad_run.data.tags["sweep.state"] == "pruned" and bad_run.info.status == "KILLED"
     steps = sorted(m.step for m in s["mlflow"].get_metric_history(bad_run.info.run_id, "eval/reward"))
     assert steps[:2] == [0, 2] and steps[-1] < 6, steps
     assert not stack_processes(s["state_dir"], bad["id"])  # no flow-run process, reward server or rank of it
 
+
+# ------------------------------------------------------------------------------------------------ kill, rerun
+RESUME = {"name": "resume", "space": {"reinforce.optim.lr": [1e-3, 3e-4]}}
+
+
+def test_a_sweep_killed_mid_way_resumes_keeping_its_finished_trial_and_following_the_running_one_then_a_rerun_starts_no_trial_and_another_space_is_refused(sweep_stack, tmp_path):
+    """The sweep's flow run is killed while its second trial runs; `rlhf sweep` with the same config and sweep (the
+    flow in a shell, the trials on the deployments) resumes it: no trial is run again. The finished sweep, run again
+    on the deployment, starts no trial; another space under its name is refused."""
+    s = sweep_stack
+    first = flow_run_id(start_sweep(s, RESUME, CONFIG, IN_PROCESS))
+    wait_until(lambda: [r["name"] for r in trial_runs(s, "resume")] == ["resume-t0", "resume-t1"], 600, "trial 1 started")
+    assert trial_runs(s, "resume")[0]["state"]["type"] == "COMPLETED"
+    for process in wait_until(lambda: stack_processes(s["state_dir"], first), 30, "the sweep's process"):
+        process.kill()  # the sweep dies without a word; its trial 1 goes on
+    assert wait_final(s, first, timeout=60)["state"]["type"] == "CRASHED"
+    assert [t.state.name for t in study(s, "resume").trials] == ["COMPLETE", "RUNNING"]
+
+    config = [f"--set={key}={value}" for key, value in (("algorithm", "rloo"), ("iterations", 2), ("deploy.reward.launch", "in_process"),
+              *((f"eval.{k}", v) for k, v in EVAL.items()))]
+    proc = subprocess.run([str(BIN / "rlhf"), "sweep", *config, "--name", "resume", "--space", "reinforce.optim.lr=[1e-3, 3e-4]",
+                           "--poll-s", "1"], env=s["env"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "trial 1 (resume-t1) was left running by an earlier run of the sweep" in proc.stdout + proc.stderr
+    runs = trial_runs(s, "resume")
+    assert [r["name"] for r in runs] == ["resume-t0", "resume-t1"]  # nothing run again
+    assert all(r["state"]["type"] == "COMPLETED" for r in runs)
+    assert [t.state.name for t in study(s, "resume").trials] == ["COMPLETE", "COMPLETE"]
+    _, children = parent_and_trials(s, "resume")
+    assert [c.data.tags["sweep.state"] for c in children] == ["complete", "complete"]
+
     # the finished sweep, run again: no trial; under its name with another space: refused
-    rerun = flow_run_id(start_sweep(s, PRUNE, config))
-    other = flow_run_id(start_sweep(s, {**PRUNE, "space": {"reinforce.optim.lr": [1e-3]}}, config))
+    rerun = flow_run_id(start_sweep(s, RESUME, CONFIG, IN_PROCESS))
+    other = flow_run_id(start_sweep(s, {**RESUME, "space": {"kl.init": [0.01, 0.1]}}, CONFIG, IN_PROCESS))
     rerun = wait_final(s, rerun, timeout=300)
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
-    assert len(trial_runs(s, "prune")) == 2  # no new trial
-    parent, children = parent_and_trials(s, "prune")  # the same parent run, its table not doubled
+    assert len(trial_runs(s, "resume")) == 2  # no new trial
+    parent, children = parent_and_trials(s, "resume")  # the same parent run, its table not doubled
     assert len(children) == 2 and len(table(s, parent.info.run_id, tmp_path)) == 2
-    assert [t.state.name for t in study(s, "prune").trials] == ["COMPLETE", "PRUNED"]
+    assert [t.state.name for t in study(s, "resume").trials] == ["COMPLETE"] * 2
 
     other = wait_final(s, other, timeout=300)
     assert other["state"]["type"] == "FAILED"
-    assert "sweep.name: the study 'prune'" in other["state"]["message"] and "another space" in other["state"]["message"]
-    assert len(trial_runs(s, "prune")) == 2
+    assert "sweep.name: the study 'resume'" in other["state"]["message"] and "another space" in other["state"]["message"]
+    assert len(trial_runs(s, "resume")) == 2
