@@ -148,85 +148,84 @@ def test_up_returns_once_every_deployment_is_registered(local_stack):
         assert httpx.get(f"{local_stack['api']}/deployments/name/{name}", timeout=10).status_code == 200, name
 
 
-def test_a_partial_config_keeps_what_the_operator_set_on_the_deployment(local_stack):
-    """An operator sets reinforce/default's parameters as the UI's 'Edit deployment' does (PATCH /deployments/{id}):
-    run settings (run_name, checkpoint.every, the batch) and where the run's parts run (the reward model in the flow
-    run's process, no server). A run given only `--param config='{"iterations": 2}'` keeps every one of them: Prefect
-    replaces a parameter as a whole, the flow deep-merges what it is given over its deployment's. The UI's form shows
-    both parameters, each field with its description."""
-    s = local_stack
+def test_a_users_model_data_and_reward_through_the_deployments_keeping_what_the_operator_set(local_stack):
+    """The walk a new user takes (issue 31's acceptance): their model under an `org/name` hub id in the Hugging Face
+    cache, `prefect deployment run reinforce/default` and `ppo/default` (at once) with a partial config naming a
+    parquet with question/answer columns and a reward file outside any package. The deployments' own parameters are
+    kept; no gold reward is logged; the progress artifact reaches 100; MLflow holds each run's model (registered when
+    asked); `rlhf export` gives a model plain transformers loads and generates from.
+
+    Before, an operator sets reinforce/default's parameters as the UI's 'Edit deployment' does (PATCH
+    /deployments/{id}): run settings (run_name, checkpoint.every, the batch) and where the run's parts run (the reward
+    in the flow run's process, no server; the reward server loading a user's reward file is
+    tests/components/serving/test_reward_functions_server.py's). The user's partial config names none of them (and
+    another field of the same `reinforce` section): the run keeps every one of them, as Prefect replaces a parameter
+    as a whole and the flow deep-merges what it is given over its deployment's. The UI's form shows both parameters,
+    each field with its description."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    s, user = local_stack, local_stack["user"]
     deployment = httpx.get(f"{s['api']}/deployments/name/reinforce/default", timeout=10).json()
     schema = deployment["parameter_openapi_schema"]
     assert set(schema["properties"]) == {"config", "deploy"}
     definitions = schema["definitions"]
     assert definitions["DeployConfig"]["properties"]["state_dir"]["description"]
     assert definitions["CheckpointConfig"]["properties"]["every"]["description"]
-    operator = {"config": {"algorithm": "rloo", "run_name": "operator-run", "checkpoint": {"every": 1},
+    operator = {"config": {"algorithm": "rloo", "run_name": "walk-rloo", "checkpoint": {"every": 1},
                            "reinforce": {"rollout_batch_size": 8}},
                 "deploy": {"reward": {"launch": "in_process"}}}
     patch_path = f"/deployments/{deployment['id']}"
     stack.prefect_post(s["api"], patch_path, {"parameters": operator}, method="PATCH").raise_for_status()
+    walk = {"iterations": 2, "data": {"prompts": str(user / "math.parquet"), "prompt_key": "question"},
+            "generation": {"max_new_tokens": 12}, "model": {"policy": "acme/tiny-qwen", "dtype": "float32"}}
+    partials = {  # run name -> (deployment, the user's partial config); walk-rloo's name is the operator's
+        "walk-rloo": ("reinforce/default", {**walk, "reward": {"source": "function", "function": f"{user}/my_rewards.py:exact"},
+                                            "reinforce": {"num_rollouts_per_prompt": 2}, "tracking": {"register_as": "walk-model"}}),
+        "walk-ppo": ("ppo/default", {**walk, "run_name": "walk-ppo", "ppo": {"rollout_batch_size": 8},
+                                     "model": {**walk["model"], "reward": "acme/tiny-qwen-rm"}})}
     try:
-        run = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {"iterations": 2})))
+        before = {d["id"]: d["parameters"] for d in stack.prefect_post(s["api"], "/deployments/filter", {}).json()}
+        started = {name: flow_run_id(deployment_run(s, deployment, partial)) for name, (deployment, partial) in partials.items()}
+        runs = {name: wait_final(s, run_id) for name, run_id in started.items()}
+        for name, run in runs.items():
+            assert run["state"]["type"] == "COMPLETED", (name, run["state"]["message"])
+            after = httpx.get(f"{s['api']}/deployments/{run['deployment_id']}", timeout=10).json()
+            assert after["parameters"] == before[run["deployment_id"]], name
     finally:
         stack.prefect_post(s["api"], patch_path, {"parameters": deployment["parameters"]}, method="PATCH").raise_for_status()
-    assert run["state"]["type"] == "COMPLETED", run["state"]
-    assert run["name"] == "operator-run"  # the deployment's run_name, kept
-    ckpt = s["state_dir"] / "checkpoints" / "operator-run"
+
+    # what the operator set on reinforce/default, kept
+    assert runs["walk-rloo"]["name"] == "walk-rloo"  # the deployment's run_name
+    ckpt = s["state_dir"] / "checkpoints" / "walk-rloo"
     assert [p.parent.name.split("-")[0] for p in sorted(ckpt.glob("iter_*/state.json"), key=lambda p: p.stat().st_mtime)] \
-        == ["iter_1", "iter_2"]  # every 1, kept
-    assert not (s["state_dir"] / "runs" / "operator-run" / "logs" / "reward-server.log").exists()  # in process, kept
-    client, mrun = mlflow_run(s, "operator-run")
+        == ["iter_1", "iter_2"]  # every 1
+    assert not (s["state_dir"] / "runs" / "walk-rloo" / "logs" / "reward-server.log").exists()  # in process
+    client, mrun = mlflow_run(s, "walk-rloo")
     params = mrun.data.params
-    assert (params["iterations"], params["checkpoint.every"], params["reinforce.rollout_batch_size"]) == ("2", "1", "8")
+    assert (params["iterations"], params["checkpoint.every"], params["reinforce.rollout_batch_size"],
+            params["reinforce.num_rollouts_per_prompt"]) == ("2", "1", "8", "2")  # the operator's batch beside the user's
     assert params["deploy.reward.launch"] == "in_process"
-    assert [m.value for m in client.get_metric_history(mrun.info.run_id, "episode")] == [32.0, 64.0]  # 8 prompts x 4
+    assert [m.value for m in client.get_metric_history(mrun.info.run_id, "episode")] == [16.0, 32.0]  # 8 prompts x 2
 
+    for name, run in runs.items():
+        artifacts = stack.prefect_post(s["api"], "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}).json()
+        assert [a["data"] for a in artifacts if a["type"] == "progress"] == [100], name
+        client, mrun = mlflow_run(s, name)
+        assert "objective/gold_reward" not in mrun.data.metrics and "reward" in mrun.data.metrics, name
+        models = client.search_logged_models(experiment_ids=[mrun.info.experiment_id],
+                                             filter_string=f"source_run_id = '{mrun.info.run_id}'")
+        assert [str(m.status) for m in models] == ["READY"], name
+        if name == "walk-rloo":
+            assert "rewards/exact/mean" in mrun.data.metrics
+            assert [v.run_id for v in client.search_model_versions("name='walk-model'")] == [mrun.info.run_id]
 
-@pytest.mark.parametrize("deployment, config", [
-    ("reinforce/default", {"run_name": "walk-rloo", "reward": {"source": "function", "function": "{user}/my_rewards.py:exact"},
-                           "reinforce": {"rollout_batch_size": 8, "num_rollouts_per_prompt": 2},
-                           "tracking": {"register_as": "walk-model"}}),
-    ("ppo/default", {"run_name": "walk-ppo", "model": {"reward": "acme/tiny-qwen-rm"}, "ppo": {"rollout_batch_size": 8}}),
-])
-def test_a_users_model_data_and_reward_through_the_deployments(local_stack, deployment, config):
-    """The walk a new user takes (issue 31's acceptance): their model under an `org/name` hub id in the Hugging Face
-    cache, `prefect deployment run reinforce/default` and `ppo/default` with a partial config naming a parquet with
-    question/answer columns and a reward file outside any package. The deployments' own parameters are kept; no gold
-    reward is logged; the progress artifact reaches 100; MLflow holds each run's model (registered when asked);
-    `rlhf export` gives a model plain transformers loads and generates from."""
-    from mlflow import MlflowClient
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    s, user = local_stack, local_stack["user"]
-    config = json.loads(json.dumps(config).replace("{user}", str(user)))
-    partial = {"iterations": 2, "data": {"prompts": str(user / "math.parquet"), "prompt_key": "question"},
-               "generation": {"max_new_tokens": 12}, **config,
-               "model": {"policy": "acme/tiny-qwen", "dtype": "float32", **config.get("model", {})}}
-    before = stack.prefect_post(s["api"], "/deployments/filter", {}).json()
-    run = wait_final(s, flow_run_id(deployment_run(s, deployment, partial)))
-    assert run["state"]["type"] == "COMPLETED", run["state"]["message"]
-    after = httpx.get(f"{s['api']}/deployments/{run['deployment_id']}", timeout=10).json()
-    assert after["parameters"] == next(d for d in before if d["id"] == run["deployment_id"])["parameters"]
-    artifacts = stack.prefect_post(s["api"], "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}).json()
-    assert [a["data"] for a in artifacts if a["type"] == "progress"] == [100]
-
-    client, mrun = mlflow_run(s, config["run_name"])
-    assert "objective/gold_reward" not in mrun.data.metrics and "reward" in mrun.data.metrics
-    models = client.search_logged_models(experiment_ids=[mrun.info.experiment_id],
-                                         filter_string=f"source_run_id = '{mrun.info.run_id}'")
-    assert [str(m.status) for m in models] == ["READY"]
-    if "register_as" in config.get("tracking", {}):
-        assert "rewards/exact/mean" in mrun.data.metrics
-        assert [v.run_id for v in client.search_model_versions("name='walk-model'")] == [mrun.info.run_id]
-
-    out = user / f"exported-{config['run_name']}"
-    subprocess.run([str(Path(sys.executable).parent / "rlhf"), "export", config["run_name"], "--out", str(out)],
-                   env=s["env"], check=True, capture_output=True, text=True, timeout=300)
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "what is 1 plus 2?"}],
-                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    assert model.generate(**prompt, max_new_tokens=4, do_sample=False).shape[1] > prompt["input_ids"].shape[1]
+        out = user / f"exported-{name}"
+        subprocess.run([str(Path(sys.executable).parent / "rlhf"), "export", name, "--out", str(out)],
+                       env=s["env"], check=True, capture_output=True, text=True, timeout=300)
+        model, tokenizer = AutoModelForCausalLM.from_pretrained(out), AutoTokenizer.from_pretrained(out)
+        prompt = tokenizer.apply_chat_template([{"role": "user", "content": "what is 1 plus 2?"}],
+                                               add_generation_prompt=True, return_tensors="pt", return_dict=True)
+        assert model.generate(**prompt, max_new_tokens=4, do_sample=False).shape[1] > prompt["input_ids"].shape[1], name
 
 
 TARGETED = "models.tasks.sentiment:targeted_reward"
@@ -236,13 +235,14 @@ def test_reinforce_deployment_starts_no_critic_and_its_reward_server_scores_a_re
     """reinforce/default on builtin:sentiment_target: the reward function reads the rows' `target` column, which
     reaches it through the reward server (the optional `columns` input): every iteration's score from the server
     equals the gold reward, the same function run in the flow run's process on the rows themselves; and the held-out
-    eval (4 samples a prompt at temperature 1) runs at 0 and 4 (MLflow metrics and tables, a Prefect table artifact).
+    eval (16 prompts, 4 samples each at temperature 1) runs at 0 and 4 (MLflow metrics and tables, a Prefect table artifact).
     That RLOO learns this reward and the eval rises is tests/models/test_steps.py's (the same run in process)."""
     s = local_stack
     proc = deployment_run(s, "reinforce/default", {
         "iterations": 4, "run_name": "e2e-rloo", "data": {"prompts": "builtin:sentiment_target"},
         "reward": {"source": "function", "function": TARGETED, "gold": TARGETED},
-        "eval": {"prompts": "builtin:sentiment_target", "every": 4, "temperature": 1.0, "samples_per_prompt": 4}})
+        "eval": {"prompts": "builtin:sentiment_target", "every": 4, "temperature": 1.0, "samples_per_prompt": 4,
+                 "max_prompts": 16}})
     run = wait_final(s, flow_run_id(proc))
     assert run["state"]["type"] == "COMPLETED", run["state"]["message"]
     names = task_names(s, run["id"])
@@ -425,18 +425,6 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_wi
         assert list(dict.fromkeys(logged)) == expected[step - 1][:len(dict.fromkeys(logged))], step
 
 
-def test_cancelled_run_leaves_no_critic_server(local_stack):
-    s = local_stack
-    run_dir = s["state_dir"] / "runs" / "e2e-cancel"
-    run_id = flow_run_id(deployment_run(s, "ppo/default", {"iterations": 200, "run_name": "e2e-cancel"}))
-    _wait_for(lambda: server_processes(s, str(run_dir)), 120, "critic server process")
-    _wait_for(lambda: any(n.startswith("ppo-iteration") for n in task_names(s, run_id)), 120, "first iteration")
-    subprocess.run([PREFECT, "flow-run", "cancel", run_id], env=s["env"], check=True, capture_output=True, timeout=60)
-    run = wait_final(s, run_id, timeout=120)
-    assert run["state"]["type"] == "CANCELLED"
-    _wait_for(lambda: not server_processes(s, str(run_dir)), 60, "critic server gone after cancel")
-
-
 def test_a_failed_run_says_why_in_its_state_and_in_the_watch_output(local_stack):
     s = local_stack
     config = {"run_name": "e2e-fail", "model": {"policy": "/no/such/policy"}}
@@ -461,12 +449,14 @@ def critic_followers(s) -> list[psutil.Process]:
     return stack_processes(s, "components.serving.triton.main --follow")
 
 
-def test_ppo_on_two_node_groups_with_the_critic_as_a_deployment_resumes_on_two_ranks_loses_one_and_resumes_on_one(local_stack):
+def test_ppo_on_two_node_groups_with_the_critic_as_a_deployment_resumes_on_two_ranks_loses_one_resumes_on_one_and_cancelled_leaves_no_critic_server(local_stack):
     """deploy.actor.nnodes=2 with deploy.critic.launch=deployment: the PPO flow run is the run's controller; node group
     0's rank 0 starts critic-server/default, finds its address and cancels it at the end, its log reaches the flow
     run's, and the checkpoint holds the critic of its own iteration (adopted from the store). The same run name then
     resumes on 2 ranks of one node (the local critic restored from the checkpoint the node groups wrote), where rank
-    1 (rank 0 is the flow run) is killed mid-run: the run fails naming it and leaves nothing. It resumes on 1 rank."""
+    1 (rank 0 is the flow run) is killed mid-run: the run fails naming it and leaves nothing. It resumes on 1 rank
+    (with a local critic server), and is cancelled once it has trained there: the run ends CANCELLED and its critic
+    server goes with it."""
     s = local_stack
     config, two = {"iterations": 2, "run_name": "e2e-dist", "checkpoint": {"every": 1}}, {"actor": {"nproc_per_node": 2}}
     nodes = {"actor": {"nnodes": 2}, "critic": {"launch": "deployment"}}
@@ -511,20 +501,29 @@ def test_ppo_on_two_node_groups_with_the_critic_as_a_deployment_resumes_on_two_r
     said = [log["message"] for log in stack.prefect_post(s['api'], "/logs/filter", {
         "logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}, timeout=10).json()]
     assert [m.split(":")[0] for m in said if m.startswith("iteration ")][0] == "iteration 3/200"
-    # ... and on one rank from the 2-rank checkpoint: its weights and optimizer states, fresh sampling streams, a warning
+    # ... and on one rank from the 2-rank checkpoint: its weights and optimizer states, fresh sampling streams, a
+    # warning; nothing before the checkpoint redone. Once it has trained an iteration of its own, it is cancelled (as
+    # the UI's Cancel button does): the run ends CANCELLED and leaves no critic server.
     checkpointed = json.loads(latest.read_text())["iteration"]
     client, mrun = mlflow_run(s, "e2e-dist")
     logged = max(m.step for m in client.get_metric_history(mrun.info.run_id, "dist/world_size"))  # MLflow keeps these
-    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": logged + 1},
-                                                   {"actor": {"nproc_per_node": 1}})))
-    assert run["state"]["type"] == "COMPLETED", run["state"]
-    assert sum(n.startswith("ppo-iteration") for n in task_names(s, run["id"])) == logged + 1 - checkpointed
-    logs = stack.prefect_post(s['api'], "/logs/filter", {"logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200},
-                      timeout=10).json()
-    assert any("saved by 2 rank(s), resuming on 1" in log["message"] for log in logs)
-    client, mrun = mlflow_run(s, "e2e-dist")
-    sizes = [m.value for m in sorted(client.get_metric_history(mrun.info.run_id, "dist/world_size"), key=lambda m: m.step)]
-    assert sizes == [2.0] * logged + [1.0]
+    run_dir = s["state_dir"] / "runs" / "e2e-dist"
+    run_id = flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": 200}, {"actor": {"nproc_per_node": 1}}))
+
+    def sizes() -> list[float]:
+        return [m.value for m in sorted(client.get_metric_history(mrun.info.run_id, "dist/world_size"), key=lambda m: m.step)]
+
+    _wait_for(lambda: len(sizes()) > logged, 600, "an iteration of the run resumed on one rank")
+    assert server_processes(s, str(run_dir)), "no critic server of the run resumed on one rank"
+    subprocess.run([PREFECT, "flow-run", "cancel", run_id], env=s["env"], check=True, capture_output=True, timeout=60)
+    run = wait_final(s, run_id, timeout=120)
+    assert run["state"]["type"] == "CANCELLED", run["state"]
+    _wait_for(lambda: not server_processes(s, str(run_dir)), 60, "critic server gone after cancel")
+    said = [log["message"] for log in stack.prefect_post(s['api'], "/logs/filter", {
+        "logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}, timeout=10).json()]
+    assert any("saved by 2 rank(s), resuming on 1" in m for m in said), said
+    assert [m.split(":")[0] for m in said if m.startswith("iteration ")][0] == f"iteration {checkpointed + 1}/200", said
+    assert sizes()[:logged + 1] == [2.0] * logged + [1.0]
 
 
 def test_up_is_idempotent_and_down_frees_ports(local_stack, tmp_path):
