@@ -43,10 +43,15 @@ def tiny_reward_chars(tiny_dir) -> str:
 
 
 def pytest_collection_modifyitems(items):
-    """Modules marked slow first (they start whole stacks and run for minutes), so that under pytest-xdist's
-    `--dist loadfile` the longest module starts at once and the short ones fill the other worker around it. The
-    order inside a module is kept."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    """Modules marked slow(minutes) first, the longest first (the minutes a module takes on one worker of a fresh-clone
+    CI run, 2 cores), so that pytest-xdist's `--dist loadfile --no-loadscope-reorder` hands them out longest-first and
+    the short modules fill the other worker around them (xdist's default order, by test count, started the two
+    longest modules last). The order inside a module is kept."""
+    def minutes(item) -> float:
+        mark = item.get_closest_marker("slow")
+        return (mark.args[0] if mark.args else 1) if mark else 0
+
+    items.sort(key=lambda item: -minutes(item))
 
 
 def free_port_block(n: int = 3) -> int:

@@ -21,7 +21,7 @@ import pytest
 from components.launch.processes import wait_for
 from tests.conftest import EVAL_SAMPLED, assert_learned, headroom_closed, run_processes
 
-pytestmark = pytest.mark.slow  # a learning run on two node groups, restarted once
+pytestmark = pytest.mark.slow(2)  # a learning run on two node groups, restarted once
 
 RLHF = str(Path(sys.executable).parent / "rlhf")
 

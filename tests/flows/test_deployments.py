@@ -21,7 +21,7 @@ from components.launch.processes import can_bind
 from tests.conftest import assert_learned, free_port_block, headroom_closed
 from tests.hub_cache import build_qwen2, put_in_cache
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(16)
 PREFECT = str(Path(sys.executable).parent / "prefect")
 
 

@@ -20,7 +20,7 @@ from components.cli.main import main
 from components.launch import stack
 from tests.conftest import free_port_block
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(11)
 BIN = Path(sys.executable).parent
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
 EVAL = {"prompts": "builtin:sentiment", "every": 2, "max_prompts": 16}

@@ -15,7 +15,7 @@ from models.metrics import find
 from models.stages.config import SFTRun
 from tests.conftest import assert_learned
 
-pytestmark = pytest.mark.slow  # an SFT stage and three short RL runs: minutes
+pytestmark = pytest.mark.slow(2)  # an SFT stage and three short RL runs: minutes
 ROOT = Path(__file__).resolve().parents[2]
 CALCULATOR = ROOT / "examples" / "environments" / "calculator.py"
 ENVS = Path(__file__).parent / "environments.py"

@@ -29,6 +29,8 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import uvicorn  # noqa: E402
 
+from components.serving.rollout.app import ServedModel, build_app  # noqa: E402
+
 log = logging.getLogger("rlhf.rollout_server")
 
 SECRET_ENV, SECRET_FILE_ENV = "RLHF_RUN_SECRET", "RLHF_RUN_SECRET_FILE"  # as components/serving/auth.py
@@ -120,9 +122,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     except OSError as exc:
         log.error(f"--port: cannot bind {args.host}:{args.port}: {exc.strerror or exc}")
         raise SystemExit(2) from None
-    # torch and vllm (seconds of imports) only now: bad cores, a missing secret or a taken port fail without them
-    from components.serving.rollout.app import ServedModel, build_app
-
     started = time.perf_counter()
     served = ServedModel(args.model, args.dtype, args.max_model_len, args.seed, args.enforce_eager,
                          args.gpu_memory_utilization, args.instance, args.trainer_host, args.max_request_sequences,

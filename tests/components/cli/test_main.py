@@ -13,6 +13,8 @@ from safetensors.torch import load_file
 
 from components.cli.main import main
 
+pytestmark = pytest.mark.slow(4)
+
 RLHF = str(Path(sys.executable).parent / "rlhf")
 
 

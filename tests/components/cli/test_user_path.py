@@ -22,7 +22,7 @@ import yaml
 from components.cli.main import main
 from tests.hub_cache import build_qwen2, put_in_cache
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow(2)
 
 RLHF = str(Path(sys.executable).parent / "rlhf")
 ROOT = Path(__file__).resolve().parents[3]

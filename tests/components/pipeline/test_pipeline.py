@@ -29,6 +29,8 @@ from models.metrics import find
 from models.stages.config import SFTRunConfig
 from tests.conftest import headroom_closed
 
+pytestmark = pytest.mark.slow(3)
+
 SMALL = {"name": "tiny-pipeline",
          "sft": {"max_steps": 6, "batch_size": 16, "max_eval_rows": 32},
          "reward_model": {"max_steps": 30, "batch_size": 16, "max_eval_rows": 100},

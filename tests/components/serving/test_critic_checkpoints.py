@@ -27,6 +27,8 @@ from models.loop import Leader, build_actor, gold_function, load_prompts, prompt
 from models.prepare import prepare_run
 from models.step import train_step
 
+pytestmark = pytest.mark.slow(2)
+
 
 @pytest.fixture
 def cfg(tiny_models, tmp_path, s3_bucket, mlflow_uri):

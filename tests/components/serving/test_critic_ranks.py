@@ -21,6 +21,8 @@ from components.serving.launcher import launch
 from components.serving.triton.contract import ServerSpec
 from models.config import preset
 
+pytestmark = pytest.mark.slow(2)
+
 
 def raw(url, model, **arrays):
     client = http.InferenceServerClient(url.split("://")[1])

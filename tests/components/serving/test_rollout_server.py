@@ -30,6 +30,8 @@ from models.policy import Policy
 from models.step import engine_mismatch
 from models.tasks import sentiment
 
+pytestmark = pytest.mark.slow(4)
+
 RUN = "test-rollout-server/1"  # the run every test of this module speaks as (the server serves one run)
 
 

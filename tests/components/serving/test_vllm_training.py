@@ -21,6 +21,8 @@ import pytest
 from components.launch.processes import wait_for
 from tests.conftest import EVAL_SAMPLED, assert_learned_with_eval, headroom_closed
 
+pytestmark = pytest.mark.slow(4)
+
 RLHF = str(Path(sys.executable).parent / "rlhf")
 NON_DETERMINISTIC = ("time/", "throughput/", "step_time")
 
