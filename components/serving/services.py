@@ -100,10 +100,12 @@ class RunServices:
     critic: object = None
     reward: object = None
 
-    def guard(self, fn, *args, settle_s: float = 20.0, **kwargs):
+    def guard(self, fn, *args, settle_s: float = 45.0, **kwargs):
         """Call a step; if it fails and one of the servers is gone, fail with a message naming it and its exit. A
         server that is going away may answer for a moment more (one that lost a rank fails its request first, then
-        stops serving, then exits): its servers are looked at for `settle_s` before the step's own error stands."""
+        stops serving, then exits after Triton's exit timeout and its models' unloading: over 20 s on a loaded 2-core
+        machine): its servers are looked at for up to `settle_s` (the failure is raised as soon as one is seen gone)
+        before the step's own error stands."""
         try:
             return fn(*args, **kwargs)
         except Exception as exc:
