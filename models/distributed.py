@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -169,9 +170,10 @@ def shard_model(model: nn.Module, compute_dtype: str = "float32", reshard_after_
 
 
 def is_sharded(model: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule  # heavy: FSDP (~1.2 s), only when sharding
-
-    return isinstance(model, FSDPModule)
+    """Whether `shard_model` wrapped it. A process that never imported FSDP cannot hold an FSDP module, and is spared
+    FSDP's import (~1.2 s of CPU in every single-rank process: the flow run, the CLI, the servers)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(model, fsdp.FSDPModule)
 
 
 def sum_gradients(params: list[nn.Parameter], me: Dist) -> None:
@@ -191,10 +193,10 @@ def sum_gradients(params: list[nn.Parameter], me: Dist) -> None:
 
 def full_state_dict(model: nn.Module) -> dict[str, Tensor]:
     """The full (unsharded) state dict on CPU: on every rank for a replicated model, on rank 0 only for FSDP."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # heavy: dcp (~1.7 s)
-
     if not is_sharded(model):
         return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # heavy: dcp (~1.7 s)
+
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 

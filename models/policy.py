@@ -13,7 +13,6 @@ from typing import Iterator
 import torch
 from safetensors.torch import load_file
 from torch import Tensor
-from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from models.config import LoraConfig
@@ -147,7 +146,8 @@ class Policy:
             return Weights(specs, merged())
         state = self.model.state_dict()
         specs = [(name, t.dtype, tuple(t.shape)) for name, t in state.items()]  # a DTensor's shape is the full one
-        return Weights(specs, ((t.full_tensor() if isinstance(t, DTensor) else t).detach() for t in state.values()))
+        return Weights(specs, ((t.full_tensor() if hasattr(t, "full_tensor") else t).detach()  # a DTensor: gathered
+                               for t in state.values()))
 
     def trainable_parameters(self):
         return [p for p in self.model.parameters() if p.requires_grad]

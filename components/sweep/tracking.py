@@ -24,7 +24,6 @@ import yaml
 from mlflow.entities import Metric, Param, RunTag
 from mlflow.exceptions import MlflowException
 from mlflow.tracking import MlflowClient
-from optuna.importance import FanovaImportanceEvaluator
 from optuna.trial import FrozenTrial, TrialState
 from optuna.visualization import matplotlib as plots
 from prefect.artifacts import create_table_artifact
@@ -41,8 +40,16 @@ PLOTS = {  # Optuna's matplotlib plots (name -> draw(study, seed)); the importan
     # trials, scikit-learn: MLflow's dependency), which reads a handful of grid trials sensibly
     "optimization_history": lambda study, seed: plots.plot_optimization_history(study),
     "parallel_coordinate": lambda study, seed: plots.plot_parallel_coordinate(study),
-    "param_importances": lambda study, seed: plots.plot_param_importances(study, FanovaImportanceEvaluator(seed=seed)),
+    "param_importances": lambda study, seed: plots.plot_param_importances(study, _fanova(seed)),
     "intermediate_values": lambda study, seed: plots.plot_intermediate_values(study)}
+
+
+def _fanova(seed: int):
+    """Optuna's fANOVA evaluator, imported when a sweep ends: it pulls in scikit-learn and SciPy (~2.5 s of CPU), which
+    every sweep flow run would otherwise pay at its start."""
+    from optuna.importance import FanovaImportanceEvaluator  # scikit-learn and SciPy: only when a sweep ends
+
+    return FanovaImportanceEvaluator(seed=seed)
 
 
 class SweepRun:

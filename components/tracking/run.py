@@ -230,9 +230,8 @@ class RunSession:
 
     def log_eval(self, step: int, metrics: dict, rows: list[dict]) -> None:
         """A held-out eval's metrics at `step` (beside the steps' own) and its rows as the MLflow table
-        tables/eval_<step>.json."""
-        self.tracker.log_side_metrics(metrics, step=step)
-        if rows:
+        tables/eval_<step>.json; an eval an earlier attempt logged (recomputed after a resume) is skipped."""
+        if self.tracker.log_side_metrics(metrics, step=step) and rows:
             self.tracker.log_table(rows, step=step, name="eval")
 
     def log_data(self, counts: dict[str, float], note: str, log: Callable[[str], None]) -> None:

@@ -197,6 +197,7 @@ class Tracker:
         self.tags = dict(tags or {})
         self.system_metrics = system_metrics
         self.last_step: int | None = None
+        self.logged: set[tuple[str, int]] = set()  # (metric, step) pairs an earlier attempt of the run logged
         self._client: MlflowClient | None = None
         self._monitor = None
         self._active = False
@@ -240,13 +241,10 @@ class Tracker:
             raise TrackingError(f"cannot resume run {self.run_id} at {self.tracking_uri}: {exc}") from exc
         if run.info.lifecycle_stage != "active":
             raise TrackingError(f"run {self.run_id} at {self.tracking_uri} is deleted")
-        steps = [
-            m.step
-            for key in run.data.metrics
-            if not key.startswith(_STEP_EXEMPT)
-            for m in self.client.get_metric_history(self.run_id, key)
-        ]
+        histories = {key: self.client.get_metric_history(self.run_id, key) for key in run.data.metrics}
+        steps = [m.step for key, history in histories.items() if not key.startswith(_STEP_EXEMPT) for m in history]
         self.last_step = max(steps) if steps else None
+        self.logged = {(key, m.step) for key, history in histories.items() for m in history}
         if run.info.status != "RUNNING":
             self.client.update_run(self.run_id, status="RUNNING")
 
@@ -297,12 +295,16 @@ class Tracker:
             self.last_step = step
         self._log_batch(metrics=entries)
 
-    def log_side_metrics(self, metrics: dict[str, float], step: int) -> None:
+    def log_side_metrics(self, metrics: dict[str, float], step: int) -> bool:
         """Log numeric values at `step` beside the iterations' (held-out eval, data counts): any step, not tracked by
-        last_step."""
+        last_step. A metric already logged at that step (by an earlier attempt that got there before it stopped: the
+        resumed run recomputes it) is not logged again. Returns whether anything was logged."""
         timestamp = int(time.time() * 1000)
-        self._log_batch(metrics=[Metric(key, number, timestamp, step) for key, value in metrics.items()
-                                 if (number := _as_number(value)) is not None])
+        fresh = [Metric(key, number, timestamp, step) for key, value in metrics.items()
+                 if (key, step) not in self.logged and (number := _as_number(value)) is not None]
+        self._log_batch(metrics=fresh)
+        self.logged.update((m.key, step) for m in fresh)
+        return bool(fresh)
 
     def log_table(self, rows: list[dict], step: int, name: str = "samples") -> None:
         """Rows (e.g. prompt/response/reward) as an MLflow table artifact tables/<name>_<step>.json."""

@@ -86,12 +86,11 @@ def test_ppo_on_two_node_groups_survives_a_killed_group_resumes_from_its_checkpo
     gold = sorted(client.get_metric_history(run.info.run_id, "objective/gold_reward"), key=lambda m: m.step)
     assert [m.step for m in gold] == list(range(1, 13)) and run.info.status == "FINISHED"
     print(f"PPO on 2 node groups, restarted once: closed {assert_learned([m.value for m in gold]):.2f} of the headroom")
-    # the held-out eval of both attempts (0 before the kill; 12 after the resume; 6 after it, and before it too when
-    # the first attempt got there before the kill landed), both ranks' prompts counted
+    # the held-out eval of both attempts, each step once (0 before the kill; 12 after the resume; 6 by whichever
+    # attempt got there first: the resumed one does not log it again), both ranks' prompts counted
     evals = {name: sorted(client.get_metric_history(run.info.run_id, f"eval/{name}"), key=lambda m: m.step)
              for name in ("gold_reward", "samples")}
-    assert sorted({m.step for m in evals["gold_reward"]}) == [0, 6, 12], evals["gold_reward"]
-    assert [m.step for m in evals["gold_reward"]].count(12) == 1, evals["gold_reward"]
+    assert [m.step for m in evals["gold_reward"]] == [0, 6, 12], evals["gold_reward"]
     assert {m.value for m in evals["samples"]} == {160.0}, evals["samples"]
     closed = headroom_closed(evals["gold_reward"][0].value, evals["gold_reward"][-1].value)
     assert closed >= 0.2, (closed, evals["gold_reward"])

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from components.launch import stack
 from components.launch.processes import can_bind
-from tests.conftest import assert_learned, free_port_block, headroom_closed
+from tests.conftest import assert_learned, free_port_block
 from tests.hub_cache import build_qwen2, put_in_cache
 
 pytestmark = pytest.mark.slow(16)
@@ -322,20 +322,21 @@ def _wait_for(predicate, timeout: float, what: str):
     raise TimeoutError(what)
 
 
-def test_a_two_rank_critic_server_loses_a_rank_the_run_fails_naming_it_and_the_rerun_resumes_learns_and_leaves_nothing(local_stack):
+def test_a_two_rank_critic_server_loses_a_rank_the_run_fails_naming_it_and_the_rerun_resumes_and_leaves_nothing(local_stack):
     """ppo/default with deploy.critic.nproc_per_node=2: the critic server's rank 0 serves, rank 1 follows. Rank 1 is
-    killed after the first checkpoint (iteration 5): the run fails within 60 s naming the rank and the server that
+    killed after the first checkpoint (iteration 2): the run fails within 60 s naming the rank and the server that
     stopped because of it, and no process of the run is left. The same run name then resumes from the checkpoint (its
     2-rank critic restored): the flow run shows its tasks (the critic server deployed and waited for, one task per
-    iteration it ran, nothing before the checkpoint redone, a checkpoint at 10 and at the last), the same MLflow run
-    continues to iteration 12 with every iteration's metrics once, PPO learns by the margin of the single-process
-    learning test (tests/models/test_steps.py) across the kill, and no server or rank is left."""
+    iteration it ran, nothing before the checkpoint redone, a checkpoint at 4 and at the last), the same MLflow run
+    continues to iteration 6 with every iteration's metrics once, and no server or rank is left. (That PPO learns
+    across a kill and a resume is tests/components/test_controller_runs.py's; that a 2-rank critic answers and
+    restores like one, tests/components/serving/test_critic_ranks.py's.)"""
     s = local_stack
     run_dir = s["state_dir"] / "runs" / "e2e-critic2"
     latest = s["state_dir"] / "checkpoints" / "e2e-critic2" / "latest.json"
-    config, deploy = {"iterations": 12, "run_name": "e2e-critic2", "checkpoint": {"every": 5}}, {"critic": {"nproc_per_node": 2}}
+    config, deploy = {"iterations": 6, "run_name": "e2e-critic2", "checkpoint": {"every": 2}}, {"critic": {"nproc_per_node": 2}}
     first = flow_run_id(deployment_run(s, "ppo/default", config, deploy))
-    _wait_for(lambda: latest.exists() and (json.loads(latest.read_text())["iteration"] or 0) >= 5, 300, "first checkpoint")
+    _wait_for(lambda: latest.exists() and (json.loads(latest.read_text())["iteration"] or 0) >= 2, 300, "first checkpoint")
     server = _wait_for(lambda: server_processes(s, str(run_dir)), 30, "critic server")[0]
     next(p for p in server.children() if "--follow" in " ".join(p.cmdline())).kill()
     run = wait_final(s, first, timeout=60)  # a dead rank fails the run within 60 s
@@ -344,23 +345,22 @@ def test_a_two_rank_critic_server_loses_a_rank_the_run_fails_naming_it_and_the_r
     assert re.search(r"critic server .*exited with code 1: .*critic rank 1 \(pid \d+\) exited with code -9", message), message
     _wait_for(lambda: not critic_followers(s) and not server_processes(s, str(run_dir)), 60, "no process of the run left")
     checkpointed = json.loads(latest.read_text())["iteration"]
-    assert checkpointed in (5, 10)
+    assert checkpointed in (2, 4)
 
     second = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", config, deploy)), timeout=900)
     assert second["state"]["type"] == "COMPLETED", second["state"]
     names = task_names(s, second["id"])
     assert any(n.startswith("deploy-critic-server") for n in names) and any(n.startswith("wait-until-ready") for n in names)
-    assert sum(n.startswith("ppo-iteration") for n in names) == 12 - checkpointed  # nothing before the checkpoint redone
-    assert sum(n.startswith("checkpoint") for n in names) == (2 if checkpointed == 5 else 1)  # at 10 and the last
+    assert sum(n.startswith("ppo-iteration") for n in names) == 6 - checkpointed  # nothing before the checkpoint redone
+    assert sum(n.startswith("checkpoint") for n in names) == (2 if checkpointed == 2 else 1)  # at 4 and the last
     client, mrun = mlflow_run(s, "e2e-critic2")  # the same MLflow run continued
     steps = [m.step for m in client.get_metric_history(mrun.info.run_id, "objective/kl")]
-    assert steps == sorted(set(steps)) and steps[-1] == 12
+    assert steps == sorted(set(steps)) and steps[-1] == 6
     assert mrun.info.status == "FINISHED"
     history = sorted(client.get_metric_history(mrun.info.run_id, "objective/gold_reward"), key=lambda m: m.step)
-    assert [m.step for m in history] == list(range(1, 13))
+    assert [m.step for m in history] == list(range(1, 7))
     assert "loss/value_avg" in mrun.data.metrics and mrun.data.tags["algorithm"] == "ppo"
     assert mrun.data.tags["prefect.flow_run_id"] in (first, second["id"])
-    assert_learned([m.value for m in history])
     assert "critic-rank1.log" in {p.name for p in (run_dir / "logs").iterdir()}
     assert server_processes(s, str(run_dir)) == [] and not critic_followers(s)
 

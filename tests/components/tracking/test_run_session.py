@@ -123,6 +123,7 @@ def test_s3_checkpoint_resume_is_exact_and_continues_the_mlflow_run(cfg):
              "critic": clone(critic.trainer.model.state_dict()), "critic_optim": clone(critic.trainer.optimizer.state_dict())}
     # the uninterrupted run goes on for one more iteration ...
     continued = run_iterations(cfg, session, state, critic, 1)[0]
+    session.log_eval(3, {"eval/reward": 0.5}, [{"prompt": "p", "reward": 0.5}])  # ... and evaluates at its step 3
     critic.close()
     session.close("KILLED")
 
@@ -149,12 +150,18 @@ def test_s3_checkpoint_resume_is_exact_and_continues_the_mlflow_run(cfg):
     again = run_iterations(cfg, resumed, state2, critic2, 1)[0]  # step 3 was logged by the first attempt: skipped
     keys = [k for k in continued if not k.startswith(NON_DETERMINISTIC)]
     assert {k: again[k] for k in keys} == pytest.approx({k: continued[k] for k in keys}, rel=1e-6, abs=1e-7)
+    resumed.log_eval(3, {"eval/reward": 0.75}, [{"prompt": "p", "reward": 0.75}])  # recomputed: not logged again
     run_iterations(cfg, resumed, state2, critic2, 1)
+    resumed.log_eval(4, {"eval/reward": 1.0}, [{"prompt": "p", "reward": 1.0}])
     critic2.close()
     resumed.close("FINISHED")
-    history = resumed.tracker.client.get_metric_history(resumed.tracker.run_id, "objective/kl")
-    steps = [m.step for m in history]
+    client, run_id = resumed.tracker.client, resumed.tracker.run_id
+    steps = [m.step for m in client.get_metric_history(run_id, "objective/kl")]
     assert steps == [1, 2, 3, 4]  # strictly increasing, no duplicate for the recomputed iteration 3
+    evals = sorted((m.step, m.value) for m in client.get_metric_history(run_id, "eval/reward"))
+    assert evals == [(3, 0.5), (4, 1.0)]  # the eval at 3 once, the first attempt's
+    assert sorted(a.path for a in client.list_artifacts(run_id, "tables") if a.path.startswith("tables/eval_")) == [
+        "tables/eval_000003.json", "tables/eval_000004.json"]
 
 
 def test_shared_metric_names_in_mlflow(cfg):
