@@ -88,13 +88,20 @@ def eval_metrics(scores: torch.Tensor, gold: torch.Tensor | None, response_lengt
                "eval/samples": float(len(scores))}
     if gold is not None:
         metrics["eval/gold_reward"] = float(gold.mean())
+    return {**metrics, **success_metrics(scores, k, success_threshold)}
+
+
+def success_metrics(scores: torch.Tensor, k: int, success_threshold: float | None = None) -> dict:
+    """eval/success, eval/accuracy (0/1 scores) and eval/pass_at_<j> of `scores` (k consecutive samples per prompt)
+    when every score is 0 or 1 or a `success_threshold` is given; {} otherwise. The RL run's eval and the pipeline's
+    eval stage (models/stages/evaluate.py) both report these."""
     binary = bool(((scores == 0) | (scores == 1)).all())
     if not binary and success_threshold is None:
-        return metrics
+        return {}
     success = scores >= (success_threshold if success_threshold is not None else 1.0)
-    metrics["eval/success"] = float(success.double().mean())
+    metrics = {"eval/success": float(success.double().mean())}
     if binary:
-        metrics["eval/accuracy"] = float(scores.mean())
+        metrics["eval/accuracy"] = float(scores.double().mean())
     correct = success.view(-1, k).sum(1).tolist()
     for j in pass_ks(k):
         metrics[f"eval/pass_at_{j}"] = sum(pass_at_k(k, c, j) for c in correct) / len(correct)

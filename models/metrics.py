@@ -127,6 +127,7 @@ EVAL_JOB = Group("The eval (`rlhf eval`, a pipeline's eval stage)", ("eval", "pi
     M(("eval/policy_rm_score", "eval/reference_rm_score", "eval/win_rate"), "The reward model's mean score of each policy, and the share of paired samples where the policy's scores higher (a tie counts one half)."),
     M(("eval/policy_gold_reward", "eval/reference_gold_reward", "eval/gold_win_rate"), "The same by the gold reward, when `eval.gold` names one (proxy and gold side by side).", None, ("gold",)),
     M(("eval/policy_response_length", "eval/reference_response_length", "eval/samples"), "Mean response lengths in tokens, and samples per policy."),
+    M(("eval/success", "eval/pass_at_<k>", "eval/accuracy"), "The policy under test's, as an RL run's held-out eval reports them, from its reward-model scores: when every score is 0 or 1, or `eval.success_threshold` is set.", None, ("binary",)),
 ))
 PIPELINE = Group("A pipeline's run", ("pipeline",), "Its MLflow parent run, at step 0: each stage's last metrics as `<stage>/<name>` (`sft/eval/loss`, `reward_model/eval/accuracy`, `rl/reward`, `dpo/eval/rewards/accuracies`), and those above marked for a pipeline.", (
     M(("sft/*", "reward_model/*", "rl/*", "dpo/*"), "A stage's last metrics (its record's)."),

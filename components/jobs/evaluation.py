@@ -55,7 +55,7 @@ class Eval:
         paths = [cfg.resolve_model(getattr(cfg, name), name).path for name in ("model", "reference", "reward")]
         metrics, rows = steps("compare-policies", compare_policies, *paths, prompts,
                               sampling, e.samples_per_prompt, e.gold, cfg.seed, e.table_rows, e.normalize,
-                              local_device(cfg.deploy.device, SINGLE))
+                              local_device(cfg.deploy.device, SINGLE), e.success_threshold)
         session.log_eval(0, metrics, rows)
         steps.log("eval: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
         return {"steps": 0, "history": [], "evals": [{"step": 0, **metrics}], "metrics": metrics, "rows": rows}

@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 from models.config import RolloutConfig, Sampling
 from models.data import PromptSet
 from models.engines import build_engine
+from models.eval import success_metrics
 from models.loading import from_pretrained
 from models.policy import Policy
 from models.reward import (HandOffError, load_reward_function, load_reward_model, load_reward_tokenizer,
@@ -69,9 +70,11 @@ def check_reward_model(path: str, pairs: Pairs | None, recorded: float | None, f
 @torch.no_grad()
 def compare_policies(policy_path: str, reference_path: str, reward_path: str, prompts: PromptSet, sampling: Sampling,
                      samples: int, gold: str | None, seed: int, table_rows: int, normalize: bool = False,
-                     device: torch.device | str = "cpu") -> tuple[dict, list[dict]]:
+                     device: torch.device | str = "cpu", success_threshold: float | None = None
+                     ) -> tuple[dict, list[dict]]:
     """The policy under test (`policy_path`) against the reference policy (`reference_path`): `samples` responses of
-    each per prompt (one sampling seed for both: the j-th responses are paired); returns (metrics, rows)."""
+    each per prompt (one sampling seed for both: the j-th responses are paired; a prompt's are consecutive); returns
+    (metrics, rows)."""
     reward = load_reward_model(reward_path, normalize=normalize, device=device)
     reward_tokenizer = load_reward_tokenizer(reward_path)
     gold_fn = load_reward_function(gold, "eval.gold") if gold else None
@@ -93,7 +96,8 @@ def compare_policies(policy_path: str, reference_path: str, reward_path: str, pr
                        if gold_fn is not None else None)
         sides[side] = {"responses": responses, "scores": scores.double(), "gold": gold_scores,
                        "lengths": rollout.response_lengths.double()}
-    return comparison_metrics(sides), comparison_rows(asked, sides, table_rows)
+    metrics = {**comparison_metrics(sides), **success_metrics(sides["policy"]["scores"], samples, success_threshold)}
+    return metrics, comparison_rows(asked, sides, table_rows)
 
 
 def win_rate(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -122,8 +126,8 @@ def comparison_rows(prompts: list[str], sides: dict, limit: int) -> list[dict]:
         row = {"prompt": prompts[i]}
         for side in ("reference", "policy"):
             row[f"{side}_response"] = sides[side]["responses"][i]
-            row[f"{side}_rm_score"] = round(float(sides[side]["scores"][i]), 4)
+            row[f"{side}_rm_score"] = float(sides[side]["scores"][i])  # exact: the metrics can be recomputed
             if sides[side]["gold"] is not None:
-                row[f"{side}_gold"] = round(float(sides[side]["gold"][i]), 4)
+                row[f"{side}_gold"] = float(sides[side]["gold"][i])
         rows.append(row)
     return rows

@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 from prefect import get_client
 from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 from prefect.testing.utilities import prefect_test_harness
 
+from components.pipeline.cache import stage_dir
 from components.pipeline.config import RL_STAGES, PipelineConfig
 from components.pipeline.run import STEP_NAMES, run_pipeline
 from flows.stages import pipeline, sft
@@ -37,7 +39,7 @@ SMALL = {"name": "tiny-pipeline",
          "rl": {"algorithm": "rloo", "iterations": 2, "checkpoint": {"every": 2},
                 "reinforce": {"rollout_batch_size": 4, "num_rollouts_per_prompt": 2, "minibatch_size": 8},
                 "eval": {"prompts": "builtin:sentiment", "every": 2, "max_prompts": 4, "samples_per_prompt": 1}},
-         "eval": {"max_prompts": 6, "samples_per_prompt": 2}}
+         "eval": {"max_prompts": 6, "samples_per_prompt": 2, "success_threshold": -0.65}}
 # sft -> dpo -> eval on the same SFT stage; the held-out implicit-reward accuracy (200 pairs: 0.895 here at 60 steps,
 # 0.86 at 45) and the eval's gold reward (the task's 40 held-out prompts x 4 samples each: 0.06 -> 0.94) are what it
 # is judged by
@@ -91,6 +93,16 @@ def test_a_first_run_builds_every_stage(runs):
     assert {"eval/win_rate", "eval/policy_rm_score", "eval/reference_rm_score", "eval/policy_gold_reward",
             "eval/reference_gold_reward", "eval/gold_win_rate"} <= set(stages["eval"]["metrics"])
     assert stages["eval"]["metrics"]["eval/samples"] == 12  # 6 prompts x 2 samples of each policy
+    # the policy's success and pass@k (as an RL run's eval reports them), from the stage's own per-sample scores
+    rows = json.loads((runs["state"] / "checkpoints" / stage_dir("eval", stages["eval"]["key"]) / "record.json")
+                      .read_text())["rows"]
+    success = np.array([row["policy_rm_score"] for row in rows], dtype=np.float64).reshape(6, 2) >= -0.65
+    judged = stages["eval"]["metrics"]
+    assert 0 < judged["eval/success"] < 1, rows  # the threshold splits the RL policy's scores (-0.87 to -0.28 here)
+    assert judged["eval/success"] == pytest.approx(success.mean(), abs=1e-12)
+    assert judged["eval/pass_at_1"] == pytest.approx(success.mean(axis=1).mean(), abs=1e-12)  # 1 - C(2-c,1)/C(2,1)
+    assert judged["eval/pass_at_2"] == pytest.approx(success.any(axis=1).mean(), abs=1e-12)  # 1 - C(2-c,2)/C(2,2)
+    assert "eval/accuracy" not in judged and [name for name in judged if find(name, "eval") is None] == []
     model = stages["reward_model"]["model"][len("file://"):]
     handoff = json.loads((Path(model).parent / "record.json").read_text())["handoff"]  # the model as saved, rescored
     assert handoff["recorded"] == stages["reward_model"]["metrics"]["eval/accuracy"]
