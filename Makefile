@@ -89,15 +89,13 @@ demo: venv
 pipeline: venv
 	$(VENV)/bin/rlhf pipeline --config examples/pipeline.yaml --summary-out .rlhf/pipeline-summary.json
 
-# Test files run in parallel (pytest-xdist), one worker per core and one more: a fifth of a worker's time is spent
-# waiting (for a server to start or to be seen gone, a run to reach its checkpoint), which the extra worker fills. A
-# file's tests stay on one worker, in order, because modules share expensive fixtures (a whole local stack, a critic
-# server); the longest modules are handed out first (tests/conftest.py; xdist's own reorder, by test count, would
-# start them last). The environments are built side by side first (mostly downloads and unpacking).
-TEST_WORKERS ?= $(shell echo $$(( $$(nproc) + 1 )))
+# Test files run in parallel, one pytest worker per core (pytest-xdist); a file's tests stay on one worker, in order,
+# because modules share expensive fixtures (a whole local stack, a critic server); the longest modules are handed out
+# first (tests/conftest.py; xdist's own reorder, by test count, would start them last).
+# The environments are built side by side first (mostly downloads and unpacking).
 test:
 	$(MAKE) -j4 venv tools vllm-venv verifiers-venv
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
+	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=25
 
 # The contributors' inner loop: the modules that start no server, stack or second process (math, config, data,
 # storage, the house rules), marked `fast`; about a minute on 2 cores. `make test` stays the whole suite (what CI runs).
