@@ -197,7 +197,7 @@ class Tracker:
         self.tags = dict(tags or {})
         self.system_metrics = system_metrics
         self.last_step: int | None = None
-        self.logged: set[tuple[str, int]] = set()  # (metric, step) pairs an earlier attempt of the run logged
+        self.logged: set[tuple[str, int]] = set()  # (metric, step) pairs in the run: an earlier attempt's and side metrics'
         self._client: MlflowClient | None = None
         self._monitor = None
         self._active = False
