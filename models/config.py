@@ -243,6 +243,19 @@ class RolloutConfig(Section):
         return self
 
 
+class VerifiersConfig(Section):
+    """A verifiers environment (the classic API, verifiers 0.2.1 in its own environment, `make verifiers-venv`): run
+    unchanged by verifiers' own code against the run's rollout server (its OpenAI-compatible endpoints, token ids on
+    every turn), its rubric the reward (components/verifiers/, docs/environments.md)."""
+
+    id: str = Field(..., min_length=1, description="The environment's module: `vf.load_environment(id, **args)` imports it (an installed environment package, or a module in one of `paths`).")
+    args: dict = Field(default_factory=dict, description="Keyword arguments of load_environment.")
+    paths: list[str] = Field(default_factory=list, description="Folders searched first for the environment's module (its PYTHONPATH in verifiers' environment).")
+    client_type: Literal["openai_chat_completions_token", "openai_chat_completions"] = Field("openai_chat_completions_token", description="verifiers' client: token ids in (every turn's prompt ids extend the last turn's prompt + completion ids: one token sequence per rollout), or messages in (the server re-renders the text; a rollout whose turns then do not extend each other is left out of the loss, counted in env/errors).")
+    timeout_s: float = Field(600.0, gt=0, description="Deadline of one batch of rollouts (the worker process is killed past it and the iteration fails naming it).")
+    max_concurrent: PositiveInt = Field(32, description="Groups (the k rollouts of a prompt) verifiers runs at once.")
+
+
 class EnvironmentConfig(Section):
     """Multi-turn rollouts against environments (models/environments/, docs/environments.md): each rollout is an
     episode of model turns and environment replies, built in token ids; the environments and the reward functions
@@ -255,9 +268,13 @@ class EnvironmentConfig(Section):
     call_deadline_s: float = Field(60.0, gt=0, description="Deadline of one call into an environment or a reward function (reset, a tool, get_reward, a reward function over the worker's rows): past it the worker is killed, the episode scores 0 and is counted (env/timeouts).")
     episode_deadline_s: float = Field(300.0, gt=0, description="Deadline of an episode's calls into its environment, summed over its turns (generation time does not count).")
     single_session: Literal["serialise", "refuse"] = Field("serialise", description="An environment class that declares it serves one session at a time (OpenEnv's SUPPORTS_CONCURRENT_SESSIONS = False): 'serialise' runs its episodes one after another on each actor rank, saying so; 'refuse' fails the run before it starts.")
+    verifiers: Optional[VerifiersConfig] = Field(None, description="A verifiers environment instead of environment.factory: its dataset gives the training prompts (get_dataset) and the held-out eval's (get_eval_dataset, when eval.every > 0), in place of data.prompts and eval.prompts; its rubric scores the rollouts. Needs rollout.engine=vllm (verifiers' clients talk to the rollout server).")
 
     @model_validator(mode="after")
     def _specs(self) -> "EnvironmentConfig":
+        if self.factory is not None and self.verifiers is not None:
+            raise ValueError("environment.factory and environment.verifiers are both set: a run's episodes come from "
+                             "one kind of environment")
         specs = {"": self.factory} if isinstance(self.factory, str) else dict(self.factory or {})
         if isinstance(self.factory, dict) and not self.factory:
             raise ValueError("environment.factory: an empty mapping; give 'path/to/env.py:Class' or a mapping "
@@ -270,7 +287,8 @@ class EnvironmentConfig(Section):
 
     @property
     def enabled(self) -> bool:
-        return self.factory is not None
+        """An environment run: episodes scored where they are played (no reward server)."""
+        return self.factory is not None or self.verifiers is not None
 
     def factories(self) -> dict[str | None, str]:
         """{environment name: spec}; the single factory's name is None (every row uses it)."""
@@ -311,6 +329,13 @@ class _Tree(Section):
             if self.rollout.max_off_policy_steps:
                 raise ValueError(f"rollout.max_off_policy_steps={self.rollout.max_off_policy_steps}: an environment "
                                  f"run's episodes are sampled turn by turn with the current weights; set it to 0")
+            if env.verifiers is not None:
+                if r.specs():
+                    raise ValueError("reward.functions: a verifiers environment's rubric scores its rollouts; leave "
+                                     "reward.function and reward.functions unset")
+                if self.rollout.engine != "vllm":
+                    raise ValueError("rollout.engine: environment.verifiers runs verifiers' clients against the "
+                                     "rollout server's OpenAI-compatible endpoints; set rollout.engine=vllm")
         elif r.source == "function" and not r.specs():
             raise ValueError("reward.function (or reward.functions) is required when reward.source='function' "
                              "(format 'package.module:function' or 'path/to/rewards.py:function')")

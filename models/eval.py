@@ -33,7 +33,8 @@ from models.update import micro_batches
 def is_eval_iteration(cfg: RLHFConfig, iteration: int) -> bool:
     """Whether the eval runs before iteration `iteration + 1` (at 0, before any update, and every eval.every); the
     caller adds the one at the end."""
-    return bool(cfg.eval.prompts) and cfg.eval.every > 0 and iteration % cfg.eval.every == 0
+    held_out = bool(cfg.eval.prompts) or cfg.environment.verifiers is not None  # a verifiers run: its eval dataset
+    return held_out and cfg.eval.every > 0 and iteration % cfg.eval.every == 0
 
 
 def evaluate(state: ActorState, prompts: Batch, cfg: RLHFConfig, backends: Backends, gold_fn: RewardFn | None,

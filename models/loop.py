@@ -28,6 +28,7 @@ from models.config import RLHFConfig
 from models.critic import CriticTrainer
 from models.data import Batch, DataError, PromptSet, PromptStream, builtin_gold, load_prompt_set
 from models.environments.episodes import check_environment_run, start_episodes
+from models.environments.remote import RemoteEpisodes
 from models.eval import evaluate, is_eval_iteration
 from models.distributed import SINGLE, Dist, local_device
 from models.policy import Policy, load_policy_tokenizer
@@ -51,7 +52,7 @@ def read_data(cfg: RLHFConfig) -> tuple[PromptSet, PromptSet | None]:
     if e.prompts and e.every:
         evals = checked_prompt_set(cfg, tokenizer, e.prompts, e.split, e.prompt_key, "eval.prompts", e.subset,
                                    e.revision, e.options)
-    if cfg.environment.enabled:  # the environments probed, their reward functions' columns checked, in a worker
+    if cfg.environment.factory:  # the environments probed, their reward functions' columns checked, in a worker
         check_environment_run(cfg, tokenizer, {f"{field} '{found.source}'": columns_of(found)
                                                for field, found in (("data.prompts", prompts), ("eval.prompts", evals))
                                                if found is not None})
@@ -111,8 +112,10 @@ def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
                          gradient_checkpointing=cfg.model.gradient_checkpointing)
     optim = ALGORITHMS[cfg.algorithm].settings(cfg).optim
     state = ActorState.create(policy, optim, cfg.kl, cfg.seed, me, rollout=cfg.rollout)
-    if cfg.environment.enabled:  # this rank's environment workers, started and probed
+    if cfg.environment.factory:  # this rank's environment workers, started and probed
         state.episodes = start_episodes(cfg, policy.tokenizer, policy.model.config, me)
+    elif cfg.environment.verifiers:  # played on rank 0 by verifiers' code once the rollout server is connected
+        state.episodes = RemoteEpisodes(cfg.environment.verifiers.id, policy.tokenizer, me)
     return state
 
 
@@ -146,8 +149,8 @@ def build_local_reward(cfg: RLHFConfig):
 
 def gold_spec(cfg: RLHFConfig) -> str | None:
     """The gold reward of the run: reward.gold, else the shipped task's own when the data is a builtin task (a
-    user's data set has none unless given)."""
-    return cfg.reward.gold or builtin_gold(cfg.data.prompts)
+    user's data set has none unless given; a verifiers run's prompts are its environment's)."""
+    return cfg.reward.gold or (None if cfg.environment.verifiers else builtin_gold(cfg.data.prompts))
 
 
 def gold_function(cfg: RLHFConfig):

@@ -7,7 +7,7 @@ A name may hold a placeholder: `<name>` (a reward function's name), `<phase>`, `
 algorithm with a critic: PPO), 'rloo' (the REINFORCE family), 'vllm' (an engine with its own weights), 'eval' (the
 held-out eval: eval.prompts and eval.every), 'gold' (a gold reward: reward.gold, or the shipped task's on its data),
 'functions' (reward functions), 'binary' (held-out scores all 0 or 1, or eval.success_threshold set), 'async'
-(rollout.max_off_policy_steps > 0), 'environment' (an environment run: environment.factory).
+(rollout.max_off_policy_steps > 0), 'environment' (an environment run: environment.factory or .verifiers).
 Light: no torch.
 """
 
@@ -84,7 +84,7 @@ VLLM = Group("The vLLM engine (`rollout.engine=vllm`)", ("rl",), "An engine with
     M(("rollout/staleness_mean", "rollout/staleness_max"), "Weight versions between the rollouts and the weights trained from (asynchronous rollouts).", None, ("vllm",)),
     M(("time/rollout_wait", "time/engine_idle", "time/refit_wait"), "Waiting for rollouts asked for ahead; the server's idle time between refits; a refit waiting for a generation in flight.", None, ("vllm", "async")),
 ))
-ENVIRONMENT = Group("Environment runs (`environment.factory`: [Environments and tools](environments.md))", ("rl",), "Over the episodes of all actor ranks. `completions/*` count the model-sampled tokens only (the environment's replies are not the model's), as TRL counts them.", (
+ENVIRONMENT = Group("Environment runs (`environment.factory` or `environment.verifiers`: [Environments and tools](environments.md))", ("rl",), "Over the episodes of all actor ranks. `completions/*` count the model-sampled tokens only (the environment's replies are not the model's), as TRL counts them.", (
     M(("tools/call_frequency",), "Tool calls per episode.", "same", ("environment",)),
     M(("tools/failure_frequency",), "Tool calls that failed (the tool raised, or is unknown) per tool call.", "same", ("environment",)),
     M(("env/turns_mean", "env/turns_max"), "Model turns per episode.", None, ("environment",)),

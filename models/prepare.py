@@ -28,7 +28,7 @@ def prepare_run(cfg: RLHFConfig) -> RLHFConfig:
     """The config with its derived values filled in (idempotent: a prepared config comes back unchanged)."""
     cfg = merge(cfg, {**family_reward(cfg), **absolute_reward_files(cfg)})
     check_models(cfg)
-    if not cfg.data.prompts:
+    if not cfg.data.prompts and not cfg.environment.verifiers:  # a verifiers environment brings its dataset
         raise DataError("data.prompts: not set; name the training prompts (a local file or folder, a hub data set "
                         "id, or builtin:<task>: models/data.py)")
     cfg = merge(cfg, critic_source(cfg))
@@ -55,6 +55,9 @@ def absolute_reward_files(cfg: RLHFConfig) -> dict:
         out["environment.factory"] = absolute_spec(factory)
     elif isinstance(factory, dict) and {k: absolute_spec(v) for k, v in factory.items()} != factory:
         out["environment.factory"] = {k: absolute_spec(v) for k, v in factory.items()}
+    v = cfg.environment.verifiers  # the folders of its environment's module, the same way
+    if v and [str(Path(p).expanduser().absolute()) for p in v.paths] != v.paths:
+        out["environment.verifiers.paths"] = [str(Path(p).expanduser().absolute()) for p in v.paths]
     template = cfg.environment.chat_template
     if template and template.endswith(".jinja") and not Path(template).is_absolute():
         out["environment.chat_template"] = str(Path(template).expanduser().absolute())

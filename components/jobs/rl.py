@@ -30,6 +30,7 @@ from components.launch.ranks import actor_ranks
 from components.serving.services import RunServices, rollout_server, run_services
 from components.tracking.run import (RunSession, data_provenance, model_provenance, store_reward_files,
                                      tuple_state)
+from components.verifiers import rollouts as verifiers
 from models.config import RLHFConfig
 from models.data import PromptSet
 from models.export import export_spec
@@ -46,6 +47,9 @@ class RL:
 
     def prepare(self, cfg: RLHFConfig) -> tuple[RLHFConfig, tuple[PromptSet, PromptSet | None]]:
         cfg = prepare_run(cfg)
+        if cfg.environment.verifiers:  # the environment's own datasets
+            evals = verifiers.prompt_set(cfg, "eval", cfg.eval.max_prompts) if cfg.eval.every else None
+            return cfg, (verifiers.prompt_set(cfg, "train"), evals)
         return cfg, read_data(cfg)  # bad data fails here, before any model loads
 
     def tags(self, cfg: RLHFConfig) -> dict[str, str]:

@@ -66,6 +66,7 @@ from components.serving.triton.contract import ServerSpec
 from components.storage.lease import Lease, acquire as acquire_lease, holder_alive
 from components.storage.store import CheckpointStore
 from components.tracking.run import RunPlace
+from components.verifiers import rollouts as verifiers
 from models.algorithms import ALGORITHMS
 from models.backends import LocalCritic
 from models.config import RLHFConfig
@@ -567,6 +568,9 @@ def rollout_service(server, actor, cfg: RLHFConfig, place: RunPlace, steps: Step
     wait_ready("rollout", server, cfg, steps)
     clients = steps("connect-rollout-engine", connect_engine, actor, server.urls, cfg, place)
     steps.log(f"rollout engine at {', '.join(server.urls)} holds the actor's weights ({actor.state.engine.last_refit})")
+    if v := cfg.environment.verifiers:  # verifiers' clients play the episodes against it, as this run
+        actor.state.episodes.source = verifiers.rollout_source(v, f"{server.urls[0]}/v1", run_secret(place),
+                                                               place.log_dir / f"verifiers-{v.id}.log")
     try:
         yield [Service("rollout server", clients, server.death)]
     finally:

@@ -115,7 +115,7 @@ def metric_problem(cfg: RLHFConfig, metric: str, pipeline: bool = False) -> Opti
            "vllm": f"'{metric}' comes from an engine with its own weights, and rollout.engine is {cfg.rollout.engine!r}",
            "async": f"'{metric}' needs asynchronous rollouts, and rollout.max_off_policy_steps is 0",
            "functions": f"'{metric}' needs reward functions, and reward.source is {cfg.reward.source!r}",
-           "environment": f"'{metric}' is an environment run's, and environment.factory is not set"}
+           "environment": f"'{metric}' is an environment run's, and neither environment.factory nor environment.verifiers is set"}
     held = {"never": False, "eval": bool(cfg.eval.prompts and cfg.eval.every),
             "gold": bool(cfg.reward.gold or builtin_gold(cfg.data.prompts)),
             "critic": ALGORITHMS[cfg.algorithm].needs_critic, "rloo": not ALGORITHMS[cfg.algorithm].needs_critic,

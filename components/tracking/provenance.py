@@ -134,6 +134,17 @@ def function_record(spec: str, field: str) -> dict:
     return {"function": name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
 
 
+def verifiers_record(v) -> dict:
+    """A verifiers environment (its dataset is the run's data), by content: its load_environment arguments and the
+    sha256 of its module's file where environment.verifiers.paths holds it; an installed package by its id alone."""
+    record = {"verifiers": v.id, "args": v.args}
+    for folder in v.paths:
+        for path in (Path(folder) / f"{v.id}.py", Path(folder) / v.id / "__init__.py"):
+            if path.is_file():
+                return {**record, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    return {**record, "installed": True}
+
+
 # ---------------------------------------------------------------- what changes what is trained
 
 # per job kind: the fields of its section that do NOT change what it trains or measures
@@ -171,8 +182,8 @@ def provenance(cfg) -> dict:
     deploy = cfg.deploy
     if cfg.job == "rl":
         d, r = cfg.data, cfg.reward
-        record["data"] = {"prompts": data_record(d.prompts, d.split, "data.prompts", d.subset, d.revision, deploy,
-                                                 d.options)}
+        record["data"] = {"prompts": verifiers_record(cfg.environment.verifiers) if cfg.environment.verifiers else
+                          data_record(d.prompts, d.split, "data.prompts", d.subset, d.revision, deploy, d.options)}
         record["models"] = {name: model_record(value, f"model.{name}", cfg.model.revision if value == cfg.model.policy
                                                else None, deploy)
                             for name in ("policy", "reward", "critic") if (value := getattr(cfg.model, name))}

@@ -13,6 +13,9 @@ bearer token the server checks), never on the command line. The request (JSON on
      "split": "train", "example_ids": [0, 1, 2],       rows of the environment's dataset (or "eval" dataset)
      "rollouts_per_example": 4, "max_concurrent": 32}
 
+With `"mode": "dataset"` (and `env_id`, `env_args`, `split`) it answers the split's rows instead, as the run's
+prompts, `{"schema": 1, "rows": [{"example_id": position, "prompt": [messages]}]}`; no server is needed for it.
+
 The answer (JSON on stdout, schema version 1), one entry per rollout, the k rollouts of an example consecutive:
 
     {"schema": 1, "env_id", "client_type", "model",
@@ -102,10 +105,18 @@ def rollout_record(output: dict) -> dict:
             "samples": merge_steps(steps, errored=error is not None)}
 
 
+def dataset_rows(env, split: str) -> list[dict]:
+    """The rows of a split as prompts: each row's position (what a rollout request names) and its messages."""
+    dataset = env.get_eval_dataset() if split == "eval" else env.get_dataset()
+    return [{"example_id": i, "prompt": _jsonable(row["prompt"])} for i, row in enumerate(dataset)]
+
+
 async def run(request: dict) -> dict:
     import verifiers as vf  # the worker's own environment (.venv-verifiers): not importable in the project's
 
     env = vf.load_environment(request["env_id"], **request.get("env_args", {}))
+    if request.get("mode") == "dataset":
+        return {"schema": SCHEMA, "env_id": request["env_id"], "rows": dataset_rows(env, request.get("split", "train"))}
     client = vf.ClientConfig(client_type=request.get("client_type", "openai_chat_completions_token"),
                              api_base_url=request["base_url"], api_key_var=SECRET_ENV,
                              max_retries=int(request.get("max_retries", 0)),
@@ -138,9 +149,10 @@ async def served_model(base_url: str) -> str:
 
 
 def main() -> None:
-    if not os.environ.get(SECRET_ENV):
+    request = json.load(sys.stdin)
+    if request.get("mode") != "dataset" and not os.environ.get(SECRET_ENV):
         raise SystemExit(f"${SECRET_ENV}: the run's secret is needed (the rollout server serves its run only)")
-    answer = asyncio.run(run(json.load(sys.stdin)))
+    answer = asyncio.run(run(request))
     json.dump(answer, sys.stdout)
     sys.stdout.flush()
 

@@ -363,6 +363,41 @@ def test_environments_and_rewards_that_cannot_work_are_refused_naming_the_field(
         config(chat_dir, "not a spec")
     with pytest.raises(ValueError, match="reward.source: an environment run is scored by"):
         preset("none", **{"model.policy": chat_dir, "environment.factory": f"{ENVS}:Echo"})
+    verifiers = {"model.policy": chat_dir, "reward.source": "function", "environment.verifiers": {"id": "calc_env"}}
+    with pytest.raises(ValueError, match="rollout.engine: environment.verifiers runs verifiers' clients"):
+        preset("none", **verifiers)
+    with pytest.raises(ValueError, match="environment.factory and environment.verifiers are both set"):
+        preset("none", **verifiers, **{"rollout.engine": "vllm", "environment.factory": f"{ENVS}:Echo"})
+    with pytest.raises(ValueError, match="reward.functions: a verifiers environment's rubric scores"):
+        preset("none", **verifiers, **{"rollout.engine": "vllm", "reward.functions": [f"{ENVS}:last_text"]})
+
+
+def test_a_verifiers_rollout_record_is_one_episode_whose_loss_counts_the_model_s_turns():
+    """models/environments/remote.episode_of on the worker's records (components/verifiers/worker.py: merge_steps
+    joins turns whose prompt ids extend the previous turn's): two model turns and the tool's reply between them are
+    one sequence, mask 1 on the model's tokens only, the server's logprobs kept; a rollout that errored, or whose
+    turns are two sequences (messages in), scores 0 and is left out of the loss, naming why."""
+    from components.verifiers.worker import merge_steps
+    from models.environments.remote import episode_of
+
+    turn = lambda prompt, ids: {"prompt_ids": prompt, "completion_ids": ids, "completion_mask": [1] * len(ids),  # noqa: E731
+                                "completion_logprobs": [-0.5] * len(ids), "is_truncated": False}
+    steps = [turn([1, 2], [3, 4]), turn([1, 2, 3, 4, 9, 9], [5])]  # the tool's reply: 9 9
+    prompt = [{"role": "user", "content": "2 + 3?"}]
+    messages = prompt + [{"role": "assistant", "tool_calls": ['{"function": {"name": "add", "arguments": "{}"}}']},
+                         {"role": "tool", "content": "5"}, {"role": "assistant", "content": "5"}]
+    record = {"example_id": 0, "reward": 1.0, "turns": 2, "steps": steps, "samples": merge_steps(steps),
+              "messages": messages, "error": None, "is_truncated": False, "stop_condition": "no_tools"}
+    episode = episode_of("calc", {"prompt": prompt}, record)
+    assert (episode.prompt_ids, episode.ids, episode.mask) == ([1, 2], [3, 4, 9, 9, 5], [1, 1, 0, 0, 1])
+    assert episode.logprobs == [-0.5, -0.5, 0.0, 0.0, -0.5]
+    assert (episode.turns, episode.tool_calls, episode.end, episode.score, episode.failed) == (2, 1, "stop", 1.0, False)
+    assert episode_rows([episode], ["calc"])[0]["conversation"] == "[assistant calls add] {}\n[tool None] 5\n[assistant] 5"
+    apart = [turn([1, 2], [3, 4]), turn([7, 7], [5])]  # re-rendered text: the second turn does not extend the first
+    split = episode_of("calc", {"prompt": prompt}, {**record, "steps": apart, "samples": merge_steps(apart)})
+    assert split.failed and "2 token sequences, not one" in split.error and split.score == 0.0
+    failed = episode_of("calc", {"prompt": prompt}, {**record, "error": "ToolError: boom", "samples": merge_steps(steps, True)})
+    assert failed.failed and failed.error == "ToolError: boom" and failed.score == 0.0 and set(failed.mask) == {0}
 
 
 # ---------------------------------------------------------------- the loss counts the model's tokens only

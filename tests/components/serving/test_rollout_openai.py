@@ -5,9 +5,13 @@ code) against it, the weights version on every answer, logprobs of the new weigh
 before (the prefix cache), and refusals in vLLM's error shape naming the field."""
 
 import json
+import math
 import os
+import shutil
 import subprocess
 import textwrap
+
+from pathlib import Path
 
 import httpx
 import pytest
@@ -260,6 +264,58 @@ def test_verifiers_clients_run_a_multiturn_and_a_tool_env_with_tokens_on_every_t
     if client_type == "openai_chat_completions":
         # this tokenizer is byte-level with the tool call's pieces as tokens: the text round-trips exactly
         assert failures == 0
+
+
+def call_probability(model_dir) -> float:
+    """P(<tool_call> | the generation prompt's last token "\n") of the model in `model_dir` (context-free: the
+    next token depends on the current one only)."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    newline = tok.encode("\n", add_special_tokens=False)
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor([newline])).logits[0, -1].double(), -1)
+    return float(probs[tok.convert_tokens_to_ids("<tool_call>")])
+
+
+def test_a_run_trains_on_a_verifiers_tool_env_through_the_rollout_server(model_dir, environments, tmp_path):
+    """environment.verifiers: the ToolEnv above, played by verifiers' own token client against the run's rollout
+    server (the run starts its own, refitted every iteration) trains RLOO. The tool model made uncertain (it starts a
+    tool call after the generation prompt with p ~0.5; otherwise it rambles and scores 0) learns to call: p rises.
+    The tools and env metrics are logged, and the eval runs on the environment's eval rows with pass@k. (How a
+    rollout record becomes one sequence whose loss counts the model's tokens only: tests/models/
+    test_environments.py.)"""
+    from components.runs import train
+    from models.config import preset
+
+    weak = tmp_path / "weak-tool-model"
+    shutil.copytree(model_dir, weak)
+    model = AutoModelForCausalLM.from_pretrained(weak, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(weak)
+    newline, call = tok.encode("\n", add_special_tokens=False)[0], tok.convert_tokens_to_ids("<tool_call>")
+    with torch.no_grad():  # the one uncertain step: the call's first token, logit ln(V - 1) over the others'
+        model.lm_head.weight[call, newline] *= math.log(len(tok) - 1) / 33.0
+    model.save_pretrained(weak)
+    before = call_probability(weak)
+    assert 0.2 < before < 0.8, before
+    cfg = preset("none", **{
+        "model.policy": str(weak), "model.dtype": "float32", "algorithm": "rloo", "seed": 0, "run_name": "verifiers",
+        "rollout.engine": "vllm", "rollout.vllm.dtype": "float32", "deploy.rollout.threads": 1,
+        "reward.source": "function", "kl.init": 0.0,
+        "environment.verifiers": {"id": "calc_env", "paths": [str(environments)], "args": {"max_turns": 2}},
+        "generation.max_new_tokens": 48, "generation.temperature": 1.0,
+        "reinforce.rollout_batch_size": 2, "reinforce.num_rollouts_per_prompt": 4, "reinforce.minibatch_size": 8,
+        "reinforce.epochs": 1, "reinforce.optim.lr": 3e-2, "iterations": 2,
+        "eval.every": 2, "eval.max_prompts": 2, "eval.samples_per_prompt": 2, "eval.temperature": 1.0,
+        "deploy.state_dir": str(tmp_path / "state"), "deploy.tracking.system_metrics": False})
+    result = train(cfg)
+    history, evals = result["history"], result["evals"]
+    after = call_probability(result["model_dir"])
+    print(f"P(tool call) {before:.3f} -> {after:.3f}; success {[m['rewards/calc_env/mean'] for m in history]}")
+    assert after > before
+    assert len(history) == 2 and all(m["env/errors"] == 0 and m["tools/call_frequency"] > 0 for m in history)
+    assert all(m["env/turns_max"] >= 2 for m in history)  # a call, the tool's reply, the next turn
+    assert [e["iteration"] for e in evals] == [0, 2] and all("eval/pass_at_2" in e for e in evals)
+
 
 
 def test_after_a_refit_a_prompt_seen_before_gets_the_new_weights_logprobs(server, http, model_dir):
