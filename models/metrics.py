@@ -7,7 +7,8 @@ A name may hold a placeholder: `<name>` (a reward function's name), `<phase>`, `
 algorithm with a critic: PPO), 'rloo' (the REINFORCE family), 'vllm' (an engine with its own weights), 'eval' (the
 held-out eval: eval.prompts and eval.every), 'gold' (a gold reward: reward.gold, or the shipped task's on its data),
 'functions' (reward functions), 'binary' (held-out scores all 0 or 1, or eval.success_threshold set), 'async'
-(rollout.max_off_policy_steps > 0), 'environment' (an environment run: environment.factory or .verifiers).
+(rollout.max_off_policy_steps > 0), 'environment' (an environment run: environment.factory or .verifiers),
+'judged_as_run' (an eval judged as an RL run's held-out eval: its `run`).
 Light: no torch.
 """
 
@@ -128,6 +129,9 @@ EVAL_JOB = Group("The eval (`rlhf eval`, a pipeline's eval stage)", ("eval", "pi
     M(("eval/policy_gold_reward", "eval/reference_gold_reward", "eval/gold_win_rate"), "The same by the gold reward, when `eval.gold` names one (proxy and gold side by side).", None, ("gold",)),
     M(("eval/policy_response_length", "eval/reference_response_length", "eval/samples"), "Mean response lengths in tokens, and samples per policy."),
     M(("eval/success", "eval/pass_at_<k>", "eval/accuracy"), "The policy under test's, as an RL run's held-out eval reports them, from its reward-model scores: when every score is 0 or 1, or `eval.success_threshold` is set.", None, ("binary",)),
+    M(("eval/reward", "eval/rewards/<name>/mean", "eval/rewards/<name>/std", "eval/completions/*", "eval/tools/*", "eval/env/*", "eval/objective/*"), "Judged as an RL run's held-out eval (`run`: a pipeline whose RL stage is scored by reward functions or environments): the policy under test's held-out eval metrics, as that run logs them (above).", None, ("judged_as_run",)),
+    M(("eval/reference/*",), "The same of the reference policy (its SFT policy).", None, ("judged_as_run",)),
+    M(("eval/success_gain",), "The policy's eval/success minus the reference's.", None, ("judged_as_run",)),
 ))
 PIPELINE = Group("A pipeline's run", ("pipeline",), "Its MLflow parent run, at step 0: each stage's last metrics as `<stage>/<name>` (`sft/eval/loss`, `reward_model/eval/accuracy`, `rl/reward`, `dpo/eval/rewards/accuracies`), and those above marked for a pipeline.", (
     M(("sft/*", "reward_model/*", "rl/*", "dpo/*"), "A stage's last metrics (its record's)."),

@@ -166,7 +166,8 @@ A placeholder in a name: `<name>` a reward function's name, `<phase>` a phase of
 
 NEEDS = {"critic": "PPO", "rloo": "RLOO", "vllm": "`rollout.engine=vllm`", "eval": "`eval.*`", "gold": "a gold reward",
          "functions": "reward functions", "binary": "0/1 scores", "async": "`rollout.max_off_policy_steps` > 0",
-         "environment": "`environment.factory`", "never": "not a sweep's metric"}
+         "environment": "`environment.factory` or `.verifiers`", "judged_as_run": "an eval's `run`",
+         "never": "not a sweep's metric"}
 
 
 def metrics_page() -> str:

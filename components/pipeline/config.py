@@ -4,14 +4,18 @@ stage. Light (pydantic and the config tree only): the CLI's parser and a sweep's
     name          names the pipeline: its MLflow parent run, its flow run, its summary
     base_model    what the SFT stage starts from (a model path or hub id; tiny/policy = the embedded one)
     sft           the SFT stage (models/stages/config.SFTConfig), or a ready model (sft.model) that is not trained
-    reward_model  the reward-model stage (RewardModelConfig) from the SFT model (or base_model), or a ready model
+    reward_model  the reward-model stage (RewardModelConfig) from the SFT model (or base_model), or a ready model;
+                  none when rl.reward.source=function (sft -> rl -> eval)
     rl            an RL run's config (models/config.RunConfig) whose model fields are filled from upstream: the policy
                   and its reference = the SFT model, the reward model = the RM stage's, PPO's critic initialised from
-                  the reward model (NeMo-Aligner); its run name and MLflow parent are the pipeline's
+                  the reward model (NeMo-Aligner); its run name and MLflow parent are the pipeline's. Scored by reward
+                  functions or environments (reward.source=function, environment.*), it needs no reward model
     dpo           instead of reward_model + rl: DPO of the SFT model on preference pairs, its frozen reference the SFT
                   model (sft -> dpo -> eval)
     eval          the trained policy (RL's or DPO's) against the SFT policy on held-out prompts, judged by the reward
-                  model (a DPO pipeline's: eval.judge) and the gold reward when one is given
+                  model (a DPO pipeline's: eval.judge) and the gold reward when one is given; after an RL stage scored
+                  by functions, as its own held-out eval judges (its functions or its environments' episodes: success
+                  and pass@k of both policies)
 
 The defaults are the embedded default: every stage on the tiny models and the shipped task's builtin data.
 """
@@ -30,6 +34,7 @@ from models.stages.config import DPOConfig, EvalSection, RewardModelConfig, SFTC
 
 STAGE_ORDER = ("sft", "reward_model", "rl", "dpo", "eval")  # every stage a pipeline may have, in order
 RL_STAGES = ("sft", "reward_model", "rl", "eval")
+FUNCTION_STAGES = ("sft", "rl", "eval")  # an RL stage scored by reward functions or environments: no reward model
 DPO_STAGES = ("sft", "dpo", "eval")
 # the RL stage's held-out eval by default: the reward model's score and the gold reward along the run, sampled (the
 # greedy answers of the tiny policies are all alike)
@@ -81,7 +86,9 @@ class PipelineConfig(Section):
     @property
     def stages(self) -> tuple[str, ...]:
         """The stages this pipeline runs, in order."""
-        return DPO_STAGES if self.dpo is not None else RL_STAGES
+        if self.dpo is not None:
+            return DPO_STAGES
+        return FUNCTION_STAGES if self.rl.reward.source == "function" else RL_STAGES
 
     @model_validator(mode="after")
     def _each_stage_has_what_it_needs(self) -> "PipelineConfig":

@@ -2,10 +2,12 @@
 
     sft           supervised fine-tuning of base_model, or the ready sft.model
     reward_model  Bradley-Terry from the SFT model (or base_model), or the ready reward_model.model
-    rl            an RL run of the SFT policy against the reward model (PPO's critic initialised from it); its
-                  policy exported as a plain model (LoRA merged)
+    rl            an RL run of the SFT policy against the reward model (PPO's critic initialised from it), or scored
+                  by its reward functions or environments (no reward-model stage); its policy exported as a plain
+                  model (LoRA merged)
     dpo           (instead of reward_model and rl, with a `dpo` section) DPO of the SFT model, its frozen reference
-    eval          the trained policy against the SFT policy on held-out prompts (models/stages/evaluate.py)
+    eval          the trained policy against the SFT policy on held-out prompts (models/stages/evaluate.py; after a
+                  function-scored RL stage, as that run's held-out eval judges: components/jobs/evaluation.py)
 
 Every stage is a job of the one job builder (components/runs.py), run as a stage of the pipeline: its key is the
 digest of the job's provenance record (components/tracking/provenance.py: the config fields that change what it
@@ -238,7 +240,7 @@ def job_config(stage: str, cfg: PipelineConfig, deploy: DeployConfig, upstream: 
             "reward_model": cfg.reward_model.model_dump(exclude={"model", "init"})})
     if stage == "rl":  # the policy and its reference from the SFT stage, PPO's critic initialised from the reward model
         return RLHFConfig.of(merge(cfg.rl, {
-            "model.policy": upstream["sft"], "model.reward": upstream["reward_model"], "model.critic": None,
+            "model.policy": upstream["sft"], "model.reward": upstream.get("reward_model"), "model.critic": None,
             "seed": cfg.seed, "tracking.experiment": cfg.tracking.experiment, "tracking.parent_run_id": parent_run_id}),
             deploy)
     if stage == "dpo":
@@ -250,6 +252,9 @@ def job_config(stage: str, cfg: PipelineConfig, deploy: DeployConfig, upstream: 
                "normalize": cfg.rl.reward.normalize and trained == "rl",
                "max_new_tokens": e.max_new_tokens or cfg.rl.generation.max_new_tokens,
                "top_k": cfg.rl.generation.top_k, "top_p": cfg.rl.generation.top_p}
+    if trained == "rl" and "reward_model" not in cfg.stages:  # judged as the RL stage's own eval judges
+        return EvalRun.model_validate({**fields, "model": upstream[trained], "reference": upstream["sft"], "reward": None,
+                                       "run": cfg.rl.model_dump(mode="json", exclude_unset=True), "eval": section})
     judge = upstream["reward_model"] if trained == "rl" else cfg.judge
     return EvalRun.model_validate({**fields, "model": upstream[trained], "reference": upstream["sft"], "reward": judge,
                                    "eval": section})

@@ -134,6 +134,14 @@ def function_record(spec: str, field: str) -> dict:
     return {"function": name, "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
 
 
+def judging_files(cfg) -> dict:
+    """An RL config's reward functions and environment classes, by content."""
+    files = {f"reward.{i}": function_record(spec, "reward.functions") for i, spec in enumerate(cfg.reward.specs())}
+    files.update({f"environment.{name or 0}": function_record(spec, "environment.factory")
+                  for name, spec in cfg.environment.factories().items()})
+    return files
+
+
 def verifiers_record(v) -> dict:
     """A verifiers environment (its dataset is the run's data), by content: its load_environment arguments and the
     sha256 of its module's file where environment.verifiers.paths holds it; an installed package by its id alone."""
@@ -171,7 +179,8 @@ def training_config(cfg) -> dict:
     if cfg.job == "rl":
         return cfg.run.model_dump(mode="json", exclude=RL_NOT_TRAINED)
     if cfg.job == "eval":
-        return {"eval": cfg.eval.model_dump(mode="json", exclude=EVAL_NOT_MEASURED)}
+        judged = {"run": cfg.run.model_dump(mode="json", exclude=RL_NOT_TRAINED)} if cfg.run is not None else {}
+        return {"eval": cfg.eval.model_dump(mode="json", exclude=EVAL_NOT_MEASURED), **judged}
     excluded = REWARD_MODEL_NOT_TRAINED if cfg.job == "reward_model" else STAGE_NOT_TRAINED
     return {cfg.stage: cfg.train.model_dump(mode="json", exclude=excluded)}
 
@@ -181,15 +190,13 @@ def provenance(cfg) -> dict:
     record = {"job": cfg.job, "config": training_config(cfg), "seed": cfg.seed, "code": code_version()}
     deploy = cfg.deploy
     if cfg.job == "rl":
-        d, r = cfg.data, cfg.reward
+        d = cfg.data
         record["data"] = {"prompts": verifiers_record(cfg.environment.verifiers) if cfg.environment.verifiers else
                           data_record(d.prompts, d.split, "data.prompts", d.subset, d.revision, deploy, d.options)}
         record["models"] = {name: model_record(value, f"model.{name}", cfg.model.revision if value == cfg.model.policy
                                                else None, deploy)
                             for name in ("policy", "reward", "critic") if (value := getattr(cfg.model, name))}
-        record["files"] = {f"reward.{i}": function_record(spec, "reward.functions") for i, spec in enumerate(r.specs())}
-        record["files"].update({f"environment.{name or 0}": function_record(spec, "environment.factory")
-                                for name, spec in cfg.environment.factories().items()})
+        record["files"] = judging_files(cfg)
         if cfg.rollout.engine == "vllm":
             record["code"] = {**record["code"], "vllm": vllm_version(cfg.deploy.rollout.python)}
         return record
@@ -198,9 +205,12 @@ def provenance(cfg) -> dict:
         record["data"] = {"prompts": data_record(e.prompts, e.split, "eval.prompts", e.subset, e.revision, deploy,
                                                  getattr(e, "options", None))}
         record["models"] = {"policy": model_record(cfg.model, "model", None, deploy),
-                            "reference": model_record(cfg.reference, "reference", None, deploy),
-                            "reward": model_record(cfg.reward, "reward", None, deploy)}
+                            "reference": model_record(cfg.reference, "reference", None, deploy)}
+        if cfg.reward:
+            record["models"]["reward"] = model_record(cfg.reward, "reward", None, deploy)
         record["files"] = {"gold": function_record(e.gold, "eval.gold")} if e.gold else {}
+        if cfg.run is not None:  # judged as an RL run's eval: its reward functions and environments, by content
+            record["files"].update(judging_files(cfg.run))
         return record
     t = cfg.train
     record["data"] = {"train": data_record(t.data, t.split, f"{cfg.stage}.data", t.subset, t.revision, deploy)}

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal, Optional
 
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 
-from models.config import PROMPT_SOURCES, RUN_NAME_PATTERN, CheckpointConfig, LoraConfig, TrackingConfig
+from models.config import (PROMPT_SOURCES, RUN_NAME_PATTERN, CheckpointConfig, LoraConfig, RunConfig,
+                           TrackingConfig)
 from models.deploy import DeployConfig
 from models.sections import OptimConfig, Section
 from models.resolve import Resolved, resolve_model
@@ -157,8 +158,18 @@ class EvalRunConfig(Section):
     seed: int = Field(0, description="Seed of the sampling (one seed for both policies: their j-th responses are paired).")
     model: str = Field("tiny/policy", description="The policy under test: a local directory or hub id ('tiny/<name>' = the embedded default).")
     reference: str = Field("tiny/policy", description="The policy it is compared against (a pipeline's SFT model).")
-    reward: str = Field("tiny/reward", description="The reward model that judges both (one label).")
+    reward: Optional[str] = Field("tiny/reward", description="The reward model that judges both (one label); None with `run`.")
+    run: Optional[RunConfig] = Field(None, description="Judge as this RL run's held-out eval does instead of by a reward model: its reward functions (reward.source=function) or its environments' episodes (environment.*) score both policies, with its generation settings; eval.* says which prompts, how many samples, at what temperature (a pipeline whose RL stage scores with functions sets it).")
     eval: EvalJudging = Field(default_factory=EvalJudging, description="The comparison.")
+
+    @model_validator(mode="after")
+    def _one_judge(self):
+        if self.run is not None and self.run.reward.source != "function":
+            raise ValueError("run.reward.source: an eval judged as an RL run's eval scores with its reward functions "
+                             "or environments (reward.source=function); a reward model judges through `reward`")
+        if self.run is None and not self.reward:
+            raise ValueError("reward: not set; name the reward model that judges both policies, or give `run`")
+        return self
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Unused by an eval (it keeps no checkpoint); present as in every job's config.")
 

@@ -2,13 +2,20 @@
 state directory), on the tiny chat model: the SFT stage teaches it to call the calculator (the shipped
 builtin:arithmetic_sft conversations), then RLOO against the calculator environment (examples/environments/
 calculator.py, TRL's protocol) raises its task success; a stalled tool and a raising reward function do not stop a
-run; a reasoning-gym task trains and evaluates with pass@k."""
+run; a reasoning-gym task trains and evaluates with pass@k; examples/tools_pipeline.yaml runs sft -> rl -> eval, its eval
+stage playing both policies' episodes."""
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from components.cli.files import load_tree
+from components.pipeline.cache import stage_dir
+from components.pipeline.config import PipelineFile
+from components.pipeline.run import run_pipeline
 from components.runs import train
 from models.config import preset
 from models.metrics import find
@@ -115,3 +122,32 @@ def test_a_reasoning_gym_task_trains_and_evaluates_with_pass_at_k(state_dir):
         assert 0 <= e["eval/pass_at_1"] <= e["eval/pass_at_2"] <= e["eval/pass_at_4"] <= 1
         assert e["eval/pass_at_1"] == pytest.approx(e["eval/success"])
     assert all("objective/gold_reward" in m for m in result["history"])  # the task's scorer is the gold reward
+
+
+def test_the_tools_pipeline_runs_sft_rl_and_an_eval_that_plays_both_policies_episodes(state_dir):
+    """examples/tools_pipeline.yaml as shipped, only shortened: no reward-model stage (its RL stage is scored by a
+    function), and the eval stage plays the SFT and the RL policy's held-out episodes with the environment (one
+    sampling seed: paired episodes): each policy's success, pass@2 and tool use, the win rate of the pairs and the
+    gain in success, checked against a float64 reference from the stage's own rows."""
+    given = load_tree(PipelineFile, str(ROOT / "examples" / "tools_pipeline.yaml"), [
+        f"deploy.state_dir={state_dir / 'tools-pipeline'}", "deploy.tracking.system_metrics=false",
+        "sft.max_steps=20", "rl.iterations=1", "rl.eval.every=0", "rl.reinforce.rollout_batch_size=4",
+        "rl.reinforce.minibatch_size=16", "eval.max_prompts=4", "eval.samples_per_prompt=2"])
+    summary = run_pipeline(given.pipeline, given.deploy)
+    assert list(summary["stages"]) == ["sft", "rl", "eval"]
+    record = summary["stages"]["eval"]
+    metrics = record["metrics"]
+    rows = json.loads((state_dir / "tools-pipeline" / "checkpoints" / stage_dir("eval", record["key"]) / "record.json")
+                      .read_text())["rows"]  # the stage's record
+    assert len(rows) == 8 and metrics["eval/samples"] == 8.0
+    policy = torch.tensor([r["policy_score"] for r in rows], dtype=torch.float64)
+    reference = torch.tensor([r["reference_score"] for r in rows], dtype=torch.float64)
+    wins = ((policy > reference).double() + 0.5 * (policy == reference).double()).mean()
+    assert metrics["eval/win_rate"] == pytest.approx(float(wins), abs=1e-12)
+    for prefix, scores in (("eval/", policy), ("eval/reference/", reference)):
+        assert metrics[f"{prefix}success"] == pytest.approx(float((scores >= 1.0).double().mean()), abs=1e-12)
+        assert metrics[f"{prefix}pass_at_2"] == pytest.approx(float((scores.view(4, 2).max(1).values >= 1.0).double().mean()), abs=1e-12)
+        assert f"{prefix}tools/call_frequency" in metrics and f"{prefix}env/errors" in metrics
+    assert metrics["eval/success_gain"] == pytest.approx(metrics["eval/success"] - metrics["eval/reference/success"])
+    assert [name for name in metrics if find(name, "eval") is None] == []  # all in docs/metrics.md's list
+    assert any("[assistant" in r["policy"] for r in rows) and all(isinstance(r["reference"], str) for r in rows)

@@ -60,16 +60,20 @@ def test_a_pipelines_stage_keys_follow_what_each_stage_is_made_from(tmp_path):
     assert len(set(base.values())) == 4  # no two stages share a key
 
 
-def test_a_reward_file_rewritten_in_place_retrains_rl_and_reuses_sft_and_the_reward_model(tmp_path):
+def test_a_reward_file_rewritten_in_place_retrains_rl_and_reevaluates_and_reuses_sft(tmp_path):
+    """A pipeline whose RL stage is scored by a reward function has no reward-model stage (sft -> rl -> eval) and its
+    eval is judged by that function: rewriting the file changes the keys of rl and eval, not sft's."""
     rewards = tmp_path / "rewards.py"
     rewards.write_text("def score(prompts, responses, **kw):\n    return [float(len(r)) for r in responses]\n")
     cfg = merge(PipelineConfig(), {"rl.reward.source": "function", "rl.reward.function": f"{rewards}:score"})
     before = keys(cfg)
     rewards.write_text("def score(prompts, responses, **kw):\n    return [-float(len(r)) for r in responses]\n")
     after = keys(cfg)  # the same path, other bytes
-    assert (after["sft"], after["reward_model"]) == (before["sft"], before["reward_model"]) and after["rl"] != before["rl"]
-    record = prov.provenance(job_config("rl", cfg, DeployConfig(), UPSTREAM))
-    assert record["files"]["reward.0"]["function"] == "score" and str(rewards) not in json.dumps(record)
+    assert list(after) == ["sft", "rl", "eval"]
+    assert after["sft"] == before["sft"] and after["rl"] != before["rl"] and after["eval"] != before["eval"]
+    for stage in ("rl", "eval"):
+        record = prov.provenance(job_config(stage, cfg, DeployConfig(), UPSTREAM))
+        assert record["files"]["reward.0"]["function"] == "score" and str(rewards) not in json.dumps(record)
 
 
 def test_a_hub_model_at_another_commit_retrains_everything_after_it(tmp_path, monkeypatch):
