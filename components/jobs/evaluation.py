@@ -68,14 +68,12 @@ class Eval:
         cfg, e = session.cfg, session.cfg.eval
         if cfg.run is not None:
             metrics, rows = steps("evaluate-policies", evaluate_as_run, cfg, prompts)
-            session.log_eval(0, metrics, rows)
-            steps.log("eval: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
-            return {"steps": 0, "history": [], "evals": [{"step": 0, **metrics}], "metrics": metrics, "rows": rows}
-        sampling = Sampling(max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_k=e.top_k, top_p=e.top_p)
-        paths = [cfg.resolve_model(getattr(cfg, name), name).path for name in ("model", "reference", "reward")]
-        metrics, rows = steps("compare-policies", compare_policies, *paths, prompts,
-                              sampling, e.samples_per_prompt, e.gold, cfg.seed, e.table_rows, e.normalize,
-                              local_device(cfg.deploy.device, SINGLE), e.success_threshold)
+        else:
+            sampling = Sampling(max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_k=e.top_k, top_p=e.top_p)
+            paths = [cfg.resolve_model(getattr(cfg, name), name).path for name in ("model", "reference", "reward")]
+            metrics, rows = steps("compare-policies", compare_policies, *paths, prompts,
+                                  sampling, e.samples_per_prompt, e.gold, cfg.seed, e.table_rows, e.normalize,
+                                  local_device(cfg.deploy.device, SINGLE), e.success_threshold)
         session.log_eval(0, metrics, rows)
         steps.log("eval: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
         return {"steps": 0, "history": [], "evals": [{"step": 0, **metrics}], "metrics": metrics, "rows": rows}
