@@ -185,3 +185,31 @@ def test_splitting_a_minibatch_into_micro_batches_does_not_change_the_step(tiny_
         if name.endswith("attn.c_attn.bias"):  # the key bias: zero gradient, see test_two_ranks_update_like_one
             continue
         torch.testing.assert_close(w_five[name], w_one[name], rtol=0, atol=1e-5, msg=name)
+
+
+def test_episodes_played_on_rank_0_reach_each_rank_as_one_rank_plays_them(tiny_models, tmp_path):
+    """A verifiers run's episodes (models/environments/remote.RemoteEpisodes): rank 0 gathers both ranks' rows, plays
+    them (here a pure source: what it is handed decides every record) and scatters the records back; each rank's
+    rollout (tokens, loss mask, the server's logprobs, the weights version) and scores are the single-process play's
+    rows of its share, bit for bit, an errored episode's mask 0 and score 0 included."""
+    from tests.models.dist_remote import play
+
+    chat = str(Path(tiny_models["policy"]).parent / "chat")
+    one = play(chat, distributed.SINGLE)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                           str(_free_port()), str(Path(__file__).with_name("dist_remote.py")), chat,
+                           str(tmp_path / "two.pt")], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert one["errors"] == [""] * 6 + ["boom"] * 2 and one["scores"].tolist() == [0, 1, 0, 1, 0, 1, 0, 0]
+    assert one["mask"][6:].sum() == 0 and one["mask"][:6].sum() > 0 and set(one["versions"].tolist()) == {7}
+    for rank in (0, 1):
+        two = torch.load(tmp_path / f"two.pt.{rank}", weights_only=False)
+        share = slice(4 * rank, 4 * rank + 4)
+        assert two["errors"] == one["errors"][share] and torch.equal(two["scores"], one["scores"][share])
+        for key in ("lengths", "versions"):
+            assert torch.equal(two[key], one[key][share]), key
+        width = int(two["lengths"].max())  # each rank pads to its own longest row
+        for key in ("tokens", "mask", "logprobs"):
+            assert torch.equal(two[key], one[key][share][:, :two[key].shape[1]]), key
+            assert two[key].shape[1] in (width, width - 1)
