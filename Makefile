@@ -120,7 +120,8 @@ RLHF_VLLM_IMAGE ?= rlhf-flows-vllm:$(VERSION)
 IMAGE_VLLM_PACKAGE ?= vllm
 
 image:
-	$(DOCKER) build -f docker/actor.Dockerfile --build-arg TORCH_VERSION=$(TORCH_VERSION) -t $(RLHF_IMAGE) .
+	$(DOCKER) build -f docker/actor.Dockerfile --build-arg TORCH_VERSION=$(TORCH_VERSION) \
+		--build-arg VERIFIERS_PINS="$(subst ",,$(VERIFIERS_PINS))" -t $(RLHF_IMAGE) .
 	$(DOCKER) build -f docker/vllm.Dockerfile --build-arg BASE=$(RLHF_IMAGE) \
 		--build-arg VLLM_PACKAGE=$(IMAGE_VLLM_PACKAGE) --build-arg VLLM_VERSION=$(VLLM_VERSION) \
 		--build-arg VLLM_PINS="$(subst ",,$(VLLM_PINS))" -t $(RLHF_VLLM_IMAGE) .

@@ -34,6 +34,14 @@ RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml
     && pip install -r /tmp/requirements.txt \
     && rm /tmp/requirements.txt
 
+# verifiers' own environment (environment.verifiers runs its environments there: components/verifiers/, its worker
+# started as .venv-verifiers/bin/python under the project root), with the pins of the Makefile's verifiers-venv target
+# (VERIFIERS_PINS: make passes them, the default here is the same, tests/infra/test_images.py checks); no torch in it
+ARG VERIFIERS_PINS="verifiers==0.2.1 openai==3.57.0 httpx==0.28.1 pydantic==2.14.4 datasets==5.2.0"
+RUN python -m venv .venv-verifiers \
+    && .venv-verifiers/bin/pip install ${VERIFIERS_PINS} \
+    && .venv-verifiers/bin/python -c "import verifiers"
+
 COPY models/ models/
 COPY components/ components/
 COPY flows/ flows/

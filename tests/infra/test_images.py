@@ -86,10 +86,20 @@ def test_vllm_image_takes_the_makefiles_vllm_pins():
     assert _instructions(VLLM, "FROM") == ["${BASE}"]
 
 
+def test_actor_image_has_verifiers_environment_where_a_run_starts_its_worker():
+    """environment.verifiers in a pod: the worker's interpreter (components/verifiers/rollouts.DEFAULT_PYTHON, under
+    the project root) is a venv of the Makefile's verifiers pins, made in the image's working directory."""
+    from components.verifiers.rollouts import DEFAULT_PYTHON
+
+    assert _args(ACTOR)["VERIFIERS_PINS"].split() == _make_variable("VERIFIERS_PINS").replace('"', "").split()
+    venv = re.search(r"python -m venv (\S+)", " ".join(_instructions(ACTOR, "RUN"))).group(1)
+    assert f"{venv}/bin/python" == DEFAULT_PYTHON and "${VERIFIERS_PINS}" in " ".join(_instructions(ACTOR, "RUN"))
+
+
 def test_make_image_builds_both_images_with_the_pins():
     actor, vllm = _make_image("RLHF_IMAGE=registry.example.com/a:1", "RLHF_VLLM_IMAGE=registry.example.com/v:1")
     assert actor[actor.index("-f") + 1] == "docker/actor.Dockerfile" and actor[-1] == "."
-    assert _build_args(actor) == {"TORCH_VERSION": _pyproject_pin("torch")}
+    assert _build_args(actor) == {"TORCH_VERSION": _pyproject_pin("torch"), "VERIFIERS_PINS": _args(ACTOR)["VERIFIERS_PINS"]}
     assert _tag(actor) == "registry.example.com/a:1"
     assert vllm[vllm.index("-f") + 1] == "docker/vllm.Dockerfile" and vllm[-1] == "."
     args = _build_args(vllm)
