@@ -87,6 +87,19 @@ class Played:
     values: torch.Tensor  # [B, F] each reward term (NaN where a term did not score the episode)
 
 
+def played(episodes: list[Episode], tokenizer, pad_id: int, version: int | None, terms: int) -> Played:
+    """Scored episodes as the training step needs them: the rollout in the engine layout (a failed episode's mask
+    all 0: the failure was not the model's), each completion's text, the scores and the `terms` reward terms."""
+    rollout = from_responses([e.prompt_ids for e in episodes], [e.ids for e in episodes],
+                             [e.logprobs for e in episodes], [e.is_end for e in episodes], pad_id,
+                             [version] * len(episodes) if version is not None else None,
+                             [[0] * len(e.ids) if e.failed else e.mask for e in episodes])
+    responses = [tokenizer.decode(e.ids, skip_special_tokens=True) for e in episodes]
+    values = torch.tensor([e.values for e in episodes], dtype=torch.float64).reshape(len(episodes), terms)
+    scores = torch.tensor([e.score for e in episodes], dtype=torch.float64)
+    return Played(episodes, rollout, responses, scores, values)
+
+
 class EpisodeRunner:
     """This rank's environments: the worker pool (instances pooled and reused across batches, as TRL does), the
     environments' tools, and the chat format."""
@@ -141,14 +154,7 @@ class EpisodeRunner:
             version = self._play(waves[w] if w < len(waves) else [], engine, sampling, generator, max_new_tokens,
                                  episodes) or version
         self._score(episodes)
-        responses = [self.chat.tokenizer.decode(e.ids, skip_special_tokens=True) for e in episodes]
-        rollout = from_responses([e.prompt_ids for e in episodes], [e.ids for e in episodes],
-                                 [e.logprobs for e in episodes], [e.is_end for e in episodes], pad_id,
-                                 [version] * len(episodes) if version is not None else None,
-                                 [[0] * len(e.ids) if e.failed else e.mask for e in episodes])
-        values = torch.tensor([e.values for e in episodes], dtype=torch.float64).reshape(len(episodes), len(self.names))
-        scores = torch.tensor([e.score for e in episodes], dtype=torch.float64)
-        return Played(episodes, rollout, responses, scores, values)
+        return played(episodes, self.chat.tokenizer, pad_id, version, len(self.names))
 
     # ------------------------------------------------------------------------------------------------ one wave
     def _play(self, episodes: list[Episode], engine, sampling, generator, max_new_tokens: int,

@@ -11,6 +11,7 @@ rollout's turns are not one token sequence) keeps its tokens for the table, scor
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from typing import Callable
@@ -18,8 +19,7 @@ from typing import Callable
 import torch
 
 from models.distributed import SINGLE, Dist
-from models.engines.base import from_responses
-from models.environments.episodes import Episode, Played
+from models.environments.episodes import Episode, Played, played
 
 # rows (every rank's, in rank order) and the sampling arguments -> one record per row, in order
 Source = Callable[[list[dict], dict], list[dict]]
@@ -97,7 +97,7 @@ class RemoteEpisodes:
             if len(records) != sum(map(len, everyone)):
                 raise RuntimeError(f"environment.verifiers: {len(records)} rollouts answered for "
                                    f"{sum(map(len, everyone))} rows")
-            bounds = torch.tensor([0] + [len(mine) for mine in everyone]).cumsum(0).tolist()
+            bounds = list(itertools.accumulate(map(len, everyone), initial=0))
             shares = [(records[a:b], engine.version) for a, b in zip(bounds, bounds[1:])]
         mine, version = self.me.scatter_object(shares)
         episodes = [episode_of(self.names[0], row, record) for row, record in zip(rows, mine)]
@@ -105,14 +105,7 @@ class RemoteEpisodes:
             if not episode.prompt_ids:
                 text = self.tokenizer.apply_chat_template(episode.messages, tokenize=False, add_generation_prompt=True)
                 episode.prompt_ids = self.tokenizer.encode(text, add_special_tokens=False)
-        rollout = from_responses([e.prompt_ids for e in episodes], [e.ids for e in episodes],
-                                 [e.logprobs for e in episodes], [e.is_end for e in episodes], pad_id,
-                                 [version] * len(episodes) if version is not None else None,
-                                 [[0] * len(e.ids) if e.failed else e.mask for e in episodes])
-        responses = [self.tokenizer.decode(e.ids, skip_special_tokens=True) for e in episodes]
-        values = torch.tensor([e.values for e in episodes], dtype=torch.float64).reshape(len(episodes), 1)
-        scores = torch.tensor([e.score for e in episodes], dtype=torch.float64)
-        return Played(episodes, rollout, responses, scores, values)
+        return played(episodes, self.tokenizer, pad_id, version, 1)
 
     def close(self) -> None:
         pass
