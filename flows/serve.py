@@ -1,10 +1,19 @@
-"""Serve every deployment from one process (what `rlhf up` starts): `python -m flows.serve`."""
+"""Serve every deployment from one process (what `rlhf up` starts): `python -m flows.serve`.
+
+Each deployment is added with its flow (`Runner.add_flow`), so a flow run runs the flow this process holds, in a child
+forked from a process that has imported the flows already (components/launch/flow_runs.py), instead of a new
+interpreter that loads the flow from its file and imports everything again (`python -m prefect.engine`).
+"""
 
 from __future__ import annotations
 
-from prefect import serve
+import asyncio
+
+from prefect.exceptions import TerminationSignal
+from prefect.runner import Runner
 
 from components.environment import quiet
+from components.launch.flow_runs import preload
 from flows.compare import compare
 from flows.ppo import ppo
 from flows.reinforce import reinforce
@@ -13,37 +22,50 @@ from flows.stages import dpo, pipeline, reward_model, sft
 from flows.sweep import EXAMPLE_CONFIG, EXAMPLE_SWEEP, sweep_flow
 
 
-def deployments():
+def deployments() -> list[tuple]:
+    """(flow, its default deployment's parameters and description): each is served as `<flow name>/default`."""
     return [
-        ppo.to_deployment(name="default", parameters={"config": {"algorithm": "ppo"}, "deploy": {}},
-                          description="PPO on the embedded default (tiny local models); --param config='{...}' sets any "
-                                      "run field, --param deploy='{...}' where its parts run (both merged over these)"),
-        reinforce.to_deployment(name="default", parameters={"config": {"algorithm": "rloo"}, "deploy": {}},
-                                description="REINFORCE/RLOO on the embedded default (merged as ppo/default's)"),
-        critic_server.to_deployment(name="default", description="PyTriton critic server (critic_infer/train/save)"),
-        reward_server.to_deployment(name="default", description="PyTriton reward server (reward_model)"),
-        rollout_server.to_deployment(name="default", description="vLLM rollout server (generate, update_weights)"),
-        compare.to_deployment(name="default", description="PPO vs RLOO curves and table"),
-        sft.to_deployment(name="default", parameters={"config": {}, "deploy": {}},
-                          description="Supervised fine-tuning on completions (the embedded default: tiny policy, "
-                                      "builtin:sentiment_sft); --param config='{...}' merged over these"),
-        reward_model.to_deployment(name="default", parameters={"config": {}, "deploy": {}},
-                                   description="A Bradley-Terry reward model on preference pairs (the embedded "
-                                               "default: builtin:sentiment_preference)"),
-        dpo.to_deployment(name="default", parameters={"config": {}, "deploy": {}},
-                          description="DPO on preference pairs against the frozen model it starts from (the embedded "
-                                      "default: the tiny policy, builtin:sentiment_preference)"),
-        pipeline.to_deployment(name="default", parameters={"config": {}, "deploy": {}},
-                               description="sft -> reward_model -> rl -> eval (sft -> dpo -> eval with a dpo section) on "
-                                           "the embedded default, each stage reused when nothing it was made from "
-                                           "changed (Cached)"),
-        sweep_flow.to_deployment(name="default", parameters={"config": EXAMPLE_CONFIG.model_dump(mode="json", exclude_unset=True),
-                                                              "sweep": EXAMPLE_SWEEP.model_dump(mode="json")},
-                                 description="A hyperparameter sweep (Optuna): trials are runs of ppo/default or "
-                                             "reinforce/default; the defaults are a 2 x 2 grid of RLOO runs"),
+        (ppo, dict(parameters={"config": {"algorithm": "ppo"}, "deploy": {}},
+                   description="PPO on the embedded default (tiny local models); --param config='{...}' sets any run "
+                               "field, --param deploy='{...}' where its parts run (both merged over these)")),
+        (reinforce, dict(parameters={"config": {"algorithm": "rloo"}, "deploy": {}},
+                         description="REINFORCE/RLOO on the embedded default (merged as ppo/default's)")),
+        (critic_server, dict(description="PyTriton critic server (critic_infer/train/save)")),
+        (reward_server, dict(description="PyTriton reward server (reward_model)")),
+        (rollout_server, dict(description="vLLM rollout server (generate, update_weights)")),
+        (compare, dict(description="PPO vs RLOO curves and table")),
+        (sft, dict(parameters={"config": {}, "deploy": {}},
+                   description="Supervised fine-tuning on completions (the embedded default: tiny policy, "
+                               "builtin:sentiment_sft); --param config='{...}' merged over these")),
+        (reward_model, dict(parameters={"config": {}, "deploy": {}},
+                            description="A Bradley-Terry reward model on preference pairs (the embedded default: "
+                                        "builtin:sentiment_preference)")),
+        (dpo, dict(parameters={"config": {}, "deploy": {}},
+                   description="DPO on preference pairs against the frozen model it starts from (the embedded "
+                               "default: the tiny policy, builtin:sentiment_preference)")),
+        (pipeline, dict(parameters={"config": {}, "deploy": {}},
+                        description="sft -> reward_model -> rl -> eval (sft -> dpo -> eval with a dpo section) on the "
+                                    "embedded default, each stage reused when nothing it was made from changed "
+                                    "(Cached)")),
+        (sweep_flow, dict(parameters={"config": EXAMPLE_CONFIG.model_dump(mode="json", exclude_unset=True),
+                                      "sweep": EXAMPLE_SWEEP.model_dump(mode="json")},
+                          description="A hyperparameter sweep (Optuna): trials are runs of ppo/default or "
+                                      "reinforce/default; the defaults are a 2 x 2 grid of RLOO runs")),
     ]
 
 
-if __name__ == "__main__":
+def main() -> None:
     quiet()
-    serve(*deployments(), limit=4)
+    served = deployments()
+    preload([flow for flow, _ in served])
+    runner = Runner(limit=4)
+    for flow, deployment in served:
+        runner.add_flow(flow, name="default", **deployment)
+    try:
+        asyncio.run(runner.start())  # until stopped (`rlhf down`), as prefect.serve runs it
+    except (KeyboardInterrupt, TerminationSignal):
+        pass
+
+
+if __name__ == "__main__":
+    main()

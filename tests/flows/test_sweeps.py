@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient
 
 from components.cli.main import main
 from components.launch import stack
+from components.launch.flow_runs import flow_run_name
 from tests.conftest import free_port_block
 
 pytestmark = pytest.mark.slow(11)
@@ -90,14 +91,16 @@ def study(s, name: str) -> optuna.Study:
 
 def stack_processes(state_dir: Path, flow_run: str | None = None) -> list[psutil.Process]:
     """Live processes of this module's stack (their environment names its state directory; other pytest workers'
-    never count); with `flow_run`, those of that flow run: its process and everything it started (they inherit
-    PREFECT__FLOW_RUN_ID): its reward server, its actor ranks, its rollout server."""
+    never count); with `flow_run`, those of that flow run: its process (a fork of the deployments' forkserver, named
+    after the run) and everything it started (they inherit PREFECT__FLOW_RUN_ID): its reward server, its actor ranks,
+    its rollout server."""
     found = []
-    for p in psutil.process_iter(["status"]):
+    for p in psutil.process_iter(["status", "name"]):
         try:
             env = p.environ()
             if (p.info["status"] != psutil.STATUS_ZOMBIE and env.get("RLHF_STATE_DIR") == str(state_dir)
-                    and (flow_run is None or env.get("PREFECT__FLOW_RUN_ID") == flow_run)):
+                    and (flow_run is None or env.get("PREFECT__FLOW_RUN_ID") == flow_run
+                         or p.info["name"] == flow_run_name(flow_run))):
                 found.append(p)
         except psutil.Error:
             continue

@@ -21,10 +21,12 @@ import os
 import signal
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Optional
 
+import psutil
 import torch
 
 from components.launch.processes import can_bind, exit_with_parent, wait_for
@@ -161,11 +163,40 @@ def serve(spec: ServerSpec, load: Callable[[], tuple[list, object]] | None = Non
     except _Stop:
         LOG.info("%s server: stop requested", kind)
     finally:
-        triton.stop()
+        # serving that ended by itself (a rank or Triton died) stops within a bound; a requested stop as it takes
+        _stop_triton(triton, kind, spec.exit_timeout_s + STOP_SLACK_S if code else None)
         if group is not None:
             _stop_ranks(group)
         LOG.info("%s server: stopped", kind)
     return code
+
+
+STOP_SLACK_S = 10  # past Triton's own exit timeout, for PyTriton's unloading on a loaded machine
+
+
+def _stop_triton(triton, kind: str, deadline_s: Optional[float]) -> None:
+    """PyTriton's stop, within `deadline_s` (None: as long as it takes). A stop can wait on a request that never ends
+    (one waiting in a collective on a rank that died): past the deadline the server's own processes (tritonserver,
+    its backend stubs, its ranks) are killed and this process exits at once with code 1, so that whoever started it
+    sees it gone, and why (its log's last ERROR line), within a bound: not a server that stays up, answering ready,
+    for the collective's timeout."""
+    if deadline_s is None:
+        triton.stop()
+        return
+    stopping = threading.Thread(target=triton.stop, name="triton-stop", daemon=True)
+    stopping.start()
+    stopping.join(deadline_s)
+    if stopping.is_alive():
+        # a warning: the cause (the ERROR line before it) stays the log's last ERROR line, which names the exit
+        LOG.warning("%s server: Triton did not stop within %.0fs (a request still waits): its processes killed, "
+                    "exiting", kind, deadline_s)
+        for child in psutil.Process().children(recursive=True):
+            try:
+                child.kill()
+            except psutil.Error:
+                pass
+        logging.shutdown()
+        os._exit(1)
 
 
 def _stop_ranks(group) -> None:
