@@ -48,8 +48,7 @@ class RL:
     def prepare(self, cfg: RLHFConfig) -> tuple[RLHFConfig, tuple[PromptSet, PromptSet | None]]:
         cfg = prepare_run(cfg)
         if cfg.environment.verifiers:  # the environment's own datasets
-            evals = verifiers.prompt_set(cfg, "eval", cfg.eval.max_prompts) if cfg.eval.every else None
-            return cfg, (verifiers.prompt_set(cfg, "train"), evals)
+            return cfg, verifiers.prompt_sets(cfg, cfg.eval.max_prompts, evals=bool(cfg.eval.every))
         return cfg, read_data(cfg)  # bad data fails here, before any model loads
 
     def tags(self, cfg: RLHFConfig) -> dict[str, str]:

@@ -568,14 +568,17 @@ def rollout_service(server, actor, cfg: RLHFConfig, place: RunPlace, steps: Step
     wait_ready("rollout", server, cfg, steps)
     clients = steps("connect-rollout-engine", connect_engine, actor, server.urls, cfg, place)
     steps.log(f"rollout engine at {', '.join(server.urls)} holds the actor's weights ({actor.state.engine.last_refit})")
-    if v := cfg.environment.verifiers:  # verifiers' clients play the episodes against it, as this run
-        actor.state.episodes.source = verifiers.rollout_source(v, f"{server.urls[0]}/v1", run_secret(place),
-                                                               place.log_dir / f"verifiers-{v.id}.log")
+    worker = None
+    if v := cfg.environment.verifiers:  # verifiers' clients play the episodes against it, as this run, in one worker
+        worker = verifiers.VerifiersWorker(run_secret(place), place.log_dir / f"verifiers-{v.id}.log", env_paths=v.paths)
+        actor.state.episodes.source = verifiers.rollout_source(v, f"{server.urls[0]}/v1", worker)
     try:
         yield [Service("rollout server", clients, server.death)]
     finally:
         for client in clients:
             client.close()
+        if worker is not None:
+            worker.close()
 
 
 @contextmanager

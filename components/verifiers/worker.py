@@ -1,10 +1,11 @@
 """A batch of rollouts of a verifiers environment against the run's rollout server, in verifiers' own environment
 (.venv-verifiers, `make verifiers-venv`: verifiers 0.2.1, the classic API), returned as plain JSON.
 
-    python -m components.verifiers.worker < request.json > answer.json
+    python -m components.verifiers.worker < requests.jsonl > answers.jsonl
 
 The run's secret comes in through $RLHF_RUN_SECRET (verifiers' `api_key_var`: its OpenAI client sends it as the
-bearer token the server checks), never on the command line. The request (JSON on stdin):
+bearer token the server checks), never on the command line. It answers request after request, one JSON line each
+(the trainer keeps one worker for a run: verifiers and the environment load once). A request (a JSON line on stdin):
 
     {"env_id": "my-env", "env_args": {...},            vf.load_environment(env_id, **env_args)
      "base_url": "http://127.0.0.1:P/v1",              the rollout server's OpenAI-compatible endpoints
@@ -16,7 +17,7 @@ bearer token the server checks), never on the command line. The request (JSON on
 With `"mode": "dataset"` (and `env_id`, `env_args`, `split`) it answers the split's rows instead, as the run's
 prompts, `{"schema": 1, "rows": [{"example_id": position, "prompt": [messages]}]}`; no server is needed for it.
 
-The answer (JSON on stdout, schema version 1), one entry per rollout, the k rollouts of an example consecutive:
+The answer (a JSON line on stdout, schema version 1), one entry per rollout, the k rollouts of an example consecutive:
 
     {"schema": 1, "env_id", "client_type", "model",
      "rollouts": [{"example_id", "reward", "metrics": {name: float}, "error": str|null, "stop_condition",
@@ -44,6 +45,7 @@ from typing import Any
 
 SECRET_ENV = "RLHF_RUN_SECRET"  # as components/serving/auth.py
 SCHEMA = 1
+ENVIRONMENTS: dict = {}  # (id, arguments) -> the loaded environment, for the worker's life
 
 
 def merge_steps(steps: list[dict], errored: bool = False) -> list[dict]:
@@ -114,7 +116,10 @@ def dataset_rows(env, split: str) -> list[dict]:
 async def run(request: dict) -> dict:
     import verifiers as vf  # the worker's own environment (.venv-verifiers): not importable in the project's
 
-    env = vf.load_environment(request["env_id"], **request.get("env_args", {}))
+    key = (request["env_id"], json.dumps(request.get("env_args", {}), sort_keys=True))
+    if key not in ENVIRONMENTS:
+        ENVIRONMENTS[key] = vf.load_environment(request["env_id"], **request.get("env_args", {}))
+    env = ENVIRONMENTS[key]
     if request.get("mode") == "dataset":
         return {"schema": SCHEMA, "env_id": request["env_id"], "rows": dataset_rows(env, request.get("split", "train"))}
     client = vf.ClientConfig(client_type=request.get("client_type", "openai_chat_completions_token"),
@@ -149,12 +154,18 @@ async def served_model(base_url: str) -> str:
 
 
 def main() -> None:
-    request = json.load(sys.stdin)
-    if request.get("mode") != "dataset" and not os.environ.get(SECRET_ENV):
-        raise SystemExit(f"${SECRET_ENV}: the run's secret is needed (the rollout server serves its run only)")
-    answer = asyncio.run(run(request))
-    json.dump(answer, sys.stdout)
-    sys.stdout.flush()
+    """Answer each request line on stdin with one answer line on stdout, until stdin ends; one event loop and one
+    instance of each environment (by id and arguments) for all of them. A request that fails ends the worker (its
+    traceback in the log, a non-zero exit code): the trainer reports it and starts another for the next batch."""
+    loop = asyncio.new_event_loop()
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        request = json.loads(line)
+        if request.get("mode") != "dataset" and not os.environ.get(SECRET_ENV):
+            raise SystemExit(f"${SECRET_ENV}: the run's secret is needed (the rollout server serves its run only)")
+        sys.stdout.write(json.dumps(loop.run_until_complete(run(request))) + "\n")
+        sys.stdout.flush()
 
 
 if __name__ == "__main__":

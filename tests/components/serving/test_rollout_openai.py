@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -21,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from components.launch.processes import PROJECT_ROOT
 from components.serving.launcher import launch_rollout, rollout_python
 from components.serving.rollout.client import RolloutClient
-from components.verifiers.rollouts import run_rollouts, verifiers_python
+from components.verifiers.rollouts import VerifiersError, VerifiersWorker, verifiers_python
 from models.config import from_layers
 from models.engines import Weights
 from tests.components.serving.tool_model import CALL, build_tool_model, perturb
@@ -235,11 +236,13 @@ def test_verifiers_clients_run_a_multiturn_and_a_tool_env_with_tokens_on_every_t
     with token ids in, every turn's prompt ids extend the previous turn's prompt + completion ids (one sample per
     rollout); with messages in, how often the re-rendered text did not give back the sampled tokens is measured."""
     failures = turns = 0
-    for env_id in ("guess_env", "calc_env"):
-        answer = run_rollouts({"env_id": env_id, "base_url": f"{server.url}/v1", "client_type": client_type,
-                               "sampling_args": {"temperature": 1.0, "max_tokens": 24}, "example_ids": [0, 1],
-                               "rollouts_per_example": 2}, server.secret, tmp_path / f"{env_id}.log", timeout_s=300,
-                              env_paths=[str(environments)])
+    worker = VerifiersWorker(server.secret, tmp_path / "verifiers.log", env_paths=[str(environments)])
+    pids = set()
+    for env_id in ("guess_env", "calc_env"):  # one worker plays both environments, one batch after the other
+        answer = worker.request({"env_id": env_id, "base_url": f"{server.url}/v1", "client_type": client_type,
+                                 "sampling_args": {"temperature": 1.0, "max_tokens": 24}, "example_ids": [0, 1],
+                                 "rollouts_per_example": 2}, timeout_s=300)
+        pids.add(worker.proc.pid)
         rollouts = answer["rollouts"]
         assert len(rollouts) == 4 and [r["example_id"] for r in rollouts] == [0, 0, 1, 1]
         for rollout in rollouts:
@@ -260,10 +263,31 @@ def test_verifiers_clients_run_a_multiturn_and_a_tool_env_with_tokens_on_every_t
                 tool_results = [m for m in rollout["messages"] if m["role"] == "tool"]
                 assert len(tool_results) == 2 and all(m["content"] == "5" for m in tool_results)
                 assert rollout["reward"] == 1.0
+    worker.close()
+    assert len(pids) == 1 and worker.proc is None  # one process answered both batches; closed, it is gone
     print(f"{client_type}: {failures} of {turns} later turns did not extend the previous prompt + completion ids")
     if client_type == "openai_chat_completions":
         # this tokenizer is byte-level with the tool call's pieces as tokens: the text round-trips exactly
         assert failures == 0
+
+
+def test_a_batch_that_fails_names_the_workers_exit_and_the_next_batch_gets_a_new_worker(environments, tmp_path):
+    """The worker keeps serving a run's batches; one whose batch fails (here: an environment that does not exist)
+    exits, the batch fails naming its exit code and log tail, and the next batch starts a new worker. Past its
+    deadline a batch kills the worker (its process group) and says so. (Dataset requests: no server needed.)"""
+    log = tmp_path / "verifiers.log"
+    with VerifiersWorker(None, log, env_paths=[str(environments)]) as worker:
+        rows = worker.request({"mode": "dataset", "env_id": "guess_env", "split": "train"})["rows"]
+        first = worker.proc.pid
+        with pytest.raises(VerifiersError, match=r"(?s)exited with code 1:.*no_such_env"):
+            worker.request({"mode": "dataset", "env_id": "no_such_env", "split": "train"})
+        assert not psutil.pid_exists(first)
+        assert worker.request({"mode": "dataset", "env_id": "guess_env", "split": "train"})["rows"] == rows
+        second = worker.proc.pid
+        assert second != first
+        with pytest.raises(VerifiersError, match=r"did not finish its batch within 0s: killed"):
+            worker.request({"mode": "dataset", "env_id": "calc_env", "split": "train"}, timeout_s=0.001)
+        assert worker.proc is None and not psutil.pid_exists(second)
 
 
 def call_probability(model_dir) -> float:
