@@ -17,6 +17,7 @@ import pytest
 from mlflow.tracking import MlflowClient
 
 from components.launch import stack
+from components.launch.flow_runs import flow_run_name
 from components.launch.processes import can_bind
 from tests.conftest import assert_learned, free_port_block
 from tests.hub_cache import build_qwen2, put_in_cache
@@ -243,7 +244,14 @@ def test_reinforce_deployment_starts_no_critic_and_its_reward_server_scores_a_re
         "reward": {"source": "function", "function": TARGETED, "gold": TARGETED},
         "eval": {"prompts": "builtin:sentiment_target", "every": 4, "temperature": 1.0, "samples_per_prompt": 4,
                  "max_prompts": 16}})
-    run = wait_final(s, flow_run_id(proc))
+    run_id = flow_run_id(proc)
+    # the flow run is a fork of the deployment server's forkserver, named after the run, and what it starts (its
+    # reward server) inherits the run's id
+    server = _wait_for(lambda: server_processes(s, '"run_name":"e2e-rloo"'), 300, "the run's reward server")[0]
+    flow_process = server.parent()
+    assert server.environ()["PREFECT__FLOW_RUN_ID"] == run_id and flow_process.name() == flow_run_name(run_id)
+    assert "multiprocessing.forkserver" in " ".join(flow_process.parent().cmdline())
+    run = wait_final(s, run_id)
     assert run["state"]["type"] == "COMPLETED", run["state"]["message"]
     names = task_names(s, run["id"])
     assert not any("critic" in n for n in names), names
