@@ -48,7 +48,9 @@ class VerifiersWorker:
     """A worker process (worker.py) that plays a run's batches one after another: verifiers and the environment load
     once, not once a batch. Each request is one JSON line on its stdin, its answer one line on its stdout. A batch
     past its deadline kills the worker (its process group) and fails naming the deadline; a worker that exits fails
-    the batch with its exit code and log tail; either way the next request starts a new worker. `close()` ends it."""
+    the batch with its exit code and log tail; either way the next request starts a new worker. `close()` ends it.
+    `secret`: the run's (None for dataset requests: no server is asked); `env_paths`: folders where environment
+    modules are found (first on its PYTHONPATH)."""
 
     def __init__(self, secret: Optional[str], log_path: str | Path, python: str = DEFAULT_PYTHON,
                  env_paths: Optional[list[str]] = None):
@@ -132,14 +134,6 @@ class VerifiersWorker:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def run_rollouts(request: dict, secret: Optional[str], log_path: str | Path, timeout_s: float = 600.0,
-                 python: str = DEFAULT_PYTHON, env_paths: Optional[list[str]] = None) -> dict:
-    """One request in a worker of its own (`VerifiersWorker`); `env_paths`: folders where environment modules are
-    found (first on its PYTHONPATH). `secret`: the run's (None for a dataset request: no server is asked)."""
-    with VerifiersWorker(secret, log_path, python, env_paths) as worker:
-        return worker.request(request, timeout_s)
 
 
 # ------------------------------------------------------------------------------------------------ a verifiers run
