@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import math
+from functools import partial
 
 import torch
 from torch import nn
@@ -80,18 +82,27 @@ def freeze(model: nn.Module) -> nn.Module:
     return model
 
 
-SCHEDULES = {"constant": "constant_with_warmup", "cosine": "cosine", "linear": "linear"}
+def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """The multiplier of the base LR at optimizer step `step`: a linear warm-up from 0 over `warmup_steps`, then
+    constant, or a decay to 0 at `total_steps`, half a cosine period or linear (transformers' `get_scheduler`
+    formulas, whose import pulls in its trainer utilities and peft: ~3.4 CPU-s in every process that trains)."""
+    if step < warmup_steps:
+        return float(step) / float(max(1, warmup_steps))
+    if schedule == "constant":
+        return 1.0
+    progress = float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
+    if schedule == "cosine":
+        return max(0.0, 0.5 * (1.0 + math.cos(math.pi * 0.5 * 2.0 * progress)))
+    return max(0.0, float(total_steps - step) / float(max(1, total_steps - warmup_steps)))
 
 
 def make_optimizer(params, optim) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (fused where the device supports it) + `transformers.get_scheduler`: linear warm-up, then
-    constant / cosine / linear decay over `total_steps` (OptimConfig)."""
-    from transformers import get_scheduler  # heavy: transformers' trainer utilities (~4 s, peft included)
-
+    """AdamW (fused where the device supports it) + `lr_factor`'s schedule over `total_steps` (OptimConfig). The
+    scheduler's state is what transformers' was (a LambdaLR of a partial), so its checkpoints load either way."""
     params = [p for p in params if p.requires_grad]
     fused = all(p.device.type in ("cuda", "cpu") for p in params)
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay,
                                   fused=fused or None)
-    scheduler = get_scheduler(SCHEDULES[optim.schedule], optimizer, num_warmup_steps=optim.warmup_steps,
-                              num_training_steps=optim.total_steps or 10**9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(
+        lr_factor, schedule=optim.schedule, warmup_steps=optim.warmup_steps, total_steps=optim.total_steps or 10**9))
     return optimizer, scheduler

@@ -35,6 +35,9 @@ from prefect import Flow, flow_engine
 from prefect.runner import _starter_direct  # the module Prefect says to patch to start flow runs differently
 
 
+WARM = "components.launch.warm"  # imported by the forkserver after the flows' modules
+
+
 def flow_run_name(flow_run_id: str) -> str:
     """The name a forked flow run's process takes: `fr-` and its id's first 12 hex digits (comm holds 15 bytes)."""
     return "fr-" + str(flow_run_id).replace("-", "")[:12]
@@ -82,8 +85,8 @@ def served_flow(module: str, name: str):
 
 def preload(flows: list) -> None:
     """From now on this process's Prefect runner starts runs of `flows` as forks of a forkserver that has imported
-    their modules, each flow passed by reference; the forkserver starts now (its imports overlap the deployments'
-    registration)."""
+    their modules and components/launch/warm.py (what a run would import on first use), each flow passed by
+    reference; the forkserver starts now (its imports overlap the deployments' registration)."""
     where = {}
     for flow in flows:
         module = importlib.import_module(flow.fn.__module__)
@@ -93,7 +96,7 @@ def preload(flows: list) -> None:
         return (served_flow, where[id(flow)]) if id(flow) in where else flow.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
 
     copyreg.pickle(Flow, reduce_flow)
-    multiprocessing.set_forkserver_preload(sorted({module for module, _ in where.values()}))
+    multiprocessing.set_forkserver_preload(sorted({module for module, _ in where.values()}) + [WARM])
     forkserver = _ForkServer()
     start = flow_engine.run_flow_in_subprocess
 

@@ -3,6 +3,7 @@ that no code outside the registry and config validation compares algorithm names
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -47,6 +48,42 @@ def test_schedule_lengths_follow_the_algorithm():
     rloo = with_schedule_lengths(preset("tiny", algorithm="rloo", iterations=3))
     assert rloo.reinforce.optim.total_steps == 3 * 2 * 2 and rloo.ppo.optim.total_steps is None  # 16 x 4 / 32
     assert rloo.critic.optim.total_steps == 3 * 2 * 2
+
+
+@pytest.mark.parametrize("schedule", ["constant", "cosine", "linear"])
+@pytest.mark.parametrize("warmup", [0, 3])
+def test_the_lr_schedules_are_transformers_and_load_its_scheduler_state(schedule, warmup):
+    """make_optimizer's schedule multiplies the LR as transformers' get_scheduler did (warm-up, then constant /
+    half a cosine / linear to 0 at total_steps, 0 past it), and a scheduler state saved with either loads in the
+    other (checkpoints written before the change resume)."""
+    import torch
+    from transformers import get_scheduler
+
+    from models.loading import make_optimizer
+    from models.sections import OptimConfig
+
+    total = 10
+    optim = OptimConfig(lr=1.0, schedule=schedule, warmup_steps=warmup, total_steps=total)
+    ours = make_optimizer([torch.nn.Parameter(torch.zeros(1))], optim)[1]
+    theirs = get_scheduler({"constant": "constant_with_warmup"}.get(schedule, schedule),
+                           torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1.0),
+                           num_warmup_steps=warmup, num_training_steps=total)
+    factors = {"ours": [], "theirs": []}
+    for _ in range(total + 3):
+        for name, scheduler in (("ours", ours), ("theirs", theirs)):
+            factors[name].append(scheduler.get_last_lr()[0])
+            scheduler.optimizer.step()
+            scheduler.step()
+    assert factors["ours"] == pytest.approx(factors["theirs"], abs=1e-12), factors
+    assert factors["ours"][0] == (0.0 if warmup else 1.0) and factors["ours"][total] == (1.0 if schedule == "constant" else 0.0)
+    if schedule == "cosine":  # half a cosine period over the decay steps
+        decay = total - warmup
+        assert factors["ours"][warmup + 1] == pytest.approx(0.5 * (1 + math.cos(math.pi / decay)), abs=1e-12)
+    resumed = make_optimizer([torch.nn.Parameter(torch.zeros(1))], optim)[1]
+    resumed.load_state_dict(theirs.state_dict())
+    assert resumed.last_epoch == theirs.last_epoch and resumed.get_last_lr() == pytest.approx(theirs.get_last_lr())
+    theirs.load_state_dict(ours.state_dict())
+    assert theirs.last_epoch == ours.last_epoch
 
 
 # `cfg.algorithm == "ppo"`, `"rloo" != algorithm`, `if algorithm in ("ppo", ...)` (a `for` over names is no comparison)
