@@ -85,7 +85,8 @@ def freeze(model: nn.Module) -> nn.Module:
 def lr_factor(step: int, *, schedule: str, warmup_steps: int, total_steps: int) -> float:
     """The multiplier of the base LR at optimizer step `step`: a linear warm-up from 0 over `warmup_steps`, then
     constant, or a decay to 0 at `total_steps`, half a cosine period or linear (transformers' `get_scheduler`
-    formulas, whose import pulls in its trainer utilities and peft: ~3.4 CPU-s in every process that trains)."""
+    formulas, whose import pulls in its trainer utilities and peft: ~3.3 CPU-s in a process that builds an
+    optimizer)."""
     if step < warmup_steps:
         return float(step) / float(max(1, warmup_steps))
     if schedule == "constant":
