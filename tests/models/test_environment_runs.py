@@ -20,14 +20,14 @@ from components.runs import train
 from models.config import preset
 from models.metrics import find
 from models.stages.config import SFTRun
-from tests.conftest import assert_learned
+from tests.conftest import assert_learned, headroom_closed
 
 pytestmark = pytest.mark.slow(2)  # an SFT stage and three short RL runs: minutes
 ROOT = Path(__file__).resolve().parents[2]
 CALCULATOR = ROOT / "examples" / "environments" / "calculator.py"
 ENVS = Path(__file__).parent / "environments.py"
 RUNS = itertools.count()
-SFT_STEPS = 60
+SFT_STEPS = 200  # past the ~150 steps where tiny/chat starts to copy the numbers right (docs/environments.md)
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +37,12 @@ def state_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def sft_model(state_dir) -> str:
-    """The tiny chat model after an SFT stage on the calculator conversations (a short one: the RL run has headroom)."""
+    """The tiny chat model after an SFT stage on the calculator conversations (a short one, at a constant LR: the RL
+    run has headroom)."""
     run = SFTRun.model_validate({
         "run_name": "sft-calculator", "model": "tiny/chat", "seed": 0,
         "sft": {"data": "builtin:arithmetic_sft", "max_steps": SFT_STEPS, "batch_size": 32, "micro_batch_size": 32,
-                "max_eval_rows": 64, "optim": {"lr": 3e-3}},
+                "max_eval_rows": 64, "optim": {"lr": 3e-3, "schedule": "constant"}},
         "deploy": {"state_dir": str(state_dir), "tracking": {"system_metrics": False}}, "checkpoint": {"every": 1000}})
     result = train(run)
     print(f"SFT: held-out loss {result['evals'][0]['eval/loss']:.3f} -> {result['evals'][-1]['eval/loss']:.3f}")
@@ -62,16 +63,18 @@ def calculator_run(policy: str, state_dir: Path, **overrides):
 
 
 @pytest.mark.xfail(run=False, reason=(
-    "not met with the shipped tiny/chat (recipe version 3): after SFT it calls the tool in ~all episodes but copies "
-    "the expression and the tool's result into its answer wrongly: success 0.00 after 60 SFT steps, 0.00-0.03 after "
-    "160, 0.08 after 400 (held-out loss 0.30); RLOO then closes < 0.3 of the headroom (lr 1e-3: success falls to 0; "
-    "lr 1e-4: 0.16 -> 0.22 over 12 iterations). Needs a chat model that copies numbers reliably: see the report"))
+    "met on AVX-512 and default kernels, not on AVX2 (one run each, 2-core AMD EPYC, recipe 4's tiny/chat): after 200 "
+    "SFT steps the model copies the expression and the result (success 0.45-0.65 at temperature 1), but RLOO's 12 "
+    "updates close 0.49 of the headroom (held-out 0.45 -> 0.88) with AVX-512, 0.64 (0.62 -> 0.77) with "
+    "ATEN_CPU_CAPABILITY=default, -0.03 with avx2 (20 iterations: 0.37, held-out 0.66 -> 0.70): not yet a bound "
+    "that holds on every machine; see docs/environments.md"))
 def test_after_the_sft_stage_rl_raises_task_success_with_the_tool(sft_model, state_dir):
     """RLOO on the calculator environment after SFT: the share of episodes answered right closes >= 0.3 of its
-    headroom (first 2 iterations against the last 2), the tool is called in most episodes, and the held-out eval's
-    success and pass@4 are logged before and after."""
+    headroom (first 2 iterations against the last 2), as does the held-out eval's success (the same 32 questions, 4
+    samples each, before and after); the tool is called in most episodes."""
     cfg = calculator_run(sft_model, state_dir, **{
-        "eval.prompts": "builtin:arithmetic", "eval.every": 12, "eval.max_prompts": 16, "eval.samples_per_prompt": 4,
+        "reinforce.rollout_batch_size": 32, "reinforce.minibatch_size": 128, "reinforce.optim.lr": 3e-4,
+        "eval.prompts": "builtin:arithmetic", "eval.every": 12, "eval.max_prompts": 32, "eval.samples_per_prompt": 4,
         "eval.temperature": 1.0})
     result = train(cfg)
     history = result["history"]
@@ -83,6 +86,9 @@ def test_after_the_sft_stage_rl_raises_task_success_with_the_tool(sft_model, sta
     assert all(m["env/errors"] == 0 and m["env/timeouts"] == 0 for m in history)
     evals = result["evals"]
     assert [e["iteration"] for e in evals] == [0, 12]
+    eval_closed = headroom_closed(evals[0]["eval/success"], evals[-1]["eval/success"])
+    print(f"held-out success {evals[0]['eval/success']:.2f} -> {evals[-1]['eval/success']:.2f} ({eval_closed:.2f})")
+    assert eval_closed >= 0.3
     logged = {name for m in history + evals for name in m}
     assert [name for name in sorted(logged) if find(name, "rl") is None] == []  # all in docs/metrics.md's list
     assert all(0 <= e["eval/success"] <= e["eval/pass_at_2"] <= e["eval/pass_at_4"] <= 1 for e in evals)
