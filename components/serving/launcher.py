@@ -21,6 +21,7 @@ be set up with (--trainer-host: the trainer's).
 
 from __future__ import annotations
 
+import http.client
 import os
 import secrets
 import shutil
@@ -117,6 +118,9 @@ def triton_probe(url: str, models: Iterable[str], access_token: Optional[str] = 
                           "timeout")
         except OSError as exc:  # reset, unreachable: the network said no
             return Health(False, f"cannot reach {where}: {exc}", "not_listening")
+        except http.client.HTTPException as exc:  # e.g. geventhttpclient's HTTPConnectionClosed: it is going away
+            return Health(False, f"server at {where} closed the connection while answering "
+                          f"({type(exc).__name__}: {exc})", "not_listening")
         finally:
             client.close()
     return probe

@@ -7,6 +7,7 @@ import signal
 import socket
 import sys
 import sysconfig
+import threading
 import time
 from pathlib import Path
 
@@ -95,6 +96,35 @@ def test_a_listener_that_never_answers_is_a_plain_timeout():
             wait_until_ready(triton_probe(url, REWARD_MODELS), 1.0, "reward server", url)
     assert err.value.reason == "timeout"
     assert f"server at 127.0.0.1:{port} accepted the connection but did not answer" in str(err.value)
+
+
+def test_a_server_that_closes_the_connection_while_answering_is_unhealthy_not_an_error():
+    """A server going away (one that lost a rank) may read a probe's request and close the connection without an
+    answer: the probe says so (a run's failure then waits for the server's exit and names it) instead of raising."""
+    with socket.socket() as closing:
+        closing.bind(("127.0.0.1", 0))
+        closing.listen()
+        port = closing.getsockname()[1]
+
+        closing.settimeout(0.2)
+        done = threading.Event()
+
+        def accept_read_close():  # every connection: the client may retry on a new one
+            while not done.is_set():
+                try:
+                    conn, _ = closing.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.recv(4096)
+
+        thread = threading.Thread(target=accept_read_close, daemon=True)
+        thread.start()
+        health = triton_probe(f"http://127.0.0.1:{port}", REWARD_MODELS)()
+        done.set()
+        thread.join(10)
+    assert not health.ok and health.reason == "not_listening"
+    assert health.status.startswith(f"server at 127.0.0.1:{port} closed the connection while answering"), health.status
 
 
 def test_a_model_that_fails_to_load_is_reported_with_its_state_and_reason(tiny_models, tmp_path):
