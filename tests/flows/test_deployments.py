@@ -339,8 +339,8 @@ def _wait_for(predicate, timeout: float, what: str):
 
 def test_a_two_rank_critic_server_loses_a_rank_the_run_fails_naming_it_and_the_rerun_resumes_and_leaves_nothing(local_stack):
     """ppo/default with deploy.critic.nproc_per_node=2: the critic server's rank 0 serves, rank 1 follows. Rank 1 is
-    killed after the first checkpoint (iteration 2): the run fails (DEAD_PROCESS_FAILS_RUN_S) naming the rank and the server that
-    stopped because of it, and no process of the run is left. The same run name then resumes from the checkpoint (its
+    killed after the first checkpoint (iteration 2): the run fails (DEAD_PROCESS_FAILS_RUN_S) naming the rank and the
+    server that stopped because of it, and no process of the run is left. The same run name then resumes from the checkpoint (its
     2-rank critic restored): the flow run shows its tasks (the critic server deployed and waited for, one task per
     iteration it ran, nothing before the checkpoint redone, a checkpoint at 4 and at the last), the same MLflow run
     continues to iteration 6 with every iteration's metrics once, and no server or rank is left. (That PPO learns
@@ -380,11 +380,11 @@ def test_a_two_rank_critic_server_loses_a_rank_the_run_fails_naming_it_and_the_r
     assert server_processes(s, str(run_dir)) == [] and not critic_followers(s)
 
 
-def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_within_60s_and_resume_in_order(local_stack):
+def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_naming_it_and_resume_in_order(local_stack):
     """reinforce/default with rollout.engine=vllm as the rollout-server/default deployment and asynchronous rollouts
     (k=1: the next batch is generated while the actor trains). kill -9 of the rollout server mid-pipeline fails the
-    run (DEAD_PROCESS_FAILS_RUN_S), naming it with its exit code, and leaves nothing. The rerun resumes from the checkpoint: its
-    server samples with the checkpointed actor (the trainer's logprobs agree with the engine's on the first resumed
+    run (DEAD_PROCESS_FAILS_RUN_S), naming it with its exit code, and leaves nothing. The rerun resumes from the
+    checkpoint: its server samples with the checkpointed actor (the trainer's logprobs agree with the engine's on the first resumed
     batch, while the actor had moved away from the base checkpoint the server loads), staleness starts from 0 again
     (the rerun's log, every iteration it ran), and every iteration, before the kill and after it, trained on the
     prompt stream's batch of its own number: no prompt skipped, none trained twice (the sample tables, logged every
