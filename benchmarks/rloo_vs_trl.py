@@ -105,7 +105,7 @@ def trl_args(cfg, output_dir: str, iterations: int):
         top_p=gen.top_p,
         use_vllm=False,
         # objective
-        beta=cfg.kl.init,
+        beta=cfg.kl.beta,
         epsilon=rf.clip_eps if rf.clip_eps is not None else 0.2,  # TRL always clips; ours only when clip_eps is set
         # optimiser (AdamW, constant schedule, grad clip)
         learning_rate=optim.lr,
@@ -246,7 +246,7 @@ def settings_side_by_side(cfg, trl_facts: dict) -> dict:
         "max new tokens / max_completion_length": [gen.max_new_tokens, gen.max_new_tokens],
         "temperature, top_k, top_p": [[gen.temperature, gen.top_k, gen.top_p]] * 2,
         "reward": [GOLD + " (FunctionReward)", GOLD + " (reward_funcs callable)"],
-        "KL coefficient beta (k1, in the sequence reward)": [cfg.kl.init, cfg.kl.init],
+        "KL coefficient beta (k1, in the sequence reward)": [cfg.kl.beta, cfg.kl.beta],
         "optimizer": [f"AdamW lr={rf.optim.lr} betas={tuple(rf.optim.betas)} clip={rf.optim.grad_clip}"] * 2,
         "dtype / device": ["float32 / cpu", f"{trl_facts['model_dtype']} / {trl_facts['device']}"],
         "AdamW implementation": ["torch.optim.AdamW(fused=True)", trl_facts["optim"]],

@@ -37,7 +37,7 @@ PIPELINE_DEPLOYMENT = "pipeline/default"  # flows/stages.py: a pipeline's trials
 # the deployment's defaults: RLOO with a held-out eval every 4 iterations, a 2 x 2 grid over the learning rate and the
 # initial KL coefficient (`prefect deployment run sweep/default` runs it; any parameter can be replaced)
 EXAMPLE_CONFIG = RunConfig(algorithm="rloo", eval={"prompts": "builtin:sentiment", "every": 4})
-EXAMPLE_SWEEP = SweepConfig(name="rloo-lr-kl", space={"reinforce.optim.lr": [1e-6, 1e-3], "kl.init": [0.01, 0.1]},
+EXAMPLE_SWEEP = SweepConfig(name="rloo-lr-kl", space={"reinforce.optim.lr": [1e-6, 1e-3], "kl.beta": [0.01, 0.1]},
                             concurrency=2)
 
 

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from models.advantages import AdaptiveKLController, FixedKLController, kl_penalty, masked_mean
+from models.advantages import AdaptiveKLController, FixedKLController, masked_mean
 from models.config import KLConfig, OptimConfig, RLHFConfig, RolloutConfig
 from models.distributed import SINGLE, Dist
 from models.loading import make_optimizer
@@ -41,7 +41,8 @@ class ActorState:
     def create(cls, policy: Policy, optim: OptimConfig, kl: KLConfig, seed: int, me: Dist = SINGLE,
                rollout: RolloutConfig | None = None) -> "ActorState":
         optimizer, scheduler = make_optimizer(policy.trainable_parameters(), optim)
-        kl_ctl = AdaptiveKLController(kl.init, kl.target, kl.horizon) if kl.adaptive else FixedKLController(kl.init)
+        beta = kl.beta if kl.beta is not None else 0.0  # build_actor passes the recipe's resolved value
+        kl_ctl = AdaptiveKLController(beta, kl.target, kl.horizon) if kl.adaptive else FixedKLController(beta)
         sampling = torch.Generator().manual_seed(seed + 1_000_003 * me.rank)
         return cls(policy, build_engine(rollout or RolloutConfig(), policy), optimizer, scheduler, kl_ctl, sampling,
                    torch.Generator().manual_seed(seed), me)
@@ -96,12 +97,15 @@ def needs_logprob_recompute(cfg: RLHFConfig) -> bool:
 
 
 def rollout_logprobs(policy: Policy, rollout: Rollout, cfg: RLHFConfig, timers: Timers, me: Dist = SINGLE,
-                     engine_weights: bool = False) -> tuple[Tensor, Tensor]:
-    """Old (behaviour) and reference logprobs [B, L-1] of this rank's rollouts, per micro-batch (every rank runs as
-    many forward passes as the rank with the most: with FSDP each one is a collective). `engine_weights`: the rollouts
-    come from an engine with its own copy of the weights, so the trainer always recomputes its own."""
-    old, ref = [], []
-    recompute = engine_weights or needs_logprob_recompute(cfg)
+                     engine_weights: bool = False, reference: bool = True,
+                     entropy: bool = False) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """Behaviour logprobs [B, L-1] of this rank's rollouts, the reference's (None when not `reference`: a KL
+    coefficient of 0 needs no reference pass) and the behaviour policy's entropies (when `entropy`), per micro-batch
+    (every rank runs as many forward passes as the rank with the most: with FSDP each one is a collective).
+    `engine_weights`: the rollouts come from an engine with its own copy of the weights, so the trainer always
+    recomputes its own."""
+    old, ref, entropies = [], [], []
+    recompute = engine_weights or entropy or needs_logprob_recompute(cfg)
     temperature = cfg.generation.temperature
     chunks = micro_batches(len(rollout), cfg.generation.micro_batch_size)
     count = int(me.all_reduce(torch.tensor(len(chunks)), op="max"))
@@ -113,22 +117,23 @@ def rollout_logprobs(policy: Policy, rollout: Rollout, cfg: RLHFConfig, timers: 
                 was_training = policy.model.training
                 policy.model.eval()  # behaviour logprobs without (LoRA) dropout noise
                 with torch.no_grad():
-                    logp = policy.logprobs(tokens, lengths, temperature)[0].cpu()
+                    logp, ent = policy.logprobs(tokens, lengths, temperature, with_entropy=entropy)
+                    logp = logp.cpu()
                 policy.model.train(was_training)
             else:
-                logp = rollout.sample_logprobs[mb]
-        with timers("reference"):
-            ref_logp = policy.logprobs(tokens, lengths, temperature, reference=True)[0].cpu()
+                logp, ent = rollout.sample_logprobs[mb], None
+        if reference:
+            with timers("reference"):
+                ref_logp = policy.logprobs(tokens, lengths, temperature, reference=True)[0].cpu()
         if i < len(chunks):
             old.append(logp)
-            ref.append(ref_logp)
+            if reference:
+                ref.append(ref_logp)
+            if entropy:
+                entropies.append(ent.cpu())
     mask = rollout.loss_mask
-    return torch.cat(old) * mask, torch.cat(ref) * mask
-
-
-def sequence_kl(old_logp: Tensor, ref_logp: Tensor, mask: Tensor, estimator: str) -> tuple[Tensor, Tensor]:
-    """Per-token KL penalty [B, L-1] (chosen estimator) and the per-sequence k1 KL [B] that is reported."""
-    return kl_penalty(old_logp, ref_logp, estimator) * mask, ((old_logp - ref_logp) * mask).sum(1)
+    return (torch.cat(old) * mask, torch.cat(ref) * mask if reference else None,
+            torch.cat(entropies) * mask if entropy else None)
 
 
 LossFn = Callable[[Tensor, Tensor | None, Tensor], tuple[Tensor, dict]]
@@ -141,11 +146,13 @@ def global_rows(n_local: int, me: Dist) -> tuple[Tensor, int]:
     return torch.arange(offset, offset + n_local), int(counts.sum())
 
 
-def actor_update(state: ActorState, rollout: Rollout, loss_fn: LossFn, minibatch_size: int, epochs: int,
-                 micro_batch_size: int, grad_clip: float, temperature: float, entropy_grad: bool = False) -> dict[str, float]:
+def actor_update(state: ActorState, rollout: Rollout, loss_fn: LossFn, row_weights: Tensor, minibatch_size: int,
+                 epochs: int, micro_batch_size: int, grad_clip: float, temperature: float,
+                 entropy_grad: bool = False) -> dict[str, float]:
     """The shared update loop (models/update.py) over this rank's rollouts: `loss_fn(new_logp, entropy, index)`
-    returns the token-mean loss of the rows `index` and detached stats. The entropy carries a graph only when
-    `entropy_grad` (an entropy bonus is in the loss)."""
+    returns the loss of the rows `index` aggregated over them and detached stats; `row_weights` [B] each row's weight
+    in that aggregate (models/algorithms/base.Algorithm.loss). The entropy carries a graph only when `entropy_grad`
+    (an entropy bonus is in the loss)."""
     policy, me = state.policy, state.me
     policy.model.train()
     rows, n_global = global_rows(len(rollout), me)
@@ -155,12 +162,12 @@ def actor_update(state: ActorState, rollout: Rollout, loss_fn: LossFn, minibatch
                                         entropy_grad=entropy_grad)
         return loss_fn(logp.cpu(), entropy.cpu(), idx)
 
-    return minibatch_update(policy.trainable_parameters(), state.optimizer, state.scheduler, micro_loss,
-                            rollout.loss_mask.sum(1), rows, n_global, minibatch_size, epochs, micro_batch_size,
-                            grad_clip, state.shuffle, me, sharded=policy.sharded)
+    return minibatch_update(policy.trainable_parameters(), state.optimizer, state.scheduler, micro_loss, row_weights,
+                            rows, n_global, minibatch_size, epochs, micro_batch_size, grad_clip, state.shuffle, me,
+                            sharded=policy.sharded)
 
 
-def common_metrics(state: ActorState, rollout: Rollout, scores: Tensor, gold: Tensor | None, kl_seq: Tensor,
+def common_metrics(state: ActorState, rollout: Rollout, scores: Tensor, gold: Tensor | None, kl_seq: Tensor | None,
                    non_score: Tensor, old_logp: Tensor, timers: Timers) -> dict[str, float]:
     """Metrics that mean the same for PPO and RLOO, over the rollouts of all ranks: TRL 1.x's names where TRL has
     the concept (reward, reward_std, kl, completions/*, learning_rate, step_time), ours where it has none
@@ -168,7 +175,7 @@ def common_metrics(state: ActorState, rollout: Rollout, scores: Tensor, gold: Te
     me = state.me
     gather = me.all_gather_cat
     mask = rollout.loss_mask
-    scores, kl_seq, non_score = gather(scores), gather(kl_seq), gather(non_score)
+    scores, non_score = gather(scores), gather(non_score)
     entropy = gather((-old_logp * mask).sum(1))
     response_lengths = gather(rollout.sampled_lengths).float()
     ended = gather(rollout.is_end.long()).bool()
@@ -177,8 +184,6 @@ def common_metrics(state: ActorState, rollout: Rollout, scores: Tensor, gold: Te
     metrics = {
         "reward": float(scores.mean()),
         "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,
-        "kl": float(kl_seq.sum()) / max(response_tokens, 1),  # per response token (TRL's); objective/kl per sequence
-        "objective/kl": float(kl_seq.mean()),
         "objective/kl_coef": float(state.kl_ctl.value),
         "objective/entropy": float(entropy.mean()),
         "objective/non_score_reward": float(non_score.mean()),
@@ -194,6 +199,9 @@ def common_metrics(state: ActorState, rollout: Rollout, scores: Tensor, gold: Te
         "tokens/generated": float(response_tokens),
         "dist/world_size": float(me.world_size),
     }
+    if kl_seq is not None:  # the k1 KL to the reference (none is computed when beta is 0), per token and sequence
+        kl_seq = gather(kl_seq)
+        metrics.update({"kl": float(kl_seq.sum()) / max(response_tokens, 1), "objective/kl": float(kl_seq.mean())})
     if gold is not None:
         metrics["objective/gold_reward"] = float(gather(gold).mean())
     metrics.update({f"time/{k}": v for k, v in seconds.items() if k != "step"})  # the slowest rank's

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from models.critic import CriticTrainer
+from models.scoring import teacher_logprobs
 from models.reward import RewardFn, reward_model_scores, text_reward_scores
 
 
@@ -33,6 +34,10 @@ class RewardBackend(Protocol):
                     responses: list[str], columns: list[dict] | None = None) -> "Future[Tensor | dict]":
         """Scores [B], or from reward functions {"scores": [B], "function_rewards": [B, F]} (each function's
         scores); `columns`: each sample's data set row besides the prompt (for reward functions)."""
+
+    def teacher_logprobs_async(self, tokens: Tensor, lengths: Tensor) -> "Future[Tensor]":
+        """On-policy distillation (a reward backend that carries a teacher): the teacher's logprobs [B, L-1] of
+        each next token."""
 
 
 class LocalCritic:
@@ -75,6 +80,26 @@ class LocalRewardModel:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+class WithTeacher:
+    """A reward backend in this process with on-policy distillation's teacher beside it (`algorithm: opd`): scores
+    as `reward` does, and the teacher's logprobs of the student's tokens on a worker thread of its own."""
+
+    def __init__(self, reward, teacher, temperature: float = 1.0, micro_batch_size: int = 64):
+        self.reward, self.teacher, self.temperature, self.micro_batch_size = reward, teacher, temperature, micro_batch_size
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="teacher")
+
+    def score_async(self, *args, **kwargs):
+        return self.reward.score_async(*args, **kwargs)
+
+    def teacher_logprobs_async(self, tokens, lengths):
+        return self._pool.submit(teacher_logprobs, self.teacher, tokens, lengths, self.temperature,
+                                 self.micro_batch_size)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.reward.close()
 
 
 class FunctionReward:

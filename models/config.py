@@ -14,9 +14,10 @@ to end on a 2-core CPU, and a user's model never inherits the tiny model's setti
 Models that are not given follow the policy's family or must be given: model.reward = the family's own (tiny/reward
 for the tiny policy; any other policy needs one for reward.source='model'); model.critic = the reward model when it
 shares the policy's tokenizer, else the policy (models/prepare.py). The gold reward is the shipped task's only when
-the data is the shipped task (reward.gold None + data.prompts builtin:*). Algorithm hyperparameters follow
-NeMo-Aligner where it has one (ratio_eps 0.2, gae_lambda 0.95, discount 1.0, initial KL 0.01, critic loss_clip_val
-0.2, 4 rollouts per prompt for RLOO, grad clip 1.0). examples/ holds complete configs for a ~0.5B instruct model.
+the data is the shipped task (reward.gold None + data.prompts builtin:*). The actor's loss is the recipe's
+(`algorithm`, models/algorithms/recipes.py: each `loss.*` / `kl.*` field left unset takes its recipe's value, as the
+recipe's paper and TRL/veRL define it); the rest follows NeMo-Aligner where it has a setting (gae_lambda 0.95,
+discount 1.0, critic loss_clip_val 0.2, grad clip 1.0). examples/ holds complete configs for a ~0.5B instruct model.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ from typing import Any, ClassVar, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, Field, PositiveInt, create_model, model_validator
 
-from models.algorithms import ALGORITHMS
+from models.advantages import KL_ESTIMATORS
+from models.algorithms import ALGORITHMS, LossConfig, resolve
+from models.algorithms.recipes import refuse_old_spellings
 from models.deploy import DeployConfig
 from models.resolve import Resolved, resolve_model
 from models.sections import STATE_DIR_ENV, OptimConfig, Section, default_state_dir  # noqa: F401 (re-exported)
@@ -51,6 +54,7 @@ class ModelConfig(Section):
     policy: str = Field("tiny/policy", description="The actor: a local directory saved with save_pretrained, a hub id 'org/name' (read from the Hugging Face cache offline; downloaded into it only where deploy.cache.hub_downloads allows), s3://bucket/prefix (fetched once per machine into deploy.cache.dir, checked by digest), or 'tiny/<name>', the embedded default shipped with the package (tiny/policy, tiny/reward, tiny/critic, tiny/reward-chars; tiny/chat: a small chat model with Qwen2.5's chat template, for environments and tools); tiny/policy brings the `tiny` preset's settings.")
     revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of model.policy when it is a hub id, and of model.reward / model.critic when they name the same id; None = the repository's main branch.")
     reward: Optional[str] = Field(None, description="Sequence-classification reward model (num_labels=1) for reward.source='model' (a directory, hub id, s3://bucket/prefix or tiny/<name>); None = the policy family's own: tiny/reward for the embedded tiny policy, required for any other policy.")
+    teacher: Optional[str] = Field(None, description="algorithm=opd: the teacher whose per-token logprobs of the student's samples are the signal (a causal LM, as model.policy: a directory, hub id, s3://bucket/prefix or tiny/<name>); it reads the policy's tokens, so it must share the policy's tokenizer.")
     critic: Optional[str] = Field(None, description="Critic checkpoint, read as token classification with one label (a critic saved by a run, or a checkpoint of the policy's family, given a new value head); it reads the policy's tokens, so it must share the policy's tokenizer. None = initialised from model.reward when that shares the policy's tokenizer (NeMo-Aligner), else from model.policy (veRL, OpenRLHF).")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA settings for the actor.")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Compute dtype of the actor, critic and reward model (mixed precision; the tiny preset uses float32, and the exported model is saved in it): 'bfloat16' computes under autocast while the trained weights, their gradients and AdamW states stay float32 (master weights); with FSDP2 the weights are also all-gathered in it and gradients reduced in float32; the frozen reference is stored in it. 'float16' has no loss scaling: prefer bfloat16 (docs/memory.md).")
@@ -82,8 +86,12 @@ class Sampling(Section):
 
 
 class KLConfig(Section):
-    init: float = Field(0.01, ge=0, description="Initial KL penalty coefficient beta (NeMo-Aligner initial_policy_kl_penalty).")
-    estimator: Literal["k1", "abs", "k2", "k3"] = Field("k1", description="Per-token KL estimator used in the reward shaping.")
+    """The KL to the frozen reference policy: its coefficient, estimator and place (part of the loss menu: a field
+    left unset takes the recipe's value, docs/algorithms.md)."""
+
+    beta: Optional[float] = Field(None, ge=0, description="KL coefficient (initial, with `adaptive`); 0 skips the reference model entirely; None = the recipe's (ppo, rloo, reinforce_pp: 0.01; grpo: 0.04; the others 0).")
+    placement: Optional[Literal["reward", "loss"]] = Field(None, description="Where the KL goes: subtracted from the reward (per token for gae and reinforce_pp, per sequence otherwise) or added to the loss (GRPO); None = the recipe's.")
+    estimator: Optional[Literal[tuple(KL_ESTIMATORS)]] = Field(None, description="Per-token KL estimator: k1, abs, k2, k3, k3+ (k3's value, k2's gradient: veRL); None = the recipe's (k1 in the reward, k3 in the loss).")
     adaptive: bool = Field(False, description="Adapt beta towards `target` (Ziegler et al. 2019).")
     target: float = Field(6.0, gt=0, description="Target KL (nats per sequence) for the adaptive controller.")
     horizon: PositiveInt = Field(10000, description="Horizon (in samples) of the adaptive controller.")
@@ -230,8 +238,7 @@ class VLLMConfig(Section):
 
 class RolloutConfig(Section):
     engine: Literal["native", "vllm"] = Field("native", description="What samples the rollouts: 'native' = the KV-cache sampling loop on the actor's own module; 'vllm' = the vLLM rollout server, refitted with the actor's weights after every update (models/engines/).")
-    max_off_policy_steps: int = Field(0, ge=0, description="Asynchronous rollouts (an engine with its own weights): k >= 1 lets the rollout server generate the next k batches while the actor trains, so the actor at weights version v trains on rollouts sampled with version v-k or newer (at most k batches in flight beyond the one being trained on: staleness bounded by construction, no data dropped); the loss corrects for it per token (rollout.tis_cap). 0 = synchronous: each batch is sampled with the current weights.")
-    tis_cap: float = Field(2.0, gt=0, description="Truncated importance sampling for an engine with its own weights (vllm): each token's policy loss is weighted by min(pi_proximal / pi_behaviour, tis_cap), where pi_behaviour is the engine's logprob of the token (the weights version that sampled it) and pi_proximal the trainer's, recomputed when the batch is trained on (the policy PPO's ratio is clipped around: decoupled PPO); as veRL, TRL and AReaL do. The native engine samples with the trainer's own weights (weight exactly 1).")
+    max_off_policy_steps: int = Field(0, ge=0, description="Asynchronous rollouts (an engine with its own weights): k >= 1 lets the rollout server generate the next k batches while the actor trains, so the actor at weights version v trains on rollouts sampled with version v-k or newer (at most k batches in flight beyond the one being trained on: staleness bounded by construction, no data dropped); the loss corrects for it (loss.vllm_importance_sampling_*). 0 = synchronous: each batch is sampled with the current weights.")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="The vLLM rollout server (rollout.engine=vllm).")
 
     @model_validator(mode="after")
@@ -302,7 +309,7 @@ class _Tree(Section):
     """What a run trains (one per run); every registered algorithm adds its own section (models/algorithms/). Where its
     parts run is the deployment's (models/deploy.py)."""
 
-    algorithm: Literal[tuple(ALGORITHMS)] = Field("ppo", description="ppo (actor + critic server) or rloo (REINFORCE with leave-one-out baseline); see models/algorithms/.")
+    algorithm: Literal[tuple(ALGORITHMS)] = Field("ppo", description="The recipe: ppo (a critic server), rloo, grpo, dr_grpo, dapo, gspo, cispo, reinforce_pp or opd (a teacher); each a set of the `loss` menu's settings (docs/algorithms.md).")
     run_name: Optional[str] = Field(None, pattern=RUN_NAME_PATTERN, description="Name of the run (letters, digits, '.', '_', '-'; at most 100): re-running with the same name resumes it. None = '<algorithm>-<timestamp>-<random>'.")
     iterations: PositiveInt = Field(12, description="Training iterations (rollout + update).")
     seed: int = Field(0, description="Seed of prompts order, sampling and initialisation.")
@@ -313,10 +320,45 @@ class _Tree(Section):
     environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig, description="Environments and tools: multi-turn rollouts (none by default).")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Rollout sampling.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty against the frozen reference policy.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="The actor's loss: the menu every recipe shares (unset fields: the recipe's).")
     critic: CriticConfig = Field(default_factory=CriticConfig, description="Critic (value model) training (algorithms with a critic).")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward source.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resume.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _old_spellings(cls, data):
+        refuse_old_spellings(data)
+        return data
+
+    @model_validator(mode="after")
+    def _recipe(self):
+        """What the resolved loss settings need (models/algorithms/recipes.resolve), refused naming the field."""
+        settings = resolve(self)
+        family = ALGORITHMS[self.algorithm]
+        if (settings.advantage_estimator == "gae") != family.needs_critic:
+            need = "a critic: only algorithm=ppo has one" if settings.advantage_estimator == "gae" else "gae (ppo has a critic)"
+            raise ValueError(f"loss.advantage_estimator={settings.advantage_estimator!r} needs {need}")
+        if self.kl.adaptive and settings.kl_beta == 0:
+            raise ValueError("kl.adaptive: the controller multiplies kl.beta, which is 0 for this recipe; set kl.beta > 0")
+        if settings.dynamic_sampling:
+            if family.needs_critic:
+                raise ValueError("loss.dynamic_sampling drops prompts whose k samples all scored alike: it needs k > 1 "
+                                 "samples per prompt (a critic-free recipe, e.g. algorithm=dapo)")
+            if self.environment.enabled:
+                raise ValueError("loss.dynamic_sampling: not available for environment runs yet (their episodes are "
+                                 "played once per iteration); set loss.dynamic_sampling=false")
+            if self.rollout.max_off_policy_steps:
+                raise ValueError("loss.dynamic_sampling: the next batches are already in flight with asynchronous "
+                                 "rollouts (rollout.max_off_policy_steps > 0); set one of them off")
+        if family.needs_teacher and not self.model.teacher:
+            raise ValueError("model.teacher: algorithm=opd distils from a teacher; name it (a directory, hub id, "
+                             "s3://bucket/prefix or tiny/<name>)")
+        if settings.menu.policy_loss == "vespo" and settings.correction_mode.startswith("sequence"):
+            raise ValueError("loss.vllm_importance_sampling_mode: vespo folds per-token mismatch weights into its own; "
+                             "use token_truncate or token_mask (as TRL)")
+        return self
 
     @model_validator(mode="after")
     def _reward_source(self):
@@ -393,7 +435,7 @@ class RLHFConfig(RunConfig):
         the embedded default shipped with the package, a local directory as it is, a hub id = its snapshot in the
         Hugging Face cache (at model.revision when it is the policy's id), s3:// = fetched into deploy.cache.dir. A
         missing model fails naming its field."""
-        field = next((f"model.{name}" for name in ("policy", "reward", "critic") if getattr(self.model, name) == value),
+        field = next((f"model.{name}" for name in ("policy", "reward", "critic", "teacher") if getattr(self.model, name) == value),
                      "model")
         return resolve_model(value, field, self.model.revision if value == self.model.policy else None, self.deploy)
 

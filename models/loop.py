@@ -22,8 +22,8 @@ from typing import Callable, Iterator, Protocol
 import torch
 
 from models.actor import ActorState
-from models.algorithms import ALGORITHMS, Backends
-from models.backends import FunctionReward, LocalRewardModel
+from models.algorithms import ALGORITHMS, Backends, resolve
+from models.backends import FunctionReward, LocalRewardModel, WithTeacher
 from models.config import RLHFConfig
 from models.critic import CriticTrainer
 from models.data import Batch, DataError, PromptSet, PromptStream, builtin_gold, load_prompt_set
@@ -32,6 +32,7 @@ from models.environments.remote import RemoteEpisodes
 from models.eval import evaluate, is_eval_iteration
 from models.distributed import SINGLE, Dist, local_device
 from models.policy import Policy, load_policy_tokenizer
+from models.scoring import load_teacher
 from models.reward import load_reward_function, load_reward_functions, load_reward_model, load_reward_tokenizer
 from models.safe_io import dcp_load, load_state
 from models.step import train_step
@@ -111,7 +112,8 @@ def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
                          reference_device=cfg.deploy.reference_device,
                          gradient_checkpointing=cfg.model.gradient_checkpointing)
     optim = ALGORITHMS[cfg.algorithm].settings(cfg).optim
-    state = ActorState.create(policy, optim, cfg.kl, cfg.seed, me, rollout=cfg.rollout)
+    kl = cfg.kl.model_copy(update={"beta": resolve(cfg).kl_beta})
+    state = ActorState.create(policy, optim, kl, cfg.seed, me, rollout=cfg.rollout)
     if cfg.environment.factory:  # this rank's environment workers, started and probed
         state.episodes = start_episodes(cfg, policy.tokenizer, policy.model.config, me)
     elif cfg.environment.verifiers:  # played on rank 0 by verifiers' code once the rollout server is connected
@@ -138,6 +140,16 @@ def critic_text_reward(cfg: RLHFConfig, trainer: CriticTrainer):
 
 
 def build_local_reward(cfg: RLHFConfig):
+    """The run's reward backend in this process (with on-policy distillation's teacher beside it)."""
+    reward = _local_reward(cfg)
+    if not ALGORITHMS[cfg.algorithm].needs_teacher:
+        return reward
+    teacher = load_teacher(cfg.resolve_model_path(cfg.model.teacher), cfg.model.dtype,
+                           local_device(cfg.deploy.device, SINGLE))
+    return WithTeacher(reward, teacher, cfg.generation.temperature, cfg.generation.micro_batch_size)
+
+
+def _local_reward(cfg: RLHFConfig):
     if cfg.reward.source == "function":
         return FunctionReward(load_reward_functions(cfg.reward, deploy=cfg.deploy))
     model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, local_device(cfg.deploy.device, SINGLE),
@@ -171,9 +183,11 @@ def execute(state: ActorState, cfg: RLHFConfig, command: dict, critic=None, rewa
     """Run one command on this rank (rank 0 passes its backends; the others None)."""
     op = command["op"]
     if op == "step":
+        reserve = command.get("reserve") or []
         out = train_step(state, command["prompts"], cfg, Backends(critic, reward), gold_function(cfg),
-                         command.get("ahead"))
-        state.data = command.get("data")
+                         command.get("ahead"), [batch for batch, _ in reserve])
+        used = int(out[0].get("dynamic_sampling/rounds", 1))  # batches of the stream the step consumed
+        state.data = command.get("data") if used == 1 else reserve[used - 2][1]
         return out
     if op == "evaluate":
         return evaluate(state, command["prompts"], cfg, Backends(critic, reward), gold_function(cfg),
@@ -281,11 +295,14 @@ class Leader:
         return execute(self.state, self.cfg, command, critic, reward)
 
     def step(self, prompts: list[str] | Batch, critic=None, reward=None, data: dict | None = None,
-             ahead: list[Batch] | None = None) -> tuple[dict, list[dict]]:
+             ahead: list[Batch] | None = None,
+             reserve: list[tuple[Batch, dict]] | None = None) -> tuple[dict, list[dict]]:
         """One training iteration on the global batch `prompts`; `data` (the prompt stream's state after drawing
         it) is kept with the actor's state for its next checkpoint; `ahead`: the next iterations' batches, asked for
-        now (asynchronous rollouts)."""
-        return self.run({"op": "step", "prompts": prompts, "data": data, "ahead": ahead}, critic, reward)
+        now (asynchronous rollouts); `reserve`: the stream's next batches, each with the stream's state after it, for
+        dynamic sampling (the state kept is the one after the last batch it used)."""
+        return self.run({"op": "step", "prompts": prompts, "data": data, "ahead": ahead, "reserve": reserve},
+                        critic, reward)
 
     def evaluate(self, prompts: Batch, critic, reward, iteration: int) -> tuple[dict, list[dict]]:
         """The held-out eval (models/eval.py) on every rank, scored as training is (`critic` for PPO's combined
@@ -362,10 +379,14 @@ def run_loop(cfg: RLHFConfig, actor: Leader, prompts: PromptSet, evals: PromptSe
     With asynchronous rollouts (rollout.max_off_policy_steps = k) the stream is drawn up to k batches ahead, in order,
     and each step is told them (the engine asks for them while the actor trains); each batch keeps the stream's
     position after it, so a checkpoint records the last *trained* batch and a resumed run asks again for the ones
-    that were in flight: no prompt skipped, none trained twice."""
+    that were in flight: no prompt skipped, none trained twice. With dynamic sampling the step is handed the next
+    loss.dynamic_sampling_extra_rounds batches too: those it sampled are consumed, the others stay queued in order for
+    the next iteration, and the checkpoint records the stream after the last one it used."""
     stream = PromptStream.resume(prompts, batch_size(cfg), cfg.seed, actor.state.data, actor.state.iteration)
     start, history, evaluations = actor.state.iteration, [], []
     queued: deque[tuple[Batch, dict]] = deque()  # the next batches, each with the stream's position after it
+    settings = resolve(cfg)
+    extra = settings.dynamic_sampling_extra_rounds if settings.dynamic_sampling else 0  # batches dynamic sampling may use
     critic, reward = record.critic, record.reward
 
     def evaluate(iteration: int) -> None:
@@ -378,11 +399,13 @@ def run_loop(cfg: RLHFConfig, actor: Leader, prompts: PromptSet, evals: PromptSe
         steps.progress(i, cfg.iterations, "iterations")
         if evals is not None and is_eval_iteration(cfg, i) and (i == 0 or i != start):
             evaluate(i)
-        while len(queued) < min(1 + cfg.rollout.max_off_policy_steps, cfg.iterations - i):
+        while len(queued) < min(1 + cfg.rollout.max_off_policy_steps, cfg.iterations - i) + extra:
             queued.append((next(stream), stream.state()))
         batch, data = queued.popleft()
+        reserve = [queued.popleft() for _ in range(extra)]
         metrics, samples = steps(f"{cfg.algorithm}-iteration", record.guard, actor.step, batch, critic, reward, data,
-                                 [b for b, _ in queued])
+                                 [b for b, _ in queued], reserve)
+        queued.extendleft(reversed(reserve[int(metrics.get("dynamic_sampling/rounds", 1)) - 1:]))  # unused: next
         history.append(metrics)
         steps("log-metrics", record.log, actor.state.iteration, metrics, samples, retries=2)
         if actor.state.iteration % cfg.checkpoint.every == 0 or actor.state.iteration == cfg.iterations:

@@ -8,7 +8,9 @@ algorithm with a critic: PPO), 'rloo' (the REINFORCE family), 'vllm' (an engine 
 held-out eval: eval.prompts and eval.every), 'gold' (a gold reward: reward.gold, or the shipped task's on its data),
 'functions' (reward functions), 'binary' (held-out scores all 0 or 1, or eval.success_threshold set), 'async'
 (rollout.max_off_policy_steps > 0), 'environment' (an environment run: environment.factory or .verifiers),
-'judged_as_run' (an eval judged as an RL run's held-out eval: its `run`).
+'judged_as_run' (an eval judged as an RL run's held-out eval: its `run`), 'kl' (a KL to the reference: kl.beta > 0),
+'kl_loss' (the KL in the loss), 'ratio_clip' (a clipped ratio: loss.policy_loss ppo), 'dual_clip' (loss.clip_ratio_c),
+'vespo', 'dynamic' (loss.dynamic_sampling), 'opd' (a teacher).
 Light: no torch.
 """
 
@@ -36,22 +38,28 @@ class Group:
 
 M = Metric
 EVERY_ITERATION = Group("Every iteration (PPO and RLOO)", ("rl",), "At step = the iteration, over the rollouts of all actor ranks.", (
-    M(("reward",), "Mean score of the iteration's rollouts as the objective sees them (reward model or the weighted sum of the reward functions; RLOO: after `missing_eos_penalty`). No KL in it.", "same"),
+    M(("reward",), "Mean score of the iteration's rollouts as the objective sees them (reward model or the weighted sum of the reward functions, after `loss.missing_eos_penalty` and the soft overlong punishment). No KL in it.", "same"),
     M(("reward_std",), "Standard deviation of those scores.", "same"),
     M(("rewards/<name>/mean", "rewards/<name>/std"), "Each reward function's own scores (reward.function / reward.functions; `<name>` = the function's name, `_2`... when two share one). `reward` is their weighted sum.", "same", ("functions",)),
-    M(("frac_reward_zero_std",), "RLOO (k > 1 samples per prompt): share of prompts whose k samples all scored the same (no learning signal from that group).", "same", ("rloo",)),
-    M(("kl",), "Mean per-token KL of the policy to the frozen reference over the response tokens (k1: log pi - log pi_ref, at the behaviour policy).", "same"),
-    M(("objective/kl",), "The same KL summed per sequence, averaged over sequences: the unit of `kl.target` for the adaptive controller."),
-    M(("objective/kl_coef",), "The KL coefficient beta used this iteration (`kl.init`, or the adaptive controller's)."),
+    M(("frac_reward_zero_std",), "The critic-free recipes (k > 1 samples per prompt): share of the trained prompts whose k samples all scored the same (no learning signal from that group).", "same", ("rloo",)),
+    M(("dynamic_sampling/rounds", "dynamic_sampling/extra_rounds"), "Dynamic sampling (`loss.dynamic_sampling`): the generation rounds this iteration took (batches of the stream sampled and scored), and how many beyond the first.", None, ("dynamic",)),
+    M(("dynamic_sampling/kept_groups", "dynamic_sampling/filled_groups", "dynamic_sampling/dropped_share"), "Dynamic sampling: the trained prompts whose k scores differ, the prompts of equal scores the batch was topped up with after the last round, and the share of all sampled prompts dropped.", None, ("dynamic",)),
+    M(("kl",), "Mean per-token KL of the policy to the frozen reference over the response tokens (k1: log pi - log pi_ref, at the behaviour policy); not logged when `kl.beta` is 0 (no reference pass).", "same", ("kl",)),
+    M(("objective/kl",), "The same KL summed per sequence, averaged over sequences: the unit of `kl.target` for the adaptive controller.", None, ("kl",)),
+    M(("objective/kl_coef",), "The KL coefficient beta used this iteration (`kl.beta`, or the adaptive controller's)."),
+    M(("kl_loss",), "With the KL in the loss (`kl.placement=loss`): the mean per-token KL estimate the loss adds (kl.estimator, times the ratio as TRL), averaged over the update.", None, ("kl_loss",)),
     M(("objective/non_score_reward",), "Mean of -beta x KL per sequence: the KL part of the shaped reward."),
     M(("objective/rlhf_reward",), "Mean of score - beta x KL per sequence: what the policy maximises."),
     M(("objective/entropy",), "Mean over sequences of the summed -log pi of the sampled tokens (a per-sequence entropy estimate)."),
     M(("objective/gold_reward",), "Mean gold reward (reward.gold, or the shipped task's own on builtin data).", None, ("gold",)),
     M(("entropy",), "Mean per-token entropy of the policy's distribution over the response tokens, from the update's forward passes (averaged over minibatches).", "same"),
-    M(("loss",), "The actor's loss (PPO: clipped surrogate + entropy bonus; RLOO: REINFORCE / clipped ratio loss), token-weighted, averaged over optimizer steps.", "same"),
+    M(("loss",), "The actor's loss (the recipe's policy term, KL in the loss and entropy bonus, aggregated by `loss.loss_agg_mode` over each minibatch), averaged over optimizer steps.", "same"),
     M(("grad_norm",), "The actor's global gradient norm before clipping, averaged over optimizer steps.", "same"),
     M(("policy/skipped_steps",), "The actor's optimizer steps skipped this iteration because the loss or the gradient norm was not finite (weights and optimizer state left as they were)."),
-    M(("clip_ratio/region_mean",), "Share of response tokens whose ratio to the behaviour policy was clipped (outside 1 +- eps on the side the advantage pushes).", "same"),
+    M(("clip_ratio/region_mean",), "Share of response tokens whose ratio to the behaviour policy was clipped (outside [1 - epsilon, 1 + epsilon_high] on the side the advantage pushes; cispo: its weight capped).", "same"),
+    M(("clip_ratio/low_mean", "clip_ratio/high_mean"), "The same below 1 - epsilon (A < 0) and above 1 + epsilon_high (A > 0).", "same", ("ratio_clip",)),
+    M(("clip_ratio/dual_mean",), "Share of tokens whose negative-advantage loss the dual clip capped (`loss.clip_ratio_c`).", None, ("dual_clip",)),
+    M(("vespo/phi_seq_mean",), "vespo: the mean Gamma weight of the sequences.", "same", ("vespo",)),
     M(("learning_rate",), "The actor's learning rate after this iteration's steps.", "same"),
     M(("policy/approxkl_avg",), "Approximate KL(old, new) of the update (k3), averaged over steps (CleanRL's approx_kl)."),
     M(("val/ratio",), "Mean ratio new / behaviour policy over the response tokens during the update."),
@@ -66,6 +74,10 @@ EVERY_ITERATION = Group("Every iteration (PPO and RLOO)", ("rl",), "At step = th
     M(("iteration",), "The iteration just finished."),
     M(("dist/world_size",), "Actor ranks."),
 ))
+OPD = Group("On-policy distillation (`algorithm: opd`)", ("rl",), "The teacher (`model.teacher`) on the student's own samples.", (
+    M(("opd/reverse_kl", "opd/reverse_kl_seq"), "The reverse KL to the teacher, log pi_student - log pi_teacher of the sampled tokens: per token, and summed per sequence.", None, ("opd",)),
+    M(("opd/teacher_logp",), "The teacher's mean log-probability of the student's tokens.", None, ("opd",)),
+))
 PPO_ONLY = Group("PPO only", ("rl",), "With a critic.", (
     M(("loss/value_avg",), "The critic's clipped value loss, averaged over its steps.", None, ("critic",)),
     M(("val/clipfrac_avg",), "Share of value predictions clipped by `critic.loss_clip_val`.", None, ("critic",)),
@@ -74,14 +86,16 @@ PPO_ONLY = Group("PPO only", ("rl",), "With a critic.", (
     M(("critic/step",), "The critic's optimizer steps so far.", None, ("critic",)),
     M(("critic/skipped_steps",), "The critic's optimizer steps skipped in this `critic_train` because the loss or the gradient norm was not finite.", None, ("critic",)),
 ))
-BOTH_ADVANTAGES = Group("Advantages", ("rl",), "PPO: over the response tokens, after whitening; RLOO: of the sequence advantages (reward with KL minus the baseline).", (
-    M(("val/advantage_mean",), "Mean advantage."),
-    M(("val/advantage_std",), "RLOO: standard deviation of the sequence advantages.", None, ("rloo",)),
+BOTH_ADVANTAGES = Group("Advantages", ("rl",), "Of the advantages the loss uses (after whitening, when `loss.whiten_advantages`).", (
+    M(("val/advantage_mean",), "Mean advantage over the response tokens."),
+    M(("val/advantage_std",), "The critic-free recipes: standard deviation of the sequences' mean advantages.", None, ("rloo",)),
 ))
 VLLM = Group("The vLLM engine (`rollout.engine=vllm`)", ("rl",), "An engine with its own copy of the weights.", (
     M(("sampling/sampling_logp_difference/mean", "sampling/sampling_logp_difference/max"), "abs(trainer logprob - engine logprob) of the sampled tokens, over the response tokens.", "same", ("vllm",)),
-    M(("sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max"), "The truncated importance weights min(pi_trainer / pi_engine, `rollout.tis_cap`) the loss uses.", "same", ("vllm",)),
-    M(("rollout/tis_capped_frac",), "Share of tokens whose weight hit the cap.", None, ("vllm",)),
+    M(("sampling/importance_sampling_ratio/min", "sampling/importance_sampling_ratio/mean", "sampling/importance_sampling_ratio/max"), "The mismatch weights pi_trainer / pi_engine the loss uses (`loss.vllm_importance_sampling_mode`: per token or per sequence, truncated or masked), 1 with the correction off.", "same", ("vllm",)),
+    M(("mismatch/token_mult_prob_error",), "The token mean of exp(abs(log p_trainer - log p_engine)): 1 when the engine and the trainer agree (NeMo-RL's gate: < 1.1).", None, ("vllm",)),
+    M(("mismatch/gen_kl",), "k3 estimate of KL(engine || trainer) per token, from the engine's samples (NeMo-RL's gen_kl_error: < 0.001).", None, ("vllm",)),
+    M(("mismatch/masked_frac", "mismatch/clipped_frac"), "Share of tokens (token modes) or sequences (sequence modes) whose weight was outside [clip_min, clip_max]: set to 0 (`*_mask`) or truncated (`*_truncate`).", None, ("vllm",)),
     M(("rollout/staleness_mean", "rollout/staleness_max"), "Weight versions between the rollouts and the weights trained from (asynchronous rollouts).", None, ("vllm",)),
     M(("time/rollout_wait", "time/engine_idle", "time/refit_wait"), "Waiting for rollouts asked for ahead; the server's idle time between refits; a refit waiting for a generation in flight.", None, ("vllm", "async")),
 ))
@@ -136,7 +150,7 @@ EVAL_JOB = Group("The eval (`rlhf eval`, a pipeline's eval stage)", ("eval", "pi
 PIPELINE = Group("A pipeline's run", ("pipeline",), "Its MLflow parent run, at step 0: each stage's last metrics as `<stage>/<name>` (`sft/eval/loss`, `reward_model/eval/accuracy`, `rl/reward`, `dpo/eval/rewards/accuracies`), and those above marked for a pipeline.", (
     M(("sft/*", "reward_model/*", "rl/*", "dpo/*"), "A stage's last metrics (its record's)."),
 ))
-GROUPS = (EVERY_ITERATION, PPO_ONLY, BOTH_ADVANTAGES, VLLM, ENVIRONMENT, HELD_OUT, ONCE, STAGES, EVAL_JOB, PIPELINE)
+GROUPS = (EVERY_ITERATION, PPO_ONLY, OPD, BOTH_ADVANTAGES, VLLM, ENVIRONMENT, HELD_OUT, ONCE, STAGES, EVAL_JOB, PIPELINE)
 
 
 def pattern(name: str) -> re.Pattern:

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from models.config import LoraConfig
 from models.data import encode
 from models.distributed import SINGLE, Dist, full_state_dict, is_sharded, shard_model
+from models.scoring import token_logprobs
 from models.loading import (DTYPES, adapters_in_float32, autocast, base_dtype, checkpoint_activations, disable_dropout,
                             freeze, from_pretrained)
 from models.engines.base import Rollout, Weights
@@ -114,12 +115,12 @@ class Policy:
             with torch.no_grad():
                 if self.lora:
                     with self.model.disable_adapter(), autocast(self.device, self.dtype):
-                        return _token_logprobs(self.model, tokens.to(self.device), lengths.to(self.device), temperature, with_entropy)
+                        return token_logprobs(self.model, tokens.to(self.device), lengths.to(self.device), temperature, with_entropy)
                 ref_device = next(self.reference.parameters()).device
                 with autocast(ref_device, self.dtype):
-                    return _token_logprobs(self.reference, tokens.to(ref_device), lengths.to(ref_device), temperature, with_entropy)
+                    return token_logprobs(self.reference, tokens.to(ref_device), lengths.to(ref_device), temperature, with_entropy)
         with autocast(self.device, self.dtype):
-            return _token_logprobs(self.model, tokens.to(self.device), lengths.to(self.device), temperature, with_entropy,
+            return token_logprobs(self.model, tokens.to(self.device), lengths.to(self.device), temperature, with_entropy,
                                    entropy_grad)
 
     def engine_weights(self) -> Weights:
@@ -201,18 +202,3 @@ def reference_on_actor_device(model, device: torch.device, choice: str, shards: 
     need = sum(p.numel() * p.element_size() for p in model.parameters()) / shards
     return free > 1.2 * need
 
-
-def _token_logprobs(model, tokens: Tensor, lengths: Tensor, temperature: float, with_entropy: bool,
-                    entropy_grad: bool = False):
-    positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
-    attention_mask = (positions < lengths.unsqueeze(1)).long()
-    # no KV cache: a scoring pass never decodes further (and a cache would keep every layer's keys and values)
-    logits = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float() / temperature
-    log_norm = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(2, tokens[:, 1:].unsqueeze(2)).squeeze(2) - log_norm
-    entropy = None
-    if with_entropy:
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            source = logits if entropy_grad else logits.detach()
-            entropy = torch.logsumexp(source, dim=-1) - (torch.softmax(source, dim=-1) * source).sum(-1)
-    return logp, entropy

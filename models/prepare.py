@@ -5,7 +5,8 @@ exists (a path, a hub id in the Hugging Face cache, an s3:// prefix fetched into
 default `tiny/...` shipped with the package: models/resolve.py), the
 models not given follow the policy's family (model.reward: the family's own or required; model.critic: the reward
 model when it shares the policy's tokenizer, else the policy), and every model that reads the policy's token ids (the
-critic, a reward model on the token transport) shares the policy's tokenizer (tokenizers only: nothing heavy loads).
+critic, a reward model on the token transport, on-policy distillation's teacher) shares the policy's tokenizer
+(tokenizers only: nothing heavy loads).
 It also fills in the LR schedule lengths, decides the reward transport ('auto' -> 'tokens' or 'text'), makes reward
 files and the state directory absolute. Every entry point calls it (`rlhf train`, the training flows, the server
 children and `rlhf serve`); what it returns is the config the actor's ranks, the servers and the tracker receive, so
@@ -64,7 +65,7 @@ def absolute_reward_files(cfg: RLHFConfig) -> dict:
     return out
 
 
-def check_models(cfg: RLHFConfig, fields: tuple[str, ...] = ("policy", "reward", "critic")) -> None:
+def check_models(cfg: RLHFConfig, fields: tuple[str, ...] = ("policy", "reward", "critic", "teacher")) -> None:
     """Every model a `model.<field>` names is on this machine (models/resolve.py: a hub id in the Hugging Face cache,
     or downloaded into it where the deployment allows; an s3:// prefix fetched into the cache), before anything
     loads; the first that does not fails, naming its field. A reward model that
@@ -103,6 +104,9 @@ def check_tokenizers(cfg: RLHFConfig) -> None:
     if cfg.reward.source == "model" and cfg.reward.transport == "tokens":
         readers.append(("model.reward", cfg.model.reward, "reward.transport='tokens' sends it the policy's token ids",
                         "set reward.transport to 'auto' or 'text' (the reward model tokenizes the text itself)"))
+    if ALGORITHMS[cfg.algorithm].needs_teacher and cfg.model.teacher:
+        readers.append(("model.teacher", cfg.model.teacher, "the teacher scores the student's own token ids",
+                        "give a teacher of the policy's family (the same tokenizer)"))
     if not readers:
         return
     policy = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")

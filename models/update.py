@@ -2,9 +2,11 @@
 
 Rows are numbered globally across ranks; every rank draws the same permutation (a generator seeded alike on all
 ranks), so minibatch m holds the same rows whether one rank has them all or N ranks hold B/N each. Each micro-batch's
-token-mean loss is weighted by its share of the minibatch's tokens over all ranks, so gradients summed over ranks
-(`sum_gradients` for replicated weights; FSDP2's reduce-scatter averages, so there the loss is also scaled by the
-world size) are the single-process gradient, whatever the split. Ranks with fewer micro-batches run zero-weight ones: with FSDP every forward is a
+loss, an aggregate over its rows with per-row weights (a token mean: each row's loss tokens; a mean over sequences:
+1 each; models/losses.AGGREGATIONS), is weighted by its rows' share of the minibatch's weight over all ranks, so the
+minibatch's loss is the aggregate over all its rows, and gradients summed over ranks (`sum_gradients` for replicated
+weights; FSDP2's reduce-scatter averages, so there the loss is also scaled by the world size) are the single-process
+gradient, whatever the split. Ranks with fewer micro-batches run zero-weight ones: with FSDP every forward is a
 collective, so all ranks must run the same number.
 
 A step whose loss or gradient norm is not finite never lands: its gradients are dropped and the optimizer does not
@@ -25,7 +27,7 @@ from torch import Tensor
 
 from models.distributed import SINGLE, Dist, sum_gradients
 
-MicroLoss = Callable[[Tensor], tuple[Tensor, dict]]  # local row indices -> (token-mean loss, detached stats)
+MicroLoss = Callable[[Tensor], tuple[Tensor, dict]]  # local row indices -> (their aggregated loss, detached stats)
 
 
 def micro_batches(n: int, size: int) -> list[slice]:
@@ -33,10 +35,11 @@ def micro_batches(n: int, size: int) -> list[slice]:
 
 
 def minibatch_update(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, scheduler, micro_loss: MicroLoss,
-                     row_tokens: Tensor, global_rows: Tensor, n_global: int, minibatch_size: int, epochs: int,
+                     row_weights: Tensor, global_rows: Tensor, n_global: int, minibatch_size: int, epochs: int,
                      micro_batch_size: int, grad_clip: float, generator: torch.Generator, me: Dist = SINGLE,
                      sharded: bool = False) -> dict[str, float]:
-    """Optimizer steps over this rank's rows (`global_rows`: their global numbers; `row_tokens`: their loss tokens).
+    """Optimizer steps over this rank's rows (`global_rows`: their global numbers; `row_weights`: each row's weight in
+    the aggregate `micro_loss` computes, e.g. its loss tokens for a token mean).
 
     Returns the stats of `micro_loss` (token-weighted over each minibatch, then averaged over steps), `grad_norm`
     (mean) and `steps`; the same on every rank.
@@ -53,7 +56,7 @@ def minibatch_update(params: list[torch.nn.Parameter], optimizer: torch.optim.Op
         for start in range(0, n_global, minibatch_size):
             local = position[order[start:start + minibatch_size]]
             local = local[local >= 0]
-            total_tokens = me.all_reduce(row_tokens[local].sum().double()).clamp(min=1)
+            total_weight = me.all_reduce(row_weights[local].sum().double()).clamp(min=1e-12)
             count = me.all_reduce(torch.tensor(math.ceil(len(local) / micro_batch_size)), op="max")
             optimizer.zero_grad(set_to_none=True)
             step_sums, finite_loss = None, True
@@ -61,7 +64,7 @@ def minibatch_update(params: list[torch.nn.Parameter], optimizer: torch.optim.Op
                 idx = local[m * micro_batch_size:(m + 1) * micro_batch_size]
                 dummy = len(idx) == 0
                 loss, stats = micro_loss(idx if not dummy else torch.zeros(1, dtype=torch.long))
-                share = 0.0 if dummy else float(row_tokens[idx].sum() / total_tokens)
+                share = 0.0 if dummy else float(row_weights[idx].sum() / total_weight)
                 (loss * (share * scale)).backward()
                 if not names:
                     names = sorted(stats)

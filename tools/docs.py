@@ -5,7 +5,8 @@
   type, default and description, read from the pydantic tree;
 * docs/metrics.md: every metric the code logs (models/metrics.py), what it means, TRL's name for it, when it is
   logged;
-* the results part of docs/benchmarks.md (between its markers), from benchmarks/results/*.json.
+* the results part of docs/benchmarks.md (between its markers), from benchmarks/results/*.json;
+* the recipes' and the loss menu's tables of docs/algorithms.md (between its markers), from models/algorithms/recipes.py.
 
     python -m tools.docs            # rewrite them
     python -m tools.docs --check    # exit 1, naming the stale file, when one is not what the code says (make docs)
@@ -167,7 +168,9 @@ A placeholder in a name: `<name>` a reward function's name, `<phase>` a phase of
 NEEDS = {"critic": "PPO", "rloo": "RLOO", "vllm": "`rollout.engine=vllm`", "eval": "`eval.*`", "gold": "a gold reward",
          "functions": "reward functions", "binary": "0/1 scores", "async": "`rollout.max_off_policy_steps` > 0",
          "environment": "`environment.factory` or `.verifiers`", "judged_as_run": "an eval's `run`",
-         "never": "not a sweep's metric"}
+         "never": "not a sweep's metric", "kl": "`kl.beta` > 0", "kl_loss": "the KL in the loss",
+         "ratio_clip": "`loss.policy_loss=ppo`", "dual_clip": "`loss.clip_ratio_c`", "vespo": "`loss.policy_loss=vespo`",
+         "dynamic": "`loss.dynamic_sampling`", "opd": "`algorithm=opd`"}
 
 
 def metrics_page() -> str:
@@ -189,6 +192,39 @@ def metrics_page() -> str:
     return "\n".join(lines) + "\n"
 
 
+RECIPES_START, RECIPES_END = "<!-- recipes:start -->", "<!-- recipes:end -->"
+ALGORITHMS_PAGE = ROOT / "docs" / "algorithms.md"
+
+
+def recipes_table() -> str:
+    """The recipes and the menu, as models/algorithms/recipes.py defines them (docs/algorithms.md's generated part)."""
+    from models.algorithms.recipes import COMMON, NAMES, RECIPES
+    from models.config import RLHFConfig
+
+    lines = [RECIPES_START, "", "| `algorithm` | what it is | its settings (the rest: the common ones below) | TRL 1.16 "
+             "| veRL 0.9 |", "|---|---|---|---|---|"]
+    for recipe in RECIPES.values():
+        values = ", ".join(f"`{k}` = {v.__doc__}" if callable(v) else f"`{k}={v}`" for k, v in recipe.values.items())
+        lines.append(f"| `{recipe.name}` | {cell(recipe.title)} | {cell(values)} | {cell(recipe.trl or '(none)')} | "
+                     f"{cell(recipe.verl)} |")
+    common = ", ".join(f"`{k}={v}`" for k, v in COMMON.items())
+    lines += ["", f"Common to every recipe unless it says otherwise: {common}.", "",
+              "| setting | default | TRL 1.16 `GRPOConfig` | veRL 0.9 | from |", "|---|---|---|---|---|"]
+    tree, set_by_recipes = RLHFConfig(), set(COMMON) | {k for r in RECIPES.values() for k in r.values}
+    for dotted, (trl, verl, source) in NAMES.items():
+        section, name = dotted.split(".")
+        field = type(getattr(tree, section)).model_fields[name]
+        default = "the recipe's" if field.default is None and dotted in set_by_recipes else f"`{json.dumps(field.default)}`"
+        lines.append(f"| `{dotted}` | {default} | {cell(f'`{trl}`' if trl and not trl.startswith('(') else trl or '(none)')} "
+                     f"| {cell(f'`{verl}`' if verl and not verl.startswith('(') else verl or '(none)')} | {cell(source)} |")
+    return "\n".join(lines + ["", RECIPES_END])
+
+
+def algorithms_page(current: str) -> str:
+    before, rest = current.split(RECIPES_START, 1)
+    return before + recipes_table() + rest.split(RECIPES_END, 1)[1]
+
+
 def benchmarks_page(current: str) -> str:
     """docs/benchmarks.md with its generated part (between the markers) rebuilt from benchmarks/results."""
     from benchmarks.run_all import MARK_END, MARK_START, load_results, table
@@ -201,7 +237,8 @@ def pages() -> dict[Path, str]:
     """Each generated page and what it must hold."""
     from benchmarks.run_all import PAGE
 
-    return {CONFIG_REFERENCE: config_reference(), METRICS: metrics_page(), PAGE: benchmarks_page(PAGE.read_text())}
+    return {CONFIG_REFERENCE: config_reference(), METRICS: metrics_page(), PAGE: benchmarks_page(PAGE.read_text()),
+            ALGORITHMS_PAGE: algorithms_page(ALGORITHMS_PAGE.read_text())}
 
 
 def main(argv=None) -> int:

@@ -105,7 +105,7 @@ SWEEP_HELP = """Run a hyperparameter sweep (an Optuna study) as a Prefect flow i
 algorithm's deployment (ppo/default or reinforce/default) on the local stack that `rlhf up` started.
 
     rlhf sweep --set algorithm=rloo --set eval.prompts=builtin:sentiment --set eval.every=4 --name lr-kl \\
-        --space 'reinforce.optim.lr=[1e-6, 1e-3]' --space 'kl.init=[0.01, 0.1]' --concurrency 2
+        --space 'reinforce.optim.lr=[1e-6, 1e-3]' --space 'kl.beta=[0.01, 0.1]' --concurrency 2
     rlhf sweep --config run.yaml --sweep sweep.yaml --pruner median
 
 The base config: the 'tiny' preset, then --config YAML, then --set (as `rlhf train`). The sweep section: --sweep YAML
@@ -120,7 +120,7 @@ def add_sweep_parser(sub) -> None:
     add_config_args(p)
     p.add_argument("--sweep", metavar="YAML", help="the sweep section as a YAML file (the flags below override it)")
     p.add_argument("--space", action="append", metavar="FIELD=VALUES",
-                   help="a dotted config field and its values as YAML: a list ('kl.init=[0.01, 0.1]') or a range "
+                   help="a dotted config field and its values as YAML: a list ('kl.beta=[0.01, 0.1]') or a range "
                         "('reinforce.optim.lr={low: 1e-5, high: 1e-3, log: true}'); repeatable")
     for name, field in SweepConfig.model_fields.items():
         if name != "space":

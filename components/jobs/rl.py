@@ -169,8 +169,9 @@ class RunRecord:
         gold = f"gold {m['objective/gold_reward']:+.3f} " if "objective/gold_reward" in m else ""
         tools = (f" tools {m['tools/call_frequency']:.2f}/episode errors {m['env/errors']:g} timeouts "
                  f"{m['env/timeouts']:g}") if "tools/call_frequency" in m else ""
+        kl = f"KL {m['objective/kl']:.3f} " if "objective/kl" in m else ""
         self.steps.log(f"iteration {iteration}/{session.cfg.iterations}: {gold}reward {m['reward']:+.3f} "
-                       f"KL {m['objective/kl']:.3f} step {m['step_time']:.2f}s{stale}{tools}")
+                       f"{kl}step {m['step_time']:.2f}s{stale}{tools}")
 
     def log_eval(self, iteration: int, metrics: dict, rows: list[dict]) -> None:
         """An eval's metrics at step=iteration, its samples as an MLflow table and a table beside the run."""

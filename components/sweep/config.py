@@ -50,7 +50,7 @@ class SweepConfig(Section):
     space: dict[str, Values] = Field(
         description="Dotted config field -> a list of values (categorical; grid takes every combination) or "
                     "{low, high, log} (a float or int range, by the field's type; random and tpe only), e.g. "
-                    "{'reinforce.optim.lr': {'low': 1e-5, 'high': 1e-3, 'log': true}, 'kl.init': [0.01, 0.1]}.")
+                    "{'reinforce.optim.lr': {'low': 1e-5, 'high': 1e-3, 'log': true}, 'kl.beta': [0.01, 0.1]}.")
     sampler: Literal["grid", "random", "tpe"] = Field("grid", description="grid = every combination of the lists, in "
                                                       "their order; random = Optuna's RandomSampler; tpe = Optuna's TPESampler.")
     trials: PositiveInt = Field(8, description="How many trials random and tpe run in all (finished trials of an earlier "

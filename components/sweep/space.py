@@ -23,7 +23,7 @@ from optuna.distributions import BaseDistribution, CategoricalDistribution, Floa
 from pydantic import BaseModel, ValidationError
 
 from components.sweep.config import SweepConfig
-from models.algorithms import ALGORITHMS
+from models.algorithms import ALGORITHMS, resolve
 from models.config import RLHFConfig, RunConfig, merge
 from models.data import builtin_gold
 from models.metrics import find, names
@@ -115,12 +115,24 @@ def metric_problem(cfg: RLHFConfig, metric: str, pipeline: bool = False) -> Opti
            "vllm": f"'{metric}' comes from an engine with its own weights, and rollout.engine is {cfg.rollout.engine!r}",
            "async": f"'{metric}' needs asynchronous rollouts, and rollout.max_off_policy_steps is 0",
            "functions": f"'{metric}' needs reward functions, and reward.source is {cfg.reward.source!r}",
-           "environment": f"'{metric}' is an environment run's, and neither environment.factory nor environment.verifiers is set"}
+           "environment": f"'{metric}' is an environment run's, and neither environment.factory nor environment.verifiers is set",
+           "kl": f"'{metric}' needs a KL to the reference, and kl.beta is 0 for {cfg.algorithm}",
+           "kl_loss": f"'{metric}' needs the KL in the loss (kl.placement=loss, kl.beta > 0)",
+           "ratio_clip": f"'{metric}' needs a clipped ratio (loss.policy_loss=ppo)",
+           "dual_clip": f"'{metric}' needs loss.clip_ratio_c",
+           "vespo": f"'{metric}' needs loss.policy_loss=vespo",
+           "dynamic": f"'{metric}' needs loss.dynamic_sampling",
+           "opd": f"'{metric}' is on-policy distillation's (algorithm=opd)"}
+    settings = resolve(cfg)
     held = {"never": False, "eval": bool(cfg.eval.prompts and cfg.eval.every),
             "gold": bool(cfg.reward.gold or builtin_gold(cfg.data.prompts)),
             "critic": ALGORITHMS[cfg.algorithm].needs_critic, "rloo": not ALGORITHMS[cfg.algorithm].needs_critic,
             "vllm": cfg.rollout.engine != "native", "async": cfg.rollout.max_off_policy_steps > 0,
-            "functions": cfg.reward.source == "function", "binary": True, "environment": cfg.environment.enabled}
+            "functions": cfg.reward.source == "function", "binary": True, "environment": cfg.environment.enabled,
+            "kl": settings.kl_beta > 0, "kl_loss": settings.kl_beta > 0 and not settings.kl_in_reward,
+            "ratio_clip": settings.menu.policy_loss == "ppo", "dual_clip": settings.menu.clip_ratio_c is not None,
+            "vespo": settings.menu.policy_loss == "vespo", "dynamic": settings.dynamic_sampling,
+            "opd": ALGORITHMS[cfg.algorithm].needs_teacher}
     return next((why[need] for need in entry.needs if not held[need]), None)
 
 

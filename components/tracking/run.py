@@ -46,7 +46,8 @@ from components.storage.lease import HeldLease, acquire as acquire_lease
 from components.storage.store import CheckpointStore
 from components.tracking.provenance import digest
 from components.tracking.tracker import Tracker, resolve_tracking_uri
-from models.config import RLHFConfig, merge, run_name_for
+from models.algorithms.recipes import resolved_values
+from models.config import RLHFConfig, deep_merge, merge, nested, run_name_for
 from models.resolve import resolve_data
 from models.reward import is_file_spec, reward_file
 
@@ -151,15 +152,19 @@ class RunSession:
             restored = store.restore(local_dir / "restore", parts=parts, log=log)
             if restored is not None:
                 resumed_from, manifest = restored[0], from_jsonable(restored[1])
-            nested = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
+            parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
             record = provenance or {}
             tracker = Tracker(default_tracking_uri(cfg), cfg.tracking.experiment, name,
                               run_id=manifest.get("tracking_run_id"),
                               tags={"job": cfg.job, **record_tags(record),
-                                    **provenance_tags({**models, **data}, reward_files), **nested, **(tags or {})},
+                                    **provenance_tags({**models, **data}, reward_files), **parent, **(tags or {})},
                               system_metrics=cfg.deploy.tracking.system_metrics)
-            # URL passwords redacted by the tracker; the reward files' digests are tags (their paths make no param names)
-            tracker.start(cfg.model_dump(mode="json", exclude={"reward": {"files"}} if cfg.job == "rl" else None))
+            # URL passwords redacted by the tracker; the reward files' digests are tags (their paths make no param names);
+            # an RL run's loss settings as they run (each left unset: its recipe's value)
+            logged = cfg.model_dump(mode="json", exclude={"reward": {"files"}} if cfg.job == "rl" else None)
+            if cfg.job == "rl":
+                logged = deep_merge(logged, nested(resolved_values(cfg)))
+            tracker.start(logged)
         except BaseException:
             lease.release()
             raise

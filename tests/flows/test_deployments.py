@@ -319,9 +319,9 @@ def test_reinforce_with_a_reward_model_of_another_tokenizer_learns_through_text(
 def test_invalid_parameter_is_refused_before_any_run(local_stack):
     s = local_stack
     before = stack.prefect_post(s['api'], "/flow_runs/count", {}, timeout=10).json()
-    proc = deployment_run(s, "ppo/default", {"ppo": {"ratio_eps": -1}}, check=False)
+    proc = deployment_run(s, "ppo/default", {"loss": {"epsilon": -1}}, check=False)
     assert proc.returncode != 0
-    assert "ratio_eps" in proc.stdout + proc.stderr
+    assert "epsilon" in proc.stdout + proc.stderr
     proc = deployment_run(s, "reinforce/default", {"reinforce": {"num_rollouts_per_prompt": "four"}}, check=False)
     assert proc.returncode != 0 and "num_rollouts_per_prompt" in proc.stdout + proc.stderr
     assert stack.prefect_post(s['api'], "/flow_runs/count", {}, timeout=10).json() == before

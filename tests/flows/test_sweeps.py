@@ -158,16 +158,16 @@ def test_bad_input_is_refused_before_any_trial_starts(sweep_stack):
     flow run at once, naming the field, before any trial (no reinforce flow run, no study)."""
     s = sweep_stack
     before = len(flow_runs_of(s, "sweep"))
-    proc = start_sweep(s, {"name": "Bad_Name", "space": {"kl.init": [0.1]}}, check=False)
+    proc = start_sweep(s, {"name": "Bad_Name", "space": {"kl.beta": [0.1]}}, check=False)
     assert proc.returncode != 0 and "name" in proc.stdout + proc.stderr
-    proc = start_sweep(s, {"name": "bad", "space": {"kl.init": [0.1]}, "sampler": "bayes"}, check=False)
+    proc = start_sweep(s, {"name": "bad", "space": {"kl.beta": [0.1]}, "sampler": "bayes"}, check=False)
     assert proc.returncode != 0 and "sampler" in proc.stdout + proc.stderr
     assert len(flow_runs_of(s, "sweep")) == before
 
     cases = {  # name: (sweep, config, what the failed state says); every message: tests/components/sweep
         "unknown-field": ({"space": {"reinforce.optim.lrr": [1e-3]}}, CONFIG,
                           "'reinforce.optim.lrr' is not a config field: reinforce.optim has no field 'lrr'"),
-        "no-eval": ({"space": {"kl.init": [0.1]}}, {**CONFIG, "eval": {**EVAL, "every": 0}},
+        "no-eval": ({"space": {"kl.beta": [0.1]}}, {**CONFIG, "eval": {**EVAL, "every": 0}},
                     "sweep.metric: 'eval/reward' is logged by the held-out eval, which this config does not run"),
     }
     runs = {name: flow_run_id(start_sweep(s, {"name": name, **sweep}, config)) for name, (sweep, config, _) in cases.items()}
@@ -309,7 +309,7 @@ def test_a_sweep_killed_mid_way_resumes_keeping_its_finished_trial_and_following
 
     # the finished sweep, run again: no trial; under its name with another space: refused
     rerun = flow_run_id(start_sweep(s, RESUME, CONFIG, IN_PROCESS))
-    other = flow_run_id(start_sweep(s, {**RESUME, "space": {"kl.init": [0.01, 0.1]}}, CONFIG, IN_PROCESS))
+    other = flow_run_id(start_sweep(s, {**RESUME, "space": {"kl.beta": [0.01, 0.1]}}, CONFIG, IN_PROCESS))
     rerun = wait_final(s, rerun, timeout=300)
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     assert len(trial_runs(s, "resume")) == 2  # no new trial

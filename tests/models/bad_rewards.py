@@ -14,3 +14,9 @@ def length_reward(prompts, responses):
 
 
 not_callable = 3
+
+
+def half_constant_reward(prompts, responses):
+    """0 for every sample of a prompt of even length (its group's scores are all equal: dynamic sampling drops it),
+    else the parity of the response's word count."""
+    return [0.0 if len(p) % 2 == 0 else float(len(r.split()) % 2) for p, r in zip(prompts, responses)]

@@ -18,23 +18,26 @@ from models import distributed  # noqa: E402
 from models.algorithms import ALGORITHMS, Backends  # noqa: E402
 from models.backends import LocalCritic, LocalRewardModel  # noqa: E402
 from models.config import RLHFConfig  # noqa: E402
-from models.loop import build_actor, build_critic_trainer  # noqa: E402
+from models.data import Batch  # noqa: E402
+from models.loop import build_actor, build_critic_trainer, build_local_reward  # noqa: E402
 from models.reward import load_reward_model  # noqa: E402
 from models.engines.base import Rollout  # noqa: E402
 from models.step import train_step  # noqa: E402
 
 
 class Replay:
-    """A rollout engine (models/engines/base.RolloutEngine) that hands out this rank's fixed rollouts."""
+    """A rollout engine (models/engines/base.RolloutEngine) that hands out this rank's fixed rollouts, one per call
+    (dynamic sampling asks once per round)."""
 
     name, shares_actor_weights = "replay", True
 
-    def __init__(self, rollout: Rollout):
-        self.rollout = rollout
+    def __init__(self, rollouts: list[Rollout]):
+        self.rollouts = list(rollouts)
 
     def generate(self, prompt_ids, n, sampling, generator=None) -> Rollout:
-        assert len(prompt_ids) * n == len(self.rollout), (len(prompt_ids), n, len(self.rollout))
-        return self.rollout
+        rollout = self.rollouts.pop(0)
+        assert len(prompt_ids) * n == len(rollout), (len(prompt_ids), n, len(rollout))
+        return rollout
 
     def update_weights(self, weights) -> None:
         raise AssertionError("a replay engine shares the actor's weights")
@@ -49,17 +52,25 @@ def update(cfg: RLHFConfig, fixture: dict, me: distributed.Dist) -> tuple[dict, 
     state = build_actor(cfg, me)
     algorithm = ALGORITHMS[cfg.algorithm]
     k = algorithm.samples_per_prompt(algorithm.settings(cfg))
-    mine = me.shard(len(fixture["prompts"]))
-    rows = slice(mine.start * k, mine.stop * k)
-    state.engine = Replay(Rollout(*(fixture[name][rows] for name in
-                                    ("tokens", "prompt_lengths", "lengths", "is_end", "sample_logprobs"))))
+    rounds = fixture.get("rounds") or [fixture]  # dynamic sampling: the batch, then the stream's next ones
+
+    def share(part: dict) -> Rollout:
+        mine = me.shard(len(part["prompts"]))
+        rows = slice(mine.start * k, mine.stop * k)
+        return Rollout(*(part[name][rows] for name in ("tokens", "prompt_lengths", "lengths", "is_end",
+                                                       "sample_logprobs")))
+
+    state.engine = Replay([share(part) for part in rounds])
     backends = Backends()
     if me.is_leader:
         if algorithm.needs_critic:
             backends.critic = LocalCritic(build_critic_trainer(cfg))
+        elif cfg.reward.source == "function":
+            backends.reward = build_local_reward(cfg)
         else:
             backends.reward = LocalRewardModel(load_reward_model(cfg.resolve_model_path(cfg.model.reward)))
-    metrics, _ = train_step(state, fixture["prompts"], cfg, backends)
+    metrics, _ = train_step(state, rounds[0]["prompts"], cfg, backends,
+                            reserve=[Batch(part["prompts"]) for part in rounds[1:]])
     for backend in (backends.critic, backends.reward):
         if backend is not None:
             backend.close()

@@ -26,8 +26,7 @@ def test_every_algorithm_declares_its_parts(name):
     for field in ("rollout_batch_size", "minibatch_size", "epochs", "optim"):  # what the shared step reads
         assert field in type(settings).model_fields, f"{name}: its section lacks {field}"
     assert algorithm.samples_per_prompt(settings) >= 1
-    for hook in ("advantages", "loss"):  # no default: each algorithm must say
-        assert getattr(type(algorithm), hook) is not getattr(Algorithm, hook), f"{name} does not define {hook}"
+    assert type(algorithm).advantages is not Algorithm.advantages, f"{name} does not define advantages"  # no default
     if algorithm.needs_critic:  # an algorithm with a critic updates it and reports on it
         assert type(algorithm).update_critic is not Algorithm.update_critic
 

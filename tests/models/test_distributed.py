@@ -42,27 +42,36 @@ def test_blocks_are_found_from_no_split_modules(tiny_models):
     assert [type(b).__name__ for b in blocks] == ["GPT2Block"] * model.config.n_layer
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "rloo"])
+DAPO = {"reward.source": "function", "reward.function": "tests.models.bad_rewards:half_constant_reward",
+        "loss.dynamic_sampling_extra_rounds": 2}  # some groups' scores all equal, whatever the samples
+
+
+@pytest.mark.parametrize("algorithm", ["ppo", "rloo", "dapo"])
 def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
     """N ranks x B/N rollouts give the same update as 1 rank x B: actor weights to 1e-5 (float32), loss, KL and the
     grad norm (which would show gradients averaged instead of summed) to 1e-4 relative. The same 2 ranks as 2 node
     groups (deploy.actor.nnodes=2: two torchruns over loopback started by LocalNodes, each with a pod's environment
     and a state directory of its own) give the one-node update to 1e-5: checked on PPO's update (the launch is the
-    same for every algorithm; PPO's update is the one with the most parts)."""
+    same for every algorithm; PPO's update is the one with the most parts). DAPO (token-mean, clip-higher, dynamic
+    sampling over the batch and the stream's next two, with a reward under which some prompts' groups always score
+    alike): the groups it keeps, shared out over the ranks, give the one-rank update too."""
     cfg = prepare_run(preset("tiny", **{
         "deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "algorithm": algorithm,
         "model.reward": tiny_models["reward"], "ppo.rollout_batch_size": 12, "ppo.minibatch_size": 6,
         "reinforce.rollout_batch_size": 6, "reinforce.minibatch_size": 8, "generation.max_new_tokens": 8,
-        "generation.micro_batch_size": 4, "critic.micro_batch_size": 8}))
+        "generation.micro_batch_size": 4, "critic.micro_batch_size": 8, **(DAPO if algorithm == "dapo" else {})}))
     section = ALGORITHMS[algorithm].settings(cfg)
     k, n_prompts = ALGORITHMS[algorithm].samples_per_prompt(section), section.rollout_batch_size
 
-    prompts = load_prompts(cfg)[:n_prompts]
     actor = build_actor(cfg)
-    rollout = actor.engine.generate(actor.policy.encode_prompts(prompts), k, Sampling.of(cfg.generation),
-                                    torch.Generator().manual_seed(5))
-    fixture = {"prompts": prompts, "tokens": rollout.tokens, "prompt_lengths": rollout.prompt_lengths,
-               "lengths": rollout.lengths, "is_end": rollout.is_end, "sample_logprobs": rollout.sample_logprobs}
+    rounds = []
+    for r in range(3 if algorithm == "dapo" else 1):  # dynamic sampling: this batch and the stream's next two
+        prompts = load_prompts(cfg)[r * n_prompts:(r + 1) * n_prompts]
+        rollout = actor.engine.generate(actor.policy.encode_prompts(prompts), k, Sampling.of(cfg.generation),
+                                        torch.Generator().manual_seed(5 + r))
+        rounds.append({"prompts": prompts, "tokens": rollout.tokens, "prompt_lengths": rollout.prompt_lengths,
+                       "lengths": rollout.lengths, "is_end": rollout.is_end, "sample_logprobs": rollout.sample_logprobs})
+    fixture = {**rounds[0], "rounds": rounds}
     torch.save(fixture, tmp_path / "fixture.pt")
     (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
 
@@ -81,6 +90,8 @@ def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
     two_nodes = two_node_groups_update(tmp_path) if algorithm == "ppo" else None
 
     assert two["metrics"]["dist/world_size"] == 2 and one_metrics["dist/world_size"] == 1
+    if algorithm == "dapo":  # groups were dropped and more were sampled
+        assert one_metrics["dynamic_sampling/rounds"] >= 2 and one_metrics["dynamic_sampling/dropped_share"] > 0
     assert one_weights.keys() == two["weights"].keys()
     moved = 0.0
     initial = build_actor(cfg).policy.model.state_dict()
@@ -104,7 +115,8 @@ def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
         print(f"{algorithm}: 2 node groups vs 2 ranks on one node, largest weight difference "
               f"{max(float((two_nodes['weights'][n] - v).abs().max()) for n, v in two['weights'].items()):.1e}")
     keys = [k for k in one_metrics if not k.startswith(NON_DETERMINISTIC)]
-    assert {"loss", "objective/kl", "grad_norm", "policy/approxkl_avg"} <= set(keys)
+    assert {"loss", "grad_norm", "policy/approxkl_avg",
+            "dynamic_sampling/kept_groups" if algorithm == "dapo" else "objective/kl"} <= set(keys)
     for key in keys:
         assert two["metrics"][key] == pytest.approx(one_metrics[key], rel=1e-4, abs=1e-6), key
         if two_nodes:

@@ -59,7 +59,7 @@ def calculator_run(policy: str, state_dir: Path, **overrides):
             "environment.factory": f"{CALCULATOR}:Calculator", "environment.max_turns": 2, "environment.workers": 2,
             "generation.max_new_tokens": 64, "generation.temperature": 1.0, "generation.micro_batch_size": 64,
             "reinforce.rollout_batch_size": 16, "reinforce.num_rollouts_per_prompt": 4, "reinforce.minibatch_size": 32,
-            "reinforce.epochs": 1, "reinforce.optim.lr": 1e-3, "kl.init": 0.0, "iterations": 12,
+            "reinforce.epochs": 1, "reinforce.optim.lr": 1e-3, "kl.beta": 0.0, "iterations": 12,
             "deploy.state_dir": str(state_dir), "deploy.tracking.system_metrics": False,
             "run_name": f"calculator-{next(RUNS)}"}
     return preset("none", **{**base, **overrides})

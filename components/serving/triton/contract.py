@@ -16,6 +16,9 @@ Wire contract (NeMo-Aligner compatible; tokens right-padded, B = batch, L = sequ
     reward_text   (dynamic batching)  prompts BYTES [B,1], responses BYTES [B,1] (UTF-8)
                                       -> rewards float32 [B,1]: the reward model tokenizes with its own tokenizer
                                       (reward servers, and the critic server when it carries the reward model)
+    teacher_logprobs (dynamic batching) tokens int64 [B,L], sequence_lengths int64 [B,1] -> logprobs float32 [B,L-1]:
+                                      on-policy distillation's teacher (algorithm=opd, served by the reward server):
+                                      its log-probability of each next token (0 past the row's length)
     both reward models take an optional columns BYTES [B,1]: each sample's data set row besides the prompt, a JSON
     object, for a reward function that reads columns (models/reward.py); a reward model ignores it. A client that
     sends no columns (every client before it) is served as before.
@@ -48,6 +51,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from components.serving.auth import OPEN_MODE_APIS, RESTRICTED_APIS, MissingSecret, read_secret, triton_token
+from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig
 from models.critic import CriticInputError
 
@@ -55,6 +59,7 @@ LOG = logging.getLogger("rlhf.server")
 
 CRITIC_INFER, CRITIC_TRAIN, CRITIC_SAVE, REWARD_MODEL = "critic_infer", "critic_train", "critic_save", "reward_model"
 REWARD_TEXT = "reward_text"
+TEACHER_LOGPROBS = "teacher_logprobs"
 CRITIC_MODELS = (CRITIC_INFER, CRITIC_TRAIN, CRITIC_SAVE)
 REWARD_MODELS = (REWARD_MODEL, REWARD_TEXT)
 TRAIN_STATS = ("loss_mean", "grad_norm", "explained_variance", "clipfrac", "lr", "skipped_steps")
@@ -213,6 +218,11 @@ def reward_specs(max_batch_size: int, max_queue_delay_us: int, functions: bool =
             reward_text_spec(max_batch_size, max_queue_delay_us, functions)]
 
 
+def teacher_spec(max_batch_size: int, max_queue_delay_us: int) -> ModelSpec:
+    return ModelSpec(TEACHER_LOGPROBS, [_tensor("tokens", np.int64, (-1,)), _tensor("sequence_lengths", np.int64, (1,))],
+                     [_tensor("logprobs", np.float32, (-1,))], True, max_batch_size, max_queue_delay_us)
+
+
 def reward_text_spec(max_batch_size: int, max_queue_delay_us: int, functions: bool = False) -> ModelSpec:
     return ModelSpec(REWARD_TEXT, [_tensor("prompts", bytes, (1,)), _tensor("responses", bytes, (1,)),
                                    _tensor("columns", bytes, (1,), optional=True)],
@@ -252,7 +262,12 @@ class ServerSpec(BaseModel):
         """The models this server binds (what readiness waits for)."""
         if self.kind == "critic":
             return CRITIC_MODELS + ((REWARD_TEXT,) if self.config.critic_carries_reward else ())
-        return REWARD_MODELS
+        return REWARD_MODELS + ((TEACHER_LOGPROBS,) if self.carries_teacher else ())
+
+    @property
+    def carries_teacher(self) -> bool:
+        """A reward server of on-policy distillation serves its teacher too."""
+        return self.kind == "reward" and ALGORITHMS[self.config.algorithm].needs_teacher
 
     @property
     def section(self):
@@ -265,7 +280,8 @@ class ServerSpec(BaseModel):
         model; a reward server its reward model, or the policy's tokenizer for a reward function."""
         if self.kind == "critic":
             return ("critic", "reward")
-        return ("reward",) if self.config.reward.source == "model" else ("policy",)
+        return (("reward",) if self.config.reward.source == "model" else ("policy",)) + \
+            (("teacher",) if self.carries_teacher else ())
 
     def security(self) -> dict:
         """Triton's restricted APIs for this server (TritonSecurityConfig's arguments): with deploy.<kind>.auth

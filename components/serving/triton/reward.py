@@ -1,5 +1,6 @@
 """The reward server's models as PyTriton callables (reward_model, reward_text), over a reward model or Python reward
-functions (models/reward.py), and how a reward server loads them."""
+functions (models/reward.py), on-policy distillation's teacher (teacher_logprobs), and how a reward server loads
+them."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import numpy as np
 
 from components.serving.triton.contract import (ModelSpec, ServerSpec, check_positions, check_prompt_lengths,
                                                 decode_columns, decode_texts, request_array, reward_specs,
-                                                stack_requests)
+                                                stack_requests, teacher_spec)
 from models.critic import CriticInputError, validate_tokens
 from models.loading import resolve_device
+from models.scoring import load_teacher, teacher_logprobs
 from models.reward import (load_reward_functions, load_reward_model, load_reward_tokenizer, reward_limit,
                            reward_model_scores, score_batches, text_batches)
 
@@ -125,6 +127,31 @@ class RewardCallables:
         return list(zip(reward_specs(max_batch_size, max_queue_delay_us, self.functions), (self.infer, self.text)))
 
 
+class TeacherCallable:
+    """`teacher_logprobs` over on-policy distillation's teacher (a frozen causal LM of the policy's tokenizer)."""
+
+    def __init__(self, model, temperature: float = 1.0, lock: threading.Lock | None = None, micro_batch_size: int = 64):
+        self.model, self.temperature, self.micro_batch_size = model, temperature, micro_batch_size
+        self.lock = lock or threading.Lock()
+
+    def infer(self, requests):
+        parts = []
+        for request in requests:
+            tokens, lengths = request_array(request, "tokens"), request_array(request, "sequence_lengths")
+            validate_tokens(tokens, lengths, self.model.config.vocab_size)
+            check_positions(tokens, self.model)
+            parts.append((tokens, lengths.reshape(-1)))
+        tokens, lengths, _ = stack_requests(parts)
+        with self.lock:
+            logp = teacher_logprobs(self.model, tokens, lengths, self.temperature, self.micro_batch_size).numpy()
+        out, start = [], 0
+        for rows, _ in parts:
+            out.append({"logprobs": np.ascontiguousarray(logp[start:start + rows.shape[0], :rows.shape[1] - 1],
+                                                         dtype=np.float32)})
+            start += rows.shape[0]
+        return out
+
+
 def load_reward(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], object]:
     cfg = spec.config
     if cfg.reward.source == "model":
@@ -135,4 +162,10 @@ def load_reward(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], obj
     else:
         tokenizer = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")
         callables = RewardCallables(function=load_reward_functions(cfg.reward, deploy=cfg.deploy), tokenizer=tokenizer)
-    return callables.bindings(spec.max_batch_size, cfg.deploy.reward.max_queue_delay_us), None
+    bindings = callables.bindings(spec.max_batch_size, cfg.deploy.reward.max_queue_delay_us)
+    if spec.carries_teacher:
+        teacher = load_teacher(cfg.resolve_model_path(cfg.model.teacher), cfg.model.dtype, resolve_device(cfg.deploy.device))
+        bindings.append((teacher_spec(spec.max_batch_size, cfg.deploy.reward.max_queue_delay_us),
+                         TeacherCallable(teacher, cfg.generation.temperature, callables.lock,
+                                         cfg.generation.micro_batch_size).infer))
+    return bindings, None

@@ -57,7 +57,7 @@ def test_passwords_in_urls_are_redacted_at_any_depth():
 def test_a_sweeps_storage_password_never_reaches_mlflow(tmp_path, mlflow_uri):
     config = merge(RLHFConfig(algorithm="rloo"), {"deploy.state_dir": str(tmp_path),
                                                   "deploy.tracking.uri": mlflow_uri})
-    sweep = SweepConfig(name="secret-storage", space={"kl.init": [0.01, 0.1]},
+    sweep = SweepConfig(name="secret-storage", space={"kl.beta": [0.01, 0.1]},
                         storage="postgresql+psycopg2://optuna:hunter2@db.internal/optuna")
     run = SweepRun.open(config, sweep)
     client = MlflowClient(mlflow_uri)

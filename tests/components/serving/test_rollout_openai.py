@@ -328,7 +328,7 @@ def test_a_run_trains_on_a_verifiers_tool_env_through_the_rollout_server(model_d
     cfg = preset("none", **{
         "model.policy": str(weak), "model.dtype": "float32", "algorithm": "rloo", "seed": 0, "run_name": "verifiers",
         "rollout.engine": "vllm", "rollout.vllm.dtype": "float32", "deploy.rollout.threads": 1,
-        "reward.source": "function", "kl.init": 0.0,
+        "reward.source": "function", "kl.beta": 0.0,
         "environment.verifiers": {"id": "calc_env", "paths": [str(environments)], "args": {"max_turns": 2}},
         "generation.max_new_tokens": 48, "generation.temperature": 1.0,
         "reinforce.rollout_batch_size": 2, "reinforce.num_rollouts_per_prompt": 4, "reinforce.minibatch_size": 8,

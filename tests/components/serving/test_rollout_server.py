@@ -22,10 +22,11 @@ from components.launch.processes import ServerNotReady, alive, group_members, wa
 from components.serving.auth import bearer_headers, new_secret
 from components.serving.launcher import launch_rollout, rollout_env, rollout_python
 from components.serving.rollout.client import HTTPWeights, RolloutClient, safetensors_header, safetensors_stream
-from models.config import LoraConfig, RLHFConfig, Sampling, from_layers
+from models.config import LoraConfig, RLHFConfig, Sampling, from_layers, preset
 from models.engines import Weights
 from models.engines.vllm import EngineRequestError, VLLMEngine
-from models.losses import tis_weights
+from models.algorithms import StepData, resolve
+from models.losses import mismatch_weights
 from models.policy import Policy
 from models.step import engine_mismatch
 from models.tasks import sentiment
@@ -325,10 +326,13 @@ def test_a_skipped_refit_is_caught_by_the_mismatch_metric(engine, tiny_models):
     engine.update_weights(policy.engine_weights())
     fresh = engine.generate(prompts, 1, sampling, torch.Generator().manual_seed(1))
     metrics = {}
+    settings = resolve(preset("tiny", algorithm="rloo"))
     for name, ro in (("stale", stale), ("fresh", fresh)):
-        old = trainer_logprobs(policy, ro, 1.0)
-        tis = tis_weights(old, ro.sample_logprobs, ro.response_mask, 2.0)
-        metrics[name] = engine_mismatch(policy.me, old, ro.sample_logprobs, ro.response_mask, tis, 2.0)
+        old, mask = trainer_logprobs(policy, ro, 1.0), ro.response_mask
+        data = StepData(ro.tokens, mask, ro.is_end, old, {}, torch.zeros_like(mask), 0.0, 1, policy.pad_id, settings,
+                        engine_logp=ro.sample_logprobs * mask,
+                        is_weights=mismatch_weights(old, ro.sample_logprobs, mask, "token_truncate", None, 2.0))
+        metrics[name] = engine_mismatch(policy.me, data, settings)
     assert metrics["fresh"]["sampling/sampling_logp_difference/max"] < 1e-3
     assert metrics["stale"]["sampling/sampling_logp_difference/mean"] > 0.05, metrics
     assert metrics["stale"]["sampling/sampling_logp_difference/max"] > 20 * metrics["fresh"]["sampling/sampling_logp_difference/max"]

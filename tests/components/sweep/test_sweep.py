@@ -25,7 +25,7 @@ from models.config import RLHFConfig, merge
 pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
 
 EVAL = {"prompts": "builtin:sentiment", "every": 2}
-GRID = {"reinforce.optim.lr": [1e-4, 3e-4], "kl.init": [0.01, 0.1]}
+GRID = {"reinforce.optim.lr": [1e-4, 3e-4], "kl.beta": [0.01, 0.1]}
 
 
 def base(**overrides) -> RLHFConfig:
@@ -42,9 +42,9 @@ def refused(space: dict, config: RLHFConfig | None = None, **sweep) -> str:
 def test_a_grid_is_every_combination_in_the_lists_order_as_categorical_distributions():
     space = check_sweep(base(), SweepConfig(name="s", space=GRID))
     assert space.distributions == {"reinforce.optim.lr": CategoricalDistribution([1e-4, 3e-4]),
-                                   "kl.init": CategoricalDistribution([0.01, 0.1])}
-    assert space.grid == [{"reinforce.optim.lr": 1e-4, "kl.init": 0.01}, {"reinforce.optim.lr": 1e-4, "kl.init": 0.1},
-                          {"reinforce.optim.lr": 3e-4, "kl.init": 0.01}, {"reinforce.optim.lr": 3e-4, "kl.init": 0.1}]
+                                   "kl.beta": CategoricalDistribution([0.01, 0.1])}
+    assert space.grid == [{"reinforce.optim.lr": 1e-4, "kl.beta": 0.01}, {"reinforce.optim.lr": 1e-4, "kl.beta": 0.1},
+                          {"reinforce.optim.lr": 3e-4, "kl.beta": 0.01}, {"reinforce.optim.lr": 3e-4, "kl.beta": 0.1}]
 
 
 def test_a_range_takes_the_type_of_its_field():
@@ -67,12 +67,12 @@ def test_a_range_takes_the_type_of_its_field():
     ({"run_name": ["a"]}, {}, r"'run_name' cannot be swept"),
     ({"reinforce.optim.lr": [1e-3, -1.0]}, {}, r"the config refuses reinforce\.optim\.lr=-1\.0: reinforce\.optim\.lr: Input should be greater than 0"),
     ({"reinforce.num_rollouts_per_prompt": [1, 4]}, {}, r"refuses reinforce\.num_rollouts_per_prompt=1: .*must be >= 2"),
-    ({"kl.estimator": ["k1", "k9"]}, {}, r"refuses kl\.estimator='k9': kl\.estimator: Input should be 'k1', 'abs', 'k2' or 'k3'"),
+    ({"kl.estimator": ["k1", "k9"]}, {}, r"refuses kl\.estimator='k9': kl\.estimator: Input should be 'k1', 'abs', 'k2', 'k3' or 'k3\+'"),
     ({"kl.estimator": {"low": 0, "high": 1}}, {"sampler": "tpe"}, r"sweep\.space\['kl\.estimator'\]: a range \{low, high\} needs a numeric field, and kl\.estimator is one of 'k1', 'abs'"),
     ({"iterations": {"low": 2, "high": 4.5}}, {"sampler": "random"}, r"iterations is an int field, so the range needs whole numbers, got 4\.5"),
     ({"iterations": {"low": 0, "high": 4}}, {"sampler": "random"}, r"the config refuses iterations=0: iterations: Input should be greater than 0"),
     ({"eval.every": [2, 0]}, {}, r"sweep\.metric: 'eval/reward' is logged by the held-out eval, .* \(with eval\.every=0\)"),
-    ({"kl.init": [0.1]}, {"metric": "critic/step"}, r"sweep\.metric: 'critic/step' comes from a critic, and rloo has none"),
+    ({"kl.beta": [0.1]}, {"metric": "critic/step"}, r"sweep\.metric: 'critic/step' comes from a critic, and rloo has none"),
 ])
 def test_bad_spaces_are_refused_naming_the_field(space, sweep, expected):
     assert pytest.raises(SweepError, check_sweep, base(), SweepConfig(name="s", space=space, **sweep)).match(expected)
@@ -112,12 +112,12 @@ def test_a_metric_no_run_logs_is_refused_before_any_trial_starts_naming_the_clos
 
 @pytest.mark.parametrize("sweep, field, expected", [
     ({"space": {}}, "space", "is empty: give at least one dotted config field"),
-    ({"space": {"kl.init": []}}, "space", "'kl.init' has an empty list of values"),
-    ({"space": {"kl.init": [0.1, 0.1]}}, "space", "'kl.init' lists a value twice"),
-    ({"space": {"kl.init": {"low": 0.1, "high": 0.2}}}, "", "sampler 'grid' needs a list of values; a range {low, high} needs sampler 'random' or 'tpe'"),
-    ({"space": {"kl.init": {"low": 0.2, "high": 0.1}}, "sampler": "tpe"}, "space.kl.init.range", "needs finite low < high"),
-    ({"space": {"kl.init": {"low": 0.0, "high": 0.1, "log": True}}, "sampler": "tpe"}, "space.kl.init.range", "log=true needs low > 0"),
-    ({"space": {"kl.init": [[0.1, 0.2]]}}, "space.kl.init.values.0.float", "Input should be a valid number"),
+    ({"space": {"kl.beta": []}}, "space", "'kl.beta' has an empty list of values"),
+    ({"space": {"kl.beta": [0.1, 0.1]}}, "space", "'kl.beta' lists a value twice"),
+    ({"space": {"kl.beta": {"low": 0.1, "high": 0.2}}}, "", "sampler 'grid' needs a list of values; a range {low, high} needs sampler 'random' or 'tpe'"),
+    ({"space": {"kl.beta": {"low": 0.2, "high": 0.1}}, "sampler": "tpe"}, "space.kl.beta.range", "needs finite low < high"),
+    ({"space": {"kl.beta": {"low": 0.0, "high": 0.1, "log": True}}, "sampler": "tpe"}, "space.kl.beta.range", "log=true needs low > 0"),
+    ({"space": {"kl.beta": [[0.1, 0.2]]}}, "space.kl.beta.values.0.float", "Input should be a valid number"),
     ({"space": GRID, "name": "Lr_KL"}, "name", "String should match pattern"),
     ({"space": GRID, "sampler": "bayes"}, "sampler", "Input should be 'grid', 'random' or 'tpe'"),
     ({"space": GRID, "concurrency": 0}, "concurrency", "greater than or equal to 1"),
@@ -132,8 +132,8 @@ def test_a_trial_config_has_the_values_its_name_and_its_parent_and_nothing_of_wh
     """A trial is given what it trains only: where it runs (its servers' ports among it) is its deployment's, whose
     servers pick free ports of their own, so two trials starting together never race for one."""
     sweep = SweepConfig(name="lr-kl", space=GRID)
-    cfg = trial_config(base(), sweep, 3, {"reinforce.optim.lr": 3e-4, "kl.init": 0.1}, "p1")
-    assert (cfg.run_name, cfg.tracking.parent_run_id, cfg.reinforce.optim.lr, cfg.kl.init) == ("lr-kl-t3", "p1", 3e-4, 0.1)
+    cfg = trial_config(base(), sweep, 3, {"reinforce.optim.lr": 3e-4, "kl.beta": 0.1}, "p1")
+    assert (cfg.run_name, cfg.tracking.parent_run_id, cfg.reinforce.optim.lr, cfg.kl.beta) == ("lr-kl-t3", "p1", 3e-4, 0.1)
     assert "deploy" not in cfg.run.model_dump() and cfg.run.run_name == "lr-kl-t3"
     assert (cfg.deploy.critic.port, cfg.deploy.reward.port, cfg.deploy.rollout.port, cfg.deploy.actor.master_port) == (None,) * 4
     with pytest.raises(SweepError, match="'deploy.critic.port' is not a config field"):
@@ -198,7 +198,7 @@ def test_random_and_tpe_count_the_kept_trials_toward_sweep_trials(tmp_path):
 def test_a_study_of_the_same_name_with_another_definition_is_refused(tmp_path):
     config, sweep = sweep_in(tmp_path)
     open_study(config, sweep, check_sweep(config, sweep))
-    other = sweep.model_copy(update={"space": {"kl.init": [0.01, 0.1]}})
+    other = sweep.model_copy(update={"space": {"kl.beta": [0.01, 0.1]}})
     with pytest.raises(SweepError, match=r"sweep\.name: the study 'lr-kl' in sqlite:///.*optuna\.db was started with another space"):
         open_study(config, other, check_sweep(config, other))
     with pytest.raises(SweepError, match="another config"):
@@ -256,22 +256,22 @@ def test_the_parent_run_is_found_again_and_the_table_gets_each_finished_trial_on
     assert [row[0] for row in table["data"]] == [0, 1, 2, 3]
     assert [row[table["columns"].index("state")] for row in table["data"]] == ["complete", "complete", "pruned", "failed"]
     run = client.get_run(parent.run_id)
-    assert run.data.tags["best.trial"] == "1" and run.data.tags["best.kl.init"] == "0.1" and run.data.metrics["sweep/best_value"] == 0.9
+    assert run.data.tags["best.trial"] == "1" and run.data.tags["best.kl.beta"] == "0.1" and run.data.metrics["sweep/best_value"] == 0.9
     pruned = client.get_run(table["data"][2][table["columns"].index("mlflow_run_id")])
     assert pruned.data.tags["sweep.state"] == "pruned" and pruned.info.status == "KILLED"
     assert find_sweep(client, "rlhf-flows", "lr-kl", mlflow_uri)[1:] == (parent.run_id, sweep)  # rlhf compare --sweep
-    assert run.data.params["sweep.space.kl.init"] == "[0.01, 0.1]" and run.data.params["sweep.sampler"] == "grid"
+    assert run.data.params["sweep.space.kl.beta"] == "[0.01, 0.1]" and run.data.params["sweep.sampler"] == "grid"
     labels = trial_runs(client, parent.experiment_id, parent.run_id, sweep)
-    assert list(labels.values())[1] == "lr-kl-t1: reinforce.optim.lr=0.0001, kl.init=0.1, complete"
+    assert list(labels.values())[1] == "lr-kl-t1: reinforce.optim.lr=0.0001, kl.beta=0.1, complete"
 
 
 # ------------------------------------------------------------------------------------------------ rlhf sweep
 @pytest.mark.parametrize("args, expected", [
-    (["--name", "x", "--space", "kl.init=[0.01, 0.1]"], "sweep.metric: 'eval/reward' is logged by the held-out eval"),
+    (["--name", "x", "--space", "kl.beta=[0.01, 0.1]"], "sweep.metric: 'eval/reward' is logged by the held-out eval"),
     (["--name", "x", "--space", "kl.inti=[0.01]", "--metric", "reward"], "'kl.inti' is not a config field"),
     (["--name", "x"], "space\n  Field required"),
-    (["--name", "x", "--space", "kl.init"], "--space expects FIELD=VALUES"),
-    (["--name", "x", "--space", "kl.init=[0.1]", "--concurrency", "two"], "concurrency\n  Input should be a valid integer"),
+    (["--name", "x", "--space", "kl.beta"], "--space expects FIELD=VALUES"),
+    (["--name", "x", "--space", "kl.beta=[0.1]", "--concurrency", "two"], "concurrency\n  Input should be a valid integer"),
 ])
 def test_rlhf_sweep_refuses_bad_input_before_anything_starts(args, expected, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing listens there: never asked
@@ -285,7 +285,7 @@ def test_rlhf_sweep_reads_its_section_from_yaml_with_numbers_as_numbers(tmp_path
     from components.cli.main import build_parser
 
     (tmp_path / "sweep.yaml").write_text("name: lr\nspace:\n  reinforce.optim.lr: [1e-5, 3e-4]\nconcurrency: 2\n")
-    args = build_parser().parse_args(["sweep", "--sweep", str(tmp_path / "sweep.yaml"), "--space", "kl.init={low: 1e-3, high: 1e-1, log: true}",
+    args = build_parser().parse_args(["sweep", "--sweep", str(tmp_path / "sweep.yaml"), "--space", "kl.beta={low: 1e-3, high: 1e-1, log: true}",
                                       "--sampler", "tpe", "--concurrency", "3"])
     sweep = load_sweep(args)
-    assert sweep.space["reinforce.optim.lr"] == [1e-5, 3e-4] and sweep.space["kl.init"].log and sweep.concurrency == 3
+    assert sweep.space["reinforce.optim.lr"] == [1e-5, 3e-4] and sweep.space["kl.beta"].log and sweep.concurrency == 3

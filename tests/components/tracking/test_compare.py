@@ -99,7 +99,7 @@ def test_no_runs_names_the_experiment(mlflow_uri: str, tmp_path: Path) -> None:
     with pytest.raises(TrackingError, match="experiment 'nothing-here' does not exist"):
         compare_runs(mlflow_uri, "nothing-here", None, tmp_path)
     get_or_create_experiment(MlflowClient(mlflow_uri), "empty", mlflow_uri)
-    with pytest.raises(TrackingError, match="no finished ppo/rloo runs .* experiment 'empty'"):
+    with pytest.raises(TrackingError, match="no finished ppo/rloo/grpo/.* runs .* experiment 'empty'"):
         compare_runs(mlflow_uri, "empty", None, tmp_path)
 
 
