@@ -1,4 +1,4 @@
-"""RLOO iteration: ours (models.step.train_step with models/algorithms/rloo.py) vs TRL 1.16 `RLOOTrainer`, same model, prompts, reward and settings.
+"""RLOO iteration: ours (models.step.train_step, algorithm=rloo) vs TRL 1.16 `RLOOTrainer`, same model, prompts, reward and settings.
 
 Both sides: the tiny policy, the built-in sentiment prompts, k rollouts per prompt, the same response length and
 sampling (temperature, no top-k/top-p), the gold reward function `models.tasks.sentiment:gold_reward` as a Python
@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from benchmarks.common import log, quick_flag, stats, tiny_config, top_ops, write_result
 from models.loop import build_actor, build_local_reward, load_prompts, prompt_batches
 from models.reward import load_reward_function
-from models.algorithms import Backends
+from models.algorithms import Backends, resolve
 from models.step import train_step
 
 GOLD = "models.tasks.sentiment:gold_reward"
@@ -85,11 +85,16 @@ def trl_args(cfg, output_dir: str, iterations: int):
     """RLOOConfig matching our config; `iterations` generation batches."""
     from trl import RLOOConfig  # optional: the bench extra
 
+    return RLOOConfig(**trl_kwargs(cfg, output_dir, iterations))
+
+
+def trl_kwargs(cfg, output_dir: str, iterations: int) -> dict:
+    """The arguments TRL's RLOOConfig and GRPOConfig share, matching our config; `iterations` generation batches."""
     rf, gen, optim = cfg.reinforce, cfg.generation, cfg.reinforce.optim
     rollouts = rf.rollout_batch_size * rf.num_rollouts_per_prompt
     if rollouts % rf.minibatch_size:
         raise ValueError(f"rollouts per iteration ({rollouts}) must be a multiple of the minibatch ({rf.minibatch_size})")
-    return RLOOConfig(
+    return dict(
         output_dir=output_dir,
         # batch geometry: one generation batch of B*k rollouts, minibatches of `minibatch_size`, `epochs` passes
         per_device_train_batch_size=rf.minibatch_size,
@@ -105,8 +110,8 @@ def trl_args(cfg, output_dir: str, iterations: int):
         top_p=gen.top_p,
         use_vllm=False,
         # objective
-        beta=cfg.kl.beta,
-        epsilon=rf.clip_eps if rf.clip_eps is not None else 0.2,  # TRL always clips; ours only when clip_eps is set
+        beta=resolve(cfg).kl_beta,
+        epsilon=resolve(cfg).menu.epsilon,
         # optimiser (AdamW, constant schedule, grad clip)
         learning_rate=optim.lr,
         lr_scheduler_type="constant",
@@ -132,9 +137,11 @@ def trl_args(cfg, output_dir: str, iterations: int):
     )
 
 
-def run_round(cfg, iterations: int, sides: dict | None = None) -> tuple[list[dict], dict[str, list[dict]], dict]:
-    """TRL's RLOOTrainer for `iterations` + 1 generation batches; after each of TRL's iterations, one iteration of
-    each of our sides (default: {"ours": OurRLOO(cfg)}).
+def run_round(cfg, iterations: int, sides: dict | None = None, trainer_class=None,
+              args_for=trl_args) -> tuple[list[dict], dict[str, list[dict]], dict]:
+    """TRL's RLOOTrainer (or `trainer_class`, with the config `args_for(cfg, output_dir, iterations)` gives it) for
+    `iterations` + 1 generation batches; after each of TRL's iterations, one iteration of each of our sides (default:
+    {"ours": OurRLOO(cfg)}).
 
     Returns (TRL records, {side: records}, facts); the first iteration of every side is a warm-up and is dropped.
     """
@@ -179,7 +186,7 @@ def run_round(cfg, iterations: int, sides: dict | None = None) -> tuple[list[dic
                     our_records[name].append(side.iteration())
                 self.start = time.perf_counter()
 
-    class TimedRLOOTrainer(RLOOTrainer):
+    class TimedRLOOTrainer(trainer_class or RLOOTrainer):
         """TRL's trainer, unchanged; timers around its generation, generation+scoring and training steps."""
 
         @contextmanager
@@ -203,8 +210,8 @@ def run_round(cfg, iterations: int, sides: dict | None = None) -> tuple[list[dic
                 return super().training_step(*args, **kwargs)
 
     policy_path = cfg.resolve_model_path(cfg.model.policy)
-    with tempfile.TemporaryDirectory(prefix="trl-rloo-") as out:
-        args = trl_args(cfg, out, iterations + 1)
+    with tempfile.TemporaryDirectory(prefix="trl-") as out:
+        args = args_for(cfg, out, iterations + 1)
         trainer = TimedRLOOTrainer(model=policy_path, reward_funcs=gold_reward, args=args,
                                    train_dataset=Dataset.from_dict({"prompt": load_prompts(cfg)}),
                                    processing_class=AutoTokenizer.from_pretrained(policy_path),
@@ -246,15 +253,13 @@ def settings_side_by_side(cfg, trl_facts: dict) -> dict:
         "max new tokens / max_completion_length": [gen.max_new_tokens, gen.max_new_tokens],
         "temperature, top_k, top_p": [[gen.temperature, gen.top_k, gen.top_p]] * 2,
         "reward": [GOLD + " (FunctionReward)", GOLD + " (reward_funcs callable)"],
-        "KL coefficient beta (k1, in the sequence reward)": [cfg.kl.beta, cfg.kl.beta],
+        "KL coefficient beta (k1, in the sequence reward)": [resolve(cfg).kl_beta] * 2,
         "optimizer": [f"AdamW lr={rf.optim.lr} betas={tuple(rf.optim.betas)} clip={rf.optim.grad_clip}"] * 2,
         "dtype / device": ["float32 / cpu", f"{trl_facts['model_dtype']} / {trl_facts['device']}"],
         "AdamW implementation": ["torch.optim.AdamW(fused=True)", trl_facts["optim"]],
         "activation checkpointing": [False, trl_facts["gradient_checkpointing"]],
-        "loss": [("-logp*A on the first (on-policy) step, PPO-clipped per-token ratio on reused samples, "
-                  f"clip_eps={rf.clip_eps}, token-mean") if rf.clip_eps is not None else "REINFORCE -logp*A, token-mean",
-                 f"clipped sequence-level ratio, epsilon={rf.clip_eps if rf.clip_eps is not None else 0.2}, "
-                 "sequence-mean"],
+        "loss": [f"PPO-clipped per-token ratio (epsilon={resolve(cfg).menu.epsilon}), token-mean",
+                 f"clipped sequence-level ratio, epsilon={resolve(cfg).menu.epsilon}, sequence-mean"],
         "behaviour logprobs": ["kept from sampling (float32)", "recomputed with a forward pass"],
         "logprob forward micro-batch": [gen.micro_batch_size, rf.minibatch_size],
         "generation": ["models.policy.Policy.generate (own KV-cache loop)", "transformers model.generate"],

@@ -18,7 +18,7 @@ import traceback
 
 from benchmarks.common import ROOT, load_average, log, machine, results_dir, versions
 
-BENCHMARKS = ("generate", "rollout_engine", "async_rollouts", "rloo_vs_trl", "stages_vs_trl", "dpo_vs_trl", "pipeline_cache",
+BENCHMARKS = ("generate", "rollout_engine", "async_rollouts", "rloo_vs_trl", "grpo_vs_trl", "recipes", "stages_vs_trl", "dpo_vs_trl", "pipeline_cache",
               "critic_http", "overlap", "what_if", "distributed", "critic_ranks", "memory", "gpu")
 # results measured on their own (not by run_all): `python -m benchmarks.memory --lora --baseline DIR` (two checkouts)
 MEASURED_APART = ("memory_lora",)
@@ -85,6 +85,31 @@ def table(results: dict) -> str:
             rows.append(["", "learning: generated tokens/iteration ours vs TRL",
                          f"{fmt(lr['ours']['generated_tokens_per_iteration'], digits=0)} vs "
                          f"{fmt(lr['trl']['generated_tokens_per_iteration'], digits=0)}", n, "", ""])
+    r = results.get("grpo_vs_trl")
+    if r:
+        reps = r["repetitions"]
+        n = f"{reps['rounds']} rounds x {reps['timed_iterations_per_round_per_side']} pairs"
+        for name, c in r["recipes"].items():
+            trl = ", ".join(f"{k}={v}" for k, v in c["trl"].items())
+            rows.append([f"{name} iteration vs TRL 1.16 GRPOTrainer ({trl})" if name == next(iter(r["recipes"]))
+                         else f"{name} vs GRPOTrainer ({trl})", "time ours / TRL (per pair), fixed policy",
+                         fmt(c["time_ratio_ours_over_trl"]), n, "<= 0.70",
+                         "yes" if c["target_met"] else "**no**"])
+    r = results.get("recipes")
+    if r:
+        kernels = ", ".join(r["runs"])
+        n = f"seeds {', '.join(map(str, r['seeds']))} x kernels {kernels}"
+        for task, recipes in r["summary"].items():
+            for name, by_kernels in recipes.items():
+                values = [v for stats_ in by_kernels.values() for v in (stats_["min"], stats_["median"], stats_["max"])]
+                low = min(stats_["min"] for stats_ in by_kernels.values())
+                median = sorted(stats_["median"] for stats_ in by_kernels.values())[len(by_kernels) // 2]
+                what = "share of the gap to its RL teacher closed (held-out)" if name == "opd" else \
+                    "share of the gold headroom closed in 12 iterations"
+                target = 0.5 if name == "opd" else 0.3
+                rows.append([f"learning: {name}, {task} task" if name == "ppo" else f"{name}, {task}", what,
+                             f"{median:.2f} [{low:.2f}–{max(values):.2f}]", n, f">= {target}",
+                             "yes" if low >= target else ("median" if median >= target else "**no**")])
     r = results.get("stages_vs_trl")
     if r:
         for stage, trainer in (("sft", "SFTTrainer"), ("reward_model", "RewardTrainer")):

@@ -16,6 +16,7 @@ from prefect.runtime import deployment, flow_run
 
 from components.environment import first_line
 from components.runs import train
+from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig, deep_merge, from_layers, run_name_for
 from models.loop import Steps
 from models.stages.config import STAGE_RUNS
@@ -101,10 +102,16 @@ def flow_config(config, deploy, algorithm: str | None = None) -> RLHFConfig:
     """The config a flow run runs: each of its parameters (`config`: what the run trains, `deploy`: where its parts
     run) deep-merged over its deployment's own, so `--param config='{"iterations": 50}'` keeps what the deployment
     says of every other field (Prefect itself replaces a parameter as a whole); a flow called without a deployment
-    runs what it was called with. `algorithm`: the flow's own."""
+    runs what it was called with. `algorithm`: the flow's own recipe, the default; the config may name another of the
+    same family (reinforce/default runs every critic-free recipe: grpo, dapo, ...; ppo/default the one with a
+    critic), and one of the other family is refused naming the deployment that runs it."""
     merged = merged_parameters(config, deploy)
     if algorithm:
-        merged["config"]["algorithm"] = algorithm
+        chosen = merged["config"].setdefault("algorithm", algorithm)
+        if chosen in ALGORITHMS and ALGORITHMS[chosen].needs_critic != ALGORITHMS[algorithm].needs_critic:
+            other = "ppo/default" if ALGORITHMS[chosen].needs_critic else "reinforce/default"
+            raise ValueError(f"config.algorithm={chosen!r} is not run by this deployment's flow "
+                             f"({'with' if ALGORITHMS[algorithm].needs_critic else 'without'} a critic): run {other}")
     return from_layers({**merged["config"], "deploy": merged["deploy"]})  # unset fields: the policy's preset
 
 

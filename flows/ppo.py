@@ -1,5 +1,5 @@
 """PPO as a Prefect flow (`ppo/default`): the actor trains against a critic server (values, and rewards when the reward
-model is combined). The algorithm is models/algorithms/ppo.py; the run is components/runs.py."""
+model is combined). The step is models/algorithms/ppo.py (its loss: the `loss` menu); the run is components/runs.py."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""REINFORCE/RLOO as a Prefect flow (`reinforce/default`): k rollouts per prompt scored by a reward server, a
-leave-one-out baseline (or GRPO / REINFORCE++), no critic. The algorithm is models/algorithms/rloo.py; the run is
-components/runs.py."""
+"""The critic-free recipes as a Prefect flow (`reinforce/default`): k rollouts per prompt scored by a reward server,
+RLOO by default, any other critic-free recipe by `config.algorithm` (grpo, dr_grpo, dapo, gspo, cispo, reinforce_pp,
+opd: models/algorithms/recipes.py). The step is models/algorithms/group.py; the run is components/runs.py."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from models.deploy import DeployConfig
 
 @flow(name="reinforce", flow_run_name=flow_run_namer("rloo"))  # the flow run is named after its run
 def reinforce(config: RunConfig = RunConfig(algorithm="rloo"), deploy: DeployConfig = DeployConfig()) -> dict:
-    """Train the actor with RLOO: k rollouts per prompt scored by the reward server, leave-one-out baseline.
+    """Train the actor with a critic-free recipe (RLOO unless config.algorithm names another): k rollouts per prompt
+    scored by the reward server.
     `config`: what the run trains; `deploy`: where its parts run. Each is deep-merged over the deployment's own."""
     return train_flow("rloo", config, deploy)

@@ -26,12 +26,15 @@ from components.sweep.space import SweepError, check_sweep
 from components.sweep.study import Plan, open_study, unfinished
 from components.sweep.tracking import SweepRun, table_artifact
 from components.sweep.trials import Trials, require_deployment
+from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig, RunConfig, merge
 from models.deploy import DeployConfig
 
 # the deployment that trains each algorithm: the flows of flows/ppo.py and flows/reinforce.py, served as 'default'
-# (named, not imported: the sweep's flow run loads no model code; tests/flows/test_sweeps.py checks the names)
-TRAINING_DEPLOYMENTS = {"ppo": "ppo/default", "rloo": "reinforce/default"}
+# (named, not imported: the sweep's flow run loads no model code; tests/flows/test_sweeps.py checks the names); every
+# critic-free recipe runs on reinforce/default
+TRAINING_DEPLOYMENTS = {name: "ppo/default" if algorithm.needs_critic else "reinforce/default"
+                        for name, algorithm in ALGORITHMS.items()}
 PIPELINE_DEPLOYMENT = "pipeline/default"  # flows/stages.py: a pipeline's trials
 
 # the deployment's defaults: RLOO with a held-out eval every 4 iterations, a 2 x 2 grid over the learning rate and the

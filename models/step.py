@@ -151,7 +151,7 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
     if played is not None:
         metrics.update(episode_metrics(me.all_gather_cat(episode_stats(played.episodes))))
     if own_weights:
-        metrics.update(engine_mismatch(me, data.rows(rows, width), settings))
+        metrics.update(engine_mismatch(data, settings))
         staleness = me.all_gather_cat(trained_version - rollout.versions).double()
         metrics.update({"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": float(staleness.max()),
                         **rollout_clock})
@@ -325,16 +325,14 @@ def engine_clock(me: Dist, engine, idle_before: float | None) -> dict[str, float
     return {"time/rollout_wait": wait, "time/engine_idle": engine_idle, "time/refit_wait": refit_wait}
 
 
-def engine_mismatch(me: Dist, data: StepData, settings: Settings) -> dict[str, float]:
-    """How far the engine's logprobs are from the trainer's on the same tokens (over every rank's response tokens),
+def engine_mismatch(data: StepData, settings: Settings) -> dict[str, float]:
+    """How far the engine's logprobs are from the trainer's on the same tokens, over the rows of all ranks (`data`),
     and what the mismatch correction did (TRL's sampling/* names, NeMo-RL's mismatch/* gates)."""
-    old, engine, mask = (me.all_gather_cat(t) for t in (data.old_logp, data.engine_logp, data.mask))
-    width = max(old.shape[1], 1)
+    old, engine, mask = data.old_logp, data.engine_logp, data.mask
     on = mask > 0
     diff = (old - engine).abs()[on]
-    weights = data.is_weights if data.is_weights is not None else torch.ones_like(data.mask)
-    weights = me.all_gather_cat(weights)
-    units = weights[on] if weights.shape[1] == width and weights.shape == mask.shape else weights.flatten()
+    weights = data.is_weights if data.is_weights is not None else torch.ones_like(mask)
+    units = weights[on] if weights.shape == mask.shape else weights[mask.sum(1) > 0].flatten()
     out = {"sampling/sampling_logp_difference/mean": float(diff.mean()) if len(diff) else 0.0,
            "sampling/sampling_logp_difference/max": float(diff.max()) if len(diff) else 0.0,
            "sampling/importance_sampling_ratio/min": float(units.min()) if len(units) else 1.0,

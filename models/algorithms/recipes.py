@@ -7,14 +7,15 @@ recipe's value, any field given overrides it. `resolve(cfg)` is the one place a 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Literal, Optional
+from dataclasses import dataclass
+from typing import Any, Literal, Optional
 
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
 from models.advantages import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
 from models.losses import AGGREGATIONS, CORRECTIONS, POLICY_LOSSES, Menu
 from models.sections import Section
+from models.tiny_files import is_tiny_policy
 
 RECIPE = "the recipe's (docs/algorithms.md)"
 
@@ -76,6 +77,16 @@ def fifth_of_max_new_tokens(cfg) -> int:
     return max(1, cfg.generation.max_new_tokens // 5)
 
 
+def gspo_epsilon(cfg) -> float:
+    """3e-4 (the tiny policy: 1e-2, see docs/algorithms.md)"""
+    return 1e-2 if is_tiny_policy(cfg.model.policy) else 3e-4
+
+
+def gspo_epsilon_high(cfg) -> float:
+    """4e-4 (the tiny policy: 1.33e-2)"""
+    return 4e-2 / 3 if is_tiny_policy(cfg.model.policy) else 4e-4
+
+
 R = Recipe
 COMMON = {"loss.scale_rewards": "group", "loss.whiten_advantages": False, "loss.policy_loss": "ppo",
           "loss.importance_sampling_level": "token", "loss.epsilon": 0.2, "loss.dynamic_sampling": False,
@@ -102,8 +113,8 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in (
       "loss_type=dapo, epsilon_high=0.28 (no dynamic sampling; overlong as a reward function)",
       "recipe/dapo: clip_ratio_high=0.28, filter_groups, overlong_buffer"),
     R("gspo", "group", "GSPO (Zheng et al. 2025): the sequence-level ratio, clipped at 3e-4 / 4e-4",
-      {"loss.advantage_estimator": "grpo", "loss.importance_sampling_level": "sequence", "loss.epsilon": 3e-4,
-       "loss.epsilon_high": 4e-4, "loss.loss_agg_mode": "seq-mean-token-mean", "kl.beta": 0.0},
+      {"loss.advantage_estimator": "grpo", "loss.importance_sampling_level": "sequence", "loss.epsilon": gspo_epsilon,
+       "loss.epsilon_high": gspo_epsilon_high, "loss.loss_agg_mode": "seq-mean-token-mean", "kl.beta": 0.0},
       "importance_sampling_level=sequence, loss_type=grpo, epsilon=3e-4, epsilon_high=4e-4",
       "policy_loss.loss_mode=gspo, clip_ratio_low=3e-4, clip_ratio_high=4e-4"),
     R("cispo", "group", "CISPO (MiniMax-M1, 2025): a clipped, detached importance weight on every token",

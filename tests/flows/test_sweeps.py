@@ -141,15 +141,21 @@ def most_at_once(runs: list[dict]) -> int:
 
 
 def test_every_algorithm_has_its_training_deployment():
-    """The sweep names the training deployments without importing them (its flow run loads no model code)."""
+    """The sweep names the training deployments without importing them (its flow run loads no model code); the
+    reinforce flow runs every critic-free recipe, and refuses the one with a critic naming ppo/default."""
+    from components.tasks import flow_config
     from flows.ppo import ppo
     from flows.reinforce import reinforce
     from flows.sweep import TRAINING_DEPLOYMENTS
     from models.algorithms import ALGORITHMS
 
     assert set(TRAINING_DEPLOYMENTS) == set(ALGORITHMS)
-    assert TRAINING_DEPLOYMENTS == {"ppo": f"{ppo.name}/default", "rloo": f"{reinforce.name}/default"}
+    assert TRAINING_DEPLOYMENTS["ppo"] == f"{ppo.name}/default"  # the recipe with a critic; every other:
+    assert {TRAINING_DEPLOYMENTS[name] for name in ALGORITHMS if name != "ppo"} == {f"{reinforce.name}/default"}
     assert set(TRAINING_DEPLOYMENTS.values()) <= set(stack.DEPLOYMENTS)
+    assert flow_config({"algorithm": "dapo"}, {}, "rloo").algorithm == "dapo"  # outside a deployment: as called
+    with pytest.raises(ValueError, match="run ppo/default"):
+        flow_config({"algorithm": "ppo"}, {}, "rloo")
 
 
 # ------------------------------------------------------------------------------------------------ bad input

@@ -18,7 +18,7 @@ EXPECTED = {  # (estimator, scale_rewards, policy loss, ratio level, aggregation
     "grpo": ("grpo", "group", "ppo", "token", "seq-mean-token-mean", 0.2, 0.2, 0.04, "loss", "k3"),
     "dr_grpo": ("grpo", "none", "ppo", "token", "seq-mean-token-sum-norm", 0.2, 0.2, 0.0, "reward", "k1"),
     "dapo": ("grpo", "group", "ppo", "token", "token-mean", 0.2, 0.28, 0.0, "reward", "k1"),
-    "gspo": ("grpo", "group", "ppo", "sequence", "seq-mean-token-mean", 3e-4, 4e-4, 0.0, "reward", "k1"),
+    "gspo": ("grpo", "group", "ppo", "sequence", "seq-mean-token-mean", 1e-2, 4e-2 / 3, 0.0, "reward", "k1"),
     "cispo": ("grpo", "group", "cispo", "token", "token-mean", 0.2, 5.0, 0.0, "reward", "k1"),
     "reinforce_pp": ("reinforce_pp_baseline", "group", "ppo", "token", "token-mean", 0.2, 0.2, 0.01, "reward", "k1"),
     "opd": ("rloo", "group", "ppo", "token", "token-mean", 0.2, 0.2, 0.0, "reward", "k1"),
@@ -48,6 +48,13 @@ def test_every_recipe_is_in_the_config_s_choices_and_the_docs_table():
     assert set(RLHFConfig.model_fields["algorithm"].annotation.__args__) == set(RECIPES) == set(EXPECTED)
     table = recipes_table()
     assert all(f"`{name}`" in table for name in RECIPES)
+
+
+def test_gspo_s_clip_range_is_its_paper_s_but_for_the_tiny_preset_s_learning_rate(tiny_models):
+    """GSPO's 3e-4 / 4e-4 are for a learning rate of ~1e-6; the tiny policy trains at 3e-4 (the tiny preset), where
+    they clip most sequences after each update's first step: there it is 1e-2 / 1.33e-2 (docs/algorithms.md)."""
+    real = RLHFConfig.model_validate({"algorithm": "gspo", "model": {"policy": "org/model", "reward": "org/rm"}})
+    assert (resolve(real).menu.epsilon, resolve(real).menu.epsilon_high) == (3e-4, 4e-4)
 
 
 @pytest.mark.parametrize("field,value", [("loss.epsilon_high", 0.3), ("loss.loss_agg_mode", "seq-mean-token-sum"),

@@ -332,7 +332,7 @@ def test_a_skipped_refit_is_caught_by_the_mismatch_metric(engine, tiny_models):
         data = StepData(ro.tokens, mask, ro.is_end, old, {}, torch.zeros_like(mask), 0.0, 1, policy.pad_id, settings,
                         engine_logp=ro.sample_logprobs * mask,
                         is_weights=mismatch_weights(old, ro.sample_logprobs, mask, "token_truncate", None, 2.0))
-        metrics[name] = engine_mismatch(policy.me, data, settings)
+        metrics[name] = engine_mismatch(data, settings)
     assert metrics["fresh"]["sampling/sampling_logp_difference/max"] < 1e-3
     assert metrics["stale"]["sampling/sampling_logp_difference/mean"] > 0.05, metrics
     assert metrics["stale"]["sampling/sampling_logp_difference/max"] > 20 * metrics["fresh"]["sampling/sampling_logp_difference/max"]

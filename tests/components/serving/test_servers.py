@@ -15,7 +15,7 @@ from tritonclient.utils import InferenceServerException
 from components.launch.processes import find_free_ports
 from components.serving.auth import read_secret, triton_headers
 from components.serving.launcher import triton_server
-from components.serving.triton.contract import CRITIC_MODELS, REWARD_MODELS, critic_specs
+from components.serving.triton.contract import CRITIC_MODELS, REWARD_MODELS, TEACHER_LOGPROBS, critic_specs
 from components.serving.triton.critic import CriticCallables
 from components.serving.triton.reward import RewardCallables
 
@@ -31,7 +31,8 @@ def critic_argv(tiny, port, checkpoint_dir, store):
 
 @pytest.fixture(scope="module")
 def servers(tiny_models, tmp_path_factory):
-    """A combined critic server (with a checkpoint dir) and a reward-model server, started side by side."""
+    """A combined critic server (with a checkpoint dir) and a reward-model server carrying a teacher, started side by
+    side."""
     logs = tmp_path_factory.mktemp("server-logs")
     critic_port, reward_port = find_free_ports(), find_free_ports()
     while abs(reward_port - critic_port) < 3:
@@ -40,9 +41,11 @@ def servers(tiny_models, tmp_path_factory):
     store = tmp_path_factory.mktemp("store")
     critic = triton_server(critic_argv(tiny_models, critic_port, ckpt, store), "127.0.0.1", critic_port, CRITIC_MODELS,
                            logs / "critic.log", name="critic")
+    # the reward server of an on-policy distillation run serves its teacher too (teacher_logprobs)
     reward = triton_server([sys.executable, "-m", "components.cli.main", "serve", "reward", "--model", tiny_models["reward"],
-                            "--port", str(reward_port)], "127.0.0.1", reward_port, REWARD_MODELS, logs / "reward.log",
-                           name="reward")
+                            "--port", str(reward_port), "--set", "algorithm=opd", "--set",
+                            f"model.teacher={tiny_models['policy']}"], "127.0.0.1", reward_port,
+                           REWARD_MODELS + (TEACHER_LOGPROBS,), logs / "reward.log", name="reward")
     state = {"critic": critic, "reward": reward, "ckpt": ckpt, "store": store, "logs": logs}
     try:
         critic.wait_until_ready(120)
@@ -116,6 +119,32 @@ def test_combined_rewards_equal_standalone_reward_model(servers, tiny_models):
     with_prompts = raw(servers["reward"].url, "reward_model", tokens=tokens, sequence_lengths=lengths,
                        prompt_lengths=prompts)["rewards"]
     np.testing.assert_allclose(with_prompts, served, rtol=1e-6)
+
+
+def test_the_teacher_s_logprobs_are_its_own_over_the_wire(servers, tiny_models):
+    """On-policy distillation's teacher in the reward server: `teacher_logprobs` answers the teacher's logprob of each
+    next token [B, L-1], 0 past each row's length, equal to the teacher's in this process (raw tritonclient and our
+    client, which splits requests at the model's max batch size); a bad request is refused naming the tensor."""
+    from components.serving.triton.clients import RewardClient
+    from models.scoring import load_teacher, teacher_logprobs
+
+    tokens, lengths = batch(seed=4, B=5, L=9)
+    served = raw(servers["reward"].url, TEACHER_LOGPROBS, tokens=tokens, sequence_lengths=lengths)["logprobs"]
+    local = teacher_logprobs(load_teacher(tiny_models["policy"]), torch.from_numpy(tokens),
+                             torch.from_numpy(lengths[:, 0])).numpy()
+    assert served.shape == (5, 8) and served.dtype == np.float32 and np.abs(local).sum() > 0
+    np.testing.assert_allclose(served, local, rtol=1e-5, atol=1e-6)
+    assert (served[np.arange(8)[None, :] >= lengths - 1] == 0).all()
+    client = RewardClient(servers["reward"].url, secret=read_secret())
+    try:
+        client._teacher_batch = 2  # three requests
+        np.testing.assert_allclose(client.teacher_logprobs(tokens, lengths[:, 0]).numpy(), local, rtol=1e-5, atol=1e-6)
+    finally:
+        client.close()
+    bad = tokens.copy()
+    bad[0, 0] = 10_000
+    with pytest.raises(InferenceServerException, match="tokens"):
+        raw(servers["reward"].url, TEACHER_LOGPROBS, tokens=bad, sequence_lengths=lengths)
 
 
 TOK, LEN = batch(seed=2, B=4, L=6)
