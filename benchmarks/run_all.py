@@ -90,7 +90,7 @@ def table(results: dict) -> str:
         reps = r["repetitions"]
         n = f"{reps['rounds']} rounds x {reps['timed_iterations_per_round_per_side']} pairs"
         for name, c in r["recipes"].items():
-            trl = ", ".join(f"{k}={v}" for k, v in c["trl"].items())
+            trl = ", ".join(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}" for k, v in c["trl"].items())
             rows.append([f"{name} iteration vs TRL 1.16 GRPOTrainer ({trl})" if name == next(iter(r["recipes"]))
                          else f"{name} vs GRPOTrainer ({trl})", "time ours / TRL (per pair), fixed policy",
                          fmt(c["time_ratio_ours_over_trl"]), n, "<= 0.70",
@@ -109,7 +109,7 @@ def table(results: dict) -> str:
                 target = 0.5 if name == "opd" else 0.3
                 rows.append([f"learning: {name}, {task} task" if name == "ppo" else f"{name}, {task}", what,
                              f"{median:.2f} [{low:.2f}–{max(values):.2f}]", n, f">= {target}",
-                             "yes" if low >= target else ("median" if median >= target else "**no**")])
+                             "yes" if low >= target else ("median only" if median >= target else "**no**")])
     r = results.get("stages_vs_trl")
     if r:
         for stage, trainer in (("sft", "SFTTrainer"), ("reward_model", "RewardTrainer")):
