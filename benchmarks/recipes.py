@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 from benchmarks.common import ROOT, log, stats, write_result
+from components.runs import train
+from models.config import preset
 
 TASKS = {
     "shipped": {"data.prompts": "builtin:sentiment"},
@@ -43,9 +45,7 @@ def closed(gold: list[float]) -> float:
 
 
 def one_kernel_set(seeds: list[int], state: Path) -> dict:
-    """Every recipe x task x seed in this process (its torch kernels: ATEN_CPU_CAPABILITY as set)."""
-    from components.runs import train
-    from models.config import preset
+    """Every recipe x task x seed in this process (its torch kernels: ATEN_CPU_CAPABILITY as set before it started)."""
 
     base = {"deploy.state_dir": str(state), "deploy.critic.launch": "in_process", "deploy.reward.launch": "in_process",
             "deploy.tracking.system_metrics": False, "iterations": 12}

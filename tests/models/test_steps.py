@@ -14,7 +14,7 @@ from models.loop import build_actor, build_local_reward
 from tests.conftest import assert_learned, headroom_closed
 
 NON_DETERMINISTIC = ("time/", "throughput/", "step_time")
-pytestmark = pytest.mark.slow(4)  # ~4 min of learning runs: started first, beside tests/flows/test_deployments.py
+pytestmark = pytest.mark.slow(5)  # ~5 min of learning runs: started first, beside tests/flows/test_deployments.py
 RUNS = itertools.count()
 
 

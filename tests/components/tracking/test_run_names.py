@@ -18,16 +18,19 @@ pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-
 
 def test_a_training_flow_run_is_named_after_its_run(monkeypatch):
     """A flow called without a deployment (no deployment parameters to merge over): its run_name, else
-    '<the flow's algorithm>-<timestamp>-<random>', decided once by the namer (the flow reads it back from the flow
+    '<the run's algorithm>-<timestamp>-<random>', decided once by the namer (the flow reads it back from the flow
     run)."""
     monkeypatch.setattr(tasks.deployment, "get_id", lambda: None)
-    monkeypatch.setattr(tasks.flow_run, "get_parameters", lambda: {"config": {"run_name": "mine", "algorithm": "ppo"}})
+    monkeypatch.setattr(tasks.flow_run, "get_parameters", lambda: {"config": {"run_name": "mine", "algorithm": "grpo"}})
     assert flow_run_namer("rloo")() == "mine"
-    monkeypatch.setattr(tasks.flow_run, "get_parameters", lambda: {"config": RunConfig(algorithm="ppo")})
+    monkeypatch.setattr(tasks.flow_run, "get_parameters", lambda: {"config": RunConfig(algorithm="grpo")})
     name = flow_run_namer("rloo")()
-    assert re.fullmatch(r"rloo-\d{8}-\d{6}-[0-9a-f]{4}", name), name
-    cfg = flow_config(RunConfig(algorithm="ppo", iterations=3), DeployConfig(state_dir="/tmp/s"), "rloo")
+    assert re.fullmatch(r"grpo-\d{8}-\d{6}-[0-9a-f]{4}", name), name
+    cfg = flow_config(RunConfig(iterations=3), DeployConfig(state_dir="/tmp/s"), "rloo")
     assert (cfg.algorithm, cfg.iterations, cfg.deploy.state_dir) == ("rloo", 3, "/tmp/s")
+    assert flow_config(RunConfig(algorithm="dapo"), DeployConfig(state_dir="/tmp/s"), "rloo").algorithm == "dapo"
+    with pytest.raises(ValueError, match="config.algorithm='ppo'.*run ppo/default"):
+        flow_config(RunConfig(algorithm="ppo"), DeployConfig(state_dir="/tmp/s"), "rloo")
 
 
 def test_a_run_with_a_parent_is_nested_under_it(tmp_path, mlflow_uri):
