@@ -48,6 +48,7 @@ from components.tracking.provenance import provenance as provenance_of
 from components.tracking.run import RunSession, closed_when_done
 from models.config import RLHFConfig
 from models.loop import DIRECT, Steps
+from models.reproducible import reproducibility, reproducibility_tags
 
 JOBS = {"rl": RL(), "sft": Stage("sft"), "reward_model": Stage("reward_model"), "dpo": Stage("dpo"), "eval": Eval()}
 
@@ -71,7 +72,8 @@ def train(cfg, steps: Steps = DIRECT, provenance: dict | None = None, lease_hold
             if getattr(kind, "publishes", True) else {}
         return {"job": cfg.job, "run_name": session.name, "mlflow_run_id": session.tracker.run_id,
                 "checkpoint": session.store.uri, "provenance": record, "models": session.models,
-                "data": session.data, "reward_files": session.reward_files, **result, **model}
+                "data": session.data, "reward_files": session.reward_files, "reproducible": reproducibility(cfg),
+                **result, **model}
 
 
 @contextmanager
@@ -88,7 +90,7 @@ def open_session(kind, cfg, steps: Steps = DIRECT, provenance: dict | None = Non
     """Resolve the run name, take its lease (or write under its controller's), download the last complete
     checkpoint if there is one, start or continue the MLflow run tagged with the job's provenance; said in the job's
     log (a lease taken over, a checkpoint passed over too)."""
-    session = RunSession.open(cfg, {**kind.tags(cfg), **steps.tags()}, log=steps.log, parts=kind.restore_parts(cfg),
+    session = RunSession.open(cfg, {**kind.tags(cfg), **reproducibility_tags(cfg), **steps.tags()}, log=steps.log, parts=kind.restore_parts(cfg),
                               provenance=provenance, lease_holder=lease_holder, sources=kind.sources)
     kind.opened(session)
     what = f"run {session.name}" if cfg.job == "rl" else f"{cfg.job} run {session.name}"

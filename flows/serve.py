@@ -15,6 +15,7 @@ from prefect.runner import Runner
 from components.environment import quiet
 from components.launch.flow_runs import preload
 from flows.compare import compare
+from flows.experiment import EXAMPLE_EXPERIMENT, experiment_flow
 from flows.ppo import ppo
 from flows.reinforce import reinforce
 from flows.servers import critic_server, reward_server, rollout_server
@@ -51,6 +52,9 @@ def deployments() -> list[tuple]:
                                       "sweep": EXAMPLE_SWEEP.model_dump(mode="json")},
                           description="A hyperparameter sweep (Optuna): trials are runs of ppo/default or "
                                       "reinforce/default; the defaults are a 2 x 2 grid of RLOO runs")),
+        (experiment_flow, dict(parameters={"experiment": EXAMPLE_EXPERIMENT.model_dump(mode="json")},
+                               description="Arms x paired seeds compared with interval estimates (rliable) in a "
+                                           "report; the defaults: RLOO vs GRPO, 3 seeds")),
     ]
 
 

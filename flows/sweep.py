@@ -67,17 +67,27 @@ def sweep_flow(config: RunConfig = EXAMPLE_CONFIG, sweep: SweepConfig = EXAMPLE_
             raise SweepError("pipeline: a pipeline sweep varies the pipeline's RL stage, and this pipeline has a dpo "
                              "section instead (sft -> dpo -> eval)")
         config = merge(pipeline.rl, {"tracking.experiment": pipeline.tracking.experiment})
-    config = RLHFConfig.of(config, deploy)
+    summary = run_sweep(RLHFConfig.of(config, deploy), sweep, given_deploy, pipeline)
+    return {k: v for k, v in summary.items() if k != "rows"}
+
+
+def run_sweep(config: RLHFConfig, sweep: SweepConfig, given_deploy: dict, pipeline: Optional[PipelineConfig] = None,
+              tags: Optional[dict] = None) -> dict:
+    """The sweep's body (also an experiment's, flows/experiment.py): check, open the study and the parent run, run
+    and follow the trials, record; returns the summary with the rows of the table. `given_deploy`: what the flow run
+    was told of where trials run, given to each; `tags`: more tags on the parent run."""
     space = check_sweep(config, sweep, pipeline=pipeline is not None)  # bad input fails here, before any trial starts
     if pipeline is None:
-        deployment = training_deployment(config)  # ppo/default or reinforce/default, which must exist
+        for algorithm in space.algorithms:  # ppo/default or reinforce/default (an arm may set its own), which must exist
+            training_deployment(algorithm)
+        deployment = lambda cfg: TRAINING_DEPLOYMENTS[cfg.algorithm]  # noqa: E731
         parameters = lambda cfg: {"config": cfg.run.model_dump(mode="json"),  # noqa: E731
                                   **({"deploy": given_deploy} if given_deploy else {})}
     else:
         require_deployment(PIPELINE_DEPLOYMENT)
-        deployment, parameters = PIPELINE_DEPLOYMENT, lambda cfg: pipeline_trial(pipeline, cfg, given_deploy)
+        deployment, parameters = lambda cfg: PIPELINE_DEPLOYMENT, lambda cfg: pipeline_trial(pipeline, cfg, given_deploy)
     study = open_study(config, sweep, space)  # created, or resumed by name: its finished trials are kept
-    with SweepRun.open(config, sweep, {"prefect.flow_run_id": flow_run.get_id()}) as parent, \
+    with SweepRun.open(config, sweep, {"prefect.flow_run_id": flow_run.get_id(), **(tags or {})}) as parent, \
             Trials(config, sweep, space, study, parent, deployment, parameters) as trials:  # on failure: cancelled
         trials.follow(unfinished(study))  # left running by an earlier run of this sweep that died
         plan = Plan(study, space, sweep, trials.followed())  # the combinations (or the count) still to run
@@ -89,7 +99,7 @@ def sweep_flow(config: RunConfig = EXAMPLE_CONFIG, sweep: SweepConfig = EXAMPLE_
         table_artifact(sweep, summary)
         if summary["complete"] + summary["pruned"] == 0 and summary["failed"]:
             raise RuntimeError(f"every trial of sweep {sweep.name} failed; {summary['summary']}")
-    return {k: v for k, v in summary.items() if k != "rows"}
+    return summary
 
 
 def pipeline_trial(pipeline: PipelineConfig, cfg: RLHFConfig, deploy: dict) -> dict:
@@ -100,13 +110,13 @@ def pipeline_trial(pipeline: PipelineConfig, cfg: RLHFConfig, deploy: dict) -> d
     return {"config": trial.model_dump(mode="json"), **({"deploy": deploy} if deploy else {})}
 
 
-def training_deployment(config: RLHFConfig) -> str:
-    """The deployment that runs the trials of `config.algorithm`; it must be served."""
-    if config.algorithm not in TRAINING_DEPLOYMENTS:
-        raise SweepError(f"config.algorithm: {config.algorithm} has no training deployment "
+def training_deployment(algorithm: str) -> str:
+    """The deployment that runs the trials of `algorithm`; it must be served."""
+    if algorithm not in TRAINING_DEPLOYMENTS:
+        raise SweepError(f"config.algorithm: {algorithm} has no training deployment "
                          f"(known: {', '.join(TRAINING_DEPLOYMENTS)})")
-    require_deployment(TRAINING_DEPLOYMENTS[config.algorithm])
-    return TRAINING_DEPLOYMENTS[config.algorithm]
+    require_deployment(TRAINING_DEPLOYMENTS[algorithm])
+    return TRAINING_DEPLOYMENTS[algorithm]
 
 
 if __name__ == "__main__":  # what `rlhf sweep` runs: the flow in this process, its trials on the deployments

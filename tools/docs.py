@@ -128,6 +128,7 @@ def config_reference() -> str:
     """docs/reference/config.md as the code defines it."""
     from components.pipeline.config import PipelineConfig
     from components.sweep.config import SweepConfig
+    from components.sweep.experiment import ExperimentConfig
     from models.config import RunConfig
     from models.deploy import DeployConfig
     from models.stages.config import STAGE_RUN_CONFIGS
@@ -144,6 +145,8 @@ def config_reference() -> str:
         trees.append((job, f"{what} (`{config.__name__}`)", config(), ()))
     trees.append(("sweep", "A sweep (`SweepConfig`; `rlhf sweep`, sweep/default)",
                   SweepConfig.model_construct(name="<name>", space={}), ()))
+    trees.append(("experiment", "An experiment (`ExperimentConfig`; `rlhf experiment --config`, experiment/default)",
+                  ExperimentConfig.model_construct(name="<name>", arms={}), ()))
     lines = [INTRO.rstrip()]
     for root, title, tree, skip in trees:
         lines += ["", f"## {title}"]

@@ -9,6 +9,7 @@ it runs, so `rlhf up`, `status` and `--help` start without loading torch, Triton
     rlhf up | down | status | demo              components/launch/stack.py (the local Prefect + MLflow + deployments stack)
     rlhf compare                                components/cli/compare.py (PPO vs RLOO from MLflow; a sweep's trials)
     rlhf sweep                                  components/cli/sweep.py (a sweep flow here, its trials on the deployments)
+    rlhf experiment [report NAME]               components/cli/experiment.py (arms x paired seeds; its report)
     rlhf cluster manifests                      components/cli/cluster.py (every Kubernetes object a run would create)
 """
 
@@ -130,6 +131,33 @@ def add_sweep_parser(sub) -> None:
     p.set_defaults(run="components.cli.sweep:cmd_sweep")
 
 
+EXPERIMENT_HELP = """Run an experiment (arms x paired seeds, compared with rliable's interval estimates) as a Prefect flow
+in this shell; each arm x seed is a run of its algorithm's deployment on the local stack that `rlhf up` started.
+
+    rlhf experiment --config examples/experiment.yaml [--set seeds=5] [--summary-out summary.json]
+    rlhf experiment report NAME --out report.html [--summary-out summary.json]
+
+The file names `name`, `base` (a partial run config), `arms` (arm -> a partial config over base), `seeds` (a count or
+a list, the same for every arm), `metrics`, `concurrency` (components/sweep/experiment.py documents every field).
+Rerunning a name resumes it: a finished arm x seed is never run again. Bad input is refused before any run starts."""
+
+
+def add_experiment_parser(sub) -> None:
+    """`rlhf experiment --config FILE` and `rlhf experiment report NAME --out FILE`."""
+    p = sub.add_parser("experiment", help="arms x paired seeds with interval estimates (rliable) and a report",
+                       description=EXPERIMENT_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("action", nargs="?", choices=("report",), help="report: rebuild the report of experiment NAME")
+    p.add_argument("name", nargs="?", metavar="NAME", help="the experiment (with report)")
+    p.add_argument("--config", metavar="FILE", help="the experiment as YAML")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a field of the file (seeds=5, "
+                   "base.iterations=4) or where it runs (deploy.tracking.uri=...); repeatable")
+    p.add_argument("--summary-out", metavar="FILE", help="write the experiment's summary (runs, statistics) as JSON")
+    p.add_argument("--out", metavar="FILE", help="report: the self-contained HTML report")
+    p.add_argument("--experiment", default="rlhf-flows", help="report: the MLflow experiment holding it")
+    p.add_argument("--tracking-uri", default=None, help="report: the MLflow server (default: the local stack's)")
+    p.set_defaults(run="components.cli.experiment:cmd_experiment")
+
+
 PIPELINE_HELP = """Run the whole pipeline in this process: sft -> reward_model -> rl -> eval, each stage reused when
 nothing it was made from changed (its config, its data, its upstream models, the code).
 
@@ -222,6 +250,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_stack_parsers(sub)
     add_compare_parser(sub)
     add_sweep_parser(sub)
+    add_experiment_parser(sub)
     add_cluster_parser(sub)
     return parser
 

@@ -214,7 +214,7 @@ def _require_free(port: int, what: str) -> None:
 
 
 DEPLOYMENTS = ("ppo/default", "reinforce/default", "critic-server/default", "reward-server/default",
-               "rollout-server/default", "compare/default", "sweep/default", "sft/default", "reward-model/default",
+               "rollout-server/default", "compare/default", "sweep/default", "experiment/default", "sft/default", "reward-model/default",
                "dpo/default", "pipeline/default")
 
 

@@ -8,7 +8,8 @@ run config (each field exists, each combination is a valid config, the config lo
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal, Optional, Union
+import re
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import (Discriminator, Field, PositiveFloat, PositiveInt, StrictBool, StrictInt, Tag, field_validator,
                       model_validator)
@@ -16,6 +17,8 @@ from pydantic import (Discriminator, Field, PositiveFloat, PositiveInt, StrictBo
 from models.sections import Section
 
 SWEEP_STORAGE_ENV = "RLHF_SWEEP_STORAGE"
+ARM = "arm"  # the space's field that picks one of `arms` (a named partial config) rather than one config field
+NAME_PATTERN = r"^[a-z0-9][a-z0-9-]{0,62}$"
 Value = Union[StrictBool, StrictInt, float, str, None]  # what Optuna stores as a categorical choice
 
 
@@ -46,11 +49,16 @@ class SweepConfig(Section):
     name: str = Field(description="Names the Optuna study, the MLflow parent run, the trial runs '<name>-t<N>' and the "
                                   "Prefect artifact 'sweep-<name>'; lowercase letters, digits and dashes. Rerunning a "
                                   "name resumes its study: finished trials are kept, unfinished ones are followed or run again.",
-                      pattern=r"^[a-z0-9][a-z0-9-]{0,62}$")
+                      pattern=NAME_PATTERN)
     space: dict[str, Values] = Field(
         description="Dotted config field -> a list of values (categorical; grid takes every combination) or "
                     "{low, high, log} (a float or int range, by the field's type; random and tpe only), e.g. "
                     "{'reinforce.optim.lr': {'low': 1e-5, 'high': 1e-3, 'log': true}, 'kl.beta': [0.01, 0.1]}.")
+    arms: dict[str, dict[str, Any]] = Field(
+        {}, description="Named partial run configs (nested and/or dotted keys), chosen by the space's 'arm' field: a "
+                        "trial of arm A is the base config with arms[A] over it, then the trial's other fields; an "
+                        "arm may set `algorithm` (its trials run on that algorithm's deployment). An experiment's arms "
+                        "(components/experiment) are these, with the space {'seed': [...], 'arm': [...]}.")
     sampler: Literal["grid", "random", "tpe"] = Field("grid", description="grid = every combination of the lists, in "
                                                       "their order; random = Optuna's RandomSampler; tpe = Optuna's TPESampler.")
     trials: PositiveInt = Field(8, description="How many trials random and tpe run in all (finished trials of an earlier "
@@ -85,6 +93,23 @@ class SweepConfig(Section):
             if isinstance(values, list) and len(set(map(repr, values))) < len(values):
                 raise ValueError(f"'{field}' lists a value twice: {values}")
         return space
+
+    @model_validator(mode="after")
+    def _arms_are_named(self) -> "SweepConfig":
+        if ARM in self.space:
+            chosen = self.space[ARM]
+            if not isinstance(chosen, list) or not self.arms:
+                raise ValueError("space['arm'] picks one of `arms` (named partial configs): give `arms` and a list "
+                                 "of their names")
+            if unknown := [name for name in chosen if name not in self.arms]:
+                raise ValueError(f"space['arm']: {unknown} are not arms (the arms: {', '.join(self.arms)})")
+        elif self.arms:
+            raise ValueError("arms are given and space has no 'arm' field to choose them: add "
+                             f"'arm': {list(self.arms)} to the space")
+        for name in self.arms:
+            if not re.fullmatch(r"[a-z0-9][a-z0-9_-]{0,40}", name):
+                raise ValueError(f"arms: the name {name!r} needs lowercase letters, digits, '_' and '-' (at most 41)")
+        return self
 
     @model_validator(mode="after")
     def _grid_takes_lists(self) -> "SweepConfig":

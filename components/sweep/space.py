@@ -1,7 +1,8 @@
 """A sweep's space checked against the run config, before any trial starts (pure: no server, no storage).
 
 `check_sweep(config, sweep)` refuses, naming the field: a dotted field the config does not have, a field the sweep
-itself sets (algorithm, run_name, tracking.parent_run_id), a range on a field that is not a number, a value or a
+itself sets (algorithm, run_name, tracking.parent_run_id), an arm (`arms`: a named partial config the space's `arm`
+field picks) that sets a field the space varies or makes the same config as another arm, a range on a field that is not a number, a value or a
 combination of values the config refuses (every grid combination; for random and tpe every combination of the lists'
 values and the ranges' ends), and a metric that a trial's config cannot produce: one no run logs (the list the code
 logs, models/metrics.py, generated into docs/metrics.md; the closest names are suggested), and one this config does
@@ -22,13 +23,14 @@ from typing import Any, Optional
 from optuna.distributions import BaseDistribution, CategoricalDistribution, FloatDistribution, IntDistribution
 from pydantic import BaseModel, ValidationError
 
-from components.sweep.config import SweepConfig
+from components.sweep.config import ARM, SweepConfig
 from models.algorithms import ALGORITHMS, resolve
-from models.config import RLHFConfig, RunConfig, merge
+from models.config import RLHFConfig, RunConfig, merge, nested
 from models.data import builtin_gold
 from models.metrics import find, names
 
-SET_BY_THE_SWEEP = ("algorithm", "run_name", "tracking.parent_run_id")  # one deployment per sweep; trials are named
+# not a field of the space (an arm may set `algorithm`: its trials then run on its deployment); trials are named
+SET_BY_THE_SWEEP = ("algorithm", "run_name", "tracking.parent_run_id")
 
 
 class SweepError(ValueError):
@@ -41,20 +43,65 @@ class Space:
 
     distributions: dict[str, BaseDistribution]
     grid: Optional[list[dict[str, Any]]] = None
+    algorithms: tuple[str, ...] = ()  # every algorithm a trial can run (an arm may set its own): their deployments
 
 
 def check_sweep(config: RLHFConfig, sweep: SweepConfig, pipeline: bool = False) -> Space:
     """The space of `sweep` over `config`, or a SweepError naming what is wrong (before any trial starts).
     `pipeline`: the trials are pipelines whose RL stage `config` is (their metric read from the pipeline's run)."""
     distributions = {field: distribution(field, values) for field, values in sweep.space.items()}
+    check_arms(config, sweep)
     corners = {field: values if isinstance(values, list) else [_number(field, values.low), _number(field, values.high)]
                for field, values in sweep.space.items()}
     combinations = [dict(zip(corners, values)) for values in itertools.product(*corners.values())]
+    algorithms = []
     for combination in combinations:
-        if problem := metric_problem(_valid(config, combination), sweep.metric, pipeline):
+        cfg = valid_config(config, sweep, combination)
+        if problem := metric_problem(cfg, sweep.metric, pipeline):
             where = "" if metric_problem(config, sweep.metric, pipeline) else f" (with {_show(combination)})"
             raise SweepError(f"sweep.metric: {problem}{where}")
-    return Space(distributions, combinations if sweep.sampler == "grid" else None)
+        algorithms.append(cfg.algorithm)
+    return Space(distributions, combinations if sweep.sampler == "grid" else None, tuple(dict.fromkeys(algorithms)))
+
+
+def check_arms(config: RLHFConfig, sweep: SweepConfig) -> None:
+    """Refuse an arm that sets a field the sweep sets or its space varies (e.g. `seed`: paired seeds are the same for
+    every arm), one the config refuses, and two arms that make the same config."""
+    made: dict[str, dict] = {}
+    for name, arm in sweep.arms.items():
+        for field in nested_fields(arm):
+            if field == "seed" and "seed" in sweep.space:
+                raise SweepError(f"arms.{name}: sets 'seed', and the seeds are paired: every arm runs every seed of "
+                                 f"the experiment (common random numbers); give the arms no seed")
+            if field in (*SET_BY_THE_SWEEP[1:], *sweep.space) or any(field.startswith(f"{f}.") for f in sweep.space):
+                raise SweepError(f"arms.{name}: sets '{field}', which the {'sweep' if field in SET_BY_THE_SWEEP else 'space'} "
+                                 f"sets for every trial (an arm may not change it)")
+        try:
+            made[name] = valid_config(config, sweep, {ARM: name}).model_dump(mode="json")
+        except SweepError as exc:
+            raise SweepError(f"arms.{name}: {str(exc).split(': ', 2)[-1]}") from None
+    names = list(made)
+    for i, first in enumerate(names):
+        for second in names[i + 1:]:
+            if made[first] == made[second]:
+                raise SweepError(f"arms: {first} and {second} make the same config (nothing to compare): make them "
+                                 f"differ, or drop one")
+
+
+def nested_fields(values: dict, prefix: str = "") -> list[str]:
+    """The dotted fields a partial config (nested and/or dotted keys) sets."""
+    fields = []
+    for key, value in values.items():
+        name = f"{prefix}{key}"
+        fields += nested_fields(value, f"{name}.") if isinstance(value, dict) and value else [name]
+    return fields
+
+
+def with_arm(sweep: SweepConfig, params: dict) -> dict:
+    """A trial's values with its arm (the space's 'arm' field) as the partial config it names, the others over it."""
+    if ARM not in params:
+        return dict(params)
+    return {**nested(sweep.arms[params[ARM]]), **{k: v for k, v in params.items() if k != ARM}}
 
 
 def distribution(field: str, values) -> BaseDistribution:
@@ -73,6 +120,8 @@ def distribution(field: str, values) -> BaseDistribution:
 
 def field_type(field: str) -> type:
     """The type of a dotted config field (Optional and constraints stripped); a SweepError when it does not exist."""
+    if field == ARM:
+        return str  # one of the sweep's arms (SweepConfig checks the names)
     if field in SET_BY_THE_SWEEP:
         raise SweepError(f"sweep.space: '{field}' cannot be swept (the sweep sets it: one algorithm and deployment "
                          f"per sweep, and the trials' names and parent run)")
@@ -139,12 +188,13 @@ def metric_problem(cfg: RLHFConfig, metric: str, pipeline: bool = False) -> Opti
 def trial_config(config: RLHFConfig, sweep: SweepConfig, number: int, params: dict, parent_run_id: str) -> RLHFConfig:
     """The config of trial `number`: the base config with the trial's values, named '<sweep>-t<number>', nested under
     the sweep's MLflow run. (Where it runs is its deployment's: its servers pick free ports of their own.)"""
-    return merge(config, {**params, "run_name": f"{sweep.name}-t{number}", "tracking.parent_run_id": parent_run_id})
+    return merge(config, {**with_arm(sweep, params), "run_name": f"{sweep.name}-t{number}",
+                          "tracking.parent_run_id": parent_run_id})
 
 
-def _valid(config: RLHFConfig, combination: dict) -> RLHFConfig:
+def valid_config(config: RLHFConfig, sweep: SweepConfig, combination: dict) -> RLHFConfig:
     try:
-        return merge(config, combination)
+        return merge(config, with_arm(sweep, combination))
     except ValidationError as exc:
         reasons = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         raise SweepError(f"sweep.space: the config refuses {_show(combination)}: {reasons}") from None

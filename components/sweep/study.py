@@ -38,6 +38,7 @@ def storage_url(config: RLHFConfig, sweep: SweepConfig) -> str:
 def definition(config: RLHFConfig, sweep: SweepConfig) -> str:
     """What a rerun under the same name must repeat: the base config and what and how the sweep searches."""
     return json.dumps({"config": config.run.model_dump(mode="json"), "space": sweep.model_dump(mode="json")["space"],
+                       "arms": sweep.model_dump(mode="json")["arms"],
                        "sampler": sweep.sampler, "seed": sweep.seed, "metric": sweep.metric,
                        "direction": sweep.direction}, sort_keys=True)
 

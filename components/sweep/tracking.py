@@ -74,7 +74,8 @@ class SweepRun:
         else:
             run_id = client.create_run(experiment_id, run_name=sweep.name,
                                        tags={"kind": "sweep", "sweep": sweep.name, "algorithm": config.algorithm}).info.run_id
-            definition = sweep.model_dump(mode="json", include={"space", "sampler", "seed", "metric", "direction"})
+            definition = sweep.model_dump(mode="json", include={"space", "arms", "sampler", "seed", "metric",
+                                                                  "direction"})
             client.log_batch(run_id, params=[Param(k, v) for k, v in flatten({"sweep": definition}).items()])
             # the study storage URL (and any URL of the config) may hold a password: never logged as it is
             client.log_text(run_id, yaml.safe_dump(redact(config.model_dump(mode="json")), sort_keys=False), "config.yaml")
@@ -106,9 +107,11 @@ class SweepRun:
         return sorted(latest.items())
 
     def mark_trial(self, run_id: str, trial: FrozenTrial) -> None:
-        """The trial's outcome on its run: tags sweep.trial, sweep.state (complete / pruned / failed), sweep.reason;
+        """The trial's outcome on its run: tags sweep.trial, sweep.state (complete / pruned / failed), sweep.reason,
+        sweep.param.<field> (its values: an experiment's arm and seed);
         a pruned run ends KILLED (it was cancelled)."""
-        tags = {"sweep.name": self.sweep.name, "sweep.trial": trial.number, "sweep.state": label(trial)}
+        tags = {"sweep.name": self.sweep.name, "sweep.trial": trial.number, "sweep.state": label(trial),
+                **{f"sweep.param.{field}": value for field, value in trial.params.items()}}
         if reason := trial.user_attrs.get("reason"):
             tags["sweep.reason"] = reason[:5000]
         self.client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
@@ -227,17 +230,28 @@ def compare_trials(client: MlflowClient, uri: str, experiment_id: str, parent_ru
     return png, md
 
 
-def find_sweep(client: MlflowClient, experiment: str, name: str, uri: str) -> tuple[str, str, SweepConfig]:
-    """(experiment id, parent run id, the sweep's definition) of the sweep named `name`."""
+def find_parent(client: MlflowClient, experiment: str, tag: str, name: str, uri: str, artifact: str) -> tuple[str, str, dict]:
+    """(experiment id, parent run id, the YAML `artifact` on it) of the sweep-kind parent run tagged `tag`=`name` (a
+    sweep's: sweep=<name>, sweep.yaml; an experiment's: experiment=<name>, experiment.yaml); LookupError naming what
+    is missing."""
     found = client.get_experiment_by_name(experiment)
-    runs = client.search_runs([found.experiment_id], f"tags.kind = 'sweep' and tags.sweep = '{name}'",
+    runs = client.search_runs([found.experiment_id], f"tags.kind = 'sweep' and tags.{tag} = '{name}'",
                               max_results=1) if found else []
     if not runs:
-        raise LookupError(f"no sweep named '{name}' in experiment '{experiment}' at {uri}")
+        raise LookupError(f"no {tag} named '{name}' in experiment '{experiment}' at {uri}")
     with tempfile.TemporaryDirectory() as tmp:
-        sweep = SweepConfig.model_validate(yaml.safe_load(
-            Path(client.download_artifacts(runs[0].info.run_id, "sweep.yaml", tmp)).read_text()))
-    return found.experiment_id, runs[0].info.run_id, sweep
+        try:
+            text = Path(client.download_artifacts(runs[0].info.run_id, artifact, tmp)).read_text()
+        except (MlflowException, OSError):
+            raise LookupError(f"{tag} '{name}' has no {artifact} on its run {runs[0].info.run_id} yet (it is written "
+                              f"when its runs have ended)") from None
+    return found.experiment_id, runs[0].info.run_id, yaml.safe_load(text)
+
+
+def find_sweep(client: MlflowClient, experiment: str, name: str, uri: str) -> tuple[str, str, SweepConfig]:
+    """(experiment id, parent run id, the sweep's definition) of the sweep named `name`."""
+    experiment_id, run_id, definition = find_parent(client, experiment, "sweep", name, uri, "sweep.yaml")
+    return experiment_id, run_id, SweepConfig.model_validate(definition)
 
 
 def _figure(axes):

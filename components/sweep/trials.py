@@ -73,9 +73,9 @@ class Trials:
     """The trials this run of the sweep started or follows."""
 
     def __init__(self, config: RLHFConfig, sweep: SweepConfig, space: Space, study: optuna.Study, parent: SweepRun,
-                 deployment: str, parameters: Callable[[RLHFConfig], dict] | None = None):
+                 deployment: Callable[[RLHFConfig], str], parameters: Callable[[RLHFConfig], dict] | None = None):
         self.config, self.sweep, self.space, self.study, self.parent = config, sweep, space, study, parent
-        self.deployment = deployment
+        self.deployment = deployment  # the deployment a trial's config runs on (its algorithm's, or the pipeline's)
         # a trial's flow-run parameters from its config: the run config itself (flows/sweep.py adds what the sweep
         # was told of where trials run), or (a pipeline's sweep) the pipeline with the trial's config as its RL stage
         self.parameters = parameters or (lambda cfg: {"config": cfg.run.model_dump(mode="json")})
@@ -101,16 +101,17 @@ class Trials:
         sweep was told of where trials run (`deploy`: merged over the deployment's own by the flow run)."""
         cfg = trial_config(self.config, self.sweep, trial.number, trial.params, self.parent.run_id)
         trial.set_user_attr("run_name", cfg.run_name)
+        deployment = self.deployment(cfg)
         try:
-            run = run_deployment(self.deployment, parameters=self.parameters(cfg), timeout=0,
+            run = run_deployment(deployment, parameters=self.parameters(cfg), timeout=0,
                                  flow_run_name=cfg.run_name, tags=[f"sweep-{self.sweep.name}"])
         except Exception as exc:  # noqa: BLE001 - the trial fails, the sweep goes on
-            self._tell(trial, TrialState.FAIL, reason=f"could not start a run of {self.deployment}: {first_line(exc)}")
+            self._tell(trial, TrialState.FAIL, reason=f"could not start a run of {deployment}: {first_line(exc)}")
             return
         trial.set_user_attr("flow_run_id", str(run.id))
         self.running[trial.number] = Running(trial, run.id, cfg.run_name)
         self.logger.info(f"trial {trial.number} started: {cfg.run_name} ({_show(trial.params)}), flow run {run.id} "
-                         f"of {self.deployment}")
+                         f"of {deployment}")
 
     def follow(self, unfinished: list[FrozenTrial]) -> None:
         """Trials an earlier run of this sweep started and never saw end: their flow runs are followed to the end."""

@@ -1,4 +1,4 @@
-"""Sweeps end to end through a real local stack of their own (Prefect server, MLflow server, the served deployments:
+"""Sweeps and experiments end to end through a real local stack of their own (Prefect server, MLflow server, the served deployments:
 what `rlhf up` starts), driven with `prefect deployment run sweep/default` as a user does; the trials are runs of
 reinforce/default on the tiny default, kept short (2-6 iterations, a 16-prompt held-out eval)."""
 
@@ -11,17 +11,20 @@ from datetime import datetime
 from pathlib import Path
 
 import httpx
+import numpy as np
 import optuna
 import psutil
 import pytest
 from mlflow.tracking import MlflowClient
+from rliable import library as rly
+from rliable import metrics as rm
 
 from components.cli.main import main
 from components.launch import stack
 from components.launch.flow_runs import flow_run_name
 from tests.conftest import free_port_block
 
-pytestmark = pytest.mark.slow(11)
+pytestmark = pytest.mark.slow(15)
 BIN = Path(sys.executable).parent
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
 EVAL = {"prompts": "builtin:sentiment", "every": 2, "max_prompts": 16}
@@ -327,3 +330,77 @@ def test_a_sweep_killed_mid_way_resumes_keeping_its_finished_trial_and_following
     assert other["state"]["type"] == "FAILED"
     assert "sweep.name: the study 'resume'" in other["state"]["message"] and "another space" in other["state"]["message"]
     assert len(trial_runs(s, "resume")) == 2
+
+
+# ------------------------------------------------------------------------------------------------ an experiment
+EXPERIMENT = {"name": "exp", "base": CONFIG, "arms": {"rloo": {}, "grpo": {"algorithm": "grpo"}}, "seeds": 3,
+              "concurrency": 2, "reps": 500, "bootstrap_seed": 3, "poll_s": 1}
+
+
+def test_an_experiment_of_2_arms_x_3_seeds_killed_half_way_resumes_its_report_is_rliables_on_the_mlflow_metrics_and_a_rerun_starts_no_run(sweep_stack, tmp_path):
+    """`prefect deployment run experiment/default`, killed once a run has ended; `rlhf experiment --config` resumes
+    it (nothing finished is run again); its summary's statistics are what rliable computes from the runs' MLflow
+    metrics with the same bootstrap seed; the report is on the parent run and rebuilt by `rlhf experiment report`;
+    the experiment run again on the deployment starts no run."""
+    s = sweep_stack
+    params = ["--param", f"experiment={json.dumps(EXPERIMENT)}", "--param", f"deploy={json.dumps(IN_PROCESS)}"]
+    start = lambda: subprocess.run([str(BIN / "prefect"), "deployment", "run", "experiment/default", *params],  # noqa: E731
+                                   env=s["env"], capture_output=True, text=True, timeout=120, check=True)
+    first = flow_run_id(start())
+    wait_until(lambda: len(trial_runs(s, "exp")) >= 3, 600, "a third run started (one has ended)")
+    for process in wait_until(lambda: stack_processes(s["state_dir"], first), 30, "the experiment's process"):
+        process.kill()
+    assert wait_final(s, first, timeout=60)["state"]["type"] == "CRASHED"
+    finished = {r["name"] for r in trial_runs(s, "exp") if r["state"]["type"] == "COMPLETED"}
+    assert finished
+
+    path = tmp_path / "experiment.yaml"
+    path.write_text(json.dumps(EXPERIMENT))  # JSON is YAML
+    summary_path = tmp_path / "summary.json"
+    proc = subprocess.run([str(BIN / "rlhf"), "experiment", "--config", str(path), "--set", "deploy.reward.launch=in_process",
+                           "--summary-out", str(summary_path)], env=s["env"], capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = trial_runs(s, "exp")
+    assert [r["name"] for r in runs] == [f"exp-t{i}" for i in range(6)]  # each arm x seed once: nothing run again
+    assert all(r["state"]["type"] == "COMPLETED" for r in runs), [r["state"] for r in runs]
+
+    summary = json.loads(summary_path.read_text())
+    assert summary["seeds"] == [0, 1, 2] and summary["arms"] == ["rloo", "grpo"]
+    assert sorted((r["arm"], r["seed"]) for r in summary["runs"]) == sorted(
+        (arm, seed) for arm in ("rloo", "grpo") for seed in range(3))
+    client = s["mlflow"]
+    final = {}
+    for r in summary["runs"]:  # what rliable computes from the runs' MLflow metrics
+        run = client.get_run(r["mlflow_run_id"])
+        assert (run.data.params["seed"], run.data.params["algorithm"]) == (str(r["seed"]), r["arm"])
+        history = max(client.get_metric_history(r["mlflow_run_id"], "eval/gold_reward"), key=lambda m: m.step)
+        assert history.step == 2 and r["final"]["eval/gold_reward"] == history.value
+        final.setdefault(r["arm"], {})[r["seed"]] = history.value
+    scores = {arm: np.array([final[arm][seed] for seed in range(3)]).reshape(-1, 1) for arm in ("rloo", "grpo")}
+    np.random.seed(3)
+    point, bounds = rly.get_interval_estimates(scores, lambda x: np.array([rm.aggregate_iqm(x)]), reps=500)
+    stats = summary["statistics"]["eval/gold_reward"]["final"]
+    for arm in scores:
+        iqm = stats["aggregates"][arm]["iqm"]
+        assert iqm["value"] == pytest.approx(point[arm][0], rel=1e-12)
+        assert [iqm["low"], iqm["high"]] == pytest.approx(bounds[arm][:, 0].tolist(), rel=1e-12)
+    np.random.seed(3)
+    poi, poi_bounds = rly.get_interval_estimates({"rloo,grpo": (scores["rloo"], scores["grpo"]),
+                                                  "grpo,rloo": (scores["grpo"], scores["rloo"])},
+                                                 rm.probability_of_improvement, reps=500)
+    assert stats["improvement"]["rloo,grpo"]["probability"]["value"] == pytest.approx(poi["rloo,grpo"], rel=1e-12)
+    assert stats["improvement"]["rloo,grpo"]["probability"]["low"] == pytest.approx(poi_bounds["rloo,grpo"][0, 0])
+
+    parent = summary["mlflow_run_id"]
+    assert {"report/report.html", "report/experiment.json"} <= {a.path for a in client.list_artifacts(parent, "report")}
+    artifact = stack.prefect_post(s["api"], "/artifacts/latest/filter", {"artifacts": {"key": {"any_": ["experiment-exp"]}}},
+                                  timeout=10).json()
+    assert artifact[0]["type"] == "markdown" and "## eval/gold_reward (final)" in artifact[0]["data"]
+    report = tmp_path / "report.html"
+    assert main(["experiment", "report", "exp", "--tracking-uri", s["urls"]["mlflow"], "--out", str(report)]) == 0
+    assert "<table>" in report.read_text() and f"/runs/{summary['runs'][0]['mlflow_run_id']}" in report.read_text()
+
+    rerun = wait_final(s, flow_run_id(start()), timeout=300)
+    assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
+    assert len(trial_runs(s, "exp")) == 6  # no run started
+    assert all(not stack_processes(s["state_dir"], r["id"]) for r in runs)

@@ -63,9 +63,9 @@ def _env(job: dict) -> dict:
 
 
 def test_every_deployment_is_rendered(rendered):
-    assert len(rendered) == len(_prefect_yaml()["deployments"]) == 11
+    assert len(rendered) == len(_prefect_yaml()["deployments"]) == 12
     assert {"ppo/default", "reinforce/default", "critic-server/default", "rollout-server/default",
-            "sweep/default", "dpo/default", "pipeline/default"} <= set(rendered)
+            "sweep/default", "experiment/default", "dpo/default", "pipeline/default"} <= set(rendered)
 
 
 def test_every_pod_runs_its_flow_run(rendered):
