@@ -95,11 +95,13 @@ pipeline: venv
 # The environments are built side by side first (mostly downloads and unpacking).
 test:
 	$(MAKE) -j4 venv tools vllm-venv verifiers-venv
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -n auto --dist loadfile --no-loadscope-reorder --durations=25
 
 # The contributors' inner loop: the modules that start no server, stack or second process (math, config, data,
 # storage, the house rules), marked `fast`; about a minute on 2 cores. `make test` stays the whole suite (what CI runs).
 test-fast: venv
+	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -m fast
 
 # The docs site (mkdocs + Material): the generated pages must be current (config reference from the pydantic

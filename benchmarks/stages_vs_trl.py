@@ -64,7 +64,7 @@ def trl_rows(stage: str, inputs: dict) -> dict:
     rows = [r[:int(n)].tolist() for r, n in zip(ids, attention.sum(1))]
     if stage == "sft":
         labels = inputs["labels"].cpu()
-        prompt_lengths = [int((l[:int(n)] == -100).long().cumprod(0).sum()) for l, n in zip(labels, attention.sum(1))]
+        prompt_lengths = [int((row[:int(n)] == -100).long().cumprod(0).sum()) for row, n in zip(labels, attention.sum(1))]
         return {"ids": rows, "prompt_lengths": prompt_lengths}
     half = len(rows) // 2
     return {"chosen": rows[:half], "rejected": rows[half:]}

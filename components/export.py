@@ -22,7 +22,7 @@ from components.storage.store import CheckpointStore
 from components.tracking.run import checkpoint_uri
 from models.config import RLHFConfig
 from models.deploy import DeployConfig
-from models.export import export_model, export_spec
+from models.export import export_model
 from models.resolve import file_digests, resolve_model
 from models.tiny_files import manifest_digest
 
@@ -54,7 +54,10 @@ def export_checkpoint(store: CheckpointStore, out_dir: str | Path, iteration: in
     scratch = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir.parent if out_dir.parent.is_dir() else None))
     try:
         state = store.load(scratch, iteration, parts=PARTS)
-        spec = state.get("export") or rl_export_spec(state)
+        if "export" not in state:
+            raise CheckpointError(f"iter_{iteration} of {store.uri} says nothing of what to export (its manifest has "
+                                  f"no 'export': written by an earlier version)")
+        spec = state["export"]
         trained = scratch / spec["part"]
         base = spec["base"]
         found = resolve_model(base["value"], base["field"], base["revision"], deploy) \
@@ -64,13 +67,6 @@ def export_checkpoint(store: CheckpointStore, out_dir: str | Path, iteration: in
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return out_dir, iteration
-
-
-def rl_export_spec(state: dict) -> dict:
-    """The export of an RL checkpoint written before manifests said (its config's policy and dtype)."""
-    cfg = RLHFConfig.model_validate(state["config"])
-    return export_spec("actor", "causal-lm", cfg.model.dtype, cfg.model.policy, cfg.model.revision, "model.policy",
-                       state.get("models", {}).get("model.policy"))
 
 
 def publish_model(session, config: dict | None = None, log_model: bool = True) -> dict:

@@ -47,10 +47,12 @@ from components.storage.store import CheckpointStore
 from components.tracking.provenance import provenance as provenance_of
 from components.tracking.run import RunSession, closed_when_done
 from models.config import RLHFConfig
+from models.kinds import STAGES
 from models.loop import DIRECT, Steps
 from models.reproducible import reproducibility, reproducibility_tags
 
-JOBS = {"rl": RL(), "sft": Stage("sft"), "reward_model": Stage("reward_model"), "dpo": Stage("dpo"), "eval": Eval()}
+# what each kind of job (models/kinds.py) plugs into the builder: RL's, a stage's on the ranks, the eval's
+JOBS = {"rl": RL(), "eval": Eval(), **{job: Stage(job) for job in STAGES}}
 
 
 def train(cfg, steps: Steps = DIRECT, provenance: dict | None = None, lease_holder: Optional[str] = None) -> dict:
@@ -114,7 +116,7 @@ def attempt(store: CheckpointStore) -> int:
     report(store, "running", attempt=steps.source)
     try:
         summary = train(RLHFConfig.model_validate(handed["config"]), steps, lease_holder=handed["lease_holder"])
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - a SIGTERM (Stopped) too: reported to the controller, then exit
         traceback.print_exc()
         why = "stopped: SIGTERM (its node groups are being stopped)" if isinstance(exc, Stopped) else first_line(exc)
         steps.log(f"run {why}" if isinstance(exc, Stopped) else f"run failed: {why}")

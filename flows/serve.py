@@ -19,7 +19,8 @@ from flows.experiment import EXAMPLE_EXPERIMENT, experiment_flow
 from flows.ppo import ppo
 from flows.reinforce import reinforce
 from flows.servers import critic_server, reward_server, rollout_server
-from flows.stages import dpo, pipeline, reward_model, sft
+from flows.stages import STAGE_FLOWS, pipeline
+from models.kinds import BY_JOB
 from flows.sweep import EXAMPLE_CONFIG, EXAMPLE_SWEEP, sweep_flow
 
 
@@ -35,15 +36,9 @@ def deployments() -> list[tuple]:
         (reward_server, dict(description="PyTriton reward server (reward_model)")),
         (rollout_server, dict(description="vLLM rollout server (generate, update_weights)")),
         (compare, dict(description="PPO vs RLOO curves and table")),
-        (sft, dict(parameters={"config": {}, "deploy": {}},
-                   description="Supervised fine-tuning on completions (the embedded default: tiny policy, "
-                               "builtin:sentiment_sft); --param config='{...}' merged over these")),
-        (reward_model, dict(parameters={"config": {}, "deploy": {}},
-                            description="A Bradley-Terry reward model on preference pairs (the embedded default: "
-                                        "builtin:sentiment_preference)")),
-        (dpo, dict(parameters={"config": {}, "deploy": {}},
-                   description="DPO on preference pairs against the frozen model it starts from (the embedded "
-                               "default: the tiny policy, builtin:sentiment_preference)")),
+        *((stage, dict(parameters={"config": {}, "deploy": {}},  # each kind of stage's (models/kinds.py)
+                       description=f"{BY_JOB[job].summary[0].upper()}{BY_JOB[job].summary[1:]}, on the embedded "
+                                   f"default; --param config='{{...}}' merged over it")) for job, stage in STAGE_FLOWS.items()),
         (pipeline, dict(parameters={"config": {}, "deploy": {}},
                         description="sft -> reward_model -> rl -> eval (sft -> dpo -> eval with a dpo section) on the "
                                     "embedded default, each stage reused when nothing it was made from changed "

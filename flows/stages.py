@@ -1,6 +1,6 @@
-"""The jobs other than an RL run as Prefect flows (`sft/default`, `reward-model/default`, `dpo/default`): a supervised
-fine-tuning, reward-model or DPO run on the actor's ranks (the one job builder, components/runs.py), each named step a
-task of the flow run; and the whole pipeline (`pipeline/default`: components/pipeline/run.py), each stage a task, a
+"""The jobs other than an RL run as Prefect flows: one per kind of stage trained on the actor's ranks (models/kinds.py:
+`sft/default`, `reward-model/default`, `dpo/default`), its run through the one job builder (components/runs.py), each
+named step a task of the flow run; and the whole pipeline (`pipeline/default`: components/pipeline/run.py), each stage a task, a
 reused one Cached.
 
 Like the training flows, each takes what it trains (`config`) and where its parts run (`deploy`), each deep-merged
@@ -17,28 +17,26 @@ from components.pipeline.config import STAGE_ORDER, PipelineConfig
 from components.pipeline.run import run_pipeline
 from components.tasks import FlowSteps, merged_parameters, reported_failure, stage_flow
 from models.deploy import DeployConfig
-from models.stages.config import DPORunConfig, RewardModelRunConfig, SFTRunConfig
+from models.kinds import KINDS, JobKind, load
 
 
-@flow(name="sft")
-def sft(config: SFTRunConfig = SFTRunConfig(), deploy: DeployConfig = DeployConfig()) -> dict:
-    """Supervised fine-tuning on completions (prompt/completion or messages rows) on the actor's ranks; returns the
-    run's summary (its model's URI and sha256s, the held-out loss)."""
-    return stage_flow("sft", config, deploy)
+def stage_flow_of(kind: JobKind):
+    """The flow of a kind of stage trained on the actor's ranks (models/kinds.py): named after its command, taking
+    its run config (the Prefect form shows its fields and defaults) and `deploy`; returns the run's summary (its
+    model's URI and sha256s, its held-out metrics)."""
+    config_class = load(kind.config)
+
+    def run(config=config_class(), deploy: DeployConfig = DeployConfig()) -> dict:
+        return stage_flow(kind.job, config, deploy)
+
+    run.__name__ = run.__qualname__ = kind.job  # its entrypoint: flows/stages.py:<job>
+    run.__annotations__["config"] = config_class
+    run.__doc__ = f"{kind.summary[0].upper()}{kind.summary[1:]}, on the actor's ranks; returns the run's summary."
+    return flow(name=kind.command, description=run.__doc__)(run)
 
 
-@flow(name="reward-model")
-def reward_model(config: RewardModelRunConfig = RewardModelRunConfig(), deploy: DeployConfig = DeployConfig()) -> dict:
-    """A Bradley-Terry reward model on preference pairs (prompt, chosen, rejected) on the actor's ranks; returns the
-    run's summary (its model, the held-out accuracy, margin and reward statistics)."""
-    return stage_flow("reward_model", config, deploy)
-
-
-@flow(name="dpo")
-def dpo(config: DPORunConfig = DPORunConfig(), deploy: DeployConfig = DeployConfig()) -> dict:
-    """DPO on preference pairs (prompt, chosen, rejected) against the frozen model it starts from, on the actor's
-    ranks; returns the run's summary (its model, the held-out implicit-reward accuracy and margins)."""
-    return stage_flow("dpo", config, deploy)
+STAGE_FLOWS = {kind.job: stage_flow_of(kind) for kind in KINDS if kind.trains_on_ranks}
+globals().update(STAGE_FLOWS)  # sft, reward_model, dpo, ...: what prefect.yaml's entrypoints and flows/serve.py name
 
 
 def pipeline_name() -> str:

@@ -10,7 +10,7 @@ from typing import Callable
 import torch
 from torch import Tensor
 
-from models.advantages import AdaptiveKLController, FixedKLController, masked_mean
+from models.advantages import AdaptiveKLController, FixedKLController
 from models.config import KLConfig, OptimConfig, RLHFConfig, RolloutConfig
 from models.distributed import SINGLE, Dist
 from models.loading import make_optimizer
@@ -210,7 +210,3 @@ def common_metrics(state: ActorState, rollout: Rollout, scores: Tensor, gold: Te
     if "generate" in seconds:
         metrics["throughput/generate_tokens_per_s"] = response_tokens / max(seconds["generate"], 1e-9)
     return metrics
-
-
-def token_mean(x: Tensor, mask: Tensor) -> float:
-    return float(masked_mean(x, mask))

@@ -43,6 +43,7 @@ from models.tiny_files import TINY_PREFIX, embedded_model_path, is_embedded, is_
 
 
 class LoraConfig(Section):
+    advanced: ClassVar[tuple[str, ...]] = ("dropout",)  # --describe --all
     enabled: bool = Field(False, description="Train LoRA adapters instead of all weights; the reference is the actor with adapters disabled (no copy).")
     r: PositiveInt = Field(8, description="LoRA rank.")
     alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha.")
@@ -62,6 +63,7 @@ class ModelConfig(Section):
 
 
 class GenerationConfig(Section):
+    advanced: ClassVar[tuple[str, ...]] = ("recompute_logprobs", "micro_batch_size")  # --describe --all
     max_new_tokens: PositiveInt = Field(256, description="Longest response in tokens; a response without EOS by then is truncated (is_end=False). 256 as veRL's GSM8K quickstart; the tiny preset uses 16.")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature; logprobs for training use the same temperature.")
     top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens (0 disables).")
@@ -88,6 +90,7 @@ class Sampling(Section):
 class KLConfig(Section):
     """The KL to the frozen reference policy: its coefficient, estimator and place (part of the loss menu: a field
     left unset takes the recipe's value, docs/algorithms.md)."""
+    advanced: ClassVar[tuple[str, ...]] = ("horizon",)  # --describe --all
 
     beta: Optional[float] = Field(None, ge=0, description="KL coefficient (initial, with `adaptive`); 0 skips the reference model entirely; None = the recipe's (ppo, rloo, reinforce_pp: 0.01; grpo: 0.04; the others 0).")
     placement: Optional[Literal["reward", "loss"]] = Field(None, description="Where the KL goes: subtracted from the reward (per token for gae and reinforce_pp, per sequence otherwise) or added to the loss (GRPO); None = the recipe's.")
@@ -125,6 +128,7 @@ class RewardConfig(Section):
     once where it starts and stores its bytes in its store (reward.files); every process that scores (the reward
     server in another directory or pod, the actor's rank 0) loads those bytes by their digest, never the path, so a
     file that exists only where the run starts needs no image rebuild."""
+    advanced: ClassVar[tuple[str, ...]] = ("transport",)  # --describe --all
 
     source: Literal["model", "function"] = Field("model", description="Score responses with the reward model or with reward functions (reward.function / reward.functions).")
     function: Optional[str] = Field(None, description="One reward function for source='function': 'package.module:fn' or 'path/to/rewards.py:fn', called as fn(prompts, responses, **columns) -> list[float] (columns: the data set's other columns it names).")
@@ -186,6 +190,7 @@ PROMPT_SOURCES = ("'builtin:<task>' (sentiment, sentiment_target; the stages' se
 class DataConfig(Section):
     """The training prompts (models/data.py): read with HF `datasets`; every column besides the prompt reaches the
     reward functions."""
+    advanced: ClassVar[tuple[str, ...]] = ("long_prompts",)  # --describe --all
 
     prompts: Optional[str] = Field(None, description=f"Where the prompts come from: {PROMPT_SOURCES}; the tiny preset uses builtin:sentiment, any other policy must name its data.")
     subset: Optional[str] = Field(None, description="Configuration (subset) of a data set that has several, e.g. 'main' of openai/gsm8k: hub data sets, and local folders whose README declares configs; None = its only (or default) one.")
@@ -201,6 +206,7 @@ class DataConfig(Section):
 class EvalConfig(Section):
     """Held-out evaluation: the policy samples on prompts it does not train on, scored by the run's reward and the
     gold reward. It adds no trainer step and leaves the training stream as it is (its own sampling seed)."""
+    advanced: ClassVar[tuple[str, ...]] = ("table_rows",)  # --describe --all
 
     prompts: Optional[str] = Field(None, description=f"Eval prompts (None = no eval): {PROMPT_SOURCES}.")
     subset: Optional[str] = Field(None, description="Configuration (subset) of eval.prompts, as data.subset.")
@@ -217,6 +223,7 @@ class EvalConfig(Section):
 
 
 class TrackingConfig(Section):
+    advanced: ClassVar[tuple[str, ...]] = ("table_every", "parent_run_id")  # --describe --all
     experiment: str = Field("rlhf-flows", description="MLflow experiment name.")
     table_every: PositiveInt = Field(5, description="Log a table of sample prompts/responses/rewards every N iterations.")
     register_as: Optional[str] = Field(None, description="Register the run's exported model in the MLflow model registry under this name (a new version per run); None = logged with the run only.")
@@ -267,6 +274,9 @@ class EnvironmentConfig(Section):
     """Multi-turn rollouts against environments (models/environments/, docs/environments.md): each rollout is an
     episode of model turns and environment replies, built in token ids; the environments and the reward functions
     run in worker processes with deadlines."""
+    advanced: ClassVar[tuple[str, ...]] = (  # `rlhf config --describe --all` lists them
+        "call_deadline_s", "episode_deadline_s", "single_session",
+    )
 
     factory: Optional[Union[str, dict[str, str]]] = Field(None, description="TRL's environment_factory, run unchanged: a class built with no arguments, one instance per rollout (pooled, reset(**row) before each), its public methods the tools, an optional get_reward() scored with weight 1 under the class's name; 'path/to/env.py:Class' or 'package.module:Class', or a mapping name -> such a spec (each row's `environment` column picks its environment). None = single-turn rollouts.")
     max_turns: Optional[PositiveInt] = Field(None, description="Rounds of tool calls an episode may make after its first reply (TRL's max_tool_calling_iterations); None = as many as generation.max_new_tokens holds.")
@@ -557,19 +567,22 @@ def load_config(path: str | Path | None = None, preset_name: str = "auto", overr
     return from_layers(defaults or {}, data, overrides or {}, preset_name=preset_name)
 
 
-def describe(section=None, prefix: str = "") -> list[tuple[str, str, str, str]]:
+def describe(section=None, prefix: str = "", advanced: bool = True) -> list[tuple[str, str, str, str]]:
     """(dotted field, type, default, description) of every field of a config tree (an RLHFConfig of field defaults
     unless `section` is given: any config, a pipeline's, a stage's, a sweep's), depth first; a section that is absent
-    by default (Optional) is described with its fields too: what `rlhf config --describe` prints."""
+    by default (Optional) is described with its fields too: what `rlhf config --describe` prints. `advanced`=False
+    leaves out the fields each section marks advanced (request limits, threads and cores, timeouts, ports)."""
     section = section if section is not None else RLHFConfig()
     rows = []
     for name, field in type(section).model_fields.items():
+        if not advanced and name in getattr(type(section), "advanced", ()):
+            continue
         value, annotation = getattr(section, name), field.annotation
         nested = value if isinstance(value, BaseModel) else optional_section(annotation)
         if nested is not None:
             rows.append((f"{prefix}{name}", "section", "" if value is not None else "None (absent unless given)",
                          field.description or ""))
-            rows += describe(nested, f"{prefix}{name}.")
+            rows += describe(nested, f"{prefix}{name}.", advanced)
             continue
         kind = annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
         rows.append((f"{prefix}{name}", kind, repr(value), field.description or ""))

@@ -180,14 +180,6 @@ class CriticTrainer:
         if resume:
             self._restore(self.checkpoint_dir)
 
-    @property
-    def vocab_size(self) -> int:
-        return int(self.model.config.vocab_size)
-
-    @property
-    def max_positions(self) -> int | None:
-        return getattr(self.model.config, "max_position_embeddings", None)
-
     def _rows(self, n: int) -> tuple[slice, list[slice | None]]:
         """This rank's rows of a batch of n, and its micro-batches: as many on every rank (None: a pass whose
         result is dropped, so FSDP's collectives line up)."""

@@ -23,7 +23,6 @@ the actor's checkpoint; a resumed run goes on with the next unseen rows.
 
 from __future__ import annotations
 
-import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -145,7 +144,7 @@ def read_rows(source: str, split: str = "train", field: str = "data.prompts", su
         return _read_folder(path, split, field, subset) if path.is_dir() else _read_file(path, split, field)
     except DataError:
         raise
-    except Exception as exc:  # noqa: BLE001 - datasets/pyarrow raise many kinds for an unreadable file
+    except Exception as exc:
         if "corresponds to no data" in str(exc):  # datasets' way of saying the file has no row
             raise DataError(f"{field}: split '{split}' of '{source}' is empty") from exc
         raise DataError(f"{field}: cannot read '{source}': {type(exc).__name__}: {exc}") from exc

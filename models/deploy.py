@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_validator
 
@@ -32,6 +32,9 @@ class ActorPlacement(Section):
     """How many processes train the actor, and how they talk. One node: rank 0 is the flow run (or `rlhf train`) and
     starts ranks 1..N-1 itself. Several nodes: the flow run (or `rlhf train`) is the run's controller and starts
     `nnodes` node groups (torchrun each) where `launch` says; node group 0's rank 0 runs the run, the others follow."""
+    advanced: ClassVar[tuple[str, ...]] = (  # `rlhf config --describe --all` lists them
+        "max_restarts", "backend", "fsdp", "master_addr", "master_port", "collective_timeout_s",
+    )
 
     nproc_per_node: PositiveInt = Field(1, description="Actor ranks per node (one per GPU; on CPU, each gets its cores / ranks threads).")
     nnodes: PositiveInt = Field(1, description="Node groups of the actor; more than one makes the flow run (or `rlhf train`) the run's controller: it starts the groups where `launch` says, relays rank 0's log, restarts them after a failure (`max_restarts`) and returns the run's summary.")
@@ -50,6 +53,9 @@ class ActorPlacement(Section):
 
 class ServerPlacement(Section):
     """Where a PyTriton server of the run (critic or reward) runs and how it is reached."""
+    advanced: ClassVar[tuple[str, ...]] = (  # `rlhf config --describe --all` lists them
+        "host", "port", "max_queue_delay_us", "torch_threads", "ready_timeout_s", "request_timeout_s",
+    )
 
     launch: Launch = Field("local", description="'in_process' = no server (the model runs in the actor's rank 0); 'local' = a PyTriton child process of the run (own process group, stopped with it); 'deployment' = its Prefect deployment (critic-server/default, reward-server/default; on a cluster its own GPU node); 'kubernetes' = a LeaderWorkerSet the run creates on its cluster (deploy.cluster), reached through its pods' DNS names and deleted with the run.")
     host: str = Field("127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
@@ -62,6 +68,10 @@ class ServerPlacement(Section):
 
 
 class CriticPlacement(ServerPlacement):
+    advanced: ClassVar[tuple[str, ...]] = (  # `rlhf config --describe --all` lists them
+        "host", "port", "max_queue_delay_us", "torch_threads", "ready_timeout_s", "request_timeout_s",
+        "max_train_rows",
+    )
     max_train_rows: PositiveInt = Field(4096, description="Largest critic_train batch (rows) the server accepts; a bigger one is refused naming `tokens` (critic_train is not batched by Triton, so its batch is bounded here).")
     nproc_per_node: PositiveInt = Field(1, description="Ranks of the critic server (one node): rank 0 serves HTTP, every rank holds an FSDP2 shard of the critic and computes its block of each batch (collectives: actor.backend, actor.collective_timeout_s).")
 
@@ -69,6 +79,11 @@ class CriticPlacement(ServerPlacement):
 class RolloutPlacement(Section):
     """The vLLM rollout server (components/serving/rollout/; rollout.engine=vllm): its own process and
     environment (.venv-vllm; on a cluster its own pod), with its own copy of the actor's weights; `replicas` of them."""
+    advanced: ClassVar[tuple[str, ...]] = (  # `rlhf config --describe --all` lists them
+        "python", "host", "port", "max_model_len", "kv_cache_gib", "gpu_memory_utilization", "enforce_eager",
+        "threads", "cpu_cores", "ready_timeout_s", "request_timeout_s", "max_request_sequences",
+        "max_request_tokens", "max_body_mib", "weight_transfer",
+    )
 
     launch: Literal["local", "deployment", "kubernetes"] = Field("local", description="'local' = a child process of the run (own process group, stopped with it); 'deployment' = the rollout-server/default Prefect deployment (its own GPU node on a cluster); 'kubernetes' = a LeaderWorkerSet of `replicas` servers the run creates on its cluster (deploy.cluster; the vLLM image), deleted with the run.")
     python: str = Field(".venv-vllm/bin/python", description="Interpreter of the server's environment (`make vllm-venv`; an image with `vllm` on a cluster). Relative paths resolve against the project root.")
@@ -104,6 +119,7 @@ class TrackingPlacement(Section):
 
 
 class CheckpointPlacement(Section):
+    advanced: ClassVar[tuple[str, ...]] = ("lease_timeout_s",)  # --describe --all
     uri: Optional[str] = Field(None, description="file:///dir, a path, or s3://bucket/prefix; None uses <state_dir>/checkpoints. The run name is appended.")
     s3_endpoint_url: Optional[str] = Field(None, description="Endpoint of an S3-compatible store, for the checkpoints and for s3:// models and data (None = AWS or $AWS_ENDPOINT_URL_S3).")
     lease_timeout_s: float = Field(60.0, ge=5, description="One writer per run name: a run holds a lease on its checkpoint store (a file lock locally, a lease object created with a conditional put on S3, renewed every third of this); another run of the same name is refused while the lease is held, and takes a lease over that was not renewed for this long (its holder is gone; logged).")
@@ -119,6 +135,7 @@ class CachePlacement(Section):
 
 class PodPlacement(Section):
     """Where the pods of one kind that a run creates on its cluster land, and what each asks of its node."""
+    advanced: ClassVar[tuple[str, ...]] = ("shm_size", "tolerations")  # --describe --all
 
     cpu: str = Field("3", pattern=r"^[0-9]+(\.[0-9]+|m)?$", description="CPU request of each pod (a Kubernetes quantity); it must fit one node of the pool (infra/terraform/node_types.json: a g5.xlarge leaves about 3.8).")
     memory: str = Field("12Gi", pattern=r"^[0-9]+(Mi|Gi)$", description="Memory request and limit of each pod (a g5.xlarge leaves about 14.2Gi).")
@@ -132,6 +149,10 @@ class ClusterPlacement(Section):
     """The Kubernetes side of a run's own pods (the actor's node groups as a JobSet, servers as LeaderWorkerSets with
     launch=kubernetes): everything their specs need that the run's config does not say. The defaults fit what
     infra/terraform makes; None = read from the environment of the pod the run's controller runs in."""
+    advanced: ClassVar[tuple[str, ...]] = (  # `rlhf config --describe --all` lists them
+        "image_pull_policy", "actor_service_account", "server_service_account", "cache_claim", "cache_mount",
+        "state_dir", "state_size", "env_from_controller", "env", "secret_env",
+    )
 
     namespace: Optional[str] = Field(None, pattern=DNS_LABEL, description="Namespace of the run's objects; None = the namespace of the pod the run runs in (its service account's mount), else 'rlhf' (terraform output namespace).")
     image: Optional[str] = Field(None, description="Image of the actor's node pods and the critic/reward servers; None = $RLHF_IMAGE (prefect.yaml gives every flow pod the image it pushed).")
@@ -172,6 +193,7 @@ class ClusterPlacement(Section):
 class DeployConfig(Section):
     """Where a run's parts run: processes, devices, hosts, ports, interpreters, cores, timeouts, tracking and storage
     URIs. Set by the deployment (prefect.yaml, `rlhf up`, `rlhf train`); a run's config never needs them."""
+    advanced: ClassVar[tuple[str, ...]] = ("reference_device",)  # --describe --all
 
     state_dir: Optional[str] = Field(None, description="Local state directory (logs, local checkpoints and MLflow store, the local stack); None = $RLHF_STATE_DIR or ./.rlhf.")
     device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'. With several actor ranks, 'auto'/'cuda' mean each rank's own GPU (LOCAL_RANK).")

@@ -248,14 +248,3 @@ def _concat(parts: list[dict] | None, fields: dict, pad_id: int) -> dict | None:
         out[key] = torch.cat(values) if isinstance(first, Tensor) else [x for v in values for x in v]
     out["sizes"] = [len(p[next(iter(fields))]) for p in parts]
     return out
-
-
-def scatter_rows(me: Dist, results: dict | None, sizes: list[int] | None) -> dict:
-    """Rank 0's `results` (tensors over the rows of all ranks) split back by `sizes`: each rank gets its rows."""
-    per_rank = None
-    if results is not None:
-        per_rank = [{} for _ in sizes]
-        for key, value in results.items():
-            for rank, part in enumerate(torch.split(value, sizes)):
-                per_rank[rank][key] = part
-    return me.scatter_object(per_rank)

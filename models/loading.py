@@ -34,7 +34,7 @@ def from_pretrained(auto_class, path: str, field: str, **kwargs):
     path = model_path(path, field)
     try:
         return auto_class.from_pretrained(path, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - re-raised with the field that pointed here
+    except Exception as exc:
         raise RuntimeError(f"{field}: could not load '{path}' with {auto_class.__name__}: {exc}") from exc
 
 

@@ -34,7 +34,7 @@ from models.distributed import SINGLE, Dist, local_device
 from models.policy import Policy, load_policy_tokenizer
 from models.scoring import load_teacher
 from models.reward import load_reward_function, load_reward_functions, load_reward_model, load_reward_tokenizer
-from models.safe_io import dcp_load, load_state
+from models.safe_io import load_state
 from models.step import train_step
 
 
@@ -232,8 +232,6 @@ def restore_actor(state: ActorState, directory: Path) -> str | None:
     state.policy.load_weights(directory)
     saved = me.broadcast_object(load_state(directory / "actor_state.pt") if me.is_leader else None)  # no pickle
     state.load_state_dict(saved)
-    if "sampling" not in saved:  # written before optimizer.pt: the optimizer and streams sharded by every rank (DCP)
-        return _restore_sharded(state, directory, saved["world_size"])
     optimizer = load_state(directory / "optimizer.pt") if me.is_leader else {}
     set_optimizer_state_dict(state.policy.model, state.optimizer, optimizer,
                              options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=me.active))
@@ -243,25 +241,6 @@ def restore_actor(state: ActorState, directory: Path) -> str | None:
         LOG.warning(warning)
         return warning
     state.generator.set_state(saved["sampling"][me.rank])
-    return None
-
-
-def _restore_sharded(state: ActorState, directory: Path, world_size: int) -> str | None:
-    """A checkpoint of the earlier layout (`sharded/`: torch.distributed.checkpoint files of every rank): read by every
-    rank from `directory`, so the ranks must share it (one node)."""
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # heavy
-
-    me = state.me
-    if world_size != me.world_size:
-        warning = (f"actor checkpoint {directory} was saved by {world_size} rank(s), resuming on {me.world_size}: "
-                   f"weights restored, optimizer states and sampling streams start fresh")
-        LOG.warning(warning)
-        return warning
-    shards = {"optimizer": get_optimizer_state_dict(state.policy.model, state.optimizer),
-              f"sampling_rank{me.rank}": state.generator.get_state()}
-    dcp_load(shards, directory / "sharded")
-    set_optimizer_state_dict(state.policy.model, state.optimizer, shards["optimizer"])
-    state.generator.set_state(shards[f"sampling_rank{me.rank}"])
     return None
 
 

@@ -19,6 +19,9 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from models.kinds import KINDS
+from models.kinds import STAGES as TRAINED_ON_RANKS
+
 
 @dataclass(frozen=True)
 class Metric:
@@ -119,14 +122,14 @@ HELD_OUT = Group("Held-out eval (`eval.*`, at step = the iteration it ran before
     M(("eval/samples",), "Eval samples scored.", None, ("eval",)),
     M(("eval/tools/*", "eval/env/*"), "An environment run's episode metrics (above), over the eval's episodes.", None, ("eval", "environment")),
 ))
-ONCE = Group("Once per run", ("rl", "sft", "reward_model", "dpo", "eval"), "At step 0, and at each checkpoint.", (
+ONCE = Group("Once per run", tuple(kind.job for kind in KINDS), "At step 0, and at each checkpoint.", (
     M(("data/rows", "data/filtered_rows", "data/truncated_rows"), "Training prompts read, dropped or cut as longer than `data.max_prompt_length` (RL).", None, ("never",)),
     M(("data/dropped_rows",), "A stage's rows (pairs) dropped as longer than its max_length.", None, ("never",)),
     M(("eval/rows", "eval/filtered_rows"), "The same for the eval prompts (rows).", None, ("never",)),
     M(("checkpoint/iteration",), "The iteration (step) of each checkpoint saved.", None, ("never",)),
     M(("system/*",), "CPU, memory, disk, network (GPU when present) from MLflow's system metrics (`deploy.tracking.system_metrics`).", None, ("never",)),
 ))
-STAGES = Group("The stages (`rlhf sft`, `rlhf reward-model`, `rlhf dpo`, the pipeline)", ("sft", "reward_model", "dpo"), "At step = the optimizer step; the held-out eval's at the step it ran after (0: before the first).", (
+STAGES = Group("The stages (`rlhf sft`, `rlhf reward-model`, `rlhf dpo`, the pipeline)", TRAINED_ON_RANKS, "At step = the optimizer step; the held-out eval's at the step it ran after (0: before the first).", (
     M(("train/loss", "train/grad_norm", "train/skipped_steps"), "Of the step's optimizer update: the mean loss (SFT: -log p over completion tokens; reward model: Bradley-Terry; DPO: its loss), the gradient norm before clipping, steps skipped for a non-finite loss or norm."),
     M(("learning_rate", "step", "rows"), "The learning rate after the step, optimizer steps so far, rows (SFT) or pairs (reward model, DPO) consumed."),
     M(("train/accuracy", "train/margin", "train/min_reward", "train/mean_reward", "train/max_reward"), "Reward model, the step's pairs, as TRL's RewardTrainer names them: the share with r(chosen) > r(rejected), mean r(chosen) - r(rejected), the rewards' range and mean.", "same"),

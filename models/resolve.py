@@ -216,7 +216,7 @@ def resolve_hub(repo_id: str, field: str, revision: Optional[str], deploy: Deplo
                 try:  # the hub's progress bars show where the process keeps them (components/environment.quiet)
                     path = snapshot_download(repo_id, repo_type=repo_type, revision=revision, cache_dir=cache,
                                              allow_patterns=MODEL_FILES if repo_type == "model" else None)
-                except Exception as exc:  # noqa: BLE001 - unknown repo, gated, no network: all end here, naming the field
+                except Exception as exc:
                     at = f" at revision '{revision}'" if revision else ""
                     raise FileNotFoundError(
                         f"{field}: '{repo_id}'{at} is not in the Hugging Face cache ({cache}), and downloading it "
@@ -297,7 +297,7 @@ def fetch_s3(uri: str, field: str, deploy: DeployConfig, prefix_only: bool) -> R
     transport = remote("s3", field, deploy)
     try:
         is_prefix, objects = transport.objects(uri, prefix_only)
-    except Exception as exc:  # noqa: BLE001 - no bucket, no access, no endpoint: named with the field
+    except Exception as exc:
         raise FileNotFoundError(f"{field}: cannot list '{uri}': {exc}") from exc
     if not objects:
         raise FileNotFoundError(f"{field}: nothing is stored at '{uri}' (no object under {uri}/)")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal, Optional
+from typing import ClassVar, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt
 
@@ -23,9 +23,13 @@ def default_state_dir() -> Path:
 
 class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # fields a user rarely sets (request limits, threads and cores, timeouts, ports): `rlhf config --describe` leaves
+    # them out, `--describe --all` lists them; the config reference marks them
+    advanced: ClassVar[tuple[str, ...]] = ()
 
 
 class OptimConfig(Section):
+    advanced: ClassVar[tuple[str, ...]] = ("weight_decay", "betas", "total_steps")  # `rlhf config --describe --all`
     lr: float = Field(1e-6, gt=0, description="Peak learning rate (AdamW); 1e-6 is the actor's in TRL's RLOO/GRPO and veRL's examples; the tiny preset uses 3e-4 (actor) and 1e-3 (critic).")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")

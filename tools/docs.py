@@ -120,7 +120,9 @@ def section_table(path: str, model: BaseModel, root: str) -> list[str]:
             default = "`null` (section below when given)"
         else:
             default = f"`{json.dumps(value.model_dump(mode='json') if hasattr(value, 'model_dump') else value, default=str)}`"
-        lines.append(f"| `{dotted}` | {cell(field_type(field))} | {cell(default)} | {cell(field.description or '')} |")
+        advanced = " *(advanced: `--describe --all`)*" if name in getattr(cls, "advanced", ()) else ""
+        lines.append(f"| `{dotted}`{advanced} | {cell(field_type(field))} | {cell(default)} | "
+                     f"{cell(field.description or '')} |")
     return lines
 
 
@@ -131,6 +133,7 @@ def config_reference() -> str:
     from components.sweep.experiment import ExperimentConfig
     from models.config import RunConfig
     from models.deploy import DeployConfig
+    from models.kinds import JOBS_BUT_RL
     from models.stages.config import STAGE_RUN_CONFIGS
 
     trees = [("config", "`config`: what an RL run trains (`RunConfig`; `rlhf train`, ppo/default, reinforce/default)",
@@ -138,11 +141,10 @@ def config_reference() -> str:
              ("deploy", "`deploy`: where a job's parts run (`DeployConfig`; every job's `deploy` section)", DeployConfig(), ()),
              ("pipeline", "A pipeline (`PipelineConfig`; `rlhf pipeline`, pipeline/default): its `rl` section is a "
                           "`RunConfig` (above)", PipelineConfig(), ("rl",))]
-    for job, what in (("sft", "An SFT run (`rlhf sft`, sft/default)"),
-                      ("reward_model", "A reward-model run (`rlhf reward-model`, reward-model/default)"),
-                      ("dpo", "A DPO run (`rlhf dpo`, dpo/default)"), ("eval", "An eval run (`rlhf eval`)")):
-        config = STAGE_RUN_CONFIGS[job]
-        trees.append((job, f"{what} (`{config.__name__}`)", config(), ()))
+    for kind in JOBS_BUT_RL:  # every other kind of job (models/kinds.py)
+        config = STAGE_RUN_CONFIGS[kind.job]
+        where = f"`rlhf {kind.command}`" + (f", {kind.command}/default" if kind.trains_on_ranks else "")
+        trees.append((kind.job, f"`{kind.job}`: {kind.summary} ({where}; `{config.__name__}`)", config(), ()))
     trees.append(("sweep", "A sweep (`SweepConfig`; `rlhf sweep`, sweep/default)",
                   SweepConfig.model_construct(name="<name>", space={}), ()))
     trees.append(("experiment", "An experiment (`ExperimentConfig`; `rlhf experiment --config`, experiment/default)",

@@ -22,7 +22,7 @@ from models.config import load_config, run_name_for
 def cmd_manifests(args) -> int:
     try:
         cfg = load_config(args.config, args.preset, parse_overrides(args.set))
-    except Exception as exc:  # pydantic's ValidationError names the field
+    except Exception as exc:  # noqa: BLE001 - pydantic's ValidationError names the field; YAML and file errors too
         raise SystemExit(f"invalid config: {exc}") from None
     site = Site.of(cfg.deploy.cluster, os.environ)
     run_name = run_name_for(cfg)

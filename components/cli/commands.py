@@ -12,8 +12,10 @@ from components.pipeline.config import PipelineFile
 from components.cli.progress import ProgressSteps
 from components.runs import train
 from components.sweep.config import SweepConfig
+from components.sweep.experiment import ExperimentConfig
 from models.config import PRESETS, RLHFConfig, describe, load_config
 from models.deploy import DeployConfig
+from models.kinds import JOBS_BUT_RL
 from models.stages.config import STAGE_RUNS
 from models.tiny import build_tiny
 
@@ -29,7 +31,7 @@ def load_cli_config(args, overrides: dict | None = None, defaults: dict | None =
     try:
         return load_config(args.config, args.preset, overrides if overrides is not None else parse_overrides(args.set),
                            defaults=defaults)
-    except Exception as exc:  # pydantic ValidationError names the field
+    except Exception as exc:  # noqa: BLE001 - pydantic's ValidationError names the field; YAML and file errors too
         raise SystemExit(f"invalid config: {exc}") from None
 
 
@@ -45,7 +47,10 @@ def described(what: str):
         return RLHFConfig()
     if what == "sweep":
         return SweepConfig.model_construct(name="<name>", space={})
-    return {"deploy": DeployConfig, "pipeline": PipelineFile}.get(what, STAGE_RUNS.get(what.replace("-", "_")))()
+    if what == "experiment":
+        return ExperimentConfig.model_construct(name="<name>", arms={})
+    by_command = {kind.command: STAGE_RUNS[kind.job] for kind in JOBS_BUT_RL}
+    return {"deploy": DeployConfig, "pipeline": PipelineFile, **by_command}[what]()
 
 
 def cmd_config(args) -> int:
@@ -53,7 +58,7 @@ def cmd_config(args) -> int:
     deployment's, a pipeline's, a stage's, an eval's, a sweep's) with its type, default and description."""
     if args.describe:
         tiny = PRESETS["tiny"]() if args.describe == "run" else {}
-        for field, kind, default, description in describe(described(args.describe)):
+        for field, kind, default, description in describe(described(args.describe), advanced=args.all):
             preset = f"; tiny preset {tiny[field]!r}" if field in tiny else ""
             print(f"{field}:" if kind == "section" else f"{field}  ({kind}, default {default}{preset})")
             print(f"    {description}")

@@ -25,7 +25,7 @@ def load_tree(model_class, path: str | None, sets: list[str] | None, defaults: d
         return merge(model_class.model_validate(data), parse_overrides(sets))
     except SystemExit:
         raise
-    except Exception as exc:  # pydantic's ValidationError names the field
+    except Exception as exc:  # noqa: BLE001 - pydantic's ValidationError names the field; YAML and file errors too
         raise SystemExit(f"invalid config: {exc}") from None
 
 

@@ -24,9 +24,11 @@ from components.environment import first_line, quiet
 from components.cli.options import add_config_args
 from components.launch import stack
 from components.sweep.config import SweepConfig
+from models.kinds import JOBS_BUT_RL, KINDS
 
 PROGRESS_COMMANDS = ("train", "export")
-DESCRIBED = ("run", "deploy", "pipeline", "sft", "reward-model", "dpo", "eval", "sweep")  # rlhf config --describe WHAT  # commands a user watches: the Hugging Face download bars stay on
+# rlhf config --describe WHAT: a run's, a deployment's, a pipeline's, each other kind of job's (its command), a sweep's
+DESCRIBED = ("run", "deploy", "pipeline", *(kind.command for kind in JOBS_BUT_RL), "sweep", "experiment")
 
 SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-5 ...] [--model PATH] [--reward PATH] [--no-combine]
                       [--port 8400] [--checkpoint-dir DIR] [--checkpoint-uri s3://bucket/run] [--restore-iteration N]
@@ -170,18 +172,10 @@ optionally `deploy` (where its ranks and servers run; the RL stage's critic and 
 unless it says otherwise). The same flow is the pipeline/default deployment."""
 
 
-STAGE_COMMANDS = (  # (command, job, what it does)
-    ("sft", "sft", "supervised fine-tuning on completions (TRL's prompt/completion or messages rows)"),
-    ("reward-model", "reward_model", "a Bradley-Terry reward model on preference pairs (prompt, chosen, rejected)"),
-    ("dpo", "dpo", "direct preference optimisation on preference pairs (prompt, chosen, rejected), against the frozen "
-                   "model it starts from"),
-    ("eval", "eval", "a policy against a reference policy on held-out prompts, judged by a reward model and a gold reward"),
-)
-
-
 def add_stage_parsers(sub) -> None:
-    """`rlhf sft | reward-model | dpo | eval` (components/cli/stages.py) and `rlhf pipeline`."""
-    for name, stage, text in STAGE_COMMANDS:
+    """`rlhf <command>` of every kind of job but RL's (models/kinds.py: sft, reward-model, dpo, eval;
+    components/cli/stages.py) and `rlhf pipeline`."""
+    for name, stage, text in ((kind.command, kind.job, kind.summary) for kind in JOBS_BUT_RL):
         p = sub.add_parser(name, help=f"{text}, in this process (checkpoints, resume by run_name, MLflow)")
         p.add_argument("--config", help=f"YAML file with any subset of the run's tree (model, {stage}, seed, tracking, checkpoint, deploy)")
         p.add_argument("--set", action="append", metavar="KEY=VALUE", help=f"override, e.g. --set {stage}.optim.lr=1e-4 (repeatable)")
@@ -191,7 +185,7 @@ def add_stage_parsers(sub) -> None:
                        description=PIPELINE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file with any subset of the pipeline's tree (default: the embedded default)")
     p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. --set rl.iterations=20 (repeatable)")
-    p.add_argument("--from", dest="from_stage", choices=("sft", "reward_model", "rl", "eval"),
+    p.add_argument("--from", dest="from_stage", choices=tuple(kind.job for kind in KINDS),
                    help="build this stage and every one after it again, even where a record matches")
     p.add_argument("--summary-out", help="write the summary as JSON: {stages: {stage: {cached, model, metrics}}}")
     p.set_defaults(run="components.cli.stages:cmd_pipeline")
@@ -225,7 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("--describe", nargs="?", const="run", metavar="WHAT", choices=DESCRIBED,
                         help="print every field of a config tree with its type, default and description instead: "
                              f"{', '.join(DESCRIBED)} (default: run, what `rlhf train` takes, its deploy section "
-                             "included)")
+                             "included; the fields sections mark advanced only with --all)")
+    config.add_argument("--all", action="store_true", help="with --describe: the advanced fields too (request limits, "
+                        "threads and cores, timeouts, ports)")
     config.set_defaults(run="components.cli.commands:cmd_config")
 
     train = sub.add_parser("train", help="a training run in this process (checkpoints, resume by run_name, MLflow, eval; no Prefect)")

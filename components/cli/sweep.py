@@ -23,9 +23,11 @@ from components.launch.stack import running_prefect_api
 from components.sweep.config import SweepConfig
 from components.sweep.space import SweepError, check_sweep
 from models.config import RLHFConfig, merge, nested
+from models.kinds import KINDS
 from models.deploy import DeployConfig
 
-PIPELINE_ONLY = {"base_model", "sft", "reward_model", "rl", "dpo"}  # keys of a pipeline's file that a run's config has not
+# keys of a pipeline's file that a run's config has not: its base model and a section per kind of job but the eval
+PIPELINE_ONLY = {"base_model", *(kind.job for kind in KINDS if kind.job != "eval")}
 
 
 class NumberLoader(yaml.SafeLoader):

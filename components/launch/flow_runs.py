@@ -71,7 +71,7 @@ class _ForkServer:
     def get_context(self, method=None):
         return self
 
-    def Process(self, **kwargs):  # noqa: N802 (multiprocessing's name)
+    def Process(self, **kwargs):
         return FlowRunProcess(self.flow_run_id, **kwargs)
 
     def __getattr__(self, name):

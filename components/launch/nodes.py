@@ -30,7 +30,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Protocol

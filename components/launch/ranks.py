@@ -62,7 +62,7 @@ def actor_ranks(cfg, log_dir: Path) -> Iterator[Leader]:
     elif cfg.deploy.actor.world_size > 1:
         if cfg.deploy.actor.nnodes > 1:
             raise ValueError("deploy.actor.nnodes > 1: the run's node groups are started by its controller "
-                             "(components/launch/controller.py: `rlhf train` and the training flows), not here")
+                             "(components/controller.py: `rlhf train` and the training flows), not here")
         followers = Followers.for_actor(cfg, log_dir)
         me, init_method = distributed.Dist(0, cfg.deploy.actor.world_size, 0, cfg.deploy.actor.world_size), followers.init_method
     else:

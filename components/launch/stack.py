@@ -28,6 +28,7 @@ import httpx
 import yaml
 
 from components.launch.processes import PROJECT_ROOT, ChildProcess, alive, port_block_free, project_env, stop_group, wait_for
+from models.kinds import KINDS
 from models.sections import default_state_dir
 
 PREFECT_PORT, MLFLOW_PORT = 4200, 5050
@@ -214,8 +215,8 @@ def _require_free(port: int, what: str) -> None:
 
 
 DEPLOYMENTS = ("ppo/default", "reinforce/default", "critic-server/default", "reward-server/default",
-               "rollout-server/default", "compare/default", "sweep/default", "experiment/default", "sft/default", "reward-model/default",
-               "dpo/default", "pipeline/default")
+               "rollout-server/default", "compare/default", "sweep/default", "experiment/default",
+               *(f"{kind.command}/default" for kind in KINDS if kind.trains_on_ranks), "pipeline/default")
 
 
 def _wait_deployments(api_url: str, pid: int, state: Path, timeout: float) -> None:

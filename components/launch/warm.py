@@ -12,11 +12,11 @@ flow run would otherwise do again on first use (~3-4 CPU-s of a short run), done
 import datasets  # noqa: F401
 import mlflow.transformers  # noqa: F401
 import peft  # noqa: F401
-import torch._dynamo  # noqa: F401
+import torch._dynamo
 import torch.distributed.tensor  # noqa: F401
-import transformers.generation  # noqa: F401
-import transformers.integrations.accelerate  # noqa: F401
-import transformers.integrations.hub_kernels  # noqa: F401
+import transformers.generation
+import transformers.integrations.accelerate
+import transformers.integrations.hub_kernels
 import transformers.modeling_utils  # noqa: F401
 from mlflow.utils.requirements_utils import warn_dependency_requirement_mismatches
 

@@ -27,8 +27,9 @@ from typing import Callable
 from components.storage.backends import CheckpointError
 from components.storage.lease import Holder, held
 from components.storage.store import CheckpointStore
+from models.kinds import KINDS
 
-PREFIXES = {"sft": "sft", "reward_model": "reward-model", "rl": "rl", "dpo": "dpo", "eval": "eval"}
+PREFIXES = {kind.job: kind.command for kind in KINDS}  # of a stage's directory: its kind's command (models/kinds.py)
 KEY_CHARS = 20  # of the key in a stage's directory name (80 bits); the record holds the full key
 
 

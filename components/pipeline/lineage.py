@@ -13,8 +13,10 @@ from components.tracking.run import default_tracking_uri
 from components.tracking.tracker import Tracker, get_or_create_experiment
 from models.config import RLHFConfig
 from models.deploy import DeployConfig
+from models.kinds import KINDS
 
-REGISTERED = {"sft": "sft", "reward_model": "reward-model", "rl": "policy", "dpo": "policy"}  # '<register_as>-<suffix>'
+# '<register_as>-<suffix>': each kind's (models/kinds.py) that publishes a model
+REGISTERED = {kind.job: kind.registered_as for kind in KINDS if kind.registered_as}
 
 
 class PipelineRun:

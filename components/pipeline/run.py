@@ -56,14 +56,14 @@ from components.tracking.provenance import digest as record_digest
 from components.tracking.provenance import provenance
 from models.config import RLHFConfig, merge
 from models.deploy import DeployConfig
+from models.kinds import KINDS
 from models.loop import DIRECT, Steps
 from models.stages.config import DPORun, EvalRun, RewardModelRun, SFTRun
 from models.stages.evaluate import check_policy
 from models.stages.evaluate import check_reward_model as check_loaded_reward_model
 from models.resolve import file_digests, resolve_model
 
-STEP_NAMES = {"sft": "sft-stage", "reward_model": "reward-model-stage", "rl": "rl-stage", "dpo": "dpo-stage",
-              "eval": "eval-stage"}
+STEP_NAMES = {kind.job: f"{kind.command}-stage" for kind in KINDS}  # a stage's task: '<its kind's command>-stage'
 
 
 class PipelineError(RuntimeError):

@@ -85,7 +85,6 @@ class Holder:
             data = json.loads(raw) if raw else None
             if not isinstance(data, dict):
                 return None
-            data.setdefault("name", data.get("run_name", "?"))  # written before leases held more than run names
             return Holder(**{k: v for k, v in data.items() if k in Holder.__dataclass_fields__})
         except (ValueError, TypeError):
             return None

@@ -145,7 +145,7 @@ class Trials:
                 if ended:
                     self._end(running, state)
             self.errors = 0
-        except Exception as exc:  # noqa: BLE001 - counted; raised once it keeps failing
+        except Exception as exc:
             self.errors += 1
             if self.errors >= MAX_POLL_ERRORS:
                 raise

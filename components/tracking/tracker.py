@@ -268,7 +268,7 @@ class Tracker:
 
             self._monitor = SystemMetricsMonitor(self.run_id, resume_logging=resume, tracking_uri=self.tracking_uri)
             self._monitor.start()
-        except Exception:  # optional: missing psutil or an unsupported platform must not stop training
+        except Exception:  # noqa: BLE001 - optional: missing psutil or an unsupported platform must not stop training
             self._monitor = None
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:

@@ -132,7 +132,9 @@ class Algorithm:
 
         def loss_fn(logp, entropy, idx):
             m = data.mask[idx]
-            pick = (lambda t: t[idx] if t is not None else None)
+            def pick(t):
+                return t[idx] if t is not None else None
+
             per_token, stats = policy_objective(
                 logp, data.old_logp[idx], adv.advantages[idx], m, menu, ref_logp=pick(data.ref_logp), beta=data.beta,
                 entropy=entropy, entropy_mask=pick(data.entropy_mask), is_weights=pick(data.is_weights),

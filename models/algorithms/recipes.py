@@ -8,11 +8,11 @@ recipe's value, any field given overrides it. `resolve(cfg)` is the one place a 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 
-from models.advantages import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS
+from models.advantages import ADVANTAGE_ESTIMATORS
 from models.losses import AGGREGATIONS, CORRECTIONS, POLICY_LOSSES, Menu
 from models.sections import Section
 from models.tiny_files import is_tiny_policy
@@ -23,6 +23,10 @@ RECIPE = "the recipe's (docs/algorithms.md)"
 class LossConfig(Section):
     """The actor's objective, one menu every recipe shares (docs/algorithms.md): a field left unset takes the value of
     the recipe `algorithm` names; TRL 1.16 GRPOConfig's names where TRL has the setting, else veRL's."""
+
+    advanced: ClassVar[tuple[str, ...]] = ("sapo_temperature_pos", "sapo_temperature_neg", "off_policy_mask_threshold",
+                                           "vllm_importance_sampling_clip_min", "dynamic_sampling_extra_rounds",
+                                           "overlong_penalty_factor")  # `rlhf config --describe --all` lists them
 
     advantage_estimator: Optional[Literal[tuple(ADVANTAGE_ESTIMATORS)]] = Field(None, description=f"How scores become advantages: gae (a critic: ppo), rloo, grpo, reinforce_pp, reinforce_pp_baseline; None = {RECIPE}.")
     scale_rewards: Optional[Literal["group", "batch", "none"]] = Field(None, description=f"grpo: divide (reward - group mean) by the group's std, the batch's, or nothing (Dr. GRPO); None = {RECIPE}.")

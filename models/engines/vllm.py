@@ -125,10 +125,6 @@ class VLLMEngine:
         floor = self.version
         self.pending[iteration] = self._pool.submit(self.sample, prompts, n, sampling, seed, floor)
 
-    def in_flight(self) -> list[int]:
-        """The iterations whose batches are submitted and not taken yet."""
-        return sorted(self.pending)
-
     def _servers(self) -> list[RolloutServer]:
         if not self.servers:
             raise RuntimeError("rollout.engine=vllm: no rollout server connected on rank 0 (the run's services "
@@ -176,7 +172,7 @@ class VLLMEngine:
                     rows = slice(start * n, (start + len(part)) * n)
                     per_rank.append((samples[rows], versions[rows], self.version))
                     start += len(part)
-            except Exception as exc:  # noqa: BLE001 - every rank must leave the scatter, then all raise
+            except Exception as exc:
                 if not self.me.active:
                     raise
                 failure = exc
@@ -313,6 +309,6 @@ def to_every_replica(weights: Weights, sends: list[Callable[[Weights], dict]], p
     for index, future in enumerate(futures):
         try:
             answers.append(future.result())
-        except Exception as exc:  # noqa: BLE001 - named: which replica failed
+        except Exception as exc:
             raise EngineRequestError(f"{name(index)}: the weight update failed: {type(exc).__name__}: {exc}") from exc
     return answers

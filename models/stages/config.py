@@ -18,9 +18,8 @@ from models.config import (PROMPT_SOURCES, RUN_NAME_PATTERN, CheckpointConfig, L
                            TrackingConfig)
 from models.deploy import DeployConfig
 from models.sections import OptimConfig, Section
+from models.kinds import JOBS_BUT_RL, load
 from models.resolve import Resolved, resolve_model
-
-STAGES = ("sft", "reward_model", "dpo")  # the stages that train on the actor's ranks (models/stages/train.py)
 
 
 class StageTraining(Section):
@@ -220,6 +219,5 @@ class EvalRun(EvalRunConfig, Deployed):
 
 StageRun = SFTRun | RewardModelRun | DPORun
 # every job but RL's, by name: its config as a run receives it (with `deploy`), and as a flow's `config` parameter
-STAGE_RUNS: dict[str, type] = {"sft": SFTRun, "reward_model": RewardModelRun, "dpo": DPORun, "eval": EvalRun}
-STAGE_RUN_CONFIGS: dict[str, type] = {"sft": SFTRunConfig, "reward_model": RewardModelRunConfig, "dpo": DPORunConfig,
-                                      "eval": EvalRunConfig}
+STAGE_RUNS: dict[str, type] = {kind.job: load(kind.run) for kind in JOBS_BUT_RL}
+STAGE_RUN_CONFIGS: dict[str, type] = {kind.job: load(kind.config) for kind in JOBS_BUT_RL}

@@ -1,5 +1,5 @@
-"""The stages that train on the actor's ranks, by name, and what a rank builds for one: the one place a stage kind
-(models/stages/train.StageKind) is registered."""
+"""The stages that train on the actor's ranks, by name (each kind's `trainer`, declared in models/kinds.py), and what
+a rank builds for one."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ import torch
 
 from models.distributed import SINGLE, Dist, local_device
 from models.loading import make_optimizer
+from models.kinds import KINDS as JOB_KINDS
+from models.kinds import load
 from models.stages.config import StageRun
-from models.stages.dpo import DPO
-from models.stages.train import RewardModel, SFT, StageKind, StageState
+from models.stages.train import StageKind, StageState
 
-KINDS: dict[str, StageKind] = {"sft": SFT(), "reward_model": RewardModel(), "dpo": DPO()}
+KINDS: dict[str, StageKind] = {kind.job: load(kind.trainer)() for kind in JOB_KINDS if kind.trains_on_ranks}
 
 
 def stage_kind(stage: str) -> StageKind:
-    """The kind of a stage (models/stages/config.STAGES)."""
+    """The trainer of a stage (models/kinds.STAGES)."""
     return KINDS[stage]
 
 

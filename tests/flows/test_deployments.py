@@ -3,9 +3,7 @@ starts), driven with `prefect deployment run` exactly as a user does, on an empt
 default models ship with the package)."""
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
 import time

@@ -24,6 +24,7 @@ import hcl2  # python-hcl2, part of the test extras
 import jsonschema
 import pytest
 import yaml
+from prefect.flows import load_flow_from_entrypoint
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -226,13 +227,16 @@ def _rendered(node, values: dict):
     return node
 
 
+@functools.lru_cache(maxsize=None)
 def _flow_name(entrypoint: str) -> str:
-    """The @flow(name=...) of a deployment's entrypoint ('flows/ppo.py:ppo' -> 'ppo'), read from its source."""
-    path, function = entrypoint.split(":")
-    source = (REPO / path).read_text(encoding="utf-8")
-    match = re.search(r'@flow\(name="([^"]+)"[^\n]*\n(?:@[^\n]*\n)*def ' + re.escape(function) + r"\(", source)
-    assert match, f"{entrypoint}: no @flow(name=...) on def {function}"
-    return match.group(1)
+    """The flow name of a deployment's entrypoint ('flows/ppo.py:ppo' -> 'ppo'), as Prefect's worker loads it
+    (`load_flow_from_entrypoint`, from the repository root)."""
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        return load_flow_from_entrypoint(entrypoint).name
+    finally:
+        os.chdir(cwd)
 
 
 def _quantity(value: str | int | float, what: str) -> float:

@@ -15,10 +15,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from models import distributed  # noqa: E402
-from components.serving.rollout.client import RolloutClient  # noqa: E402
-from models.config import Sampling  # noqa: E402
-from models.engines.vllm import VLLMEngine  # noqa: E402
+from models import distributed
+from components.serving.rollout.client import RolloutClient
+from models.config import Sampling
+from models.engines.vllm import VLLMEngine
 
 if __name__ == "__main__":
     url, out = sys.argv[1], Path(sys.argv[2])

@@ -7,7 +7,6 @@ torchrun for 2): each rank's rows in, its own episodes out.
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -15,11 +14,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from components.verifiers.worker import merge_steps  # noqa: E402
-from models import distributed  # noqa: E402
-from models.config import Sampling  # noqa: E402
-from models.environments.remote import RemoteEpisodes  # noqa: E402
-from models.policy import load_policy_tokenizer  # noqa: E402
+from components.verifiers.worker import merge_steps
+from models import distributed
+from models.config import Sampling
+from models.environments.remote import RemoteEpisodes
+from models.policy import load_policy_tokenizer
 
 ROWS = [{"prompt": [{"role": "user", "content": f"question {i}"}], "example_id": i // 2, "split": "train"}
         for i in range(8)]  # 4 prompts x 2 rollouts

@@ -14,15 +14,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from models import distributed  # noqa: E402
-from models.algorithms import ALGORITHMS, Backends  # noqa: E402
-from models.backends import LocalCritic, LocalRewardModel  # noqa: E402
-from models.config import RLHFConfig  # noqa: E402
-from models.data import Batch  # noqa: E402
-from models.loop import build_actor, build_critic_trainer, build_local_reward  # noqa: E402
-from models.reward import load_reward_model  # noqa: E402
-from models.engines.base import Rollout  # noqa: E402
-from models.step import train_step  # noqa: E402
+from models import distributed
+from models.algorithms import ALGORITHMS, Backends
+from models.backends import LocalCritic, LocalRewardModel
+from models.config import RLHFConfig
+from models.data import Batch
+from models.loop import build_actor, build_critic_trainer, build_local_reward
+from models.reward import load_reward_model
+from models.engines.base import Rollout
+from models.step import train_step
 
 
 class Replay:

@@ -6,7 +6,6 @@ import json
 
 import datasets
 import pytest
-import torch
 
 from models.config import preset
 from models.data import Batch, DataError, PromptSet, PromptStream, builtin_rows, encode, load_prompt_set, read_rows

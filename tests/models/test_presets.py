@@ -96,11 +96,17 @@ def leaves(model: type[BaseModel], prefix: str = "") -> dict[str, str]:
     return out
 
 
-def test_config_describe_prints_every_field_with_its_description():
+def described_lines(*args: str) -> list[str]:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["config", "--describe"]) == 0
-    lines = out.getvalue().splitlines()
+        assert main(["config", "--describe", *args]) == 0
+    return out.getvalue().splitlines()
+
+
+def test_config_describe_all_prints_every_field_with_its_description_and_describe_the_user_s_fields():
+    """--describe --all: every field of a run; --describe: all but those their sections mark advanced (request
+    limits, threads and cores, timeouts, ports), at most 150 for a run, what a user sets."""
+    lines, short = described_lines("run", "--all"), described_lines()
     fields = leaves(RLHFConfig)
     assert len(fields) > 100 and all(fields.values()), [k for k, v in fields.items() if not v]
     for name, description in fields.items():
@@ -108,6 +114,13 @@ def test_config_describe_prints_every_field_with_its_description():
         assert at is not None, name
         assert lines[at + 1].strip() == description, name
     assert "generation.max_new_tokens  (int, default 256; tiny preset 16)" in lines
+    shown = [line.split("  (")[0] for line in short if "  (" in line and not line.startswith(" ")]
+    assert len(shown) <= 150 and set(shown) < set(fields)
+    hidden = set(fields) - set(shown)
+    assert {"deploy.critic.port", "deploy.rollout.max_body_mib", "deploy.actor.collective_timeout_s",
+            "ppo.optim.betas"} <= hidden
+    assert {"algorithm", "model.policy", "kl.beta", "loss.epsilon_high", "deploy.actor.nproc_per_node",
+            "deploy.critic.launch"} <= set(shown)
 
 
 @pytest.mark.parametrize("what, field", [("deploy", "actor.nproc_per_node"), ("pipeline", "dpo.beta"),

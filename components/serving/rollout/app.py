@@ -296,7 +296,7 @@ class ServedModel:
                     load()
                 if not self.llm.reset_prefix_cache():  # mandatory: cached KV of the old weights would be reused
                     raise RuntimeError("the prefix cache could not be reset")
-            except Exception as exc:  # noqa: BLE001 - some weights may be new, some old: refuse to sample
+            except Exception as exc:
                 why = exc.detail if isinstance(exc, HTTPException) else f"{type(exc).__name__}: {exc}"
                 self.broken = f"update to version {version} failed: {why}"
                 log.exception(self.broken)

@@ -27,9 +27,9 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
-import uvicorn  # noqa: E402
+import uvicorn
 
-from components.serving.rollout.app import ServedModel, build_app  # noqa: E402
+from components.serving.rollout.app import ServedModel, build_app
 
 log = logging.getLogger("rlhf.rollout_server")
 

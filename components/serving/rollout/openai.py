@@ -56,7 +56,7 @@ from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, Tokeni
 from vllm.exceptions import VLLMClientError
 from vllm.outputs import WeightVersionSpan
 
-from models.chat import ChatTemplateError, ToolsUnsupported, parse_completion, render, response_template
+from models.chat import ChatTemplateError, parse_completion, render, response_template
 
 OPENAI_PREFIXES = ("/v1/", "/tokenize", "/inference/")
 VERSION_HEADER = "X-Weights-Version"

@@ -138,7 +138,7 @@ def serve(spec: ServerSpec, load: Callable[[], tuple[list, object]] | None = Non
                  spec.port + 1, spec.port + 2, time.monotonic() - started)
         try:
             bindings, group = load()
-        except Exception as exc:  # noqa: BLE001 - reported through Triton's model state, and logged
+        except Exception as exc:
             LOG.exception("%s server: weights failed to load", kind)
             reason = f"{kind} server failed to load: {type(exc).__name__}: {exc}"
             for name in spec.models:

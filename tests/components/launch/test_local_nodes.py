@@ -10,7 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from components.launch.nodes import NO_RESTART_EXIT_CODE, LocalNodes, NodeSpec, core_share
 from components.launch.processes import free_port, wait_for

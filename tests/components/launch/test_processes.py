@@ -7,7 +7,6 @@ import os
 import re
 import signal
 import sys
-import time
 
 import psutil
 import pytest
@@ -28,9 +27,9 @@ time.sleep(60)
 def test_wait_for_returns_the_first_truthy_answer_or_the_last_falsy_one():
     answers = iter([0, None, "yes"])
     assert wait_for(lambda: next(answers), timeout=5, poll_s=0.01) == "yes"
-    started = time.monotonic()
-    assert wait_for(lambda: [], timeout=0.2, poll_s=0.05) == []
-    assert 0.2 <= time.monotonic() - started < 2
+    asked = []
+    assert wait_for(lambda: asked.append(1) or [], timeout=0.2, poll_s=0.05) == []  # time ran out: the last answer
+    assert len(asked) >= 2  # it kept asking until then
 
     def fatal():
         raise RuntimeError("gone")
@@ -47,11 +46,9 @@ def test_stop_kills_what_ignores_sigterm_and_leaves_no_member_of_the_group(tmp_p
         grandchild = int(next(line.split()[1] for line in proc.tail().splitlines()
                               if line.startswith("grandchild") and line.split()[1].isdigit()))
         assert {p.pid for p in proc.group_members()} == {proc.pid, grandchild}
-        started = time.monotonic()
     finally:
         code = proc.stop(grace_s=1.0)
     assert code == -signal.SIGTERM  # the leader obeys SIGTERM; its child needs SIGKILL
-    assert time.monotonic() - started < 10
     assert proc.group_members() == [] and not alive(grandchild)
     assert proc.stop() == -signal.SIGTERM  # idempotent
     log = proc.log_path.read_text()

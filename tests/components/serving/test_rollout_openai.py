@@ -11,7 +11,6 @@ import shutil
 import subprocess
 import textwrap
 
-from pathlib import Path
 
 import httpx
 import psutil

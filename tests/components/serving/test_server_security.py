@@ -17,7 +17,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -360,9 +359,7 @@ def test_a_server_whose_run_is_killed_stops_and_leaves_nothing(tiny_models, tmp_
         assert group_members(server)  # serving: the server and its tritonserver
         os.kill(parent.pid, signal.SIGKILL)  # the run dies without a chance to stop it
         parent.wait()
-        started = time.monotonic()
         assert wait_for(lambda: not group_members(server), 60, poll_s=0.2), [p.name() for p in group_members(server)]
-        assert time.monotonic() - started < 60
         log = (tmp_path / "reward.log").read_text()
         assert "stop requested" in log or "stopped" in log
     finally:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mlflow.entities import Metric, RunTag
+from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from pydantic import ValidationError
 from rliable import library as rly
