@@ -5,9 +5,11 @@ from __future__ import annotations
 import base64
 from pathlib import Path
 
+from mlflow.tracking import MlflowClient
 from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
+from components.sweep.report import one_seed_per_arm
 from components.tracking.compare import compare_runs, log_comparison
 from components.tracking.run import default_tracking_uri
 from models.config import RLHFConfig
@@ -19,7 +21,8 @@ def compare(experiment: str = "rlhf-flows", run_ids: list[str] | None = None, tr
     uri = tracking_uri or default_tracking_uri(RLHFConfig())
     cfg = RLHFConfig()
     out = cfg.resolved_state_dir() / "compare"
-    png, md = compare_runs(uri, experiment, run_ids, out)
+    png, md = compare_runs(uri, experiment, run_ids, out,
+                           statistics=lambda ids: one_seed_per_arm(MlflowClient(uri), ids))  # an experiment's code
     run_id = log_comparison(uri, experiment, png, md)
     image = base64.b64encode(Path(png).read_bytes()).decode()
     create_markdown_artifact(key="comparison", markdown=Path(md).read_text() + f"\n\n![comparison](data:image/png;base64,{image})\n",

@@ -17,26 +17,34 @@ from components.pipeline.config import STAGE_ORDER, PipelineConfig
 from components.pipeline.run import run_pipeline
 from components.tasks import FlowSteps, merged_parameters, reported_failure, stage_flow
 from models.deploy import DeployConfig
-from models.kinds import KINDS, JobKind, load
+from models.kinds import BY_JOB, KINDS
+from models.stages.config import DPORunConfig, RewardModelRunConfig, SFTRunConfig
 
 
-def stage_flow_of(kind: JobKind):
-    """The flow of a kind of stage trained on the actor's ranks (models/kinds.py): named after its command, taking
-    its run config (the Prefect form shows its fields and defaults) and `deploy`; returns the run's summary (its
-    model's URI and sha256s, its held-out metrics)."""
-    config_class = load(kind.config)
-
-    def run(config=config_class(), deploy: DeployConfig = DeployConfig()) -> dict:
-        return stage_flow(kind.job, config, deploy)
-
-    run.__name__ = run.__qualname__ = kind.job  # its entrypoint: flows/stages.py:<job>
-    run.__annotations__["config"] = config_class
-    run.__doc__ = f"{kind.summary[0].upper()}{kind.summary[1:]}, on the actor's ranks; returns the run's summary."
-    return flow(name=kind.command, description=run.__doc__)(run)
+# one flow per kind of stage trained on the actor's ranks (models/kinds.py: its command names the flow and its
+# deployment), each a plain `def` so Prefect finds it by its entrypoint without importing the module (`prefect deploy`
+# reads a flow's parameters from its source); tests/test_kinds.py checks every such kind has its flow here
+@flow(name=BY_JOB["sft"].command, description=BY_JOB["sft"].summary)
+def sft(config: SFTRunConfig = SFTRunConfig(), deploy: DeployConfig = DeployConfig()) -> dict:
+    """Supervised fine-tuning on the actor's ranks; returns the run's summary (its model, the held-out loss)."""
+    return stage_flow("sft", config, deploy)
 
 
-STAGE_FLOWS = {kind.job: stage_flow_of(kind) for kind in KINDS if kind.trains_on_ranks}
-globals().update(STAGE_FLOWS)  # sft, reward_model, dpo, ...: what prefect.yaml's entrypoints and flows/serve.py name
+@flow(name=BY_JOB["reward_model"].command, description=BY_JOB["reward_model"].summary)
+def reward_model(config: RewardModelRunConfig = RewardModelRunConfig(), deploy: DeployConfig = DeployConfig()) -> dict:
+    """A Bradley-Terry reward model on the actor's ranks; returns the run's summary (its model, the held-out
+    accuracy, margin and reward statistics)."""
+    return stage_flow("reward_model", config, deploy)
+
+
+@flow(name=BY_JOB["dpo"].command, description=BY_JOB["dpo"].summary)
+def dpo(config: DPORunConfig = DPORunConfig(), deploy: DeployConfig = DeployConfig()) -> dict:
+    """DPO on the actor's ranks; returns the run's summary (its model, the held-out implicit-reward accuracy and
+    margins)."""
+    return stage_flow("dpo", config, deploy)
+
+
+STAGE_FLOWS = {kind.job: globals()[kind.job] for kind in KINDS if kind.trains_on_ranks}  # what flows/serve.py serves
 
 
 def pipeline_name() -> str:

@@ -180,6 +180,11 @@ class CriticTrainer:
         if resume:
             self._restore(self.checkpoint_dir)
 
+    @property
+    def vocab_size(self) -> int:
+        """The critic's vocabulary: the servers refuse token ids outside it (components/serving/triton)."""
+        return int(self.model.config.vocab_size)
+
     def _rows(self, n: int) -> tuple[slice, list[slice | None]]:
         """This rank's rows of a batch of n, and its micro-batches: as many on every rank (None: a pass whose
         result is dropped, so FSDP's collectives line up)."""

@@ -126,7 +126,7 @@ def import_function(spec: str, field: str = "reward.function", files: Optional[d
         path = fetch_file(uri, sha256, field, deploy)
     except (FileNotFoundError, RuntimeError) as exc:
         raise ValueError(str(exc)) from exc
-    return import_object(spec, field, path=path, module_name=f"rlhf_rewards_{sha256[:24]}")
+    return import_object(spec, field, path=path, module_name=f"rlhf_rewards_{sha256[:24]}", sha256=sha256)
 
 
 def load_reward_function(spec: str, field: str = "reward.function", probe: bool = True, files: Optional[dict] = None,

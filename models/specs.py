@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import os
 import sys
+import types
 from pathlib import Path
 
 
@@ -32,10 +33,11 @@ def absolute_spec(spec: str) -> str:
 
 
 def import_object(spec: str, field: str, what: str = "function", kind: str = "reward", path: Path | None = None,
-                  module_name: str | None = None):
+                  module_name: str | None = None, sha256: str | None = None):
     """The object a spec names: 'package.module:name' imported; 'path/to/file.py:name' loaded from `path` (default:
     the file the spec names) as the module `module_name` (default 'rlhf_rewards_<hash of the path>'), once per
-    process. Failures raise ValueError naming `field` (`what` the object is, from which `kind` of file)."""
+    process, from its bytes (`run_source`: checked against `sha256` when given). Failures raise ValueError naming
+    `field` (`what` the object is, from which `kind` of file)."""
     target, _, attr = spec.rpartition(":")
     if not is_file_spec(spec):
         try:
@@ -51,14 +53,27 @@ def import_object(spec: str, field: str, what: str = "function", kind: str = "re
     name = module_name or "rlhf_rewards_" + hashlib.sha1(str(path).encode()).hexdigest()[:12]
     module = sys.modules.get(name)
     if module is None:
-        loader_spec = importlib.util.spec_from_file_location(name, path)
-        module = importlib.util.module_from_spec(loader_spec)
-        sys.modules[name] = module  # before executing: dataclasses and pickling look the module up by name
-        try:
-            loader_spec.loader.exec_module(module)
-        except Exception as exc:
-            del sys.modules[name]
-            raise ValueError(f"{field}: loading '{origin}' failed: {type(exc).__name__}: {exc}") from exc
+        module = run_source(name, path, field, origin, sha256)
     if not hasattr(module, attr):
         raise ValueError(f"{field}: '{origin}' has no {what} '{attr}'")
     return getattr(module, attr)
+
+
+def run_source(name: str, path: Path, field: str, origin: Path, sha256: str | None = None) -> types.ModuleType:
+    """The module `name` executed from the bytes of `path` read once here, checked against `sha256` when given: no
+    import loader runs, so no bytecode cache (`__pycache__/*.pyc`, which anyone who can write beside the file could
+    plant) is read or written. Registered in sys.modules before it runs (dataclasses and pickling look it up)."""
+    source = path.read_bytes()
+    if sha256 is not None and hashlib.sha256(source).hexdigest() != sha256:
+        raise ValueError(f"{field}: '{path}' does not match its sha256 {sha256[:12]}...: refused (changed since the run "
+                         f"stored it)")
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    module.__spec__ = importlib.util.spec_from_loader(name, loader=None, origin=str(path))
+    sys.modules[name] = module
+    try:
+        exec(compile(source, str(path), "exec", dont_inherit=True), module.__dict__)  # the checked bytes
+    except Exception as exc:  # any error of the user's file, named
+        del sys.modules[name]
+        raise ValueError(f"{field}: loading '{origin}' failed: {type(exc).__name__}: {exc}") from exc
+    return module

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from prefect.flows import safe_load_flow_from_entrypoint
 
 from components.cli.main import DESCRIBED, build_parser
 from components.launch.stack import DEPLOYMENTS
@@ -52,4 +53,7 @@ def test_every_kind_has_its_command_flow_deployment_and_prefix():
         assert kind.command in commands and kind.command in DESCRIBED
         if kind.job in STAGES:
             assert f"{kind.command}/default" in DEPLOYMENTS
-            assert deployments[kind.job]["entrypoint"] == f"flows/stages.py:{kind.job}"
+            entrypoint = deployments[kind.job]["entrypoint"]
+            assert entrypoint == f"flows/stages.py:{kind.job}"
+            # found by its source, as `prefect deploy` finds a flow's parameters without importing it
+            assert safe_load_flow_from_entrypoint(str(ROOT / entrypoint)).name == kind.command

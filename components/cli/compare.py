@@ -7,6 +7,7 @@ from pathlib import Path
 
 from mlflow.tracking import MlflowClient
 
+from components.sweep.report import one_seed_per_arm
 from components.sweep.tracking import compare_trials, find_sweep
 from components.tracking.compare import compare_runs, log_comparison
 from components.tracking.run import default_tracking_uri
@@ -17,7 +18,8 @@ def cmd_compare(args) -> int:
     uri = args.tracking_uri or default_tracking_uri(RLHFConfig())
     if args.sweep:
         return compare_sweep(uri, args.experiment, args.sweep, Path(args.out) / f"sweep-{args.sweep}")
-    png, md = compare_runs(uri, args.experiment, args.runs or None, Path(args.out))
+    png, md = compare_runs(uri, args.experiment, args.runs or None, Path(args.out),
+                           statistics=lambda run_ids: one_seed_per_arm(MlflowClient(uri), run_ids))
     run_id = log_comparison(uri, args.experiment, png, md)
     print(Path(md).read_text())
     print(f"wrote {png} and {md}; logged to MLflow run {run_id} at {uri}")

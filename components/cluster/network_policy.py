@@ -4,9 +4,10 @@ CNI's network policy agent: infra/terraform).
 What Terraform sets once per namespace (envs/dev): no pod takes ingress unless a policy allows it; actor pods take
 ingress from actor pods (the ranks' rendezvous and collectives, which start before any flow code runs). What a run
 sets for itself, here, while it has deployment servers:
-- its training Job is the one the pod that runs the run is in: a Job's pod hostname is <job>-<index> (the flow run's
-  own Job; with node groups, the JobSet's Job <jobset>-node-0, whose pods are every node group), and every pod of it
-  carries `batch.kubernetes.io/job-name: <job>`;
+- its training Job is the one the pod that runs the run is in (the flow run's own Job; with node groups, the
+  JobSet's Job <jobset>-node-0, whose pods are every node group): every pod of a Job carries
+  `batch.kubernetes.io/job-name: <job>`, which the pod reads from its own labels (the downward API's labels file at
+  PODINFO_DIR, mounted by the work pools' job templates and the run's own pod templates), whatever its hostname;
 - its servers' pods are labelled `rlhf/run: <job>` (the work pool's job variable `run_label`, which the run passes
   when it starts their deployments; the labels of the LeaderWorkerSets it creates with launch=kubernetes);
 - two NetworkPolicies named after the job: the run's server pods take ingress from the job's pods and from each
@@ -21,9 +22,8 @@ NetworkPolicies, get Jobs, in the namespace only). Off the cluster (no $KUBERNET
 
 from __future__ import annotations
 
+import json
 import os
-import re
-import socket
 import threading
 from typing import Optional
 
@@ -32,14 +32,39 @@ from components.cluster.kube import Kube, KubeError
 RUN_LABEL = "rlhf/run"
 JOB_LABEL = "batch.kubernetes.io/job-name"
 SWITCH_ENV = "RLHF_NETWORK_POLICY"
+PODINFO_DIR = "/etc/podinfo"  # where every pod of a run mounts its own labels (the downward API)
+PODINFO_ENV = "RLHF_PODINFO_DIR"  # another directory holding that `labels` file
 
 
-def own_job(env=os.environ, hostname: Optional[str] = None) -> Optional[str]:
-    """The Kubernetes Job this process runs in (None off the cluster, or when switched off)."""
+def own_job(env=os.environ, labels_file: Optional[str] = None) -> Optional[str]:
+    """The Kubernetes Job this process's pod runs in, read from the pod's own labels (the downward API's labels file
+    every pod of the run mounts at PODINFO_DIR: Kubernetes labels every pod of a Job with its name); None off the
+    cluster, or when switched off. On the cluster without it: a RuntimeError naming why (rather than objects owned by
+    nothing and policies that select no pod)."""
     if not env.get("KUBERNETES_SERVICE_HOST") or env.get(SWITCH_ENV, "on") == "off":
         return None
-    job = re.sub(r"-\d+$", "", hostname or socket.gethostname())
-    return job if re.fullmatch(r"[a-z0-9]([a-z0-9.-]{0,61}[a-z0-9])?", job) else None
+    path = labels_file or os.path.join(env.get(PODINFO_ENV, PODINFO_DIR), "labels")
+    try:
+        labels = pod_labels(open(path).read())
+    except OSError as exc:
+        raise RuntimeError(f"on Kubernetes, this pod has no labels file {path} ({exc.strerror}): its template must mount "
+                           f"the downward API's metadata.labels there (the work pools' and the run's own templates "
+                           f"do), or set {SWITCH_ENV}=off to run without per-run policies") from None
+    job = labels.get(JOB_LABEL) or labels.get("job-name")
+    if not job:
+        raise RuntimeError(f"on Kubernetes, this pod's labels ({path}) name no Job ({JOB_LABEL}): a run's controller "
+                           f"runs in a Job's pod (a work pool's flow run, a JobSet's node group)")
+    return job
+
+
+def pod_labels(text: str) -> dict[str, str]:
+    """The downward API's labels file: one `key="value"` per line, the value quoted and escaped as a Go string."""
+    labels = {}
+    for line in text.splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            labels[key.strip()] = json.loads(value) if value.startswith('"') else value
+    return labels
 
 
 def policies(job: str, namespace: str, job_uid: Optional[str] = None) -> list[dict]:

@@ -35,7 +35,7 @@ from typing import Mapping, Optional
 
 import yaml
 
-from components.cluster.network_policy import RUN_LABEL, policies
+from components.cluster.network_policy import PODINFO_DIR, RUN_LABEL, policies
 from components.launch.nodes import NO_RESTART_EXIT_CODE, NODE_JOB, NodeSpec, node_argv
 from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig, merge
@@ -126,11 +126,14 @@ def pod_template(cluster: ClusterPlacement, placement: PodPlacement, labels: dic
                  env: list[dict], gpus: int, service_account: str, restart_policy: str, ports: dict[str, int],
                  readiness: Optional[str] = None, secret: Optional[str] = None) -> dict:
     """A pod template of the run: one container `main` running `args` (the image has no entrypoint), `gpus` GPUs,
-    the pool's node selector and tolerations, /dev/shm, its own state directory, the shared cache and (`secret`) the
-    run's secret mounted read-only. Not root, no privilege escalation, no capabilities."""
-    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "state", "mountPath": cluster.state_dir}]
+    the pool's node selector and tolerations, /dev/shm, its own state directory, the shared cache, its own labels
+    (the downward API, at PODINFO_DIR: the Job it runs in) and (`secret`) the run's secret mounted read-only. Not root, no privilege escalation, no capabilities."""
+    mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "state", "mountPath": cluster.state_dir},
+              {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True}]
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": placement.shm_size}},
-               {"name": "state", "emptyDir": {"sizeLimit": cluster.state_size}}]
+               {"name": "state", "emptyDir": {"sizeLimit": cluster.state_size}},
+               {"name": "podinfo", "downwardAPI": {"items": [{"path": "labels",
+                                                              "fieldRef": {"fieldPath": "metadata.labels"}}]}}]
     if cluster.cache_claim:
         mounts.append({"name": "cache", "mountPath": cluster.cache_mount})
         volumes.append({"name": "cache", "persistentVolumeClaim": {"claimName": cluster.cache_claim}})

@@ -28,6 +28,7 @@ import torch
 from components.export import publish_model
 from components.launch.ranks import actor_ranks
 from components.serving.services import RunServices, rollout_server, run_services
+from components.storage.backends import CheckpointError
 from components.tracking.run import (RunSession, data_provenance, model_provenance, store_reward_files,
                                      tuple_state)
 from components.verifiers import rollouts as verifiers
@@ -119,7 +120,7 @@ def checkpoint(session: RunSession, actor: Leader, critic_info: dict | None) -> 
         if key is not None:
             stored["critic"] = key
         else:
-            parts["critic"] = Path(critic_info["path"])
+            parts["critic"] = own_critic_save(critic_info["path"], session.critic_dir)
     cfg = session.cfg
     state = {"critic_step": (critic_info or {}).get("step"),
              "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
@@ -187,6 +188,17 @@ class RunRecord:
         uri = checkpoint(self.session, actor, critic_info)
         self.steps.log(f"checkpoint iteration {actor.state.iteration}: {uri}")
         return uri
+
+
+def own_critic_save(path: str, critic_dir: Path) -> Path:
+    """A local critic_save's directory, uploaded with the checkpoint only when it lies under the run's own critic
+    directory (where the run told its critic to save): a critic that names another directory (the run's secrets, the
+    cache, another run's) is refused, naming it."""
+    resolved, own = Path(path).resolve(), Path(critic_dir).resolve()
+    if not resolved.is_relative_to(own):
+        raise CheckpointError(f"critic_save answered the directory {path!r}, outside the run's critic directory "
+                              f"{own}: refused (a critic saves under it, or into the run's store)")
+    return resolved
 
 
 def log_data(session: RunSession, prompts: PromptSet, evals: PromptSet | None, steps: Steps = DIRECT) -> None:

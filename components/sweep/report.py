@@ -64,11 +64,16 @@ def read_runs(client: MlflowClient, experiment_id: str, parent_run_id: str, metr
     of `metrics` (a step logged twice: its latest value)."""
     runs = client.search_runs([experiment_id], f"tags.`mlflow.parentRunId` = '{parent_run_id}' and "
                               f"tags.`sweep.state` = 'complete'", max_results=5000)
+    runs = [run for run in runs if f"sweep.param.{ARM}" in run.data.tags]
+    return sorted(read_records(client, runs, metrics, lambda run: (run.data.tags[f"sweep.param.{ARM}"],
+                                                                   int(run.data.tags["sweep.param.seed"]))),
+                  key=lambda r: (r.seed, r.arm))
+
+
+def read_records(client: MlflowClient, runs: list, metrics: list[str], arm_and_seed) -> list[RunRecord]:
+    """A RunRecord of each MLflow run: its arm and seed (`arm_and_seed(run)`), wall-clock, ranks, tags and curves."""
     records = []
     for run in runs:
-        tags = run.data.tags
-        if f"sweep.param.{ARM}" not in tags:
-            continue
         curves = {}
         for metric in metrics:
             latest: dict[int, float] = {}
@@ -76,10 +81,11 @@ def read_runs(client: MlflowClient, experiment_id: str, parent_run_id: str, metr
                 latest[m.step] = m.value
             curves[metric] = sorted(latest.items())
         wall = (run.info.end_time - run.info.start_time) / 1000 if run.info.end_time else None
-        ranks = int(run.data.params.get("deploy.actor.nproc_per_node", 1)) * int(run.data.params.get("deploy.actor.nnodes", 1))
-        records.append(RunRecord(tags[f"sweep.param.{ARM}"], int(tags["sweep.param.seed"]), run.info.run_id,
-                                 run.info.run_name, wall, ranks, tags, curves))
-    return sorted(records, key=lambda r: (r.seed, r.arm))
+        params = run.data.params
+        ranks = int(params.get("deploy.actor.nproc_per_node", 1)) * int(params.get("deploy.actor.nnodes", 1))
+        arm, seed = arm_and_seed(run)
+        records.append(RunRecord(arm, seed, run.info.run_id, run.info.run_name, wall, ranks, run.data.tags, curves))
+    return records
 
 
 def summary(experiment: ExperimentConfig, config: RLHFConfig, records: list[RunRecord], metrics: list[str],
@@ -87,14 +93,23 @@ def summary(experiment: ExperimentConfig, config: RLHFConfig, records: list[RunR
     """The experiment as JSON (see the module's docstring). Only seeds that every arm completed are compared (the
     scores stay paired); the others are listed as `unpaired`."""
     arms = list(experiment.arms)
+    result = compared(records, arms, experiment.seed_list(), metrics, experiment.direction, experiment.reps,
+                      experiment.confidence, experiment.bootstrap_seed, run_url)
+    return {"experiment": experiment.name, **result, "config_diff": config_diff(experiment, config)}
+
+
+def compared(records: list[RunRecord], arms: list[str], seed_list: list[int], metrics: list[str], direction: str,
+             reps: int, confidence: float, bootstrap_seed: int, run_url=lambda run_id: None) -> dict:
+    """Runs of arms x seeds compared (an experiment's; `rlhf compare`'s, one seed per arm): each run's final
+    metrics, and per metric and aggregate the statistics over the seeds every arm has."""
     by = {(r.arm, r.seed): r for r in records}
-    seeds = [s for s in experiment.seed_list() if all((arm, s) in by for arm in arms)]
+    seeds = [s for s in seed_list if all((arm, s) in by for arm in arms)]
     unpaired = sorted({r.seed for r in records} - set(seeds))
     runs = [{"arm": r.arm, "seed": r.seed, "mlflow_run_id": r.run_id, "run_name": r.run_name, "url": run_url(r.run_id),
              "wall_s": r.wall_s, "final": {m: (r.curves[m][-1][1] if r.curves.get(m) else None) for m in metrics}}
             for r in records]
     stats: dict = {}
-    kw = {"reps": experiment.reps, "confidence": experiment.confidence, "seed": experiment.bootstrap_seed}
+    kw = {"reps": reps, "confidence": confidence, "seed": bootstrap_seed}
     for metric in metrics if seeds else []:
         stats[metric] = {}
         for aggregate in AGGREGATES:
@@ -103,17 +118,15 @@ def summary(experiment: ExperimentConfig, config: RLHFConfig, records: list[RunR
             stats[metric][aggregate] = {
                 "scores": {arm: v.tolist() for arm, v in scores.items()},
                 "aggregates": statistics.aggregates(scores, **kw),
-                "improvement": statistics.improvement(scores, direction=experiment.direction, **kw),
+                "improvement": statistics.improvement(scores, direction=direction, **kw),
                 "profiles": statistics.profiles(scores, **kw)}
         steps = sorted(set.intersection(*(set(dict(by[arm, s].curves[metric])) for arm in arms for s in seeds)))
         if steps:
             values = {arm: np.array([[dict(by[arm, s].curves[metric])[t] for t in steps] for s in seeds]) for arm in arms}
             stats[metric]["curve"] = statistics.curves(values, steps, **kw)
-    return {"experiment": experiment.name, "arms": arms, "seeds": seeds, "unpaired_seeds": unpaired,
-            "metrics": metrics, "direction": experiment.direction, "reps": experiment.reps,
-            "confidence": experiment.confidence, "bootstrap_seed": experiment.bootstrap_seed,
-            "runs": runs, "statistics": stats, "config_diff": config_diff(experiment, config),
-            "compute": compute(records, arms), "provenance": provenance(records)}
+    return {"arms": arms, "seeds": seeds, "unpaired_seeds": unpaired, "metrics": metrics, "direction": direction,
+            "reps": reps, "confidence": confidence, "bootstrap_seed": bootstrap_seed, "runs": runs,
+            "statistics": stats, "compute": compute(records, arms), "provenance": provenance(records)}
 
 
 def config_diff(experiment: ExperimentConfig, config: RLHFConfig) -> dict[str, dict[str, list]]:
@@ -186,13 +199,9 @@ def readings(result: dict) -> list[str]:
     return lines
 
 
-def markdown(result: dict, figure_names: list[str] = ()) -> str:
-    out = [f"# Experiment {result['experiment']}", "",
-           f"{len(result['arms'])} arms x {len(result['seeds'])} paired seeds ({', '.join(map(str, result['seeds']))}); "
-           f"{round(100 * result['confidence'])}% stratified bootstrap intervals (rliable, {result['reps']} resamples, "
-           f"seed {result['bootstrap_seed']}); {result['direction']} is better."]
-    if result["unpaired_seeds"]:
-        out.append(f"Seeds left out (not every arm completed them): {result['unpaired_seeds']}.")
+def statistics_markdown(result: dict) -> list[str]:
+    """The statistics' tables per metric and aggregate, and what the intervals say."""
+    out = []
     for metric, by_aggregate in result["statistics"].items():
         for aggregate in AGGREGATES:
             stats = by_aggregate[aggregate]
@@ -209,6 +218,17 @@ def markdown(result: dict, figure_names: list[str] = ()) -> str:
                                f"{_ci(pair['mean_difference'])} | {'yes' if pair['separated'] else 'no'} |")
     if lines := readings(result):
         out += ["", "## What the intervals say", "", *[f"- {line}" for line in lines]]
+    return out
+
+
+def markdown(result: dict, figure_names: list[str] = ()) -> str:
+    out = [f"# Experiment {result['experiment']}", "",
+           f"{len(result['arms'])} arms x {len(result['seeds'])} paired seeds ({', '.join(map(str, result['seeds']))}); "
+           f"{round(100 * result['confidence'])}% stratified bootstrap intervals (rliable, {result['reps']} resamples, "
+           f"seed {result['bootstrap_seed']}); {result['direction']} is better."]
+    if result["unpaired_seeds"]:
+        out.append(f"Seeds left out (not every arm completed them): {result['unpaired_seeds']}.")
+    out += statistics_markdown(result)
     out += ["", "## What differs between the arms", ""]
     for arm, diff in result["config_diff"].items():
         out.append(f"- **{arm}**: " + ("the base config" if not diff else
@@ -230,6 +250,22 @@ def markdown(result: dict, figure_names: list[str] = ()) -> str:
     if figure_names:
         out += ["", "## Figures", "", *[f"- {name}" for name in figure_names]]
     return "\n".join(out) + "\n"
+
+
+def one_seed_per_arm(client: MlflowClient, run_ids: list[str],
+                     candidates: tuple[str, ...] = ("eval/gold_reward", "eval/reward", "objective/gold_reward",
+                                                    "reward")) -> str:
+    """`rlhf compare`'s statistics: each run an arm of one seed, compared as an experiment's arms are (the same
+    code), on the first of `candidates` every run logged. Markdown; with one seed there is no interval and the
+    reading says so: an experiment (docs/experiments.md) gives the seeds that separate arms."""
+    runs = [client.get_run(run_id) for run_id in run_ids]
+    metric = next((m for m in candidates if all(client.get_metric_history(r.info.run_id, m) for r in runs)), None)
+    if metric is None or len(runs) < 2:
+        return ""
+    records = read_records(client, runs, [metric], lambda run: (run.info.run_name, 0))
+    result = compared(records, [r.arm for r in records], [0], [metric], "maximize", 1000, 0.95, 0)
+    return "\n".join(["", "One run per arm: the statistics of an experiment (docs/experiments.md) with one seed; its "
+                            "intervals are points and say nothing of the spread between seeds.", *statistics_markdown(result)]) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------ figures

@@ -75,7 +75,8 @@ def improvement(scores: dict[str, np.ndarray], reps: int, confidence: float, see
                 direction: str = "maximize") -> dict[str, dict]:
     """'x,y' -> P(x improves on y) with its interval (rliable: the probability that a run of x scores better than
     one of y, ties counting half); the paired differences x - y per seed, their mean with an interval; whether the
-    arms separate (the interval of the mean difference excludes 0) and, when not, about how many seeds would."""
+    arms separate (two seeds or more, and the interval of the mean difference excludes 0) and, when not, about how
+    many seeds would."""
     sign = 1.0 if direction == "maximize" else -1.0
     arms = list(scores)
     keyed = {f"{x},{y}": (sign * np.asarray(scores[x], np.float64).reshape(-1, 1),
@@ -90,7 +91,7 @@ def improvement(scores: dict[str, np.ndarray], reps: int, confidence: float, see
     out = {}
     for key, d in differences.items():
         low, high = float(mean_bounds[key][0, 0]), float(mean_bounds[key][1, 0])
-        separated = low > 0 or high < 0
+        separated = len(d) >= 2 and (low > 0 or high < 0)  # one seed shows no spread: nothing to separate by
         out[key] = {"probability": _interval(point[key], bounds[key][:, 0]),
                     "differences": [float(v) for v in d], "mean_difference": _interval(mean[key][0], (low, high)),
                     "separated": separated,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 from pathlib import Path
 
 from matplotlib.figure import Figure
@@ -67,10 +68,12 @@ def compare_runs(
     out_dir: Path,
     metrics: tuple[str, ...] = DEFAULT_METRICS,
     labels: dict[str, str] | None = None,
+    statistics: Callable[[list[str]], str] | None = None,
 ) -> tuple[Path, Path]:
     """Write comparison.png and comparison.md for `run_ids` (default: latest finished run per algorithm): `metrics`,
     then the eval curves (EVAL_METRICS) that any of the runs logged. `labels`: run id -> its name in the legend and
-    the table (e.g. a sweep's trial with its values)."""
+    the table (e.g. a sweep's trial with its values). `statistics(run ids)`: markdown appended to the table (`rlhf
+    compare`'s: the runs as an experiment's arms of one seed, components/sweep/report.one_seed_per_arm)."""
     client = MlflowClient(tracking_uri)
     series = []
     for run in _select_runs(client, experiment, run_ids, tracking_uri):
@@ -116,7 +119,8 @@ def compare_runs(
         finals = [_fmt(s.points[k][-1][2]) if k in s.points else "absent" for k in metrics]
         cells = [s.name or s.run.info.run_name, s.run.info.run_id, s.run.data.tags.get("algorithm", "?"), str(len(steps)), *finals]
         lines.append("| " + " | ".join([*cells, _fmt(s.wall_clock())]) + " |")
-    md.write_text(f"# Run comparison: {experiment}\n\n![comparison](comparison.png)\n\n" + "\n".join(lines) + "\n")
+    stats = statistics([s.run.info.run_id for s in series]) if statistics else ""
+    md.write_text(f"# Run comparison: {experiment}\n\n![comparison](comparison.png)\n\n" + "\n".join(lines) + "\n" + stats)
     return png, md
 
 

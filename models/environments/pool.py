@@ -59,9 +59,10 @@ class Channel:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         env[PARENT_PID_ENV] = str(os.getpid())
+        # a process group of its own, so a kill takes what its tools started too (it still exits with this process)
         self.process = subprocess.Popen([sys.executable, "-m", "models.environments.worker", str(to_worker_r),
                                          str(from_worker_w)], pass_fds=(to_worker_r, from_worker_w), env=env,
-                                        stdin=subprocess.DEVNULL)
+                                        stdin=subprocess.DEVNULL, start_new_session=True)
         os.close(to_worker_r)
         os.close(from_worker_w)
         self.buffer = b""
@@ -108,11 +109,11 @@ class Channel:
             f"exited with code {code}" if code is not None else "did not answer")
 
     def kill(self) -> None:
-        if self.process.poll() is None:
-            try:
-                os.kill(self.process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        """SIGKILL to the worker's whole process group: the worker and every process its tools started."""
+        try:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:  # the group is gone already
+            pass
         self.process.wait()
         for fd in (self.to_worker, self.from_worker):
             try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from tests.infra.test_terraform import (ENV_DEV, MODULES, _blocks, _locals, _one, _render_template, _resources,
                                         _sample_values)
 
-from components.cluster.network_policy import JOB_LABEL, RUN_LABEL, own_job, policies
+from components.cluster.network_policy import JOB_LABEL, PODINFO_DIR, RUN_LABEL, own_job, policies
 
 
 def _spec(body: dict) -> dict:
@@ -34,14 +34,21 @@ def test_the_namespace_denies_ingress_but_between_actor_ranks():
     assert source["match_labels"] == {"rlhf/role": "actor"}  # never a server, never another namespace
 
 
-def test_server_pods_carry_the_label_a_runs_own_policies_select_on():
+def test_server_pods_carry_the_label_a_runs_own_policies_select_on_and_every_pod_reads_its_job_from_its_labels(tmp_path):
     for pool, role in (("actor-gpu", "actor"), ("critic-gpu", "critic")):
         template = _render_template(_sample_values(pool, role))
-        labels = template["job_configuration"]["job_manifest"]["spec"]["template"]["metadata"]["labels"]
+        pod = template["job_configuration"]["job_manifest"]["spec"]["template"]
+        labels = pod["metadata"]["labels"]
         assert labels == {"rlhf/role": role, RUN_LABEL: "{{ run_label }}"}
         variable = template["variables"]["properties"]["run_label"]
         assert variable["default"] == "none" and variable["pattern"].startswith("^[a-z0-9]")
-    job = own_job({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, "ppo-x7k2q-0")
+        # the pod's own labels, where own_job reads the Job it runs in (the downward API)
+        podinfo = next(v for v in pod["spec"]["volumes"] if v["name"] == "podinfo")
+        assert podinfo["downwardAPI"]["items"] == [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]
+        mount = next(m for m in pod["spec"]["containers"][0]["volumeMounts"] if m["name"] == "podinfo")
+        assert mount == {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True}
+    (tmp_path / "labels").write_text('batch.kubernetes.io/job-name="ppo-x7k2q"\nrlhf/role="actor"')
+    job = own_job({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, str(tmp_path / "labels"))
     servers, trainer = policies(job, "rlhf", "uid")
     # the run labels its servers' pods (run_label = its Job's name); Kubernetes labels its own Job's pods
     assert servers["spec"]["podSelector"]["matchLabels"] == {RUN_LABEL: job}

@@ -507,7 +507,7 @@ def test_every_flow_run_pod_is_one_plain_pod_that_runs_its_flow_run():
         container = _job_container(template)
         assert "command" not in container and container["args"] == "{{ command }}"
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-        assert mounts == {"dshm": "/dev/shm", "state": "/var/lib/rlhf", "cache": "/cache"}
+        assert mounts == {"dshm": "/dev/shm", "state": "/var/lib/rlhf", "cache": "/cache", "podinfo": "/etc/podinfo"}
         claim = next(v for v in pod["volumes"] if v["name"] == "cache")["persistentVolumeClaim"]["claimName"]
         assert claim == "rlhf-cache"
     variable = _blocks(MODULES / "prefect", "variable")["backoff_limit"]

@@ -3,6 +3,7 @@ environment_factory protocol, TRL's reward-function convention; nothing imported
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -142,6 +143,25 @@ class StallingCalculator:
                 time.sleep(3600)
         a, op, b = expression.split()
         return str(int(a) + int(b) if op == "+" else int(a) * int(b))
+
+
+class SpawningStaller:
+    """A tool that starts a process of its own (its pid to $SPAWNED_PID_FILE), then never returns."""
+
+    def reset(self, **row):
+        return None
+
+    def run(self, command: str) -> str:
+        """Run a command.
+
+        Args:
+            command: The command.
+        """
+        child = subprocess.Popen(["sleep", "600"])
+        with open(os.environ["SPAWNED_PID_FILE"], "w") as out:
+            out.write(str(child.pid))
+        while True:
+            time.sleep(3600)
 
 
 def raises_on_products(prompts, completions, **kwargs):

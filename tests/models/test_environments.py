@@ -520,3 +520,24 @@ def test_reasoning_gym_rows_and_their_scorer():
         read_rows("reasoning_gym:no_such_task", "train", options={"size": 2})
     with pytest.raises(DataError, match="data.options: only a reasoning_gym:<task> source takes options"):
         read_rows("builtin:arithmetic", "train", options={"size": 2})
+
+
+def test_a_worker_killed_at_its_deadline_takes_the_processes_its_tool_started(tmp_path, monkeypatch):
+    """A tool that starts a process and hangs: at the call's deadline its worker is killed with its whole process
+    group, so the tool's own process does not outlive it (orphaned to PID 1)."""
+    from models.environments.pool import Request, WorkerPool
+    from components.launch.processes import alive, wait_for
+
+    pid_file = tmp_path / "spawned.pid"
+    monkeypatch.setenv("SPAWNED_PID_FILE", str(pid_file))
+    pool = WorkerPool(1, {"": f"{ENVS}:SpawningStaller"}, []).start()
+    try:
+        reset = Request(0, {"op": "reset", "key": "k", "env": "", "row": {}}, 30, "k")
+        hung = Request(0, {"op": "call", "key": "k", "name": "run", "arguments": {"command": "x"}}, 3, "k")
+        answers = pool.run([reset, hung])
+        assert answers[0].status == "ok" and answers[1].status == "timeout", answers
+        spawned = int(pid_file.read_text())
+        assert wait_for(lambda: not alive(spawned), timeout=30), f"the tool's process {spawned} outlived its worker"
+        assert pool.restarts == 1
+    finally:
+        pool.close()

@@ -84,7 +84,7 @@ def test_the_jobset_runs_torchrun_on_every_node_and_finds_rank_0_through_its_own
     assert pod["nodeSelector"] == {"rlhf/role": "actor"} and pod["serviceAccountName"] == "rlhf-actor"
     assert pod["restartPolicy"] == "Never" and pod["securityContext"]["runAsNonRoot"] is True
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert mounts == {"dshm": "/dev/shm", "state": "/var/lib/rlhf", "cache": "/cache"}
+    assert mounts == {"dshm": "/dev/shm", "state": "/var/lib/rlhf", "cache": "/cache", "podinfo": "/etc/podinfo"}
     assert env["RLHF_STATE_DIR"]["value"] == "/var/lib/rlhf" and env["HF_HOME"]["value"] == "/cache/huggingface"
     assert env["MLFLOW_TRACKING_URI"]["value"] == "https://mlflow.example.com"  # copied from the controller
     assert env["PREFECT_API_KEY"] == {"name": "PREFECT_API_KEY", "valueFrom": {"secretKeyRef": {

@@ -5,16 +5,34 @@ stand-in takes its calls (the client's own calls against a stand-in API server: 
 
 from __future__ import annotations
 
+import pytest
+
 from components.cluster.network_policy import JOB_LABEL, RUN_LABEL, RunPolicies, own_job, policies
 
 
-def test_the_job_a_pod_runs_in():
+# the downward API's labels file as the kubelet writes it for a pod of a flow run's Job (not Indexed: its hostname is
+# <job>-<5 random characters>, which names no Job)
+FLOW_RUN_POD = ('batch.kubernetes.io/controller-uid="4b1f0c1e-8d9e-4c55-9d3a-2f0f6f1f2a11"\n'
+                'batch.kubernetes.io/job-name="ppo-x7k2q"\ncontroller-uid="4b1f0c1e-8d9e-4c55-9d3a-2f0f6f1f2a11"\n'
+                'job-name="ppo-x7k2q"\nrlhf/role="actor"\nrlhf/run="none"')
+
+
+def test_the_job_a_pod_runs_in_is_read_from_its_own_labels(tmp_path):
+    """Whatever the pod's hostname (a work pool's flow-run Job is not Indexed): from the labels Kubernetes gives every
+    pod of a Job, as the downward API writes them; on the cluster without them the run fails naming why, rather than
+    creating objects owned by nothing and policies that select no pod."""
+    labels = tmp_path / "labels"
+    labels.write_text(FLOW_RUN_POD)
     on_cluster = {"KUBERNETES_SERVICE_HOST": "10.0.0.1"}
-    assert own_job(on_cluster, "ppo-x7k2q-0") == "ppo-x7k2q"  # pod 0 of an Indexed Job
-    assert own_job(on_cluster, "ppo-x7k2q-13") == "ppo-x7k2q"
-    assert own_job({}, "ppo-x7k2q-0") is None  # not on Kubernetes
-    assert own_job({**on_cluster, "RLHF_NETWORK_POLICY": "off"}, "ppo-x7k2q-0") is None
-    assert own_job(on_cluster, "Not_A_Job-0") is None  # not a name Kubernetes gives a Job
+    assert own_job(on_cluster, str(labels)) == "ppo-x7k2q"
+    assert own_job({**on_cluster, "RLHF_PODINFO_DIR": str(tmp_path)}) == "ppo-x7k2q"
+    assert own_job({}, str(labels)) is None  # not on Kubernetes
+    assert own_job({**on_cluster, "RLHF_NETWORK_POLICY": "off"}, str(labels)) is None
+    with pytest.raises(RuntimeError, match="has no labels file .*downward API's metadata.labels"):
+        own_job(on_cluster, str(tmp_path / "absent"))
+    labels.write_text('rlhf/role="critic"\nrlhf/run="ppo-x7k2q"')  # a pod of no Job (a LeaderWorkerSet's)
+    with pytest.raises(RuntimeError, match="name no Job"):
+        own_job(on_cluster, str(labels))
 
 
 def test_a_runs_policies_let_only_its_own_job_reach_its_servers_and_back():

@@ -109,3 +109,19 @@ def test_labels_name_the_runs_in_the_table(mlflow_uri: str, runs: dict[str, str]
                          labels={runs["ppo-run"]: "t0: lr=0.001, complete"})
     text = md.read_text()
     assert f"| t0: lr=0.001, complete | {runs['ppo-run']} |" in text and f"| rloo-run | {runs['rloo-run']} |" in text
+
+
+def test_rlhf_compare_reads_its_runs_as_an_experiment_of_one_seed_per_arm(mlflow_uri: str, tmp_path: Path) -> None:
+    """`rlhf compare` is the special case of an experiment with one seed per arm, on the same code
+    (components/sweep/report.py): each run an arm, its IQM the run's value, no interval wider than a point, and the
+    reading says one seed cannot separate arms."""
+    from components.cli.main import main
+
+    a = make_run(mlflow_uri, "arm-a", "ppo", {"eval/gold_reward": [0.2, 0.5]}, start=T0)
+    b = make_run(mlflow_uri, "arm-b", "rloo", {"eval/gold_reward": [0.2, 0.7]}, start=T0 + 10_000)
+    assert main(["compare", "--experiment", "cmp", "--runs", a, b, "--tracking-uri", mlflow_uri,
+                 "--out", str(tmp_path)]) == 0
+    text = (tmp_path / "comparison.md").read_text()
+    assert "## eval/gold_reward (final)" in text
+    assert "| arm-a | 0.5 [0.5, 0.5] |" in text and "| arm-b | 0.7 [0.7, 0.7] |" in text
+    assert "1 seed(s) do not separate arm-a and arm-b; one seed gives no spread to judge from" in text

@@ -107,7 +107,7 @@ def test_s3_one_writer_a_stale_lease_taken_over_and_a_lost_lease_stops_writing(s
         # another run takes it over behind our back (as if we had stalled past the timeout): we stop writing
         s3 = boto3.client("s3", endpoint_url=endpoint)
         s3.put_object(Bucket=bucket, Key="runs/held/lease.json",
-                      Body=json.dumps({"run_name": "held", "host": "elsewhere", "pid": 1, "started": "now"}))
+                      Body=json.dumps({"name": "held", "host": "elsewhere", "pid": 1, "started": "now"}))
         lost = wait_for(lambda: lease.lost, 30, poll_s=0.2)
         assert lost and "taken over by pid 1 on elsewhere" in lost
         with pytest.raises(LeaseLost, match="writes nothing more"):
