@@ -52,12 +52,13 @@ def cmd_experiment(args) -> int:
         raise SystemExit("rlhf experiment needs --config FILE (name, base, arms, seeds, metrics, concurrency)")
     experiment, deploy = load_experiment(args.config, args.set)
     try:
-        check_experiment(experiment.base_config(deploy), experiment)
+        config = experiment.base_config(deploy)
+        check_experiment(config, experiment)
     except (SweepError, ValidationError) as exc:
         raise SystemExit(f"invalid experiment: {exc}") from None
     env = project_env()
     if not PREFECT_API_URL.value():
-        api = running_prefect_api(experiment.base_config(deploy).resolved_state_dir())
+        api = running_prefect_api(config.resolved_state_dir())
         if api is None:
             raise SystemExit("no Prefect server to run the experiment's runs on: start the local stack with `rlhf up` "
                              "(or set PREFECT_API_URL)")

@@ -1,7 +1,7 @@
 """An experiment: arms x paired seeds, run as a grid sweep (the same fan-out, resume and nested MLflow runs as a
 sweep's), then compared with interval estimates (components/sweep/statistics.py) in a generated report
 (components/sweep/report.py). The `experiment` parameter of `experiment/default` and the file of `rlhf experiment
---config FILE`. Light (pydantic only).
+--config FILE`.
 
     name: lr-vs-kl                       # the parent MLflow run, the trials '<name>-t<N>', the report
     base: {eval: {prompts: builtin:sentiment, every: 4}, iterations: 12}    # as `rlhf train --config` takes it

@@ -21,15 +21,15 @@ import platform
 import re
 import tempfile
 import time
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import matplotlib.pyplot as plt
-from matplotlib.patches import Patch
 import numpy as np
 import yaml
 from mlflow.entities import Metric
+from matplotlib.patches import Patch
 from mlflow.tracking import MlflowClient
 from rliable import plot_utils
 
@@ -120,9 +120,10 @@ def compared(records: list[RunRecord], arms: list[str], seed_list: list[int], me
                 "aggregates": statistics.aggregates(scores, **kw),
                 "improvement": statistics.improvement(scores, direction=direction, **kw),
                 "profiles": statistics.profiles(scores, **kw)}
-        steps = sorted(set.intersection(*(set(dict(by[arm, s].curves[metric])) for arm in arms for s in seeds)))
+        curve = {(arm, s): dict(by[arm, s].curves[metric]) for arm in arms for s in seeds}  # step -> value
+        steps = sorted(set.intersection(*(set(c) for c in curve.values())))
         if steps:
-            values = {arm: np.array([[dict(by[arm, s].curves[metric])[t] for t in steps] for s in seeds]) for arm in arms}
+            values = {arm: np.array([[curve[arm, s][t] for t in steps] for s in seeds]) for arm in arms}
             stats[metric]["curve"] = statistics.curves(values, steps, **kw)
     return {"arms": arms, "seeds": seeds, "unpaired_seeds": unpaired, "metrics": metrics, "direction": direction,
             "reps": reps, "confidence": confidence, "bootstrap_seed": bootstrap_seed, "runs": runs,
@@ -189,11 +190,13 @@ def readings(result: dict) -> list[str]:
                 if pair["separated"]:
                     lines.append(f"{what}: the {size}% interval excludes 0, so over {n} seed(s) "
                                  f"{x if d['value'] > 0 else y} scores higher.")
+                elif n < 2:
+                    lines.append(f"{what}: {n} seed(s) do not separate {x} and {y}; one seed gives no spread to judge "
+                                 f"from: run more seeds.")
                 else:
                     need = pair["seeds_needed"]
                     more = (f"about {need} paired seeds would separate them at the observed spread" if need else
-                            "no difference was observed, so no number of seeds at this spread would separate them"
-                            if d["value"] == 0 else "one seed gives no spread to judge from: run more seeds")
+                            "no difference was observed, so no number of seeds at this spread would separate them")
                     lines.append(f"{what}: the {size}% interval includes 0: {n} seed(s) do not separate {x} and "
                                  f"{y}; {more}.")
     return lines
