@@ -18,8 +18,8 @@ from components.environment import first_line
 from components.runs import train
 from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig, deep_merge, from_layers, run_name_for
+from models.kinds import BY_JOB
 from models.loop import Steps
-from models.stages.config import STAGE_RUNS
 
 FLOW_PARAMETERS = ("config", "deploy")  # a training flow's parameters: what the run trains, where it runs
 
@@ -78,7 +78,7 @@ def stage_flow(stage: str, config, deploy) -> dict:
     per-step history (the flow run's result: the model, its digests, the held-out evals)."""
     with reported_failure():
         merged = merged_parameters(config, deploy)
-        cfg = STAGE_RUNS[stage].model_validate({**merged["config"], "deploy": merged["deploy"]})
+        cfg = BY_JOB[stage].run_class.model_validate({**merged["config"], "deploy": merged["deploy"]})
         return {k: v for k, v in job_flow(cfg).items() if k != "history"}
 
 

@@ -19,6 +19,7 @@ from components.tasks import FlowSteps, merged_parameters, reported_failure, sta
 from models.deploy import DeployConfig
 from models.kinds import BY_JOB, KINDS
 from models.stages.config import DPORunConfig, RewardModelRunConfig, SFTRunConfig
+from models.stages.kto import KTORunConfig
 
 
 # one flow per kind of stage trained on the actor's ranks (models/kinds.py: its command names the flow and its
@@ -42,6 +43,12 @@ def dpo(config: DPORunConfig = DPORunConfig(), deploy: DeployConfig = DeployConf
     """DPO on the actor's ranks; returns the run's summary (its model, the held-out implicit-reward accuracy and
     margins)."""
     return stage_flow("dpo", config, deploy)
+
+
+@flow(name=BY_JOB["kto"].command, description=BY_JOB["kto"].summary)
+def kto(config: KTORunConfig = KTORunConfig(), deploy: DeployConfig = DeployConfig()) -> dict:
+    """KTO on the actor's ranks; returns the run's summary (its model, the held-out implicit rewards)."""
+    return stage_flow("kto", config, deploy)
 
 
 STAGE_FLOWS = {kind.job: globals()[kind.job] for kind in KINDS if kind.trains_on_ranks}  # what flows/serve.py serves

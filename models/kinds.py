@@ -33,6 +33,16 @@ class JobKind:
     def trains_on_ranks(self) -> bool:
         return self.trainer is not None
 
+    @property
+    def run_class(self) -> type:
+        """Its config as its processes receive it (with `deploy`), imported when asked for."""
+        return load(self.run)
+
+    @property
+    def config_class(self) -> type:
+        """Its flow's `config` parameter, imported when asked for."""
+        return load(self.config)
+
 
 def load(path: str):
     """The object a 'module:name' path names."""
@@ -51,6 +61,9 @@ KINDS: tuple[JobKind, ...] = (
     JobKind("dpo", "dpo", "direct preference optimisation on preference pairs (prompt, chosen, rejected), against "
             "the frozen model it starts from", "models.stages.config:DPORunConfig", "models.stages.config:DPORun",
             "models.stages.dpo:DPO", "policy"),
+    JobKind("kto", "kto", "KTO on completions labelled desirable or undesirable (or preference pairs, unpaired), "
+            "against the frozen model it starts from", "models.stages.kto:KTORunConfig", "models.stages.kto:KTORun",
+            "models.stages.kto:KTO", "policy"),
     JobKind("eval", "eval", "a policy against a reference policy on held-out prompts, judged by a reward model and a "
             "gold reward", "models.stages.config:EvalRunConfig", "models.stages.config:EvalRun"),
 )

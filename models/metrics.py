@@ -129,17 +129,18 @@ ONCE = Group("Once per run", tuple(kind.job for kind in KINDS), "At step 0, and 
     M(("checkpoint/iteration",), "The iteration (step) of each checkpoint saved.", None, ("never",)),
     M(("system/*",), "CPU, memory, disk, network (GPU when present) from MLflow's system metrics (`deploy.tracking.system_metrics`).", None, ("never",)),
 ))
-STAGES = Group("The stages (`rlhf sft`, `rlhf reward-model`, `rlhf dpo`, the pipeline)", TRAINED_ON_RANKS, "At step = the optimizer step; the held-out eval's at the step it ran after (0: before the first).", (
-    M(("train/loss", "train/grad_norm", "train/skipped_steps"), "Of the step's optimizer update: the mean loss (SFT: -log p over completion tokens; reward model: Bradley-Terry; DPO: its loss), the gradient norm before clipping, steps skipped for a non-finite loss or norm."),
+STAGES = Group("The stages (`rlhf sft`, `rlhf reward-model`, `rlhf dpo`, `rlhf kto`, the pipeline)", TRAINED_ON_RANKS, "At step = the optimizer step; the held-out eval's at the step it ran after (0: before the first).", (
+    M(("train/loss", "train/grad_norm", "train/skipped_steps"), "Of the step's optimizer update: the mean loss (SFT: -log p over completion tokens; reward model: Bradley-Terry; DPO, KTO: theirs), the gradient norm before clipping, steps skipped for a non-finite loss or norm."),
     M(("learning_rate", "step", "rows"), "The learning rate after the step, optimizer steps so far, rows (SFT) or pairs (reward model, DPO) consumed."),
     M(("train/accuracy", "train/margin", "train/min_reward", "train/mean_reward", "train/max_reward"), "Reward model, the step's pairs, as TRL's RewardTrainer names them: the share with r(chosen) > r(rejected), mean r(chosen) - r(rejected), the rewards' range and mean.", "same"),
-    M(("eval/loss", "eval/num_tokens"), "SFT, held out: the mean -log p over the completion tokens, and how many there were. Reward model and DPO: their loss over the held-out pairs.", "eval_loss"),
+    M(("eval/loss", "eval/num_tokens"), "SFT, held out: the mean -log p over the completion tokens, and how many there were. Reward model, DPO and KTO: their loss over the held-out pairs (rows).", "eval_loss"),
     M(("eval/accuracy", "eval/margin", "eval/min_reward", "eval/mean_reward", "eval/max_reward", "eval/pairs"), "Reward model, held out, as TRL's RewardTrainer names them (above), and the pairs scored (DPO too).", "eval_accuracy"),
     M(("reward_mean", "reward_std"), "Reward model: the statistics of its held-out rewards, stored in its config.json (`reward.normalize`)."),
-    M(("train/rewards/chosen", "train/rewards/rejected", "eval/rewards/chosen", "eval/rewards/rejected"), "DPO: the mean implicit reward beta x (log pi(y) - log pi_ref(y)) of the chosen and of the rejected completions (log-probabilities summed over the completion's tokens).", "rewards/chosen"),
+    M(("train/rewards/chosen", "train/rewards/rejected", "eval/rewards/chosen", "eval/rewards/rejected"), "DPO and KTO (held out): the mean implicit reward beta x (log pi(y) - log pi_ref(y)) of the chosen (desirable) and of the rejected (undesirable) completions (log-probabilities summed over the completion's tokens).", "rewards/chosen"),
     M(("train/rewards/accuracies", "eval/rewards/accuracies"), "DPO: the share of pairs whose chosen completion's implicit reward exceeds the rejected one's.", "rewards/accuracies"),
-    M(("train/rewards/margins", "eval/rewards/margins"), "DPO: the mean implicit reward of the chosen minus the rejected completion.", "rewards/margins"),
-    M(("train/logps/chosen", "train/logps/rejected", "eval/logps/chosen", "eval/logps/rejected"), "DPO: the mean log-probability of the chosen and of the rejected completions under the policy, summed over their tokens.", "logps/chosen"),
+    M(("train/rewards/margins", "eval/rewards/margins"), "DPO and KTO (held out): the mean implicit reward of the chosen minus the rejected completions.", "rewards/margins"),
+    M(("train/kl", "eval/kl"), "KTO: the KL term z0 of its loss, the policy's KL to its reference on mismatched (prompt, completion) pairs of the batch (held out: of all held-out rows), clamped at 0.", "kl"),
+    M(("train/logps/chosen", "train/logps/rejected", "eval/logps/chosen", "eval/logps/rejected"), "DPO and KTO (held out): the mean log-probability of the chosen and of the rejected completions under the policy, summed over their tokens.", "logps/chosen"),
 ))
 EVAL_JOB = Group("The eval (`rlhf eval`, a pipeline's eval stage)", ("eval", "pipeline"), "At step 0: the policy under test (a pipeline's RL or DPO policy) against the reference policy (its SFT policy), each sampling the same held-out prompts with one seed.", (
     M(("eval/policy_rm_score", "eval/reference_rm_score", "eval/win_rate"), "The reward model's mean score of each policy, and the share of paired samples where the policy's scores higher (a tie counts one half)."),

@@ -134,7 +134,6 @@ def config_reference() -> str:
     from models.config import RunConfig
     from models.deploy import DeployConfig
     from models.kinds import JOBS_BUT_RL
-    from models.stages.config import STAGE_RUN_CONFIGS
 
     trees = [("config", "`config`: what an RL run trains (`RunConfig`; `rlhf train`, ppo/default, reinforce/default)",
               RunConfig(), ()),
@@ -142,7 +141,7 @@ def config_reference() -> str:
              ("pipeline", "A pipeline (`PipelineConfig`; `rlhf pipeline`, pipeline/default): its `rl` section is a "
                           "`RunConfig` (above)", PipelineConfig(), ("rl",))]
     for kind in JOBS_BUT_RL:  # every other kind of job (models/kinds.py)
-        config = STAGE_RUN_CONFIGS[kind.job]
+        config = kind.config_class
         where = f"`rlhf {kind.command}`" + (f", {kind.command}/default" if kind.trains_on_ranks else "")
         trees.append((kind.job, f"`{kind.job}`: {kind.summary} ({where}; `{config.__name__}`)", config(), ()))
     trees.append(("sweep", "A sweep (`SweepConfig`; `rlhf sweep`, sweep/default)",

@@ -16,7 +16,6 @@ from components.sweep.experiment import ExperimentConfig
 from models.config import PRESETS, RLHFConfig, describe, load_config
 from models.deploy import DeployConfig
 from models.kinds import JOBS_BUT_RL
-from models.stages.config import STAGE_RUNS
 from models.tiny import build_tiny
 
 # Where `rlhf train`'s parts run unless its config says otherwise: the critic and reward model in this process (no
@@ -49,7 +48,7 @@ def described(what: str):
         return SweepConfig.model_construct(name="<name>", space={})
     if what == "experiment":
         return ExperimentConfig.model_construct(name="<name>", arms={})
-    by_command = {kind.command: STAGE_RUNS[kind.job] for kind in JOBS_BUT_RL}
+    by_command = {kind.command: kind.run_class for kind in JOBS_BUT_RL}
     return {"deploy": DeployConfig, "pipeline": PipelineFile, **by_command}[what]()
 
 

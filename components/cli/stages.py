@@ -8,7 +8,7 @@ from components.cli.files import load_tree, write_summary
 from components.pipeline.config import PipelineFile
 from components.pipeline.run import run_pipeline
 from components.runs import train
-from models.stages.config import STAGE_RUNS
+from models.kinds import BY_JOB
 
 # Where `rlhf pipeline`'s RL stage runs its critic and reward model unless the file says otherwise: in this process,
 # as `rlhf train` does (components/cli/commands.TRAIN_DEPLOY)
@@ -18,7 +18,7 @@ PIPELINE_DEPLOY = {"critic": {"launch": "in_process"}, "reward": {"launch": "in_
 def cmd_stage(args) -> int:
     """A stage run (sft, reward_model, dpo) or an eval in this process: checkpoints, resume by run_name, MLflow,
     held-out eval."""
-    result = train(load_tree(STAGE_RUNS[args.stage], args.config, args.set))
+    result = train(load_tree(BY_JOB[args.stage].run_class, args.config, args.set))
     write_summary(result, args.summary_out)
     return 0
 

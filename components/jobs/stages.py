@@ -23,7 +23,7 @@ from models.export import export_spec
 from models.loop import DIRECT, Steps
 from models.policy import load_policy_tokenizer
 from models.stages.config import StageRun
-from models.stages.data import Pairs, Sequences, load_pairs, load_sequences, position_limit
+from models.stages.data import Pairs, Sequences, position_limit
 from models.stages.kinds import stage_kind
 from models.stages.train import total_steps
 
@@ -87,7 +87,7 @@ def stage_rows(stage: str, train, path: str, held_out_only: bool = False, deploy
 
     tokenizer = load_policy_tokenizer(path, "model")
     limit = position_limit(tokenizer, train.max_length, AutoConfig.from_pretrained(path))
-    load = load_pairs if stage_kind(stage).pairs else load_sequences
+    load = stage_kind(stage).load_rows
     field_name = f"{stage}.data"
     data = None if held_out_only else load(train.data, train.split, tokenizer, limit, field_name, train.subset,
                                            train.revision, deploy)

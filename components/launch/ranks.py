@@ -30,8 +30,8 @@ quiet()  # this module is a process's entry point too: before the model librarie
 from components.storage import s3  # noqa: F401 - registers the s3:// transport: a rank loads an s3:// model itself
 from models import distributed
 from models.config import RLHFConfig
+from models.kinds import BY_JOB
 from models.loop import Leader, build_actor, execute
-from models.stages.config import STAGE_RUNS
 from models.stages.kinds import build_stage
 from models.stages.train import StageLeader, execute_stage
 
@@ -41,7 +41,8 @@ def job(name: str):
     trainee (models/stages/train.py)."""
     if name == RLHFConfig.job:
         return RLHFConfig, build_actor, execute, Leader
-    return STAGE_RUNS[name], build_stage, execute_stage, StageLeader
+    return BY_JOB[name].run_class, build_stage, execute_stage, StageLeader
+
 
 @contextmanager
 def actor_ranks(cfg, log_dir: Path) -> Iterator[Leader]:

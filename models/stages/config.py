@@ -18,7 +18,6 @@ from models.config import (PROMPT_SOURCES, RUN_NAME_PATTERN, CheckpointConfig, L
                            TrackingConfig)
 from models.deploy import DeployConfig
 from models.sections import OptimConfig, Section
-from models.kinds import JOBS_BUT_RL, load
 from models.resolve import Resolved, resolve_model
 
 
@@ -217,7 +216,18 @@ class EvalRun(EvalRunConfig, Deployed):
     deploy: DeployConfig = Field(default_factory=DeployConfig, description=DEPLOY_DESCRIPTION)
 
 
-StageRun = SFTRun | RewardModelRun | DPORun
-# every job but RL's, by name: its config as a run receives it (with `deploy`), and as a flow's `config` parameter
-STAGE_RUNS: dict[str, type] = {kind.job: load(kind.run) for kind in JOBS_BUT_RL}
-STAGE_RUN_CONFIGS: dict[str, type] = {kind.job: load(kind.config) for kind in JOBS_BUT_RL}
+StageRun = SFTRun | RewardModelRun | DPORun  # and any other stage's (models/kinds.py: a JobKind's `run`)
+
+
+def stage_run_configs(stage: str, section: type, doc: str) -> tuple[type, type]:
+    """(the run config of a stage whose section is `section`: what its flow's `config` parameter takes, the same with
+    its deployment: what its processes receive), for a stage declared outside this module (models/stages/kto.py)."""
+    name = section.__name__.removesuffix("Config")
+    config = type(f"{name}RunConfig", (StageRunConfig,), {
+        "__doc__": doc, "__module__": section.__module__, "__annotations__": {"stage": ClassVar[str], stage: section},
+        "stage": stage, stage: Field(default_factory=section, description=f"The {name} stage.")})
+    run = type(f"{name}Run", (config, Deployed), {
+        "__doc__": f"{doc.rstrip('.')}, with its deployment.", "__module__": section.__module__,
+        "__annotations__": {"deploy": DeployConfig}, "deploy": Field(default_factory=DeployConfig,
+                                                                    description=DEPLOY_DESCRIPTION)})
+    return config, run

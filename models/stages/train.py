@@ -37,7 +37,7 @@ from models.loop import Leader, restore_actor, save_actor
 from models.losses import bradley_terry_loss, completion_mask, sft_loss
 from models.policy import Policy, load_policy_tokenizer, load_trained, save_trained
 from models.stages.config import StageRun
-from models.stages.data import right_padded
+from models.stages.data import load_pairs, load_sequences, right_padded
 from models.update import MicroLoss, micro_batches, minibatch_update
 
 
@@ -136,6 +136,12 @@ class StageKind:
 
     name: str
     pairs: bool  # trains on preference pairs (models/stages/data.load_pairs), else on SFT rows (load_sequences)
+
+    def load_rows(self, source: str, split: str, tokenizer, max_length: int | None, field: str,
+                  subset: str | None = None, revision: str | None = None, deploy=None):
+        """Its rows of `source` tokenized (models/stages/data.py): preference pairs, or SFT rows."""
+        load = load_pairs if self.pairs else load_sequences
+        return load(source, split, tokenizer, max_length, field, subset, revision, deploy)
 
     def build(self, cfg: StageRun, path: str, device: torch.device, me: Dist, shard: bool):
         """This rank's trainee, from the model at `path`."""

@@ -21,6 +21,7 @@ import uuid
 
 import pytest
 
+from models.kinds import BY_JOB, STAGES
 from tests.infra.schemas import validate
 from tests.infra.test_terraform import (POOLS, SAMPLE_ENV, _flow_name, _prefect_yaml, _render_template, _rendered,
                                         _sample_values)
@@ -63,9 +64,10 @@ def _env(job: dict) -> dict:
 
 
 def test_every_deployment_is_rendered(rendered):
-    assert len(rendered) == len(_prefect_yaml()["deployments"]) == 12
+    assert len(rendered) == len(_prefect_yaml()["deployments"]) == 9 + len(STAGES)  # a deployment per stage
     assert {"ppo/default", "reinforce/default", "critic-server/default", "rollout-server/default",
-            "sweep/default", "experiment/default", "dpo/default", "pipeline/default"} <= set(rendered)
+            "sweep/default", "experiment/default", "pipeline/default",
+            *(f"{BY_JOB[stage].command}/default" for stage in STAGES)} <= set(rendered)
 
 
 def test_every_pod_runs_its_flow_run(rendered):
@@ -98,8 +100,9 @@ def test_the_images_and_pools(rendered):
         expected = SAMPLE_ENV["RLHF_VLLM_IMAGE"] if name == "rollout-server/default" else SAMPLE_ENV["RLHF_IMAGE"]
         assert image == expected, name
         role = job["spec"]["template"]["spec"]["nodeSelector"]["rlhf/role"]
-        assert role == ("actor" if name in ("ppo/default", "reinforce/default", "sft/default", "reward-model/default",
-                                            "dpo/default", "pipeline/default") else "critic"), name
+        on_actors = {"ppo/default", "reinforce/default", "pipeline/default",
+                     *(f"{BY_JOB[stage].command}/default" for stage in STAGES)}  # the runs that train
+        assert role == ("actor" if name in on_actors else "critic"), name
 
 
 def test_every_job_is_valid_for_kubernetes(rendered):
