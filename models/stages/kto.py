@@ -171,10 +171,13 @@ def all_logps(trainee, batch: dict, size: int, me, reference_too: bool = True) -
     return torch.cat(logps)[:n], (torch.cat(refs)[:n] if reference_too else None)
 
 
-def kl_term(trainee, rows: dict, size: int, me) -> Tensor:
-    """z0: the mean KL estimate on the mismatched KL sequences of the global batch, clamped at 0 (TRL's)."""
+def kl_term(trainee, rows: dict, train: KTOConfig, me) -> Tensor:
+    """z0: the mean KL estimate on the mismatched KL sequences of the global batch, clamped at 0 (TRL's); 0 for
+    apo_zero_unpaired, whose loss has none."""
+    if train.loss_type != "kto":
+        return torch.zeros((), dtype=torch.float64)
     with torch.no_grad():
-        logps, refs = all_logps(trainee, labeled_batch(rows, trainee.pad_id, kl=True), size, me)
+        logps, refs = all_logps(trainee, labeled_batch(rows, trainee.pad_id, kl=True), train.micro_batch_size, me)
         total = me.all_reduce(torch.stack([(logps - refs).sum(), torch.tensor(float(len(logps)), dtype=torch.float64)]))
     return (total[0] / total[1].clamp(min=1)).clamp(min=0)
 
@@ -191,8 +194,7 @@ class KTO(DPO):
     def step(self, trainee, cfg, mine):
         train = cfg.train
         batch = labeled_batch(mine, trainee.pad_id)
-        kl = (kl_term(trainee, mine, train.micro_batch_size, trainee.me) if train.loss_type == "kto"
-              else torch.zeros((), dtype=torch.float64))
+        kl = kl_term(trainee, mine, train, trainee.me)
 
         def micro_loss(idx: Tensor):
             logps, _ = completion_logps(trainee, batch, idx)
@@ -206,8 +208,7 @@ class KTO(DPO):
         """eval/loss, eval/kl and TRL's eval/rewards/* and eval/logps/* over the held-out rows (float64), the KL
         term over all of them."""
         train = cfg.train
-        kl = (kl_term(trainee, mine, train.micro_batch_size, me) if train.loss_type == "kto"
-              else torch.zeros((), dtype=torch.float64))
+        kl = kl_term(trainee, mine, train, me)
         batch = labeled_batch(mine, trainee.pad_id)
         logps, refs = all_logps(trainee, batch, train.micro_batch_size, me)
         logps, refs, labels = me.all_gather_cat(logps), me.all_gather_cat(refs), me.all_gather_cat(batch["labels"].long())
