@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 TF = REPO / "infra" / "terraform"
 MODULES = TF / "modules"
 ENV_DEV = TF / "envs" / "dev"
-MODULE_NAMES = ("network", "cluster", "gpu_pool", "artifacts", "iam", "prefect", "addons", "registry", "cache")
+MODULE_NAMES = ("network", "cluster", "gpu_pool", "artifacts", "iam", "prefect", "addons", "registry", "cache",
+                "admission")
 TEMPLATE = MODULES / "prefect" / "templates" / "base_job_template.json.tftpl"
 JOB_VARIABLES = TF / "job_variables.json"
 CHECKOV = REPO / ".venv-checkov" / "bin" / "checkov"
@@ -126,8 +127,9 @@ def _terraform_binary() -> str:
     return found
 
 
-def _render_template(values: dict, template: Path = TEMPLATE):
-    """Render a templatefile() template the way Terraform would, for the subset of syntax it uses."""
+def _render_template(values: dict, template: Path = TEMPLATE, parse=json.loads):
+    """Render a templatefile() template the way Terraform would, for the subset of syntax it uses; `parse` reads the
+    result (JSON, or yaml.safe_load for a YAML template)."""
     text = template.read_text(encoding="utf-8")
     assert "%{" not in text, "template directives are not supported by this renderer"
 
@@ -143,7 +145,7 @@ def _render_template(values: dict, template: Path = TEMPLATE):
         return str(values[expr])
 
     rendered = re.sub(r"\$\{([^}]*)\}", substitute, text)
-    return json.loads(rendered)
+    return parse(rendered)
 
 
 def _template_names() -> set[str]:

@@ -54,7 +54,8 @@ def _by_kind(manifests, kind):
 def test_a_two_node_ppo_run_with_two_vllm_replicas_writes_every_object_and_each_validates(manifests):
     kinds = sorted(o["kind"] for o in manifests.values())
     # the critic carries the reward model (critic.combine_reward): no reward server
-    assert kinds == ["JobSet", "LeaderWorkerSet", "LeaderWorkerSet", "NetworkPolicy", "NetworkPolicy", "Secret", "Secret"]
+    # the node groups' two policies (the controller's) and the servers' two (node group 0's Job's)
+    assert kinds == ["JobSet", "LeaderWorkerSet", "LeaderWorkerSet", *["NetworkPolicy"] * 4, "Secret", "Secret"]
     for obj in manifests.values():
         validate(obj)
         assert obj["metadata"]["namespace"] == "rlhf" and obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "rlhf-flows"
@@ -91,6 +92,12 @@ def test_the_jobset_runs_torchrun_on_every_node_and_finds_rank_0_through_its_own
         "name": "prefect-api-key", "key": "key"}}}
     assert "pnu_not-to-be-copied" not in json.dumps(manifests)  # a secret is only ever referenced
     assert name.startswith("rlhf-demo-") and len(f"{name}-node-0-1") <= 63
+    # the node groups reach each other through their own run's policy (no namespace-wide rule between pods)
+    labels = job["template"]["metadata"]["labels"]
+    ranks = next(p for p in _by_kind(manifests, "NetworkPolicy") if p["metadata"]["name"] == f"rlhf-{labels['rlhf/run']}-run")
+    assert ranks["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert {"podSelector": {"matchLabels": {"rlhf/run": labels["rlhf/run"]}}} in ranks["spec"]["egress"][0]["to"]
+    assert pod["automountServiceAccountToken"] is True  # node group 0's rank 0 creates the run's servers
 
 
 def test_each_server_is_a_leader_worker_set_of_its_replicas_holding_the_runs_secret_by_reference(manifests):
@@ -109,8 +116,11 @@ def test_each_server_is_a_leader_worker_set_of_its_replicas_holding_the_runs_sec
         assert {"name": "RLHF_RUN_SECRET_FILE", "value": "/var/run/rlhf/secret"} in container["env"]
         labels = template["workerTemplate"]["metadata"]["labels"]
         policies = _by_kind(manifests, "NetworkPolicy")
-        servers = next(p for p in policies if p["metadata"]["name"].endswith("-servers"))
+        servers = next(p for p in policies if p["metadata"]["name"] == f"rlhf-{labels['rlhf/run']}-run")
         assert servers["spec"]["podSelector"]["matchLabels"].items() <= labels.items()  # the run's policy selects it
+        # a server's pods never call the API: no token; its Secret is named after the run's Job
+        assert template["workerTemplate"]["spec"]["automountServiceAccountToken"] is False
+        assert volume["secret"]["secretName"].startswith(f"{labels['rlhf/run']}-")
     for secret in secrets.values():  # a placeholder: the run's secret is made when the run starts
         assert secret["stringData"]["secret"].startswith("<")
 
