@@ -219,7 +219,7 @@ class RunSession:
                               stored=stored, fence=self.lease.token)
         for key in (stored or {}).values():
             self.store.delete_dir(key)
-        self.store.prune(self.cfg.checkpoint.keep_last)
+        self.store.prune(self.cfg.checkpoint.keep_last, fence=self.lease.token)
         self.tracker.log_checkpoint(uri, step.iteration)
         shutil.rmtree(staging, ignore_errors=True)
         return uri
