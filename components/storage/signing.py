@@ -11,7 +11,7 @@ name), so a record signed for one run never verifies in another's store:
 The store key is a secret of the deployment, never in the bucket, the config, a command line or a log; the first of:
 - $RLHF_STORE_KEY: the key itself (a Kubernetes Secret's value through a secretKeyRef: deploy.cluster.secret_env);
 - $RLHF_STORE_KEY_FILE: a file holding it (a mounted Secret);
-- $RLHF_STORE_KEY_SECRET: an AWS Secrets Manager secret (its ARN or name) holding it, read with the process's own AWS
+- $RLHF_STORE_SIGNER_ARN: an AWS Secrets Manager secret (its ARN or name) holding it, read with the process's own AWS
   credentials: what infra/terraform makes (terraform output store_key_secret_arn) and gives every pod of the
   cluster, whose roles alone may read it;
 - else this user's key file, $XDG_CONFIG_HOME/rlhf-flows/store.key (~/.config/...), made on first use (mode 0600):
@@ -39,7 +39,7 @@ from typing import Mapping
 
 KEY_ENV = "RLHF_STORE_KEY"
 KEY_FILE_ENV = "RLHF_STORE_KEY_FILE"
-KEY_SECRET_ENV = "RLHF_STORE_KEY_SECRET"
+KEY_ARN_ENV = "RLHF_STORE_SIGNER_ARN"  # not a secret: where it is (a name with KEY or SECRET is refused in pod specs)
 MIN_KEY_CHARS = 32
 MAC = "mac"  # the field of a signed record that holds its signature
 _CONTEXT = b"rlhf-flows checkpoint store v1\0"
@@ -65,11 +65,11 @@ def store_key(env: Mapping[str, str] = os.environ) -> bytes:
             return _checked(path.read_text(), f"${KEY_FILE_ENV} ({path})")
         except OSError as exc:
             raise StoreKeyError(f"${KEY_FILE_ENV}: cannot read {path}: {exc.strerror or exc}") from None
-    if env.get(KEY_SECRET_ENV):
-        return _checked(_aws_secret(env[KEY_SECRET_ENV]), f"${KEY_SECRET_ENV} ({env[KEY_SECRET_ENV]})")
+    if env.get(KEY_ARN_ENV):
+        return _checked(_aws_secret(env[KEY_ARN_ENV]), f"${KEY_ARN_ENV} ({env[KEY_ARN_ENV]})")
     path = default_key_file(env)
     if not path.exists() and env.get("KUBERNETES_SERVICE_HOST"):
-        raise StoreKeyError(f"no store key: set ${KEY_SECRET_ENV} (terraform output store_key_secret_arn), "
+        raise StoreKeyError(f"no store key: set ${KEY_ARN_ENV} (terraform output store_key_secret_arn), "
                             f"${KEY_FILE_ENV} or ${KEY_ENV} (a Kubernetes Secret); in a pod, {path} would be gone "
                             f"with it, and the run's next attempt could not check what this one signs")
     return _checked(_made(path), str(path))
@@ -91,7 +91,7 @@ def _aws_secret(secret_id: str) -> str:
     try:
         return boto3.client("secretsmanager").get_secret_value(SecretId=secret_id)["SecretString"]
     except (BotoCoreError, ClientError, KeyError) as exc:
-        raise StoreKeyError(f"${KEY_SECRET_ENV}: cannot read the store key from AWS Secrets Manager secret "
+        raise StoreKeyError(f"${KEY_ARN_ENV}: cannot read the store key from AWS Secrets Manager secret "
                             f"{secret_id!r}: {exc}") from None
 
 
