@@ -1,12 +1,12 @@
 """Static checks that a run's servers on the cluster serve that run only (issue 32): the VPC CNI enforces
 NetworkPolicies; the namespace denies ingress by default and lets actor pods reach actor pods; server pods carry the
 rlhf/run label the run's own policies select on (components/cluster/network_policy.py, cross-checked here); a run
-may create and delete NetworkPolicies and read its Job, nothing more; the critic role writes only its pending saves;
-leases and commit points are written only by conditional puts. (checkov scans the new resources in test_terraform.)"""
+may create and delete NetworkPolicies and read its Job, nothing more. (A run's S3 credentials: test_run_credentials.py;
+checkov scans the new resources in test_terraform.)"""
 
 from __future__ import annotations
 
-from tests.infra.test_terraform import (ENV_DEV, MODULES, _blocks, _locals, _one, _render_template, _resources,
+from tests.infra.test_terraform import (ENV_DEV, MODULES, _blocks, _one, _render_template, _resources,
                                         _sample_values)
 
 from components.cluster.network_policy import JOB_LABEL, PODINFO_DIR, RUN_LABEL, own_job, policies
@@ -73,21 +73,3 @@ def test_a_run_may_manage_its_own_objects_in_its_namespace_only():
     subject = _one(binding["subject"])
     assert subject["kind"] == "ServiceAccount" and subject["name"] == "${var.actor_service_account_name}"
     assert _one(binding["role_ref"])["kind"] == "Role"  # namespaced, never a ClusterRole
-
-
-def test_the_critic_writes_only_its_pending_saves_and_leases_and_commits_are_conditional():
-    module = MODULES / "iam"
-    writes = _locals(module)["write_resources"]
-    assert writes["critic"] == ["${var.bucket_arn}/${var.checkpoint_prefix}*/critic-pending/*"]
-    assert writes["actor"] == ["${var.bucket_arn}/${var.s3_prefix}*"]
-    document = _resources(module, "data")[("aws_iam_policy_document", "s3")]
-    statements = {s.get("sid"): s for s in document["statement"]}
-    assert statements["ObjectsUnderPrefix"]["actions"] == "${local.read_actions}"  # reads everywhere, writes per role
-    lease = statements["LeasesOnlyByConditionalWrites"]
-    assert lease["effect"] == "Deny" and lease["resources"] == ["${var.bucket_arn}/${var.checkpoint_prefix}*/lease.json"]
-    assert {(c["test"], c["variable"]) for c in lease["condition"]} == {("Null", "s3:if-none-match"),
-                                                                        ("Null", "s3:if-match")}
-    commit = statements["CommitPointsCreateOnly"]
-    assert commit["effect"] == "Deny" and commit["resources"][0].endswith("*/state.json")
-    assert [(c["test"], c["variable"]) for c in commit["condition"]] == [("Null", "s3:if-none-match")]
-    assert _blocks(ENV_DEV, "module")["iam"]["checkpoint_prefix"] == "${var.checkpoint_prefix}"
