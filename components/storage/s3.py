@@ -71,8 +71,13 @@ def tagged_session(region: str, run: str, env: Mapping[str, str] = os.environ) -
     sts = boto3.session.Session(region_name=region).client("sts")
 
     def assume() -> dict:
-        issued = sts.assume_role(RoleArn=role, RoleSessionName=f"rlhf-{run}"[:64], DurationSeconds=3600,
-                                 Tags=[{"Key": RUN_TAG, "Value": run}])["Credentials"]
+        try:
+            issued = sts.assume_role(RoleArn=role, RoleSessionName=f"rlhf-{run}"[:64], DurationSeconds=3600,
+                                     Tags=[{"Key": RUN_TAG, "Value": run}])["Credentials"]
+        except (BotoCoreError, ClientError) as exc:
+            raise PermissionError(f"run {run}: cannot get its S3 credentials, sts:AssumeRole of {role} with the "
+                                  f"session tag {RUN_TAG}={run} failed ({exc}); the role's trust policy must let it "
+                                  f"assume itself with that tag (infra/terraform/modules/iam)") from None
         return {"access_key": issued["AccessKeyId"], "secret_key": issued["SecretAccessKey"],
                 "token": issued["SessionToken"], "expiry_time": issued["Expiration"].isoformat()}
 

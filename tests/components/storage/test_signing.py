@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import re
+import socket
 import stat
 import subprocess
 import sys
@@ -178,3 +179,20 @@ def test_a_run_stores_requests_carry_its_run_tagged_credentials_under_irsa(recor
     CheckpointStore.from_uri(f"s3://{bucket}/rlhf/checkpoints/exp-tag", s3_endpoint_url=endpoint).list()
     assert not [body for *_, body, _ in seen if b"AssumeRole" in body]
     assert all("Credential=testing/" in h["Authorization"] for _, path, h, *_ in seen if path.startswith(f"/{bucket}"))
+
+
+def test_a_run_store_that_cannot_get_its_run_credentials_fails_naming_the_role_and_tag(s3_bucket, tmp_path: Path,
+                                                                                     monkeypatch: pytest.MonkeyPatch):
+    endpoint, bucket = s3_bucket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{s.getsockname()[1]}"  # nobody listens there once the block ends
+    (tmp_path / "token").write_text("a web identity token")
+    monkeypatch.setenv("AWS_ROLE_ARN", "arn:aws:iam::123456789012:role/dev-actor-pod")
+    monkeypatch.setenv("AWS_WEB_IDENTITY_TOKEN_FILE", str(tmp_path / "token"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL_STS", closed)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    with pytest.raises(PermissionError, match=r"run exp-x: cannot get its S3 credentials, sts:AssumeRole of "
+                                              r"arn:aws:iam::123456789012:role/dev-actor-pod with the session tag "
+                                              r"run=exp-x failed"):
+        CheckpointStore.from_uri(f"s3://{bucket}/rlhf/checkpoints/exp-x", s3_endpoint_url=endpoint)
