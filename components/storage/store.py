@@ -111,10 +111,9 @@ def _record(seq: int, fence: str | None, checkpoints: list[dict]) -> dict:
 class CheckpointStore:
     """Versioned training checkpoints (`iter_<N>-<seq>-<id>/`) plus a signed `latest.json` (the module docstring)."""
 
-    def __init__(self, uri: str, backend: Backend, key: bytes | None = None) -> None:
+    def __init__(self, uri: str, backend: Backend) -> None:
         self.uri = uri
         self._backend = backend
-        self._key = key
 
     @property
     def name(self) -> str:
@@ -125,8 +124,9 @@ class CheckpointStore:
 
     @functools.cached_property
     def signer(self) -> Signer:
-        """What signs and checks this store's records: the key given, else the deployment's (signing.store_key)."""
-        return Signer(self._key if self._key is not None else store_key(), self.name)
+        """What signs and checks this store's records: the run's key, from the deployment's store key (found when a
+        record is first signed or checked: components/storage/signing.py)."""
+        return Signer(store_key(), self.name)
 
     @classmethod
     def from_uri(
@@ -137,11 +137,9 @@ class CheckpointStore:
         region: str | None = None,
         multipart_threshold: int = 64 * 1024 * 1024,
         multipart_chunksize: int = 16 * 1024 * 1024,
-        key: bytes | None = None,
     ) -> CheckpointStore:
-        """Open a store; for S3 this probes the endpoint and bucket and fails fast. On S3 its requests carry the
-        credentials of its name (components/storage/s3.py: tagged_session); `key`: the deployment's store key (None:
-        found as components/storage/signing.py says, when a record is first signed or checked)."""
+        """Open a store; for S3 this probes the endpoint and bucket and fails fast, and its requests carry the
+        credentials of its name (components/storage/s3.py: tagged_session)."""
         parsed = urlparse(uri)
         if parsed.scheme == "s3":
             location = S3Location.parse(uri)
@@ -155,7 +153,7 @@ class CheckpointStore:
                 run=location.prefix.rsplit("/", 1)[-1] or location.bucket,
             )
             s3.probe()
-            return cls(location.uri, S3Backend(s3), key)
+            return cls(location.uri, S3Backend(s3))
         if parsed.scheme == "file":
             if parsed.netloc not in ("", "localhost"):
                 raise CheckpointError(f"file URI must be file:///absolute/path, got {uri!r}")
@@ -169,7 +167,7 @@ class CheckpointStore:
             backend = LocalBackend(root)
         except OSError as exc:
             raise CheckpointError(f"cannot create checkpoint directory {root}: {exc}") from exc
-        return cls(root.as_uri(), backend, key)
+        return cls(root.as_uri(), backend)
 
     @property
     def s3(self) -> S3Store | None:
