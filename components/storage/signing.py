@@ -37,6 +37,9 @@ import secrets
 from pathlib import Path
 from typing import Mapping
 
+import boto3
+from botocore.exceptions import BotoCoreError, ClientError
+
 KEY_ENV = "RLHF_STORE_KEY"
 KEY_FILE_ENV = "RLHF_STORE_KEY_FILE"
 KEY_ARN_ENV = "RLHF_STORE_SIGNER_ARN"  # not a secret: where it is (a name with KEY or SECRET is refused in pod specs)
@@ -85,9 +88,6 @@ def _checked(value: str, where: str) -> bytes:
 @functools.lru_cache(maxsize=None)
 def _aws_secret(secret_id: str) -> str:
     """The value of an AWS Secrets Manager secret (read once per process)."""
-    import boto3  # the cluster's key only: a local key needs no AWS
-    from botocore.exceptions import BotoCoreError, ClientError
-
     try:
         return boto3.client("secretsmanager").get_secret_value(SecretId=secret_id)["SecretString"]
     except (BotoCoreError, ClientError, KeyError) as exc:
