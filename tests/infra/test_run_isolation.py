@@ -5,8 +5,8 @@ NetworkPolicies, the namespace denies traffic both ways by default and lets pods
 that call it) and addresses outside the VPC but the instance metadata service, never to other pods; a run's pods
 carry the labels its own policies select on (components/cluster/network_policy.py, cross-checked here); a run may
 create and delete its objects and read its Job, nothing more (the admission policy that keeps it to its own objects:
-test_admission_policy.py); the critic role writes only its pending saves; leases and commit points are written only by
-conditional puts. (checkov scans the new resources in test_terraform.)"""
+test_admission_policy.py). (A run's S3 credentials: test_run_credentials.py; checkov scans the new resources in
+test_terraform.)"""
 
 from __future__ import annotations
 
@@ -220,21 +220,3 @@ def test_a_run_may_manage_its_own_objects_in_its_namespace_only():
     subject = _one(binding["subject"])
     assert subject["kind"] == "ServiceAccount" and subject["name"] == "${var.actor_service_account_name}"
     assert _one(binding["role_ref"])["kind"] == "Role"  # namespaced, never a ClusterRole
-
-
-def test_the_critic_writes_only_its_pending_saves_and_leases_and_commits_are_conditional():
-    module = MODULES / "iam"
-    writes = _locals(module)["write_resources"]
-    assert writes["critic"] == ["${var.bucket_arn}/${var.checkpoint_prefix}*/critic-pending/*"]
-    assert writes["actor"] == ["${var.bucket_arn}/${var.s3_prefix}*"]
-    document = _resources(module, "data")[("aws_iam_policy_document", "s3")]
-    statements = {s.get("sid"): s for s in document["statement"]}
-    assert statements["ObjectsUnderPrefix"]["actions"] == "${local.read_actions}"  # reads everywhere, writes per role
-    lease = statements["LeasesOnlyByConditionalWrites"]
-    assert lease["effect"] == "Deny" and lease["resources"] == ["${var.bucket_arn}/${var.checkpoint_prefix}*/lease.json"]
-    assert {(c["test"], c["variable"]) for c in lease["condition"]} == {("Null", "s3:if-none-match"),
-                                                                        ("Null", "s3:if-match")}
-    commit = statements["CommitPointsCreateOnly"]
-    assert commit["effect"] == "Deny" and commit["resources"][0].endswith("*/state.json")
-    assert [(c["test"], c["variable"]) for c in commit["condition"]] == [("Null", "s3:if-none-match")]
-    assert _blocks(ENV_DEV, "module")["iam"]["checkpoint_prefix"] == "${var.checkpoint_prefix}"

@@ -547,7 +547,8 @@ def test_prefect_yaml_job_variables_are_declared_by_the_work_pools():
 
 SAMPLE_ENV = {"RLHF_IMAGE": "registry.example.com/rlhf-flows:1", "RLHF_VLLM_IMAGE": "registry.example.com/vllm:1",
               "AWS_REGION": "us-east-1", "MLFLOW_TRACKING_URI": "https://mlflow.example.com",
-              "RLHF_S3_BUCKET": "bucket", "RLHF_SWEEP_STORAGE": "postgresql+psycopg2://db/optuna"}
+              "RLHF_S3_BUCKET": "bucket", "RLHF_SWEEP_STORAGE": "postgresql+psycopg2://db/optuna",
+              "RLHF_STORE_SIGNER_ARN": "arn:aws:secretsmanager:us-east-1:123456789012:secret:dev-store-key-abc"}
 
 
 def test_prefect_yaml_job_variables_are_valid_for_their_pool():
@@ -738,7 +739,8 @@ def test_network_has_private_subnets_nat_and_flow_logs():
 def test_irsa_roles_are_scoped_to_service_account_and_bucket_prefix():
     module = MODULES / "iam"
     data = _resources(module, "data")
-    assume = _one(data[("aws_iam_policy_document", "irsa_assume")]["statement"])
+    trust = data[("aws_iam_policy_document", "irsa_assume")]["statement"]
+    assume = next(s for s in trust if s["actions"] == ["sts:AssumeRoleWithWebIdentity"])  # (and itself, run-tagged)
     assert assume["actions"] == ["sts:AssumeRoleWithWebIdentity"]
     conditions = {c["variable"]: c for c in assume["condition"]}
     assert conditions["${local.oidc_host}:sub"]["test"] == "StringEquals"
@@ -746,7 +748,8 @@ def test_irsa_roles_are_scoped_to_service_account_and_bucket_prefix():
     s3 = data[("aws_iam_policy_document", "s3")]["statement"]
     resources = [r for s in s3 for r in s["resources"]]
     assert "*" not in resources
-    assert all(r.startswith("${var.bucket_arn}") or r == "${var.kms_key_arn}" for r in resources), resources
+    own = ("${var.kms_key_arn}", "${var.store_key_secret_arn}", "${local.role_arn_prefix}/${local.role_names[each.key]}")
+    assert all(r.startswith(("${var.bucket_arn}", "${local.run_store}")) or r in own for r in resources), resources
     objects = next(s for s in s3 if s.get("sid") == "ObjectsUnderPrefix")
     assert objects["resources"] == ["${var.bucket_arn}/${var.s3_prefix}*"]
     subjects = _locals(module)["service_accounts"]
