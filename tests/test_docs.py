@@ -13,7 +13,9 @@ from pydantic import BaseModel
 from benchmarks.run_all import PAGE
 from models.config import RunConfig
 from models.deploy import DeployConfig
-from tools.docs import CONFIG_REFERENCE, benchmarks_page, config_reference
+from models.kinds import KINDS
+from models.metrics import entries
+from tools.docs import CONFIG_REFERENCE, METRICS, benchmarks_page, config_reference, metrics_page
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,6 +37,14 @@ def test_config_reference_is_current_and_lists_every_field():
     assert len(names) > 100 and "deploy.actor.nproc_per_node" in names and "model.gradient_checkpointing" in names
     missing = [name for name in names if f"| `{name}` " not in page]  # "| `field` |", or marked advanced
     assert not missing, missing
+
+
+def test_the_metrics_page_is_generated_and_lists_each_metric_once_per_job():
+    """One metric scheme: docs/metrics.md is models/metrics.py's list, where a job's metric has one entry."""
+    assert METRICS.read_text() == metrics_page(), "docs/metrics.md is stale: run `python -m tools.docs`"
+    for job in [kind.job for kind in KINDS] + ["pipeline"]:
+        listed = [name for name, _ in entries(job)]
+        assert sorted({n for n in listed if listed.count(n) > 1}) == [], job
 
 
 def test_benchmarks_page_is_generated_from_the_results():

@@ -171,7 +171,7 @@ A placeholder in a name: `<name>` a reward function's name, `<phase>` a phase of
 
 NEEDS = {"critic": "PPO", "rloo": "RLOO", "vllm": "`rollout.engine=vllm`", "eval": "`eval.*`", "gold": "a gold reward",
          "functions": "reward functions", "binary": "0/1 scores", "async": "`rollout.max_off_policy_steps` > 0",
-         "environment": "`environment.factory` or `.verifiers`", "judged_as_run": "an eval's `run`",
+         "environment": "`environment.factory` or `.verifiers`",
          "never": "not a sweep's metric", "kl": "`kl.beta` > 0", "kl_loss": "the KL in the loss",
          "ratio_clip": "`loss.policy_loss=ppo`", "dual_clip": "`loss.clip_ratio_c`", "vespo": "`loss.policy_loss=vespo`",
          "dynamic": "`loss.dynamic_sampling`", "opd": "`algorithm=opd`"}

@@ -134,7 +134,7 @@ class EvalSection(Section):
     success_threshold: Optional[float] = Field(None, description="A sample of the policy under test succeeds when its reward-model score is at least this (eval/success, eval/pass_at_<k>, as an RL run's eval.success_threshold); None = only when every score is 0 or 1, success being 1.")
     temperature: float = Field(1.0, ge=0, description="Sampling temperature of both policies (0 = greedy: one response each tells little when both policies are near-deterministic).")
     gold: Optional[str] = Field("models.tasks.sentiment:gold_reward", pattern=r"^[\w.]+:\w+$", description="Gold reward 'package.module:function(prompts, responses)' read beside the reward model's score (proxy vs gold, as Gao et al. measure over-optimisation); None = no gold.")
-    table_rows: PositiveInt = Field(32, description="Prompts shown in the sample table (Prefect artifact and MLflow table).")
+    table_rows: PositiveInt = Field(32, description="Paired samples shown in the sample table (Prefect artifact and MLflow table).")
 
 
 class EvalJudging(EvalSection):

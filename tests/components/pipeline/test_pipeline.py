@@ -90,13 +90,13 @@ def test_a_first_run_builds_every_stage(runs):
     assert stages["sft"]["metrics"]["eval/loss"] > 0
     assert 0 <= stages["reward_model"]["metrics"]["eval/accuracy"] <= 1 and stages["reward_model"]["metrics"]["step"] == 30
     assert {"reward", "objective/gold_reward"} <= set(stages["rl"]["metrics"])
-    assert {"eval/win_rate", "eval/policy_rm_score", "eval/reference_rm_score", "eval/policy_gold_reward",
-            "eval/reference_gold_reward", "eval/gold_win_rate"} <= set(stages["eval"]["metrics"])
+    assert {"eval/win_rate", "eval/reward", "eval/reference/reward", "eval/gold_reward", "eval/reference/gold_reward",
+            "eval/gold_win_rate"} <= set(stages["eval"]["metrics"])  # an RL run's held-out eval's names
     assert stages["eval"]["metrics"]["eval/samples"] == 12  # 6 prompts x 2 samples of each policy
     # the policy's success and pass@k (as an RL run's eval reports them), from the stage's own per-sample scores
     rows = json.loads((runs["state"] / "checkpoints" / stage_dir("eval", stages["eval"]["key"]) / "record.json")
                       .read_text())["rows"]
-    success = np.array([row["policy_rm_score"] for row in rows], dtype=np.float64).reshape(6, 2) >= -0.65
+    success = np.array([row["policy_score"] for row in rows], dtype=np.float64).reshape(6, 2) >= -0.65
     judged = stages["eval"]["metrics"]
     assert 0 < judged["eval/success"] < 1, rows  # the threshold splits the RL policy's scores (-0.87 to -0.28 here)
     assert judged["eval/success"] == pytest.approx(success.mean(), abs=1e-12)
@@ -151,10 +151,10 @@ def test_a_dpo_pipeline_reuses_sft_and_its_policy_learns_the_gold_preference(run
     assert [name for name in judged if find(name, "eval") is None] == []
     print(f"dpo pipeline: {summary['seconds']}s (dpo {summary['stages']['dpo']['seconds']}s, eval "
           f"{summary['stages']['eval']['seconds']}s); held-out implicit-reward accuracy "
-          f"{dpo['eval/rewards/accuracies']:.3f}; gold {judged['eval/reference_gold_reward']:.3f} -> "
-          f"{judged['eval/policy_gold_reward']:.3f}")
+          f"{dpo['eval/rewards/accuracies']:.3f}; gold {judged['eval/reference/gold_reward']:.3f} -> "
+          f"{judged['eval/gold_reward']:.3f}")
     assert judged["eval/samples"] == 160
-    closed = headroom_closed(judged["eval/reference_gold_reward"], judged["eval/policy_gold_reward"])
+    closed = headroom_closed(judged["eval/reference/gold_reward"], judged["eval/gold_reward"])
     assert closed >= 0.3, judged
 
 
@@ -163,6 +163,10 @@ def test_the_lineage_is_in_mlflow(runs):
     first, again = runs["first"], runs["again"]
     parent = client.get_run(first["mlflow_run_id"])
     assert parent.info.run_name == "tiny-pipeline" and parent.data.tags["stage.sft.cached"] == "false"
+    # the eval stage's metrics as eval/eval/<name>, apart from the RL stage's held-out evals (one each iteration)
+    assert [m.step for m in client.get_metric_history(parent.info.run_id, "eval/eval/win_rate")] == [0]
+    steps = [m.step for m in client.get_metric_history(parent.info.run_id, "eval/reward")]
+    assert 0 in steps and len(steps) == len(set(steps)), steps
     for stage in ("sft", "reward_model", "rl"):  # nested under the pipeline's run
         run = client.get_run(first["stages"][stage]["mlflow_run_id"])
         assert run.data.tags["mlflow.parentRunId"] == first["mlflow_run_id"], stage

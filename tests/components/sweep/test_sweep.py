@@ -106,7 +106,8 @@ def test_a_metric_no_run_logs_is_refused_before_any_trial_starts_naming_the_clos
     functions = base(reward={"source": "function", "function": "rewards.py:accuracy_reward"})
     check_sweep(functions, SweepConfig(name="s", space=GRID, metric="rewards/accuracy_reward/mean"))
     assert "needs reward functions" in refused(GRID, base(), metric="rewards/x/mean")
-    check_sweep(base(), SweepConfig(name="s", space=GRID, metric="eval/win_rate"), pipeline=True)  # its eval stage's
+    # a pipeline's eval stage's, on the pipeline's run
+    check_sweep(base(), SweepConfig(name="s", space=GRID, metric="eval/eval/win_rate"), pipeline=True)
     assert "is not a metric an RL run logs" in refused(GRID, base(), metric="eval/win_rate")
 
 
