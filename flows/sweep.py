@@ -63,9 +63,10 @@ def sweep_flow(config: RunConfig = EXAMPLE_CONFIG, sweep: SweepConfig = EXAMPLE_
     by iteration, the eval stage's metrics at step 0)."""
     given_deploy = deploy.model_dump(mode="json", exclude_unset=True)
     if pipeline is not None:
-        if pipeline.dpo is not None:
-            raise SweepError("pipeline: a pipeline sweep varies the pipeline's RL stage, and this pipeline has a dpo "
-                             "section instead (sft -> dpo -> eval)")
+        try:
+            pipeline.check_rl_stage("a pipeline sweep varies")
+        except ValueError as exc:
+            raise SweepError(str(exc)) from None
         config = merge(pipeline.rl, {"tracking.experiment": pipeline.tracking.experiment})
     summary = run_sweep(RLHFConfig.of(config, deploy), sweep, given_deploy, pipeline)
     return {k: v for k, v in summary.items() if k != "rows"}

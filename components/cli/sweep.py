@@ -71,9 +71,10 @@ def cmd_sweep(args) -> int:
     if is_pipeline(args.config):  # trials over the pipeline's RL stage (--space fields of its rl section)
         given = load_tree(PipelineFile, args.config, args.set)
         pipeline = given.pipeline
-        if pipeline.dpo is not None:
-            raise SystemExit("invalid sweep: a pipeline sweep varies the pipeline's RL stage, and this pipeline has a "
-                             "dpo section instead (sft -> dpo -> eval)")
+        try:
+            pipeline.check_rl_stage("a pipeline sweep varies")
+        except ValueError as exc:
+            raise SystemExit(f"invalid sweep: {exc}") from None
         config = RLHFConfig.of(merge(pipeline.rl, {"tracking.experiment": pipeline.tracking.experiment}), given.deploy)
     else:
         config = load_cli_config(args)

@@ -10,10 +10,11 @@ stage. Light (pydantic and the config tree only): the CLI's parser and a sweep's
                   and its reference = the SFT model, the reward model = the RM stage's, PPO's critic initialised from
                   the reward model (NeMo-Aligner); its run name and MLflow parent are the pipeline's. Scored by reward
                   functions or environments (reward.source=function, environment.*), it needs no reward model
-    dpo           instead of reward_model + rl: DPO of the SFT model on preference pairs, its frozen reference the SFT
-                  model (sft -> dpo -> eval)
-    eval          the trained policy (RL's or DPO's) against the SFT policy on held-out prompts, judged by the reward
-                  model (a DPO pipeline's: eval.judge) and the gold reward when one is given; after an RL stage scored
+    dpo, kto      instead of reward_model + rl, one stage that trains the SFT model on preference data against itself,
+                  frozen (sft -> dpo -> eval, sft -> kto -> eval): a section named after any kind of job declared
+                  `policy_from_sft` (models/kinds.py), generated from its own stage section
+    eval          the trained policy (RL's or that stage's) against the SFT policy on held-out prompts, judged by the
+                  reward model (without an RL stage: eval.judge) and the gold reward when one is given; after an RL stage scored
                   by functions, as its own held-out eval judges (its functions or its environments' episodes: success
                   and pass@k of both policies)
 
@@ -24,18 +25,18 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PositiveInt, ValidationInfo, create_model, field_validator, model_validator
 
 from models.config import (RUN_NAME_PATTERN, CheckpointConfig, EvalConfig, RunConfig, deep_merge, is_tiny_policy, preset,
                            preset_for)
 from models.deploy import DeployConfig
+from models.kinds import BY_JOB, POLICY_FROM_SFT
 from models.sections import Section
-from models.stages.config import DPOConfig, EvalSection, RewardModelConfig, SFTConfig
+from models.stages.config import EvalSection, RewardModelConfig, SFTConfig
 
-STAGE_ORDER = ("sft", "reward_model", "rl", "dpo", "eval")  # every stage a pipeline may have, in order
+STAGE_ORDER = ("sft", "reward_model", "rl", *POLICY_FROM_SFT, "eval")  # every stage a pipeline may have, in order
 RL_STAGES = ("sft", "reward_model", "rl", "eval")
 FUNCTION_STAGES = ("sft", "rl", "eval")  # an RL stage scored by reward functions or environments: no reward model
-DPO_STAGES = ("sft", "dpo", "eval")
 # the RL stage's held-out eval by default: the reward model's score and the gold reward along the run, sampled (the
 # greedy answers of the tiny policies are all alike)
 EXAMPLE_RL_EVAL = EvalConfig(prompts="builtin:sentiment", every=4, temperature=1.0, samples_per_prompt=4)
@@ -50,15 +51,11 @@ class PipelineRewardModel(RewardModelConfig):
     init: Literal["sft", "base"] = Field("sft", description="What the reward model is trained from: the SFT stage's model (InstructGPT, OpenRLHF, NeMo-Aligner) or base_model; a new score head either way.")
 
 
-class PipelineDPO(DPOConfig):
-    """The DPO stage: the SFT model trained on preference pairs against itself, frozen (its reference)."""
-
-
 class PipelineEval(EvalSection):
-    """The eval stage: the trained policy (RL's or DPO's) against the SFT policy on held-out prompts."""
+    """The eval stage: the trained policy (RL's, DPO's or KTO's) against the SFT policy on held-out prompts."""
 
     max_new_tokens: Optional[PositiveInt] = Field(None, description="Longest response; None = rl.generation.max_new_tokens.")
-    judge: Optional[str] = Field(None, description="The reward model that judges a DPO pipeline's eval (a directory, hub id or tiny/<name>); None = reward_model.model when given, else the embedded tiny/reward for the embedded base model. A pipeline with an RL stage is judged by its reward model.")
+    judge: Optional[str] = Field(None, description="The reward model that judges the eval of a pipeline without an RL stage (a directory, hub id or tiny/<name>); None = reward_model.model when given, else the embedded tiny/reward for the embedded base model. A pipeline with an RL stage is judged by its reward model.")
 
 
 class PipelineTracking(Section):
@@ -67,7 +64,7 @@ class PipelineTracking(Section):
     parent_run_id: Optional[str] = Field(None, description="MLflow run to nest the pipeline's run under (a sweep sets it); None = a top-level run.")
 
 
-class PipelineConfig(Section):
+class PipelineStages(Section):  # PipelineConfig adds a section per kind of job that trains the SFT policy
     """The stages of one pipeline and what each is made from."""
 
     name: str = Field("sentiment", pattern=RUN_NAME_PATTERN, description="Name of the pipeline (letters, digits, '.', '_', '-'): its MLflow parent run and its flow run.")
@@ -77,29 +74,45 @@ class PipelineConfig(Section):
     sft: PipelineSFT = Field(default_factory=PipelineSFT, description="Supervised fine-tuning on completions.")
     reward_model: PipelineRewardModel = Field(default_factory=PipelineRewardModel, description="The Bradley-Terry reward model.")
     rl: RunConfig = Field(default_factory=lambda: RunConfig(algorithm="rloo", eval=EXAMPLE_RL_EVAL), validate_default=True, description="The RL stage: an RL run's config; its model.policy, model.reward and model.critic, run_name, seed and MLflow parent are set by the pipeline; what it leaves unset gets the preset of base_model (the tiny preset for tiny/policy).")
-    dpo: Optional[PipelineDPO] = Field(None, description="A DPO stage instead of reward_model and rl: the pipeline runs sft -> dpo -> eval (None = sft -> reward_model -> rl -> eval).")
     eval: PipelineEval = Field(default_factory=PipelineEval, description="The trained policy against the SFT policy on held-out prompts.")
     tracking: PipelineTracking = Field(default_factory=PipelineTracking, description="MLflow lineage.")
-    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=50), description="Checkpoints of the SFT, reward-model and DPO stages (every N optimizer steps, and at the end); the RL stage's are rl.checkpoint.")
+    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=50), description="Checkpoints of the stages other than RL (every N optimizer steps, and at the end); the RL stage's are rl.checkpoint.")
 
+
+    @property
+    def policy_stage(self) -> str:
+        """The stage that trains the pipeline's policy from the SFT model: 'rl', or the preference stage whose
+        section is given ('dpo', 'kto')."""
+        return next((job for job in POLICY_FROM_SFT if getattr(self, job) is not None), "rl")
 
     @property
     def stages(self) -> tuple[str, ...]:
         """The stages this pipeline runs, in order."""
-        if self.dpo is not None:
-            return DPO_STAGES
+        if self.policy_stage != "rl":
+            return "sft", self.policy_stage, "eval"
         return FUNCTION_STAGES if self.rl.reward.source == "function" else RL_STAGES
 
     @model_validator(mode="after")
-    def _each_stage_has_what_it_needs(self) -> "PipelineConfig":
-        if self.dpo is None and not self.rl.data.prompts:
+    def _each_stage_has_what_it_needs(self):
+        given = [job for job in POLICY_FROM_SFT if getattr(self, job) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{', '.join(given)}: a pipeline trains its policy with one stage; give one of these "
+                             f"sections, not {len(given)}")
+        if not given and not self.rl.data.prompts:
             raise ValueError(f"rl.data.prompts: not set; base_model '{self.base_model}' is not the embedded tiny policy, "
                              f"so the RL stage's prompts must be named (a local file or folder, a hub data set id, or "
                              f"builtin:<task>)")
-        if self.dpo is not None and self.judge is None:
-            raise ValueError(f"eval.judge: not set; a DPO pipeline's eval needs a reward model to judge with, and "
-                             f"base_model '{self.base_model}' has no embedded one (give eval.judge or reward_model.model)")
+        if given and self.judge is None:
+            raise ValueError(f"eval.judge: not set; the eval of a pipeline without an RL stage needs a reward model to "
+                             f"judge with, and base_model '{self.base_model}' has no embedded one (give eval.judge or "
+                             f"reward_model.model)")
         return self
+
+    def check_rl_stage(self, what: str) -> None:
+        """Raises ValueError when the pipeline has no RL stage (`what` needs one)."""
+        if self.policy_stage != "rl":
+            raise ValueError(f"pipeline: {what} the pipeline's RL stage, and this pipeline has a {self.policy_stage} "
+                             f"section instead (sft -> {self.policy_stage} -> eval)")
 
     @property
     def judge(self) -> str | None:
@@ -115,6 +128,14 @@ class PipelineConfig(Section):
         given = value.model_dump(mode="json", exclude_unset=True) if isinstance(value, RunConfig) else (value or {})
         base = preset(preset_for(info.data.get("base_model"))).run.model_dump(mode="json")
         return deep_merge(base, given)
+
+
+PipelineConfig = create_model(  # one optional section per kind of job that trains the SFT policy (models/kinds.py)
+    "PipelineConfig", __base__=PipelineStages, __module__=__name__, __doc__=PipelineStages.__doc__, **{
+        job: (Optional[BY_JOB[job].section_class],
+              Field(None, description=f"A {BY_JOB[job].command} stage instead of reward_model and rl: the pipeline "
+                                      f"runs sft -> {job} -> eval (None = sft -> reward_model -> rl -> eval)."))
+        for job in POLICY_FROM_SFT})
 
 
 class PipelineFile(PipelineConfig):
