@@ -179,10 +179,10 @@ def test_a_kto_pipeline_reuses_sft_and_raises_the_gold_reward_over_it(runs):
     assert kto["eval/rewards/margins"] > 0, kto
     judged = summary["stages"]["eval"]["metrics"]
     print(f"kto pipeline: {summary['seconds']}s (kto {summary['stages']['kto']['seconds']}s); held-out margin "
-          f"{kto['eval/rewards/margins']:.3f}; gold {judged['eval/reference_gold_reward']:.3f} -> "
-          f"{judged['eval/policy_gold_reward']:.3f}")
+          f"{kto['eval/rewards/margins']:.3f}; gold {judged['eval/reference/gold_reward']:.3f} -> "
+          f"{judged['eval/gold_reward']:.3f}")
     assert judged["eval/samples"] == 160
-    closed = headroom_closed(judged["eval/reference_gold_reward"], judged["eval/policy_gold_reward"])
+    closed = headroom_closed(judged["eval/reference/gold_reward"], judged["eval/gold_reward"])
     assert closed >= 0.3, judged
 
 
