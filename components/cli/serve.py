@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from components.cli.commands import load_cli_config
+from components.cli.files import load_cli_config
 from components.cli.options import parse_overrides
 from components.serving.triton.contract import ServerSpec
 from components.serving.triton.main import run
