@@ -38,8 +38,8 @@ SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-
 
 Settings: the config tree (--config YAML, then --set overrides, over the preset they name: --preset tiny for the
 embedded tiny models' values) supplies the models, dtype, device and the critic/reward sections; the flags are
-shortcuts for the model paths and the per-process settings. Without a model the embedded default is served. HTTP
-port P, gRPC P+1, metrics P+2.
+shortcuts for the model paths and the per-process settings. With --preset tiny and no model flags, the embedded tiny
+models are served. HTTP port P, gRPC P+1, metrics P+2.
 
 Who may call: every request but liveness/readiness must carry the run's secret (deploy.<kind>.auth=secret, the
 default): give the server the secret in $RLHF_RUN_SECRET (or a file named by $RLHF_RUN_SECRET_FILE), never on the
