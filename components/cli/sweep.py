@@ -14,7 +14,7 @@ import yaml
 from prefect.settings import PREFECT_API_URL
 from pydantic import ValidationError
 
-from components.cli.commands import load_cli_config
+from components.cli.files import load_cli_config
 from components.cli.options import parse_overrides
 from components.cli.files import load_tree
 from components.pipeline.config import PipelineFile
@@ -91,6 +91,8 @@ def cmd_sweep(args) -> int:
                              "(or set PREFECT_API_URL)")
         env["PREFECT_API_URL"] = api
     given = nested(parse_overrides(args.set)).get("deploy", {})  # what --set said of where the sweep and trials run
+    if args.placement:
+        given["placement"] = args.placement
     deploy = DeployConfig.model_validate(given).model_dump(mode="json", exclude_unset=True)
     command = [sys.executable, "-m", "flows.sweep", "--config", config.run.model_dump_json(),
                "--sweep", sweep.model_dump_json(), "--deploy", json.dumps(deploy)]

@@ -53,7 +53,7 @@ class RL:
         return cfg, read_data(cfg)  # bad data fails here, before any model loads
 
     def tags(self, cfg: RLHFConfig) -> dict[str, str]:
-        return {"algorithm": cfg.algorithm, "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
+        return {"algorithm": cfg.algorithm, "preset": cfg.preset,
                 "reward_transport": cfg.reward.transport}
 
     def sources(self, cfg: RLHFConfig, store) -> tuple[RLHFConfig, dict, dict, dict]:

@@ -627,12 +627,14 @@ def _training_deployments() -> dict[str, dict]:
 
 
 def test_training_deployments_take_config_and_deploy_and_keep_deploy_under_a_partial_config():
-    """ppo/default and reinforce/default: `config` (what a run trains) and `deploy` (where its parts run: the servers as
-    LeaderWorkerSets the run creates, the rollout server's interpreter in the vLLM image, checkpoints in S3 under the
+    """ppo/default and reinforce/default: `config` (what a run trains: the field defaults, named as preset none) and
+    `deploy` (where its parts run: the cluster placement, which `rlhf cluster manifests` renders too: the servers as
+    LeaderWorkerSets the run creates, the rollout server's interpreter in the vLLM image; checkpoints in S3 under the
     prefix the pods' role may write, the tracking server). A run given a partial `--param config=...` keeps every
-    deploy setting and the rest of the deployment's config: its parameters are deep-merged over the deployment's,
-    as components/tasks.flow_config does (run end to end against a Prefect server in tests/flows)."""
-    from models.config import RLHFConfig, RunConfig, deep_merge
+    deploy setting and the rest of the deployment's config: its parameters are merged over the deployment's as
+    components/tasks.merge_parameters does (run end to end against a Prefect server in tests/flows)."""
+    from components.tasks import merge_parameters
+    from models.config import RLHFConfig, RunConfig
     from models.deploy import DeployConfig
 
     checkpoint_prefix = _blocks(ENV_DEV, "variable")["checkpoint_prefix"]["default"]
@@ -640,19 +642,21 @@ def test_training_deployments_take_config_and_deploy_and_keep_deploy_under_a_par
     for name, deployment in _training_deployments().items():
         parameters = deployment["parameters"]
         assert set(parameters) == {"config", "deploy"}, (name, set(parameters))
-        RunConfig.model_validate(parameters["config"])
+        assert RunConfig.model_validate(parameters["config"]).preset == "none", name
         deploy = DeployConfig.model_validate(parameters["deploy"])
+        assert parameters["deploy"]["placement"] == "cluster", name  # named, not copied
         for server in (deploy.critic, deploy.reward, deploy.rollout):
             assert server.launch == "kubernetes", (name, server)  # the run creates its servers (components/cluster)
+        assert deploy.actor.launch == "jobset" and deploy.cache.hub_downloads, name
         assert deploy.rollout.python == f"{vllm_python}/bin/python", name
         assert deploy.checkpoint.uri.rstrip("/") + "/" == f"s3://{SAMPLE_ENV['RLHF_S3_BUCKET']}/{checkpoint_prefix}", name
         assert deploy.tracking.uri == SAMPLE_ENV["MLFLOW_TRACKING_URI"], name
 
         given = {"config": {"iterations": 3, "model": {"policy": "org/model"}}}
-        merged = {key: deep_merge(parameters[key], given.get(key, {})) for key in ("config", "deploy")}
+        merged = merge_parameters(parameters, given)
         run = RLHFConfig.model_validate({**merged["config"], "deploy": merged["deploy"]})
         assert run.iterations == 3 and run.model.policy == "org/model"
-        assert run.model.dtype == parameters["config"]["model"]["dtype"]  # the deployment's own config kept
+        assert run.preset == "none" and run.model.dtype == "bfloat16"  # the deployment's own config kept
         assert run.deploy == deploy  # every deploy setting kept
 
 

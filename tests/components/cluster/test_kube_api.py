@@ -159,9 +159,9 @@ def _enforce_admission(api, pod="ppo-x7k2q-bcdfg"):
 
 
 def _cfg(**overrides):
-    return load_config(None, "none", {"model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
-                                      "deploy.actor.nnodes": 2, "deploy.actor.launch": "jobset", "deploy.actor.max_restarts": 2,
-                                      "deploy.cluster.image": "r/a:1", "deploy.cluster.vllm_image": "r/v:1", **overrides})
+    return load_config(None, {"model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
+                              "deploy.actor.nnodes": 2, "deploy.actor.launch": "jobset", "deploy.actor.max_restarts": 2,
+                              "deploy.cluster.image": "r/a:1", "deploy.cluster.vllm_image": "r/v:1", **overrides})
 
 
 def _pod(name, index, phase="Running", attempt=0, waiting=None, terminated=None, unschedulable=None, restarts=0,

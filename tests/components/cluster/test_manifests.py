@@ -21,11 +21,12 @@ from tests.infra.schemas import validate
 
 pytestmark = pytest.mark.fast
 
-RUN = ["--preset", "none", "--set", "algorithm=ppo", "--set", "run_name=demo", "--set", "model.policy=org/policy",
+# a run's shape on the cluster placement (the command's own: the actor's node groups a JobSet, the servers
+# LeaderWorkerSets; the images from the environment, as prefect.yaml gives every flow pod)
+RUN = ["--set", "algorithm=ppo", "--set", "run_name=demo", "--set", "model.policy=org/policy",
        "--set", "model.reward=org/reward", "--set", "rollout.engine=vllm", "--set", "deploy.actor.nnodes=2",
-       "--set", "deploy.actor.nproc_per_node=2", "--set", "deploy.actor.launch=jobset", "--set", "deploy.actor.max_restarts=2",
-       "--set", "deploy.rollout.replicas=2", "--set", "deploy.rollout.launch=kubernetes",
-       "--set", "deploy.critic.launch=kubernetes", "--set", "deploy.cluster.actor.gpus_per_node=2",
+       "--set", "deploy.actor.nproc_per_node=2", "--set", "deploy.actor.max_restarts=2",
+       "--set", "deploy.rollout.replicas=2", "--set", "deploy.cluster.actor.gpus_per_node=2",
        "--set", "deploy.checkpoint.uri=s3://bucket/rlhf/checkpoints",
        "--set", "deploy.cluster.secret_env={PREFECT_API_KEY: prefect-api-key/key}"]
 IMAGES = {"RLHF_IMAGE": "123.dkr.ecr.us-east-1.amazonaws.com/rlhf-flows:1",
@@ -135,8 +136,8 @@ def test_servers_are_found_at_the_leader_addresses_their_leader_worker_set_gives
 
 
 def _cfg(**overrides) -> RLHFConfig:
-    return load_config(None, "none", {"model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
-                                      "deploy.cluster.image": "r/a:1", "deploy.cluster.vllm_image": "r/v:1", **overrides})
+    return load_config(None, {"model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
+                              "deploy.cluster.image": "r/a:1", "deploy.cluster.vllm_image": "r/v:1", **overrides})
 
 
 def test_the_config_a_server_pod_runs_with_is_the_runs_bound_to_the_pod():
@@ -170,6 +171,6 @@ def test_what_a_pod_cannot_have_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="DNS-1035"):
         jobset(NodeSpec("Demo_Run", 2, 1, 29500, ["x"]), _cfg().deploy.cluster, site, identity)
     with pytest.raises(ValueError, match=r"deploy.cluster.image.*RLHF_IMAGE"):
-        Site.of(load_config(None, "none", {"model.policy": "org/p"}).deploy.cluster, {})
+        Site.of(load_config(None, {"model.policy": "org/p"}).deploy.cluster, {})
     with pytest.raises(ValueError, match=r"secret_env"):
         _cfg(**{"deploy.cluster.env_from_controller": ["AWS_SECRET_ACCESS_KEY"]})

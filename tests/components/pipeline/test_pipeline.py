@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow(3)
 SMALL = {"name": "tiny-pipeline",
          "sft": {"max_steps": 6, "batch_size": 16, "max_eval_rows": 32},
          "reward_model": {"max_steps": 30, "batch_size": 16, "max_eval_rows": 100},
-         "rl": {"algorithm": "rloo", "iterations": 2, "checkpoint": {"every": 2},
+         "rl": {"preset": "tiny", "algorithm": "rloo", "iterations": 2, "checkpoint": {"every": 2},
                 "reinforce": {"rollout_batch_size": 4, "num_rollouts_per_prompt": 2, "minibatch_size": 8},
                 "eval": {"prompts": "builtin:sentiment", "every": 2, "max_prompts": 4, "samples_per_prompt": 1}},
          "eval": {"max_prompts": 6, "samples_per_prompt": 2, "success_threshold": -0.65}}
