@@ -1,8 +1,9 @@
 """`JobSetNodes`: the actor's node groups as one JobSet on the cluster (components/launch/nodes.py's `NodeGroups`).
 
-The run's controller (its flow run's pod) creates the JobSet (components/cluster/objects.jobset), watches it through
-`status()`, reads a failed group's log and deletes the JobSet in its `finally`; the JobSet is also owned by the
-controller's Job, so a deleted or cancelled flow run's pod takes it with it. What `status()` reads:
+The run's controller (its flow run's pod) creates the JobSet (components/cluster/objects.jobset) and, first, the Secret
+its pods mount (the run's secret, which the ranks prove to each other), watches the JobSet through `status()`, reads
+a failed group's log and deletes both in its `finally`; both are also owned by the controller's Job, so a deleted or
+cancelled flow run's pod takes them with it. What `status()` reads:
 - the JobSet's conditions: Completed (succeeded), Failed (failed: the failed node group named with its pod, its
   container's exit code and reason, and the last lines of its log), Suspended (Kueue has not admitted it yet: with
   the reason its Workload gives, e.g. not enough quota in the ClusterQueue);
@@ -19,7 +20,7 @@ from typing import Optional
 
 from components.cluster.kube import Kube
 from components.cluster.network_policy import own_job
-from components.cluster.objects import QUEUE_LABEL, RunIdentity, Site, jobset
+from components.cluster.objects import QUEUE_LABEL, RunIdentity, Site, jobset, nodes_secret
 from components.launch.nodes import NodeSpec, NodeStatus
 from models.config import RLHFConfig
 from models.deploy import ClusterPlacement
@@ -125,16 +126,18 @@ def admission_reason(workloads: list[dict]) -> Optional[str]:
 
 
 class JobSetNodes:
-    """The node groups of `spec` as one JobSet (`NodeGroups`)."""
+    """The node groups of `spec` as one JobSet (`NodeGroups`), its pods given the run's `secret` (a Secret)."""
 
-    def __init__(self, spec: NodeSpec, cluster: ClusterPlacement, site: Site, identity: RunIdentity, kube: Kube):
+    def __init__(self, spec: NodeSpec, cluster: ClusterPlacement, site: Site, identity: RunIdentity, kube: Kube,
+                 secret: str):
         self.spec, self.kube, self.queue = spec, kube, cluster.queue
         self.manifest = jobset(spec, cluster, site, identity)
+        self.secret = nodes_secret(spec, identity, secret)
         self.name = spec.name
         self.uid: Optional[str] = None
 
     @classmethod
-    def for_run(cls, spec: NodeSpec, cfg: RLHFConfig, kube: Optional[Kube] = None, environ=os.environ,
+    def for_run(cls, spec: NodeSpec, cfg: RLHFConfig, secret: str, kube: Optional[Kube] = None, environ=os.environ,
                 job: Optional[str] = None) -> "JobSetNodes":
         """The node groups of `spec` on the cluster this process reaches (its pod's service account, else a
         kubeconfig), placed as cfg.deploy.cluster says, owned by the Job this process runs in (`job`: the flow run's
@@ -145,10 +148,16 @@ class JobSetNodes:
         found = kube.get("batch/v1", "Job", job) if job else None
         owner = {"name": job, "uid": found["metadata"]["uid"]} if found else None
         identity = RunIdentity(spec.name, job or spec.name, owner)
-        return cls(spec, cluster, Site.of(cluster, environ, kube.namespace), identity, kube)
+        return cls(spec, cluster, Site.of(cluster, environ, kube.namespace), identity, kube, secret)
 
     def start(self) -> None:
-        self.uid = self.kube.create(self.manifest)["metadata"].get("uid")
+        """The Secret, then the JobSet (the Secret deleted again if the JobSet cannot be created)."""
+        self.kube.create(self.secret)
+        try:
+            self.uid = self.kube.create(self.manifest)["metadata"].get("uid")
+        except BaseException:
+            self.kube.delete("v1", "Secret", self.secret["metadata"]["name"])
+            raise
 
     def _pods(self) -> list[dict]:
         return self.kube.pods({JOBSET_LABEL: self.name})
@@ -175,5 +184,6 @@ class JobSetNodes:
         return self.kube.log(pod["metadata"]["name"], lines)
 
     def delete(self) -> None:
-        """Delete the JobSet; Kubernetes deletes its Jobs and their pods with it (idempotent)."""
+        """Delete the JobSet (Kubernetes deletes its Jobs and their pods with it), then its Secret (idempotent)."""
         self.kube.delete(API, "JobSet", self.name)
+        self.kube.delete("v1", "Secret", self.secret["metadata"]["name"])

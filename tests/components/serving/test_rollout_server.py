@@ -502,7 +502,7 @@ def test_the_weight_transfer_store_listens_on_the_trainers_address_only(server, 
     client = RolloutClient(server.url, RUN, timeout_s=60, secret=server.secret)
     engine = VLLMEngine(policy.pad_id, policy.stop_ids)
     client.use_dist("127.0.0.1", timeout_s=60)
-    port = client.transport.store.port
+    port = client.transport.port
     listening = [c for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN
                  and c.laddr.port == port]
     assert listening and {c.laddr.ip for c in listening} == {"127.0.0.1"}, listening  # never every interface
