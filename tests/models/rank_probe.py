@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from models import distributed, rendezvous  # noqa: E402 - the repository onto sys.path first: it runs as a script
+from models import distributed, rendezvous
 
 
 class Planted:

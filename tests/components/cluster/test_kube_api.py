@@ -151,7 +151,7 @@ SPEC = NodeSpec("rlhf-demo-1a2b3c", 2, 1, 29500, ["-m", "components.runs", "--st
 
 
 def test_the_jobset_is_created_watched_and_deleted(api):
-    nodes = JobSetNodes.for_run(SPEC, _cfg(), kube=api.kube, environ={"RLHF_IMAGE": "unused"}, job="ppo-x7k2q")
+    nodes = JobSetNodes.for_run(SPEC, _cfg(), "the-runs-secret-for-its-ranks", kube=api.kube, environ={"RLHF_IMAGE": "unused"}, job="ppo-x7k2q")
     name = SPEC.name
     suspended = {"conditions": [{"type": "Suspended", "status": "True", "reason": "SuspendedJobs", "message": "jobset is suspended"}]}
     api.script[("jobsets", name)] = [
@@ -178,8 +178,15 @@ def test_the_jobset_is_created_watched_and_deleted(api):
     api.logs[(f"{name}-node-0-1-d", "false")] = "rank 1: CUDA out of memory\nKilled"
 
     nodes.start()
+    (secret,) = api.sent("POST", "secrets")  # first: the run's secret, which the node groups' ranks prove
+    assert secret["body"]["stringData"] == {"secret": "the-runs-secret-for-its-ranks"}
+    assert secret["body"]["metadata"]["ownerReferences"][0]["uid"] == "job-uid"
     (create,) = api.sent("POST", "jobsets")
     validate(create["body"])  # what was sent is a valid JobSet (jobset.x-k8s.io/v1alpha2, the chart's CRD)
+    pod = create["body"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert {"name": "run-secret", "secret": {"secretName": f"{name}-secret", "defaultMode": 0o440}} in pod["volumes"]
+    assert {"name": "RLHF_RUN_SECRET_FILE", "value": "/var/run/rlhf/secret"} in pod["containers"][0]["env"]
+    assert "the-runs-secret-for-its-ranks" not in json.dumps(create["body"])  # never in the pod's spec
     assert create["auth"] == "Bearer the-service-account-token"
     assert create["body"]["metadata"]["ownerReferences"][0]["uid"] == "job-uid"  # dies with the flow run's Job
     assert create["body"]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "rlhf"
@@ -209,12 +216,13 @@ def test_the_jobset_is_created_watched_and_deleted(api):
     (delete,) = api.sent("DELETE", "jobsets")
     assert delete["path"].endswith(f"/namespaces/{NS}/jobsets/{name}")
     assert delete["body"]["propagationPolicy"] == "Background"  # its Jobs and pods go with it
+    assert ("secrets", f"{name}-secret") not in api.objects
     nodes.delete()  # idempotent: a second delete finds nothing and says nothing
 
 
 def test_a_cancelled_run_deletes_its_jobset_in_its_finally(api):
     """The controller's shape: start, watch, and whatever happens (here a cancellation), delete."""
-    nodes = JobSetNodes.for_run(SPEC, _cfg(), kube=api.kube, environ={}, job="ppo-x7k2q")
+    nodes = JobSetNodes.for_run(SPEC, _cfg(), "the-runs-secret-for-its-ranks", kube=api.kube, environ={}, job="ppo-x7k2q")
     api.script[("jobsets", SPEC.name)] = [{"conditions": [], "restarts": 0}]
     with pytest.raises(KeyboardInterrupt):
         try:
@@ -228,7 +236,7 @@ def test_a_cancelled_run_deletes_its_jobset_in_its_finally(api):
 
 
 def test_the_apis_refusals_name_the_object_and_the_likely_cause(api):
-    nodes = JobSetNodes.for_run(SPEC, _cfg(), kube=api.kube, environ={}, job="ppo-x7k2q")
+    nodes = JobSetNodes.for_run(SPEC, _cfg(), "the-runs-secret-for-its-ranks", kube=api.kube, environ={}, job="ppo-x7k2q")
     api.refuse[("POST", "jobsets")] = 404
     with pytest.raises(KubeError, match=r"create JobSet 'rlhf-demo-1a2b3c' in namespace 'rlhf': 404 .*is JobSet "
                                         r"\(sigs.k8s.io/jobset\) installed"):
