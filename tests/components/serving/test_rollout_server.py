@@ -412,6 +412,7 @@ def test_a_stranger_is_refused_and_health_shows_no_run_token(server, policy):
                 ("POST", "/weights/update", {"params": {"ready_key": "k"}, "json": {"run": RUN, "version": 1,
                                                                                    "names": [], "dtype_names": [],
                                                                                    "shapes": []}}),
+                ("POST", "/weights/digests", {"json": {"run": RUN, "version": 1, "ready_key": "k", "digests": []}}),
                 ("POST", "/update_weights", {"params": {"version": 1, "run": RUN}, "content": b"x" * 100}),
                 ("GET", "/openapi.json", {}), ("GET", "/docs", {})]
     for headers, status in (({}, 401), (bearer_headers(new_secret()), 403), ({"authorization": server.secret}, 401)):
