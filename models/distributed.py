@@ -17,6 +17,7 @@ import os
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -133,12 +134,15 @@ def wire_device() -> torch.device:
 
 
 def _padded(payload: Tensor, width: int) -> Tensor:
-    """`payload` right-padded with zeros to `width` bytes (collectives take tensors of one size)."""
+    """`payload` right-padded with zeros to `width` bytes (collectives take tensors of one size); on CPU with numpy
+    (models/wire.py says why)."""
     if payload.numel() == width:
         return payload
-    out = payload.new_zeros(width)
-    out[:payload.numel()] = payload
-    return out
+    if payload.device.type != "cpu":
+        return torch.nn.functional.pad(payload, (0, width - payload.numel()))
+    out = np.zeros(width, dtype=np.uint8)
+    out[:payload.numel()] = payload.numpy()
+    return torch.from_numpy(out)
 
 
 def shard_slice(n: int, rank: int, world_size: int) -> slice:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -67,9 +68,11 @@ def encode(obj) -> Tensor:
     tree = node(obj, "$")
     header = json.dumps({"tree": tree, "tensors": [[str(t.dtype).removeprefix("torch."), list(t.shape)]
                                                     for t in tensors]}, separators=(",", ":")).encode()
-    parts = [torch.frombuffer(bytearray(len(header).to_bytes(HEADER_BYTES, "little") + header), dtype=torch.uint8)]
-    parts += [t.reshape(-1).view(torch.uint8) for t in tensors if t.numel()]
-    return torch.cat(parts)
+    # the bytes are copied with numpy (a memcpy each): torch's copies of large uint8 tensors run in its thread pool,
+    # which on a busy 2-core host took 50 ms for a 2 MB message of rollout rows (numpy: 1.2 ms; torch.save: 2.4 ms)
+    parts = [np.frombuffer(len(header).to_bytes(HEADER_BYTES, "little") + header, dtype=np.uint8)]
+    parts += [t.reshape(-1).view(torch.uint8).numpy() for t in tensors if t.numel()]
+    return torch.from_numpy(np.concatenate(parts))
 
 
 def decode(payload: Tensor, sender: str):
@@ -78,16 +81,16 @@ def decode(payload: Tensor, sender: str):
     def fail(why: str):
         return PayloadError(f"a message from {sender} is malformed: {why}")
 
-    data = payload.detach().cpu().reshape(-1)
-    if data.dtype != torch.uint8:
-        raise fail(f"dtype {data.dtype}, expected torch.uint8")
+    if payload.dtype != torch.uint8:
+        raise fail(f"dtype {payload.dtype}, expected torch.uint8")
+    data = payload.detach().cpu().reshape(-1).numpy()
     if len(data) < HEADER_BYTES:
         raise fail(f"{len(data)} bytes, shorter than its header's length field")
-    n = int.from_bytes(bytes(data[:HEADER_BYTES].tolist()), "little")
+    n = int.from_bytes(data[:HEADER_BYTES].tobytes(), "little")
     if n > len(data) - HEADER_BYTES:
         raise fail(f"a header of {n} bytes in a message of {len(data)}")
     try:
-        header = json.loads(bytes(data[HEADER_BYTES:HEADER_BYTES + n].numpy()).decode())
+        header = json.loads(data[HEADER_BYTES:HEADER_BYTES + n].tobytes().decode())
     except (UnicodeDecodeError, ValueError) as exc:
         raise fail(f"its header is not JSON ({exc})") from None
     if not isinstance(header, dict) or set(header) != {"tree", "tensors"} or not isinstance(header["tensors"], list):
@@ -101,7 +104,8 @@ def decode(payload: Tensor, sender: str):
         size = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
         if offset + size > len(data):
             raise fail(f"tensors[{i}]: {spec[0]} {shape} needs {size} bytes, {len(data) - offset} are left")
-        tensors.append(data[offset:offset + size].clone().view(dtype).reshape(shape))
+        tensors.append(torch.from_numpy(data[offset:offset + size].copy()).view(dtype).reshape(shape) if size
+                       else torch.empty(shape, dtype=dtype))
         offset += size
     if offset != len(data):
         raise fail(f"{len(data) - offset} bytes after its last tensor")
