@@ -9,24 +9,30 @@ uint8 tensor:
     n bytes: the header, JSON: {"tree": <the object>, "tensors": [[dtype, shape], ...]}
     the tensors' bytes, one after the other, in the order of "tensors"
 
-In the tree, JSON's own values stand for themselves (None, bool, int, float, str and lists); a tuple is
-{"tuple": [...]}, a dict {"dict": [[key, value], ...]} (keys: str or int), a tensor {"tensor": i}. Anything else is
+In the tree, JSON's own values stand for themselves (None, bool, int, float, str and lists; a numpy scalar travels
+as its Python number); a tuple is
+{"tuple": [...]}, a dict {"dict": [[key, value], ...]} (keys: str or int), a tensor {"tensor": i}, and one of the
+few dataclasses rank 0's commands carry (`DATACLASSES`) {"dataclass": name, "fields": {...}}. Anything else is
 refused on the sending rank, naming where in the object it sits; a payload that does not decode is refused on the
 receiving rank, naming the sender and what is wrong. Decoding builds nothing but those types.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from models.data import Batch
+
 DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in (
     torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
     torch.uint8, torch.bool)}
 HEADER_BYTES = 8
+DATACLASSES = {cls.__name__: cls for cls in (Batch,)}  # what travels as its fields: a step's prompts
 
 
 class PayloadError(ValueError):
@@ -40,6 +46,8 @@ def encode(obj) -> Tensor:
     def node(value, path: str):
         if value is None or isinstance(value, (bool, str)):
             return value
+        if isinstance(value, np.generic) and value.dtype.kind in "biuf":  # a numpy scalar: as the Python number
+            return node(value.item(), path)
         if isinstance(value, int):  # an int subclass (IntEnum) travels as the int it is
             return int(value)
         if isinstance(value, float):  # numpy.float64 too
@@ -55,6 +63,10 @@ def encode(obj) -> Tensor:
                     raise PayloadError(f"{path}: a key of type {type(key).__name__} ({key!r}); keys are str or int")
                 items.append([key, node(v, f"{path}[{key!r}]")])
             return {"dict": items}
+        if type(value) in DATACLASSES.values():
+            return {"dataclass": type(value).__name__,
+                    "fields": {f.name: node(getattr(value, f.name), f"{path}.{f.name}")
+                               for f in dataclasses.fields(value)}}
         if isinstance(value, Tensor):
             if type(value) not in (Tensor, torch.nn.Parameter) or value.layout != torch.strided:
                 raise PayloadError(f"{path}: a {type(value).__name__} ({value.layout}); plain dense tensors travel")
@@ -128,6 +140,12 @@ def decode(payload: Tensor, sender: str):
                 return out
             if kind == "tensor" and type(body) is int and 0 <= body < len(tensors):
                 return tensors[body]
+        if isinstance(node, dict) and set(node) == {"dataclass", "fields"} and node["dataclass"] in DATACLASSES:
+            cls = DATACLASSES[node["dataclass"]]
+            names = {f.name for f in dataclasses.fields(cls)}
+            if not isinstance(node["fields"], dict) or set(node["fields"]) != names:
+                raise fail(f"{path}: a {cls.__name__} needs the fields {sorted(names)}")
+            return cls(**{k: build(v, f"{path}.{k}") for k, v in node["fields"].items()})
         raise fail(f"{path}: {json.dumps(node)[:200]} is not a value, list, tuple, dict or tensor reference")
 
     return build(header["tree"], "$")

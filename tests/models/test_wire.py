@@ -9,9 +9,11 @@ import pathlib
 import pickle
 import re
 
+import numpy as np
 import pytest
 import torch
 
+from models.data import Batch
 from models.wire import DTYPES, PayloadError, decode, encode
 
 pytestmark = pytest.mark.fast
@@ -32,17 +34,19 @@ def same(a, b) -> bool:
 
 
 def test_what_the_ranks_send_comes_back_as_it_was():
-    """The run's config (a JSON string), rank 0's commands, rows of every dtype (0-dim, empty, non-contiguous,
-    bfloat16), a checkpoint's plain state (int keys, tuples, RNG bytes, NaN), nested."""
+    """The run's config (a JSON string), rank 0's commands (a step's prompts: a Batch), rows of every dtype (0-dim,
+    empty, non-contiguous, bfloat16), a checkpoint's plain state (int keys, tuples, RNG bytes, NaN), nested."""
     rows = {name: torch.arange(12).reshape(3, 4).to(dtype) for name, dtype in DTYPES.items()}
     message = {
         "op": "update", "config": json.dumps({"a": 1}), "args": (1, 2.5, None, True, "x", -2**70),
         "rows": rows, "scalar": torch.tensor(3.5), "empty": torch.zeros(0, 7), "strided": torch.arange(20)[::3],
         "transposed": torch.arange(6.0).reshape(2, 3).t(), 7: [{"nested": (torch.ones(2, dtype=torch.bool),)}],
         "rng": torch.ByteTensor(list(range(256))), "nan": float("nan"), "inf": float("-inf"),
-        "shape": torch.Size([2, 3])}
+        "shape": torch.Size([2, 3]), "numpy": (np.float32(0.5), np.int64(-3), np.bool_(True)),
+        "prompts": Batch(["a", "b"], [{"answer": 1}, {"answer": None}], True, [[{"role": "user", "content": "a"}], "b"])}
     back = decode(encode(message), "rank 1")
-    assert same({**message, "shape": (2, 3)}, back)
+    assert same({**message, "shape": (2, 3), "numpy": (0.5, -3, True), "prompts": None}, {**back, "prompts": None})
+    assert back["prompts"] == message["prompts"]
     assert back["strided"].is_contiguous() and back["transposed"].tolist() == message["transposed"].tolist()
 
 
@@ -50,6 +54,7 @@ def test_what_the_ranks_send_comes_back_as_it_was():
     ({"ok": [1, {"bad": object()}]}, r"\$\['ok'\]\[1\]\['bad'\]: a builtins.object"),
     ({(1, 2): "tuple key"}, r"\$: a key of type tuple"),
     ([torch.zeros(2, dtype=torch.complex64)], r"\$\[0\]: dtype torch.complex64"),
+    ({"array": np.zeros(3)}, r"\$\['array'\]: a numpy.ndarray"),
     ({"sparse": torch.eye(2).to_sparse()}, r"\$\['sparse'\]: a Tensor \(torch.sparse_coo\)"),
     (pathlib.Path("/tmp"), r"\$: a pathlib.PosixPath"),
 ])
@@ -87,6 +92,7 @@ def malformed() -> dict[str, torch.Tensor]:
         "is not a value, list, tuple, dict or tensor reference": message({"tree": {"tensor": 5}, "tensors": []}),
         "a dict item": message({"tree": {"dict": [[[1], 2]]}, "tensors": []}),
         "its header is not {tree, tensors}": message({"tree": 1}),
+        "a Batch needs the fields": message({"tree": {"dataclass": "Batch", "fields": {"prompts": []}}, "tensors": []}),
     }
 
 
