@@ -27,6 +27,7 @@ import torch
 
 from components.export import publish_model
 from components.launch.ranks import actor_ranks
+from components.serving.auth import ranks_secret
 from components.serving.services import RunServices, rollout_server, run_services
 from components.storage.backends import CheckpointError
 from components.tracking.run import (RunSession, data_provenance, model_provenance, store_reward_files,
@@ -96,7 +97,7 @@ class RL:
 @contextmanager
 def actor_on_ranks(cfg: RLHFConfig, session: RunSession, steps: Steps = DIRECT) -> Iterator[Leader]:
     """The actor on all its ranks, restored from the run's checkpoint; every rank stopped on the way out."""
-    with actor_ranks(cfg, session.local_dir / "logs") as actor:
+    with actor_ranks(cfg, session.local_dir / "logs", ranks_secret()) as actor:
         if warning := steps("restore-actor", restore_actor, session, actor):
             steps.log(f"warning: {warning}")
         yield actor

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from components.export import publish_model
 from components.launch.ranks import actor_ranks
+from components.serving.auth import ranks_secret
 from components.tracking.run import RunSession
 from models.config import merge
 from models.deploy import DeployConfig
@@ -63,7 +64,7 @@ class Stage:
 
     def run(self, session: RunSession, rows, steps: Steps = DIRECT) -> dict:
         cfg, (data, held_out) = session.cfg, rows
-        with actor_ranks(cfg, session.local_dir / "logs") as trainee:
+        with actor_ranks(cfg, session.local_dir / "logs", ranks_secret()) as trainee:
             log_data(session, data, held_out, steps)
             steps("restore", session.restore, trainee, "trainee")
             plug = StageSteps(cfg, trainee, data, held_out)

@@ -20,6 +20,11 @@ How each server checks it:
   constant time (hmac.compare_digest), 401 without it, 403 with a wrong one (components/serving/rollout/
   app.py, which imports nothing from the project and keeps its own copy of the check).
 
+The actor's ranks (and a critic server's) prove the same kind of secret to each other when they form their group
+(models/rendezvous.py): `ranks_secret` is the run's from the environment (on several nodes the controller's, handed
+to every node group: a JobSet's pods get it as a mounted Secret), else a fresh one that rank 0 hands to the ranks it
+starts in their environment. The rollout server's weight-transfer group is admitted by the run's secret too.
+
 What is logged has the passwords of URLs taken out (components/tracking/tracker.redact).
 """
 
@@ -83,6 +88,11 @@ def read_secret(env: Mapping[str, str] = os.environ) -> Optional[str]:
     if len(value) < 16:
         raise MissingSecret(f"${SECRET_ENV}: the run's secret must have at least 16 characters, got {len(value)}")
     return value
+
+
+def ranks_secret() -> str:
+    """The secret a group of ranks proves (see the module's docstring): this process's run secret, else a new one."""
+    return read_secret() or new_secret()
 
 
 def secret_env(secret: str) -> dict[str, str]:

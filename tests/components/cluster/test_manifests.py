@@ -55,8 +55,9 @@ def _by_kind(manifests, kind):
 def test_a_two_node_ppo_run_with_two_vllm_replicas_writes_every_object_and_each_validates(manifests):
     kinds = sorted(o["kind"] for o in manifests.values())
     # the critic carries the reward model (critic.combine_reward): no reward server
-    # the node groups' two policies (the controller's) and the servers' two (node group 0's Job's)
-    assert kinds == ["JobSet", "LeaderWorkerSet", "LeaderWorkerSet", *["NetworkPolicy"] * 4, "Secret", "Secret"]
+    # the node groups' two policies (the controller's) and the servers' two (node group 0's Job's); the node pods'
+    # Secret and the servers' two
+    assert kinds == ["JobSet", "LeaderWorkerSet", "LeaderWorkerSet", *["NetworkPolicy"] * 4, *["Secret"] * 3]
     for obj in manifests.values():
         validate(obj)
         assert obj["metadata"]["namespace"] == "rlhf" and obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "rlhf-flows"
@@ -86,7 +87,12 @@ def test_the_jobset_runs_torchrun_on_every_node_and_finds_rank_0_through_its_own
     assert pod["nodeSelector"] == {"rlhf/role": "actor"} and pod["serviceAccountName"] == "rlhf-actor"
     assert pod["restartPolicy"] == "Never" and pod["securityContext"]["runAsNonRoot"] is True
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert mounts == {"dshm": "/dev/shm", "state": "/var/lib/rlhf", "cache": "/cache", "podinfo": "/etc/podinfo"}
+    assert mounts == {"dshm": "/dev/shm", "state": "/var/lib/rlhf", "cache": "/cache", "podinfo": "/etc/podinfo",
+                      "run-secret": "/var/run/rlhf"}  # the run's secret, which the ranks prove to each other
+    secret = next(v for v in pod["volumes"] if v["name"] == "run-secret")["secret"]["secretName"]
+    assert secret.endswith("-nodes") and secret in {o["metadata"]["name"] for o in _by_kind(manifests, "Secret")}
+    assert env["RLHF_RUN_SECRET_FILE"]["value"] == "/var/run/rlhf/secret"
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"rendezvous": 29500, "ranks": 29501}
     assert env["RLHF_STATE_DIR"]["value"] == "/var/lib/rlhf" and env["HF_HOME"]["value"] == "/cache/huggingface"
     assert env["MLFLOW_TRACKING_URI"]["value"] == "https://mlflow.example.com"  # copied from the controller
     assert env["PREFECT_API_KEY"] == {"name": "PREFECT_API_KEY", "valueFrom": {"secretKeyRef": {

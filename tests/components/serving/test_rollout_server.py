@@ -412,6 +412,7 @@ def test_a_stranger_is_refused_and_health_shows_no_run_token(server, policy):
                 ("POST", "/weights/update", {"params": {"ready_key": "k"}, "json": {"run": RUN, "version": 1,
                                                                                    "names": [], "dtype_names": [],
                                                                                    "shapes": []}}),
+                ("POST", "/weights/digests", {"json": {"run": RUN, "version": 1, "ready_key": "k", "digests": []}}),
                 ("POST", "/update_weights", {"params": {"version": 1, "run": RUN}, "content": b"x" * 100}),
                 ("GET", "/openapi.json", {}), ("GET", "/docs", {})]
     for headers, status in (({}, 401), (bearer_headers(new_secret()), 403), ({"authorization": server.secret}, 401)):
@@ -502,7 +503,7 @@ def test_the_weight_transfer_store_listens_on_the_trainers_address_only(server, 
     client = RolloutClient(server.url, RUN, timeout_s=60, secret=server.secret)
     engine = VLLMEngine(policy.pad_id, policy.stop_ids)
     client.use_dist("127.0.0.1", timeout_s=60)
-    port = client.transport.store.port
+    port = client.transport.port
     listening = [c for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN
                  and c.laddr.port == port]
     assert listening and {c.laddr.ip for c in listening} == {"127.0.0.1"}, listening  # never every interface
