@@ -18,7 +18,6 @@ from flows.compare import compare
 from flows.experiment import EXAMPLE_EXPERIMENT, experiment_flow
 from flows.ppo import ppo
 from flows.reinforce import reinforce
-from flows.servers import critic_server, reward_server, rollout_server
 from flows.stages import STAGE_FLOWS, pipeline
 from models.kinds import BY_JOB
 from flows.sweep import EXAMPLE_CONFIG, EXAMPLE_SWEEP, sweep_flow
@@ -32,9 +31,6 @@ def deployments() -> list[tuple]:
                                "field, --param deploy='{...}' where its parts run (both merged over these)")),
         (reinforce, dict(parameters={"config": {"algorithm": "rloo"}, "deploy": {}},
                          description="REINFORCE/RLOO on the embedded default (merged as ppo/default's)")),
-        (critic_server, dict(description="PyTriton critic server (critic_infer/train/save)")),
-        (reward_server, dict(description="PyTriton reward server (reward_model)")),
-        (rollout_server, dict(description="vLLM rollout server (generate, update_weights)")),
         (compare, dict(description="PPO vs RLOO curves and table")),
         *((stage, dict(parameters={"config": {}, "deploy": {}},  # each kind of stage's (models/kinds.py)
                        description=f"{BY_JOB[job].summary[0].upper()}{BY_JOB[job].summary[1:]}, on the embedded "

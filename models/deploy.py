@@ -1,7 +1,7 @@
 """Where a run's parts run: the deployment settings, apart from what a run trains (models/config.py).
 
-A deployment sets these once: prefect.yaml on a cluster (critic and rollout servers as deployments on their own GPU
-nodes, checkpoints in S3), `rlhf up` locally, `rlhf train` for one process. A run's own config never needs to name a
+A deployment sets these once: prefect.yaml on a cluster (servers as LeaderWorkerSets on their own GPU nodes,
+checkpoints in S3), `rlhf up` locally, `rlhf train` for one process. A run's own config never needs to name a
 host, a port, an interpreter or a bucket, and a flow run given a partial config keeps its deployment's settings (the
 flows deep-merge what a run is given over what its deployment says: components/runs.py).
 
@@ -19,10 +19,18 @@ from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_
 
 from models.sections import Section, default_state_dir
 
-Launch = Literal["in_process", "local", "deployment", "kubernetes"]
+Launch = Literal["in_process", "local", "kubernetes"]
 SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL", re.I)
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+
+
+def refuse_deployment_launch(value):
+    """launch='deployment' (a server as a Prefect deployment of its own) was removed: refused naming what replaces it."""
+    if value == "deployment":
+        raise ValueError("launch='deployment' was removed: on a cluster use 'kubernetes' (the run creates its servers "
+                         "as a LeaderWorkerSet: docs/cluster.md), else 'local'")
+    return value
 
 
 READY_TIMEOUT_S = 900.0  # a server's readiness wait: a cold GPU node joins in 3-6 min, then pulls the image, then loads
@@ -57,7 +65,7 @@ class ServerPlacement(Section):
         "host", "port", "max_queue_delay_us", "torch_threads", "ready_timeout_s", "request_timeout_s",
     )
 
-    launch: Launch = Field("local", description="'in_process' = no server (the model runs in the actor's rank 0); 'local' = a PyTriton child process of the run (own process group, stopped with it); 'deployment' = its Prefect deployment (critic-server/default, reward-server/default; on a cluster its own GPU node); 'kubernetes' = a LeaderWorkerSet the run creates on its cluster (deploy.cluster), reached through its pods' DNS names and deleted with the run.")
+    launch: Launch = Field("local", description="'in_process' = no server (the model runs in the actor's rank 0); 'local' = a PyTriton child process of the run (own process group, stopped with it); 'kubernetes' = a LeaderWorkerSet the run creates on its cluster (deploy.cluster), reached through its pods' DNS names and deleted with the run.")
     host: str = Field("127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
     port: Optional[int] = Field(None, ge=1, le=65533, description="HTTP port P of the server (gRPC P+1, metrics P+2); None = a free block picked at start.")
     max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic-batching queue delay of the server's batched models.")
@@ -65,6 +73,8 @@ class ServerPlacement(Section):
     ready_timeout_s: float = Field(READY_TIMEOUT_S, gt=0, description="How long to wait for the server to become ready; with launch=deployment, also for its flow run to start (a cold GPU node: 3-6 min to join, then the image pull and the model load). The run's log says every ~30 s what it waits for and how long it has waited; a local server that exits fails the wait at once.")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
     auth: Literal["secret", "none"] = Field("secret", description="'secret' = every request but liveness/readiness must carry the run's secret (generated per run, handed to the server through its environment; components/serving/auth.py), others are refused (403); 'none' = open mode: inference, model config and metadata answer anyone who reaches the port (NeMo-Aligner's own client sends no credentials); the server says so when it starts.")
+
+    _launch = field_validator("launch", mode="before")(refuse_deployment_launch)
 
 
 class CriticPlacement(ServerPlacement):
@@ -85,7 +95,7 @@ class RolloutPlacement(Section):
         "max_request_tokens", "max_body_mib", "weight_transfer",
     )
 
-    launch: Literal["local", "deployment", "kubernetes"] = Field("local", description="'local' = a child process of the run (own process group, stopped with it); 'deployment' = the rollout-server/default Prefect deployment (its own GPU node on a cluster); 'kubernetes' = a LeaderWorkerSet of `replicas` servers the run creates on its cluster (deploy.cluster; the vLLM image), deleted with the run.")
+    launch: Literal["local", "kubernetes"] = Field("local", description="'local' = a child process of the run (own process group, stopped with it); 'kubernetes' = a LeaderWorkerSet of `replicas` servers the run creates on its cluster (deploy.cluster; the vLLM image), deleted with the run.")
     python: str = Field(".venv-vllm/bin/python", description="Interpreter of the server's environment (`make vllm-venv`; an image with `vllm` on a cluster). Relative paths resolve against the project root.")
     host: str = Field("127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
     port: Optional[int] = Field(None, ge=0, le=65535, description="HTTP port of the server (replica i: port + i); None or 0 = a free one picked at start; a busy port makes a local server pick a free one.")
@@ -103,6 +113,8 @@ class RolloutPlacement(Section):
     max_request_tokens: PositiveInt = Field(1 << 23, description="Largest /generate request in new tokens: prompts x n x max_new_tokens; a bigger one is refused (400) naming the fields.")
     max_body_mib: PositiveInt = Field(32, description="Largest JSON request body (MiB) the server reads, checked from Content-Length before reading (a weight upload is bounded by the model's own size instead); 1,024 prompts of 2,048 tokens take ~13 MiB.")
     weight_transfer: Literal["http", "dist"] = Field("dist", description="How the actor's weights reach every replica after every update: 'dist' = a torch.distributed group per replica (actor rank 0 and the replica's workers; gloo on CPU, NCCL on GPUs), tensors broadcast one at a time and loaded as they arrive; 'http' = a safetensors body streamed to each replica's POST /update_weights (a server the actor cannot reach with a process group: only its HTTP port is open). Either way the replicas receive each tensor at once, gathered once.")
+
+    _launch = field_validator("launch", mode="before")(refuse_deployment_launch)
 
     @model_validator(mode="after")
     def _tensor_parallel_needs_dist(self):

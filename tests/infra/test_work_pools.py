@@ -4,7 +4,7 @@ a valid Kubernetes object.
 The path is the worker's (prefect-kubernetes 0.8.0, a test dependency): the work pool's base job template as
 Terraform's `templatefile` renders it (test_terraform._render_template), each deployment's job variables from
 prefect.yaml (with its `{{ $VAR }}`s filled), `KubernetesWorkerJobConfiguration.from_template_and_values`, then
-`prepare_for_flow_run(flow_run)`, which fills the flow-run command and environment. Before issue 36 none of the ten
+`prepare_for_flow_run(flow_run)`, which fills the flow-run command and environment. Before issue 36 none of the
 deployments' pods ran its flow run: the `command` variable had no default and Prefect's templating drops an unset
 placeholder inside a longer string. Rendering needs no Prefect server: with PREFECT_API_URL set, nothing is asked of
 the API.
@@ -64,9 +64,9 @@ def _env(job: dict) -> dict:
 
 
 def test_every_deployment_is_rendered(rendered):
-    assert len(rendered) == len(_prefect_yaml()["deployments"]) == 9 + len(STAGES)  # a deployment per stage
-    assert {"ppo/default", "reinforce/default", "critic-server/default", "rollout-server/default",
-            "sweep/default", "experiment/default", "pipeline/default",
+    assert len(rendered) == len(_prefect_yaml()["deployments"]) == 6 + len(STAGES)  # a deployment per stage
+    assert {"ppo/default", "reinforce/default", "compare/default", "sweep/default", "experiment/default",
+            "pipeline/default",
             *(f"{BY_JOB[stage].command}/default" for stage in STAGES)} <= set(rendered)
 
 
@@ -96,9 +96,7 @@ def test_every_pod_keeps_its_state_in_its_own_volume_and_shares_the_hugging_face
 
 def test_the_images_and_pools(rendered):
     for name, (_, job) in rendered.items():
-        image = _container(job)["image"]
-        expected = SAMPLE_ENV["RLHF_VLLM_IMAGE"] if name == "rollout-server/default" else SAMPLE_ENV["RLHF_IMAGE"]
-        assert image == expected, name
+        assert _container(job)["image"] == SAMPLE_ENV["RLHF_IMAGE"], name  # a run's vLLM pods are its own
         role = job["spec"]["template"]["spec"]["nodeSelector"]["rlhf/role"]
         on_actors = {"ppo/default", "reinforce/default", "pipeline/default",
                      *(f"{BY_JOB[stage].command}/default" for stage in STAGES)}  # the runs that train
@@ -124,3 +122,4 @@ def test_a_broken_pod_spec_is_caught():
     job["spec"]["template"]["spec"]["containers"][0] = {"name": "c", "image": "i", "args": [["prefect"]]}
     with pytest.raises(AssertionError, match="args"):
         validate(job)
+

@@ -70,7 +70,7 @@ def test_an_entry_point_s_defaults_sit_under_the_user_s_file_and_flags(tmp_path)
     config_file = tmp_path / "run.yaml"
     config_file.write_text("deploy:\n  critic:\n    launch: local\niterations: 3\n")
     assert load_config(config_file, defaults=defaults).deploy.critic.launch == "local"
-    assert load_config(overrides={"deploy.critic.launch": "deployment"}, defaults=defaults).deploy.critic.launch == "deployment"
+    assert load_config(overrides={"deploy.critic.launch": "kubernetes"}, defaults=defaults).deploy.critic.launch == "kubernetes"
 
 
 @pytest.mark.parametrize("name", ["../x", "/abs/path", "a/b", ".hidden", "", "x" * 101, "spaces are bad"])
@@ -94,6 +94,10 @@ def test_unnamed_runs_started_together_get_names_of_their_own():
     ({"ppo.not_a_field": 1}, "not_a_field"),
     ({"critic.launch": "local"}, "launch"),  # where the critic runs is the deployment's: deploy.critic.launch
     ({"deploy.critic.port": 70000}, "port"),
+    # a server as a Prefect deployment of its own is gone: what replaces it, named
+    ({"deploy.critic.launch": "deployment"}, r"deploy.critic.launch\n.*launch='deployment' was removed: on a cluster use 'kubernetes'.*else 'local'"),
+    ({"deploy.reward.launch": "deployment"}, r"deploy.reward.launch\n.*use 'kubernetes'"),
+    ({"deploy.rollout.launch": "deployment"}, r"deploy.rollout.launch\n.*use 'kubernetes'"),
     ({"deploy.actor.nproc_per_node": 128}, "rollout_batch_size=64 is smaller than the actor's world size 128"),
 ])
 def test_invalid_config_names_the_field(overrides, message):

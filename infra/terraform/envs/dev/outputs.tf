@@ -29,7 +29,7 @@ output "actor_work_pool_name" {
 }
 
 output "critic_work_pool_name" {
-  description = "prefect.yaml work_pool.name of critic-server/default and reward-server/default."
+  description = "prefect.yaml work_pool.name of compare/default, sweep/default and experiment/default."
   value       = module.prefect.critic_work_pool_name
 }
 

@@ -20,7 +20,7 @@ locals {
       role                 = "critic"
       service_account_name = var.critic_service_account_name
       resources            = var.critic_resources
-      description          = "RLHF critic, reward and rollout servers, and the flows that need no GPU, on the critic GPU node group."
+      description          = "RLHF flows that need no GPU (compare, sweep, experiment), on the critic GPU node group, where the runs' servers run."
     }
   }
 

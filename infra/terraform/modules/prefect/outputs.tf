@@ -4,7 +4,7 @@ output "actor_work_pool_name" {
 }
 
 output "critic_work_pool_name" {
-  description = "Name of the critic work pool (prefect.yaml: work_pool.name of critic-server/default and reward-server/default)."
+  description = "Name of the critic work pool (prefect.yaml: work_pool.name of compare/default, sweep/default and experiment/default)."
   value       = prefect_work_pool.this[var.critic_pool_name].name
 }
 
