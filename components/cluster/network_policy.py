@@ -3,13 +3,13 @@ CNI's network policy agent: infra/terraform).
 
 What Terraform sets once per namespace (envs/dev): no pod takes ingress unless a policy allows it; actor pods take
 ingress from actor pods (the ranks' rendezvous and collectives, which start before any flow code runs). What a run
-sets for itself, here, while it has deployment servers:
+sets for itself, here, while it has servers on Kubernetes (launch=kubernetes):
 - its training Job is the one the pod that runs the run is in (the flow run's own Job; with node groups, the
   JobSet's Job <jobset>-node-0, whose pods are every node group): every pod of a Job carries
   `batch.kubernetes.io/job-name: <job>`, which the pod reads from its own labels (the downward API's labels file at
   PODINFO_DIR, mounted by the work pools' job templates and the run's own pod templates), whatever its hostname;
-- its servers' pods are labelled `rlhf/run: <job>` (the work pool's job variable `run_label`, which the run passes
-  when it starts their deployments; the labels of the LeaderWorkerSets it creates with launch=kubernetes);
+- its servers' pods are labelled `rlhf/run: <job>` (the labels of the LeaderWorkerSets it creates: a flow run's
+  own pod cannot choose this label, the work pools' job templates fix it);
 - two NetworkPolicies named after the job: the run's server pods take ingress from the job's pods and from each
   other only, and the job's pods take ingress from the run's server pods (the rollout server joins the trainer's
   weight-transfer group).
@@ -107,7 +107,7 @@ class KubeAPI:
 
 
 class RunPolicies:
-    """The run's policies, created when its first deployment server starts and deleted after its last one stops."""
+    """The run's policies, created when its first server on Kubernetes starts and deleted after its last one stops."""
 
     def __init__(self, api_factory=KubeAPI):
         self.api_factory, self.lock, self.users, self.created = api_factory, threading.Lock(), 0, []

@@ -1,6 +1,7 @@
 """Static checks that a run's servers on the cluster serve that run only (issue 32): the VPC CNI enforces
-NetworkPolicies; the namespace denies ingress by default and lets actor pods reach actor pods; server pods carry the
-rlhf/run label the run's own policies select on (components/cluster/network_policy.py, cross-checked here); a run
+NetworkPolicies; the namespace denies ingress by default and lets actor pods reach actor pods; a run's server pods
+carry the rlhf/run label the run's own policies select on, and no flow run's pod can give itself one
+(components/cluster/network_policy.py, cross-checked here); a run
 may create and delete NetworkPolicies and read its Job, nothing more; the critic role writes only its pending saves;
 leases and commit points are written only by conditional puts. (checkov scans the new resources in test_terraform.)"""
 
@@ -10,6 +11,8 @@ from tests.infra.test_terraform import (ENV_DEV, MODULES, _blocks, _locals, _one
                                         _sample_values)
 
 from components.cluster.network_policy import JOB_LABEL, PODINFO_DIR, RUN_LABEL, own_job, policies
+from components.cluster.objects import RunIdentity, Site, leader_worker_set
+from models.config import load_config
 
 
 def _spec(body: dict) -> dict:
@@ -34,14 +37,13 @@ def test_the_namespace_denies_ingress_but_between_actor_ranks():
     assert source["match_labels"] == {"rlhf/role": "actor"}  # never a server, never another namespace
 
 
-def test_server_pods_carry_the_label_a_runs_own_policies_select_on_and_every_pod_reads_its_job_from_its_labels(tmp_path):
+def test_only_a_runs_own_server_pods_carry_its_label_and_every_pod_reads_its_job_from_its_labels(tmp_path):
     for pool, role in (("actor-gpu", "actor"), ("critic-gpu", "critic")):
         template = _render_template(_sample_values(pool, role))
         pod = template["job_configuration"]["job_manifest"]["spec"]["template"]
-        labels = pod["metadata"]["labels"]
-        assert labels == {"rlhf/role": role, RUN_LABEL: "{{ run_label }}"}
-        variable = template["variables"]["properties"]["run_label"]
-        assert variable["default"] == "none" and variable["pattern"].startswith("^[a-z0-9]")
+        # a flow run's pod never carries a run's rlhf/run label: no job variable sets a label
+        assert pod["metadata"]["labels"] == {"rlhf/role": role}
+        assert not {"labels", "run_label"} & set(template["variables"]["properties"])
         # the pod's own labels, where own_job reads the Job it runs in (the downward API)
         podinfo = next(v for v in pod["spec"]["volumes"] if v["name"] == "podinfo")
         assert podinfo["downwardAPI"]["items"] == [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]
@@ -50,7 +52,12 @@ def test_server_pods_carry_the_label_a_runs_own_policies_select_on_and_every_pod
     (tmp_path / "labels").write_text('batch.kubernetes.io/job-name="ppo-x7k2q"\nrlhf/role="actor"')
     job = own_job({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, str(tmp_path / "labels"))
     servers, trainer = policies(job, "rlhf", "uid")
-    # the run labels its servers' pods (run_label = its Job's name); Kubernetes labels its own Job's pods
+    # the run labels its servers' pods (their LeaderWorkerSet's template: its Job's name); Kubernetes labels its own
+    # Job's pods
+    cfg = load_config(None, "tiny")
+    site = Site.of(cfg.deploy.cluster, {"RLHF_IMAGE": "registry.example.com/rlhf-flows:1"})
+    lws = leader_worker_set("critic", cfg, site, RunIdentity.of("demo", "1", run_label=job), ["python"])
+    assert lws["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"][RUN_LABEL] == job
     assert servers["spec"]["podSelector"]["matchLabels"] == {RUN_LABEL: job}
     assert trainer["spec"]["podSelector"]["matchLabels"] == {JOB_LABEL: job}
 

@@ -123,3 +123,40 @@ def test_a_broken_pod_spec_is_caught():
     with pytest.raises(AssertionError, match="args"):
         validate(job)
 
+
+def test_a_flow_run_may_set_the_resources_users_need_and_nothing_that_changes_who_or_what_it_runs():
+    """What the Prefect server checks when a flow run of a deployment is created with job variables (its own code,
+    prefect.server.api.validation, which needs no database for these): a user's resources (docs/cluster.md's
+    controller pod: gpu_count=0, cpu, memory) pass over every deployment's own; the namespace, the service account
+    (another IRSA role), the command, labels (the rlhf/run label a run's NetworkPolicies let in) and a server's old
+    run_label are refused, naming the variable. And were one to get through, the pool's Job would not change: the
+    template has no place for it."""
+    from prefect.server.api.validation import _validate_work_pool_job_variables
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.utilities.schema_tools import ValidationError
+    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
+
+    user = {"gpu_count": 0, "cpu": "500m", "memory": "2Gi"}
+    refused = {"namespace": "kube-system", "service_account_name": "prefect-worker", "command": "sh -c 'curl x | sh'",
+               "labels": {"rlhf/run": "ppo-x7k2q"}, "run_label": "ppo-x7k2q", "image_pull_policy": "Always"}
+    for deployment in _prefect_yaml()["deployments"]:
+        pool = deployment["work_pool"]
+        template = _render_template(_sample_values(pool["name"], POOLS[pool["name"]]))
+        own = _rendered(pool.get("job_variables") or {}, SAMPLE_ENV)
+
+        def check(flow_run_variables: dict) -> None:
+            asyncio.run(_validate_work_pool_job_variables(None, pool["name"], template, own, flow_run_variables,
+                                                          ignore_required=False))
+
+        check(user)
+        for name, value in refused.items():
+            with pytest.raises(ValidationError, match=rf"'{name}' was unexpected"):
+                check({**user, name: value})
+
+        async def job(variables: dict) -> dict:
+            configuration = await KubernetesWorkerJobConfiguration.from_template_and_values(template, variables)
+            return configuration.job_manifest
+
+        with temporary_settings({PREFECT_API_URL: "http://prefect.invalid/api"}):
+            plain, tampered = asyncio.run(job(own)), asyncio.run(job({**own, **refused}))
+        assert tampered == plain, deployment["entrypoint"]

@@ -14,6 +14,6 @@ output "work_pool_ids" {
 }
 
 output "job_variables" {
-  description = "Map work pool name -> job variable names that deployments may set in job_variables."
+  description = "Map work pool name -> the job variables a deployment or a flow run may set (no other is accepted)."
   value       = { for name, tpl in local.base_job_templates : name => sort(keys(jsondecode(tpl).variables.properties)) }
 }
