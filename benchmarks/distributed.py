@@ -77,7 +77,7 @@ def seconds_per_iteration(algorithm: str, world: int, iterations: int) -> list[f
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "m.json"
         env = dict(os.environ, RLHF_STATE_DIR=str(state_dir()))
-        subprocess.run([str(Path(sys.executable).parent / "rlhf"), "train", "--set", f"algorithm={algorithm}",
+        subprocess.run([str(Path(sys.executable).parent / "rlhf"), "train", "--preset", "tiny", "--set", f"algorithm={algorithm}",
                         "--set", f"iterations={iterations}", "--set", f"deploy.actor.nproc_per_node={world}",
                         "--metrics-out", str(out)], check=True, capture_output=True, text=True, env=env, timeout=1800)
         history = json.loads(out.read_text())

@@ -1,8 +1,10 @@
 """`JobSetNodes`: the actor's node groups as one JobSet on the cluster (components/launch/nodes.py's `NodeGroups`).
 
-The run's controller (its flow run's pod) creates the JobSet (components/cluster/objects.jobset), watches it through
-`status()`, reads a failed group's log and deletes the JobSet in its `finally`; the JobSet is also owned by the
-controller's Job, so a deleted or cancelled flow run's pod takes it with it. What `status()` reads:
+The run's controller (its flow run's pod) creates the JobSet (components/cluster/objects.jobset) after the two
+NetworkPolicies that let its node groups reach each other (components/cluster/network_policy.py: the node pods carry
+the controller's rlhf/run), watches it through `status()`, reads a failed group's log and deletes the JobSet, then
+the policies, in its `finally`; all are also owned by the controller's Job, so a deleted or cancelled flow run's pod
+takes them with it. What `status()` reads:
 - the JobSet's conditions: Completed (succeeded), Failed (failed: the failed node group named with its pod, its
   container's exit code and reason, and the last lines of its log), Suspended (Kueue has not admitted it yet: with
   the reason its Workload gives, e.g. not enough quota in the ClusterQueue);
@@ -18,7 +20,7 @@ import os
 from typing import Optional
 
 from components.cluster.kube import Kube
-from components.cluster.network_policy import own_job
+from components.cluster.network_policy import KubeAPI, RunPolicies, own_job
 from components.cluster.objects import QUEUE_LABEL, RunIdentity, Site, jobset
 from components.launch.nodes import NodeSpec, NodeStatus
 from models.config import RLHFConfig
@@ -132,6 +134,10 @@ class JobSetNodes:
         self.manifest = jobset(spec, cluster, site, identity)
         self.name = spec.name
         self.uid: Optional[str] = None
+        # the node groups' policies, when the controller runs in a Job (their pods carry its rlhf/run)
+        self.job = identity.run_label if identity.owner else None
+        self.policies = RunPolicies(api_factory=lambda: KubeAPI(kube)) if self.job else None
+        self.holds_policies = False
 
     @classmethod
     def for_run(cls, spec: NodeSpec, cfg: RLHFConfig, kube: Optional[Kube] = None, environ=os.environ,
@@ -148,6 +154,10 @@ class JobSetNodes:
         return cls(spec, cluster, Site.of(cluster, environ, kube.namespace), identity, kube)
 
     def start(self) -> None:
+        """Create the node groups' NetworkPolicies (once), then the JobSet."""
+        if self.policies is not None and not self.holds_policies:
+            self.policies.acquire(self.job)
+            self.holds_policies = True
         self.uid = self.kube.create(self.manifest)["metadata"].get("uid")
 
     def _pods(self) -> list[dict]:
@@ -175,5 +185,10 @@ class JobSetNodes:
         return self.kube.log(pod["metadata"]["name"], lines)
 
     def delete(self) -> None:
-        """Delete the JobSet; Kubernetes deletes its Jobs and their pods with it (idempotent)."""
-        self.kube.delete(API, "JobSet", self.name)
+        """Delete the JobSet (Kubernetes deletes its Jobs and their pods with it), then its policies (idempotent)."""
+        try:
+            self.kube.delete(API, "JobSet", self.name)
+        finally:
+            if self.holds_policies:
+                self.policies.release()
+                self.holds_policies = False

@@ -3,8 +3,8 @@ pods, read a pod's log. Objects are plain dicts (the manifests components/cluste
 become `KubeError`s naming the object, what was asked, and what usually causes that answer.
 
 Credentials: inside a pod, its service account (the token and CA Kubernetes mounts; RBAC in infra/terraform lets the
-actor's service account manage the run's objects in its namespace only); elsewhere a kubeconfig ($KUBECONFIG or
-~/.kube/config, or `config_file`).
+actor's service account manage the run's objects in its namespace only, and its admission policy only the objects of
+the run whose pod holds the token); elsewhere a kubeconfig ($KUBECONFIG or ~/.kube/config, or `config_file`).
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ def _explain(exc, verb: str, kind: str, name: str, namespace: str) -> KubeError:
     what = f"{verb} {kind} {name!r} in namespace {namespace!r}"
     hint = ""
     if exc.status == 403:
-        hint = (f": this service account may not {verb} {kind} objects there (RBAC: infra/terraform envs/dev "
-                f"grants the actor's service account what a run needs)")
+        hint = (f": this service account may not {verb} {kind} objects there, or not this one (RBAC: "
+                f"infra/terraform envs/dev grants the actor's service account what a run needs; its admission policy "
+                f"lets a run's pod create and delete only its own run's objects, and says which rule refused)")
     elif exc.status == 404 and kind in CONTROLLERS and verb == "create":
         hint = f": is {CONTROLLERS[kind]} installed on the cluster (infra/terraform installs it with Helm)?"
     elif exc.status == 409:

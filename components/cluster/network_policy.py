@@ -1,23 +1,29 @@
-"""On Kubernetes, a run's server pods take traffic from that run's actor pods only (NetworkPolicies, enforced by the VPC
-CNI's network policy agent: infra/terraform).
+"""On Kubernetes, a run's pods talk to that run's pods only (NetworkPolicies, enforced by the VPC CNI's network policy
+agent: infra/terraform).
 
-What Terraform sets once per namespace (envs/dev): no pod takes ingress unless a policy allows it; actor pods take
-ingress from actor pods (the ranks' rendezvous and collectives, which start before any flow code runs). What a run
-sets for itself, here, while it has servers on Kubernetes (launch=kubernetes):
-- its training Job is the one the pod that runs the run is in (the flow run's own Job; with node groups, the
-  JobSet's Job <jobset>-node-0, whose pods are every node group): every pod of a Job carries
+What Terraform sets once per namespace (envs/dev): no pod takes or opens a connection unless a policy allows it, in
+either direction; every pod may resolve names (kube-dns), reach addresses outside the VPC but the link-local range
+(the instance metadata service), and the Kubernetes API. What a run sets for itself, here, while it has pods of its
+own (servers it created, or node groups):
+- its Job is the one the pod that creates them runs in (the flow run's own Job; with node groups, the JobSet's Job
+  <jobset>-node-0, whose pods are every node group, creates the servers): every pod of a Job carries
   `batch.kubernetes.io/job-name: <job>`, which the pod reads from its own labels (the downward API's labels file at
   PODINFO_DIR, mounted by the work pools' job templates and the run's own pod templates), whatever its hostname;
-- its servers' pods are labelled `rlhf/run: <job>` (the labels of the LeaderWorkerSets it creates: a flow run's
-  own pod cannot choose this label, the work pools' job templates fix it);
-- two NetworkPolicies named after the job: the run's server pods take ingress from the job's pods and from each
-  other only, and the job's pods take ingress from the run's server pods (the rollout server joins the trainer's
-  weight-transfer group).
-  Both are owned by the training Job (ownerReferences): if the run is killed before it deletes them, Kubernetes
-  removes them with the Job. A pod of another run, or anything else in the cluster, cannot open a connection to them.
+- the pods of the objects it creates are labelled `rlhf/run: <job>` (its servers' LeaderWorkerSets, its node groups'
+  JobSet: the admission policy in infra/terraform refuses any other value from a run); a flow run's own pod cannot
+  give itself this label (the work pools' job templates fix its labels: no job variable sets one);
+- two NetworkPolicies named after the job, both ways (ingress and egress): `rlhf-<job>-run`, the run's pods talk to
+  the job's pods and to each other (a server group across pods; the node groups' rendezvous and collectives), and
+  `rlhf-<job>-job`, the job's pods talk to the run's pods (the trainer calls its servers; the rollout server joins the
+  trainer's weight-transfer group).
+  Both are owned by the Job (ownerReferences): if the run is killed before it deletes them, Kubernetes removes them
+  with the Job. A pod of another run, or anything else in the cluster, can neither reach the run's pods nor be
+  reached from them.
 
-The REST calls use the pod's service account through components/cluster/kube.py (RBAC in envs/dev: create/delete
-NetworkPolicies, get Jobs, in the namespace only). Off the cluster (no $KUBERNETES_SERVICE_HOST), or with RLHF_NETWORK_POLICY=off, nothing is done.
+The REST calls use the pod's service account through components/cluster/kube.py (RBAC and the admission policy in
+envs/dev: create/delete the run's own NetworkPolicies, get Jobs, in the namespace only). Off the cluster (no
+$KUBERNETES_SERVICE_HOST), or with RLHF_NETWORK_POLICY=off, nothing is done (on infra/terraform's cluster a run's
+pods then reach nothing of each other, and the admission policy refuses objects owned by no Job).
 """
 
 from __future__ import annotations
@@ -68,20 +74,21 @@ def pod_labels(text: str) -> dict[str, str]:
 
 
 def policies(job: str, namespace: str, job_uid: Optional[str] = None) -> list[dict]:
-    """The run's two NetworkPolicies (pure manifests): servers <- the job's pods and the run's other servers (a
-    server group across pods), the job's pods <- servers."""
+    """The run's two NetworkPolicies (pure manifests), each both ways: `rlhf-<job>-run`, the run's pods (rlhf/run)
+    with the job's pods and each other; `rlhf-<job>-job`, the job's pods with the run's pods."""
     owner = ([{"apiVersion": "batch/v1", "kind": "Job", "name": job, "uid": job_uid, "blockOwnerDeletion": False}]
              if job_uid else [])
 
-    def policy(name: str, target: dict, *sources: dict) -> dict:
+    def policy(name: str, target: dict, *peers: dict) -> dict:
+        selectors = [{"podSelector": {"matchLabels": peer}} for peer in peers]
         return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                 "metadata": {"name": name, "namespace": namespace, "ownerReferences": owner,
                              "labels": {"app.kubernetes.io/part-of": "rlhf-flows", RUN_LABEL: job}},
-                "spec": {"podSelector": {"matchLabels": target}, "policyTypes": ["Ingress"],
-                         "ingress": [{"from": [{"podSelector": {"matchLabels": source}} for source in sources]}]}}
+                "spec": {"podSelector": {"matchLabels": target}, "policyTypes": ["Ingress", "Egress"],
+                         "ingress": [{"from": selectors}], "egress": [{"to": selectors}]}}
 
-    return [policy(f"rlhf-{job}-servers"[:253], {RUN_LABEL: job}, {JOB_LABEL: job}, {RUN_LABEL: job}),
-            policy(f"rlhf-{job}-trainer"[:253], {JOB_LABEL: job}, {RUN_LABEL: job})]
+    return [policy(f"rlhf-{job}-run", {RUN_LABEL: job}, {JOB_LABEL: job}, {RUN_LABEL: job}),
+            policy(f"rlhf-{job}-job", {JOB_LABEL: job}, {RUN_LABEL: job})]
 
 
 class KubeAPI:
@@ -107,7 +114,8 @@ class KubeAPI:
 
 
 class RunPolicies:
-    """The run's policies, created when its first server on Kubernetes starts and deleted after its last one stops."""
+    """The run's policies, created when its first server (or its node groups) starts and deleted after its last one
+    stops."""
 
     def __init__(self, api_factory=KubeAPI):
         self.api_factory, self.lock, self.users, self.created = api_factory, threading.Lock(), 0, []
@@ -115,13 +123,19 @@ class RunPolicies:
 
     def acquire(self, job: str) -> None:
         with self.lock:
+            if self.users == 0:
+                api = self.api_factory()
+                manifests, made = policies(job, api.namespace, api.job_uid(job)), []
+                try:
+                    for manifest in manifests:
+                        api.create(manifest)
+                        made.append(manifest)
+                except BaseException:
+                    for manifest in made:  # none of the run's policies is left behind by a start that failed
+                        api.delete(manifest["metadata"]["name"])
+                    raise
+                self.api, self.created = api, manifests
             self.users += 1
-            if self.users > 1:
-                return
-            self.api = self.api_factory()
-            self.created = policies(job, self.api.namespace, self.api.job_uid(job))
-            for manifest in self.created:
-                self.api.create(manifest)
 
     def release(self) -> None:
         with self.lock:

@@ -15,13 +15,21 @@ same objects.
   pod, tensor_parallel_size GPUs of one node), found through the LeaderWorkerSet's own headless Service: replica i
   is http://<lws>-<i>.<lws>.<namespace>:8000. Each pod runs `python -m components.serving.pod KIND`, which starts
   the server as a local run would (components/serving/local.local_server).
-- The run's secret: a Secret per server kind, mounted read-only into its pods (RLHF_RUN_SECRET_FILE), never a value
-  in a spec; manifests written for review carry a placeholder instead.
-- The run's two NetworkPolicies (components/cluster/network_policy.py): its servers take traffic from its own pods.
+- The run's secret: a Secret per server kind, named after the run's Job (<job>-<8 hex>-<kind>: the one name pattern
+  the admission policy lets the run's pods mount), mounted read-only into its pods (RLHF_RUN_SECRET_FILE), never a
+  value in a spec; manifests written for review carry a placeholder instead.
+- The run's two NetworkPolicies (components/cluster/network_policy.py): its pods talk to its own pods only.
 
-Every object is labelled as the run's (rlhf/run: the Job the run builder runs in, whose pods the NetworkPolicies let
-in), carries the Kueue queue label (deploy.cluster.queue: a JobSet's pods are admitted together or not at all), and
-is owned by that Job (ownerReferences): a cancelled or deleted flow run's pod takes them with it.
+The pods meet the restricted Pod Security Standard (the namespace enforces it): not root, no privilege escalation,
+no capabilities, the runtime's seccomp profile, only emptyDir, downwardAPI, secret and persistentVolumeClaim
+volumes. Server pods get no Kubernetes API token (they never call the API); node pods do (node group 0's rank 0
+creates the run's servers).
+
+Every object is labelled as the run's (rlhf/run: the Job the pod that creates it runs in, whose pods the
+NetworkPolicies let in), carries the Kueue queue label (deploy.cluster.queue: a JobSet's pods are admitted together or
+not at all), and is owned by that Job (ownerReferences): a cancelled or deleted flow run's pod takes them with it. The
+namespace's admission policy (infra/terraform modules/admission) refuses a run's object that is not so labelled and
+owned, or whose pods run other images or service accounts, or mount what is not the run's.
 """
 
 from __future__ import annotations
@@ -124,10 +132,12 @@ def pod_env(cluster: ClusterPlacement, site: Site, extra: Mapping[str, str] = ()
 
 def pod_template(cluster: ClusterPlacement, placement: PodPlacement, labels: dict, *, image: str, args: list[str],
                  env: list[dict], gpus: int, service_account: str, restart_policy: str, ports: dict[str, int],
-                 readiness: Optional[str] = None, secret: Optional[str] = None) -> dict:
+                 api_token: bool, readiness: Optional[str] = None, secret: Optional[str] = None) -> dict:
     """A pod template of the run: one container `main` running `args` (the image has no entrypoint), `gpus` GPUs,
     the pool's node selector and tolerations, /dev/shm, its own state directory, the shared cache, its own labels
-    (the downward API, at PODINFO_DIR: the Job it runs in) and (`secret`) the run's secret mounted read-only. Not root, no privilege escalation, no capabilities."""
+    (the downward API, at PODINFO_DIR: the Job it runs in) and (`secret`) the run's secret mounted read-only; the
+    service account's API token only with `api_token`. The restricted Pod Security Standard: not root, no privilege
+    escalation, no capabilities, the runtime's seccomp profile."""
     mounts = [{"name": "dshm", "mountPath": "/dev/shm"}, {"name": "state", "mountPath": cluster.state_dir},
               {"name": "podinfo", "mountPath": PODINFO_DIR, "readOnly": True}]
     volumes = [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": placement.shm_size}},
@@ -153,6 +163,7 @@ def pod_template(cluster: ClusterPlacement, placement: PodPlacement, labels: dic
         container["readinessProbe"] = {"httpGet": {"path": readiness, "port": "http"}, "periodSeconds": 5,
                                        "failureThreshold": 3}
     spec = {"restartPolicy": restart_policy, "serviceAccountName": service_account,
+            "automountServiceAccountToken": api_token,
             "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "runAsGroup": 1000, "fsGroup": 1000,
                                 "seccompProfile": {"type": "RuntimeDefault"}},
             "nodeSelector": dict(placement.node_selector), "tolerations": [dict(t) for t in placement.tolerations],
@@ -174,7 +185,7 @@ def jobset(spec: NodeSpec, cluster: ClusterPlacement, site: Site, identity: RunI
     env += [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{a}']"}}} for k, a in JOBSET_ENV.items()]
     template = pod_template(cluster, cluster.actor, labels, image=site.image, args=node_argv(spec, "python"), env=env,
                             gpus=spec.nproc_per_node, service_account=cluster.actor_service_account,
-                            restart_policy="Never", ports={"rendezvous": spec.master_port})
+                            restart_policy="Never", ports={"rendezvous": spec.master_port}, api_token=True)
     # a group that exits NO_RESTART_EXIT_CODE met a failure no restart mends: its Job fails by its pod failure
     # policy, and that reason fails the JobSet without a restart; any other failure restarts every group
     job = {"completionMode": "Indexed", "parallelism": spec.nnodes, "completions": spec.nnodes, "backoffLimit": 0,
@@ -241,10 +252,16 @@ def server_args(kind: str, cfg: RLHFConfig, checkpoint_uri: Optional[str] = None
     return args
 
 
+def secret_name(identity: RunIdentity, kind: str) -> str:
+    """<the run's Job>-<8 hex of the servers' name>-<kind>: tied to the Job, as the admission policy requires of a
+    Secret a run creates or mounts (nothing another run's Job could name)."""
+    return f"{identity.run_label}-{hashlib.sha256(identity.name.encode()).hexdigest()[:8]}-{kind}"
+
+
 def secret(identity: RunIdentity, kind: str, value: str = SECRET_PLACEHOLDER) -> dict:
     """The run's secret for one server kind's pods (a placeholder for manifests written for review)."""
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": identity.metadata(f"{server_name(identity, kind)}-secret", kind),
+            "metadata": identity.metadata(secret_name(identity, kind), kind),
             "stringData": {SECRET_KEY: value}}
 
 
@@ -259,8 +276,8 @@ def leader_worker_set(kind: str, cfg: RLHFConfig, site: Site, identity: RunIdent
     ports = {"http": SERVER_PORT, **({"grpc": SERVER_PORT + 1, "metrics": SERVER_PORT + 2} if kind != "rollout" else {})}
     template = pod_template(cluster, cluster.servers, labels, image=image, args=args, env=pod_env(cluster, site),
                             gpus=server_gpus(kind, cfg), service_account=cluster.server_service_account,
-                            restart_policy="Always", ports=ports, readiness=READY_PATHS[kind],
-                            secret=f"{name}-secret")
+                            restart_policy="Always", ports=ports, api_token=False, readiness=READY_PATHS[kind],
+                            secret=secret_name(identity, kind))
     return {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
             "metadata": identity.metadata(name, kind, cluster.queue),
             "spec": {"replicas": server_replicas(kind, cfg), "startupPolicy": "LeaderCreated",
@@ -287,13 +304,15 @@ def kubernetes_servers(cfg: RLHFConfig) -> list[str]:
 
 
 def run_manifests(cfg: RLHFConfig, site: Site, identity: RunIdentity, nodes: Optional[NodeSpec] = None) -> list[dict]:
-    """Every object the run creates on its cluster: its JobSet (`nodes`: the node groups' spec, for nnodes > 1),
-    each Kubernetes server's Secret (a placeholder value) and LeaderWorkerSet, and its two NetworkPolicies. With
-    node groups, node group 0's rank 0 runs the run and creates the servers: they and the policies belong to its Job
-    (<jobset>-node-0, every node pod's Job)."""
+    """Every object the run creates on its cluster: its JobSet (`nodes`: the node groups' spec, for nnodes > 1) with
+    the controller's two NetworkPolicies (the node groups' rendezvous and collectives: their pods carry the
+    controller's rlhf/run), each Kubernetes server's Secret (a placeholder value) and LeaderWorkerSet, and their two
+    NetworkPolicies. With node groups, node group 0's rank 0 runs the run and creates the servers: they and their
+    policies belong to its Job (<jobset>-node-0, every node pod's Job)."""
     objects, servers = [], identity
     if nodes is not None:
         objects.append(jobset(nodes, cfg.deploy.cluster, site, identity))
+        objects += policies(identity.run_label, site.namespace, (identity.owner or {}).get("uid"))
         servers = RunIdentity(identity.name, f"{nodes.name}-{NODE_JOB}-0")
     kinds = kubernetes_servers(cfg)
     for kind in kinds:

@@ -31,26 +31,20 @@ from components.storage import s3  # noqa: F401 - registers the s3:// transport:
 from models import distributed
 from models.config import RLHFConfig
 from models.kinds import BY_JOB
-from models.loop import Leader, build_actor, execute
-from models.stages.kinds import build_stage
-from models.stages.train import StageLeader, execute_stage
+from models.loop import Leader, build, execute
 
-def job(name: str):
-    """What the ranks of a job are given, build and execute: (config class, build(cfg, me), execute(state, cfg,
-    command), rank 0's Leader class). `rl`: the actor (models/loop.py); `sft` / `reward_model` / `dpo`: a stage's
-    trainee (models/stages/train.py)."""
-    if name == RLHFConfig.job:
-        return RLHFConfig, build_actor, execute, Leader
-    return BY_JOB[name].run_class, build_stage, execute_stage, StageLeader
+
+def config_class(job: str) -> type:
+    """The config the ranks of a job are given: an RL run's, or a stage's run config (models/kinds.py)."""
+    return RLHFConfig if job == RLHFConfig.job else BY_JOB[job].run_class
 
 
 @contextmanager
 def actor_ranks(cfg, log_dir: Path) -> Iterator[Leader]:
     """The actor on all its ranks, this process being rank 0; followers are stopped on exit, whatever happened.
     `cfg` is prepared (models/prepare.py: absolute state dir, schedule lengths, reward transport): the ranks get it
-    as it is. Its job (`cfg.job`, see `job`): an RL run's actor, or a stage's trainee on the same ranks."""
+    as it is. Its job (`cfg.job`: models/loop.build): an RL run's actor, or a stage's trainee on the same ranks."""
     name = cfg.job
-    _, build, _, leader_class = job(name)
     outer = distributed.from_env()  # torchrun (several nodes) made us a rank already
     followers = None
     if outer.active:
@@ -75,7 +69,7 @@ def actor_ranks(cfg, log_dir: Path) -> Iterator[Leader]:
             distributed.init(me, distributed.resolve_backend(cfg.deploy.actor.backend, device), cfg.deploy.actor.collective_timeout_s,
                              device, init_method)
             me.broadcast_object((name, cfg.model_dump_json()))
-        leader = leader_class(cfg, build(cfg, me), followers.describe_failure if followers else lambda: None)
+        leader = Leader(cfg, build(cfg, me), followers.describe_failure if followers else lambda: None)
         yield leader
         if me.active:
             me.broadcast_object({"op": "stop"})
@@ -106,12 +100,11 @@ def follow() -> int:
     distributed.init(me, backend, float(os.environ.get(TIMEOUT_ENV, "300")), device)
     try:
         name, payload = me.broadcast_object(None)
-        config_class, build, run, _ = job(name)
-        cfg = config_class.model_validate_json(payload)
+        cfg = config_class(name).model_validate_json(payload)
         state = build(cfg, me)
         try:
             while (command := me.broadcast_object(None))["op"] != "stop":
-                run(state, cfg, command)
+                execute(state, cfg, command)
         finally:
             close_state(state)
         distributed.shutdown(me, graceful=True)

@@ -4,9 +4,11 @@ store, lease, MLflow run and resume manifest, opened by the one job builder (com
 A checkpoint holds the parts the job saves (an RL run: `actor/` and `critic/`; a stage: `trainee/`; every rank's part
 written as models/loop.save_actor does) and state.json, the manifest: iteration, episode, world size, the MLflow run
 id, the config, the provenance of what the job is made of, and what the job adds (an RL run: its critic step and RNG
-states). Re-running with the same run name resumes from the newest complete checkpoint that passes its checks: one
-that fails them (a corrupt or missing file) is said and passed over for the previous one; when none passes, the job
-fails naming each checkpoint and the cause; only "no checkpoint yet" starts a new run.
+states). Re-running with the same run name resumes from the newest committed checkpoint that passes its checks: one
+that fails them (a corrupt or missing file) is said and passed over for the previous committed one; when none passes,
+the job fails naming each checkpoint and the cause; only "no checkpoint yet" starts a new run. A store whose
+latest.json or manifest the deployment did not sign is refused when the job opens it, naming the object
+(components/storage/store.py, signing.py).
 
 What a job is made of travels with it: opening an RL run stores the bytes of every reward file it names (a local
 'path/to/rewards.py:fn') in its store, `rewards/<sha256>.py`, and sets reward.files, so every process that scores
@@ -219,7 +221,7 @@ class RunSession:
                               stored=stored, fence=self.lease.token)
         for key in (stored or {}).values():
             self.store.delete_dir(key)
-        self.store.prune(self.cfg.checkpoint.keep_last)
+        self.store.prune(self.cfg.checkpoint.keep_last, fence=self.lease.token)
         self.tracker.log_checkpoint(uri, step.iteration)
         shutil.rmtree(staging, ignore_errors=True)
         return uri

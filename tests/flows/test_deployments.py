@@ -159,8 +159,9 @@ def test_up_returns_once_every_deployment_is_registered(local_stack):
 
 def test_a_users_model_data_and_reward_through_the_deployments_keeping_what_the_operator_set(local_stack):
     """The walk a new user takes (issue 31's acceptance): their model under an `org/name` hub id in the Hugging Face
-    cache, `prefect deployment run reinforce/default` and `ppo/default` (at once) with a partial config naming a
-    parquet with question/answer columns and a reward file outside any package. The deployments' own parameters are
+    cache, `prefect deployment run reinforce/default` and `ppo/default` (at once) with a partial config naming preset
+    none (their model's values, not the tiny demo's ppo/default shows), a parquet with question/answer columns and a
+    reward file outside any package. The deployments' own parameters are
     kept; no gold reward is logged; the progress artifact reaches 100; MLflow holds each run's model (registered when
     asked); `rlhf export` gives a model plain transformers loads and generates from.
 
@@ -185,7 +186,7 @@ def test_a_users_model_data_and_reward_through_the_deployments_keeping_what_the_
                 "deploy": {"reward": {"launch": "in_process"}}}
     patch_path = f"/deployments/{deployment['id']}"
     stack.prefect_post(s["api"], patch_path, {"parameters": operator}, method="PATCH").raise_for_status()
-    walk = {"iterations": 2, "data": {"prompts": str(user / "math.parquet"), "prompt_key": "question"},
+    walk = {"preset": "none", "iterations": 2, "data": {"prompts": str(user / "math.parquet"), "prompt_key": "question"},
             "generation": {"max_new_tokens": 12}, "model": {"policy": "acme/tiny-qwen", "dtype": "float32"}}
     partials = {  # run name -> (deployment, the user's partial config); walk-rloo's name is the operator's
         "walk-rloo": ("reinforce/default", {**walk, "reward": {"source": "function", "function": f"{user}/my_rewards.py:exact"},
@@ -432,7 +433,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_killed_fail_naming_it_and
     # (its batches were one update behind) far more than that
     assert max(diff[i] for i in range(2, logged + 1)) > 1e-2, diff
     assert [stale[i] for i in range(1, logged + 1)] == [0.0] + [1.0] * (logged - 1), stale  # the killed attempt
-    cfg = from_layers({**config, "deploy": {"state_dir": str(s["state_dir"])}, "algorithm": "rloo"})
+    cfg = from_layers({"preset": "tiny", **config, "deploy": {"state_dir": str(s["state_dir"])}, "algorithm": "rloo"})
     stream = PromptStream(read_data(cfg)[0], cfg.reinforce.rollout_batch_size, cfg.seed)
     expected = [next(stream).prompts for _ in range(logged + 2)]
     for step in range(1, logged + 3):

@@ -113,9 +113,11 @@ def test_images_provide_the_paths_prefect_yaml_uses():
     pull = deployments["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"]
     assert _instructions(ACTOR, "WORKDIR") == [pull]
     venv = re.search(r"python -m venv (\S+)", " ".join(_instructions(VLLM, "RUN"))).group(1)
-    pythons = {d["parameters"]["deploy"]["rollout"]["python"] for d in deployments["deployments"]
+    from models.deploy import DeployConfig
+
+    pythons = {DeployConfig.model_validate(d["parameters"]["deploy"]).rollout.python for d in deployments["deployments"]
                if "deploy" in (d.get("parameters") or {})}
-    assert pythons == {f"{venv}/bin/python"}
+    assert pythons == {f"{venv}/bin/python"}  # the cluster placement's (models/deploy.py PLACEMENTS)
     # every flow pod runs the project's image; the vLLM image is for the rollout servers a run creates itself
     images = {d["entrypoint"]: d["work_pool"]["job_variables"]["image"] for d in deployments["deployments"]}
     assert set(images.values()) == {"{{ $RLHF_IMAGE }}"}

@@ -31,7 +31,8 @@ REPO = Path(__file__).resolve().parents[2]
 TF = REPO / "infra" / "terraform"
 MODULES = TF / "modules"
 ENV_DEV = TF / "envs" / "dev"
-MODULE_NAMES = ("network", "cluster", "gpu_pool", "artifacts", "iam", "prefect", "addons", "registry", "cache")
+MODULE_NAMES = ("network", "cluster", "gpu_pool", "artifacts", "iam", "prefect", "addons", "registry", "cache",
+                "admission")
 TEMPLATE = MODULES / "prefect" / "templates" / "base_job_template.json.tftpl"
 JOB_VARIABLES = TF / "job_variables.json"
 CHECKOV = REPO / ".venv-checkov" / "bin" / "checkov"
@@ -126,8 +127,9 @@ def _terraform_binary() -> str:
     return found
 
 
-def _render_template(values: dict, template: Path = TEMPLATE):
-    """Render a templatefile() template the way Terraform would, for the subset of syntax it uses."""
+def _render_template(values: dict, template: Path = TEMPLATE, parse=json.loads):
+    """Render a templatefile() template the way Terraform would, for the subset of syntax it uses; `parse` reads the
+    result (JSON, or yaml.safe_load for a YAML template)."""
     text = template.read_text(encoding="utf-8")
     assert "%{" not in text, "template directives are not supported by this renderer"
 
@@ -143,7 +145,7 @@ def _render_template(values: dict, template: Path = TEMPLATE):
         return str(values[expr])
 
     rendered = re.sub(r"\$\{([^}]*)\}", substitute, text)
-    return json.loads(rendered)
+    return parse(rendered)
 
 
 def _template_names() -> set[str]:
@@ -547,7 +549,8 @@ def test_prefect_yaml_job_variables_are_declared_by_the_work_pools():
 
 SAMPLE_ENV = {"RLHF_IMAGE": "registry.example.com/rlhf-flows:1", "RLHF_VLLM_IMAGE": "registry.example.com/vllm:1",
               "AWS_REGION": "us-east-1", "MLFLOW_TRACKING_URI": "https://mlflow.example.com",
-              "RLHF_S3_BUCKET": "bucket", "RLHF_SWEEP_STORAGE": "postgresql+psycopg2://db/optuna"}
+              "RLHF_S3_BUCKET": "bucket", "RLHF_SWEEP_STORAGE": "postgresql+psycopg2://db/optuna",
+              "RLHF_STORE_SIGNER_ARN": "arn:aws:secretsmanager:us-east-1:123456789012:secret:dev-store-key-abc"}
 
 
 def test_prefect_yaml_job_variables_are_valid_for_their_pool():
@@ -626,12 +629,14 @@ def _training_deployments() -> dict[str, dict]:
 
 
 def test_training_deployments_take_config_and_deploy_and_keep_deploy_under_a_partial_config():
-    """ppo/default and reinforce/default: `config` (what a run trains) and `deploy` (where its parts run: the servers as
-    LeaderWorkerSets the run creates, the rollout server's interpreter in the vLLM image, checkpoints in S3 under the
+    """ppo/default and reinforce/default: `config` (what a run trains: the field defaults, named as preset none) and
+    `deploy` (where its parts run: the cluster placement, which `rlhf cluster manifests` renders too: the servers as
+    LeaderWorkerSets the run creates, the rollout server's interpreter in the vLLM image; checkpoints in S3 under the
     prefix the pods' role may write, the tracking server). A run given a partial `--param config=...` keeps every
-    deploy setting and the rest of the deployment's config: its parameters are deep-merged over the deployment's,
-    as components/tasks.flow_config does (run end to end against a Prefect server in tests/flows)."""
-    from models.config import RLHFConfig, RunConfig, deep_merge
+    deploy setting and the rest of the deployment's config: its parameters are merged over the deployment's as
+    components/tasks.merge_parameters does (run end to end against a Prefect server in tests/flows)."""
+    from components.tasks import merge_parameters
+    from models.config import RLHFConfig, RunConfig
     from models.deploy import DeployConfig
 
     checkpoint_prefix = _blocks(ENV_DEV, "variable")["checkpoint_prefix"]["default"]
@@ -639,19 +644,21 @@ def test_training_deployments_take_config_and_deploy_and_keep_deploy_under_a_par
     for name, deployment in _training_deployments().items():
         parameters = deployment["parameters"]
         assert set(parameters) == {"config", "deploy"}, (name, set(parameters))
-        RunConfig.model_validate(parameters["config"])
+        assert RunConfig.model_validate(parameters["config"]).preset == "none", name
         deploy = DeployConfig.model_validate(parameters["deploy"])
+        assert parameters["deploy"]["placement"] == "cluster", name  # named, not copied
         for server in (deploy.critic, deploy.reward, deploy.rollout):
             assert server.launch == "kubernetes", (name, server)  # the run creates its servers (components/cluster)
+        assert deploy.actor.launch == "jobset" and deploy.cache.hub_downloads, name
         assert deploy.rollout.python == f"{vllm_python}/bin/python", name
         assert deploy.checkpoint.uri.rstrip("/") + "/" == f"s3://{SAMPLE_ENV['RLHF_S3_BUCKET']}/{checkpoint_prefix}", name
         assert deploy.tracking.uri == SAMPLE_ENV["MLFLOW_TRACKING_URI"], name
 
         given = {"config": {"iterations": 3, "model": {"policy": "org/model"}}}
-        merged = {key: deep_merge(parameters[key], given.get(key, {})) for key in ("config", "deploy")}
+        merged = merge_parameters(parameters, given)
         run = RLHFConfig.model_validate({**merged["config"], "deploy": merged["deploy"]})
         assert run.iterations == 3 and run.model.policy == "org/model"
-        assert run.model.dtype == parameters["config"]["model"]["dtype"]  # the deployment's own config kept
+        assert run.preset == "none" and run.model.dtype == "bfloat16"  # the deployment's own config kept
         assert run.deploy == deploy  # every deploy setting kept
 
 
@@ -738,7 +745,8 @@ def test_network_has_private_subnets_nat_and_flow_logs():
 def test_irsa_roles_are_scoped_to_service_account_and_bucket_prefix():
     module = MODULES / "iam"
     data = _resources(module, "data")
-    assume = _one(data[("aws_iam_policy_document", "irsa_assume")]["statement"])
+    trust = data[("aws_iam_policy_document", "irsa_assume")]["statement"]
+    assume = next(s for s in trust if s["actions"] == ["sts:AssumeRoleWithWebIdentity"])  # (and itself, run-tagged)
     assert assume["actions"] == ["sts:AssumeRoleWithWebIdentity"]
     conditions = {c["variable"]: c for c in assume["condition"]}
     assert conditions["${local.oidc_host}:sub"]["test"] == "StringEquals"
@@ -746,7 +754,8 @@ def test_irsa_roles_are_scoped_to_service_account_and_bucket_prefix():
     s3 = data[("aws_iam_policy_document", "s3")]["statement"]
     resources = [r for s in s3 for r in s["resources"]]
     assert "*" not in resources
-    assert all(r.startswith("${var.bucket_arn}") or r == "${var.kms_key_arn}" for r in resources), resources
+    own = ("${var.kms_key_arn}", "${var.store_key_secret_arn}", "${local.role_arn_prefix}/${local.role_names[each.key]}")
+    assert all(r.startswith(("${var.bucket_arn}", "${local.run_store}")) or r in own for r in resources), resources
     objects = next(s for s in s3 if s.get("sid") == "ObjectsUnderPrefix")
     assert objects["resources"] == ["${var.bucket_arn}/${var.s3_prefix}*"]
     subjects = _locals(module)["service_accounts"]

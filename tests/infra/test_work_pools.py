@@ -7,7 +7,7 @@ prefect.yaml (with its `{{ $VAR }}`s filled), `KubernetesWorkerJobConfiguration.
 `prepare_for_flow_run(flow_run)`, which fills the flow-run command and environment. Before issue 36 none of the
 deployments' pods ran its flow run: the `command` variable had no default and Prefect's templating drops an unset
 placeholder inside a longer string. Rendering needs no Prefect server: with PREFECT_API_URL set, nothing is asked of
-the API.
+the API. (The rendering: the `rendered` fixture, tests/infra/conftest.py.)
 
 The rendered Job is validated with kubernetes-validate (strict) for Kubernetes 1.32 and infra/terraform's version,
 after removing the two keys prefect-kubernetes' own validator demands in the pod spec (`parallelism`, `completions`:
@@ -17,42 +17,17 @@ not PodSpec fields; the API server drops them with a warning, as it does for the
 from __future__ import annotations
 
 import asyncio
-import uuid
+import copy
 
 import pytest
 
 from models.kinds import BY_JOB, STAGES
 from tests.infra.schemas import validate
-from tests.infra.test_terraform import (POOLS, SAMPLE_ENV, _flow_name, _prefect_yaml, _render_template, _rendered,
-                                        _sample_values)
+from tests.infra.test_terraform import POOLS, SAMPLE_ENV, _prefect_yaml, _render_template, _rendered, _sample_values
 
 pytestmark = pytest.mark.fast
 
 PREFECT_REQUIRED_IN_POD_SPEC = {"parallelism": 1, "completions": 1}
-
-
-@pytest.fixture(scope="module")
-def rendered():
-    """{deployment name: (its flow run, the Job the worker would create)} for every deployment of prefect.yaml."""
-    from prefect.client.schemas.objects import FlowRun
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-    from prefect_kubernetes.worker import KubernetesWorkerJobConfiguration
-
-    async def render(deployment: dict):
-        pool = deployment["work_pool"]
-        template = _render_template(_sample_values(pool["name"], POOLS[pool["name"]]))
-        variables = _rendered(pool.get("job_variables") or {}, SAMPLE_ENV)
-        configuration = await KubernetesWorkerJobConfiguration.from_template_and_values(template, variables)
-        flow_run = FlowRun(id=uuid.uuid4(), flow_id=uuid.uuid4(), name="brave-heron")
-        configuration.prepare_for_flow_run(flow_run)
-        return flow_run, configuration.job_manifest
-
-    out = {}
-    with temporary_settings({PREFECT_API_URL: "http://prefect.invalid/api"}):  # no temporary server: nothing is asked
-        for deployment in _prefect_yaml()["deployments"]:
-            name = f"{_flow_name(deployment['entrypoint'])}/{deployment['name']}"
-            out[name] = asyncio.run(render(deployment))
-    return out
 
 
 def _container(job: dict) -> dict:
@@ -105,6 +80,7 @@ def test_the_images_and_pools(rendered):
 
 def test_every_job_is_valid_for_kubernetes(rendered):
     for name, (_, job) in rendered.items():
+        job = copy.deepcopy(job)  # the fixture is shared: change a copy
         pod = job["spec"]["template"]["spec"]
         assert {k: pod.get(k) for k in PREFECT_REQUIRED_IN_POD_SPEC} == PREFECT_REQUIRED_IN_POD_SPEC, name
         for key in PREFECT_REQUIRED_IN_POD_SPEC:

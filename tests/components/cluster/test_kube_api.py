@@ -5,7 +5,10 @@ The `kubernetes` client talks to it through a kubeconfig the test writes, as it 
 What is asserted: the requests the code sends (their bodies validated against the CRD schemas), the JobSet and
 LeaderWorkerSet states it reads and how it reports them (Kueue admission with the Workload's reason, pods waiting for
 a node, a failed node group with its exit code and log tail, restarts), the API's refusals turned into messages
-naming the object, and the clean-up: the objects deleted when the run is cancelled or fails."""
+naming the object, and the clean-up: the objects deleted when the run is cancelled or fails. Where a test says so, the
+stand-in admits or refuses each create and delete as the API server would with infra/terraform's admission policy
+(tests/infra/admission.py evaluates it) for a request from the pod of the run's Job: what the live path sends is
+admitted, and a refusal reaches the run naming the policy's rule."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlparse
 
 import pytest
+import yaml
 
 from components.cluster.jobset import JobSetNodes
 from components.cluster.kube import Kube, KubeError
@@ -22,7 +26,10 @@ from components.cluster.servers import KubeServers, start_servers
 from components.launch.nodes import NodeSpec
 from components.launch.processes import Health, ServerNotReady
 from models.config import load_config
+from tests.infra.admission import AdmissionPolicy, Request
 from tests.infra.schemas import validate
+from tests.infra.test_admission_policy import TEMPLATE, VALUES
+from tests.infra.test_terraform import _render_template
 
 NS = "rlhf"
 
@@ -30,13 +37,15 @@ NS = "rlhf"
 class StandIn:
     """The API paths a run calls. `objects[(plural, name)]` holds what was created; `script[(plural, name)]` a list
     of answers to GET (each GET takes the next; the last stays); `pods` a callable giving the pod list for a label
-    selector; `refuse[(method, plural)]` a status to answer instead."""
+    selector; `refuse[(method, plural)]` a status to answer instead; `admission` (an AdmissionPolicy, the pod the
+    requests' token is bound to) decides creates and deletes as the API server would."""
 
     def __init__(self):
         self.requests, self.objects, self.script, self.refuse = [], {}, {}, {}
         self.pods = lambda selector: []
         self.workloads = []
         self.logs = {}
+        self.admission = None
         self.lock = threading.Lock()
         stand_in = self
 
@@ -74,6 +83,8 @@ class StandIn:
         if (method, plural) in self.refuse:
             status = self.refuse[(method, plural)]
             return status, {"kind": "Status", "message": f"refused ({status})", "code": status}
+        if refused := self.admission_refuses(method, plural, name, body):
+            return 403, {"kind": "Status", "status": "Failure", "reason": "Forbidden", "code": 403, "message": refused}
         if method == "POST":
             key = (plural, body["metadata"]["name"])
             if key in self.objects:
@@ -96,6 +107,23 @@ class StandIn:
         if (plural, name) in self.objects:
             return 200, self.objects[(plural, name)]
         return 404, {"kind": "Status", "message": f"{plural} {name} not found", "code": 404}
+
+    def admission_refuses(self, method, plural, name, body):
+        """The API server's refusal of a create or delete by the admission policy, None when it admits it."""
+        if self.admission is None or method not in ("POST", "DELETE"):
+            return None
+        policy, pod = self.admission
+        if method == "POST":
+            request = Request("CREATE", body, pod=pod)
+        elif (plural, name) in self.objects:
+            request = Request("DELETE", None, old_object=self.objects[(plural, name)], pod=pod)
+        else:
+            return None
+        decision = policy.admit(request)
+        if decision.allowed:
+            return None
+        return (f'{plural} "{name or body["metadata"]["name"]}" is forbidden: ValidatingAdmissionPolicy '
+                f"'rlhf-run' with binding 'rlhf-run' denied request: {decision.messages[0]}")
 
     def sent(self, method, plural):
         return [r for r in self.requests if r["method"] == method and f"/{plural}" in r["path"]]
@@ -123,10 +151,17 @@ def api(tmp_path, monkeypatch):
         stand_in.server.server_close()
 
 
+def _enforce_admission(api, pod="ppo-x7k2q-bcdfg"):
+    """The stand-in decides as an API server with infra/terraform's admission policy, for requests from `pod` (a pod
+    of the run's Job ppo-x7k2q), the images this module's runs use being the project's."""
+    values = {**VALUES, "image_repositories": ["r/a", "r/v"]}
+    api.admission = (AdmissionPolicy(*_render_template(values, TEMPLATE, yaml.safe_load)), pod)
+
+
 def _cfg(**overrides):
-    return load_config(None, "none", {"model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
-                                      "deploy.actor.nnodes": 2, "deploy.actor.launch": "jobset", "deploy.actor.max_restarts": 2,
-                                      "deploy.cluster.image": "r/a:1", "deploy.cluster.vllm_image": "r/v:1", **overrides})
+    return load_config(None, {"model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
+                              "deploy.actor.nnodes": 2, "deploy.actor.launch": "jobset", "deploy.actor.max_restarts": 2,
+                              "deploy.cluster.image": "r/a:1", "deploy.cluster.vllm_image": "r/v:1", **overrides})
 
 
 def _pod(name, index, phase="Running", attempt=0, waiting=None, terminated=None, unschedulable=None, restarts=0,
@@ -151,6 +186,7 @@ SPEC = NodeSpec("rlhf-demo-1a2b3c", 2, 1, 29500, ["-m", "components.runs", "--st
 
 
 def test_the_jobset_is_created_watched_and_deleted(api):
+    _enforce_admission(api)  # the flow run's pod of Job ppo-x7k2q asks
     nodes = JobSetNodes.for_run(SPEC, _cfg(), kube=api.kube, environ={"RLHF_IMAGE": "unused"}, job="ppo-x7k2q")
     name = SPEC.name
     suspended = {"conditions": [{"type": "Suspended", "status": "True", "reason": "SuspendedJobs", "message": "jobset is suspended"}]}
@@ -180,6 +216,13 @@ def test_the_jobset_is_created_watched_and_deleted(api):
     nodes.start()
     (create,) = api.sent("POST", "jobsets")
     validate(create["body"])  # what was sent is a valid JobSet (jobset.x-k8s.io/v1alpha2, the chart's CRD)
+    # first the policies that let the node groups reach each other (their pods carry the controller's rlhf/run)
+    posts = [r["path"].split("/")[-1] for r in api.requests if r["method"] == "POST"]
+    assert posts == ["networkpolicies", "networkpolicies", "jobsets"]
+    assert [r["body"]["metadata"]["name"] for r in api.sent("POST", "networkpolicies")] == [
+        "rlhf-ppo-x7k2q-run", "rlhf-ppo-x7k2q-job"]
+    assert create["body"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]["labels"][
+        "rlhf/run"] == "ppo-x7k2q"
     assert create["auth"] == "Bearer the-service-account-token"
     assert create["body"]["metadata"]["ownerReferences"][0]["uid"] == "job-uid"  # dies with the flow run's Job
     assert create["body"]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "rlhf"
@@ -209,7 +252,10 @@ def test_the_jobset_is_created_watched_and_deleted(api):
     (delete,) = api.sent("DELETE", "jobsets")
     assert delete["path"].endswith(f"/namespaces/{NS}/jobsets/{name}")
     assert delete["body"]["propagationPolicy"] == "Background"  # its Jobs and pods go with it
+    deleted = [r["path"].split("/")[-1] for r in api.requests if r["method"] == "DELETE"]
+    assert deleted == [name, "rlhf-ppo-x7k2q-run", "rlhf-ppo-x7k2q-job"]  # the policies after the JobSet
     nodes.delete()  # idempotent: a second delete finds nothing and says nothing
+    assert len(api.sent("DELETE", "networkpolicies")) == 2
 
 
 def test_a_cancelled_run_deletes_its_jobset_in_its_finally(api):
@@ -234,7 +280,7 @@ def test_the_apis_refusals_name_the_object_and_the_likely_cause(api):
                                         r"\(sigs.k8s.io/jobset\) installed"):
         nodes.start()
     api.refuse[("POST", "jobsets")] = 403
-    with pytest.raises(KubeError, match=r"403 .*may not create JobSet objects there \(RBAC"):
+    with pytest.raises(KubeError, match=r"403 .*may not create JobSet objects there, or not this one \(RBAC"):
         nodes.start()
     del api.refuse[("POST", "jobsets")]
     nodes.start()
@@ -256,6 +302,7 @@ class ScriptedProbe:
 
 
 def test_servers_are_leader_worker_sets_created_waited_for_and_deleted_with_the_runs_policies(api):
+    _enforce_admission(api)
     cfg = _cfg(**{"deploy.rollout.replicas": 2, "deploy.rollout.launch": "kubernetes"})
     probe = ScriptedProbe()
     server = start_servers("rollout", cfg, "the-run-secret", probe, "demo", kube=api.kube, environ={},
@@ -266,7 +313,7 @@ def test_servers_are_leader_worker_sets_created_waited_for_and_deleted_with_the_
     validate(lws)
     assert secret["stringData"]["secret"] == "the-run-secret" and "the-run-secret" not in json.dumps(lws)
     assert [r["body"]["metadata"]["name"] for r in api.sent("POST", "networkpolicies")] == [
-        "rlhf-ppo-x7k2q-servers", "rlhf-ppo-x7k2q-trainer"]
+        "rlhf-ppo-x7k2q-run", "rlhf-ppo-x7k2q-job"]
     for obj in (secret, lws):
         assert obj["metadata"]["ownerReferences"][0]["name"] == "ppo-x7k2q"
     name = lws["metadata"]["name"]
@@ -307,8 +354,9 @@ def test_servers_are_leader_worker_sets_created_waited_for_and_deleted_with_the_
 
     assert server.stop(2.0) == f"deleted LeaderWorkerSet {name}, Secret {name}-secret"
     deleted = [(r["path"].split("/")[-2], r["path"].split("/")[-1]) for r in api.requests if r["method"] == "DELETE"]
-    assert deleted == [("leaderworkersets", name), ("secrets", f"{name}-secret"),
-                       ("networkpolicies", "rlhf-ppo-x7k2q-servers"), ("networkpolicies", "rlhf-ppo-x7k2q-trainer")]
+    assert deleted == [("leaderworkersets", name), ("secrets", secret["metadata"]["name"]),
+                       ("networkpolicies", "rlhf-ppo-x7k2q-run"), ("networkpolicies", "rlhf-ppo-x7k2q-job")]
+    assert not [k for k in api.objects if k[0] != "jobs"]  # every create and delete was admitted
 
 
 def test_a_server_that_cannot_start_is_named_and_its_objects_are_deleted(api):
@@ -334,3 +382,21 @@ def test_a_server_that_cannot_start_is_named_and_its_objects_are_deleted(api):
         start_servers("critic", cfg, "s", probe, "demo", kube=api.kube, environ={})
     assert not [k for k in api.objects if k[0] == "secrets"]  # the Secret made first is deleted again
     assert isinstance(server, KubeServers)
+
+
+def test_what_the_admission_policy_refuses_reaches_the_run_naming_the_rule(api):
+    """A server of an image that is not the project's, and a run's attempt to delete another run's object: the API
+    server's 403 carries the policy's message, and the run's error names the object and the policy."""
+    _enforce_admission(api)
+    cfg = _cfg(**{"deploy.critic.launch": "kubernetes", "deploy.cluster.image": "docker.io/someone/else:1"})
+    with pytest.raises(KubeError, match=r"create LeaderWorkerSet .* 403 .*images of the project's repositories.*"
+                                        r"admission policy"):
+        start_servers("critic", cfg, "s", ScriptedProbe(), "demo", kube=api.kube, environ={}, job="ppo-x7k2q")
+    assert not [k for k in api.objects if k[0] in ("secrets", "leaderworkersets")]  # its Secret deleted again
+    api.objects[("leaderworkersets", "theirs")] = {
+        "apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+        "metadata": {"name": "theirs", "labels": {"rlhf/run": "calm-otter-p4q9z"}, "ownerReferences": [
+            {"apiVersion": "batch/v1", "kind": "Job", "name": "calm-otter-p4q9z", "uid": "u"}]}}
+    with pytest.raises(KubeError, match=r"delete LeaderWorkerSet 'theirs' .* 403 .*must be labelled rlhf/run="):
+        api.kube.delete("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet", "theirs")
+    assert ("leaderworkersets", "theirs") in api.objects

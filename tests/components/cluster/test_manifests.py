@@ -21,11 +21,12 @@ from tests.infra.schemas import validate
 
 pytestmark = pytest.mark.fast
 
-RUN = ["--preset", "none", "--set", "algorithm=ppo", "--set", "run_name=demo", "--set", "model.policy=org/policy",
+# a run's shape on the cluster placement (the command's own: the actor's node groups a JobSet, the servers
+# LeaderWorkerSets; the images from the environment, as prefect.yaml gives every flow pod)
+RUN = ["--set", "algorithm=ppo", "--set", "run_name=demo", "--set", "model.policy=org/policy",
        "--set", "model.reward=org/reward", "--set", "rollout.engine=vllm", "--set", "deploy.actor.nnodes=2",
-       "--set", "deploy.actor.nproc_per_node=2", "--set", "deploy.actor.launch=jobset", "--set", "deploy.actor.max_restarts=2",
-       "--set", "deploy.rollout.replicas=2", "--set", "deploy.rollout.launch=kubernetes",
-       "--set", "deploy.critic.launch=kubernetes", "--set", "deploy.cluster.actor.gpus_per_node=2",
+       "--set", "deploy.actor.nproc_per_node=2", "--set", "deploy.actor.max_restarts=2",
+       "--set", "deploy.rollout.replicas=2", "--set", "deploy.cluster.actor.gpus_per_node=2",
        "--set", "deploy.checkpoint.uri=s3://bucket/rlhf/checkpoints",
        "--set", "deploy.cluster.secret_env={PREFECT_API_KEY: prefect-api-key/key}"]
 IMAGES = {"RLHF_IMAGE": "123.dkr.ecr.us-east-1.amazonaws.com/rlhf-flows:1",
@@ -54,7 +55,8 @@ def _by_kind(manifests, kind):
 def test_a_two_node_ppo_run_with_two_vllm_replicas_writes_every_object_and_each_validates(manifests):
     kinds = sorted(o["kind"] for o in manifests.values())
     # the critic carries the reward model (critic.combine_reward): no reward server
-    assert kinds == ["JobSet", "LeaderWorkerSet", "LeaderWorkerSet", "NetworkPolicy", "NetworkPolicy", "Secret", "Secret"]
+    # the node groups' two policies (the controller's) and the servers' two (node group 0's Job's)
+    assert kinds == ["JobSet", "LeaderWorkerSet", "LeaderWorkerSet", *["NetworkPolicy"] * 4, "Secret", "Secret"]
     for obj in manifests.values():
         validate(obj)
         assert obj["metadata"]["namespace"] == "rlhf" and obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "rlhf-flows"
@@ -91,6 +93,12 @@ def test_the_jobset_runs_torchrun_on_every_node_and_finds_rank_0_through_its_own
         "name": "prefect-api-key", "key": "key"}}}
     assert "pnu_not-to-be-copied" not in json.dumps(manifests)  # a secret is only ever referenced
     assert name.startswith("rlhf-demo-") and len(f"{name}-node-0-1") <= 63
+    # the node groups reach each other through their own run's policy (no namespace-wide rule between pods)
+    labels = job["template"]["metadata"]["labels"]
+    ranks = next(p for p in _by_kind(manifests, "NetworkPolicy") if p["metadata"]["name"] == f"rlhf-{labels['rlhf/run']}-run")
+    assert ranks["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+    assert {"podSelector": {"matchLabels": {"rlhf/run": labels["rlhf/run"]}}} in ranks["spec"]["egress"][0]["to"]
+    assert pod["automountServiceAccountToken"] is True  # node group 0's rank 0 creates the run's servers
 
 
 def test_each_server_is_a_leader_worker_set_of_its_replicas_holding_the_runs_secret_by_reference(manifests):
@@ -109,8 +117,11 @@ def test_each_server_is_a_leader_worker_set_of_its_replicas_holding_the_runs_sec
         assert {"name": "RLHF_RUN_SECRET_FILE", "value": "/var/run/rlhf/secret"} in container["env"]
         labels = template["workerTemplate"]["metadata"]["labels"]
         policies = _by_kind(manifests, "NetworkPolicy")
-        servers = next(p for p in policies if p["metadata"]["name"].endswith("-servers"))
+        servers = next(p for p in policies if p["metadata"]["name"] == f"rlhf-{labels['rlhf/run']}-run")
         assert servers["spec"]["podSelector"]["matchLabels"].items() <= labels.items()  # the run's policy selects it
+        # a server's pods never call the API: no token; its Secret is named after the run's Job
+        assert template["workerTemplate"]["spec"]["automountServiceAccountToken"] is False
+        assert volume["secret"]["secretName"].startswith(f"{labels['rlhf/run']}-")
     for secret in secrets.values():  # a placeholder: the run's secret is made when the run starts
         assert secret["stringData"]["secret"].startswith("<")
 
@@ -125,8 +136,8 @@ def test_servers_are_found_at_the_leader_addresses_their_leader_worker_set_gives
 
 
 def _cfg(**overrides) -> RLHFConfig:
-    return load_config(None, "none", {"model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
-                                      "deploy.cluster.image": "r/a:1", "deploy.cluster.vllm_image": "r/v:1", **overrides})
+    return load_config(None, {"model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
+                              "deploy.cluster.image": "r/a:1", "deploy.cluster.vllm_image": "r/v:1", **overrides})
 
 
 def test_the_config_a_server_pod_runs_with_is_the_runs_bound_to_the_pod():
@@ -160,6 +171,6 @@ def test_what_a_pod_cannot_have_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="DNS-1035"):
         jobset(NodeSpec("Demo_Run", 2, 1, 29500, ["x"]), _cfg().deploy.cluster, site, identity)
     with pytest.raises(ValueError, match=r"deploy.cluster.image.*RLHF_IMAGE"):
-        Site.of(load_config(None, "none", {"model.policy": "org/p"}).deploy.cluster, {})
+        Site.of(load_config(None, {"model.policy": "org/p"}).deploy.cluster, {})
     with pytest.raises(ValueError, match=r"secret_env"):
         _cfg(**{"deploy.cluster.env_from_controller": ["AWS_SECRET_ACCESS_KEY"]})

@@ -1,13 +1,15 @@
 """Per-run NetworkPolicies (components/cluster/network_policy.py): which Job a pod runs in, the two policies a run
-creates (its servers take traffic from its own Job's pods only, and the other way round), owned by the Job, created
-once for all the run's servers and deleted after the last one. The Kubernetes API cannot run here: a recording
-stand-in takes its calls (the client's own calls against a stand-in API server: tests/components/cluster)."""
+creates (its pods talk to its own Job's pods and each other only, both ways), valid NetworkPolicies owned by the Job,
+created once for all the run's servers and deleted after the last one, none left behind by a start that failed. The
+Kubernetes API cannot run here: a recording stand-in takes its calls (the client's own calls against a stand-in API
+server: tests/components/cluster/test_kube_api.py)."""
 
 from __future__ import annotations
 
 import pytest
 
 from components.cluster.network_policy import JOB_LABEL, RUN_LABEL, RunPolicies, own_job, policies
+from tests.infra.schemas import validate
 
 
 # the downward API's labels file as the kubelet writes it for a pod of a flow run's Job (not Indexed: its hostname is
@@ -35,24 +37,32 @@ def test_the_job_a_pod_runs_in_is_read_from_its_own_labels(tmp_path):
         own_job(on_cluster, str(labels))
 
 
-def test_a_runs_policies_let_only_its_own_job_reach_its_servers_and_back():
-    servers, trainer = policies("ppo-x7k2q", "rlhf", job_uid="1234-uid")
-    assert servers["spec"]["podSelector"] == {"matchLabels": {RUN_LABEL: "ppo-x7k2q"}}
-    assert servers["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {JOB_LABEL: "ppo-x7k2q"}}},
-                                                    {"podSelector": {"matchLabels": {RUN_LABEL: "ppo-x7k2q"}}}]}]
-    assert trainer["spec"]["podSelector"] == {"matchLabels": {JOB_LABEL: "ppo-x7k2q"}}
-    assert trainer["spec"]["ingress"] == [{"from": [{"podSelector": {"matchLabels": {RUN_LABEL: "ppo-x7k2q"}}}]}]
-    for policy in (servers, trainer):
-        assert policy["spec"]["policyTypes"] == ["Ingress"] and policy["metadata"]["namespace"] == "rlhf"
+def test_a_runs_policies_open_its_pods_to_its_own_pods_only_both_ways():
+    run, job = policies("ppo-x7k2q", "rlhf", job_uid="1234-uid")
+    own = [{"podSelector": {"matchLabels": {JOB_LABEL: "ppo-x7k2q"}}},
+           {"podSelector": {"matchLabels": {RUN_LABEL: "ppo-x7k2q"}}}]
+    # the run's pods (its servers, its node groups) with the Job's pods and with each other
+    assert run["metadata"]["name"] == "rlhf-ppo-x7k2q-run"
+    assert run["spec"]["podSelector"] == {"matchLabels": {RUN_LABEL: "ppo-x7k2q"}}
+    assert run["spec"]["ingress"] == [{"from": own}] and run["spec"]["egress"] == [{"to": own}]
+    # the Job's pods (the trainer) with the run's pods
+    assert job["metadata"]["name"] == "rlhf-ppo-x7k2q-job"
+    assert job["spec"]["podSelector"] == {"matchLabels": {JOB_LABEL: "ppo-x7k2q"}}
+    assert job["spec"]["ingress"] == [{"from": own[1:]}] and job["spec"]["egress"] == [{"to": own[1:]}]
+    for policy in (run, job):
+        validate(policy)  # networking.k8s.io/v1, Kubernetes 1.32 and 1.35
+        assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"] and policy["metadata"]["namespace"] == "rlhf"
         owner = policy["metadata"]["ownerReferences"][0]
         assert (owner["kind"], owner["name"], owner["uid"]) == ("Job", "ppo-x7k2q", "1234-uid")  # removed with it
-        assert "namespaceSelector" not in str(policy)  # nothing outside the namespace
+        assert "namespaceSelector" not in str(policy) and "ipBlock" not in str(policy)  # nothing outside the run
 
 
 class RecordingAPI:
-    """Stands in for the Kubernetes API (what cannot run here): records the calls."""
+    """Stands in for the Kubernetes API (what cannot run here): records the calls; refuses a create whose name is in
+    `refuse`."""
 
     calls: list = []
+    refuse: set = set()
 
     def __init__(self):
         self.namespace = "rlhf"
@@ -62,6 +72,8 @@ class RecordingAPI:
         return "uid-1"
 
     def create(self, manifest):
+        if manifest["metadata"]["name"] in self.refuse:
+            raise RuntimeError(f"refused {manifest['metadata']['name']}")
         self.calls.append(("create", manifest["metadata"]["name"]))
 
     def delete(self, name):
@@ -69,13 +81,27 @@ class RecordingAPI:
 
 
 def test_policies_are_created_for_the_first_server_and_deleted_after_the_last():
-    RecordingAPI.calls = []
+    RecordingAPI.calls, RecordingAPI.refuse = [], set()
     run = RunPolicies(api_factory=RecordingAPI)
     run.acquire("ppo-x7k2q")  # the critic server
     run.acquire("ppo-x7k2q")  # the rollout server
-    assert RecordingAPI.calls == [("get job", "ppo-x7k2q"), ("create", "rlhf-ppo-x7k2q-servers"),
-                                  ("create", "rlhf-ppo-x7k2q-trainer")]
+    assert RecordingAPI.calls == [("get job", "ppo-x7k2q"), ("create", "rlhf-ppo-x7k2q-run"),
+                                  ("create", "rlhf-ppo-x7k2q-job")]
     run.release()
-    assert ("delete", "rlhf-ppo-x7k2q-servers") not in RecordingAPI.calls  # the rollout server still serves
+    assert ("delete", "rlhf-ppo-x7k2q-run") not in RecordingAPI.calls  # the rollout server still serves
     run.release()
-    assert RecordingAPI.calls[-2:] == [("delete", "rlhf-ppo-x7k2q-servers"), ("delete", "rlhf-ppo-x7k2q-trainer")]
+    assert RecordingAPI.calls[-2:] == [("delete", "rlhf-ppo-x7k2q-run"), ("delete", "rlhf-ppo-x7k2q-job")]
+
+
+def test_a_start_whose_policies_fail_leaves_none_behind_and_the_next_start_makes_them():
+    RecordingAPI.calls, RecordingAPI.refuse = [], {"rlhf-ppo-x7k2q-job"}
+    run = RunPolicies(api_factory=RecordingAPI)
+    with pytest.raises(RuntimeError, match="refused rlhf-ppo-x7k2q-job"):
+        run.acquire("ppo-x7k2q")
+    assert RecordingAPI.calls[-2:] == [("create", "rlhf-ppo-x7k2q-run"), ("delete", "rlhf-ppo-x7k2q-run")]
+    RecordingAPI.calls, RecordingAPI.refuse = [], set()
+    run.acquire("ppo-x7k2q")  # the failed start held nothing: this one creates both
+    assert [c for c in RecordingAPI.calls if c[0] == "create"] == [("create", "rlhf-ppo-x7k2q-run"),
+                                                                   ("create", "rlhf-ppo-x7k2q-job")]
+    run.release()
+    assert RecordingAPI.calls[-2:] == [("delete", "rlhf-ppo-x7k2q-run"), ("delete", "rlhf-ppo-x7k2q-job")]

@@ -74,7 +74,7 @@ def test_a_crash_between_critic_save_and_actor_checkpoint_resumes_both_of_one_it
     session.close("KILLED")
     store = session.store
     assert store.latest() == 1
-    key = store._key(1)[1]  # iter_1's own prefix
+    key = store.path_of(1)  # iter_1's own prefix
     files = store._backend.list_keys(f"{key}/critic")
     assert f"{key}/critic/critic_state.pt" in files and f"{key}/critic/model/model.safetensors" in files
     assert store.key_of(newer["path"]) == f"{PENDING_PREFIX}/step-{newer['step']}"  # never adopted

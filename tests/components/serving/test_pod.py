@@ -18,7 +18,7 @@ pytestmark = pytest.mark.fast
 def test_a_server_pod_without_the_runs_secret_does_not_start(monkeypatch):
     monkeypatch.delenv("RLHF_RUN_SECRET", raising=False)
     monkeypatch.delenv("RLHF_RUN_SECRET_FILE", raising=False)
-    config = load_config(None, "tiny").model_dump_json()
+    config = load_config(preset="tiny").model_dump_json()
     with pytest.raises(SystemExit, match=r"critic server: no run secret \(\$RLHF_RUN_SECRET_FILE"):
         pod.main(["critic", "--config-json", config])
 

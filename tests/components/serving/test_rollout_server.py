@@ -38,7 +38,7 @@ RUN = "test-rollout-server/1"  # the run every test of this module speaks as (th
 
 def config(tiny_models, tmp_path, **placement) -> RLHFConfig:
     """Any free port; 1 thread: the suite's other worker shares the cores (a run's default is every core)."""
-    return from_layers({"model": {"policy": tiny_models["policy"]}, "rollout": {"engine": "vllm"},
+    return from_layers({"preset": "tiny", "model": {"policy": tiny_models["policy"]}, "rollout": {"engine": "vllm"},
                         "deploy": {"state_dir": str(tmp_path), "rollout": {"port": 0, "threads": 1, **placement}}})
 
 

@@ -30,7 +30,7 @@ NON_DETERMINISTIC = ("time/", "throughput/", "step_time")
 def train_args(tiny_models, **overrides) -> list[str]:
     base = {"rollout.engine": "vllm", "deploy.rollout.threads": 1, "model.policy": tiny_models["policy"],
             "model.reward": tiny_models["reward"], **overrides}  # 1 thread: the suite's other worker shares the cores
-    return [RLHF, "train", *[arg for key, value in base.items() for arg in ("--set", f"{key}={value}")]]
+    return [RLHF, "train", "--preset", "tiny", *[arg for key, value in base.items() for arg in ("--set", f"{key}={value}")]]
 
 
 def rlhf_train(args: list[str], state: Path, timeout: float = 900) -> subprocess.CompletedProcess:

@@ -55,9 +55,10 @@ locals {
   node_types = jsondecode(file("${path.module}/../../node_types.json")).instance_types
 
   job_env = merge({
-    AWS_REGION     = var.region
-    RLHF_S3_BUCKET = module.artifacts.bucket_name
-    RLHF_S3_PREFIX = var.s3_prefix
+    AWS_REGION            = var.region
+    RLHF_S3_BUCKET        = module.artifacts.bucket_name
+    RLHF_S3_PREFIX        = var.s3_prefix
+    RLHF_STORE_SIGNER_ARN = module.artifacts.store_key_secret_arn
   }, var.job_env)
 }
 
@@ -131,6 +132,7 @@ module "iam" {
   oidc_issuer_url             = module.cluster.oidc_issuer_url
   bucket_arn                  = module.artifacts.bucket_arn
   kms_key_arn                 = module.artifacts.kms_key_arn
+  store_key_secret_arn        = module.artifacts.store_key_secret_arn
   s3_prefix                   = var.s3_prefix
   checkpoint_prefix           = var.checkpoint_prefix
   namespace                   = var.namespace
@@ -226,17 +228,30 @@ resource "kubernetes_secret_v1" "prefect_api_key" {
 # ---------------------------------------------------------------------------
 # Namespace and IRSA service accounts the work-pool job templates refer to.
 # ---------------------------------------------------------------------------
+# The namespace enforces the restricted Pod Security Standard on every pod (flow-run pods, node groups, servers, the
+# Prefect workers: each meets it, tests/infra/test_run_isolation.py checks them), at the cluster's own version.
 resource "kubernetes_namespace_v1" "rlhf" {
   count = var.manage_kubernetes_resources ? 1 : 0
 
   metadata {
-    name   = var.namespace
-    labels = { "app.kubernetes.io/part-of" = "rlhf-flows" }
+    name = var.namespace
+    labels = {
+      "app.kubernetes.io/part-of"                  = "rlhf-flows"
+      "pod-security.kubernetes.io/enforce"         = "restricted"
+      "pod-security.kubernetes.io/enforce-version" = "v${var.kubernetes_version}"
+      "pod-security.kubernetes.io/audit"           = "restricted"
+      "pod-security.kubernetes.io/audit-version"   = "v${var.kubernetes_version}"
+      "pod-security.kubernetes.io/warn"            = "restricted"
+      "pod-security.kubernetes.io/warn-version"    = "v${var.kubernetes_version}"
+    }
   }
 
   depends_on = [module.cluster]
 }
 
+# Only the actor's pods get a Kubernetes API token by default (they create a run's objects); the critic's account
+# (servers, and the flows that need no GPU) has none unless a pod asks for it, and a run's servers may not
+# (modules/admission). Their IRSA tokens (S3) are projected by EKS whatever this says.
 resource "kubernetes_service_account_v1" "pod" {
   for_each = var.manage_kubernetes_resources ? {
     (var.actor_service_account_name)  = module.iam.actor_role_arn
@@ -249,49 +264,159 @@ resource "kubernetes_service_account_v1" "pod" {
     annotations = { "eks.amazonaws.com/role-arn" = each.value }
     labels      = { "app.kubernetes.io/part-of" = "rlhf-flows" }
   }
+
+  automount_service_account_token = each.key == var.actor_service_account_name
 }
 
 # ---------------------------------------------------------------------------
-# Network isolation of the namespace, enforced by the VPC CNI's network policy agent (module.cluster): no pod takes
-# ingress unless a policy allows it. Actor pods take it from actor pods (a run's ranks rendezvous before any of its
-# code runs). A run's server pods take it only from that run's own actor Job, and that Job's pods from those servers,
-# by the two policies the run itself creates while its servers live (components/cluster/network_policy.py), owned by
-# its Job so that Kubernetes removes them with it. Every request to a server also carries the run's secret.
+# Network isolation of the namespace, enforced by the VPC CNI's network policy agent (module.cluster): no pod takes or
+# opens a connection unless a policy allows it. Every pod may resolve names (kube-dns) and reach addresses outside
+# the VPC and the Service range, never the link-local range (the instance metadata service, 169.254.169.254); the
+# pods that call the Kubernetes API (the actor's: a run's controller and node groups; the Prefect workers) reach it
+# on 443; in_vpc_egress adds services inside the VPC (an internal MLflow or Prefect server). Between pods, only what
+# a run opens for itself: its two NetworkPolicies (components/cluster/network_policy.py), created with its node
+# groups or servers, owned by its Job (Kubernetes removes them with it), letting its pods talk to its own pods only,
+# both ways. Every request to a server also carries the run's secret.
 # ---------------------------------------------------------------------------
-resource "kubernetes_network_policy_v1" "default_deny_ingress" {
+resource "kubernetes_network_policy_v1" "default_deny" {
   count = var.manage_kubernetes_resources ? 1 : 0
 
   metadata {
-    name      = "rlhf-default-deny-ingress"
+    name      = "rlhf-default-deny"
     namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
     labels    = { "app.kubernetes.io/part-of" = "rlhf-flows" }
   }
 
   spec {
     pod_selector {}
-    policy_types = ["Ingress"]
+    policy_types = ["Ingress", "Egress"]
   }
 }
 
-resource "kubernetes_network_policy_v1" "actor_ranks" {
+moved {
+  from = kubernetes_network_policy_v1.default_deny_ingress
+  to   = kubernetes_network_policy_v1.default_deny
+}
+
+resource "kubernetes_network_policy_v1" "egress_dns" {
   count = var.manage_kubernetes_resources ? 1 : 0
 
   metadata {
-    name      = "rlhf-actor-ranks"
+    name      = "rlhf-egress-dns"
+    namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
+    labels    = { "app.kubernetes.io/part-of" = "rlhf-flows" }
+  }
+
+  spec {
+    pod_selector {}
+    policy_types = ["Egress"]
+
+    egress {
+      to {
+        namespace_selector {
+          match_labels = { "kubernetes.io/metadata.name" = "kube-system" }
+        }
+        pod_selector {
+          match_labels = { "k8s-app" = "kube-dns" }
+        }
+      }
+      ports {
+        protocol = "UDP"
+        port     = "53"
+      }
+      ports {
+        protocol = "TCP"
+        port     = "53"
+      }
+    }
+  }
+}
+
+resource "kubernetes_network_policy_v1" "egress_outside" {
+  count = var.manage_kubernetes_resources ? 1 : 0
+
+  metadata {
+    name      = "rlhf-egress-outside"
+    namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
+    labels    = { "app.kubernetes.io/part-of" = "rlhf-flows" }
+  }
+
+  spec {
+    pod_selector {}
+    policy_types = ["Egress"]
+
+    egress {
+      to {
+        ip_block {
+          cidr   = "0.0.0.0/0"
+          except = [var.vpc_cidr, module.cluster.service_cidr, "169.254.0.0/16"]
+        }
+      }
+    }
+  }
+}
+
+resource "kubernetes_network_policy_v1" "egress_kubernetes_api" {
+  for_each = var.manage_kubernetes_resources ? {
+    actor   = { "rlhf/role" = "actor" }
+    workers = { "app.kubernetes.io/name" = "prefect-worker" }
+  } : {}
+
+  metadata {
+    name      = "rlhf-egress-kubernetes-api-${each.key}"
     namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
     labels    = { "app.kubernetes.io/part-of" = "rlhf-flows" }
   }
 
   spec {
     pod_selector {
-      match_labels = { "rlhf/role" = "actor" }
+      match_labels = each.value
     }
-    policy_types = ["Ingress"]
+    policy_types = ["Egress"]
 
-    ingress {
-      from {
-        pod_selector {
-          match_labels = { "rlhf/role" = "actor" }
+    # the kubernetes Service's ClusterIP, and the API server's endpoints in the cluster's subnets (on 443, where no
+    # pod of a run can listen: it may not bind a port below 1024)
+    egress {
+      dynamic "to" {
+        for_each = concat(["${cidrhost(module.cluster.service_cidr, 1)}/32"], local.private_subnet_cidrs)
+        content {
+          ip_block {
+            cidr = to.value
+          }
+        }
+      }
+      ports {
+        protocol = "TCP"
+        port     = "443"
+      }
+    }
+  }
+}
+
+resource "kubernetes_network_policy_v1" "egress_in_vpc" {
+  count = var.manage_kubernetes_resources && length(var.in_vpc_egress) > 0 ? 1 : 0
+
+  metadata {
+    name      = "rlhf-egress-in-vpc"
+    namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
+    labels    = { "app.kubernetes.io/part-of" = "rlhf-flows" }
+  }
+
+  spec {
+    pod_selector {}
+    policy_types = ["Egress"]
+
+    dynamic "egress" {
+      for_each = var.in_vpc_egress
+      content {
+        to {
+          ip_block {
+            cidr = egress.value.cidr
+          }
+        }
+        ports {
+          protocol = "TCP"
+          port     = tostring(egress.value.port)
         }
       }
     }
@@ -300,7 +425,9 @@ resource "kubernetes_network_policy_v1" "actor_ranks" {
 
 # What a run's service account may do in its namespace, and nothing more: create, read and delete the objects a run
 # makes (its node groups' JobSet, its servers' LeaderWorkerSets and their Secrets, its two NetworkPolicies), read its
-# own Job (the owner of all of them) and the pods and logs of what it made, read why Kueue holds a workload.
+# own Job (the owner of all of them) and the pods and logs of what it made, read why Kueue holds a workload. RBAC
+# cannot tell one run's objects from another's: the admission policy below (modules/admission) admits a create or a
+# delete only for an object of the run whose pod asks, as that run may make it.
 resource "kubernetes_role_v1" "run" {
   count = var.manage_kubernetes_resources ? 1 : 0
 
@@ -373,4 +500,16 @@ resource "kubernetes_role_binding_v1" "run" {
     name      = var.actor_service_account_name
     namespace = kubernetes_namespace_v1.rlhf[0].metadata[0].name
   }
+}
+
+module "admission" {
+  source = "../../modules/admission"
+  count  = var.manage_kubernetes_resources ? 1 : 0
+
+  namespace                   = kubernetes_namespace_v1.rlhf[0].metadata[0].name
+  actor_service_account_name  = var.actor_service_account_name
+  server_service_account_name = var.critic_service_account_name
+  image_repositories          = distinct(concat(values(module.registry.repository_urls), var.extra_image_repositories))
+  cache_claim                 = var.cache_claim_name
+  shared_secrets              = [for secret in kubernetes_secret_v1.prefect_api_key : secret.metadata[0].name]
 }

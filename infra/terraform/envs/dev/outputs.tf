@@ -18,6 +18,11 @@ output "bucket_name" {
   value       = module.artifacts.bucket_name
 }
 
+output "store_key_secret_arn" {
+  description = "Secrets Manager secret holding the deployment's store key: $RLHF_STORE_SIGNER_ARN of every pod (prefect.yaml)."
+  value       = module.artifacts.store_key_secret_arn
+}
+
 output "s3_prefix" {
   description = "Key prefix in the bucket that the pod roles may use."
   value       = module.iam.s3_prefix

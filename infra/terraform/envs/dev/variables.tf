@@ -243,3 +243,23 @@ variable "cache_claim_name" {
   description = "ReadWriteMany claim of the shared Hugging Face cache, mounted at /cache in every pod (deploy.cluster.cache_claim)."
   default     = "rlhf-cache"
 }
+
+variable "extra_image_repositories" {
+  type        = list(string)
+  description = "Repositories, besides the project's ECR repositories, whose images a run's pods may run (<registry>/<path>, any tag or digest), e.g. where container_image lives when it is not the project's ECR."
+  default     = []
+}
+
+variable "in_vpc_egress" {
+  type = list(object({
+    cidr = string
+    port = number
+  }))
+  description = "Services inside the VPC every pod of the namespace may reach (CIDR and TCP port), e.g. an internal MLflow or Prefect server; outside the VPC everything but the link-local range is reachable."
+  default     = []
+
+  validation {
+    condition     = alltrue([for e in var.in_vpc_egress : can(cidrhost(e.cidr, 0)) && e.port > 0 && e.port < 65536])
+    error_message = "Each in_vpc_egress entry needs a CIDR and a TCP port (1-65535)."
+  }
+}

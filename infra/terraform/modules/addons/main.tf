@@ -5,7 +5,7 @@
 # - JobSet (a multi-node run's actor), LeaderWorkerSet (a run's servers) and Kueue (admits a JobSet's pods together
 #   or not at all), from their OCI charts; then the Kueue queues sized to the GPU pools (a local chart: Terraform
 #   cannot plan custom objects whose CRDs the same apply installs);
-# - one Prefect worker per work pool, in the jobs' namespace.
+# - one Prefect worker per work pool, in the jobs' namespace (restricted, as every pod there).
 # The controllers tolerate no GPU taint, so they run on the system node group.
 
 locals {
@@ -25,6 +25,23 @@ locals {
     actor_quota  = local.quotas["actor"]
     critic_quota = local.quotas["critic"]
   }))
+
+  # The jobs' namespace enforces the restricted Pod Security Standard: the worker's pod and containers meet it (the
+  # chart's own containerSecurityContext adds no capability but drops none either).
+  worker_pod_security = {
+    runAsNonRoot   = true
+    runAsUser      = 1001
+    fsGroup        = 1001
+    seccompProfile = { type = "RuntimeDefault" }
+  }
+  worker_container_security = {
+    runAsNonRoot             = true
+    runAsUser                = 1001
+    readOnlyRootFilesystem   = true
+    allowPrivilegeEscalation = false
+    capabilities             = { drop = ["ALL"] }
+    seccompProfile           = { type = "RuntimeDefault" }
+  }
 
   worker_api = var.prefect_account_id != null ? {
     apiConfig = "cloud"
@@ -140,9 +157,12 @@ resource "helm_release" "prefect_worker" {
   values = [yamlencode({
     fullnameOverride = "prefect-worker-${each.key}"
     worker = merge(local.worker_api, {
-      config       = { workPool = each.key, type = "kubernetes", jobNamespace = var.namespace }
-      image        = { prefectTag = var.prefect_worker_image_tag }
-      nodeSelector = { "rlhf/role" = "system" }
+      config                   = { workPool = each.key, type = "kubernetes", jobNamespace = var.namespace }
+      image                    = { prefectTag = var.prefect_worker_image_tag }
+      nodeSelector             = { "rlhf/role" = "system" }
+      podSecurityContext       = local.worker_pod_security
+      containerSecurityContext = local.worker_container_security
+      initContainer            = { containerSecurityContext = local.worker_container_security }
     })
   })]
 }

@@ -52,3 +52,8 @@ output "network_policy_enforced" {
   description = "Whether the VPC CNI add-on enforces Kubernetes NetworkPolicies (its network policy agent is on)."
   value       = jsondecode(aws_eks_addon.vpc_cni.configuration_values).enableNetworkPolicy == "true"
 }
+
+output "service_cidr" {
+  description = "The cluster's Service CIDR (ClusterIPs; the kubernetes Service, the API, is its first address)."
+  value       = aws_eks_cluster.this.kubernetes_network_config[0].service_ipv4_cidr
+}
