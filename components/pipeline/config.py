@@ -61,7 +61,7 @@ class PipelineEval(EvalSection):
         None, description="Longest response; None = rl.generation.max_new_tokens.")
     judge: Optional[str] = Field(
         None,
-        description="The reward model that judges an eval without an RL stage; None = reward_model.model or tiny/reward.")
+        description="The reward model judging an eval without an RL stage; None = reward_model.model or tiny/reward.")
 
 
 class PipelineTracking(Section):

@@ -49,12 +49,12 @@ def _merged(base: dict, over: dict) -> dict:
 
 def _run_pods() -> dict[str, dict]:
     """The pods of a run's own objects (`rlhf cluster manifests`' builders): its node groups' and every server's."""
-    cfg = load_config(None, "none", {
+    cfg = load_config(None, {
         "algorithm": "ppo", "model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
         "critic.combine_reward": False, "deploy.actor.nnodes": 2, "deploy.actor.launch": "jobset",
         "deploy.rollout.launch": "kubernetes", "deploy.critic.launch": "kubernetes",
         "deploy.reward.launch": "kubernetes", "deploy.cluster.image": "r.example.com/rlhf-flows:1",
-        "deploy.cluster.vllm_image": "r.example.com/rlhf-flows-vllm:1"})
+        "deploy.cluster.vllm_image": "r.example.com/rlhf-flows-vllm:1"}, preset="none")
     site = Site.of(cfg.deploy.cluster, {})
     objects = run_manifests(cfg, site, RunIdentity.of("demo", "1"), node_spec(cfg, "demo", "s3://b/demo"))
     pods = {}
