@@ -197,7 +197,7 @@ def test_only_a_runs_own_pods_carry_its_label_and_every_pod_reads_its_job_from_i
     job = own_job({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, str(tmp_path / "labels"))
     run, job_pods = policies(job, "rlhf", "uid")
     # the run labels the pods of the objects it creates (its Job's name); Kubernetes labels its own Job's pods
-    cfg = load_config(None, "none", {"deploy.cluster.image": "r.example.com/rlhf-flows:1"})
+    cfg = load_config(None, {"deploy.cluster.image": "r.example.com/rlhf-flows:1"}, preset="none")
     objects = run_manifests(merge(cfg, {"deploy.critic.launch": "kubernetes"}), Site.of(cfg.deploy.cluster, {}),
                             RunIdentity.of("demo", "1", run_label=job))
     server = next(o for o in objects if o["kind"] == "LeaderWorkerSet")

@@ -352,7 +352,7 @@ def test_servers_are_leader_worker_sets_created_waited_for_and_deleted_with_the_
                             f"restarted 1 time(s)")
     assert death.endswith("CUDA error: an illegal memory access")
 
-    assert server.stop(2.0) == f"deleted LeaderWorkerSet {name}, Secret {name}-secret"
+    assert server.stop(2.0) == f"deleted LeaderWorkerSet {name}, Secret {secret['metadata']['name']}"
     deleted = [(r["path"].split("/")[-2], r["path"].split("/")[-1]) for r in api.requests if r["method"] == "DELETE"]
     assert deleted == [("leaderworkersets", name), ("secrets", secret["metadata"]["name"]),
                        ("networkpolicies", "rlhf-ppo-x7k2q-run"), ("networkpolicies", "rlhf-ppo-x7k2q-job")]
