@@ -18,7 +18,6 @@ from flows.compare import compare
 from flows.experiment import EXAMPLE_EXPERIMENT, experiment_flow
 from flows.ppo import ppo
 from flows.reinforce import reinforce
-from flows.servers import critic_server, reward_server, rollout_server
 from flows.stages import STAGE_FLOWS, pipeline
 from models.kinds import BY_JOB
 from flows.sweep import EXAMPLE_CONFIG, EXAMPLE_SWEEP, sweep_flow
@@ -43,9 +42,6 @@ def deployments() -> list[tuple]:
                                "config naming preset none starts from the field defaults, for your own model)")),
         (reinforce, dict(parameters=demo_parameters("rloo"),
                          description="RLOO (any critic-free recipe) on the tiny preset, merged as ppo/default's")),
-        (critic_server, dict(description="PyTriton critic server (critic_infer/train/save)")),
-        (reward_server, dict(description="PyTriton reward server (reward_model)")),
-        (rollout_server, dict(description="vLLM rollout server (generate, update_weights)")),
         (compare, dict(description="PPO vs RLOO curves and table")),
         # each kind of stage's (models/kinds.py) and the pipeline: no parameters of their own, so the form shows
         # the flow's defaults, which are what a run given nothing trains

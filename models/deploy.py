@@ -20,13 +20,21 @@ from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_
 
 from models.sections import Section, default_state_dir
 
-Launch = Literal["in_process", "local", "deployment", "kubernetes"]
+Launch = Literal["in_process", "local", "kubernetes"]
 SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL", re.I)
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
 # what every pod of a run copies from its controller's environment by default (deploy.cluster.env_from_controller)
 CONTROLLER_ENV = ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "AWS_REGION", "AWS_DEFAULT_REGION", "RLHF_S3_BUCKET",
                   "RLHF_S3_PREFIX", "RLHF_STORE_SIGNER_ARN", "DO_NOT_TRACK", "MLFLOW_DISABLE_TELEMETRY")
+
+
+def refuse_deployment_launch(value):
+    """launch='deployment' (a server as a Prefect deployment of its own) was removed: refused naming what replaces it."""
+    if value == "deployment":
+        raise ValueError("launch='deployment' was removed: on a cluster use 'kubernetes' (the run creates its servers "
+                         "as a LeaderWorkerSet: docs/cluster.md), else 'local'")
+    return value
 
 
 READY_TIMEOUT_S = 900.0  # a server's readiness wait: a cold GPU node joins in 3-6 min, then pulls the image, then loads
@@ -71,7 +79,7 @@ class ServerPlacement(Section):
         "host", "port", "max_queue_delay_us", "torch_threads", "ready_timeout_s", "request_timeout_s",
     )
 
-    launch: Launch = Field("local", description="'in_process' = no server (the model runs in the actor's rank 0); 'local' = a PyTriton child process of the run (own process group, stopped with it); 'deployment' = its Prefect deployment (critic-server/default, reward-server/default; on a cluster its own GPU node); 'kubernetes' = a LeaderWorkerSet the run creates on its cluster (deploy.cluster), reached through its pods' DNS names and deleted with the run.")
+    launch: Launch = Field("local", description="'in_process' = no server (the model runs in the actor's rank 0); 'local' = a PyTriton child process of the run (own process group, stopped with it); 'kubernetes' = a LeaderWorkerSet the run creates on its cluster (deploy.cluster), reached through its pods' DNS names and deleted with the run.")
     host: str = Field(
         "127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
     port: Optional[int] = Field(
@@ -87,6 +95,8 @@ class ServerPlacement(Section):
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
     auth: Literal["secret", "none"] = Field(
         "secret", description="Who may call: secret = the run's own requests only (docs/security.md); none = anyone.")
+
+    _launch = field_validator("launch", mode="before")(refuse_deployment_launch)
 
 
 class CriticPlacement(ServerPlacement):
@@ -109,7 +119,7 @@ class RolloutPlacement(Section):
         "max_request_tokens", "max_body_mib", "weight_transfer",
     )
 
-    launch: Literal["local", "deployment", "kubernetes"] = Field("local", description="'local' = a child process of the run (own process group, stopped with it); 'deployment' = the rollout-server/default Prefect deployment (its own GPU node on a cluster); 'kubernetes' = a LeaderWorkerSet of `replicas` servers the run creates on its cluster (deploy.cluster; the vLLM image), deleted with the run.")
+    launch: Literal["local", "kubernetes"] = Field("local", description="'local' = a child process of the run (own process group, stopped with it); 'kubernetes' = a LeaderWorkerSet of `replicas` servers the run creates on its cluster (deploy.cluster; the vLLM image), deleted with the run.")
     python: str = Field(
         ".venv-vllm/bin/python",
         description="Interpreter of the server's environment (`make vllm-venv`), relative to the project root.")
@@ -145,6 +155,8 @@ class RolloutPlacement(Section):
         32, description="Largest JSON request body in MiB (a weight upload is bounded by the model's size).")
     weight_transfer: Literal["http", "dist"] = Field(
         "dist", description="How weights reach each replica after an update: dist (a process group) or http.")
+
+    _launch = field_validator("launch", mode="before")(refuse_deployment_launch)
 
     @model_validator(mode="after")
     def _tensor_parallel_needs_dist(self):

@@ -255,8 +255,8 @@ def test_a_critic_or_reward_server_process_starts_without_the_actors_training_co
 
 
 def test_a_run_outside_prefect_starts_without_prefect():
-    """`rlhf train` and the ranks of a run's node groups (`python -m components.runs`) run jobs without Prefect: only
-    a run with deployment servers talks to it (components/serving/services.py imports it where it does)."""
+    """`rlhf train` and the ranks of a run's node groups (`python -m components.runs`) run jobs without Prefect: a
+    run's servers are its own processes or its own pods, never Prefect's (components/serving/services.py)."""
     for entry in ("components.runs", "components.cli.commands"):
         _, third_party = loaded_at_start(entry)
         loaded = sorted(m for m in third_party if m.split(".")[0] == "prefect")

@@ -14,7 +14,7 @@ same objects.
   of `replicas` groups of one pod each (the rollout server: deploy.rollout.replicas; tensor parallelism inside the
   pod, tensor_parallel_size GPUs of one node), found through the LeaderWorkerSet's own headless Service: replica i
   is http://<lws>-<i>.<lws>.<namespace>:8000. Each pod runs `python -m components.serving.pod KIND`, which starts
-  the server as a local run would (components/serving/services.local_server).
+  the server as a local run would (components/serving/local.local_server).
 - The run's secret: a Secret per server kind, named after the run's Job (<job>-<8 hex>-<kind>: the one name pattern
   the admission policy lets the run's pods mount), mounted read-only into its pods (RLHF_RUN_SECRET_FILE), never a
   value in a spec; manifests written for review carry a placeholder instead.

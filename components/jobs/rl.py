@@ -64,8 +64,8 @@ class RL:
         return cfg, model_provenance(cfg), data_provenance(cfg), reward_files
 
     def restore_parts(self, cfg: RLHFConfig) -> tuple[str, ...] | None:
-        """launch=deployment: the critic server (maybe on another node) restores its part from the store itself."""
-        return ("actor",) if cfg.deploy.critic.launch == "deployment" else None
+        """launch=kubernetes: the critic server (a pod of its own) restores its part from the store itself."""
+        return ("actor",) if cfg.deploy.critic.launch == "kubernetes" else None
 
     def opened(self, session: RunSession) -> None:
         """A critic is resumed from the checkpoint the actor is, never newer or older."""
@@ -114,7 +114,7 @@ def restore_actor(session: RunSession, actor: Leader) -> str | None:
 
 
 def checkpoint(session: RunSession, actor: Leader, critic_info: dict | None) -> str:
-    """The actor (all ranks take part) + the critic of the same iteration (a local save, or a deployment critic's
+    """The actor (all ranks take part) + the critic of the same iteration (a local save, or a Kubernetes critic's
     upload adopted inside the store) + the manifest with the critic's step and the RNG states."""
     parts, stored = {}, {}
     if critic_info:

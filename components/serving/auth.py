@@ -1,10 +1,9 @@
 """Per-run credentials of a run's servers: one secret per run, known to the run and its servers only.
 
-Whoever starts a run's servers generates the run's secret (`new_secret`: components/tracking/run.py, once per run
-attempt) and hands it to each server through its environment ($RLHF_RUN_SECRET), or a file named by
-$RLHF_RUN_SECRET_FILE (a mounted Kubernetes Secret), and to deployment-mode servers through a Prefect Secret block
-named per run (components/serving/services.py, removed at the run's end). It never appears on a command line, in a
-log, in Prefect parameters or in MLflow params: what crosses those is the block's name, never the value.
+Whoever starts a run's servers generates the run's secret (`new_secret`: components/serving/services.run_secret,
+once per run attempt) and hands it to each server through its environment ($RLHF_RUN_SECRET), or a file named by
+$RLHF_RUN_SECRET_FILE (a Kubernetes Secret of the run, mounted into its server pods, deleted with them). It never
+appears on a command line, in a log, in a pod's spec, in Prefect (parameters, blocks, variables) or in MLflow.
 
 How each server checks it:
 - critic and reward servers (PyTriton): Triton's restricted API groups (`--http-restricted-api`) cover every group

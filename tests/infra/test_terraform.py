@@ -457,7 +457,7 @@ def test_job_template_requests_gpus_tolerates_taint_and_selects_role(pool_name: 
         and (t.get("operator") == "Exists" or (t.get("operator") == "Equal" and t.get("value") == GPU_TAINT["value"]))
         for t in tolerations
     ), tolerations
-    assert pod["serviceAccountName"] == "{{ service_account_name }}"
+    assert pod["serviceAccountName"] == f"rlhf-{role}"  # the pool's own: no job variable changes it
     resources = _job_container(template)["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == "{{ gpu_count }}"
     assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"]
@@ -480,10 +480,12 @@ def test_job_template_variables_schema_matches_job_configuration(pool_name: str,
             jsonschema.validate(spec["default"], {k: v for k, v in spec.items() if k != "default"})
     assert properties["gpu_count"]["default"] == values["gpu_count"]
     assert properties["image"]["default"] == values["image"]
-    sample = {"image": "x:1", "namespace": "rlhf", "gpu_count": 2, "cpu": "4", "memory": "16Gi", "env": {"A": "b"}}
+    sample = {"image": "x:1", "gpu_count": 2, "cpu": "4", "memory": "16Gi", "env": {"A": "b"}}
     jsonschema.validate(sample, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"gpu_count": "two"}, schema)
+    with pytest.raises(jsonschema.ValidationError, match="namespace"):  # only the variables above, nothing else
+        jsonschema.validate({**sample, "namespace": "kube-system"}, schema)
 
 
 def test_every_flow_run_pod_is_one_plain_pod_that_runs_its_flow_run():
@@ -496,8 +498,8 @@ def test_every_flow_run_pod_is_one_plain_pod_that_runs_its_flow_run():
 
     for pool, role in POOLS.items():
         template = _render_template(_sample_values(pool, role))
-        assert template["variables"]["properties"]["command"]["default"] == "prefect flow-run execute"
-        job = apply_values(template["job_configuration"], {"finished_job_ttl": 60})
+        assert "command" not in template["variables"]["properties"]  # fixed: a flow run cannot run another
+        job = apply_values(template["job_configuration"], {})
         spec = job["job_manifest"]["spec"]
         assert "completionMode" not in spec and "completions" not in spec and "parallelism" not in spec
         assert spec["backoffLimit"] == 2
@@ -507,7 +509,7 @@ def test_every_flow_run_pod_is_one_plain_pod_that_runs_its_flow_run():
         pod = spec["template"]["spec"]
         assert "subdomain" not in pod and pod["restartPolicy"] == "Never"
         container = _job_container(template)
-        assert "command" not in container and container["args"] == "{{ command }}"
+        assert "command" not in container and container["args"] == ["prefect", "flow-run", "execute"]
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
         assert mounts == {"dshm": "/dev/shm", "state": "/var/lib/rlhf", "cache": "/cache", "podinfo": "/etc/podinfo"}
         claim = next(v for v in pod["volumes"] if v["name"] == "cache")["persistentVolumeClaim"]["claimName"]
@@ -523,7 +525,7 @@ def test_job_variables_json_matches_templates():
     assert set(expected) == set(POOLS)
     for pool_name, keys in expected.items():
         assert keys and len(keys) == len(set(keys)), f"{pool_name}: empty or duplicated keys"
-        assert {"image", "namespace", "gpu_count", "service_account_name"} <= set(keys)
+        assert {"image", "gpu_count", "cpu", "memory", "env"} <= set(keys)
         properties = _render_template(_sample_values(pool_name, POOLS[pool_name]))["variables"]["properties"]
         assert set(keys) <= set(properties), f"{pool_name}: {set(keys) - set(properties)} not in the job template"
 

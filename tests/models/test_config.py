@@ -179,6 +179,10 @@ def test_unnamed_runs_started_together_get_names_of_their_own():
     ({"ppo.not_a_field": 1}, "not_a_field"),
     ({"critic.launch": "local"}, "launch"),  # where the critic runs is the deployment's: deploy.critic.launch
     ({"deploy.critic.port": 70000}, "port"),
+    # a server as a Prefect deployment of its own is gone: what replaces it, named
+    ({"deploy.critic.launch": "deployment"}, r"deploy.critic.launch\n.*launch='deployment' was removed: on a cluster use 'kubernetes'.*else 'local'"),
+    ({"deploy.reward.launch": "deployment"}, r"deploy.reward.launch\n.*use 'kubernetes'"),
+    ({"deploy.rollout.launch": "deployment"}, r"deploy.rollout.launch\n.*use 'kubernetes'"),
     ({"deploy.actor.nproc_per_node": 128}, "rollout_batch_size=64 is smaller than the actor's world size 128"),
 ])
 def test_invalid_config_names_the_field(overrides, message):

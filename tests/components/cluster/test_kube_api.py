@@ -366,7 +366,7 @@ def test_servers_are_leader_worker_sets_created_waited_for_and_deleted_with_the_
                             f"restarted 1 time(s)")
     assert death.endswith("CUDA error: an illegal memory access")
 
-    server.stop()
+    assert server.stop(2.0) == f"deleted LeaderWorkerSet {name}, Secret {secret['metadata']['name']}"
     deleted = [(r["path"].split("/")[-2], r["path"].split("/")[-1]) for r in api.requests if r["method"] == "DELETE"]
     assert deleted == [("leaderworkersets", name), ("secrets", secret["metadata"]["name"]),
                        ("networkpolicies", "rlhf-ppo-x7k2q-run"), ("networkpolicies", "rlhf-ppo-x7k2q-job")]
@@ -387,8 +387,9 @@ def test_a_server_that_cannot_start_is_named_and_its_objects_are_deleted(api):
                                       labels={"leaderworkerset.sigs.k8s.io/group-index": "0"})]
     with pytest.raises(ServerNotReady, match=r"critic server replica 0 \(pod .*-0, .*\) exited with code 1, restarted 2"):
         server.wait_until_ready(5)
-    server.stop()
+    server.stop(2.0)
     assert not [k for k in api.objects if k[0] in ("secrets", "leaderworkersets")]
+    assert server.stop(2.0) == "nothing left to delete"  # twice: safe
     assert not api.sent("POST", "networkpolicies")
     api.refuse[("POST", "leaderworkersets")] = 422
     with pytest.raises(KubeError, match="LeaderWorkerSet .*422"):

@@ -1,6 +1,6 @@
 """What a server pod of a run runs (components/serving/pod.py): it refuses to start without the run's secret, and it
 copies its server's log to its own output (what `kubectl logs` shows). The server itself starts through
-services.local_server, tested with every server kind in tests/components/serving."""
+local.local_server, tested with every server kind in tests/components/serving."""
 
 from __future__ import annotations
 

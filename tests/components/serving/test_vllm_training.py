@@ -102,8 +102,8 @@ def test_k2_reaches_its_bound_and_a_killed_rollout_replica_fails_the_run_naming_
             lines.append(line)
         staleness = [float(line.rsplit("staleness ", 1)[1]) for line in lines if re.search(r"iteration \d+/500\b", line)]
         assert staleness == [0.0, 1.0, 2.0], lines[-10:]
-        pid = int(next(re.search(r"rollout server replica 1 starting: pid (\d+)", line).group(1) for line in lines
-                       if "rollout server replica 1 starting" in line))
+        pid = int(next(re.search(r"rollout server replica 1: pid (\d+)", line).group(1) for line in lines
+                       if "rollout server starting: " in line))  # every replica's pid, url and log on that line
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         out, _ = proc.communicate(timeout=300)
