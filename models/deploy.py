@@ -59,12 +59,12 @@ class ServerPlacement(Section):
 
     launch: Launch = Field("local", description="'in_process' = no server (the model runs in the actor's rank 0); 'local' = a PyTriton child process of the run (own process group, stopped with it); 'deployment' = its Prefect deployment (critic-server/default, reward-server/default; on a cluster its own GPU node); 'kubernetes' = a LeaderWorkerSet the run creates on its cluster (deploy.cluster), reached through its pods' DNS names and deleted with the run.")
     host: str = Field("127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
-    port: Optional[int] = Field(None, ge=1, le=65533, description="HTTP port P of the server (gRPC P+1, metrics P+2); None = a free block picked at start.")
+    port: Optional[int] = Field(None, ge=1, le=65535, description="HTTP port of the server; None = a free port picked at start.")
     max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic-batching queue delay of the server's batched models.")
     torch_threads: Optional[PositiveInt] = Field(None, description="torch intra-op threads of the server process; None = 1 on a CPU-only host (it usually shares the cores with the actor; 2+2 threads on 2 cores ran ~4x slower), torch's default with CUDA.")
     ready_timeout_s: float = Field(READY_TIMEOUT_S, gt=0, description="How long to wait for the server to become ready; with launch=deployment, also for its flow run to start (a cold GPU node: 3-6 min to join, then the image pull and the model load). The run's log says every ~30 s what it waits for and how long it has waited; a local server that exits fails the wait at once.")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
-    auth: Literal["secret", "none"] = Field("secret", description="'secret' = every request but liveness/readiness must carry the run's secret (generated per run, handed to the server through its environment; components/serving/auth.py), others are refused (403); 'none' = open mode: inference, model config and metadata answer anyone who reaches the port (NeMo-Aligner's own client sends no credentials); the server says so when it starts.")
+    auth: Literal["secret", "none"] = Field("secret", description="'secret' = every request but liveness/readiness must be signed with a key derived from the run's secret (generated per run, handed to the server through its environment, never sent: components/serving/wire.py), others are refused (401/403); 'none' = open mode: inference, model config and metadata answer anyone who reaches the port (NeMo-Aligner's own client sends no credentials); the server says so when it starts.")
 
 
 class CriticPlacement(ServerPlacement):

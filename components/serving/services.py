@@ -58,7 +58,7 @@ from components.cluster.network_policy import RUN_POLICIES, own_job
 from components.cluster.servers import start_servers
 from components.launch.processes import (REPORT_EVERY_S, Health, Probe, ServerProcess, free_port, wait_for,
                                          wait_until_ready)
-from components.serving.auth import new_secret, triton_token
+from components.serving.auth import new_secret
 from components.serving.launcher import launch, launch_rollout, rollout_probe, triton_probe
 from components.serving.rollout.client import RolloutClient, run_token
 from components.serving.triton.clients import RewardClient, critic_backend, reward_backend
@@ -139,9 +139,9 @@ def _threads(section) -> Optional[int]:
 
 
 def server_spec(kind: str, cfg: RLHFConfig, **fields) -> ServerSpec:
-    """The spec of a critic/reward server: its section's host, a free port block P..P+2, its thread count."""
+    """The spec of a critic/reward server: its section's host, a free port, its thread count."""
     s = section(kind, cfg)
-    return ServerSpec(kind=kind, config=cfg, host=s.host, port=free_port(s.host, s.port, count=3),
+    return ServerSpec(kind=kind, config=cfg, host=s.host, port=free_port(s.host, s.port),
                       torch_threads=_threads(s), **fields)
 
 
@@ -155,12 +155,12 @@ def local_server(kind: str, cfg: RLHFConfig, log_path: Path, secret: str, traine
 
 
 def probe_at(kind: str, cfg: RLHFConfig, secret: Optional[str] = None) -> Callable[[str], Probe]:
-    """How to look at a `kind` server found at a URL (one we did not start; with the run's `secret`, a model that
-    is not ready is looked up in the repository index, which names why)."""
+    """How to look at a `kind` server found at a URL (one we did not start; with the run's `secret`, the server must
+    prove it holds it, and a model that is not ready is looked up in its repository summary, which names why)."""
     if kind == "rollout":
-        return rollout_probe
+        return lambda url: rollout_probe(url, secret=secret)
     models = ServerSpec(kind=kind, config=cfg).models
-    return lambda url: triton_probe(url, models, triton_token(secret) if secret else None)
+    return lambda url: triton_probe(url, models, secret)
 
 
 # ------------------------------------------------------------------------------------------------ deployments
