@@ -64,7 +64,7 @@ class ServerPlacement(Section):
     torch_threads: Optional[PositiveInt] = Field(None, description="torch intra-op threads of the server process; None = 1 on a CPU-only host (it usually shares the cores with the actor; 2+2 threads on 2 cores ran ~4x slower), torch's default with CUDA.")
     ready_timeout_s: float = Field(READY_TIMEOUT_S, gt=0, description="How long to wait for the server to become ready; with launch=deployment, also for its flow run to start (a cold GPU node: 3-6 min to join, then the image pull and the model load). The run's log says every ~30 s what it waits for and how long it has waited; a local server that exits fails the wait at once.")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
-    auth: Literal["secret", "none"] = Field("secret", description="'secret' = every request but liveness/readiness must be signed with a key derived from the run's secret (generated per run, handed to the server through its environment, never sent: components/serving/wire.py), others are refused (401/403); 'none' = open mode: inference, model config and metadata answer anyone who reaches the port (NeMo-Aligner's own client sends no credentials); the server says so when it starts.")
+    auth: Literal["secret", "none"] = Field("secret", description="'secret' = every request but liveness/readiness must be signed with a key derived from the run's secret (generated per run, handed to the server through its environment, never sent: components/wire.py), others are refused (401/403); 'none' = open mode: inference, model config and metadata answer anyone who reaches the port (NeMo-Aligner's own client sends no credentials); the server says so when it starts.")
 
 
 class CriticPlacement(ServerPlacement):

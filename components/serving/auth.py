@@ -6,7 +6,7 @@ $RLHF_RUN_SECRET_FILE (a mounted Kubernetes Secret), and to deployment-mode serv
 named per run (components/serving/services.py, removed at the run's end). It never appears on a command line, in a
 log, in Prefect parameters or in MLflow params: what crosses those is the block's name, never the value.
 
-On the wire (components/serving/wire.py) the secret never crosses either: a server proves it holds it before a client
+On the wire (components/wire.py) the secret never crosses either: a server proves it holds it before a client
 sends anything on a new connection (GET /rlhf/proof answers the client's fresh challenge with an HMAC), and every
 request is signed with a key derived from it (`Authorization: RLHF-HMAC ...`, each nonce once). A server found at an
 address that cannot prove itself is sent nothing.
@@ -32,7 +32,7 @@ import secrets
 from pathlib import Path
 from typing import Mapping, Optional
 
-from components.serving import wire
+from components import wire
 
 SECRET_ENV = "RLHF_RUN_SECRET"  # the run's secret, in a server's environment
 SECRET_FILE_ENV = "RLHF_RUN_SECRET_FILE"  # or a file holding it (a Kubernetes Secret mounted as a volume)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from components.serving import wire
+from components import wire
 from components.serving.auth import MissingSecret, new_secret, read_secret, request_headers
 from components.serving.launcher import rollout_argv, rollout_probe, server_argv, triton_probe
 from components.serving.rollout.client import RolloutClient

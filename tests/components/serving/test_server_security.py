@@ -39,7 +39,7 @@ from pytriton.client import ModelClient
 from tritonclient.utils import InferenceServerException
 
 from components.launch.processes import find_free_ports, group_members, wait_for
-from components.serving import wire
+from components import wire
 from components.serving.auth import new_secret, request_headers
 from components.serving.launcher import launch
 from components.serving.triton.clients import CriticClient, RewardClient, ServerError
