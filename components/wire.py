@@ -109,7 +109,8 @@ class Verifier:
                          f"('Authorization: {SCHEME} ts=..., nonce=..., mac=...', components/wire.py)")
         found = _HEADER.match(authorization.strip())
         if not found:
-            return 401, f"authorization: malformed {SCHEME} header (expected ts=<seconds>, nonce=<32 hex>, mac=<64 hex>)"
+            return 401, (f"authorization: malformed {SCHEME} header (expected ts=<seconds>, nonce=<32 hex>, "
+                         f"mac=<64 hex>)")
         ts, nonce, mac = found.groups()
         if not hmac.compare_digest(mac, self.keys.mac(method, path, ts, nonce)):
             return 403, "authorization: not signed with this run's key"
