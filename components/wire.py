@@ -264,8 +264,8 @@ def async_proving_transport(keys: RunKeys, role: str,
 
 def run_client(secret: Optional[str], role: str, limits: httpx.Limits = httpx.Limits(), **kwargs) -> httpx.Client:
     """An httpx client of a run's `role` server: with the run's secret, every connection proven and every request
-    signed; without one (a server in open mode), a plain client."""
-    if secret is None:
+    signed; without one (None or "": a server in open mode), a plain client."""
+    if not secret:
         return httpx.Client(limits=limits, **kwargs)
     keys = RunKeys(secret)
     return httpx.Client(transport=proving_transport(keys, role, limits), auth=RequestAuth(keys), **kwargs)

@@ -16,6 +16,7 @@ Imports nothing of the project: the rollout server (.venv-vllm) uses it as the T
 from __future__ import annotations
 
 import resource
+import socket
 import time
 
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -30,6 +31,11 @@ def bounded_protocol(max_connections: int = MAX_CONNECTIONS, idle_s: float = IDL
     class Bounded(AutoHTTPProtocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            sock = transport.get_extra_info("socket")
+            if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+                # answers go out as written: a head and a body written apart otherwise wait ~40 ms for the client's
+                # delayed ACK (Nagle), as every POST through the Triton front did
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._idle_timer = None
             self._arm()
             if len(self.connections) > max_connections:
