@@ -42,8 +42,10 @@ from components.jobs.stages import Stage
 from components.launch.nodes import NO_RESTART_EXIT_CODE
 from components.launch.processes import exit_with_parent
 from components.launch.ranks import follow
+from components.serving.auth import read_secret
 from components.storage.lease import LeaseLost, RunLocked
-from components.storage.store import CheckpointStore
+from components.storage.signing import StoreKeyError
+from components.storage.store import CheckpointStore, ForeignCheckpoint
 from components.tracking.provenance import provenance as provenance_of
 from components.tracking.run import RunSession, closed_when_done
 from models.config import RLHFConfig
@@ -110,7 +112,8 @@ def open_session(kind, cfg, steps: Steps = DIRECT, provenance: dict | None = Non
 def attempt(store: CheckpointStore) -> int:
     """Node group 0's rank 0: the run its controller handed over through the run's store, run under the controller's
     lease with its messages relayed to it; the summary (or the error) written back to the store. Exits with
-    NO_RESTART_EXIT_CODE for a failure no restart mends (the run's name held by another run, its lease lost)."""
+    NO_RESTART_EXIT_CODE for a failure no restart mends (the run's name held by another run, its lease lost, its store
+    holding records it did not sign, no store key)."""
     handed = handoff(store)
     steps = RelaySteps(handed["relay"], handed.get("tags"))
     report(store, "running", attempt=steps.source)
@@ -124,7 +127,7 @@ def attempt(store: CheckpointStore) -> int:
             report(store, "failed", attempt=steps.source, error=why)
         except Exception:  # noqa: BLE001 - the store is unreachable: the controller names the exit instead
             pass
-        return NO_RESTART_EXIT_CODE if isinstance(exc, (RunLocked, LeaseLost)) else 1
+        return NO_RESTART_EXIT_CODE if isinstance(exc, (RunLocked, LeaseLost, ForeignCheckpoint, StoreKeyError)) else 1
     report(store, "succeeded", attempt=steps.source, summary=summary)
     return 0
 
@@ -145,7 +148,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--s3-endpoint-url", default=None, help="Endpoint of an S3-compatible store.")
     args = parser.parse_args(argv)
     if int(os.environ.get("RANK", "0")) != 0:
-        code = follow()
+        code = follow(read_secret())  # the controller's, given to every node group
     else:
         signal.signal(signal.SIGTERM, _terminated)
         exit_with_parent()

@@ -10,11 +10,17 @@ samples that succeed; eval/accuracy too for 0/1 scores) and eval/pass_at_<j> for
 eval.samples_per_prompt (Chen et al. 2021's unbiased estimator from the k samples of each prompt: the chance that
 one of j samples succeeds); with reward functions, eval/rewards/<name>/mean and /std of each; in an environment run,
 the episodes' tool and environment metrics under eval/ (eval/tools/call_frequency, eval/env/errors, ...).
+
+A policy against a reference policy (the eval job, components/jobs/evaluation.py: judged by a reward model in
+models/stages/evaluate.compare_policies, or as an RL run's held-out eval judges) is `compared` here, one metric
+scheme for both: the policy's metrics by the names above, the reference's as eval/reference/<name>, and
+eval/win_rate, eval/gold_win_rate, eval/success_gain of their paired samples.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -30,17 +36,28 @@ from models.step import (episode_rows, function_reward_metrics, prompt_ids, rewa
 from models.update import micro_batches
 
 
-def is_eval_iteration(cfg: RLHFConfig, iteration: int) -> bool:
-    """Whether the eval runs before iteration `iteration + 1` (at 0, before any update, and every eval.every); the
-    caller adds the one at the end."""
-    held_out = bool(cfg.eval.prompts) or cfg.environment.verifiers is not None  # a verifiers run: its eval dataset
-    return held_out and cfg.eval.every > 0 and iteration % cfg.eval.every == 0
+@dataclass
+class Judged:
+    """A policy's held-out samples as an eval judged them (k consecutive samples per prompt): each one's score and
+    gold reward (None without one), the metrics and the sample rows."""
+
+    scores: torch.Tensor
+    gold: torch.Tensor | None
+    metrics: dict[str, float]
+    rows: list[dict]
 
 
 def evaluate(state: ActorState, prompts: Batch, cfg: RLHFConfig, backends: Backends, gold_fn: RewardFn | None,
              iteration: int) -> tuple[dict[str, float], list[dict]]:
+    """The held-out eval (`judge`): (metrics, sample rows) on rank 0, ({}, []) elsewhere."""
+    judged = judge(state, prompts, cfg, backends, gold_fn, iteration)
+    return (judged.metrics, judged.rows) if judged is not None else ({}, [])
+
+
+def judge(state: ActorState, prompts: Batch, cfg: RLHFConfig, backends: Backends, gold_fn: RewardFn | None,
+          iteration: int) -> Judged | None:
     """Sample eval.samples_per_prompt responses per prompt of this rank's share at eval.temperature and score every
-    rank's on rank 0; returns (metrics, sample rows) on rank 0, ({}, []) elsewhere."""
+    rank's on rank 0; rank 0's judgement, None elsewhere."""
     e, policy, me = cfg.eval, state.policy, state.me
     k = e.samples_per_prompt
     share = me.shard(len(prompts))
@@ -60,7 +77,7 @@ def evaluate(state: ActorState, prompts: Batch, cfg: RLHFConfig, backends: Backe
     batch = rollouts_on_leader(me, rollout, mine, responses, columns, policy.pad_id, played)
     stats = me.all_gather_cat(episode_stats(played.episodes)) if played is not None else None
     if batch is None:
-        return {}, []
+        return None
     chunks = micro_batches(len(batch["lengths"]), cfg.generation.micro_batch_size)
     scored = ALGORITHMS[cfg.algorithm].request_scores(batch, chunks, backends)()
     scores = scored["scores"].double()
@@ -72,8 +89,8 @@ def evaluate(state: ActorState, prompts: Batch, cfg: RLHFConfig, backends: Backe
                     function_reward_metrics(scored, reward_names(state, cfg)).items()})
     if played is not None:
         metrics.update(episode_metrics(stats, prefix="eval/"))
-        return metrics, episode_rows_table(played.episodes, state.episodes.names, e.table_rows)
-    return metrics, eval_rows(batch, scores, gold, e.table_rows)
+        return Judged(scores, gold, metrics, episode_rows_table(played.episodes, state.episodes.names, e.table_rows))
+    return Judged(scores, gold, metrics, eval_rows(batch, scores, gold, e.table_rows))
 
 
 def eval_seed(seed: int, iteration: int, rank: int) -> int:
@@ -128,3 +145,34 @@ def eval_rows(batch: dict, scores: torch.Tensor, gold: torch.Tensor | None, limi
     for row, columns in zip(rows, batch["columns"]):
         row.update({f"column/{name}": str(value) for name, value in columns.items()})
     return rows
+
+
+# ---------------------------------------------------------------- a policy against a reference policy
+
+def compared(policy: Judged, reference: Judged, limit: int) -> tuple[dict[str, float], list[dict]]:
+    """A policy under test against a reference policy that sampled the same held-out prompts with one seed (their
+    j-th samples paired): the policy's metrics as they are, the reference's as eval/reference/<name>, the share of
+    paired samples where the policy's scores higher (eval/win_rate; a tie counts one half) and its gold reward
+    (eval/gold_win_rate), the policy's eval/success minus the reference's (eval/success_gain); rows pairing the
+    samples (up to `limit`), each side's response (an episode: its conversation), score and gold reward."""
+    metrics = {**policy.metrics, **{f"eval/reference/{k.removeprefix('eval/')}": v
+                                    for k, v in reference.metrics.items()},
+               "eval/win_rate": win_rate(policy.scores, reference.scores)}
+    if policy.gold is not None and reference.gold is not None:
+        metrics["eval/gold_win_rate"] = win_rate(policy.gold, reference.gold)
+    if "eval/success" in policy.metrics and "eval/success" in reference.metrics:
+        metrics["eval/success_gain"] = policy.metrics["eval/success"] - reference.metrics["eval/success"]
+    rows = []
+    for a, b in list(zip(policy.rows, reference.rows))[:limit]:
+        row = {"prompt": a["prompt"]}
+        for side, sample in (("policy", a), ("reference", b)):
+            row.update({side: sample.get("conversation", sample.get("response")), f"{side}_score": sample["score"]})
+            if "gold_reward" in sample:
+                row[f"{side}_gold_reward"] = sample["gold_reward"]
+        rows.append(row)
+    return metrics, rows
+
+
+def win_rate(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Share of paired samples where a beats b, a tie counting one half."""
+    return float(((a > b).double() + 0.5 * (a == b).double()).mean())

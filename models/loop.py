@@ -1,14 +1,17 @@
-"""Build the pieces of a run from the config, the commands every actor rank executes, and the one training loop.
+"""Build the pieces of a run from the config, the commands every rank of a job executes, and the one training loop.
 
-The actor runs on one or more ranks. Rank 0 (the flow run, or `rlhf train`) holds a `Leader`: each of its calls
-broadcasts a command (step with these prompts, save, restore, stop) that the other ranks (components/launch/ranks.py)
-receive and execute in step with it, so every collective is entered by all ranks. With one rank the broadcasts are
-no-ops.
+A job that trains (an RL run's actor, a stage's trainee: SFT, reward model, DPO, KTO) runs on one or more ranks.
+Rank 0 (the flow run, or `rlhf train`) holds a `Leader`: each of its calls broadcasts a command (step on this batch,
+evaluate, save, restore, stop) that the other ranks (components/launch/ranks.py) receive and `execute` in step with
+it, so every collective is entered by all ranks. With one rank the broadcasts are no-ops. Only what a step and an
+eval compute differs between jobs; saving and restoring are the same for every job (`save_actor`, `restore_actor`).
 
-`run_loop` is the one training loop: the iteration, the held-out eval schedule (at 0, every eval.every, at the end;
-not repeated at a resume point) and the checkpoint cadence. How each part runs is the caller's `Steps`: directly
-(`rlhf train`), or as the flow's Prefect tasks (components/tasks.py); the job builder (components/runs.py) composes
-the run around it for both.
+`run_loop` is the one training loop, of an RL run and of every stage: the steps, the held-out eval schedule (at 0,
+every N, at the end; not repeated at a resume point) and the checkpoint cadence (`Schedule`). What plugs in is the
+`Trainee`: an RL run's `Iterations` (one iteration per step on the prompt stream) or a stage's `StageSteps`
+(optimizer steps on its row stream), and the job's `Record` (components/jobs/: MLflow and the checkpoint store).
+How each part runs is the caller's `Steps`: directly (`rlhf train`), or as the flow's Prefect tasks
+(components/tasks.py); the job builder (components/runs.py) composes the job around it for both.
 """
 
 from __future__ import annotations
@@ -26,15 +29,20 @@ from models.algorithms import ALGORITHMS, Backends, resolve
 from models.backends import FunctionReward, LocalRewardModel, WithTeacher
 from models.config import RLHFConfig
 from models.critic import CriticTrainer
-from models.data import Batch, DataError, PromptSet, PromptStream, builtin_gold, load_prompt_set
+from models.data import Batch, DataError, PromptSet, PromptStream, RowStream, builtin_gold, load_prompt_set
 from models.environments.episodes import check_environment_run, start_episodes
 from models.environments.remote import RemoteEpisodes
-from models.eval import evaluate, is_eval_iteration
+from models.eval import evaluate
 from models.distributed import SINGLE, Dist, local_device
 from models.policy import Policy, load_policy_tokenizer
 from models.scoring import load_teacher
 from models.reward import load_reward_function, load_reward_functions, load_reward_model, load_reward_tokenizer
 from models.safe_io import load_state
+from models.stages import train as stage_train
+from models.stages.config import StageRun
+from models.stages.data import Pairs
+from models.stages.kinds import build_stage
+from models.stages.train import StageState
 from models.step import train_step
 
 
@@ -179,26 +187,40 @@ def gold_loader(cfg: RLHFConfig, spec: str, probe: bool = True):
 LOG = logging.getLogger("rlhf.actor")
 
 
-def execute(state: ActorState, cfg: RLHFConfig, command: dict, critic=None, reward=None):
-    """Run one command on this rank (rank 0 passes its backends; the others None)."""
-    op = command["op"]
-    if op == "step":
+def build(cfg: RLHFConfig | StageRun, me: Dist = SINGLE) -> ActorState | StageState:
+    """This rank's state of the job of `cfg`: an RL run's actor, or a stage's trainee (models/stages/kinds.py)."""
+    return build_actor(cfg, me) if cfg.job == "rl" else build_stage(cfg, me)
+
+
+def execute(state: ActorState | StageState, cfg: RLHFConfig | StageRun, command: dict, critic=None, reward=None):
+    """Run one command of rank 0's on this rank (rank 0 passes its backends; the others None). A step and an eval
+    work on the command's global `batch` (an RL run's prompts, a stage's rows) and move the state's counters and
+    `data` (where its stream stands) as a checkpoint records them."""
+    op, rl = command["op"], cfg.job == "rl"
+    if op == "step" and rl:  # an iteration (models/step.py); `ahead`: the next iterations' batches (asynchronous
+        # rollouts); `reserve`: the stream's next batches, each with the stream's state after it (dynamic sampling)
         reserve = command.get("reserve") or []
-        out = train_step(state, command["prompts"], cfg, Backends(critic, reward), gold_function(cfg),
+        out = train_step(state, command["batch"], cfg, Backends(critic, reward), gold_function(cfg),
                          command.get("ahead"), [batch for batch, _ in reserve])
         used = int(out[0].get("dynamic_sampling/rounds", 1))  # batches of the stream the step consumed
         state.data = command.get("data") if used == 1 else reserve[used - 2][1]
         return out
-    if op == "evaluate":
-        return evaluate(state, command["prompts"], cfg, Backends(critic, reward), gold_function(cfg),
+    if op == "step":  # a stage's optimizer step (models/stages/train.py)
+        out = stage_train.train_step(state, cfg, command["batch"])
+        state.data = command.get("data")
+        return out
+    if op == "evaluate" and rl:  # models/eval.py, sampled with a seed of its iteration
+        return evaluate(state, command["batch"], cfg, Backends(critic, reward), gold_function(cfg),
                         command["iteration"])
+    if op == "evaluate":  # the stage kind's held-out metrics
+        return stage_train.evaluate(state, cfg, command["batch"])
     if op == "save":
         return save_actor(state, Path(command["dir"]))
     if op == "restore":
         return restore_actor(state, Path(command["dir"]))
     if op == "refit":
         return state.engine.update_weights(state.policy.engine_weights())
-    raise ValueError(f"unknown actor command {op!r}")
+    raise ValueError(f"unknown command {op!r}")
 
 
 def save_actor(state: ActorState, directory: Path) -> None:
@@ -246,13 +268,14 @@ def restore_actor(state: ActorState, directory: Path) -> str | None:
 
 @dataclass
 class Leader:
-    """The actor as rank 0 drives it: every call is broadcast to the other ranks, then run here too.
+    """A job's state as rank 0 drives it (an RL run's actor, a stage's trainee): every call is broadcast to the other
+    ranks, then run here too.
 
     `describe_failure()` (set by the launcher of the other ranks) explains a collective that failed: which rank died,
     its exit code and log tail."""
 
-    cfg: RLHFConfig
-    state: ActorState
+    cfg: RLHFConfig | StageRun
+    state: ActorState | StageState
     describe_failure: Callable[[], str | None] = lambda: None
 
     @property
@@ -273,20 +296,20 @@ class Leader:
         """Run a command here, on rank 0 (the other ranks run it as they receive it: components/launch/ranks.py)."""
         return execute(self.state, self.cfg, command, critic, reward)
 
-    def step(self, prompts: list[str] | Batch, critic=None, reward=None, data: dict | None = None,
-             ahead: list[Batch] | None = None,
-             reserve: list[tuple[Batch, dict]] | None = None) -> tuple[dict, list[dict]]:
-        """One training iteration on the global batch `prompts`; `data` (the prompt stream's state after drawing
-        it) is kept with the actor's state for its next checkpoint; `ahead`: the next iterations' batches, asked for
-        now (asynchronous rollouts); `reserve`: the stream's next batches, each with the stream's state after it, for
-        dynamic sampling (the state kept is the one after the last batch it used)."""
-        return self.run({"op": "step", "prompts": prompts, "data": data, "ahead": ahead, "reserve": reserve},
-                        critic, reward)
+    def step(self, batch: Batch | list[str] | dict, critic=None, reward=None, data: dict | None = None,
+             ahead: list[Batch] | None = None, reserve: list[tuple[Batch, dict]] | None = None):
+        """One training step on the global `batch` (an RL iteration's prompts, a stage's rows); `data` (the stream's
+        state after drawing it) is kept with the state for its next checkpoint. An RL iteration only: `ahead`, the
+        next iterations' batches, asked for now (asynchronous rollouts); `reserve`, the stream's next batches, each
+        with the stream's state after it, for dynamic sampling (the state kept is the one after the last it used)."""
+        return self.run({"op": "step", "batch": batch, "data": data, "ahead": ahead, "reserve": reserve}, critic,
+                        reward)
 
-    def evaluate(self, prompts: Batch, critic, reward, iteration: int) -> tuple[dict, list[dict]]:
-        """The held-out eval (models/eval.py) on every rank, scored as training is (`critic` for PPO's combined
-        reward model); no trainer state changes."""
-        return self.run({"op": "evaluate", "prompts": prompts, "iteration": iteration}, critic, reward)
+    def evaluate(self, batch: Batch | dict, critic=None, reward=None, iteration: int = 0) -> tuple[dict, list[dict]]:
+        """The held-out eval of `batch` on every rank, (metrics, rows) here; no trainer state changes. An RL run's
+        (models/eval.py) is scored as training is (`critic` for PPO's combined reward model) and samples with a
+        seed of `iteration`."""
+        return self.run({"op": "evaluate", "batch": batch, "iteration": iteration}, critic, reward)
 
     def save(self, directory: Path) -> None:
         self.run({"op": "save", "dir": str(directory)})
@@ -330,30 +353,97 @@ class Steps:
 DIRECT = Steps()
 
 
-class Record(Protocol):
-    """Where the loop's results go and how it checkpoints (components/jobs/rl.RunRecord: MLflow and the run's
-    checkpoint store), and what it scores with: the run's `critic` and `reward` backends, each call made through
-    `guard` (a failure while a server of the run is gone names that server)."""
+# ---------------------------------------------------------------- the one training loop
 
-    critic: object
-    reward: object
+@dataclass(frozen=True)
+class Schedule:
+    """When the loop does what: steps up to `total`; a checkpoint every `checkpoint_every` steps and after the last;
+    with a held-out eval (`evaluates`), one before the first step, every `eval_every` steps (0: none between) and
+    one after the last, never again at the step a run resumes from (the run it resumes evaluated there)."""
+
+    name: str  # the named step that trains: '<algorithm>-iteration', '<stage>-steps'
+    unit: str  # what a step is: 'iteration' (an RL run's), 'step' (a stage's optimizer step)
+    total: int
+    checkpoint_every: int
+    evaluates: bool
+    eval_every: int = 0
+    chunk: int = 0  # the most steps one named step runs (0: all up to the next checkpoint, eval or the end)
+
+    def stop(self, step: int) -> int:
+        """Where the named step that starts at `step` ends."""
+        marks = [self.total, (step // self.checkpoint_every + 1) * self.checkpoint_every]
+        if self.evaluates and self.eval_every:
+            marks.append((step // self.eval_every + 1) * self.eval_every)
+        if self.chunk:
+            marks.append(step + self.chunk)
+        return min(marks)
+
+
+class Trainee(Protocol):
+    """What the loop trains, the part that differs between an RL run (`Iterations`) and a stage (`StageSteps`): the
+    job's state on its ranks (`leader`), its schedule, its steps and its held-out eval."""
+
+    leader: Leader
+    schedule: Schedule
+
+    def train(self, stop: int) -> list[tuple[dict, list[dict]]]:
+        """Steps until the state is at step `stop`: each one's (metrics, sample rows)."""
+
+    def evaluate(self, step: int) -> tuple[dict, list[dict]]:
+        """The held-out eval at step `step`: (metrics, rows)."""
+
+
+class Record(Protocol):
+    """Where the loop's results go and how it checkpoints: the job's MLflow run and checkpoint store
+    (components/jobs/rl.RunRecord, components/jobs/stages.StageRecord); `guard` makes a call that may fail while
+    a server of the run is gone name that server."""
 
     def guard(self, fn: Callable, *args, **kwargs): ...
 
-    def log(self, iteration: int, metrics: dict, samples: list[dict]) -> None: ...
+    def log(self, done: list[tuple[int, dict, list[dict]]]) -> None:
+        """Each step's number, metrics and sample rows."""
 
-    def log_eval(self, iteration: int, metrics: dict, rows: list[dict]) -> None: ...
+    def log_eval(self, step: int, metrics: dict, rows: list[dict]) -> None: ...
 
-    def checkpoint(self, actor: Leader) -> str: ...
+    def checkpoint(self, leader: Leader) -> str: ...
 
 
-def run_loop(cfg: RLHFConfig, actor: Leader, prompts: PromptSet, evals: PromptSet | None, record: Record,
-             steps: Steps = DIRECT) -> tuple[list[dict], list[dict]]:
-    """Train `actor` from where its state stands (a resumed run: its checkpoint's iteration and prompt position) to
-    cfg.iterations: one step per iteration on the next batch of the prompt stream; a held-out eval before the first
-    update, every eval.every iterations and at the end (not again at the iteration a run resumes from, which the run
-    it resumes evaluated); a checkpoint every checkpoint.every iterations and at the end. Each part is a named step
-    (`steps`). Returns the metrics of the iterations it ran, and its evals ({iteration, metrics...}).
+def run_loop(trainee: Trainee, record: Record, steps: Steps = DIRECT) -> tuple[list[dict], list[dict]]:
+    """The one training loop, of an RL run and of every stage: train from where the trainee's state stands (a
+    resumed run: its checkpoint's step and data position) to the end of its schedule, evaluating and checkpointing
+    as it says. Each part is a named step (`steps`): the training steps (`schedule.name`: one per RL iteration, a
+    stage's between its checkpoints and evals), their metrics' record, the checkpoint, the eval and its record.
+    Returns the metrics of the steps it ran, and its evals ({<unit>: step, metrics...})."""
+    s, state = trainee.schedule, trainee.leader.state
+    start, history, evaluations = state.iteration, [], []
+
+    def evaluate(step: int) -> None:
+        metrics, rows = steps("eval", record.guard, trainee.evaluate, step)
+        steps("log-eval", record.log_eval, step, metrics, rows, retries=2)
+        evaluations.append({s.unit: step, **metrics})
+
+    if s.evaluates and start == 0:
+        evaluate(0)
+    while (i := state.iteration) < s.total:
+        steps.progress(i, s.total, f"{s.unit}s")
+        stop = s.stop(i)
+        done = steps(s.name, record.guard, trainee.train, stop)
+        history += [metrics for metrics, _ in done]
+        steps("log-metrics", record.log, [(i + 1 + k, m, rows) for k, (m, rows) in enumerate(done)], retries=2)
+        if stop % s.checkpoint_every == 0 or stop == s.total:
+            steps("checkpoint", record.guard, record.checkpoint, trainee.leader)
+        if s.evaluates and s.eval_every and stop % s.eval_every == 0 and stop != s.total:
+            evaluate(stop)
+    if s.evaluates and start < s.total:
+        evaluate(s.total)
+    steps.progress(s.total, s.total, f"{s.unit}s")
+    return history, evaluations
+
+
+class Iterations:
+    """An RL run as the loop trains it: one iteration per named step, on the next batch of the prompt stream, scored
+    by the run's `critic` and `reward` backends; the held-out eval of `evals` (none: no eval) every eval.every
+    iterations; a checkpoint every checkpoint.every.
 
     With asynchronous rollouts (rollout.max_off_policy_steps = k) the stream is drawn up to k batches ahead, in order,
     and each step is told them (the engine asks for them while the actor trains); each batch keeps the stream's
@@ -361,35 +451,61 @@ def run_loop(cfg: RLHFConfig, actor: Leader, prompts: PromptSet, evals: PromptSe
     that were in flight: no prompt skipped, none trained twice. With dynamic sampling the step is handed the next
     loss.dynamic_sampling_extra_rounds batches too: those it sampled are consumed, the others stay queued in order for
     the next iteration, and the checkpoint records the stream after the last one it used."""
-    stream = PromptStream.resume(prompts, batch_size(cfg), cfg.seed, actor.state.data, actor.state.iteration)
-    start, history, evaluations = actor.state.iteration, [], []
-    queued: deque[tuple[Batch, dict]] = deque()  # the next batches, each with the stream's position after it
-    settings = resolve(cfg)
-    extra = settings.dynamic_sampling_extra_rounds if settings.dynamic_sampling else 0  # batches dynamic sampling may use
-    critic, reward = record.critic, record.reward
 
-    def evaluate(iteration: int) -> None:
-        metrics, rows = steps("eval", record.guard, actor.evaluate, evals.all(), critic, reward, iteration)
-        steps("log-eval", record.log_eval, iteration, metrics, rows, retries=2)
-        evaluations.append({"iteration": iteration, **metrics})
+    def __init__(self, cfg: RLHFConfig, leader: Leader, prompts: PromptSet, evals: PromptSet | None, critic=None,
+                 reward=None):
+        self.cfg, self.leader, self.evals, self.critic, self.reward = cfg, leader, evals, critic, reward
+        self.schedule = Schedule(f"{cfg.algorithm}-iteration", "iteration", cfg.iterations, cfg.checkpoint.every,
+                                 evals is not None, cfg.eval.every, chunk=1)
+        self.stream = PromptStream.resume(prompts, batch_size(cfg), cfg.seed, leader.state.data, leader.state.iteration)
+        self.queued: deque[tuple[Batch, dict]] = deque()  # the next batches, each with the stream's position after it
+        settings = resolve(cfg)
+        self.extra = settings.dynamic_sampling_extra_rounds if settings.dynamic_sampling else 0  # batches it may use
 
-    while actor.state.iteration < cfg.iterations:
-        i = actor.state.iteration
-        steps.progress(i, cfg.iterations, "iterations")
-        if evals is not None and is_eval_iteration(cfg, i) and (i == 0 or i != start):
-            evaluate(i)
-        while len(queued) < min(1 + cfg.rollout.max_off_policy_steps, cfg.iterations - i) + extra:
-            queued.append((next(stream), stream.state()))
-        batch, data = queued.popleft()
-        reserve = [queued.popleft() for _ in range(extra)]
-        metrics, samples = steps(f"{cfg.algorithm}-iteration", record.guard, actor.step, batch, critic, reward, data,
-                                 [b for b, _ in queued], reserve)
-        queued.extendleft(reversed(reserve[int(metrics.get("dynamic_sampling/rounds", 1)) - 1:]))  # unused: next
-        history.append(metrics)
-        steps("log-metrics", record.log, actor.state.iteration, metrics, samples, retries=2)
-        if actor.state.iteration % cfg.checkpoint.every == 0 or actor.state.iteration == cfg.iterations:
-            steps("checkpoint", record.guard, record.checkpoint, actor)
-    if evals is not None and start < cfg.iterations:
-        evaluate(cfg.iterations)
-    steps.progress(cfg.iterations, cfg.iterations, "iterations")
-    return history, evaluations
+    def train(self, stop: int) -> list[tuple[dict, list[dict]]]:
+        done, cfg = [], self.cfg
+        while (i := self.leader.state.iteration) < stop:
+            while len(self.queued) < min(1 + cfg.rollout.max_off_policy_steps, cfg.iterations - i) + self.extra:
+                self.queued.append((next(self.stream), self.stream.state()))
+            batch, data = self.queued.popleft()
+            reserve = [self.queued.popleft() for _ in range(self.extra)]
+            metrics, samples = self.leader.step(batch, self.critic, self.reward, data, [b for b, _ in self.queued],
+                                                reserve)
+            self.queued.extendleft(reversed(reserve[int(metrics.get("dynamic_sampling/rounds", 1)) - 1:]))  # unused
+            done.append((metrics, samples))
+        return done
+
+    def evaluate(self, iteration: int) -> tuple[dict, list[dict]]:
+        return self.leader.evaluate(self.evals.all(), self.critic, self.reward, iteration)
+
+
+TABLE_ROWS = 32  # held-out pairs of a stage's eval shown with their scores (a reward model's, DPO's implicit rewards)
+
+
+class StageSteps:
+    """A stage as the loop trains it: optimizer steps on the next batch of its row stream (those between a checkpoint
+    and an eval as one named step) up to max_steps, else its epochs; the held-out eval of `held_out` (none: no eval)
+    every eval_every steps, its rows the held-out pairs with their scores; a checkpoint every checkpoint.every. The
+    rows are the stage kind's (models/stages/data.py, kto.py)."""
+
+    def __init__(self, cfg: StageRun, leader: Leader, data, held_out):
+        train = cfg.train
+        self.leader, self.data, self.held_out = leader, data, held_out
+        self.schedule = Schedule(f"{cfg.stage}-steps", "step", stage_train.total_steps(train, len(data)),
+                                 cfg.checkpoint.every, held_out is not None, train.eval_every)
+        self.stream = RowStream(len(data), train.batch_size, cfg.seed).restored(leader.state.data, f"{cfg.stage}.data")
+        self.held = held_out.rows(list(range(len(held_out)))) if held_out is not None else None
+
+    def train(self, stop: int) -> list[tuple[dict, list[dict]]]:
+        done = []
+        while self.leader.state.iteration < stop:
+            done.append((self.leader.step(self.data.rows(next(self.stream)), data=self.stream.state()), []))
+        return done
+
+    def evaluate(self, step: int) -> tuple[dict, list[dict]]:
+        metrics, scores = self.leader.evaluate(self.held)
+        if not isinstance(self.held_out, Pairs):  # SFT's rows have no scores
+            return metrics, []
+        return metrics, [{"prompt": p, "chosen": c, "rejected": r, **row}
+                         for (p, c, r), row in zip(self.held_out.texts[:TABLE_ROWS], scores[:TABLE_ROWS])]
+

@@ -7,10 +7,11 @@ A name may hold a placeholder: `<name>` (a reward function's name), `<phase>`, `
 algorithm with a critic: PPO), 'rloo' (the REINFORCE family), 'vllm' (an engine with its own weights), 'eval' (the
 held-out eval: eval.prompts and eval.every), 'gold' (a gold reward: reward.gold, or the shipped task's on its data),
 'functions' (reward functions), 'binary' (held-out scores all 0 or 1, or eval.success_threshold set), 'async'
-(rollout.max_off_policy_steps > 0), 'environment' (an environment run: environment.factory or .verifiers),
-'judged_as_run' (an eval judged as an RL run's held-out eval: its `run`), 'kl' (a KL to the reference: kl.beta > 0),
-'kl_loss' (the KL in the loss), 'ratio_clip' (a clipped ratio: loss.policy_loss ppo), 'dual_clip' (loss.clip_ratio_c),
-'vespo', 'dynamic' (loss.dynamic_sampling), 'opd' (a teacher).
+(rollout.max_off_policy_steps > 0), 'environment' (an environment run: environment.factory or .verifiers), 'kl' (a
+KL to the reference: kl.beta > 0), 'kl_loss' (the KL in the loss), 'ratio_clip' (a clipped ratio:
+loss.policy_loss ppo), 'dual_clip' (loss.clip_ratio_c), 'vespo', 'dynamic' (loss.dynamic_sampling), 'opd' (a
+teacher). Each name is listed once for each job that logs it: one quantity, one name (the eval job's policy under
+test and an RL run's held-out eval share theirs).
 Light: no torch.
 """
 
@@ -112,11 +113,12 @@ ENVIRONMENT = Group("Environment runs (`environment.factory` or `environment.ver
     M(("env/errors",), "Episodes that failed this iteration (an exception in reset or get_reward, a worker that died, a reward function that raised or returned a bad value, an instance lost with its worker): scored 0, left out of the loss.", None, ("environment",)),
     M(("env/timeouts",), "Episodes that missed `environment.call_deadline_s` or `episode_deadline_s` (their worker killed): scored 0, left out of the loss.", None, ("environment",)),
 ))
-HELD_OUT = Group("Held-out eval (`eval.*`, at step = the iteration it ran before)", ("rl", "pipeline"), "TRL's evaluation logs its training names with an `eval_` prefix; ours use `eval/`. A pipeline's run logs its RL stage's at their iterations.", (
-    M(("eval/reward",), "Mean score of the eval samples.", "eval_reward", ("eval",)),
+SAMPLING = tuple(kind.job for kind in KINDS if not kind.trains_on_ranks)  # an RL run and the eval: they sample policies
+HELD_OUT = Group("Held-out eval (`eval.*` of an RL run; the eval job's policy under test)", (*SAMPLING, "pipeline"), "An RL run's at step = the iteration it ran before (a pipeline's run logs its RL stage's at their iterations); the eval job's (`rlhf eval`, a pipeline's eval stage) at step 0, of the policy under test, with the reference's beside them (below). TRL's evaluation logs its training names with an `eval_` prefix; ours use `eval/`.", (
+    M(("eval/reward",), "Mean score of the eval samples: by the run's reward (the eval job: by its reward model, or as its `run` scores).", "eval_reward", ("eval",)),
     M(("eval/rewards/<name>/mean", "eval/rewards/<name>/std"), "Each reward function's (with reward functions).", None, ("eval", "functions")),
-    M(("eval/gold_reward",), "Mean gold reward (when the run has one).", None, ("eval", "gold")),
-    M(("eval/completions/mean_length",), "Mean response length.", "eval_completions/mean_length", ("eval",)),
+    M(("eval/gold_reward",), "Mean gold reward (when the run has one; the eval job: `eval.gold`).", None, ("eval", "gold")),
+    M(("eval/completions/mean_length",), "Mean response length in tokens.", "eval_completions/mean_length", ("eval",)),
     M(("eval/success", "eval/pass_at_<k>"), "When every score is 0 or 1, or `eval.success_threshold` is set (a sample succeeds when its score reaches it): the share of samples that succeed, and for k = 1, 2, 4, ... up to `eval.samples_per_prompt` the chance that one of k samples of a prompt succeeds (Chen et al. 2021's unbiased estimator from all its samples), averaged over prompts.", None, ("eval", "binary")),
     M(("eval/accuracy",), "When every score is 0 or 1: the share of samples scoring 1.", None, ("eval", "binary")),
     M(("eval/samples",), "Eval samples scored.", None, ("eval",)),
@@ -139,20 +141,17 @@ STAGES = Group("The stages (`rlhf sft`, `rlhf reward-model`, `rlhf dpo`, `rlhf k
     M(("train/rewards/chosen", "train/rewards/rejected", "eval/rewards/chosen", "eval/rewards/rejected"), "DPO and KTO (held out): the mean implicit reward beta x (log pi(y) - log pi_ref(y)) of the chosen (desirable) and of the rejected (undesirable) completions (log-probabilities summed over the completion's tokens).", "rewards/chosen"),
     M(("train/rewards/accuracies", "eval/rewards/accuracies"), "DPO: the share of pairs whose chosen completion's implicit reward exceeds the rejected one's.", "rewards/accuracies"),
     M(("train/rewards/margins", "eval/rewards/margins"), "DPO and KTO (held out): the mean implicit reward of the chosen minus the rejected completions.", "rewards/margins"),
-    M(("train/kl", "eval/kl"), "KTO: the KL term z0 of its loss, the policy's KL to its reference on mismatched (prompt, completion) pairs of the batch (held out: of all held-out rows), clamped at 0.", "kl"),
+    *(M(*metric) for kind in KINDS if kind.trains_on_ranks for metric in kind.metrics),  # each kind's own
     M(("train/logps/chosen", "train/logps/rejected", "eval/logps/chosen", "eval/logps/rejected"), "DPO and KTO (held out): the mean log-probability of the chosen and of the rejected completions under the policy, summed over their tokens.", "logps/chosen"),
 ))
-EVAL_JOB = Group("The eval (`rlhf eval`, a pipeline's eval stage)", ("eval", "pipeline"), "At step 0: the policy under test (a pipeline's RL or DPO policy) against the reference policy (its SFT policy), each sampling the same held-out prompts with one seed.", (
-    M(("eval/policy_rm_score", "eval/reference_rm_score", "eval/win_rate"), "The reward model's mean score of each policy, and the share of paired samples where the policy's scores higher (a tie counts one half)."),
-    M(("eval/policy_gold_reward", "eval/reference_gold_reward", "eval/gold_win_rate"), "The same by the gold reward, when `eval.gold` names one (proxy and gold side by side).", None, ("gold",)),
-    M(("eval/policy_response_length", "eval/reference_response_length", "eval/samples"), "Mean response lengths in tokens, and samples per policy."),
-    M(("eval/success", "eval/pass_at_<k>", "eval/accuracy"), "The policy under test's, as an RL run's held-out eval reports them, from its reward-model scores: when every score is 0 or 1, or `eval.success_threshold` is set.", None, ("binary",)),
-    M(("eval/reward", "eval/rewards/<name>/mean", "eval/rewards/<name>/std", "eval/completions/*", "eval/tools/*", "eval/env/*", "eval/objective/*"), "Judged as an RL run's held-out eval (`run`: a pipeline whose RL stage is scored by reward functions or environments): the policy under test's held-out eval metrics, as that run logs them (above).", None, ("judged_as_run",)),
-    M(("eval/reference/*",), "The same of the reference policy (its SFT policy).", None, ("judged_as_run",)),
-    M(("eval/success_gain",), "The policy's eval/success minus the reference's.", None, ("judged_as_run",)),
+EVAL_JOB = Group("The eval (`rlhf eval`, a pipeline's eval stage)", ("eval",), "At step 0: the policy under test (a pipeline's RL or DPO policy) against the reference policy (its SFT policy), each sampling the same held-out prompts with one seed (the j-th samples paired), judged by a reward model and `eval.gold`, or (`run`: a pipeline whose RL stage scores with reward functions or environments) as that run's held-out eval judges. The policy's metrics are the held-out eval's (above).", (
+    M(("eval/reference/*",), "The held-out eval's metrics (above) of the reference policy: `eval/reference/reward`, `eval/reference/gold_reward`, `eval/reference/completions/mean_length`, ..."),
+    M(("eval/win_rate",), "Share of paired samples where the policy's score is higher than the reference's (a tie counts one half)."),
+    M(("eval/gold_win_rate",), "The same by the gold reward (proxy and gold side by side).", None, ("gold",)),
+    M(("eval/success_gain",), "The policy's eval/success minus the reference's.", None, ("binary",)),
 ))
-PIPELINE = Group("A pipeline's run", ("pipeline",), "Its MLflow parent run, at step 0: each stage's last metrics as `<stage>/<name>` (`sft/eval/loss`, `reward_model/eval/accuracy`, `rl/reward`, `dpo/eval/rewards/accuracies`), and those above marked for a pipeline.", (
-    M(("sft/*", "reward_model/*", "rl/*", "dpo/*"), "A stage's last metrics (its record's)."),
+PIPELINE = Group("A pipeline's run", ("pipeline",), "Its MLflow parent run: at step 0, each stage's last metrics as `<stage>/<name>` (`sft/eval/loss`, `reward_model/eval/accuracy`, `rl/reward`, `dpo/eval/rewards/accuracies`, `eval/eval/win_rate`); the RL stage's held-out evals at their iterations, by their own names (above).", (
+    M(tuple(f"{kind.job}/*" for kind in KINDS if kind.job != "eval") + ("eval/eval/*",), "A stage's last metrics (its record's)."),
 ))
 GROUPS = (EVERY_ITERATION, PPO_ONLY, OPD, BOTH_ADVANTAGES, VLLM, ENVIRONMENT, HELD_OUT, ONCE, STAGES, EVAL_JOB, PIPELINE)
 

@@ -3,6 +3,7 @@
 import json
 import os
 import socket
+import uuid
 from pathlib import Path
 
 import psutil
@@ -14,6 +15,10 @@ os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# The deployment's store key every checkpoint store of the tests signs and checks its records with (as a deployment
+# sets it for all its processes; components/storage/signing.py), so no test writes a key file into the home directory;
+# the tests of where the key comes from set their own.
+os.environ.setdefault("RLHF_STORE_KEY", "tests-" + uuid.uuid4().hex)
 # One torch/OpenMP thread per process (set before anything imports torch; every server, rank and flow run the tests
 # start inherits it): two pytest workers and their servers share the cores, and on the tiny models a second intra-op
 # thread only adds overhead (tests/models/test_steps.py's learning runs: 90 s -> 59 s on 2 cores with one process).

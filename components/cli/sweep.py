@@ -14,7 +14,7 @@ import yaml
 from prefect.settings import PREFECT_API_URL
 from pydantic import ValidationError
 
-from components.cli.commands import load_cli_config
+from components.cli.files import load_cli_config
 from components.cli.options import parse_overrides
 from components.cli.files import load_tree
 from components.pipeline.config import PipelineFile
@@ -71,9 +71,10 @@ def cmd_sweep(args) -> int:
     if is_pipeline(args.config):  # trials over the pipeline's RL stage (--space fields of its rl section)
         given = load_tree(PipelineFile, args.config, args.set)
         pipeline = given.pipeline
-        if pipeline.dpo is not None:
-            raise SystemExit("invalid sweep: a pipeline sweep varies the pipeline's RL stage, and this pipeline has a "
-                             "dpo section instead (sft -> dpo -> eval)")
+        try:
+            pipeline.check_rl_stage("a pipeline sweep varies")
+        except ValueError as exc:
+            raise SystemExit(f"invalid sweep: {exc}") from None
         config = RLHFConfig.of(merge(pipeline.rl, {"tracking.experiment": pipeline.tracking.experiment}), given.deploy)
     else:
         config = load_cli_config(args)
@@ -90,6 +91,8 @@ def cmd_sweep(args) -> int:
                              "(or set PREFECT_API_URL)")
         env.update(local)
     given = nested(parse_overrides(args.set)).get("deploy", {})  # what --set said of where the sweep and trials run
+    if args.placement:
+        given["placement"] = args.placement
     deploy = DeployConfig.model_validate(given).model_dump(mode="json", exclude_unset=True)
     command = [sys.executable, "-m", "flows.sweep", "--config", config.run.model_dump_json(),
                "--sweep", sweep.model_dump_json(), "--deploy", json.dumps(deploy)]

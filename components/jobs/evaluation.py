@@ -1,7 +1,9 @@
 """What an eval plugs into the job builder (components/runs.py): a policy against a reference policy on held-out
 prompts, judged by a reward model and a gold reward (models/stages/evaluate.compare_policies), or (`run`: a
 pipeline whose RL stage scores with functions or environments) as that RL run's held-out eval judges
-(models/eval.evaluate: its reward functions, its environments' episodes, pass@k), in this process.
+(models/eval.judge: its reward functions, its environments' episodes, pass@k), in this process. Either way one
+metric scheme (models/eval.compared): the policy's as an RL run's held-out eval names them, the reference's as
+eval/reference/<name>, the win rates and the gain in success of their paired samples.
 
     prepare    the held-out prompts read with the policy's tokenizer: bad data fails here, before any model loads
     run        both policies sample, the judge scores; the metrics at step 0 and the sample table in MLflow
@@ -10,22 +12,20 @@ pipeline whose RL stage scores with functions or environments) as that RL run's 
 
 from __future__ import annotations
 
-import torch
-
 from components.tracking.run import RunSession
 from models.algorithms import Backends
 from models.backends import FunctionReward
 from models.config import RLHFConfig, Sampling, merge
 from models.data import PromptSet, load_prompt_set
 from models.distributed import SINGLE, local_device
-from models.eval import evaluate
+from models.eval import compared, judge
 from models.loop import DIRECT, Steps, build_actor, checked_prompt_set, gold_function
 from models.policy import load_policy_tokenizer
 from models.prepare import prepare_run
 from models.resolve import resolve_data
 from models.reward import load_reward_functions
 from models.stages.config import EvalRun
-from models.stages.evaluate import compare_policies, win_rate
+from models.stages.evaluate import compare_policies
 
 
 class Eval:
@@ -91,33 +91,22 @@ def as_run(cfg: EvalRun, policy: str) -> RLHFConfig:
         "model.policy": policy, "model.reward": None, "model.critic": None, "rollout.engine": "native",
         "rollout.max_off_policy_steps": 0, "seed": cfg.seed, "data.prompts": cfg.run.data.prompts or e.prompts,
         "eval.prompts": e.prompts, "eval.every": 1, "eval.samples_per_prompt": e.samples_per_prompt,
+        "eval.table_rows": e.table_rows,
         "eval.temperature": e.temperature, "eval.success_threshold": e.success_threshold, "reward.gold": e.gold,
         "generation.max_new_tokens": e.max_new_tokens, "generation.top_k": e.top_k, "generation.top_p": e.top_p}),
         cfg.deploy)
 
 
 def evaluate_as_run(cfg: EvalRun, prompts: PromptSet) -> tuple[dict, list[dict]]:
-    """Both policies through the RL run's held-out eval (models/eval.evaluate: its reward functions, or its
-    environments' episodes, one sampling seed for both); the policy's metrics as `eval/...`, the reference's as
-    `eval/reference/...`, the win rates of their paired samples and the gain in success; rows pair their samples."""
+    """Both policies through the RL run's held-out eval (models/eval.judge: its reward functions, or its
+    environments' episodes, one sampling seed for both), compared (models/eval.compared)."""
     sides = {}
     for side in ("model", "reference"):
         run = prepare_run(as_run(cfg, cfg.resolve_model_path(getattr(cfg, side))))
-        run = merge(run, {"eval.table_rows": len(prompts) * run.eval.samples_per_prompt})  # every sample's score
         state = build_actor(run)
         try:
             reward = None if run.environment.enabled else FunctionReward(load_reward_functions(run.reward, deploy=run.deploy))
-            sides[side] = evaluate(state, prompts.all(), run, Backends(reward=reward), gold_function(run), 0)
+            sides[side] = judge(state, prompts.all(), run, Backends(reward=reward), gold_function(run), 0)
         finally:
             state.close()
-    (metrics, rows), (reference, reference_rows) = sides["model"], sides["reference"]
-    scores = torch.tensor([r["score"] for r in rows], dtype=torch.float64)
-    reference_scores = torch.tensor([r["score"] for r in reference_rows], dtype=torch.float64)
-    metrics = {**metrics, **{f"eval/reference/{k.removeprefix('eval/')}": v for k, v in reference.items()},
-               "eval/win_rate": win_rate(scores, reference_scores)}
-    if "eval/success" in reference:
-        metrics["eval/success_gain"] = metrics["eval/success"] - reference["eval/success"]
-    paired = [{"prompt": a["prompt"], "policy": a.get("conversation", a.get("response")), "policy_score": a["score"],
-               "reference": b.get("conversation", b.get("response")), "reference_score": b["score"]}
-              for a, b in zip(rows, reference_rows)]
-    return metrics, paired[:cfg.eval.table_rows]
+    return compared(sides["model"], sides["reference"], cfg.eval.table_rows)

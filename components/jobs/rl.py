@@ -27,6 +27,7 @@ import torch
 
 from components.export import publish_model
 from components.launch.ranks import actor_ranks
+from components.serving.auth import ranks_secret
 from components.serving.services import RunServices, rollout_server, run_services
 from components.storage.backends import CheckpointError
 from components.tracking.run import (RunSession, data_provenance, model_provenance, store_reward_files,
@@ -35,7 +36,7 @@ from components.verifiers import rollouts as verifiers
 from models.config import RLHFConfig
 from models.data import PromptSet
 from models.export import export_spec
-from models.loop import DIRECT, Leader, Steps, read_data, run_loop
+from models.loop import DIRECT, Iterations, Leader, Steps, read_data, run_loop
 from models.prepare import prepare_run
 
 HEADLINE = ("reward", "reward_std", "kl")  # with objective/* and rewards/*: the last iteration's, in a summary
@@ -53,7 +54,7 @@ class RL:
         return cfg, read_data(cfg)  # bad data fails here, before any model loads
 
     def tags(self, cfg: RLHFConfig) -> dict[str, str]:
-        return {"algorithm": cfg.algorithm, "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
+        return {"algorithm": cfg.algorithm, "preset": cfg.preset,
                 "reward_transport": cfg.reward.transport}
 
     def sources(self, cfg: RLHFConfig, store) -> tuple[RLHFConfig, dict, dict, dict]:
@@ -63,8 +64,8 @@ class RL:
         return cfg, model_provenance(cfg), data_provenance(cfg), reward_files
 
     def restore_parts(self, cfg: RLHFConfig) -> tuple[str, ...] | None:
-        """launch=deployment: the critic server (maybe on another node) restores its part from the store itself."""
-        return ("actor",) if cfg.deploy.critic.launch == "deployment" else None
+        """launch=kubernetes: the critic server (a pod of its own) restores its part from the store itself."""
+        return ("actor",) if cfg.deploy.critic.launch == "kubernetes" else None
 
     def opened(self, session: RunSession) -> None:
         """A critic is resumed from the checkpoint the actor is, never newer or older."""
@@ -77,7 +78,8 @@ class RL:
         with rollout_server(cfg, session.place, steps) as rollout, actor_on_ranks(cfg, session, steps) as actor, \
                 run_services(cfg, session.place, actor, steps, rollout) as services:
             log_data(session, prompts, evals, steps)
-            history, evaluations = run_loop(cfg, actor, prompts, evals, RunRecord(session, services, steps), steps)
+            history, evaluations = run_loop(Iterations(cfg, actor, prompts, evals, services.critic, services.reward),
+                                            RunRecord(session, services, steps), steps)
             steps.log(f"run {session.name} finished: {actor.state.iteration} iterations on {actor.me.world_size} "
                       f"actor rank(s)")
         final = history[-1] if history else {}
@@ -95,7 +97,7 @@ class RL:
 @contextmanager
 def actor_on_ranks(cfg: RLHFConfig, session: RunSession, steps: Steps = DIRECT) -> Iterator[Leader]:
     """The actor on all its ranks, restored from the run's checkpoint; every rank stopped on the way out."""
-    with actor_ranks(cfg, session.local_dir / "logs") as actor:
+    with actor_ranks(cfg, session.local_dir / "logs", ranks_secret()) as actor:
         if warning := steps("restore-actor", restore_actor, session, actor):
             steps.log(f"warning: {warning}")
         yield actor
@@ -112,7 +114,7 @@ def restore_actor(session: RunSession, actor: Leader) -> str | None:
 
 
 def checkpoint(session: RunSession, actor: Leader, critic_info: dict | None) -> str:
-    """The actor (all ranks take part) + the critic of the same iteration (a local save, or a deployment critic's
+    """The actor (all ranks take part) + the critic of the same iteration (a local save, or a Kubernetes critic's
     upload adopted inside the store) + the manifest with the critic's step and the RNG states."""
     parts, stored = {}, {}
     if critic_info:
@@ -131,25 +133,21 @@ def checkpoint(session: RunSession, actor: Leader, critic_info: dict | None) -> 
 
 @dataclass
 class RunRecord:
-    """What the training loop records into (models/loop.Record): the run's MLflow run and checkpoint store, scored by
-    the run's services."""
+    """What the training loop records an RL run into (models/loop.Record): the run's MLflow run and checkpoint store,
+    its calls guarded by the run's services."""
 
     session: RunSession
     services: RunServices
     steps: Steps
 
-    @property
-    def critic(self):
-        return self.services.critic
-
-    @property
-    def reward(self):
-        return self.services.reward
-
     def guard(self, fn, *args, **kwargs):
         return self.services.guard(fn, *args, **kwargs)
 
-    def log(self, iteration: int, metrics: dict, samples: list[dict]) -> None:
+    def log(self, done: list[tuple[int, dict, list[dict]]]) -> None:
+        for iteration, metrics, samples in done:
+            self.log_iteration(iteration, metrics, samples)
+
+    def log_iteration(self, iteration: int, metrics: dict, samples: list[dict]) -> None:
         """Metrics at step=iteration (one an earlier attempt logged is skipped), a sample table every
         tracking.table_every iterations, a line in the log."""
         session = self.session
@@ -184,7 +182,8 @@ class RunRecord:
 
     def checkpoint(self, actor: Leader) -> str:
         """critic_save on the critic, then actor (all ranks) + critic + manifest into the store; `latest` last."""
-        critic_info = self.critic.save() if self.critic is not None else None
+        critic = self.services.critic
+        critic_info = critic.save() if critic is not None else None
         uri = checkpoint(self.session, actor, critic_info)
         self.steps.log(f"checkpoint iteration {actor.state.iteration}: {uri}")
         return uri

@@ -1,10 +1,11 @@
 """What a stage that trains on the actor's ranks plugs into the job builder (components/runs.py): SFT, a reward model,
-DPO (models/stages/train.py and dpo.py say what each trains).
+DPO, KTO (models/stages/train.py, dpo.py and kto.py say what each trains).
 
     prepare    its rows read with the model's tokenizer: bad data fails here, before any model loads
     sources    the provenance of the model it trains from (models/resolve.py)
-    run        the trainee on the actor's ranks (components/launch/ranks.py), restored from the job's checkpoint; the
-               held-out eval before the first step; optimizer steps in segments between checkpoints and evals; the
+    run        the trainee on the actor's ranks (components/launch/ranks.py), restored from the job's checkpoint;
+               the one training loop (models/loop.run_loop: the stage's `StageSteps`, recorded by `StageRecord`): the
+               held-out eval before the first step, optimizer steps in segments between checkpoints and evals, the
                eval after the last step
     publish    the last checkpoint's model as a plain HF model directory (components/export.py, the one export: LoRA
                merged onto its digest-checked base, the stage's dtype; a reward model with the reward statistics of
@@ -13,14 +14,16 @@ DPO (models/stages/train.py and dpo.py say what each trains).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from components.export import publish_model
 from components.launch.ranks import actor_ranks
+from components.serving.auth import ranks_secret
 from components.tracking.run import RunSession
 from models.config import merge
-from models.data import RowStream
 from models.deploy import DeployConfig
 from models.export import export_spec
-from models.loop import DIRECT, Steps
+from models.loop import DIRECT, Leader, StageSteps, Steps, run_loop
 from models.policy import load_policy_tokenizer
 from models.stages.config import StageRun
 from models.stages.data import Pairs, Sequences, position_limit
@@ -61,10 +64,11 @@ class Stage:
 
     def run(self, session: RunSession, rows, steps: Steps = DIRECT) -> dict:
         cfg, (data, held_out) = session.cfg, rows
-        with actor_ranks(cfg, session.local_dir / "logs") as trainee:
+        with actor_ranks(cfg, session.local_dir / "logs", ranks_secret()) as trainee:
             log_data(session, data, held_out, steps)
             steps("restore", session.restore, trainee, "trainee")
-            history, evaluations = stage_loop(cfg, trainee, data, held_out, session, steps)
+            plug = StageSteps(cfg, trainee, data, held_out)
+            history, evaluations = run_loop(plug, StageRecord(session, steps, plug.schedule.total), steps)
             stats = reward_stats(cfg, trainee, data, evaluations)
         steps.log(f"{cfg.stage} run {session.name} finished after {trainee.state.iteration} steps")
         return {"stage": cfg.stage, "steps": trainee.state.iteration, "history": history, "evals": evaluations,
@@ -111,63 +115,41 @@ def log_data(session: RunSession, data: Sequences | Pairs, held_out, steps: Step
     session.log_data(counts, note, steps.log)
 
 
-# ---------------------------------------------------------------- the loop
+# ---------------------------------------------------------------- the record
 
-def stage_loop(cfg: StageRun, trainee, data, held_out, session: RunSession,
-               steps: Steps = DIRECT) -> tuple[list[dict], list[dict]]:
-    """Train from where the trainee stands to the last step: the held-out eval before the first step (not again at a
-    resume point), every eval_every steps and after the last; a checkpoint every checkpoint.every steps and after the
-    last. Steps run in segments (one named step each) between checkpoints and evals."""
-    train = cfg.train
-    total = total_steps(train, len(data))
-    stream = RowStream(len(data), train.batch_size, cfg.seed).restored(trainee.state.data, f"{cfg.stage}.data")
-    start, history, evaluations = trainee.state.iteration, [], []
-    held = held_out.rows(list(range(len(held_out)))) if held_out is not None else None
+@dataclass
+class StageRecord:
+    """What the training loop records a stage into (models/loop.Record): its MLflow run and checkpoint store."""
 
-    def evaluate(step: int) -> None:
-        metrics, rows = steps("eval", trainee.evaluate, held)
-        steps("log-eval", session.log_eval, step, metrics, eval_table(held_out, rows), retries=2)
-        evaluations.append({"step": step, **metrics})
-        steps.log(f"{cfg.stage} eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()
-                                                                     if k.startswith("eval/")))
+    session: RunSession
+    steps: Steps
+    total: int  # the step it trains to
 
-    def segment(stop: int) -> list[dict]:
-        out = []
-        while trainee.state.iteration < stop:
-            out.append(trainee.train(data.rows(next(stream)), stream.state()))
-        session.log_steps([(int(m["step"]), m) for m in out])
-        return out
+    def guard(self, fn, *args, **kwargs):
+        return fn(*args, **kwargs)
 
-    if held is not None and start == 0:
-        evaluate(0)
-    while trainee.state.iteration < total:
-        steps.progress(trainee.state.iteration, total, "steps")
-        i = trainee.state.iteration
-        marks = [total, (i // cfg.checkpoint.every + 1) * cfg.checkpoint.every]
-        if train.eval_every:
-            marks.append((i // train.eval_every + 1) * train.eval_every)
-        stop = min(marks)
-        done = steps(f"{cfg.stage}-steps", segment, stop)
-        history += done
-        steps.log(f"{cfg.stage} step {stop}/{total}: " + ", ".join(f"{k} {v:.4f}" for k, v in done[-1].items()
-                                                                   if k.startswith("train/")))
-        if stop % cfg.checkpoint.every == 0 or stop == total:
-            uri = steps("checkpoint", checkpoint, session, trainee)
-            steps.log(f"checkpoint step {stop}: {uri}")
-        if held is not None and train.eval_every and stop % train.eval_every == 0 and stop != total:
-            evaluate(stop)
-    if held is not None and start < total:
-        evaluate(total)
-    steps.progress(total, total, "steps")
-    return history, evaluations
+    def log(self, done: list[tuple[int, dict, list[dict]]]) -> None:
+        """The steps' metrics in one batch (those an earlier attempt logged skipped), the last one's in the log."""
+        self.session.log_steps([(step, metrics) for step, metrics, _ in done])
+        step, metrics, _ = done[-1]
+        self.steps.log(f"{self.session.cfg.stage} step {step}/{self.total}: "
+                       + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("train/")))
 
+    def log_eval(self, step: int, metrics: dict, rows: list[dict]) -> None:
+        self.session.log_eval(step, metrics, rows)
+        self.steps.log(f"{self.session.cfg.stage} eval at step {step}: "
+                       + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if k.startswith("eval/")))
 
-def eval_table(held_out, rows: list[dict], limit: int = 32) -> list[dict]:
-    """Held-out pairs with their scores (a reward model's, DPO's implicit rewards); SFT has none."""
-    if not isinstance(held_out, Pairs) or not rows:
-        return []
-    return [{"prompt": p, "chosen": c, "rejected": r, **scores}
-            for (p, c, r), scores in zip(held_out.texts[:limit], rows[:limit])]
+    def checkpoint(self, trainee: Leader) -> str:
+        """The trainee (all ranks take part) as the checkpoint's `trainee` part, with how it exports (its task, dtype
+        and the base a LoRA adapter merges onto)."""
+        session, cfg = self.session, self.session.cfg
+        task = "sequence-classification" if cfg.stage == "reward_model" else "causal-lm"
+        spec = export_spec("trainee", task, cfg.train.dtype, cfg.model, cfg.model_revision, "model",
+                           session.models.get("model"))
+        uri = session.checkpoint(trainee, "trainee", {"export": spec})
+        self.steps.log(f"checkpoint step {trainee.state.iteration}: {uri}")
+        return uri
 
 
 # ---------------------------------------------------------------- the output
@@ -180,12 +162,3 @@ def reward_stats(cfg: StageRun, trainee, data, evaluations: list[dict]) -> dict 
     last = evaluations[-1] if evaluations else trainee.evaluate(data.rows(list(range(min(len(data), STATS_ROWS)))))[0]
     return {"reward_mean": last["reward_mean"], "reward_std": last["reward_std"]}
 
-
-def checkpoint(session: RunSession, trainee) -> str:
-    """The trainee (all ranks take part) as the checkpoint's `trainee` part, with how it exports (its task, dtype and
-    the base a LoRA adapter merges onto)."""
-    cfg = session.cfg
-    task = "sequence-classification" if cfg.stage == "reward_model" else "causal-lm"
-    spec = export_spec("trainee", task, cfg.train.dtype, cfg.model, cfg.model_revision, "model",
-                       session.models.get("model"))
-    return session.checkpoint(trainee, "trainee", {"export": spec})

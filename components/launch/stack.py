@@ -317,8 +317,7 @@ def _require_free(port: int, what: str) -> None:
                            f"(pass another port to `rlhf up`)")
 
 
-DEPLOYMENTS = ("ppo/default", "reinforce/default", "critic-server/default", "reward-server/default",
-               "rollout-server/default", "compare/default", "sweep/default", "experiment/default",
+DEPLOYMENTS = ("ppo/default", "reinforce/default", "compare/default", "sweep/default", "experiment/default",
                *(f"{kind.command}/default" for kind in KINDS if kind.trains_on_ranks), "pipeline/default")
 
 

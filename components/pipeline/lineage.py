@@ -39,15 +39,14 @@ class PipelineRun:
         return self
 
     def record_stage(self, stage: str, outcome: dict) -> None:
-        """Tags naming what the stage is (cached or built, its model, key, run); its metrics at step 0 ('<stage>/...'
-        unless named so already: the eval stage's eval/win_rate...); the RL stage's held-out evals at their
-        iterations (eval/reward, eval/gold_reward: what a sweep over the pipeline reads, as it reads an RL run's)."""
+        """Tags naming what the stage is (cached or built, its model, key, run); its metrics at step 0 as
+        '<stage>/<name>' (the eval stage's: eval/eval/win_rate...); the RL stage's held-out evals at their iterations
+        (eval/reward, eval/gold_reward: what a sweep over the pipeline reads, as it reads an RL run's)."""
         tags = {"cached": str(outcome.get("cached", False)).lower(), "model": outcome.get("model"),
                 "key": outcome.get("key"), "run": outcome.get("mlflow_run_id"), "logged_model": outcome.get("logged_model_id")}
         self.tracker.client.log_batch(self.run_id, tags=[RunTag(f"stage.{stage}.{name}", str(value))
                                                          for name, value in tags.items() if value])
-        numbers = {k if k.startswith(f"{stage}/") else f"{stage}/{k}": v
-                   for k, v in (outcome.get("metrics") or {}).items() if isinstance(v, (int, float))}
+        numbers = {f"{stage}/{k}": v for k, v in (outcome.get("metrics") or {}).items() if isinstance(v, (int, float))}
         if numbers:
             self.tracker.log_side_metrics(numbers, step=0)
         if stage == "rl":

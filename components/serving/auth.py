@@ -1,10 +1,9 @@
 """Per-run credentials of a run's servers: one secret per run, known to the run and its servers only, and never sent.
 
-Whoever starts a run's servers generates the run's secret (`new_secret`: components/tracking/run.py, once per run
-attempt) and hands it to each server through its environment ($RLHF_RUN_SECRET), or a file named by
-$RLHF_RUN_SECRET_FILE (a mounted Kubernetes Secret), and to deployment-mode servers through a Prefect Secret block
-named per run (components/serving/services.py, removed at the run's end). It never appears on a command line, in a
-log, in Prefect parameters or in MLflow params: what crosses those is the block's name, never the value.
+Whoever starts a run's servers generates the run's secret (`new_secret`: components/serving/services.run_secret,
+once per run attempt) and hands it to each server through its environment ($RLHF_RUN_SECRET), or a file named by
+$RLHF_RUN_SECRET_FILE (a Kubernetes Secret of the run, mounted into its server pods, deleted with them). It never
+appears on a command line, in a log, in a pod's spec, in Prefect (parameters, blocks, variables) or in MLflow.
 
 On the wire (components/wire.py) the secret never crosses either: a server proves it holds it before a client
 sends anything on a new connection (GET /rlhf/proof answers the client's fresh challenge with an HMAC), and every
@@ -21,6 +20,11 @@ How each server checks it:
   (NeMo-Aligner's), and the server says so when it starts.
 - the rollout server (FastAPI): the same signature on every endpoint but GET /health and the proof, 401 unsigned,
   403 signed otherwise (components/serving/rollout/app.py's Guard).
+
+The actor's ranks (and a critic server's) prove the same kind of secret to each other when they form their group
+(models/rendezvous.py): `ranks_secret` is the run's from the environment (on several nodes the controller's, handed
+to every node group: a JobSet's pods get it as a mounted Secret), else a fresh one that rank 0 hands to the ranks it
+starts in their environment. The rollout server's weight-transfer group is admitted by the run's secret too.
 
 What is logged has the passwords of URLs taken out (components/tracking/tracker.redact).
 """
@@ -68,6 +72,11 @@ def read_secret(env: Mapping[str, str] = os.environ) -> Optional[str]:
     if len(value) < 16:
         raise MissingSecret(f"${SECRET_ENV}: the run's secret must have at least 16 characters, got {len(value)}")
     return value
+
+
+def ranks_secret() -> str:
+    """The secret a group of ranks proves (see the module's docstring): this process's run secret, else a new one."""
+    return read_secret() or new_secret()
 
 
 def secret_env(secret: str) -> dict[str, str]:

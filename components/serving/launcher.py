@@ -20,6 +20,10 @@ another server at the port is named as such; a server whose weights broke after 
 is not healthy; a server that cannot prove it holds the run's secret is another server). It gets the run's secret in
 its environment too, and the one address its weight-transfer group may be set up with (--trainer-host: the
 trainer's).
+
+A server the run did not start as its child (a pod of a LeaderWorkerSet: components/cluster/servers.py) is looked at
+through the same probes (`probe_at`); the rollout server there reaches the trainer at this pod's address
+(`trainer_host`).
 """
 
 from __future__ import annotations
@@ -27,10 +31,11 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 from urllib.parse import urlparse
 
 import httpx
@@ -284,3 +289,28 @@ def launch_rollout(cfg: RLHFConfig, log_path: str | Path, host: Optional[str] = 
                            title=None if replica is None else f"rollout server replica {replica}")
     server.secret = secret
     return server
+
+
+# ---------------------------------------------------------------- servers found at a URL (not our children)
+
+def probe_at(kind: str, cfg: RLHFConfig, secret: Optional[str] = None) -> Callable[[str], Probe]:
+    """How to look at a `kind` server found at a URL (a pod's; with the run's `secret`, the server must prove it holds
+    it, and a model that is not ready is looked up in its repository summary, which names why)."""
+    if kind == "rollout":
+        return lambda url: rollout_probe(url, secret=secret)
+    models = ServerSpec(kind=kind, config=cfg).models
+    return lambda url: triton_probe(url, models, secret)
+
+
+ADVERTISE_ENV = "RLHF_ADVERTISE_HOST"  # the address other pods reach this one at, when the default guess is wrong
+
+
+def advertised_host() -> str:
+    """The address other pods reach this pod at (its hostname's address, unless $RLHF_ADVERTISE_HOST says)."""
+    return os.environ.get(ADVERTISE_ENV) or socket.gethostbyname(socket.gethostname())
+
+
+def trainer_host(cfg: RLHFConfig) -> str:
+    """Where the rollout server reaches this process (the weight-transfer group's store): loopback for a local
+    server, this pod's address for one on Kubernetes."""
+    return "127.0.0.1" if cfg.deploy.rollout.launch == "local" else advertised_host()

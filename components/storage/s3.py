@@ -1,13 +1,20 @@
 """Thin boto3 adapter for an S3 (or S3-compatible) prefix: fail-fast probe, transfers, listing; and the transport
 of s3:// models and data (`S3Source`), which it registers with the resolver (models/resolve.py) when imported: every
-process of a job imports this module (through its checkpoint store, or components/launch/ranks.py)."""
+process of a job imports this module (through its checkpoint store, or components/launch/ranks.py).
+
+A run's credentials: a store of a run (`S3Store(..., run=name)`, what every CheckpointStore on S3 is) in a pod whose
+service account has an IRSA role (AWS_ROLE_ARN and AWS_WEB_IDENTITY_TOKEN_FILE set, infra/terraform/modules/iam)
+makes its requests with that role assumed again with the session tag `run=<name>` (`tagged_session`), refreshed
+before it expires: the role's policy lets a session write only under `<checkpoint_prefix>${aws:PrincipalTag/run}/`,
+so what a run's processes write reaches no other run's store. Elsewhere (a workstation, an S3-compatible server,
+static keys) the default credentials are used as they are."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timezone
 from email.utils import parsedate_to_datetime
@@ -15,15 +22,18 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 import boto3
+import botocore.session
 from boto3.s3.transfer import TransferConfig
 from boto3.exceptions import Boto3Error
 from botocore.config import Config
+from botocore.credentials import DeferredRefreshableCredentials
 from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
 from models.resolve import register_remote
 
 _MISSING = ("404", "NoSuchKey", "NotFound")
 _CONDITION_FAILED = ("412", "PreconditionFailed", "409", "ConditionalRequestConflict")
+RUN_TAG = "run"  # the session tag of a run's credentials (infra/terraform/modules/iam: ${aws:PrincipalTag/run})
 
 
 @dataclass(frozen=True)
@@ -50,6 +60,33 @@ def resolve_endpoint(endpoint_url: str | None) -> str | None:
     return endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("MLFLOW_S3_ENDPOINT_URL") or None
 
 
+def tagged_session(region: str, run: str, env: Mapping[str, str] = os.environ) -> boto3.session.Session:
+    """The boto3 session of run `run`'s store: with IRSA (the pod's role in AWS_ROLE_ARN, its web identity token in
+    AWS_WEB_IDENTITY_TOKEN_FILE) that role assumed again with the session tag run=<run> (its trust policy allows
+    exactly that, and only to itself), renewed by botocore before the hour of a chained session ends; without IRSA,
+    the default credentials."""
+    role = env.get("AWS_ROLE_ARN")
+    if not (role and env.get("AWS_WEB_IDENTITY_TOKEN_FILE")):
+        return boto3.session.Session(region_name=region)
+    sts = boto3.session.Session(region_name=region).client("sts")
+
+    def assume() -> dict:
+        try:
+            issued = sts.assume_role(RoleArn=role, RoleSessionName=f"rlhf-{run}"[:64], DurationSeconds=3600,
+                                     Tags=[{"Key": RUN_TAG, "Value": run}])["Credentials"]
+        except (BotoCoreError, ClientError) as exc:
+            raise PermissionError(f"run {run}: cannot get its S3 credentials, sts:AssumeRole of {role} with the "
+                                  f"session tag {RUN_TAG}={run} failed ({exc}); the role's trust policy must let it "
+                                  f"assume itself with that tag (infra/terraform/modules/iam)") from None
+        return {"access_key": issued["AccessKeyId"], "secret_key": issued["SecretAccessKey"],
+                "token": issued["SessionToken"], "expiry_time": issued["Expiration"].isoformat()}
+
+    core = botocore.session.get_session()
+    # botocore has no public setter for refreshable credentials: this is how its own assume-role providers hand them
+    core._credentials = DeferredRefreshableCredentials(refresh_using=assume, method="assume-role-with-run-tag")
+    return boto3.session.Session(botocore_session=core, region_name=region)
+
+
 def _config(endpoint_url: str | None, *, attempts: int, connect_timeout: float, read_timeout: float) -> Config:
     return Config(
         retries={"mode": "standard", "max_attempts": attempts},
@@ -62,7 +99,8 @@ def _config(endpoint_url: str | None, *, attempts: int, connect_timeout: float, 
 
 
 class S3Store:
-    """Objects under one bucket/prefix; keys passed in and out are relative to the prefix."""
+    """Objects under one bucket/prefix; keys passed in and out are relative to the prefix. `run`: the run whose store
+    this prefix is: its requests carry that run's credentials (`tagged_session`)."""
 
     def __init__(
         self,
@@ -73,12 +111,13 @@ class S3Store:
         multipart_threshold: int = 64 * 1024 * 1024,
         multipart_chunksize: int = 16 * 1024 * 1024,
         error: type[Exception] = RuntimeError,
+        run: str | None = None,
     ) -> None:
         self.location = location
         self.endpoint_url = resolve_endpoint(endpoint_url)
         self.region = region or os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION") or "us-east-1"
         self._error = error
-        self._session = boto3.session.Session(region_name=self.region)
+        self._session = (tagged_session(self.region, run) if run else boto3.session.Session(region_name=self.region))
         self.client = self._client(attempts=5, connect_timeout=10, read_timeout=120)
         self.transfer = TransferConfig(
             multipart_threshold=multipart_threshold, multipart_chunksize=multipart_chunksize, max_concurrency=4

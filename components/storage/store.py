@@ -2,33 +2,51 @@
 restoring and pruning checkpoints (the backends: components/storage/backends.py).
 
 Layout under the store root:
-    iter_<N>-<id>/<part>/...   the part directories given to `save` (e.g. actor/, critic/), under a prefix of their
-                               own: <id> is the save's UTC time and a random tag, so no save ever writes over another
-                               (a resumed run that saves iteration N again, an interrupted upload)
-    iter_<N>-<id>/state.json   {"iteration", "state", "files": {relpath: sha256}, "parts", "created"}: written last,
-                               the commit point: a prefix without it is an incomplete save, never read
-    latest.json                {"iteration": N, "path": "iter_<N>-<id>", "fence": token}: moved only after that
-                               state.json exists, and (with a fence) only while it names the writer's lease
-A store written before fresh prefixes (iter_<N>/) reads as before.
+    iter_<N>-<seq>-<id>/<part>/...  the part directories given to `save` (e.g. actor/, critic/), under a prefix of
+                                    their own: <seq> is the store's sequence number the save started at, <id> random,
+                                    so no save ever writes over another (a resumed run that saves iteration N again,
+                                    an interrupted upload)
+    iter_<N>-<seq>-<id>/state.json  {"iteration", "state", "files": {relpath: sha256}, "parts", "path", "created",
+                                    "mac"}: written last, create-only, the checkpoint's commit point; a prefix without
+                                    it is an incomplete save, never read
+    latest.json                     {"seq", "fence", "iteration", "path", "checkpoints": [{"iteration", "path"}, ...],
+                                    "mac"}: the committed sequence, oldest first; the last entry (also "iteration" and
+                                    "path") is the latest checkpoint
 
-One writer: a run's lease (components/storage/lease.py) fences its store when the run opens (`fence(token)`: latest.json
-names the lease's token from then on, {"iteration": null, ...} before a first checkpoint), and every `save(...,
-fence=token)` moves latest.json with a conditional write on the version it read, only while it still names that
-token. A holder whose lease was taken over (it stalled, the next holder fenced the store) fails with LeaseLost before
-its upload and again at its commit, and latest.json stays where the new holder put it.
+Signed records: latest.json and every state.json carry a signature ("mac", components/storage/signing.py) with a key
+the bucket does not reveal, and every read checks it. A latest.json or a manifest that fails it (written by another
+run, another deployment, by hand, or by rlhf-flows before stores were signed) is refused naming the object and why
+(ForeignCheckpoint): never resumed, never passed over for an older checkpoint. So is a missing latest.json in a store
+that holds committed checkpoints: a run never starts over silently.
+
+The store's own sequence orders the commits, never a writer's clock: latest.json moves only by a conditional write on
+the version read (S3: If-Match on its ETag, If-None-Match: * when it is absent; locally a compare-and-swap under an
+flock), each write adds 1 to `seq`, and the list of committed checkpoints is what that sequence committed. Saving
+iteration N drops the entries of iterations >= N (a resumed run that saves them again replaces them). A restore's
+fallback goes only to entries of that list, older ones first; a prune keeps the newest `keep_last` entries and
+deletes a prefix only when the list names none of it and it was started before the record the pruner verified
+(<seq> below its seq): a save that never committed, or one a fenced-out writer made.
+
+One writer: a run's lease (components/storage/lease.py) fences its store when the run opens (`fence(token)`:
+latest.json names the lease's token from then on), and every `save(..., fence=token)` and `prune(..., fence=token)`
+moves latest.json only while it still names that token. A holder whose lease was taken over (it stalled, the next
+holder fenced the store) fails with LeaseLost before its upload and again at its commit, and latest.json stays where
+the new holder put it; its uploads are never listed, so they never become a fallback, and the live writer's prune
+deletes them.
 
 Locally every file is fsynced before state.json is written, and state.json and latest.json are written to a temporary
 name, fsynced, renamed and their directory fsynced: a power cut leaves the previous checkpoint or the new one.
 
 Reading: every file is checked against its sha256, and every path a state.json names must stay inside the directory
 it is downloaded to (a manifest naming '../x' or an absolute path is refused naming it). `restore` starts from the
-checkpoint latest.json names and, when it fails its check (a corrupt or missing file, an unreadable manifest),
-falls back to the previous complete one and says so. Checkpoints hold no pickles: state.json is JSON, the parts are
+latest checkpoint and, when it fails its check (a corrupt or missing file, a missing or unreadable manifest), falls
+back to the previous committed one and says so. Checkpoints hold no pickles: state.json is JSON, the parts are
 safetensors, JSON and torch.load(weights_only=True) files (models/critic.py, models/loop.py).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -44,16 +62,28 @@ from urllib.parse import urlparse
 from components.storage.backends import Backend, CheckpointError, LocalBackend, S3Backend
 from components.storage.lease import LeaseLost
 from components.storage.s3 import S3Location, S3Store
+from components.storage.signing import Signer, store_key
 
-_ITER_RE = re.compile(r"^iter_(\d+)(?:-\d{8}T\d{12}Z-[0-9a-f]{4})?$")  # iter_<N> (before fresh prefixes) or iter_<N>-<id>
-_STAGING_RE = re.compile(r"^\.tmp-iter_(\d+)-[0-9a-f]+$")
+LATEST = "latest.json"
+_ITER_RE = re.compile(r"^iter_(\d+)-(\d+)-[0-9a-f]{8}$")  # iter_<N>-<seq>-<id>: a save's fresh prefix
+_ANY_ITER_RE = re.compile(r"^iter_\d+")  # a checkpoint's prefix of any layout (reserved; never a store key)
 _PART_RE = re.compile(r"^[A-Za-z0-9_.-]+$")
 _DIGESTS = ".sha256.json"  # beside a put_dir key: {relpath: sha256}
+_REFUSED = ("nothing is resumed from it. If it replaced this run's own, put its last good version back (S3 keeps the "
+            "versions of a versioned bucket) or run under another run_name; if this process lacks the deployment's "
+            "store key, see docs/security.md (signed stores)")
 
 
 class CorruptCheckpoint(CheckpointError):
-    """A checkpoint fails its checks (a file missing or not matching its sha256, an unreadable or unsafe manifest):
-    a resume passes over it. An error reaching the store (access denied, unreachable) is not one: it fails the run."""
+    """A committed checkpoint fails its checks (a file missing or not matching its sha256, a missing or unreadable
+    manifest): a resume passes over it to the previous committed one. An error reaching the store (access denied,
+    unreachable) is not one: it fails the run."""
+
+
+class ForeignCheckpoint(CheckpointError):
+    """latest.json or a manifest that this store did not sign (another run, another deployment, a hand, an earlier
+    version), or no latest.json over committed checkpoints: refused naming it, never resumed and never passed over
+    for an older checkpoint."""
 
 
 def _sha256(path: Path) -> str:
@@ -71,12 +101,32 @@ def _files_of(local: Path) -> list[tuple[Path, str]]:
     return sorted((p, p.relative_to(local).as_posix()) for p in local.rglob("*") if p.is_file())
 
 
+def _record(seq: int, fence: str | None, checkpoints: list[dict]) -> dict:
+    """The content of latest.json (unsigned): the committed checkpoints, the last one named on its own too."""
+    last = checkpoints[-1] if checkpoints else {"iteration": None, "path": None}
+    return {"seq": seq, "fence": fence, "iteration": last["iteration"], "path": last["path"],
+            "checkpoints": checkpoints}
+
+
 class CheckpointStore:
-    """Versioned training checkpoints (`iter_<N>/`) plus a `latest.json` pointer."""
+    """Versioned training checkpoints (`iter_<N>-<seq>-<id>/`) plus a signed `latest.json` (the module docstring)."""
 
     def __init__(self, uri: str, backend: Backend) -> None:
         self.uri = uri
         self._backend = backend
+
+    @property
+    def name(self) -> str:
+        """The store's name, the last segment of its URI (a run's store: the run's name): what its signatures and its
+        S3 credentials are bound to."""
+        parsed = urlparse(self.uri)
+        return parsed.path.rstrip("/").rsplit("/", 1)[-1] or parsed.netloc
+
+    @functools.cached_property
+    def signer(self) -> Signer:
+        """What signs and checks this store's records: the run's key, from the deployment's store key (found when a
+        record is first signed or checked: components/storage/signing.py)."""
+        return Signer(store_key(), self.name)
 
     @classmethod
     def from_uri(
@@ -88,7 +138,8 @@ class CheckpointStore:
         multipart_threshold: int = 64 * 1024 * 1024,
         multipart_chunksize: int = 16 * 1024 * 1024,
     ) -> CheckpointStore:
-        """Open a store; for S3 this probes the endpoint and bucket and fails fast."""
+        """Open a store; for S3 this probes the endpoint and bucket and fails fast, and its requests carry the
+        credentials of its name (components/storage/s3.py: tagged_session)."""
         parsed = urlparse(uri)
         if parsed.scheme == "s3":
             location = S3Location.parse(uri)
@@ -99,6 +150,7 @@ class CheckpointStore:
                 multipart_threshold=multipart_threshold,
                 multipart_chunksize=multipart_chunksize,
                 error=CheckpointError,
+                run=location.prefix.rsplit("/", 1)[-1] or location.bucket,
             )
             s3.probe()
             return cls(location.uri, S3Backend(s3))
@@ -130,6 +182,95 @@ class CheckpointStore:
     def _checkpoint_uri(self, key: str) -> str:
         return f"{self.uri.rstrip('/')}/{key}"
 
+    # -- latest.json: the committed sequence
+    def _read(self, first: bool = False) -> tuple[dict | None, object]:
+        """(latest.json checked against its signature, its version for a conditional write); (None, None) when the
+        store has none and no committed checkpoint (`first`: the first commit of a store nobody fenced, whose own
+        state.json is there already). ForeignCheckpoint for one it did not sign, or none over committed
+        checkpoints."""
+        raw, version = self._backend.get_versioned(LATEST)
+        where = self._checkpoint_uri(LATEST)
+        if raw is None and first:
+            return None, None
+        if raw is None:
+            committed = sorted({k.split("/", 1)[0] for k in self._backend.list_keys("")
+                                if _ANY_ITER_RE.match(k) and k.endswith("/state.json")})
+            if committed:
+                raise ForeignCheckpoint(f"{where} is missing, while the store holds committed checkpoints "
+                                        f"({', '.join(committed[-3:])}): refused rather than start the run over; "
+                                        f"{_REFUSED}")
+            return None, None
+        try:
+            record = json.loads(raw)
+        except ValueError as exc:
+            raise ForeignCheckpoint(f"{where} is not JSON ({exc}): refused; {_REFUSED}") from None
+        why = self.signer.verify(record)
+        if why is not None:
+            raise ForeignCheckpoint(f"{where} fails its signature check ({why}): this store did not write it; "
+                                    f"{_REFUSED}")
+        return record, version
+
+    def _commit(self, checkpoints: Callable[[dict | None], list[dict]], fence: str | None, what: str,
+                check: bool = True) -> dict:
+        """Write latest.json = the committed `checkpoints(record read)`, with the next `seq` and `fence`, by a
+        conditional write on the version read; with `check`, only while it names `fence` (else LeaseLost)."""
+        for _ in range(10):
+            record, version = self._read(first=check and fence is None)
+            if check:
+                self._fenced(record, fence, what)
+            new = self.signer.sign(_record((record["seq"] if record else 0) + 1, fence, checkpoints(record)))
+            if self._backend.swap(LATEST, json.dumps(new, indent=1).encode(), version):
+                return new
+        raise CheckpointError(f"cannot commit {what} to {self.uri}: its latest.json keeps changing (another writer?)")
+
+    def _fenced(self, record: dict | None, fence: str | None, what: str) -> None:
+        """LeaseLost unless latest.json (`record`) names `fence` as its writer (a store nobody fenced: no fence)."""
+        named = record.get("fence") if record is not None else None
+        if record is None and fence is not None:
+            raise LeaseLost(f"{self.uri}: latest.json is gone, so it no longer names this run's lease ({fence}): "
+                            f"{what} is not committed")
+        if named != fence:
+            raise LeaseLost(f"{self.uri}: latest.json names another writer (lease {named}), not this one's ({fence}): "
+                            f"this run's lease was taken over; {what} is not committed")
+
+    def fence(self, token: str) -> None:
+        """Make `token` (a lease's) the one writer whose saves move latest.json from now on: a holder before it, whose
+        lease was taken over, cannot move it any more (the module docstring). A latest.json this store did not sign
+        is refused here, before the run touches anything (ForeignCheckpoint)."""
+        self._commit(lambda record: record["checkpoints"] if record else [], token, f"the fence of lease {token}",
+                     check=False)
+
+    def _committed(self) -> list[dict]:
+        """The committed checkpoints ({"iteration", "path"}), oldest first."""
+        record, _ = self._read()
+        return list(record["checkpoints"]) if record is not None else []
+
+    def latest(self) -> int | None:
+        """Iteration of the latest committed checkpoint, None when the store has none."""
+        committed = self._committed()
+        return committed[-1]["iteration"] if committed else None
+
+    def list(self) -> list[int]:
+        """Iterations of the committed checkpoints, ascending."""
+        return [entry["iteration"] for entry in self._committed()]
+
+    def path_of(self, iteration: int | None = None) -> str:
+        """The prefix of the committed checkpoint of `iteration` (the latest by default)."""
+        return self._entry(iteration)["path"]
+
+    def _entry(self, iteration: int | None) -> dict:
+        """The committed checkpoint ({"iteration", "path"}) of `iteration` (the latest by default)."""
+        committed = self._committed()
+        if not committed:
+            raise CheckpointError(f"no checkpoint in {self.uri}")
+        found = committed[-1] if iteration is None else next(
+            (entry for entry in committed if entry["iteration"] == iteration), None)
+        if found is None:
+            raise CheckpointError(f"{self.uri} has no committed checkpoint of iteration {iteration} (its checkpoints: "
+                                  f"{[entry['iteration'] for entry in committed]})")
+        return found
+
+    # -- checkpoints
     def save(
         self,
         iteration: int,
@@ -140,19 +281,20 @@ class CheckpointStore:
         fence: str | None = None,
         _after_file: Callable[[str], None] | None = None,
     ) -> str:
-        """Upload `parts` to a fresh iter_<N>-<id>/<name>/, then its state.json, then latest.json; return the
-        checkpoint URI.
+        """Upload `parts` to a fresh iter_<N>-<seq>-<id>/<name>/, then its signed state.json, then commit it to
+        latest.json; return the checkpoint URI.
 
         `stored` names parts already in this store (written by `put_dir`, e.g. by a critic server on another node):
         name -> key. They are copied inside the store (server-side on S3) with the digests `put_dir` recorded, so
-        the checkpoint is complete, and `latest` moves, only once every part is in place.
+        the checkpoint is complete, and committed, only once every part is in place.
         `fence`: the writer's lease token; latest.json moves only while it names it (the module docstring), else
         LeaseLost, checked before the upload and at the commit.
         `_after_file(relpath)` is called after each uploaded file (tests use it to simulate a crash).
         """
         stored = stored or {}
-        if fence is not None:
-            self._fenced(self._backend.get_versioned("latest.json")[0], fence, f"iteration {iteration}")
+        what = f"iteration {iteration}"
+        record, _ = self._read()
+        self._fenced(record, fence, what)
         if iteration < 0:
             raise CheckpointError(f"iteration must be >= 0, got {iteration}")
         for name in [*parts, *stored]:
@@ -163,8 +305,9 @@ class CheckpointStore:
             json.dumps(state)
         except (TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint state is not JSON-serialisable: {exc}") from exc
-        key = fresh_prefix(iteration)
-        manifest: dict = {"iteration": iteration, "state": state, "files": {}, "parts": sorted([*parts, *stored])}
+        key = fresh_prefix(iteration, record["seq"] if record is not None else 0)
+        manifest: dict = {"iteration": iteration, "state": state, "files": {}, "parts": sorted([*parts, *stored]),
+                          "path": key}
         adopted = {name: self._stored_digests(source) for name, source in stored.items()}
         for name, entries in files.items():
             for path, rel in entries:
@@ -177,128 +320,40 @@ class CheckpointStore:
             for rel, digest in adopted[name].items():
                 self._backend.copy_file(f"{source}/{rel}", f"{key}/{name}/{rel}")
                 manifest["files"][f"{name}/{rel}"] = digest
-        manifest["created"] = datetime.now(timezone.utc).isoformat()
-        self._backend.create_bytes(f"{key}/state.json", json.dumps(manifest, indent=1).encode())  # the commit point
-        pointer = {"iteration": iteration, "path": key}
-        if fence is None:
-            self._backend.put_bytes("latest.json", json.dumps(pointer).encode())
-        else:
-            self._move_latest({**pointer, "fence": fence}, fence, f"iteration {iteration} ({key})")
+        manifest["created"] = datetime.now(timezone.utc).isoformat()  # for people: the sequence orders commits
+        self._backend.create_bytes(f"{key}/state.json", json.dumps(self.signer.sign(manifest), indent=1).encode())
+        entry = {"iteration": iteration, "path": key}
+        self._commit(lambda record: [e for e in (record["checkpoints"] if record else []) if e["iteration"] < iteration]
+                     + [entry], fence, f"{what} ({key})")
         return self._checkpoint_uri(key)
 
-    def fence(self, token: str) -> None:
-        """Make `token` (a lease's) the one writer whose saves move latest.json from now on: a holder before it, whose
-        lease was taken over, cannot move it any more (the module docstring)."""
-        for _ in range(10):
-            raw, version = self._backend.get_versioned("latest.json")
-            try:
-                current = self._pointer(raw)
-            except CorruptCheckpoint:
-                current = None  # an unreadable pointer: restore falls back to the newest complete checkpoint
-            pointer = {"iteration": None, "path": None} if current is None else dict(current)
-            if self._backend.swap("latest.json", json.dumps({**pointer, "fence": token}).encode(), version):
-                return
-        raise CheckpointError(f"cannot fence {self.uri}: its latest.json keeps changing (another writer?)")
-
-    def _move_latest(self, pointer: dict, fence: str, what: str) -> None:
-        """Write latest.json = `pointer` on the version read, while it names `fence`."""
-        for _ in range(10):
-            raw, version = self._backend.get_versioned("latest.json")
-            self._fenced(raw, fence, what)
-            if self._backend.swap("latest.json", json.dumps(pointer).encode(), version):
-                return
-        raise CheckpointError(f"cannot commit {what} to {self.uri}: its latest.json keeps changing")
-
-    def _fenced(self, raw: bytes | None, fence: str, what: str) -> None:
-        """LeaseLost unless latest.json (`raw`) names `fence` (or no writer yet)."""
-        try:
-            named = json.loads(raw).get("fence") if raw else None
-        except (ValueError, AttributeError):
-            named = None
-        if named is not None and named != fence:
-            raise LeaseLost(f"{self.uri}: latest.json names another writer (lease {named}), not this one's ({fence}): "
-                            f"this run's lease was taken over; {what} is not committed")
-
-    def _pointer(self, data: bytes | None | bool = False) -> dict | None:
-        """latest.json ({"iteration", "path"}; read now unless its bytes are given), None when the store has no
-        checkpoint yet (no latest.json, or a fenced one naming none)."""
-        data = self._backend.get_bytes("latest.json") if data is False else data
-        if data is None:
-            return None
-        try:
-            pointer = json.loads(data)
-            if pointer.get("iteration") is None and "fence" in pointer:
-                return None  # fenced before its first checkpoint
-            pointer = {"iteration": int(pointer["iteration"]), "path": str(pointer.get("path") or
-                                                                         f"iter_{int(pointer['iteration'])}")}
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CorruptCheckpoint(f"corrupt latest.json in {self.uri}: {exc}") from exc
-        if not _ITER_RE.match(pointer["path"]):
-            raise CorruptCheckpoint(f"corrupt latest.json in {self.uri}: path {pointer['path']!r} is not a checkpoint")
-        return pointer
-
-    def latest(self) -> int | None:
-        """Iteration that latest.json points to, or None when the store has no checkpoint."""
-        pointer = self._pointer()
-        return None if pointer is None else pointer["iteration"]
-
-    def _scan(self) -> list[tuple[int, str, bool]]:
-        """(iteration, top-level prefix, complete) of every checkpoint prefix and leftover staging directory, in
-        order: by iteration, then oldest first (a fresh prefix's id sorts by time)."""
-        found: dict[str, list] = {}
-        for key in self._backend.list_keys(""):
-            top, _, rest = key.partition("/")
-            match = _ITER_RE.match(top) or _STAGING_RE.match(top)
-            if not match:
-                continue
-            entry = found.setdefault(top, [int(match.group(1)), top, False])
-            if rest == "state.json" and _ITER_RE.match(top):
-                entry[2] = True
-        return sorted(tuple(e) for e in found.values())
-
-    def _current(self, scan: list[tuple[int, str, bool]] | None = None) -> dict[int, str]:
-        """The complete checkpoint of each iteration: the one latest.json names, else the newest saved."""
-        scan = self._scan() if scan is None else scan
-        try:
-            pointer = self._pointer()
-        except CorruptCheckpoint:
-            pointer = None
-        current = {n: top for n, top, complete in scan if complete}  # oldest first: the newest of an iteration wins
-        if pointer is not None and (pointer["iteration"], pointer["path"], True) in scan:
-            current[pointer["iteration"]] = pointer["path"]
-        return current
-
-    def list(self) -> list[int]:
-        """Iterations of complete checkpoints (those with a state.json), ascending."""
-        return sorted(self._current())
-
-    def _key(self, iteration: int | None) -> tuple[int, str]:
-        """(iteration, prefix) of iter_<N> (latest by default)."""
-        if iteration is None:
-            pointer = self._pointer()
-            if pointer is None:
-                raise CheckpointError(f"no checkpoint in {self.uri}")
-            return pointer["iteration"], pointer["path"]
-        key = self._current().get(iteration)
-        if key is None:
-            raise CheckpointError(f"checkpoint {self._checkpoint_uri(f'iter_{iteration}')} is missing or incomplete "
-                                  f"(no state.json)")
-        return iteration, key
-
     def load(self, dest: Path, iteration: int | None = None, parts: tuple[str, ...] | None = None) -> dict:
-        """Download iter_<N> (latest by default) into dest/<part>/..., verify sha256s, return its state.
+        """Download the committed checkpoint of `iteration` (the latest by default) into dest/<part>/..., verify its
+        signature and sha256s, return its state.
 
         `parts` limits the download to those parts (None: all). A path of the manifest that would land outside
         `dest` (absolute, '..', not under one of its parts) is refused before anything is written."""
-        return self._load_key(Path(dest), self._key(iteration)[1], parts)
+        return self._load_key(Path(dest), self._entry(iteration), parts)
 
-    def _load_key(self, dest: Path, key: str, parts: tuple[str, ...] | None) -> dict:
+    def _load_key(self, dest: Path, entry: dict, parts: tuple[str, ...] | None) -> dict:
+        key = entry["path"]
         where = self._checkpoint_uri(key)
         raw = self._backend.get_bytes(f"{key}/state.json")
         if raw is None:
             raise CorruptCheckpoint(f"checkpoint {where} is missing or incomplete (no state.json)")
         try:
             manifest = json.loads(raw)
+            if not isinstance(manifest, dict):
+                raise TypeError(f"a JSON {type(manifest).__name__}, not an object")
+        except (ValueError, TypeError) as exc:
+            raise CorruptCheckpoint(f"checkpoint {where} has an unreadable state.json ({type(exc).__name__}: {exc})") from None
+        why = self.signer.verify(manifest)
+        if why is None and (manifest.get("path"), manifest.get("iteration")) != (key, entry["iteration"]):
+            why = f"it was signed for {manifest.get('path')!r}, iteration {manifest.get('iteration')!r}"
+        if why is not None:
+            raise ForeignCheckpoint(f"{where}/state.json fails its signature check ({why}): this store did not write "
+                                    f"it there; {_REFUSED}")
+        try:
             names, files, state = list(manifest.get("parts", [])), dict(manifest["files"]), manifest["state"]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CorruptCheckpoint(f"checkpoint {where} has an unreadable state.json ({type(exc).__name__}: {exc})") from None
@@ -321,46 +376,44 @@ class CheckpointStore:
 
     def restore(self, dest: Path, parts: tuple[str, ...] | None = None,
                 log: Callable[[str], None] = lambda message: None) -> tuple[int, dict] | None:
-        """Download the latest checkpoint that passes its checks into `dest` (emptied first): the one latest.json
-        names, else (it fails its sha256 check, a file or its state.json is missing or unreadable: CorruptCheckpoint)
-        the previous complete one, and so on, each fallback said through `log`. Returns (iteration, state); None
-        when the store has no checkpoint. Raises when checkpoints exist and none passes, and at once on an error
-        reaching the store (access denied, unreachable: never a reason to go back to an older checkpoint)."""
-        try:
-            pointer = self._pointer()
-        except CorruptCheckpoint as exc:
-            log(f"{exc}: looking for the newest complete checkpoint instead")
-            pointer = None
-        current = self._current()
-        candidates = [(pointer["iteration"], pointer["path"])] if pointer is not None else []
-        candidates += [(n, top) for n, top in sorted(current.items(), reverse=True)
-                       if (n, top) not in candidates and (pointer is None or n <= pointer["iteration"])]
+        """Download the latest committed checkpoint that passes its checks into `dest` (emptied first): the latest,
+        else (a file fails its sha256 check, a file or its state.json is missing or unreadable: CorruptCheckpoint)
+        the previous committed one, and so on, each fallback said through `log`; never a checkpoint latest.json does
+        not list. Returns (iteration, state); None when the store has no checkpoint. Raises when checkpoints exist
+        and none passes; at once on a record this store did not sign (ForeignCheckpoint) and on an error reaching the
+        store (access denied, unreachable): never a reason to go back to an older checkpoint."""
+        candidates = list(reversed(self._committed()))
         if not candidates:
             return None
         failures = []
-        for iteration, key in candidates:
+        for entry in candidates:
             shutil.rmtree(dest, ignore_errors=True)
             try:
-                state = self._load_key(Path(dest), key, parts)
+                state = self._load_key(Path(dest), entry, parts)
             except CorruptCheckpoint as exc:
                 failures.append(str(exc))
-                log(f"checkpoint {self._checkpoint_uri(key)} cannot be restored ({exc}); falling back to the previous "
-                    f"complete checkpoint")
+                log(f"checkpoint {self._checkpoint_uri(entry['path'])} cannot be restored ({exc}); falling back to the "
+                    f"previous committed checkpoint")
                 continue
+            except BaseException:
+                shutil.rmtree(dest, ignore_errors=True)
+                raise
             if failures:
-                log(f"resuming from checkpoint iteration {iteration} ({self._checkpoint_uri(key)}), the newest that "
-                    f"passes its checks")
-            return iteration, state
+                log(f"resuming from checkpoint iteration {entry['iteration']} ({self._checkpoint_uri(entry['path'])}), "
+                    f"the newest that passes its checks")
+            return entry["iteration"], state
         shutil.rmtree(dest, ignore_errors=True)
         raise CorruptCheckpoint(f"no checkpoint of {self.uri} passes its checks: " + "; ".join(failures))
 
     def load_part(self, iteration: int, name: str, dest: Path) -> Path:
-        """Replace directory `dest` with part `name` of iter_<N> (sha256-checked); the checkpoint must hold it."""
+        """Replace directory `dest` with part `name` of the committed checkpoint of `iteration` (signature- and
+        sha256-checked); the checkpoint must hold it."""
         scratch = Path(tempfile.mkdtemp(prefix=".restore-", dir=Path(dest).parent if Path(dest).parent.exists() else None))
         try:
             self.load(scratch, iteration, parts=(name,))
             if not (scratch / name).is_dir():
-                raise CheckpointError(f"checkpoint {self._checkpoint_uri(f'iter_{iteration}')} has no part '{name}'")
+                raise CheckpointError(f"checkpoint {self._checkpoint_uri(self.path_of(iteration))} has no part "
+                                      f"'{name}'")
             shutil.rmtree(dest, ignore_errors=True)
             Path(dest).parent.mkdir(parents=True, exist_ok=True)
             shutil.move(str(scratch / name), str(dest))
@@ -368,31 +421,28 @@ class CheckpointStore:
             shutil.rmtree(scratch, ignore_errors=True)
         return Path(dest)
 
-    def prune(self, keep_last: int) -> list[int]:
-        """Delete all but the newest `keep_last` complete checkpoints, complete ones an iteration's newer save
-        replaced, and incomplete ones older than the newest kept.
-
-        The checkpoint latest.json points to is always kept; incomplete entries newer than it
-        (possibly a save in progress) are left alone. Returns the deleted iterations.
-        """
+    def prune(self, keep_last: int, fence: str | None = None) -> list[int]:
+        """Keep the newest `keep_last` committed checkpoints (latest.json is rewritten without the older ones, while
+        it names `fence`, else LeaseLost), and delete every checkpoint prefix it does not list that was started
+        before it (the module docstring): older committed ones, ones a newer save of their iteration replaced, saves
+        that never committed, a fenced-out writer's. Returns the deleted iterations."""
         if keep_last < 1:
             raise CheckpointError(f"keep_last must be >= 1, got {keep_last}")
-        latest = self.latest()
-        scan = self._scan()
-        current = self._current(scan)
-        keep = set(sorted(current)[-keep_last:])
-        if latest is not None:
-            keep.add(latest)
-        kept_tops = {current[n] for n in keep if n in current}
-        newest_kept = max(keep, default=-1)
+        record, _ = self._read()
+        self._fenced(record, fence, "pruning")
+        if record is None:
+            return []
+        if len(record["checkpoints"]) > keep_last:
+            record = self._commit(lambda now: (now["checkpoints"] if now else [])[-keep_last:], fence, "pruning")
+        listed = {entry["path"] for entry in record["checkpoints"]}
         deleted = []
-        for n, top, complete in scan:
-            if top in kept_tops or (not complete and n >= newest_kept):
+        for top in sorted({key.split("/", 1)[0] for key in self._backend.list_keys("")}):
+            match = _ITER_RE.match(top)
+            if match is None or top in listed or int(match.group(2)) >= record["seq"]:
                 continue
             self._backend.delete_prefix(top)
-            if n not in deleted:
-                deleted.append(n)
-        return sorted(deleted)
+            deleted.append(int(match.group(1)))
+        return sorted(set(deleted))
 
     def put_dir(self, local: Path, key: str) -> str:
         """Store directory `local` under `key/` (replacing what was there), its sha256s in `key.sha256.json`
@@ -477,15 +527,16 @@ class CheckpointStore:
     def _check_key(key: str) -> str:
         key = key.strip("/")
         parts = key.split("/")
-        reserved = parts[0] == "latest.json" or _ITER_RE.match(parts[0]) or parts[0].startswith(".")
+        reserved = parts[0] == LATEST or _ANY_ITER_RE.match(parts[0]) or parts[0].startswith(".")
         if not key or any(p in ("", ".", "..") for p in parts) or reserved:
             raise CheckpointError(f"invalid store key {key!r}")
         return key
 
 
-def fresh_prefix(iteration: int) -> str:
-    """iter_<N>-<UTC time>-<random>: a prefix no save wrote before (sorts by time within an iteration)."""
-    return f"iter_{iteration}-{datetime.now(timezone.utc):%Y%m%dT%H%M%S%f}Z-{secrets.token_hex(2)}"
+def fresh_prefix(iteration: int, seq: int) -> str:
+    """iter_<N>-<seq>-<random>: a prefix no save wrote before, marked with the store's sequence number its save started
+    at (what a prune reads: the module docstring)."""
+    return f"iter_{iteration}-{seq}-{secrets.token_hex(4)}"
 
 
 def inside(dest: Path, relpath: str, parts: list[str], where: str) -> Path:

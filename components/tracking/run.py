@@ -4,9 +4,11 @@ store, lease, MLflow run and resume manifest, opened by the one job builder (com
 A checkpoint holds the parts the job saves (an RL run: `actor/` and `critic/`; a stage: `trainee/`; every rank's part
 written as models/loop.save_actor does) and state.json, the manifest: iteration, episode, world size, the MLflow run
 id, the config, the provenance of what the job is made of, and what the job adds (an RL run: its critic step and RNG
-states). Re-running with the same run name resumes from the newest complete checkpoint that passes its checks: one
-that fails them (a corrupt or missing file) is said and passed over for the previous one; when none passes, the job
-fails naming each checkpoint and the cause; only "no checkpoint yet" starts a new run.
+states). Re-running with the same run name resumes from the newest committed checkpoint that passes its checks: one
+that fails them (a corrupt or missing file) is said and passed over for the previous committed one; when none passes,
+the job fails naming each checkpoint and the cause; only "no checkpoint yet" starts a new run. A store whose
+latest.json or manifest the deployment did not sign is refused when the job opens it, naming the object
+(components/storage/store.py, signing.py).
 
 What a job is made of travels with it: opening an RL run stores the bytes of every reward file it names (a local
 'path/to/rewards.py:fn') in its store, `rewards/<sha256>.py`, and sets reward.files, so every process that scores
@@ -87,7 +89,7 @@ def default_tracking_uri(cfg) -> str:
 @dataclass
 class RunPlace:
     """What a run's servers need of the run: its name, where logs go, where a local critic saves, the run's
-    checkpoint store (a deployment critic uploads there), the checkpoint iteration a resumed critic starts from, and
+    checkpoint store (a Kubernetes critic uploads there), the checkpoint iteration a resumed critic starts from, and
     the run's secret (every server of the run takes requests carrying it only: components/serving/auth.py)."""
 
     run_name: str
@@ -183,7 +185,7 @@ class RunSession:
     # -- an RL run's servers
     @property
     def critic_restore_iteration(self) -> int | None:
-        """The checkpoint iteration whose critic a (deployment) critic server must start from; None for a new critic."""
+        """The checkpoint iteration whose critic a Kubernetes critic server must start from; None for a new critic."""
         return self.resumed_from if self.manifest.get("critic_step") is not None else None
 
     @property
@@ -204,7 +206,7 @@ class RunSession:
     def checkpoint(self, leader: Leader, part: str, state: dict | None = None, parts: dict[str, Path] | None = None,
                    stored: dict[str, str] | None = None) -> str:
         """Save the job on all its ranks as part `part` (with `parts`, directories saved beside it, and `stored`, parts
-        already in the store: a deployment critic's upload, adopted and then deleted), and a manifest with `state`
+        already in the store: a Kubernetes critic's upload, adopted and then deleted), and a manifest with `state`
         (what the job adds); committed only while this job's lease fences the store; prune; record in MLflow."""
         self.lease.check()  # a job whose lease was taken over writes nothing more
         staging = self.local_dir / "staging"
@@ -219,7 +221,7 @@ class RunSession:
                               stored=stored, fence=self.lease.token)
         for key in (stored or {}).values():
             self.store.delete_dir(key)
-        self.store.prune(self.cfg.checkpoint.keep_last)
+        self.store.prune(self.cfg.checkpoint.keep_last, fence=self.lease.token)
         self.tracker.log_checkpoint(uri, step.iteration)
         shutil.rmtree(staging, ignore_errors=True)
         return uri

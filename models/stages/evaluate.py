@@ -4,9 +4,10 @@
 each answer the same held-out prompts (the native engine, one sampling seed for both), the reward model scores every
 answer as the RL stage scores rollouts (the policy's tokens when it shares their tokenizer, else the text), and the
 gold reward when one is given, so proxy and gold can be read side by side (Gao et al. 2023 measure over-optimisation
-so). Metrics: each policy's mean reward-model score, gold reward and response length (eval/policy_*,
-eval/reference_*); the win rate of the policy judged by the reward model (a tie counts one half) and by the gold
-reward; a table of samples.
+so). Its metrics are an RL run's held-out eval's, by one scheme (models/eval.compared): the policy's eval/reward (the
+reward model's mean score), eval/gold_reward, eval/completions/mean_length, eval/samples and success metrics; the
+reference's as eval/reference/<name>; the win rate of the policy's paired samples by the reward model (a tie counts
+one half) and by the gold reward, the gain in success; a table of paired samples.
 
 The hand-off checks load a stage's output as the next stage loads it, before the next starts: a policy as
 AutoModelForCausalLM, a reward model as AutoModelForSequenceClassification (models/reward.load_reward_model: any newly
@@ -22,12 +23,13 @@ from transformers import AutoModelForCausalLM
 from models.config import RolloutConfig, Sampling
 from models.data import PromptSet
 from models.engines import build_engine
-from models.eval import success_metrics
+from models.eval import Judged, compared, eval_metrics
 from models.loading import from_pretrained
 from models.policy import Policy
 from models.reward import (HandOffError, load_reward_function, load_reward_model, load_reward_tokenizer,
                            reward_model_scores, same_tokenizer, text_reward_scores)
 from models.stages.data import Pairs, right_padded
+from models.step import sample_rows
 
 
 def check_policy(path: str, field: str) -> None:
@@ -94,40 +96,8 @@ def compare_policies(policy_path: str, reference_path: str, reward_path: str, pr
             scores = text_reward_scores(reward, reward_tokenizer, asked, responses).cpu()
         gold_scores = (torch.tensor(gold_fn(asked, responses, columns), dtype=torch.float64)
                        if gold_fn is not None else None)
-        sides[side] = {"responses": responses, "scores": scores.double(), "gold": gold_scores,
-                       "lengths": rollout.response_lengths.double()}
-    metrics = {**comparison_metrics(sides), **success_metrics(sides["policy"]["scores"], samples, success_threshold)}
-    return metrics, comparison_rows(asked, sides, table_rows)
-
-
-def win_rate(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Share of prompts where a beats b, a tie counting one half."""
-    return float(((a > b).double() + 0.5 * (a == b).double()).mean())
-
-
-def comparison_metrics(sides: dict) -> dict[str, float]:
-    policy, reference = sides["policy"], sides["reference"]
-    metrics = {"eval/policy_rm_score": float(policy["scores"].mean()),
-               "eval/reference_rm_score": float(reference["scores"].mean()),
-               "eval/win_rate": win_rate(policy["scores"], reference["scores"]),
-               "eval/policy_response_length": float(policy["lengths"].mean()),
-               "eval/reference_response_length": float(reference["lengths"].mean()),
-               "eval/samples": float(len(policy["scores"]))}
-    if policy["gold"] is not None:
-        metrics.update({"eval/policy_gold_reward": float(policy["gold"].mean()),
-                        "eval/reference_gold_reward": float(reference["gold"].mean()),
-                        "eval/gold_win_rate": win_rate(policy["gold"], reference["gold"])})
-    return metrics
-
-
-def comparison_rows(prompts: list[str], sides: dict, limit: int) -> list[dict]:
-    rows = []
-    for i in range(min(limit, len(prompts))):
-        row = {"prompt": prompts[i]}
-        for side in ("reference", "policy"):
-            row[f"{side}_response"] = sides[side]["responses"][i]
-            row[f"{side}_rm_score"] = float(sides[side]["scores"][i])  # exact: the metrics can be recomputed
-            if sides[side]["gold"] is not None:
-                row[f"{side}_gold"] = float(sides[side]["gold"][i])
-        rows.append(row)
-    return rows
+        scores = scores.double()
+        sides[side] = Judged(scores, gold_scores, eval_metrics(scores, gold_scores, rollout.response_lengths.double(),
+                                                               samples, success_threshold),
+                             sample_rows(asked, responses, scores, gold_scores, table_rows))
+    return compared(sides["policy"], sides["reference"], table_rows)

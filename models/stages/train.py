@@ -1,14 +1,16 @@
-"""The stages that train on the actor's ranks: what each rank builds and the commands it executes (as models/loop.py
-does for an RL run, through the same ranks: components/launch/ranks.py). A stage is a `StageKind`: what it trains,
-its loss on a batch of rows and its held-out metrics; the rest (optimizer, steps, evals, checkpoints, export) is one
-code path for every stage.
+"""The stages that train on the actor's ranks: what each rank builds, its optimizer step and its held-out eval (the
+work of a stage's `step` and `evaluate` commands: models/loop.execute, on the ranks of an RL run:
+components/launch/ranks.py). A stage is a `StageKind`: what it trains, its loss on a batch of rows and its held-out
+metrics; the rest (optimizer, steps, evals, checkpoints, export) is one code path for every stage, and the loop,
+the commands and the checkpoints are an RL run's (models/loop.py).
 
     sft            the policy (models/policy.Policy, no reference copy), loss on completion tokens (models/losses.sft_loss)
     reward_model   an AutoModelForSequenceClassification with one label (`Scorer`), Bradley-Terry on pairs
                    (models/losses.bradley_terry_loss), each sequence scored at its last real token
     dpo            the policy and its frozen reference on pairs (models/stages/dpo.py, models/losses.dpo_loss)
+    kto            the policy and its frozen reference on labelled completions (models/stages/kto.py)
 
-One optimizer step per `train` command, through the one update loop of the actor and the critic (models/update.py):
+One optimizer step per `step` command, through the one update loop of the actor and the critic (models/update.py):
 rank 0 sends the step's global batch, every rank trains on its block of it, micro-batches weighted by their share of
 the batch's completion tokens (SFT: TRL's token mean over the batch) or pairs (reward model: the mean over pairs), so
 the step is the single-process step whatever the world size. FSDP2 shards a full fine-tune over the ranks; LoRA
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch import Tensor
@@ -33,7 +34,6 @@ from transformers import AutoModelForSequenceClassification
 
 from models.distributed import SINGLE, Dist, shard_model
 from models.loading import adapters_in_float32, autocast, base_dtype, disable_dropout, from_pretrained
-from models.loop import Leader, restore_actor, save_actor
 from models.losses import bradley_terry_loss, completion_mask, sft_loss
 from models.policy import Policy, load_policy_tokenizer, load_trained, save_trained
 from models.stages.config import StageRun
@@ -305,38 +305,6 @@ def equal_passes(me: Dist, chunks: list[slice]) -> list[slice]:
     FSDP each pass is a collective); an empty pass reads row 0 and is cut off by the caller."""
     count = int(me.all_reduce(torch.tensor(len(chunks)), op="max"))
     return chunks + [slice(0, 1)] * (count - len(chunks))
-
-
-# ---------------------------------------------------------------- what every rank executes
-
-def execute_stage(state: StageState, cfg: StageRun, command: dict):
-    """Run one command of rank 0's on this rank (models/loop.execute for the stages before RL)."""
-    op = command["op"]
-    if op == "train":
-        out = train_step(state, cfg, command["rows"])
-        state.data = command.get("data")
-        return out
-    if op == "evaluate":
-        return evaluate(state, cfg, command["rows"])
-    if op == "save":
-        return save_actor(state, Path(command["dir"]))
-    if op == "restore":
-        return restore_actor(state, Path(command["dir"]))
-    raise ValueError(f"unknown stage command {op!r}")
-
-
-@dataclass
-class StageLeader(Leader):
-    """Rank 0 of a stage's ranks: each call broadcast to the others, then run here too (models/loop.Leader)."""
-
-    def execute(self, command: dict, critic=None, reward=None):
-        return execute_stage(self.state, self.cfg, command)
-
-    def train(self, rows: dict, data: dict) -> dict:
-        return self.run({"op": "train", "rows": rows, "data": data})
-
-    def evaluate(self, rows: dict) -> tuple[dict, list[dict]]:
-        return self.run({"op": "evaluate", "rows": rows})
 
 
 def total_steps(train, rows: int) -> int:

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow(15)
 BIN = Path(sys.executable).parent
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
 EVAL = {"prompts": "builtin:sentiment", "every": 2, "max_prompts": 16}
-CONFIG = {"algorithm": "rloo", "iterations": 2, "eval": EVAL}
+CONFIG = {"preset": "tiny", "algorithm": "rloo", "iterations": 2, "eval": EVAL}
 IN_PROCESS = {"reward": {"launch": "in_process"}}  # trials with no reward server: quicker, where the test is not about it
 
 
@@ -308,7 +308,8 @@ def test_a_sweep_killed_mid_way_resumes_keeping_its_finished_trial_and_following
     assert wait_final(s, first, timeout=60)["state"]["type"] == "CRASHED"
     assert [t.state.name for t in study(s, "resume").trials] == ["COMPLETE", "RUNNING"]
 
-    config = [f"--set={key}={value}" for key, value in (("algorithm", "rloo"), ("iterations", 2), ("deploy.reward.launch", "in_process"),
+    config = [f"--set={key}={value}" for key, value in (("preset", "tiny"), ("algorithm", "rloo"), ("iterations", 2),
+                                                        ("deploy.reward.launch", "in_process"),
               *((f"eval.{k}", v) for k, v in EVAL.items()))]
     proc = subprocess.run([str(BIN / "rlhf"), "sweep", *config, "--name", "resume", "--space", "reinforce.optim.lr=[1e-3, 3e-4]",
                            "--poll-s", "1"], env=s["env"], capture_output=True, text=True, timeout=600)

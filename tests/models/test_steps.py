@@ -9,8 +9,9 @@ import torch
 from components.runs import train
 from models.algorithms import resolve
 from models.config import preset, with_schedule_lengths
-from models.eval import eval_metrics
+from models.eval import Judged, compared, eval_metrics
 from models.loop import build_actor, build_local_reward
+from models.metrics import find
 from tests.conftest import assert_learned, headroom_closed
 
 NON_DETERMINISTIC = ("time/", "throughput/", "step_time")
@@ -222,6 +223,32 @@ def test_eval_metrics_against_a_float64_reference():
     assert m["eval/gold_reward"] == pytest.approx(sum(gold) / 12) and m["eval/completions/mean_length"] == pytest.approx(30 / 12)
     continuous = eval_metrics(torch.tensor([0.5, 1.0]), None, torch.tensor([1.0, 2.0]), k=1)
     assert "eval/accuracy" not in continuous and "eval/gold_reward" not in continuous  # not a 0/1 reward, no gold
+
+
+def test_a_policy_against_a_reference_by_one_scheme_against_a_float64_reference():
+    """The eval job's comparison (models/eval.compared, both of its judges): the policy's held-out metrics by the RL
+    eval's names, the reference's under eval/reference/, win rates of the paired samples (a tie one half), the gain
+    in success; every name in the list docs/metrics.md is generated from."""
+    scores, reference = [1.0, 0.0, 1.0, 1.0], [0.0, 0.0, 1.0, 0.0]  # 2 prompts x k=2, the j-th samples paired
+    gold, reference_gold = [0.5, 0.25, 0.0, 1.0], [0.5, 0.0, 0.5, 0.0]
+
+    def judged(s, g):
+        s, g = torch.tensor(s, dtype=torch.float64), torch.tensor(g, dtype=torch.float64)
+        rows = [{"prompt": f"p{i // 2}", "response": f"r{i}", "score": float(a), "gold_reward": float(b)}
+                for i, (a, b) in enumerate(zip(s, g))]
+        return Judged(s, g, eval_metrics(s, g, torch.ones(4), k=2), rows)
+
+    metrics, rows = compared(judged(scores, gold), judged(reference, reference_gold), limit=3)
+    assert metrics["eval/reward"] == pytest.approx(sum(scores) / 4)
+    assert metrics["eval/reference/reward"] == pytest.approx(sum(reference) / 4)
+    assert metrics["eval/reference/gold_reward"] == pytest.approx(sum(reference_gold) / 4)
+    assert metrics["eval/win_rate"] == pytest.approx((1 + 0.5 + 0.5 + 1) / 4)
+    assert metrics["eval/gold_win_rate"] == pytest.approx((0.5 + 1 + 0 + 1) / 4)
+    assert metrics["eval/success_gain"] == pytest.approx(3 / 4 - 1 / 4)
+    assert [name for name in metrics if find(name, "eval") is None] == []
+    assert len(rows) == 3 and rows[1] == {"prompt": "p0", "policy": "r1", "policy_score": 0.0,
+                                          "policy_gold_reward": 0.25, "reference": "r1", "reference_score": 0.0,
+                                          "reference_gold_reward": 0.0}
 
 
 def test_dapo_s_dynamic_sampling_resumes_bit_for_bit_and_trains_on_informative_groups(tiny_models, tmp_path):

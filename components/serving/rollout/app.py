@@ -18,7 +18,11 @@ tied lm_head included (without it vLLM silently keeps the old head):
 - `dist`: vLLM's own weight-transfer API (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
   `finish_weight_update`) with a backend of ours registered in its factory: a torch.distributed group of two (gloo on
   CPU, NCCL where the engine is on a GPU) with actor rank 0, which broadcasts the tensors one at a time; each is loaded
-  as it arrives (vLLM's own backends need CUDA on both ends and vLLM on the trainer's side, which has none).
+  as it arrives (vLLM's own backends need CUDA on both ends and vLLM on the trainer's side, which has none). The group
+  admits the run's processes only (the run's secret signs its store and every member proves it: group.py), and
+  every tensor received is checked against the sha256 the trainer sends after them (POST /weights/digests) before
+  the update counts: a tensor that differs refuses the update (400 naming it; the version does not move and the
+  weights are broken until a full update, as after any failed update).
 
 Generations and weight updates take one lock: an update waits for the generation in
 flight (the offline `LLM` cannot pause one; AsyncLLM's pause/resume would interrupt it, but the actor needs those
@@ -50,21 +54,25 @@ Endpoints:
   POST /update_weights     ?version=<next>&run=<token>, body: a safetensors file of the full state dict
   POST /weights/init       {run, master_address, master_port, backend, timeout_s}: join the trainer's group
   POST /weights/update     {run, version, names, dtype_names, shapes}: receive the tensors over that group
+  POST /weights/digests    {run, version, ready_key, digests}: the sha256 of each tensor of the update in progress
   GET /v1/models, POST /v1/chat/completions(/tokens), /tokenize, /inference/v1/generate: what environments use
                            (components/serving/rollout/openai.py, vLLM's own shapes)
 Bad input is a 4xx whose body names the field (`detail`), and the server keeps serving.
 
-Runs in .venv-vllm: imports nothing from the project (components/serving/rollout/__init__.py); started by main.py.
+Runs in .venv-vllm: imports nothing from the project but this package and models/rendezvous.py (components/serving/
+rollout/__init__.py); started by main.py.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -83,7 +91,7 @@ from vllm.exceptions import VLLMClientError
 from components.serving.connections import InFlight
 from components.serving.rollout.body import BodyReader, safetensors_header
 from components.serving.rollout.openai import add_openai_endpoints, client_error, error_body, is_openai_path
-from components.serving.rollout.weights import TRANSFER_BACKEND
+from components.serving.rollout.weights import TRANSFER_BACKEND, received_digests
 from components.wire import CHALLENGE_HEADER, PROOF_PATH, SCHEME, RunKeys, Verifier, answer_proof
 
 log = logging.getLogger("rlhf.rollout_server")
@@ -132,6 +140,15 @@ class UpdateRequest(BaseModel):
     shapes: list[list[int]] = Field(description="Shape of each tensor.")
 
 
+class DigestsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run: str = Field(min_length=1, description="The caller's run token.")
+    version: int = Field(ge=1, description="The version of the update in progress these digests are for.")
+    ready_key: str = Field(min_length=1, description="The update's ready_key (POST /weights/update).")
+    digests: list[str] = Field(description="sha256 (hex) of each tensor's bytes, in broadcast order.")
+
+
 # ---------------------------------------------------------------- the served model
 
 class ServedModel:
@@ -163,6 +180,8 @@ class ServedModel:
             self.shapes["lm_head.weight"] = [hf.vocab_size, hf.hidden_size]
         self.version = 0
         self.group_ready = False
+        self.group_timeout_s = 600.0  # how long an update waits for the trainer's digests (the group's timeout)
+        self.digests: dict[str, tuple[str, int, Future]] = {}  # ready_key -> (run, version, the trainer's digests)
         self.lock = threading.Lock()
         self.init_lock = threading.Lock()  # one transfer set-up at a time; never the generation lock while connecting
         self.started, self.busy_s = time.monotonic(), 0.0  # the engine's busy time (generating, loading weights)
@@ -358,30 +377,69 @@ class ServedModel:
                                          f"{req.master_port} ({type(exc).__name__}: {exc})") from None
             with self.lock:
                 self.check_run(req.run)  # another run may have bound the server meanwhile
-                self.run, self.group_ready = req.run, True
+                self.run, self.group_ready, self.group_timeout_s = req.run, True, req.timeout_s
         finally:
             self.init_lock.release()
         return {"run": self.run, "weights_version": self.version}
 
     def update_group(self, req: UpdateRequest, ready_key: str) -> dict:
         """Receive the tensors of `req` over the transfer group; the trainer starts broadcasting once this server
-        has checked the request, holds the lock and receives (it sets `ready_key` in the trainer's store)."""
+        has checked the request, holds the lock and receives (it sets `ready_key` in the trainer's store). The update
+        counts once every tensor every worker received matches the trainer's digests (`take_digests`)."""
         if not (len(req.names) == len(req.dtype_names) == len(req.shapes)):
             raise HTTPException(400, f"names, dtype_names, shapes: {len(req.names)}, {len(req.dtype_names)} and "
                                      f"{len(req.shapes)} entries; one each per tensor")
         self.check_tensors(req.names, req.shapes, req.dtype_names)
         if not self.group_ready:
             raise HTTPException(409, "weights/update: no transfer group; POST /weights/init first")
+        if ready_key in self.digests:
+            raise HTTPException(409, f"ready_key: an update with key {ready_key!r} is in progress")
+        expected: Future = Future()
+        self.digests[ready_key] = (req.run, req.version, expected)
 
         def load():
             self.llm.collective_rpc("start_weight_update")
             try:
                 self.llm.collective_rpc("update_weights", args=(
                     {"names": req.names, "dtype_names": req.dtype_names, "shapes": req.shapes, "ready_key": ready_key},))
+                try:
+                    digests = expected.result(timeout=self.group_timeout_s)
+                except FutureTimeout:
+                    raise HTTPException(408, f"digests: the trainer sent no digests for update {req.version} within "
+                                             f"{self.group_timeout_s:.0f}s of its last tensor") from None
+                for worker, received in enumerate(self.llm.collective_rpc(received_digests)):
+                    check_digests(req.names, digests, received, worker)
             finally:
                 self.llm.collective_rpc("finish_weight_update")
-        return self._apply(req.run, req.version, load)
+        try:
+            return self._apply(req.run, req.version, load)
+        finally:
+            self.digests.pop(ready_key, None)
 
+    def take_digests(self, req: DigestsRequest) -> dict:
+        """The trainer's digests of the update in progress under `req.ready_key`, handed to it."""
+        pending = self.digests.get(req.ready_key)
+        if pending is None or pending[2].done():
+            raise HTTPException(409, f"ready_key: no weight update waits for digests under {req.ready_key!r}")
+        run, version, expected = pending
+        if (req.run, req.version) != (run, version):
+            raise HTTPException(409, f"run, version: the update in progress under this key is version {version} of "
+                                     f"run {run!r}, not version {req.version} of {req.run!r}")
+        expected.set_result(req.digests)
+        return {"digests": len(req.digests)}
+
+
+def check_digests(names: list[str], expected: list[str], received: list[str], worker: int = 0) -> None:
+    """Refuse (400, naming the first tensor) an update whose received tensors are not those the trainer sent."""
+    if len(expected) != len(names):
+        raise HTTPException(400, f"digests: {len(expected)} for {len(names)} tensors; one sha256 per tensor")
+    if len(received) != len(names):
+        raise HTTPException(400, f"digests: worker {worker} received {len(received)} of {len(names)} tensors")
+    for name, sent, got in zip(names, expected, received):
+        if not hmac.compare_digest(sent.lower(), got):
+            raise HTTPException(400, f"digests: tensor {name} arrived with sha256 {got[:16]}..., the trainer sent "
+                                     f"{sent[:16]}... (worker {worker}): the update is refused (its bytes changed "
+                                     f"between the trainer and this server)")
 
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:
@@ -491,6 +549,10 @@ def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_t
     @app.post("/weights/update")
     def update(req: UpdateRequest, ready_key: str = Query(..., min_length=1)) -> dict:
         return served.update_group(req, ready_key)
+
+    @app.post("/weights/digests")
+    def digests(req: DigestsRequest) -> dict:
+        return served.take_digests(req)
 
     def refusal(request: Request, status: int, detail, headers: Optional[dict] = None) -> JSONResponse:
         body = error_body(status, str(detail)) if is_openai_path(request.url.path) else {"detail": detail}

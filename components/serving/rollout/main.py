@@ -18,7 +18,6 @@ import signal
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Optional
 
 # in-process engine (tensors reach the model directly) and quiet start-up; set before vllm is imported
@@ -31,20 +30,17 @@ import uvicorn
 
 from components.serving.connections import IDLE_S, MAX_CONNECTIONS, allow_open_files, bounded_protocol
 from components.serving.rollout.app import ServedModel, build_app
+from components.serving.rollout.group import SECRET_ENV, SECRET_FILE_ENV, read_secret
 
 log = logging.getLogger("rlhf.rollout_server")
 
-SECRET_ENV, SECRET_FILE_ENV = "RLHF_RUN_SECRET", "RLHF_RUN_SECRET_FILE"  # as components/serving/auth.py
 PARENT_PID_ENV = "RLHF_PARENT_PID"  # as components/launch/processes.py: the run process this server must not outlive
 
 
-def read_secret() -> str:
-    """The run's secret from $RLHF_RUN_SECRET or the file $RLHF_RUN_SECRET_FILE names (as components/serving/auth.py);
-    a server without one does not start: it would serve anyone."""
-    value = os.environ.get(SECRET_ENV)
-    if value is None and os.environ.get(SECRET_FILE_ENV):
-        value = Path(os.environ[SECRET_FILE_ENV]).read_text()
-    value = (value or "").strip()
+def run_secret() -> str:
+    """The run's secret from $RLHF_RUN_SECRET or the file $RLHF_RUN_SECRET_FILE names (group.read_secret); a server
+    without one does not start: it would serve anyone."""
+    value = read_secret() or ""
     if len(value) < 16:
         log.error(f"no run secret (at least 16 characters) in ${SECRET_ENV} or ${SECRET_FILE_ENV}: a rollout server "
                   f"serves one run, and takes requests carrying that run's secret only")
@@ -116,7 +112,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.cpu_cores:  # before any worker thread starts: the threads started later inherit it
         pin_to_cores(args.cpu_cores)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    secret = read_secret()
+    secret = run_secret()
     exit_with_parent()
     # the port first, before the model loads: a port taken by someone else fails at once, naming it
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)

@@ -120,8 +120,8 @@ def test_subset_reaches_the_stage_data_and_a_missing_rl_prompts_is_named(tmp_pat
                                       "path: b/train.jsonl\n---\n")
     digests = {subset: prov.data_record(str(folder), "train", "sft.data", subset)["digest"] for subset in ("a", "b")}
     assert digests["a"] != digests["b"]
-    with pytest.raises(ValueError, match=r"rl.data.prompts: not set; base_model 'org/x' is not the embedded tiny"):
-        PipelineConfig(base_model="org/x")
+    with pytest.raises(ValueError, match=r"rl.data.prompts: not set; name the RL stage's prompts .* or rl.preset: tiny"):
+        PipelineConfig(base_model="org/x", rl={"algorithm": "rloo"})  # the field defaults: no prompts named
 
 
 def write_model(records: Records, stage: str, key: str, tmp_path: Path) -> dict:

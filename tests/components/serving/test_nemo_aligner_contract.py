@@ -45,7 +45,8 @@ TOL = dict(rtol=1e-6, atol=1e-6)  # two processes may pick other GEMM kernels (a
 def critic_argv(tiny, port, checkpoint_dir):
     """`rlhf serve critic` as a user types it; a long queue delay so concurrent critic_infer requests meet in Triton's
     dynamic batcher; 12 rows / batch 4 x 2 epochs = 6 optimizer steps per critic_train."""
-    return [sys.executable, "-m", "components.cli.main", "serve", "critic", "--model", tiny["critic"], "--reward", tiny["reward"], "--port", str(port),
+    return [sys.executable, "-m", "components.cli.main", "serve", "critic", "--preset", "tiny", "--model", tiny["critic"],
+            "--reward", tiny["reward"], "--port", str(port),
             "--checkpoint-dir", str(checkpoint_dir), "--set", f"model.policy={tiny['policy']}",
             "--set", "deploy.critic.max_queue_delay_us=100000",
             "--set", "critic.optim.lr=1e-3", "--set", "critic.train_batch_size=4", "--set", "critic.epochs=2",

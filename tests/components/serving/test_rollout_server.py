@@ -39,7 +39,7 @@ RUN = "test-rollout-server/1"  # the run every test of this module speaks as (th
 
 def config(tiny_models, tmp_path, **placement) -> RLHFConfig:
     """Any free port; 1 thread: the suite's other worker shares the cores (a run's default is every core)."""
-    return from_layers({"model": {"policy": tiny_models["policy"]}, "rollout": {"engine": "vllm"},
+    return from_layers({"preset": "tiny", "model": {"policy": tiny_models["policy"]}, "rollout": {"engine": "vllm"},
                         "deploy": {"state_dir": str(tmp_path), "rollout": {"port": 0, "threads": 1, **placement}}})
 
 
@@ -414,6 +414,7 @@ def test_a_stranger_is_refused_and_health_shows_no_run_token(server, policy):
                 ("POST", "/weights/update", {"params": {"ready_key": "k"}, "json": {"run": RUN, "version": 1,
                                                                                    "names": [], "dtype_names": [],
                                                                                    "shapes": []}}),
+                ("POST", "/weights/digests", {"json": {"run": RUN, "version": 1, "ready_key": "k", "digests": []}}),
                 ("POST", "/update_weights", {"params": {"version": 1, "run": RUN}, "content": b"x" * 100}),
                 ("GET", "/openapi.json", {}), ("GET", "/docs", {})]
     stranger = new_secret()
@@ -548,7 +549,7 @@ def test_the_weight_transfer_store_listens_on_the_trainers_address_only(server, 
     client = RolloutClient(server.url, RUN, timeout_s=60, secret=server.secret)
     engine = VLLMEngine(policy.pad_id, policy.stop_ids)
     client.use_dist("127.0.0.1", timeout_s=60)
-    port = client.transport.store.port
+    port = client.transport.port
     listening = [c for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN
                  and c.laddr.port == port]
     assert listening and {c.laddr.ip for c in listening} == {"127.0.0.1"}, listening  # never every interface

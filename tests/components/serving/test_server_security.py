@@ -54,6 +54,7 @@ VOCAB = 40  # ids the tiny models know (their vocabularies are larger)
 
 def config(tiny_models, tmp_path, **deploy) -> RLHFConfig:
     return from_layers({
+        "preset": "tiny",
         "model": {"policy": tiny_models["policy"], "reward": tiny_models["reward"], "critic": tiny_models["critic"]},
         "critic": {"train_batch_size": 8, "micro_batch_size": 8, "epochs": 1},
         "deploy": {"state_dir": str(tmp_path), "critic": {"max_train_rows": 64, **deploy}}})

@@ -24,8 +24,8 @@ TRAIN_SETTINGS = ["--set", "critic.optim.lr=1e-3", "--set", "critic.train_batch_
 
 def critic_argv(tiny, port, checkpoint_dir, store):
     """`rlhf serve critic` as a user types it (the flags, not the launcher's JSON spec)."""
-    return [sys.executable, "-m", "components.cli.main", "serve", "critic", "--model", tiny["critic"], "--reward",
-            tiny["reward"], "--port", str(port), "--checkpoint-dir", str(checkpoint_dir),
+    return [sys.executable, "-m", "components.cli.main", "serve", "critic", "--preset", "tiny", "--model",
+            tiny["critic"], "--reward", tiny["reward"], "--port", str(port), "--checkpoint-dir", str(checkpoint_dir),
             "--set", "deploy.critic.max_queue_delay_us=500", "--checkpoint-uri", store.as_uri(), *TRAIN_SETTINGS]
 
 
@@ -42,7 +42,8 @@ def servers(tiny_models, tmp_path_factory):
     critic = triton_server(critic_argv(tiny_models, critic_port, ckpt, store), "127.0.0.1", critic_port, CRITIC_MODELS,
                            logs / "critic.log", name="critic")
     # the reward server of an on-policy distillation run serves its teacher too (teacher_logprobs)
-    reward = triton_server([sys.executable, "-m", "components.cli.main", "serve", "reward", "--model", tiny_models["reward"],
+    reward = triton_server([sys.executable, "-m", "components.cli.main", "serve", "reward", "--preset", "tiny",
+                            "--model", tiny_models["reward"],
                             "--port", str(reward_port), "--set", "algorithm=opd", "--set",
                             f"model.teacher={tiny_models['policy']}"], "127.0.0.1", reward_port,
                            REWARD_MODELS + (TEACHER_LOGPROBS,), logs / "reward.log", name="reward")

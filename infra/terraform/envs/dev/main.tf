@@ -55,9 +55,10 @@ locals {
   node_types = jsondecode(file("${path.module}/../../node_types.json")).instance_types
 
   job_env = merge({
-    AWS_REGION     = var.region
-    RLHF_S3_BUCKET = module.artifacts.bucket_name
-    RLHF_S3_PREFIX = var.s3_prefix
+    AWS_REGION            = var.region
+    RLHF_S3_BUCKET        = module.artifacts.bucket_name
+    RLHF_S3_PREFIX        = var.s3_prefix
+    RLHF_STORE_SIGNER_ARN = module.artifacts.store_key_secret_arn
   }, var.job_env)
 }
 
@@ -131,6 +132,7 @@ module "iam" {
   oidc_issuer_url             = module.cluster.oidc_issuer_url
   bucket_arn                  = module.artifacts.bucket_arn
   kms_key_arn                 = module.artifacts.kms_key_arn
+  store_key_secret_arn        = module.artifacts.store_key_secret_arn
   s3_prefix                   = var.s3_prefix
   checkpoint_prefix           = var.checkpoint_prefix
   namespace                   = var.namespace

@@ -170,3 +170,32 @@ resource "aws_s3_bucket_policy" "this" {
 
   depends_on = [aws_s3_bucket_public_access_block.this]
 }
+
+# ---------------------------------------------------------------------------
+# The deployment's store key (components/storage/signing.py): every run's checkpoint store signs its latest.json and
+# manifests with a key derived from it, so a record written without it is never resumed. It is never in the bucket;
+# the pods' roles alone may read it (modules/iam), through $RLHF_STORE_SIGNER_ARN. Its value is drawn once by AWS and
+# kept: a new value would make every existing run's store refuse to resume.
+# ---------------------------------------------------------------------------
+resource "aws_secretsmanager_secret" "store_key" {
+  #checkov:skip=CKV2_AWS_57:Rotating the store key invalidates every run's signed checkpoints; rotate by hand between runs.
+  name_prefix             = "${var.bucket_name}-store-key-"
+  description             = "Store key of the checkpoints in s3://${var.bucket_name} (rlhf-flows: signed latest.json and manifests)"
+  kms_key_id              = aws_kms_key.this.arn
+  recovery_window_in_days = 30
+  tags                    = var.tags
+}
+
+data "aws_secretsmanager_random_password" "store_key" {
+  password_length     = 64
+  exclude_punctuation = true
+}
+
+resource "aws_secretsmanager_secret_version" "store_key" {
+  secret_id     = aws_secretsmanager_secret.store_key.id
+  secret_string = data.aws_secretsmanager_random_password.store_key.random_password
+
+  lifecycle {
+    ignore_changes = [secret_string] # drawn once: the data source draws anew at every plan
+  }
+}

@@ -22,3 +22,8 @@ output "checkpoint_prefix" {
   description = "Key prefix of training checkpoints (subject to the lifecycle rules)."
   value       = var.checkpoint_prefix
 }
+
+output "store_key_secret_arn" {
+  description = "ARN of the Secrets Manager secret holding the deployment's store key ($RLHF_STORE_SIGNER_ARN of every pod)."
+  value       = aws_secretsmanager_secret.store_key.arn
+}

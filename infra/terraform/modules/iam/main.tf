@@ -16,20 +16,36 @@ locals {
     }
   }
 
+  # Built from the name, not the role's attribute: a role's trust policy names the role itself.
+  role_names = {
+    actor  = "${var.name_prefix}-actor-pod"
+    critic = "${var.name_prefix}-critic-pod"
+  }
+  role_arn_prefix = "arn:${data.aws_partition.current.partition}:iam::${data.aws_caller_identity.current.account_id}:role"
+
   read_actions  = ["s3:GetObject", "s3:GetObjectVersion", "s3:GetObjectTagging"]
   write_actions = ["s3:PutObject", "s3:PutObjectTagging", "s3:DeleteObject", "s3:AbortMultipartUpload", "s3:ListMultipartUploadParts"]
 
-  # Where each role may write: the actor (the training flow run) everything under the pods' prefix: its runs'
-  # checkpoints, leases, MLflow artifacts; the critic server only the saves it hands its run
-  # (<checkpoint_prefix><run>/critic-pending/...), never a checkpoint, a lease or latest.json.
+  # A run's store: <checkpoint_prefix><run name>/. A session writes there only with the session tag run=<run name>,
+  # which a run's store asks for when it opens (components/storage/s3.py: tagged_session), so what one run writes
+  # reaches no other run's store ($${...} is the IAM policy variable, escaped from Terraform).
+  run_store = "${var.bucket_arn}/${var.checkpoint_prefix}$${aws:PrincipalTag/run}"
+
+  # Where each role may write in a run's store: the actor (a run's flow run and its pods) all of it; the critic
+  # server only the saves it hands its run (<run>/critic-pending/...), never a checkpoint, a lease or latest.json.
+  # Nothing else in the bucket but the pipelines' stage leases (StageLeases): MLflow's artifacts go through the MLflow
+  # server, with its own credentials.
   write_resources = {
-    actor  = ["${var.bucket_arn}/${var.s3_prefix}*"]
-    critic = ["${var.bucket_arn}/${var.checkpoint_prefix}*/critic-pending/*"]
+    actor  = ["${local.run_store}/*"]
+    critic = ["${local.run_store}/critic-pending/*"]
   }
 }
 
 # ---------------------------------------------------------------------------
-# IRSA trust: only the named service account of this cluster may assume a role.
+# Trust: only the named service account of this cluster may assume a role (IRSA); and the role may assume itself
+# again, with exactly one session tag, `run` (what a run's store does to get its run's credentials). The role is named
+# through the account: a trust policy cannot name a role that does not exist yet, and the identity policy below grants
+# the role sts:AssumeRole on itself only.
 # ---------------------------------------------------------------------------
 data "aws_iam_policy_document" "irsa_assume" {
   for_each = local.service_accounts
@@ -54,17 +70,45 @@ data "aws_iam_policy_document" "irsa_assume" {
       values   = ["sts.amazonaws.com"]
     }
   }
+
+  statement {
+    sid     = "RunSessionsOfThisRole"
+    actions = ["sts:AssumeRole", "sts:TagSession"]
+
+    principals {
+      type        = "AWS"
+      identifiers = ["arn:${data.aws_partition.current.partition}:iam::${data.aws_caller_identity.current.account_id}:root"]
+    }
+
+    condition {
+      test     = "ArnEquals"
+      variable = "aws:PrincipalArn"
+      values   = ["${local.role_arn_prefix}/${local.role_names[each.key]}"]
+    }
+
+    condition {
+      test     = "StringLike"
+      variable = "aws:RequestTag/run"
+      values   = ["?*"]
+    }
+
+    condition {
+      test     = "ForAllValues:StringEquals"
+      variable = "aws:TagKeys"
+      values   = ["run"]
+    }
+  }
 }
 
 resource "aws_iam_role" "pod" {
   for_each           = local.service_accounts
-  name               = "${var.name_prefix}-${each.key}-pod"
+  name               = local.role_names[each.key]
   description        = "IRSA role of ${each.value.subject}"
   assume_role_policy = data.aws_iam_policy_document.irsa_assume[each.key].json
   tags               = merge(var.tags, { "rlhf/role" = each.key })
 }
 
-# S3 access scoped to the bucket and prefix; KMS use only through S3.
+# S3 access scoped to the bucket and prefix, writes to a run's own store; KMS use only through S3 and Secrets Manager.
 data "aws_iam_policy_document" "s3" {
   for_each = local.service_accounts
 
@@ -86,6 +130,8 @@ data "aws_iam_policy_document" "s3" {
     resources = [var.bucket_arn]
   }
 
+  # Reads stay prefix-wide: a pipeline's stage reads its upstream stage's model from that run's store, `rlhf export`
+  # reads any run's. What keeps a run from resuming what another wrote is the store's signatures, not secrecy.
   statement {
     sid       = "ObjectsUnderPrefix"
     actions   = local.read_actions
@@ -96,19 +142,48 @@ data "aws_iam_policy_document" "s3" {
     for_each = each.value.read_only ? [] : [local.write_resources[each.key]]
 
     content {
-      sid       = "WritesOfThisRole"
+      sid       = "WritesOfThisRunOnly"
       actions   = local.write_actions
       resources = statement.value
     }
   }
 
-  # One writer per run name (components/storage/lease.py): a lease is created with If-None-Match: * and renewed or
-  # taken over with If-Match: <ETag>; a write without either would replace another run's lease.
+  # The pipelines' stage leases (components/pipeline/cache.py: <checkpoint_prefix>locks/<stage>-<key>, one builder
+  # of a stage, whichever run builds it): a statement of its own, since a statement whose policy variable has no value
+  # (a session without a run tag) does not apply at all.
+  dynamic "statement" {
+    for_each = each.key == "actor" ? ["${var.bucket_arn}/${var.checkpoint_prefix}locks/*"] : []
+
+    content {
+      sid       = "StageLeases"
+      actions   = ["s3:PutObject", "s3:DeleteObject"]
+      resources = [statement.value]
+    }
+  }
+
+  # A run's credentials: this role again, tagged run=<name> (the trust policy above allows exactly that).
   statement {
-    sid       = "LeasesOnlyByConditionalWrites"
+    sid       = "TagSessionsOfThisRole"
+    actions   = ["sts:AssumeRole", "sts:TagSession"]
+    resources = ["${local.role_arn_prefix}/${local.role_names[each.key]}"]
+  }
+
+  # The deployment's store key (components/storage/signing.py), never in the bucket.
+  statement {
+    sid       = "StoreKey"
+    actions   = ["secretsmanager:GetSecretValue"]
+    resources = [var.store_key_secret_arn]
+  }
+
+  # One writer per run name (components/storage/lease.py): a lease is created with If-None-Match: * and renewed or
+  # taken over with If-Match: <ETag>; a write without either would replace another holder's lease. latest.json, the
+  # store's committed sequence (components/storage/store.py), moves the same way: a write without a condition could
+  # drop a commit.
+  statement {
+    sid       = "LeasesAndLatestOnlyByConditionalWrites"
     effect    = "Deny"
     actions   = ["s3:PutObject"]
-    resources = ["${var.bucket_arn}/${var.checkpoint_prefix}*/lease.json"]
+    resources = ["${var.bucket_arn}/${var.checkpoint_prefix}*/lease.json", "${var.bucket_arn}/${var.checkpoint_prefix}*/latest.json"]
 
     condition {
       test     = "Null"
@@ -147,6 +222,18 @@ data "aws_iam_policy_document" "s3" {
       test     = "StringEquals"
       variable = "kms:ViaService"
       values   = ["s3.${data.aws_region.current.name}.amazonaws.com"]
+    }
+  }
+
+  statement {
+    sid       = "StoreKeyViaSecretsManager"
+    actions   = ["kms:Decrypt"]
+    resources = [var.kms_key_arn]
+
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["secretsmanager.${data.aws_region.current.name}.amazonaws.com"]
     }
   }
 }

@@ -22,6 +22,6 @@ output "service_account_role_arns" {
 }
 
 output "s3_prefix" {
-  description = "Key prefix the pod roles are limited to."
+  description = "Key prefix the pod roles may read (each run's session writes only its own store under checkpoint_prefix)."
   value       = var.s3_prefix
 }

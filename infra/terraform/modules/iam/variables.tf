@@ -58,6 +58,16 @@ variable "kms_key_arn" {
   }
 }
 
+variable "store_key_secret_arn" {
+  type        = string
+  description = "ARN of the Secrets Manager secret holding the deployment's store key (module artifacts output store_key_secret_arn); the pod roles may read it."
+
+  validation {
+    condition     = can(regex("^arn:aws[a-zA-Z-]*:secretsmanager:[a-z0-9-]+:[0-9]{12}:secret:.+$", var.store_key_secret_arn))
+    error_message = "store_key_secret_arn must be a Secrets Manager secret ARN."
+  }
+}
+
 variable "s3_prefix" {
   type        = string
   description = "Key prefix (ending with '/') inside the bucket that the pod roles may read and write, e.g. rlhf/. Access is limited to it."
@@ -71,7 +81,7 @@ variable "s3_prefix" {
 
 variable "checkpoint_prefix" {
   type        = string
-  description = "Key prefix (ending with '/', inside s3_prefix) of the runs' checkpoint stores: <checkpoint_prefix><run_name>/. The critic role writes only its pending saves there; leases and commit points are written only by conditional puts."
+  description = "Key prefix (ending with '/', inside s3_prefix) of the runs' checkpoint stores: <checkpoint_prefix><run_name>/. A session tagged run=<run_name> writes only that run's store (the critic role only its pending saves there); leases, latest.json and commit points are written only by conditional puts."
   default     = "rlhf/checkpoints/"
 
   validation {
@@ -115,7 +125,7 @@ variable "critic_service_account_name" {
 
 variable "critic_read_only" {
   type        = bool
-  description = "Give the critic role read-only S3 access (set true if the critic server never writes its own checkpoints)."
+  description = "Give the critic role read-only S3 access (set true if the critic servers never upload their saves to the run's store)."
   default     = false
 }
 
