@@ -83,8 +83,7 @@ class ServerPlacement(Section):
     host: str = Field(
         "127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
     port: Optional[int] = Field(
-        None, ge=1, le=65533,
-        description="HTTP port P of the server (gRPC P+1, metrics P+2); None = a free block picked at start.")
+        None, ge=1, le=65535, description="HTTP port of the server; None = a free port picked at start.")
     max_queue_delay_us: int = Field(
         2000, ge=0, description="Dynamic-batching queue delay of the server's batched models.")
     torch_threads: Optional[PositiveInt] = Field(

@@ -39,12 +39,13 @@ SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-
 Settings: the config tree (--config YAML, then --set overrides, over the preset they name: --preset tiny for the
 embedded tiny models' values) supplies the models, dtype, device and the critic/reward sections; the flags are
 shortcuts for the model paths and the per-process settings. With --preset tiny and no model flags, the embedded tiny
-models are served. HTTP port P, gRPC P+1, metrics P+2.
+models are served. HTTP on --port (Triton itself listens on a Unix socket behind it: no gRPC or metrics port).
 
-Who may call: every request but liveness/readiness must carry the run's secret (deploy.<kind>.auth=secret, the
+Who may call: every request but liveness/readiness must be signed with the run's key (deploy.<kind>.auth=secret, the
 default): give the server the secret in $RLHF_RUN_SECRET (or a file named by $RLHF_RUN_SECRET_FILE), never on the
-command line, and its clients the same variable; a server without one does not start. A client that sends no
-credentials (NeMo-Aligner's) needs open mode: --set deploy.critic.auth=none (the server says so when it starts).
+command line, and its clients the same variable (CriticClient/RewardClient sign; the secret never crosses the wire);
+a server without one does not start. A client that sends no credentials (NeMo-Aligner's) needs open mode:
+--set deploy.critic.auth=none (inference, config and metadata answer anyone; the server says so when it starts).
 """
 
 
@@ -74,7 +75,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     for sub, port in ((critic, "8400"), (reward, "8500")):
         add_config_args(sub)
         sub.add_argument("--host", default=None, help="Interface to bind (default: the config's host, 127.0.0.1).")
-        sub.add_argument("--port", type=int, default=None, help=f"HTTP port P; gRPC P+1, metrics P+2 (default: {port}).")
+        sub.add_argument("--port", type=int, default=None, help=f"HTTP port (default: {port}).")
         sub.add_argument("--max-batch-size", type=int, default=256, help="Largest batch Triton accepts and forms by dynamic batching.")
         sub.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice).")
         sub.set_defaults(run="components.cli.serve:run_args")

@@ -19,7 +19,7 @@ from components.cli.options import parse_overrides
 from components.cli.files import load_tree
 from components.pipeline.config import PipelineFile
 from components.launch.processes import project_env
-from components.launch.stack import running_prefect_api
+from components.launch.stack import prefect_env
 from components.sweep.config import SweepConfig
 from components.sweep.space import SweepError, check_sweep
 from models.config import RLHFConfig, merge, nested
@@ -85,11 +85,11 @@ def cmd_sweep(args) -> int:
         raise SystemExit(f"invalid sweep: {exc}") from None
     env = project_env()
     if not PREFECT_API_URL.value():
-        api = running_prefect_api(config.resolved_state_dir())
-        if api is None:
+        local = prefect_env(config.resolved_state_dir())  # the local stack's URL and credentials
+        if not local:
             raise SystemExit("no Prefect server to run the trials on: start the local stack with `rlhf up` "
                              "(or set PREFECT_API_URL)")
-        env["PREFECT_API_URL"] = api
+        env.update(local)
     given = nested(parse_overrides(args.set)).get("deploy", {})  # what --set said of where the sweep and trials run
     if args.placement:
         given["placement"] = args.placement

@@ -54,7 +54,7 @@ PART_OF = {"app.kubernetes.io/part-of": "rlhf-flows"}
 PART_LABEL = "rlhf/part"  # which part of the run an object is: actor-nodes, critic, reward, rollout
 ROLE_LABEL = "rlhf/role"  # actor or critic: the pool the pod runs on (the namespace's actor-to-actor policy)
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-SERVER_PORT = 8000  # every server pod serves HTTP here (Triton: gRPC 8001, metrics 8002)
+SERVER_PORT = 8000  # every server pod serves HTTP here
 READY_PATHS = {"critic": "/v2/health/ready", "reward": "/v2/health/ready", "rollout": "/health"}
 SECRET_DIR, SECRET_KEY = "/var/run/rlhf", "secret"
 TRAINER_PLACEHOLDER = "<the IP of the pod that runs the run: known when it starts>"
@@ -282,7 +282,7 @@ def leader_worker_set(kind: str, cfg: RLHFConfig, site: Site, identity: RunIdent
     if not image:
         raise ValueError("deploy.cluster.vllm_image: no image for the rollout servers: set it, or $RLHF_VLLM_IMAGE")
     labels = {**PART_OF, RUN_LABEL: identity.run_label, PART_LABEL: kind, ROLE_LABEL: "critic"}
-    ports = {"http": SERVER_PORT, **({"grpc": SERVER_PORT + 1, "metrics": SERVER_PORT + 2} if kind != "rollout" else {})}
+    ports = {"http": SERVER_PORT}  # Triton's only address is its front (HTTP): no gRPC or metrics port
     template = pod_template(cluster, cluster.servers, labels, image=image, args=args, env=pod_env(cluster, site),
                             gpus=server_gpus(kind, cfg), service_account=cluster.server_service_account,
                             restart_policy="Always", ports=ports, api_token=False, readiness=READY_PATHS[kind],

@@ -37,9 +37,9 @@ def _threads(placement) -> Optional[int]:
 
 
 def server_spec(kind: str, cfg: RLHFConfig, **fields) -> ServerSpec:
-    """The spec of a critic/reward server: its section's host, a free port block P..P+2, its thread count."""
+    """The spec of a critic/reward server: its section's host, a free port, its thread count."""
     s = section(kind, cfg)
-    return ServerSpec(kind=kind, config=cfg, host=s.host, port=free_port(s.host, s.port, count=3),
+    return ServerSpec(kind=kind, config=cfg, host=s.host, port=free_port(s.host, s.port),
                       torch_threads=_threads(s), **fields)
 
 

@@ -10,7 +10,6 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 from mlflow.tracking import MlflowClient
@@ -63,8 +62,13 @@ def local_stack(tmp_path_factory):
     # the prefect CLI prints through Rich, which wraps lines at $COLUMNS (80 without a terminal), e.g. a watched run's
     # log line after a prefix holding the flow run's random name: text the tests look for could break anywhere
     env = {**stack.base_env(state_dir, prefect_port, mlflow_port), "COLUMNS": "1000", "HF_HUB_CACHE": str(cache)}
+    # the stack's credentials, as a process that runs on it has them: prefect_post/prefect_get and MLflow's client
+    credentials = stack.client_env(stack.credentials(stack.stack_dir(state_dir)))
+    os.environ.update(credentials)
     yield {"state_dir": state_dir, "urls": urls, "env": env, "api": env["PREFECT_API_URL"],
            "ports": (prefect_port, mlflow_port), "user": user}
+    for name in credentials:
+        os.environ.pop(name, None)
     stack.down(state_dir, log=lambda *_: None)
 
 
@@ -80,7 +84,7 @@ def flow_run_id(proc: subprocess.CompletedProcess) -> str:
 
 
 def read_flow_run(s, run_id: str) -> dict:
-    return httpx.get(f"{s['api']}/flow_runs/{run_id}", timeout=10).json()
+    return stack.prefect_get(s['api'], f"/flow_runs/{run_id}").json()
 
 
 # How long a run may take to fail after one of its processes is killed. The death itself is what fails it (a peer's
@@ -154,7 +158,7 @@ def mlflow_run(s, run_name: str):
 def test_up_returns_once_every_deployment_is_registered(local_stack):
     """A run of any deployment may start the moment `rlhf up` returns (they register one after another)."""
     for name in stack.DEPLOYMENTS:
-        assert httpx.get(f"{local_stack['api']}/deployments/name/{name}", timeout=10).status_code == 200, name
+        assert stack.prefect_get(local_stack['api'], f"/deployments/name/{name}").status_code == 200, name
 
 
 def test_a_users_model_data_and_reward_through_the_deployments_keeping_what_the_operator_set(local_stack):
@@ -175,7 +179,7 @@ def test_a_users_model_data_and_reward_through_the_deployments_keeping_what_the_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     s, user = local_stack, local_stack["user"]
-    deployment = httpx.get(f"{s['api']}/deployments/name/reinforce/default", timeout=10).json()
+    deployment = stack.prefect_get(s['api'], "/deployments/name/reinforce/default").json()
     schema = deployment["parameter_openapi_schema"]
     assert set(schema["properties"]) == {"config", "deploy"}
     definitions = schema["definitions"]
@@ -199,7 +203,7 @@ def test_a_users_model_data_and_reward_through_the_deployments_keeping_what_the_
         runs = {name: wait_final(s, run_id) for name, run_id in started.items()}
         for name, run in runs.items():
             assert run["state"]["type"] == "COMPLETED", (name, run["state"]["message"])
-            after = httpx.get(f"{s['api']}/deployments/{run['deployment_id']}", timeout=10).json()
+            after = stack.prefect_get(s['api'], f"/deployments/{run['deployment_id']}").json()
             assert after["parameters"] == before[run["deployment_id"]], name
     finally:
         stack.prefect_post(s["api"], patch_path, {"parameters": deployment["parameters"]}, method="PATCH").raise_for_status()

@@ -30,13 +30,17 @@ samples anyway) and the ones after it sample with the new weights. Every answer 
 started with, and the engine's idle seconds so far (neither generating nor loading weights).
 
 Who may call, and how much (components/serving/auth.py says the same for the whole run):
-- every endpoint but GET /health needs `Authorization: Bearer <the run's secret>` (the secret reaches this process
-  through $RLHF_RUN_SECRET or the file $RLHF_RUN_SECRET_FILE names, never its command line; a server given none
-  refuses to start): 401 without it, 403 with another, compared in constant time. /health shows no run token.
+- the secret reaches this process through $RLHF_RUN_SECRET or the file $RLHF_RUN_SECRET_FILE names, never its
+  command line (a server given none refuses to start), and never crosses the wire (components/wire.py): GET
+  /rlhf/proof proves this server to a client before the client sends anything; every endpoint but GET /health and
+  the proof needs a request signed with the run's key (401 unsigned, 403 signed otherwise or sent before). /health
+  shows no run token.
 - a body is refused (413) from its Content-Length before it is read: a JSON body over --max-body-mib, a weight upload
-  over the model's own size; a POST without Content-Length is refused (411); at most --limit-concurrency connections
-  (uvicorn answers 503 beyond). /generate takes at most --max-request-sequences prompts x n and
-  --max-request-tokens prompts x n x max_new_tokens.
+  over the model's own size; a POST without Content-Length is refused (411); at most --max-in-flight of the run's
+  requests at once (503 beyond). Connections are not counted against the run (components/serving/connections.py):
+  idle ones close after --idle-s, and past --max-connections the longest idle one goes, so no number of idle or slow
+  connections keeps the run's requests or /health from an answer. /generate takes at most --max-request-sequences
+  prompts x n and --max-request-tokens prompts x n x max_new_tokens.
 - an upload that stops sending (a dropped connection, a stalled client) ends its reader: on disconnect at once, on
   silence after --body-timeout-s; the engine's lock and worker threads are never held by a gone client.
 - POST /weights/init connects only to the trainer address this server was started with (--trainer-host), with a
@@ -84,9 +88,11 @@ from starlette.requests import ClientDisconnect
 from vllm import LLM, SamplingParams, TokensPrompt
 from vllm.exceptions import VLLMClientError
 
+from components.serving.connections import InFlight
 from components.serving.rollout.body import BodyReader, safetensors_header
 from components.serving.rollout.openai import add_openai_endpoints, client_error, error_body, is_openai_path
 from components.serving.rollout.weights import TRANSFER_BACKEND, received_digests
+from components.wire import CHALLENGE_HEADER, PROOF_PATH, SCHEME, RunKeys, Verifier, answer_proof
 
 log = logging.getLogger("rlhf.rollout_server")
 
@@ -449,36 +455,52 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:
 
 
 class Guard:
-    """ASGI middleware in front of every endpoint: the run's secret (all but GET /health: 401 without it, 403 with
-    another, compared in constant time) and the body's size from its Content-Length, before a byte of it is read
-    (411 without one, 413 over the limit: `max_body` for JSON, the model's own size for /update_weights)."""
+    """ASGI middleware in front of every endpoint: GET /health and GET /rlhf/proof (the server's proof of the run's
+    secret, components/wire.py) answer anyone; every other request must be signed with the run's key (401
+    unsigned, 403 signed otherwise or sent before: wire.Verifier), and is refused from its Content-Length before a
+    byte of its body is read (411 without one, 413 over the limit: `max_body` for JSON, the model's own size for
+    /update_weights); at most `max_in_flight` of the run's requests are served at once (503 beyond)."""
 
-    def __init__(self, app, secret: str, max_body: int, max_upload: int):
-        self.app, self.secret, self.max_body, self.max_upload = app, secret.encode(), max_body, max_upload
+    def __init__(self, app, secret: str, max_body: int, max_upload: int, max_in_flight: int = 64):
+        self.app, self.max_body, self.max_upload = app, max_body, max_upload
+        self.keys = RunKeys(secret)
+        self.verifier = Verifier(self.keys)
+        self.in_flight = InFlight(max_in_flight)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or (scope["method"], scope["path"]) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        if not given or scheme.lower() != "bearer":
-            return await _refuse(send, scope["path"], 401, "authorization: this server serves one run: send "
-                                            "'Authorization: Bearer <the run's secret>'", {b"www-authenticate": b"Bearer"})
-        if not hmac.compare_digest(given.strip().encode(), self.secret):
-            return await _refuse(send, scope["path"], 403, "authorization: not this run's secret")
+        if (scope["method"], scope["path"]) == ("GET", PROOF_PATH):
+            challenge = headers.get(CHALLENGE_HEADER.encode(), b"").decode("latin-1")
+            status, extra, detail = answer_proof(self.keys, "rollout", challenge)
+            return await _answer(send, scope["path"], status, detail, {k.encode(): v.encode() for k, v in extra.items()})
+        refused = self.verifier.check(scope["method"], scope["path"],
+                                      headers.get(b"authorization", b"").decode("latin-1") or None)
+        if refused:
+            status, detail = refused
+            return await _answer(send, scope["path"], status, detail,
+                                 {b"www-authenticate": SCHEME.encode()} if status == 401 else None)
         if scope["method"] in ("POST", "PUT", "PATCH"):
             length = headers.get(b"content-length")
             if length is None or not length.isdigit():
-                return await _refuse(send, scope["path"], 411, "content-length: required (a body of known size)")
+                return await _answer(send, scope["path"], 411, "content-length: required (a body of known size)")
             limit = self.max_upload if scope["path"] == "/update_weights" else self.max_body
             if int(length) > limit:
                 what = "the model's weights" if scope["path"] == "/update_weights" else "deploy.rollout.max_body_mib"
-                return await _refuse(send, scope["path"], 413, f"content-length: {int(length)} bytes exceed this endpoint's limit "
+                return await _answer(send, scope["path"], 413, f"content-length: {int(length)} bytes exceed this endpoint's limit "
                                                 f"of {limit} ({what})")
-        return await self.app(scope, receive, send)
+        if not self.in_flight.enter():
+            return await _answer(send, scope["path"], 503, f"busy: {self.in_flight.limit} of the run's requests are "
+                                                           f"in flight (--max-in-flight); try again",
+                                 {b"retry-after": b"1"})
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.in_flight.leave()
 
 
-async def _refuse(send, path: str, status: int, detail: str, headers: Optional[dict] = None) -> None:
+async def _answer(send, path: str, status: int, detail: str, headers: Optional[dict] = None) -> None:
     body = json.dumps(error_body(status, detail) if is_openai_path(path) else {"detail": detail}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -486,7 +508,8 @@ async def _refuse(send, path: str, status: int, detail: str, headers: Optional[d
     await send({"type": "http.response.body", "body": body})
 
 
-def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_timeout_s: float = 60.0) -> FastAPI:
+def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_timeout_s: float = 60.0,
+              max_in_flight: int = 64) -> FastAPI:
     app = FastAPI(title="rlhf-flows rollout server")
 
     @app.get("/health")
@@ -552,6 +575,7 @@ def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_t
 
     add_openai_endpoints(app, served)
 
-    app.add_middleware(Guard, secret=secret, max_body=max_body, max_upload=served.max_upload_bytes)
+    app.add_middleware(Guard, secret=secret, max_body=max_body, max_upload=served.max_upload_bytes,
+                       max_in_flight=max_in_flight)
     return app
 

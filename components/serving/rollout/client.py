@@ -1,8 +1,9 @@
 """The rollout server's client (rank 0 of the actor): HTTP for requests, and the weight transfer, over HTTP or over a
 torch.distributed group. It is the `RolloutServer` that models/engines/vllm.py samples from.
 
-Every request carries the run's secret (`Authorization: Bearer`, components/serving/auth.py: the server refuses
-anyone else) and the run's token (`run`): the server serves the run that first sent it weights and refuses any
+The server proves it holds the run's secret on every new connection before anything is sent on it, and every request
+is signed with the run's key (components/wire.py: the secret never crosses the wire; the server refuses
+anyone else); requests carry the run's token (`run`): the server serves the run that first sent it weights and refuses any
 other (409, naming both). Weights go as the server's next version; the server answers with the version it applied.
 
 Weight transfer (`rollout.vllm.weight_transfer`), one tensor at a time in the actor's Hugging Face names, the tied
@@ -36,8 +37,9 @@ from typing import Iterator
 import httpx
 import torch
 
-from components.serving.auth import bearer_headers, read_secret
+from components.serving.auth import read_secret
 from components.serving.rollout.group import join, tensor_digest
+from components.wire import run_client
 from models.engines.base import Weights
 from models.engines.vllm import EngineRequestError
 from models.rendezvous import RendezvousRefused, open_store
@@ -53,7 +55,7 @@ class RolloutClient:
     def __init__(self, url: str, run: str, timeout_s: float = 600.0, secret: str | None = None):
         self.url, self.run = url.rstrip("/"), run
         self.secret = secret if secret is not None else read_secret()
-        self.http = httpx.Client(base_url=self.url, timeout=timeout_s, headers=bearer_headers(self.secret))
+        self.http = run_client(self.secret, "rollout", base_url=self.url, timeout=timeout_s)
         self.timeout_s = timeout_s
         self.transport: HTTPWeights | DistWeights = HTTPWeights(self)
 

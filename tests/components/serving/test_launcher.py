@@ -139,7 +139,7 @@ def test_a_model_that_fails_to_load_is_reported_with_its_state_and_reason(tiny_m
         message = str(err.value)
         assert err.value.reason == "not_ready"
         assert message.startswith(f"server up at 127.0.0.1:{port} but model critic_infer not ready (state UNAVAILABLE")
-        assert str(not_a_model) in message  # the reason travels through Triton's repository index
+        assert str(not_a_model) in message  # the reason travels through the server's repository summary
         assert "timed out" not in message  # a failed load is reported as such, not by waiting out the timeout
         assert proc.poll() is None  # the server keeps answering with the reason
     assert proc.poll() is not None and not proc.group_members()
@@ -148,7 +148,7 @@ def test_a_model_that_fails_to_load_is_reported_with_its_state_and_reason(tiny_m
 def test_a_server_that_dies_at_start_reports_its_exit_code_and_log(tiny_models, tmp_path):
     port = find_free_ports()
     blocker = socket.socket()
-    blocker.bind(("127.0.0.1", port + 1))  # its gRPC port is taken
+    blocker.bind(("127.0.0.1", port))  # its port is taken
     blocker.listen()
     try:
         argv = serve_argv("reward", "--model", tiny_models["reward"], "--port", str(port))
@@ -157,7 +157,7 @@ def test_a_server_that_dies_at_start_reports_its_exit_code_and_log(tiny_models, 
                 proc.wait_until_ready(timeout=120)
         assert err.value.reason == "process_exited"
         assert "reward server exited with code 1 before" in str(err.value)
-        assert f"[{port + 1}]" in str(err.value) and "already in use" in str(err.value)  # the log tail says why
+        assert f"port {port} on 127.0.0.1 already in use" in str(err.value)  # the log tail says why
     finally:
         blocker.close()
 

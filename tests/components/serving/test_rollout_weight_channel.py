@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from components.launch.processes import wait_for
+from components.serving.auth import request_headers
 from components.serving.launcher import launch_rollout, rollout_python
 from components.serving.rollout.client import HTTPWeights, RolloutClient
 from models.config import from_layers
@@ -139,6 +140,6 @@ def test_a_tensor_changed_on_the_way_is_refused_by_its_digest_and_the_version_st
 
 
 def test_digests_for_no_update_in_progress_are_refused_naming_the_key(server):
-    response = httpx.post(f"{server.url}/weights/digests", headers={"authorization": f"Bearer {server.secret}"},
+    response = httpx.post(f"{server.url}/weights/digests", headers=request_headers(server.secret, "POST", "/weights/digests"),
                           json={"run": RUN, "version": 1, "ready_key": "none", "digests": []}, timeout=30)
     assert response.status_code == 409 and response.json()["detail"].startswith("ready_key: no weight update waits")

@@ -13,7 +13,7 @@ import tritonclient.http as http
 from tritonclient.utils import InferenceServerException
 
 from components.launch.processes import find_free_ports
-from components.serving.auth import read_secret, triton_headers
+from components.serving.auth import read_secret, request_headers
 from components.serving.launcher import triton_server
 from components.serving.triton.contract import CRITIC_MODELS, REWARD_MODELS, TEACHER_LOGPROBS, critic_specs
 from components.serving.triton.critic import CriticCallables
@@ -65,13 +65,16 @@ def infer_input(name, array, dtype=None):
     return item
 
 
-RUN_HEADERS = triton_headers(read_secret())  # the run's token (the servers were given the tests' run secret)
+def signed(method: str, path: str) -> dict:
+    """The run's signature of one request (the servers were given the tests' run secret)."""
+    return request_headers(read_secret(), method, path)
 
 
-def raw(url, model, headers=RUN_HEADERS, **arrays):
+def raw(url, model, headers=None, **arrays):
     client = http.InferenceServerClient(url.split("://")[1])
     try:
-        result = client.infer(model, [infer_input(k, v) for k, v in arrays.items()], headers=headers)
+        result = client.infer(model, [infer_input(k, v) for k, v in arrays.items()],
+                              headers=signed("POST", f"/v2/models/{model}/infer") if headers is None else headers)
         return {o["name"]: result.as_numpy(o["name"]) for o in result.get_response()["outputs"]}
     finally:
         client.close()
@@ -94,7 +97,8 @@ def test_critic_infer_contract_shapes_and_dtypes(servers):
     assert np.all(out["values"][beyond] == 0) and np.any(out["values"][~beyond] != 0)
 
     client = http.InferenceServerClient(servers["critic"].url.split("://")[1])
-    infer_cfg, train_cfg, save_cfg = (client.get_model_config(m, headers=RUN_HEADERS) for m in CRITIC_MODELS)
+    infer_cfg, train_cfg, save_cfg = (client.get_model_config(m, headers=signed("GET", f"/v2/models/{m}/config"))
+                                      for m in CRITIC_MODELS)
     client.close()
     assert infer_cfg["max_batch_size"] > 0 and "dynamic_batching" in infer_cfg
     assert {i["name"]: i["dims"] for i in infer_cfg["input"] if not i.get("optional")} == {"tokens": [-1],
