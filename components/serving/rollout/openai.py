@@ -40,7 +40,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.exception_handlers import request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import Field
+from pydantic import BaseModel, Field, create_model, model_validator
 from vllm.entrypoints.generate.base.protocol import FunctionCall, ToolCall
 from vllm.entrypoints.openai.chat_completion.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
                                                               ChatCompletionLogProbsContent, ChatCompletionRequest,
@@ -88,6 +88,28 @@ def client_error(exc: VLLMClientError) -> tuple[int, str]:
              or (leading and leading[1])
              or ("structured_outputs" if re.search(r"structured output|JSON schema", message) else "body"))
     return create_error_response(exc).error.code, f"{field}: {message[:1000]}"
+
+
+def refusing_malformed(model: type[BaseModel]) -> type[BaseModel]:
+    """`model` (one of vLLM's request models: same name, fields and schema) where a body of the wrong shape that one of
+    vLLM's own validators trips on (`structured_outputs: false`, read as a dict: AttributeError) is refused like any
+    invalid body, a 400 naming the body, instead of a 500 (vLLM's server answers 500 there)."""
+
+    def refuse(cls, data, handler):
+        try:
+            return handler(data)
+        except (AttributeError, TypeError, KeyError, IndexError) as exc:
+            raise ValueError(f"the body does not have the shape of a {model.__name__} ({type(exc).__name__}: "
+                             f"{exc})") from None
+
+    return create_model(model.__name__, __base__=model, __module__=__name__,
+                        __validators__={"refuse_malformed": model_validator(mode="wrap")(refuse)})
+
+
+ChatCompletionRequest = refusing_malformed(ChatCompletionRequest)
+GenerateRequest = refusing_malformed(GenerateRequest)
+TokenizeChatRequest = refusing_malformed(TokenizeChatRequest)
+TokenizeCompletionRequest = refusing_malformed(TokenizeCompletionRequest)
 
 
 class ChatCompletionTokensRequest(ChatCompletionRequest):
