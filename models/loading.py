@@ -9,7 +9,6 @@ from functools import partial
 import torch
 from torch import nn
 
-from models.resolve import model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,9 +28,8 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def from_pretrained(auto_class, path: str, field: str, **kwargs):
-    """`auto_class.from_pretrained(path)` with the config field named in any error; `path` is a local directory
-    (what a config's resolve_model_path gives: models/resolve.py) or tiny/<name>."""
-    path = model_path(path, field)
+    """`auto_class.from_pretrained(path)` with the config field named in any error; `path` is a local directory (a
+    job's pinned source: its config's `local_path(field)`, models/resolve.py)."""
     try:
         return auto_class.from_pretrained(path, **kwargs)
     except Exception as exc:

@@ -17,7 +17,7 @@ from components.jobs.stages import stage_rows
 from components.runs import train as train_stage
 from components.storage.store import CheckpointStore
 from models.critic import init_critic
-from models.resolve import file_digests, resolve_model
+from models.resolve import file_digests, pin, resolve_model
 from models.reward import HandOffError, load_reward_model, reward_model_scores
 from models.stages.config import RewardModelRun, SFTRun
 from models.stages.data import right_padded
@@ -118,7 +118,7 @@ def test_two_ranks_train_the_reward_model_like_one_and_its_output_carries_its_st
     config = json.loads((model_dir / "config.json").read_text())
     assert (config["reward_mean"], config["reward_std"]) == (one["metrics"]["reward_mean"], one["metrics"]["reward_std"])
     assert one["model"].endswith("/checkpoints/one/model") and one["files"]["config.json"]
-    _, pairs = stage_rows("reward_model", cfg.train, str(model_dir), held_out_only=True)
+    _, pairs = stage_rows(pin(cfg), str(model_dir), held_out_only=True)
     assert check_reward_model(str(model_dir), pairs, one["metrics"]["eval/accuracy"], "one") == pytest.approx(
         one["metrics"]["eval/accuracy"], abs=1 / len(pairs))
     normalized = load_reward_model(str(model_dir), normalize=True)
