@@ -24,6 +24,8 @@ from models.stages.data import right_padded
 from models.loop import Steps
 from models.metrics import find
 from models.stages.evaluate import check_reward_model
+from models.tiny_files import EMBEDDED_DIR
+from tests.hub_cache import put_in_cache
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +199,23 @@ def test_kto_on_two_ranks_trains_like_one_and_learns_the_preference(state):
     before, after = run["evals"][0], run["evals"][-1]
     assert before["eval/rewards/margins"] == 0 and before["eval/loss"] == pytest.approx(0.5, abs=1e-6)
     assert after["eval/rewards/margins"] > 0 and after["eval/loss"] < before["eval/loss"], after
+
+
+def test_a_job_given_its_pins_runs_on_its_ranks_with_what_it_was_resolved_from_out_of_reach(state, tmp_path,
+                                                                                             monkeypatch):
+    """Sources are resolved once, where a job starts: an SFT run of a hub model, pinned first, runs on two ranks
+    (rank 0 and a follower it starts) and publishes its model with the Hugging Face cache it was resolved from
+    hidden from every process: none of them resolves the id again. What it records is the pinned commit."""
+    commit = put_in_cache(EMBEDDED_DIR / "policy", tmp_path / "hub", "org/tiny")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    cfg = pin(stage_config(SFTRun, state, run_name="pinned", model="org/tiny", section={"max_steps": 2},
+                           deploy={"state_dir": str(state), "tracking": {"system_metrics": False},
+                                   "actor": {"nproc_per_node": 2}}))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))  # every process started from here on
+    with pytest.raises(FileNotFoundError, match="^model: 'org/tiny' is not in the Hugging Face cache"):
+        resolve_model("org/tiny", "model")
+    result = train_stage(cfg)
+    assert result["steps"] == 2 and result["models"]["model"]["commit"] == commit
+    assert result["provenance"]["models"]["model"] == {"source": "hub", "digest": resolve_model("tiny/policy").digest,
+                                                       "revision": None, "commit": commit}

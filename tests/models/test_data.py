@@ -11,7 +11,7 @@ from models.config import preset
 from models.data import Batch, DataError, PromptSet, PromptStream, builtin_rows, encode, load_prompt_set, read_rows
 from models.loop import Leader, build_actor, build_local_reward, restore_actor, save_actor
 from models.policy import Policy, load_policy_tokenizer
-from models.resolve import resolve_data
+from models.resolve import pin, resolve_data
 from models.reward import load_reward_function
 from models.step import prompt_ids
 from models.tasks import sentiment
@@ -187,9 +187,10 @@ def test_a_reward_function_with_kwargs_gets_every_column_repeated_for_each_sampl
 def test_the_stream_position_travels_with_the_actor_checkpoint(tiny_models, tmp_path):
     """Three iterations mid-epoch, an actor checkpoint, a fresh actor restored from it: the resumed stream hands out
     exactly the rows the uninterrupted run reads next (what the flow does on resume: flows/training.py)."""
-    cfg = preset("tiny", **{"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "algorithm": "rloo",
-                            "model.reward": tiny_models["reward"], "reinforce.rollout_batch_size": 4,
-                            "reinforce.minibatch_size": 16, "generation.max_new_tokens": 4})
+    cfg = pin(preset("tiny", **{"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"],
+                                "algorithm": "rloo", "model.reward": tiny_models["reward"],
+                                "reinforce.rollout_batch_size": 4, "reinforce.minibatch_size": 16,
+                                "generation.max_new_tokens": 4}))
     rows = PromptSet(sentiment.prompts(10, seed=1), [{"i": i} for i in range(10)], "test")
     stream, reward = PromptStream(rows, 4, seed=5), build_local_reward(cfg)
     actor = Leader(cfg, build_actor(cfg))
