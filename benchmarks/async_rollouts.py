@@ -36,7 +36,7 @@ from pathlib import Path
 from benchmarks.common import log, results_dir, state_dir, stats, tiny_config, write_result
 from benchmarks.rollout_engine import build_random_model
 
-RLHF = [sys.executable, "-m", "components.cli.main", "train"]
+RLHF = [sys.executable, "-m", "components.cli.main", "train", "--preset", "tiny"]
 SIZES = {"algorithm": "rloo", "reinforce.rollout_batch_size": 4, "reinforce.num_rollouts_per_prompt": 2,
          "reinforce.minibatch_size": 8, "reinforce.epochs": 1, "generation.max_new_tokens": 128,
          "generation.micro_batch_size": 8, "reward.source": "function",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -21,14 +22,14 @@ from pathlib import Path
 from benchmarks.common import ROOT, ensure_tiny_models, log, quick_flag, state_dir, stats, write_result
 
 MEMORY_SCRIPT = '''
-import json, sys, torch
+import json, os, sys, torch
 sys.path.insert(0, {root!r})
 from models import distributed
 from models.loading import make_optimizer
 from models.config import OptimConfig
 from models.policy import Policy
 me = distributed.from_env()
-distributed.init(me, "gloo", 600, torch.device("cpu"))
+distributed.init(me, "gloo", 600, torch.device("cpu"), os.environ.get("RLHF_RUN_SECRET", ""))
 policy = Policy.load({path!r}, device="cpu", me=me, shard=me.active, reference_device="cpu")
 optimizer, _ = make_optimizer(policy.trainable_parameters(), OptimConfig())
 tokens = torch.randint(4, 1000, (2, 32))
@@ -67,7 +68,8 @@ def memory(world: int, path: Path) -> list[dict]:
         script.write_text(MEMORY_SCRIPT.format(root=str(ROOT), path=str(path)))
         argv = ([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), str(script)]
                 if world > 1 else [sys.executable, str(script)])
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+        env = dict(os.environ, RLHF_RUN_SECRET=secrets.token_urlsafe(32))  # what the ranks prove to each other
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=900, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"memory run on {world} rank(s) failed:\n{proc.stderr[-3000:]}")
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -77,7 +79,7 @@ def seconds_per_iteration(algorithm: str, world: int, iterations: int) -> list[f
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "m.json"
         env = dict(os.environ, RLHF_STATE_DIR=str(state_dir()))
-        subprocess.run([str(Path(sys.executable).parent / "rlhf"), "train", "--set", f"algorithm={algorithm}",
+        subprocess.run([str(Path(sys.executable).parent / "rlhf"), "train", "--preset", "tiny", "--set", f"algorithm={algorithm}",
                         "--set", f"iterations={iterations}", "--set", f"deploy.actor.nproc_per_node={world}",
                         "--metrics-out", str(out)], check=True, capture_output=True, text=True, env=env, timeout=1800)
         history = json.loads(out.read_text())

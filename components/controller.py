@@ -37,6 +37,7 @@ from components.cluster.jobset import JobSetNodes
 from components.launch.nodes import LocalNodes, NodeGroups, NodeSpec, NodeStatus
 from components.launch.processes import free_port
 from components.launch.followers import BACKEND_ENV, TIMEOUT_ENV
+from components.serving.auth import ranks_secret
 from components.storage.store import CheckpointStore
 from components.storage.lease import acquire as acquire_lease
 from components.tracking.run import checkpoint_uri, default_tracking_uri, store_reward_files
@@ -84,7 +85,7 @@ def control(cfg: RLHFConfig, steps: Steps) -> dict:
                                  "tags": tags, "relay": token})
         store.put_json(RESULT, {"state": "pending"})
         spec = node_spec(cfg, name, store.uri)
-        nodes = node_groups(spec, cfg, cfg.resolved_state_dir() / "runs" / name)
+        nodes = node_groups(spec, cfg, cfg.resolved_state_dir() / "runs" / name, ranks_secret())
         try:
             steps.log(f"run {name}: the actor on {actor.nnodes} node groups x {actor.nproc_per_node} rank(s) "
                       f"({actor.launch} {spec.name}, up to {actor.max_restarts} restart(s)); this process controls "
@@ -120,19 +121,20 @@ def node_spec(cfg: RLHFConfig, name: str, store_uri: str) -> NodeSpec:
     """What every node group runs: torchrun with the actor's ranks, each rank `python -m components.runs --store
     <the run's store>` (rank 0 reads the hand-off there). `rlhf cluster manifests` builds it too, before any run."""
     actor = cfg.deploy.actor
-    port = actor.master_port or (JOBSET_PORT if actor.launch == "jobset" else free_port("127.0.0.1", 0))
+    # torchrun's agents at the port, the ranks' own rendezvous at the next one (models/distributed.rendezvous_address)
+    port = actor.master_port or (JOBSET_PORT if actor.launch == "jobset" else free_port("127.0.0.1", 0, count=2))
     endpoint = cfg.deploy.checkpoint.s3_endpoint_url
     command = ["-m", "components.runs", "--store", store_uri] + (["--s3-endpoint-url", endpoint] if endpoint else [])
     return NodeSpec(spec_name(name), actor.nnodes, actor.nproc_per_node, port, command,
                     {BACKEND_ENV: actor.backend, TIMEOUT_ENV: str(actor.collective_timeout_s)}, actor.max_restarts)
 
 
-def node_groups(spec: NodeSpec, cfg: RLHFConfig, local_dir: Path) -> NodeGroups:
+def node_groups(spec: NodeSpec, cfg: RLHFConfig, local_dir: Path, secret: str) -> NodeGroups:
     """The node groups of `spec` where deploy.actor.launch says: on this machine (their logs and state directories in
-    the run's local directory), or as a JobSet."""
+    the run's local directory), or as a JobSet; every group given the run's `secret`, which its ranks prove."""
     if cfg.deploy.actor.launch == "local":
-        return LocalNodes(spec, local_dir / "logs", local_dir / "nodes")
-    return JobSetNodes.for_run(spec, cfg)
+        return LocalNodes(spec, local_dir / "logs", local_dir / "nodes", secret)
+    return JobSetNodes.for_run(spec, cfg, secret)
 
 
 def watch(nodes: NodeGroups, store: CheckpointStore, steps: Steps, relay: "Relay", poll_s: float = POLL_S,

@@ -45,6 +45,7 @@ from components.jobs.stages import Stage
 from components.launch.nodes import NO_RESTART_EXIT_CODE
 from components.launch.processes import exit_with_parent
 from components.launch.ranks import follow
+from components.serving.auth import read_secret
 from components.storage.lease import LeaseLost, RunLocked
 from components.storage.signing import StoreKeyError
 from components.storage.store import CheckpointStore, ForeignCheckpoint
@@ -153,7 +154,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--s3-endpoint-url", default=None, help="Endpoint of an S3-compatible store.")
     args = parser.parse_args(argv)
     if int(os.environ.get("RANK", "0")) != 0:
-        code = follow()
+        code = follow(read_secret())  # the controller's, given to every node group
     else:
         signal.signal(signal.SIGTERM, _terminated)
         exit_with_parent()

@@ -1,6 +1,6 @@
 """How a job's flow runs the job builder (components/runs.py) as Prefect sees it: each named step a task of the flow
 run, each message in its log, each table and the progress an artifact; the flow run's config deep-merged over its
-deployment's parameters; a failure's first line as the flow run's state message."""
+deployment's parameters (`merge_parameters`); a failure's first line as the flow run's state message."""
 
 from __future__ import annotations
 
@@ -18,10 +18,14 @@ from components.environment import first_line
 from components.runs import train
 from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig, deep_merge, from_layers, run_name_for
+from models.deploy import DeployConfig
 from models.kinds import BY_JOB
 from models.loop import Steps
 
 FLOW_PARAMETERS = ("config", "deploy")  # a training flow's parameters: what the run trains, where it runs
+# the field of each that names its values (a preset, a placement), and its default
+NAMED = {"config": (RLHFConfig.named, RLHFConfig.model_fields[RLHFConfig.named].default),
+         "deploy": (DeployConfig.named, DeployConfig.model_fields[DeployConfig.named].default)}
 
 
 class FlowSteps(Steps):
@@ -112,16 +116,28 @@ def flow_config(config, deploy, algorithm: str | None = None) -> RLHFConfig:
             other = "ppo/default" if ALGORITHMS[chosen].needs_critic else "reinforce/default"
             raise ValueError(f"config.algorithm={chosen!r} is not run by this deployment's flow "
                              f"({'with' if ALGORITHMS[algorithm].needs_critic else 'without'} a critic): run {other}")
-    return from_layers({**merged["config"], "deploy": merged["deploy"]})  # unset fields: the policy's preset
+    return from_layers({**merged["config"], "deploy": merged["deploy"]})  # over the preset and placement they name
 
 
 def merged_parameters(config, deploy) -> dict:
-    """A flow run's `config` and `deploy` as JSON mappings, each deep-merged over its deployment's own (Prefect
-    replaces a parameter as a whole); for a flow called without a deployment, what it was called with."""
-    base, given = deployment_parameters(), given_parameters()
+    """A flow run's `config` and `deploy` as JSON mappings, each merged over its deployment's own (`merge_parameters`);
+    for a flow called without a deployment, what it was called with."""
+    base = deployment_parameters()
     if not base:
         return {"config": _plain(config), "deploy": _plain(deploy)}
-    return {name: deep_merge(_plain(base.get(name)), _plain(given.get(name))) for name in FLOW_PARAMETERS}
+    return merge_parameters(base, given_parameters())
+
+
+def merge_parameters(base: dict, given: dict) -> dict:
+    """A flow run's parameters (`given`) over its deployment's (`base`), each of `config` and `deploy` deep-merged
+    over the deployment's own (Prefect replaces a parameter as a whole), unless it names another preset (config) or
+    placement (deploy) than the deployment's: then it stands alone, over the one it names."""
+    out = {}
+    for name in FLOW_PARAMETERS:
+        (field, default), mine, theirs = NAMED[name], _plain(base.get(name)), _plain(given.get(name))
+        renamed = field in theirs and theirs[field] != mine.get(field, default)
+        out[name] = theirs if renamed else deep_merge(mine, theirs)
+    return out
 
 
 def _plain(value) -> dict:

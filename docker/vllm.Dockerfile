@@ -1,6 +1,6 @@
 # syntax=docker/dockerfile:1
 # The vLLM image ($RLHF_VLLM_IMAGE in prefect.yaml): the actor image plus the rollout server's own environment in
-# /opt/vllm, for the rollout-server/default deployment (deploy.rollout.python: /opt/vllm/bin/python).
+# /opt/vllm, for the rollout server pods a run creates (deploy.rollout.python: /opt/vllm/bin/python).
 #
 #   make image                                  # builds docker/actor.Dockerfile, then this FROM it
 #

@@ -30,7 +30,8 @@ from models.deploy import DeployConfig
 
 # the deployment's defaults: RLOO against GRPO on the shipped task, 3 paired seeds, a held-out eval every 4 iterations
 EXAMPLE_EXPERIMENT = ExperimentConfig(
-    name="rloo-vs-grpo", base={"algorithm": "rloo", "iterations": 12, "eval": {"prompts": "builtin:sentiment", "every": 4}},
+    name="rloo-vs-grpo",
+    base={"preset": "tiny", "algorithm": "rloo", "iterations": 12, "eval": {"prompts": "builtin:sentiment", "every": 4}},
     arms={"rloo": {}, "grpo": {"algorithm": "grpo"}}, seeds=3, concurrency=2)
 
 

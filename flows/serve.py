@@ -18,29 +18,37 @@ from flows.compare import compare
 from flows.experiment import EXAMPLE_EXPERIMENT, experiment_flow
 from flows.ppo import ppo
 from flows.reinforce import reinforce
-from flows.servers import critic_server, reward_server, rollout_server
 from flows.stages import STAGE_FLOWS, pipeline
 from models.kinds import BY_JOB
 from flows.sweep import EXAMPLE_CONFIG, EXAMPLE_SWEEP, sweep_flow
+from models.config import RunConfig
+
+DEMO_PRESET = "tiny"  # what the local training deployments run: the embedded tiny models' preset
+
+
+def demo_parameters(algorithm: str) -> dict:
+    """A local training deployment's parameters: the run the tiny preset makes, every field written out (so the
+    Prefect form shows what a run of it trains), and the local placement."""
+    return {"config": RunConfig(preset=DEMO_PRESET, algorithm=algorithm).model_dump(mode="json"),
+            "deploy": {"placement": "local"}}
 
 
 def deployments() -> list[tuple]:
     """(flow, its default deployment's parameters and description): each is served as `<flow name>/default`."""
     return [
-        (ppo, dict(parameters={"config": {"algorithm": "ppo"}, "deploy": {}},
-                   description="PPO on the embedded default (tiny local models); --param config='{...}' sets any run "
-                               "field, --param deploy='{...}' where its parts run (both merged over these)")),
-        (reinforce, dict(parameters={"config": {"algorithm": "rloo"}, "deploy": {}},
-                         description="REINFORCE/RLOO on the embedded default (merged as ppo/default's)")),
-        (critic_server, dict(description="PyTriton critic server (critic_infer/train/save)")),
-        (reward_server, dict(description="PyTriton reward server (reward_model)")),
-        (rollout_server, dict(description="vLLM rollout server (generate, update_weights)")),
+        (ppo, dict(parameters=demo_parameters("ppo"),
+                   description="PPO on the tiny preset (the embedded tiny models); --param config='{...}' changes "
+                               "any run field, --param deploy='{...}' where its parts run (both merged over these; a "
+                               "config naming preset none starts from the field defaults, for your own model)")),
+        (reinforce, dict(parameters=demo_parameters("rloo"),
+                         description="RLOO (any critic-free recipe) on the tiny preset, merged as ppo/default's")),
         (compare, dict(description="PPO vs RLOO curves and table")),
-        *((stage, dict(parameters={"config": {}, "deploy": {}},  # each kind of stage's (models/kinds.py)
-                       description=f"{BY_JOB[job].summary[0].upper()}{BY_JOB[job].summary[1:]}, on the embedded "
-                                   f"default; --param config='{{...}}' merged over it")) for job, stage in STAGE_FLOWS.items()),
-        (pipeline, dict(parameters={"config": {}, "deploy": {}},
-                        description="sft -> reward_model -> rl -> eval (sft -> dpo -> eval with a dpo section) on the "
+        # each kind of stage's (models/kinds.py) and the pipeline: no parameters of their own, so the form shows
+        # the flow's defaults, which are what a run given nothing trains
+        *((stage, dict(description=f"{BY_JOB[job].summary[0].upper()}{BY_JOB[job].summary[1:]}, on the embedded "
+                                   f"default; --param config='{{...}}' merged over it"))
+          for job, stage in STAGE_FLOWS.items()),
+        (pipeline, dict(description="sft -> reward_model -> rl -> eval (sft -> dpo -> eval with a dpo section) on the "
                                     "embedded default, each stage reused when nothing it was made from changed "
                                     "(Cached)")),
         (sweep_flow, dict(parameters={"config": EXAMPLE_CONFIG.model_dump(mode="json", exclude_unset=True),

@@ -37,9 +37,10 @@ TRAINING_DEPLOYMENTS = {name: "ppo/default" if algorithm.needs_critic else "rein
                         for name, algorithm in ALGORITHMS.items()}
 PIPELINE_DEPLOYMENT = "pipeline/default"  # flows/stages.py: a pipeline's trials
 
-# the deployment's defaults: RLOO with a held-out eval every 4 iterations, a 2 x 2 grid over the learning rate and the
-# initial KL coefficient (`prefect deployment run sweep/default` runs it; any parameter can be replaced)
-EXAMPLE_CONFIG = RunConfig(algorithm="rloo", eval={"prompts": "builtin:sentiment", "every": 4})
+# the deployment's defaults: RLOO on the tiny preset with a held-out eval every 4 iterations, a 2 x 2 grid over the
+# learning rate and the initial KL coefficient (`prefect deployment run sweep/default` runs it; any parameter can be
+# replaced)
+EXAMPLE_CONFIG = RunConfig(preset="tiny", algorithm="rloo", eval={"prompts": "builtin:sentiment", "every": 4})
 EXAMPLE_SWEEP = SweepConfig(name="rloo-lr-kl", space={"reinforce.optim.lr": [1e-6, 1e-3], "kl.beta": [0.01, 0.1]},
                             concurrency=2)
 
@@ -63,9 +64,10 @@ def sweep_flow(config: RunConfig = EXAMPLE_CONFIG, sweep: SweepConfig = EXAMPLE_
     by iteration, the eval stage's metrics at step 0)."""
     given_deploy = deploy.model_dump(mode="json", exclude_unset=True)
     if pipeline is not None:
-        if pipeline.dpo is not None:
-            raise SweepError("pipeline: a pipeline sweep varies the pipeline's RL stage, and this pipeline has a dpo "
-                             "section instead (sft -> dpo -> eval)")
+        try:
+            pipeline.check_rl_stage("a pipeline sweep varies")
+        except ValueError as exc:
+            raise SweepError(str(exc)) from None
         config = merge(pipeline.rl, {"tracking.experiment": pipeline.tracking.experiment})
     summary = run_sweep(RLHFConfig.of(config, deploy), sweep, given_deploy, pipeline)
     return {k: v for k, v in summary.items() if k != "rows"}

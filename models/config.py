@@ -1,23 +1,23 @@
 """One pydantic config tree for every flow, server and script.
 
-Every field carries its default and a one-line description (shown in the Prefect UI form, by `rlhf config` and
-`rlhf config --describe`).
+Every field carries its default and a one-sentence description (shown in the Prefect UI form, by `rlhf config` and
+`rlhf config --describe`); what there is to know beyond that sentence is in the docs page the description names, and
+docs/reference/config.md (generated from this tree) says how a run's config is put together (`LAYERS`).
 
 Defaults: the field defaults fit a real model (a ~0.5B-7B instruct model on GPUs, the settings TRL, OpenRLHF and veRL
 use: actor learning rate 1e-6, critic 1e-5, bf16 compute, 256 new tokens, micro-batches of 8). The embedded tiny
-models need other settings (learning rates 3e-4 / 1e-3, 16 new tokens, float32, the shipped task's prompts): those
-are the `tiny` preset's alone (`_tiny` below). The preset is chosen by the policy: a config whose `model.policy` is the
-embedded tiny policy (or unset) gets the `tiny` preset's values for every field it leaves unset, any other policy the
-field defaults (`preset_for`; `rlhf ... --preset tiny|none` chooses explicitly). So a partial config runs the demo end
-to end on a 2-core CPU, and a user's model never inherits the tiny model's settings.
+models need other values (learning rates 3e-4 / 1e-3, 16 new tokens, float32, the shipped task's prompts): those are
+the `tiny` preset's (`PRESETS`), which a config names (`preset: tiny`, `rlhf train --preset tiny`, ppo/default's
+parameters); nothing picks a preset for a config that does not name one. Where the run's parts run is the deployment's
+(`deploy`, models/deploy.py), with its own named placements.
 
-Models that are not given follow the policy's family or must be given: model.reward = the family's own (tiny/reward
-for the tiny policy; any other policy needs one for reward.source='model'); model.critic = the reward model when it
-shares the policy's tokenizer, else the policy (models/prepare.py). The gold reward is the shipped task's only when
-the data is the shipped task (reward.gold None + data.prompts builtin:*). The actor's loss is the recipe's
-(`algorithm`, models/algorithms/recipes.py: each `loss.*` / `kl.*` field left unset takes its recipe's value, as the
-recipe's paper and TRL/veRL define it); the rest follows NeMo-Aligner where it has a setting (gae_lambda 0.95,
-discount 1.0, critic loss_clip_val 0.2, grad clip 1.0). examples/ holds complete configs for a ~0.5B instruct model.
+Fields left None that a run derives when it starts (models/prepare.py): model.reward = the policy family's own
+(tiny/reward for the tiny policy); model.critic = the reward model when it shares the policy's tokenizer, else the
+policy; the schedules' total_steps from the run's length; reward.transport; the gold reward is the shipped task's only
+on the shipped task. The actor's loss is the recipe's (`algorithm`, models/algorithms/recipes.py: each `loss.*` /
+`kl.*` field left unset takes its recipe's value, as the recipe's paper and TRL/veRL define it); the rest follows
+NeMo-Aligner where it has a setting (gae_lambda 0.95, discount 1.0, critic loss_clip_val 0.2, grad clip 1.0).
+examples/ holds complete configs for a ~0.5B instruct model.
 """
 
 from __future__ import annotations
@@ -38,38 +38,56 @@ from models.algorithms import ALGORITHMS, LossConfig, resolve
 from models.algorithms.recipes import refuse_old_spellings
 from models.deploy import DeployConfig
 from models.resolve import Reads, Resolved, Sources, Want
-from models.sections import STATE_DIR_ENV, OptimConfig, Section, default_state_dir  # noqa: F401 (re-exported)
+from models.sections import (STATE_DIR_ENV, OptimConfig, Section, deep_merge, default_state_dir, given,  # noqa: F401
+                             nested)  # (STATE_DIR_ENV, default_state_dir, deep_merge: re-exported)
 from models.tiny_files import TINY_PREFIX, embedded_model_path, is_embedded, is_tiny_policy  # noqa: F401 (re-exported)
 
 
 class LoraConfig(Section):
     advanced: ClassVar[tuple[str, ...]] = ("dropout",)  # --describe --all
-    enabled: bool = Field(False, description="Train LoRA adapters instead of all weights; the reference is the actor with adapters disabled (no copy).")
+    enabled: bool = Field(
+        False, description="Train LoRA adapters instead of all weights (the reference: the base with adapters off).")
     r: PositiveInt = Field(8, description="LoRA rank.")
     alpha: float = Field(16.0, gt=0, description="LoRA scaling alpha.")
     dropout: float = Field(0.0, ge=0, lt=1, description="LoRA dropout.")
-    target_modules: Optional[list[str]] = Field(None, description="Module names to adapt; None lets peft pick the architecture's default.")
+    target_modules: Optional[list[str]] = Field(
+        None, description="Module names to adapt; None = peft's default for the architecture.")
 
 
 class ModelConfig(Section):
-    policy: str = Field("tiny/policy", description="The actor: a local directory saved with save_pretrained, a hub id 'org/name' (read from the Hugging Face cache offline; downloaded into it only where deploy.cache.hub_downloads allows), s3://bucket/prefix (fetched once per machine into deploy.cache.dir, checked by digest), or 'tiny/<name>', the embedded default shipped with the package (tiny/policy, tiny/reward, tiny/critic, tiny/reward-chars; tiny/chat: a small chat model with Qwen2.5's chat template, for environments and tools); tiny/policy brings the `tiny` preset's settings.")
-    revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of model.policy when it is a hub id, and of model.reward / model.critic when they name the same id; None = the repository's main branch.")
-    reward: Optional[str] = Field(None, description="Sequence-classification reward model (num_labels=1) for reward.source='model' (a directory, hub id, s3://bucket/prefix or tiny/<name>); None = the policy family's own: tiny/reward for the embedded tiny policy, required for any other policy.")
-    teacher: Optional[str] = Field(None, description="algorithm=opd: the teacher whose per-token logprobs of the student's samples are the signal (a causal LM, as model.policy: a directory, hub id, s3://bucket/prefix or tiny/<name>); it reads the policy's tokens, so it must share the policy's tokenizer.")
-    critic: Optional[str] = Field(None, description="Critic checkpoint, read as token classification with one label (a critic saved by a run, or a checkpoint of the policy's family, given a new value head); it reads the policy's tokens, so it must share the policy's tokenizer. None = initialised from model.reward when that shares the policy's tokenizer (NeMo-Aligner), else from model.policy (veRL, OpenRLHF).")
+    policy: str = Field(
+        "tiny/policy",
+        description="The actor: a local directory, a hub id, s3://bucket/prefix or tiny/<name> (docs/sources.md).")
+    revision: Optional[str] = Field(
+        None,
+        description="Hub revision (branch, tag or commit) of model.policy, and of reward or critic naming its id.")
+    reward: Optional[str] = Field(
+        None,
+        description="Reward model (one-label classifier) for reward.source=model; None = tiny/reward for tiny/policy.")
+    teacher: Optional[str] = Field(
+        None, description="algorithm=opd: the teacher model, which must share the policy's tokenizer.")
+    critic: Optional[str] = Field(
+        None, description="Critic checkpoint (one-label token classifier); None = from model.reward or model.policy.")
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA settings for the actor.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Compute dtype of the actor, critic and reward model (mixed precision; the tiny preset uses float32, and the exported model is saved in it): 'bfloat16' computes under autocast while the trained weights, their gradients and AdamW states stay float32 (master weights); with FSDP2 the weights are also all-gathered in it and gradients reduced in float32; the frozen reference is stored in it. 'float16' has no loss scaling: prefer bfloat16 (docs/memory.md).")
-    gradient_checkpointing: bool = Field(False, description="Activation (gradient) checkpointing of the actor and the critic: each transformer block keeps only its input for the backward pass and recomputes the rest there, so activation memory drops to about one block's for roughly one more forward pass of compute (docs/memory.md).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16",
+        description="Compute dtype of the actor, critic and reward model (autocast; master weights stay float32).")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in the backward pass: less memory for ~1 more forward pass.")
 
 
 class GenerationConfig(Section):
     advanced: ClassVar[tuple[str, ...]] = ("recompute_logprobs", "micro_batch_size")  # --describe --all
-    max_new_tokens: PositiveInt = Field(256, description="Longest response in tokens; a response without EOS by then is truncated (is_end=False). 256 as veRL's GSM8K quickstart; the tiny preset uses 16.")
-    temperature: float = Field(1.0, gt=0, description="Sampling temperature; logprobs for training use the same temperature.")
+    max_new_tokens: PositiveInt = Field(
+        256, description="Longest response in tokens; one without EOS by then is truncated.")
+    temperature: float = Field(
+        1.0, gt=0, description="Sampling temperature; training logprobs use the same temperature.")
     top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens (0 disables).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1.0 disables).")
-    recompute_logprobs: Optional[bool] = Field(None, description="Recompute behaviour logprobs with a full forward pass after sampling; None = only when dtype is not float32 (in float32 without dropout they equal the sampling-time logprobs).")
-    micro_batch_size: PositiveInt = Field(8, description="Sequences per forward pass for logprobs, critic requests and training micro-batches (memory, not the math: raise it while it fits); the tiny preset uses 64.")
+    recompute_logprobs: Optional[bool] = Field(
+        None, description="Recompute behaviour logprobs after sampling; None = only when model.dtype is not float32.")
+    micro_batch_size: PositiveInt = Field(
+        8, description="Sequences per forward pass (logprobs, critic requests, training micro-batches).")
 
 
 class Sampling(Section):
@@ -92,23 +110,35 @@ class KLConfig(Section):
     left unset takes the recipe's value, docs/algorithms.md)."""
     advanced: ClassVar[tuple[str, ...]] = ("horizon",)  # --describe --all
 
-    beta: Optional[float] = Field(None, ge=0, description="KL coefficient (initial, with `adaptive`); 0 skips the reference model entirely; None = the recipe's (ppo, rloo, reinforce_pp: 0.01; grpo: 0.04; the others 0).")
-    placement: Optional[Literal["reward", "loss"]] = Field(None, description="Where the KL goes: subtracted from the reward (per token for gae and reinforce_pp, per sequence otherwise) or added to the loss (GRPO); None = the recipe's.")
-    estimator: Optional[Literal[tuple(KL_ESTIMATORS)]] = Field(None, description="Per-token KL estimator: k1, abs, k2, k3, k3+ (k3's value, k2's gradient: veRL); None = the recipe's (k1 in the reward, k3 in the loss).")
+    beta: Optional[float] = Field(
+        None, ge=0,
+        description="KL coefficient (initial, with adaptive); 0 skips the reference model; None = the recipe's.")
+    placement: Optional[Literal["reward", "loss"]] = Field(
+        None, description="Where the KL goes: subtracted from the reward or added to the loss; None = the recipe's.")
+    estimator: Optional[Literal[tuple(KL_ESTIMATORS)]] = Field(
+        None, description="Per-token KL estimator: k1, abs, k2, k3 or k3+; None = the recipe's.")
     adaptive: bool = Field(False, description="Adapt beta towards `target` (Ziegler et al. 2019).")
     target: float = Field(6.0, gt=0, description="Target KL (nats per sequence) for the adaptive controller.")
     horizon: PositiveInt = Field(10000, description="Horizon (in samples) of the adaptive controller.")
 
 
+class CriticOptim(OptimConfig):
+    """The critic's optimiser: the actor's settings at a critic's learning rate."""
+
+    lr: float = Field(1e-5, gt=0, description="Peak learning rate (AdamW; 1e-5 as veRL's and OpenRLHF's critics).")
+
+
 class CriticConfig(Section):
     """How the critic (value model) trains; where its server runs is the deployment's (deploy.critic)."""
 
-    combine_reward: bool = Field(True, description="Serve the reward model in the critic server: critic_infer returns values and rewards in one call (reward.source='model' only: reward functions are scored where deploy.reward says).")
+    combine_reward: bool = Field(
+        True, description="Serve the reward model in the critic server: values and rewards in one call.")
     loss_clip_val: float = Field(0.2, gt=0, description="Clip range of the value loss.")
     train_batch_size: PositiveInt = Field(32, description="Sequences per critic optimizer step (global batch).")
-    micro_batch_size: PositiveInt = Field(8, description="Sequences per critic forward pass (inference chunks and gradient accumulation); the tiny preset uses 32.")
+    micro_batch_size: PositiveInt = Field(
+        8, description="Sequences per critic forward pass (inference chunks and gradient accumulation).")
     epochs: PositiveInt = Field(2, description="Critic epochs per critic_train call.")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-5), description="Critic optimiser (lr 1e-5 as veRL's and OpenRLHF's critics; the tiny preset uses 1e-3).")
+    optim: CriticOptim = Field(default_factory=CriticOptim, description="Critic optimiser.")
 
 
 FUNCTION_SPEC = re.compile(r"^(?:[\w.]+|.+\.py):\w+$")  # 'package.module:fn' or 'path/to/rewards.py:fn'
@@ -128,17 +158,28 @@ class RewardConfig(Section):
     once where it starts and stores its bytes in its store (reward.files); every process that scores (the reward
     server in another directory or pod, the actor's rank 0) loads those bytes by their digest, never the path, so a
     file that exists only where the run starts needs no image rebuild."""
-    advanced: ClassVar[tuple[str, ...]] = ("transport",)  # --describe --all
+    advanced: ClassVar[tuple[str, ...]] = ("transport", "files")  # --describe --all
 
-    source: Literal["model", "function"] = Field("model", description="Score responses with the reward model or with reward functions (reward.function / reward.functions).")
-    function: Optional[str] = Field(None, description="One reward function for source='function': 'package.module:fn' or 'path/to/rewards.py:fn', called as fn(prompts, responses, **columns) -> list[float] (columns: the data set's other columns it names).")
-    functions: Optional[list[str]] = Field(None, description="Several reward functions (TRL's reward_funcs), each as reward.function; each is logged as rewards/<name>/mean and /std, their weighted sum is the score. Use reward.function or this, not both.")
-    weights: Optional[list[float]] = Field(None, description="Weight of each of reward.functions in the score (TRL's reward_weights); None = 1 each.")
-    gold: Optional[str] = Field(None, description="Gold reward function logged as objective/gold_reward (format as reward.function); None = the shipped task's own when the data is a builtin task, else none.")
-    transport: Literal["auto", "tokens", "text"] = Field("auto", description="How rollouts reach the reward model: 'tokens' (the policy's ids: the RM must share the policy's tokenizer, checked before anything loads), 'text' (reward_text: prompt and response strings the RM tokenizes itself), 'auto' = text when the RM's tokenizer differs from the policy's, else tokens.")
-    chat_template: bool = Field(False, description="With text transport, format (prompt, response) with the reward model's chat template (user, assistant) when it has one; otherwise 'prompt response' + EOS.")
-    files: Optional[dict[str, StoredFile]] = Field(None, description="Set by the run where it starts (leave unset): each reward file of reward.function / functions / gold, by the absolute path it was read from, with its sha256 and its copy in the run's store; every process that scores loads that copy, checked by its digest. None = none stored yet (a process loads the file by its path).")
-    normalize: bool = Field(False, description="Score with the reward model's (score - reward_mean) / reward_std, the statistics the reward_model stage stores in its config.json (as OpenRLHF's normalize_reward; Bradley-Terry rewards are defined only up to a shift); a reward model without them is refused.")
+    source: Literal["model", "function"] = Field(
+        "model", description="Score responses with the reward model or with reward functions.")
+    function: Optional[str] = Field(
+        None, description="One reward function: 'package.module:fn' or 'path/to/rewards.py:fn' (docs/sources.md).")
+    functions: Optional[list[str]] = Field(
+        None,
+        description="Reward functions (TRL's reward_funcs), each as reward.function; their weighted sum is the score.")
+    weights: Optional[list[float]] = Field(
+        None, description="Weight of each of reward.functions (TRL's reward_weights); None = 1 each.")
+    gold: Optional[str] = Field(
+        None,
+        description="Gold reward function logged as objective/gold_reward; None = the builtin task's own, if any.")
+    transport: Literal["auto", "tokens", "text"] = Field(
+        "auto", description="How rollouts reach the reward model: tokens, text, or auto (text when tokenizers differ).")
+    chat_template: bool = Field(
+        False, description="With text transport, format prompt and response with the reward model's chat template.")
+    files: Optional[dict[str, StoredFile]] = Field(
+        None, description="Set by the run (leave unset): each reward file's sha256 and its copy in the run's store.")
+    normalize: bool = Field(
+        False, description="Standardise reward-model scores with the reward_mean and reward_std its config.json holds.")
 
     @model_validator(mode="after")
     def _function_given(self) -> "RewardConfig":
@@ -181,10 +222,7 @@ class RewardConfig(Section):
         return names
 
 
-PROMPT_SOURCES = ("'builtin:<task>' (sentiment, sentiment_target; the stages' sentiment_sft and sentiment_preference; the tool-use task arithmetic and its SFT conversations arithmetic_sft), 'reasoning_gym:<task>' (a reasoning-gym task, e.g. chain_sum, generated from its options), a local .parquet/.jsonl/.json/.csv/.arrow file, a .txt "
-                  "file (one prompt a line), a folder of such files (file names decide the splits), a folder written by "
-                  "Dataset.save_to_disk, s3://bucket/key or s3://bucket/prefix (fetched once per machine into deploy.cache.dir, "
-                  "checked by digest), or a hub data set id (its snapshot in the Hugging Face cache, at `revision`)")
+PROMPT_SOURCES = "a file, folder, hub id, s3:// URI or builtin:<task> (docs/data.md)"  # a data source, in short
 
 
 class DataConfig(Section):
@@ -192,15 +230,25 @@ class DataConfig(Section):
     reward functions."""
     advanced: ClassVar[tuple[str, ...]] = ("long_prompts",)  # --describe --all
 
-    prompts: Optional[str] = Field(None, description=f"Where the prompts come from: {PROMPT_SOURCES}; the tiny preset uses builtin:sentiment, any other policy must name its data.")
-    subset: Optional[str] = Field(None, description="Configuration (subset) of a data set that has several, e.g. 'main' of openai/gsm8k: hub data sets, and local folders whose README declares configs; None = its only (or default) one.")
-    revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of data.prompts when it is a hub data set id; None = its main branch.")
-    split: str = Field("train", description="Split to read (folders, save_to_disk DatasetDicts, hub datasets; a single file is this split).")
-    prompt_key: str = Field("prompt", description="Column holding the prompt: a string, or chat messages (a list of {role, content}) rendered with the policy's chat template.")
-    options: Optional[dict[str, Any]] = Field(None, description="Options of a generated source, reasoning_gym:<task>: size (rows; default 1000 for train, 200 for another split), seed (default 0; another split than train is drawn from another seed, without the train split's questions) and the task's own parameters (e.g. chain_sum's min_terms, max_digits).")
-    chat_template: bool = Field(False, description="Wrap a plain-string prompt as a user turn of the policy's chat template (chat messages are always rendered with it).")
-    max_prompt_length: Optional[PositiveInt] = Field(None, description="Longest prompt in policy tokens (None = no limit); what happens to a longer one: long_prompts.")
-    long_prompts: Literal["error", "filter", "truncate_left"] = Field("error", description="A prompt longer than max_prompt_length: 'error' refuses the data set before any model loads, 'filter' drops the row (counted and logged), 'truncate_left' keeps its last max_prompt_length tokens.")
+    prompts: Optional[str] = Field(None, description=f"Training prompts: {PROMPT_SOURCES}.")
+    subset: Optional[str] = Field(
+        None, description="Configuration (subset) of a data set that has several, e.g. 'main' of openai/gsm8k.")
+    revision: Optional[str] = Field(
+        None, description="Hub revision (branch, tag or commit) of data.prompts when it is a hub data set id.")
+    split: str = Field("train", description="Split to read (a single file is this split).")
+    prompt_key: str = Field(
+        "prompt",
+        description="Column holding the prompt: a string, or chat messages rendered with the policy's template.")
+    options: Optional[dict[str, Any]] = Field(
+        None,
+        description="Options of a generated source (reasoning_gym:<task>): size, seed, the task's own (docs/data.md).")
+    chat_template: bool = Field(
+        False, description="Wrap a plain-string prompt as a user turn of the policy's chat template.")
+    max_prompt_length: Optional[PositiveInt] = Field(
+        None, description="Longest prompt in policy tokens (None = no limit); a longer one: long_prompts.")
+    long_prompts: Literal["error", "filter", "truncate_left"] = Field(
+        "error",
+        description="A prompt over max_prompt_length: refuse the data (error), drop it (filter) or keep its end.")
 
 
 class EvalConfig(Section):
@@ -208,26 +256,33 @@ class EvalConfig(Section):
     gold reward. It adds no trainer step and leaves the training stream as it is (its own sampling seed)."""
     advanced: ClassVar[tuple[str, ...]] = ("table_rows",)  # --describe --all
 
-    prompts: Optional[str] = Field(None, description=f"Eval prompts (None = no eval): {PROMPT_SOURCES}.")
+    prompts: Optional[str] = Field(None, description="Held-out prompts, a data source as data.prompts; None = no eval.")
     subset: Optional[str] = Field(None, description="Configuration (subset) of eval.prompts, as data.subset.")
     revision: Optional[str] = Field(None, description="Hub revision of eval.prompts, as data.revision.")
     split: str = Field("test", description="Split of eval.prompts to read (a single file is this split).")
     prompt_key: str = Field("prompt", description="Column holding the eval prompt (as data.prompt_key).")
-    options: Optional[dict[str, Any]] = Field(None, description="Options of a generated eval source (reasoning_gym:<task>), as data.options; give the same task parameters as data.options for held-out rows of the same task.")
+    options: Optional[dict[str, Any]] = Field(
+        None,
+        description="Options of a generated eval source, as data.options (the same task parameters: held-out rows).")
     max_prompts: Optional[PositiveInt] = Field(None, description="Evaluate on the first N rows only (None = all).")
-    every: int = Field(0, ge=0, description="Evaluate every N iterations, and at iteration 0 (before any update) and at the end (0 = never).")
+    every: int = Field(
+        0, ge=0, description="Evaluate every N iterations, before the first update and at the end (0 = never).")
     samples_per_prompt: PositiveInt = Field(1, description="Responses sampled per eval prompt (k of pass@k).")
     temperature: float = Field(0.0, ge=0, description="Eval sampling temperature (0 = greedy).")
-    success_threshold: Optional[float] = Field(None, description="A sample succeeds when its score is at least this (eval/success, eval/pass_at_<k>); None = only when every score is 0 or 1 (a verifiable reward), success being 1.")
+    success_threshold: Optional[float] = Field(
+        None, description="A sample succeeds at a score of at least this; None = when all scores are 0 or 1, at 1.")
     table_rows: PositiveInt = Field(32, description="Eval samples shown in the Prefect artifact and the MLflow table.")
 
 
 class TrackingConfig(Section):
     advanced: ClassVar[tuple[str, ...]] = ("table_every", "parent_run_id")  # --describe --all
     experiment: str = Field("rlhf-flows", description="MLflow experiment name.")
-    table_every: PositiveInt = Field(5, description="Log a table of sample prompts/responses/rewards every N iterations.")
-    register_as: Optional[str] = Field(None, description="Register the run's exported model in the MLflow model registry under this name (a new version per run); None = logged with the run only.")
-    parent_run_id: Optional[str] = Field(None, description="MLflow run id to nest this run under (tag mlflow.parentRunId); a sweep sets it to its parent run for every trial. None = a top-level run.")
+    table_every: PositiveInt = Field(
+        5, description="Log a table of sample prompts/responses/rewards every N iterations.")
+    register_as: Optional[str] = Field(
+        None, description="Register the run's exported model in the MLflow registry under this name (None = not).")
+    parent_run_id: Optional[str] = Field(
+        None, description="MLflow run id to nest this run under (a sweep sets it); None = a top-level run.")
 
 
 class CheckpointConfig(Section):
@@ -240,12 +295,16 @@ class CheckpointConfig(Section):
 class VLLMConfig(Section):
     """What the vLLM rollout engine computes with; where its server runs is the deployment's (deploy.rollout)."""
 
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("bfloat16", description="Dtype of the engine's weights and compute; the weights sent at each refit are cast to it (the tiny preset uses float32).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "bfloat16", description="Dtype of the engine's weights and compute (each refit is cast to it).")
 
 
 class RolloutConfig(Section):
-    engine: Literal["native", "vllm"] = Field("native", description="What samples the rollouts: 'native' = the KV-cache sampling loop on the actor's own module; 'vllm' = the vLLM rollout server, refitted with the actor's weights after every update (models/engines/).")
-    max_off_policy_steps: int = Field(0, ge=0, description="Asynchronous rollouts (an engine with its own weights): k >= 1 lets the rollout server generate the next k batches while the actor trains, so the actor at weights version v trains on rollouts sampled with version v-k or newer (at most k batches in flight beyond the one being trained on: staleness bounded by construction, no data dropped); the loss corrects for it (loss.vllm_importance_sampling_*). 0 = synchronous: each batch is sampled with the current weights.")
+    engine: Literal["native", "vllm"] = Field(
+        "native",
+        description="What samples the rollouts: native (the actor's own module) or vllm (the rollout server).")
+    max_off_policy_steps: int = Field(
+        0, ge=0, description="Batches the rollout server may sample ahead of the actor (0 = synchronous rollouts).")
     vllm: VLLMConfig = Field(default_factory=VLLMConfig, description="The vLLM rollout server (rollout.engine=vllm).")
 
     @model_validator(mode="after")
@@ -262,11 +321,17 @@ class VerifiersConfig(Section):
     unchanged by verifiers' own code against the run's rollout server (its OpenAI-compatible endpoints, token ids on
     every turn), its rubric the reward (components/verifiers/, docs/environments.md)."""
 
-    id: str = Field(..., min_length=1, description="The environment's module: `vf.load_environment(id, **args)` imports it (an installed environment package, or a module in one of `paths`).")
+    id: str = Field(
+        ..., min_length=1, description="The environment's module, as vf.load_environment(id, **args) imports it.")
     args: dict = Field(default_factory=dict, description="Keyword arguments of load_environment.")
-    paths: list[str] = Field(default_factory=list, description="Folders searched first for the environment's module (its PYTHONPATH in verifiers' environment).")
-    client_type: Literal["openai_chat_completions_token", "openai_chat_completions"] = Field("openai_chat_completions_token", description="verifiers' client: token ids in (every turn's prompt ids extend the last turn's prompt + completion ids: one token sequence per rollout), or messages in (the server re-renders the text; a rollout whose turns then do not extend each other is left out of the loss, counted in env/errors).")
-    timeout_s: float = Field(600.0, gt=0, description="Deadline of one batch of rollouts (the worker process is killed past it and the iteration fails naming it).")
+    paths: list[str] = Field(
+        default_factory=list, description="Folders searched first for the environment's module (its PYTHONPATH).")
+    client_type: Literal["openai_chat_completions_token", "openai_chat_completions"] = Field(
+        "openai_chat_completions_token",
+        description="verifiers' client: token ids in (one token sequence per rollout) or chat messages in.")
+    timeout_s: float = Field(
+        600.0, gt=0,
+        description="Deadline of one batch of rollouts; past it the worker is killed and the iteration fails.")
     max_concurrent: PositiveInt = Field(32, description="Groups (the k rollouts of a prompt) verifiers runs at once.")
 
 
@@ -278,14 +343,26 @@ class EnvironmentConfig(Section):
         "call_deadline_s", "episode_deadline_s", "single_session",
     )
 
-    factory: Optional[Union[str, dict[str, str]]] = Field(None, description="TRL's environment_factory, run unchanged: a class built with no arguments, one instance per rollout (pooled, reset(**row) before each), its public methods the tools, an optional get_reward() scored with weight 1 under the class's name; 'path/to/env.py:Class' or 'package.module:Class', or a mapping name -> such a spec (each row's `environment` column picks its environment). None = single-turn rollouts.")
-    max_turns: Optional[PositiveInt] = Field(None, description="Rounds of tool calls an episode may make after its first reply (TRL's max_tool_calling_iterations); None = as many as generation.max_new_tokens holds.")
-    chat_template: Optional[str] = Field(None, description="A chat template file (.jinja) used instead of the policy's own to render the episodes; the template must be prefix-preserving (checked before the run starts): for a family whose own is not (Qwen3 drops past reasoning), TRL ships training templates (trl/chat_templates/*_training.jinja). None = the policy tokenizer's.")
-    workers: PositiveInt = Field(4, description="Worker processes per actor rank that run the environments and the reward functions of an episode (each in its main thread, so signal.alarm works); the instances are spread over them. A worker whose call outlives its deadline is killed (SIGKILL) and replaced, which also ends the other episodes it held.")
-    call_deadline_s: float = Field(60.0, gt=0, description="Deadline of one call into an environment or a reward function (reset, a tool, get_reward, a reward function over the worker's rows): past it the worker is killed, the episode scores 0 and is counted (env/timeouts).")
-    episode_deadline_s: float = Field(300.0, gt=0, description="Deadline of an episode's calls into its environment, summed over its turns (generation time does not count).")
-    single_session: Literal["serialise", "refuse"] = Field("serialise", description="An environment class that declares it serves one session at a time (OpenEnv's SUPPORTS_CONCURRENT_SESSIONS = False): 'serialise' runs its episodes one after another on each actor rank, saying so; 'refuse' fails the run before it starts.")
-    verifiers: Optional[VerifiersConfig] = Field(None, description="A verifiers environment instead of environment.factory: its dataset gives the training prompts (get_dataset) and the held-out eval's (get_eval_dataset, when eval.every > 0), in place of data.prompts and eval.prompts; its rubric scores the rollouts. Needs rollout.engine=vllm (verifiers' clients talk to the rollout server).")
+    factory: Optional[Union[str, dict[str, str]]] = Field(
+        None,
+        description="TRL's environment_factory: 'path/env.py:Class', 'module:Class' or name -> spec; None = one turn.")
+    max_turns: Optional[PositiveInt] = Field(
+        None, description="Tool-calling rounds after the first reply (TRL's max_tool_calling_iterations); None = any.")
+    chat_template: Optional[str] = Field(
+        None, description="A chat template file (.jinja) for the episodes instead of the policy's own.")
+    workers: PositiveInt = Field(
+        4, description="Worker processes per actor rank that run the environments and the reward functions.")
+    call_deadline_s: float = Field(
+        60.0, gt=0,
+        description="Deadline of one call into an environment or a reward function (the worker is then killed).")
+    episode_deadline_s: float = Field(
+        300.0, gt=0, description="Deadline of an episode's calls into its environment, summed over its turns.")
+    single_session: Literal["serialise", "refuse"] = Field(
+        "serialise",
+        description="An environment that serves one session at a time: run its episodes in turn, or refuse it.")
+    verifiers: Optional[VerifiersConfig] = Field(
+        None,
+        description="A verifiers environment instead of factory: its data, rubric, episodes (docs/environments.md).")
 
     @model_validator(mode="after")
     def _specs(self) -> "EnvironmentConfig":
@@ -299,7 +376,8 @@ class EnvironmentConfig(Section):
         for name, spec in specs.items():
             if not FUNCTION_SPEC.match(spec):
                 where = f"environment.factory.{name}" if name else "environment.factory"
-                raise ValueError(f"{where} must look like 'package.module:Class' or 'path/to/env.py:Class', got {spec!r}")
+                raise ValueError(f"{where} must look like 'package.module:Class' or 'path/to/env.py:Class', "
+                                 f"got {spec!r}")
         return self
 
     @property
@@ -314,24 +392,48 @@ class EnvironmentConfig(Section):
 
 RUN_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$"  # a directory name and an S3 key part: no '/', no '..'
 
+# The named presets (a run config's `preset`): values for what a run's config leaves unset, over the field defaults
+# (which fit a real model on GPUs); docs/reference/config.md lists them, generated from here
+PRESETS: dict[str, dict] = {
+    "none": {},
+    # the embedded tiny models (a 2-core CPU trains them in minutes): `make demo`, ppo/default, `rlhf train` alone
+    "tiny": {"model.policy": "tiny/policy", "model.reward": "tiny/reward", "model.dtype": "float32",
+             "data.prompts": "builtin:sentiment", "generation.max_new_tokens": 16, "generation.micro_batch_size": 64,
+             "critic.micro_batch_size": 32, "critic.optim.lr": 1e-3, "rollout.vllm.dtype": "float32",
+             **{f"{a.section}.optim.lr": 3e-4 for a in ALGORITHMS.values()}},
+}
+
 
 class _Tree(Section):
     """What a run trains (one per run); every registered algorithm adds its own section (models/algorithms/). Where its
     parts run is the deployment's (models/deploy.py)."""
+    named: ClassVar[str] = "preset"
+    named_values: ClassVar[dict[str, dict]] = PRESETS
 
-    algorithm: Literal[tuple(ALGORITHMS)] = Field("ppo", description="The recipe: ppo (a critic server), rloo, grpo, dr_grpo, dapo, gspo, cispo, reinforce_pp or opd (a teacher); each a set of the `loss` menu's settings (docs/algorithms.md).")
-    run_name: Optional[str] = Field(None, pattern=RUN_NAME_PATTERN, description="Name of the run (letters, digits, '.', '_', '-'; at most 100): re-running with the same name resumes it. None = '<algorithm>-<timestamp>-<random>'.")
+    preset: Literal[tuple(PRESETS)] = Field(
+        "none", description="Named values for the fields this config does not give: none or tiny (the tiny models').")
+
+    algorithm: Literal[tuple(ALGORITHMS)] = Field(
+        "ppo",
+        description="The recipe: ppo, rloo, grpo, dr_grpo, dapo, gspo, cispo, reinforce_pp, opd (docs/algorithms.md).")
+    run_name: Optional[str] = Field(
+        None, pattern=RUN_NAME_PATTERN,
+        description="Name of the run (letters, digits, '.', '_', '-'): the same name resumes it; None = generated.")
     iterations: PositiveInt = Field(12, description="Training iterations (rollout + update).")
     seed: int = Field(0, description="Seed of prompts order, sampling and initialisation.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Models.")
     data: DataConfig = Field(default_factory=DataConfig, description="Training prompts.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Held-out evaluation.")
     rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Rollout engine.")
-    environment: EnvironmentConfig = Field(default_factory=EnvironmentConfig, description="Environments and tools: multi-turn rollouts (none by default).")
+    environment: EnvironmentConfig = Field(
+        default_factory=EnvironmentConfig, description="Environments and tools: multi-turn rollouts (none by default).")
     generation: GenerationConfig = Field(default_factory=GenerationConfig, description="Rollout sampling.")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty against the frozen reference policy.")
-    loss: LossConfig = Field(default_factory=LossConfig, description="The actor's loss: the menu every recipe shares (unset fields: the recipe's).")
-    critic: CriticConfig = Field(default_factory=CriticConfig, description="Critic (value model) training (algorithms with a critic).")
+    loss: LossConfig = Field(
+        default_factory=LossConfig,
+        description="The actor's loss: the menu every recipe shares (unset fields: the recipe's).")
+    critic: CriticConfig = Field(
+        default_factory=CriticConfig, description="Critic (value model) training (algorithms with a critic).")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="Reward source.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Checkpoints and resume.")
@@ -348,10 +450,12 @@ class _Tree(Section):
         settings = resolve(self)
         family = ALGORITHMS[self.algorithm]
         if (settings.advantage_estimator == "gae") != family.needs_critic:
-            need = "a critic: only algorithm=ppo has one" if settings.advantage_estimator == "gae" else "gae (ppo has a critic)"
+            need = ("a critic: only algorithm=ppo has one" if settings.advantage_estimator == "gae"
+                    else "gae (ppo has a critic)")
             raise ValueError(f"loss.advantage_estimator={settings.advantage_estimator!r} needs {need}")
         if self.kl.adaptive and settings.kl_beta == 0:
-            raise ValueError("kl.adaptive: the controller multiplies kl.beta, which is 0 for this recipe; set kl.beta > 0")
+            raise ValueError("kl.adaptive: the controller multiplies kl.beta, which is 0 for this recipe; "
+                             "set kl.beta > 0")
         if settings.dynamic_sampling:
             if family.needs_critic:
                 raise ValueError("loss.dynamic_sampling drops prompts whose k samples all scored alike: it needs k > 1 "
@@ -394,8 +498,7 @@ class _Tree(Section):
         return self
 
 
-SOURCES_DESCRIPTION = ("Set where the job starts (leave unset): every model and data source it reads, pinned once "
-                       "(models/resolve.py), as its ranks and servers read them.")
+SOURCES_DESCRIPTION = "What the job reads, pinned once where it starts (set by the job; models/resolve.py)."
 
 RunConfig = create_model(
     "RunConfig", __base__=_Tree, __module__=__name__, __doc__=_Tree.__doc__,
@@ -406,7 +509,8 @@ class RLHFConfig(RunConfig):
     """A run as its processes receive it: what it trains (the run's config) and where its parts run (`deploy`)."""
 
     job: ClassVar[str] = "rl"  # what components/runs.py builds for it (the other jobs: models/stages/config.py)
-    deploy: DeployConfig = Field(default_factory=DeployConfig, description="Where the run's parts run (set by the deployment).")
+    deploy: DeployConfig = Field(
+        default_factory=DeployConfig, description="Where the run's parts run (set by the deployment).")
     sources: Sources = Field(default_factory=Sources, description=SOURCES_DESCRIPTION)
 
     @model_validator(mode="after")
@@ -415,15 +519,14 @@ class RLHFConfig(RunConfig):
         batch = getattr(self, section).rollout_batch_size
         if batch < world:
             raise ValueError(f"{section}.rollout_batch_size={batch} is smaller than the actor's world size {world} "
-                             f"(deploy.actor.nnodes x deploy.actor.nproc_per_node): every rank needs at least one prompt")
+                             f"(deploy.actor.nnodes x deploy.actor.nproc_per_node): every rank needs at least one "
+                             f"prompt")
         return self
 
     @classmethod
     def of(cls, run: "RunConfig", deploy: DeployConfig | None = None) -> "RLHFConfig":
-        """A run's config with the deployment's settings; what the run config leaves unset gets its preset's
-        values (`preset_for` its policy)."""
-        return from_layers(run.model_dump(mode="json", exclude_unset=True),
-                           {"deploy": (deploy or DeployConfig()).model_dump(mode="json")})
+        """A run's config with the deployment's settings."""
+        return cls.model_validate({**run.model_dump(), "deploy": (deploy or DeployConfig()).model_dump()})
 
     @property
     def run(self) -> "RunConfig":
@@ -484,8 +587,10 @@ def with_schedule_lengths(cfg: RLHFConfig) -> RLHFConfig:
     actor = algorithm.settings(cfg)
     rollouts = algorithm.rollouts_per_iteration(actor)
     steps = {
-        f"{algorithm.section}.optim.total_steps": cfg.iterations * actor.epochs * math.ceil(rollouts / actor.minibatch_size),
-        "critic.optim.total_steps": cfg.iterations * cfg.critic.epochs * math.ceil(rollouts / cfg.critic.train_batch_size),
+        f"{algorithm.section}.optim.total_steps":
+            cfg.iterations * actor.epochs * math.ceil(rollouts / actor.minibatch_size),
+        "critic.optim.total_steps":
+            cfg.iterations * cfg.critic.epochs * math.ceil(rollouts / cfg.critic.train_batch_size),
     }
     current = {f"{algorithm.section}.optim.total_steps": actor.optim.total_steps,
                "critic.optim.total_steps": cfg.critic.optim.total_steps}
@@ -493,93 +598,74 @@ def with_schedule_lengths(cfg: RLHFConfig) -> RLHFConfig:
     return merge(cfg, updates) if updates else cfg
 
 
-def _tiny() -> dict:
-    """The `tiny` preset: the settings of the embedded tiny models (a 2-core CPU trains them in minutes)."""
-    return {"model.policy": "tiny/policy", "model.reward": "tiny/reward", "model.dtype": "float32",
-            "data.prompts": "builtin:sentiment", "generation.max_new_tokens": 16, "generation.micro_batch_size": 64,
-            "critic.micro_batch_size": 32, "critic.optim.lr": 1e-3, "rollout.vllm.dtype": "float32",
-            **{f"{a.section}.optim.lr": 3e-4 for a in ALGORITHMS.values()}}
-
-
-PRESETS = {"tiny": _tiny, "none": dict}  # name -> the dotted overrides it applies over the field defaults
+# How a run's config is put together: each layer over the ones before it (docs/reference/config.md renders this;
+# tests/models/test_config.py sets one field at every layer and checks that each wins over the ones before it)
+LAYERS = (
+    ("Field defaults", "Each field's default (below): values for a real model on GPUs."),
+    ("Preset and placement", "The values the config's `preset` (tiny) and `deploy.placement` (in_process, cluster) "
+     "name, for every field the layers above them leave unset. A file, `--preset` / `--placement` or a flow run's "
+     "parameters name them; a command's own placement (`rlhf train`, `rlhf pipeline`: in_process; "
+     "`rlhf cluster manifests`: cluster) when nothing does. Nothing picks a preset from the model."),
+    ("The file or the deployment's parameters", "`--config FILE` on the command line; a deployment's `config` and "
+     "`deploy` parameters (prefect.yaml, `rlhf up`) for a flow run. Any subset of the tree."),
+    ("The overrides or the flow run's parameters", "`--set KEY=VALUE` (then `--preset`, `--placement`); a flow run's "
+     "`config` and `deploy`, each deep-merged over its deployment's (Prefect replaces a parameter whole). A flow "
+     "run's parameter that names another preset or placement than its deployment's stands alone, over the one it "
+     "names."),
+    ("Derivations", "Fields left None that the run derives when it starts: `loss.*` and `kl.*` from the recipe, "
+     "`model.reward` and `model.critic`, the schedules' `total_steps`, `reward.transport`; a pipeline sets its RL "
+     "stage's models and run name."),
+)
 
 
 def preset(name: str = "tiny", **overrides) -> RLHFConfig:
-    """A named preset ('tiny': the embedded tiny models' settings; 'none': the field defaults), then `overrides`."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESETS)} (or 'auto': chosen by model.policy)")
-    values = {**PRESETS[name](), **overrides}
-    return merge(RLHFConfig(), values) if values else RLHFConfig()
+    """A named preset ('tiny': the embedded tiny models' values; 'none': the field defaults), then `overrides`."""
+    return from_layers({"preset": name}, overrides)
 
 
-def preset_for(policy: str | None) -> str:
-    """The preset a config gets by its policy: 'tiny' for the embedded tiny policy (or none given), else 'none'."""
-    return "tiny" if policy is None or is_tiny_policy(policy) else "none"
-
-
-def policy_of(layers: list[dict]) -> str | None:
-    """The model.policy the last layer naming it gives (a layer: nested and/or dotted keys), None if none does."""
-    policy = None
+def from_layers(*layers: dict) -> RLHFConfig:
+    """A config from partial layers (nested and/or dotted keys), each deep-merged over the one before, then over the
+    preset and the placement they name (LAYERS)."""
+    data: dict = {}
     for layer in layers:
-        if "model.policy" in layer:
-            policy = layer["model.policy"]
-        elif isinstance(layer.get("model"), dict) and "policy" in layer["model"]:
-            policy = layer["model"]["policy"]
-    return policy
-
-
-def from_layers(*layers: dict, preset_name: str = "auto") -> RLHFConfig:
-    """A config from partial layers (nested and/or dotted keys), each over the one before, over a preset ('auto':
-    `preset_for` the policy they name)."""
-    name = preset_for(policy_of(list(layers))) if preset_name == "auto" else preset_name
-    config = preset(name)
-    for layer in layers:
-        if layer:
-            config = merge(config, layer)
-    return config
+        data = deep_merge(data, nested(given(layer or {})))
+    return RLHFConfig.model_validate(data)
 
 
 def merge(config, overrides: dict):
     """Deep-merge a (possibly dotted-key) dict into a config (an RLHFConfig, a RunConfig, any section) and
-    re-validate it as its own class."""
-    return type(config).model_validate(_deep_update(config.model_dump(), nested(overrides)))
+    re-validate it as its own class. Its preset and placement stay: their values are in it already."""
+    changes = nested(overrides)
+    refuse_renamed(config, changes)
+    return type(config).model_validate(deep_merge(config.model_dump(), changes))
 
 
-def nested(overrides: dict) -> dict:
-    """{"a.b": 1, "a": {"c": 2}} -> {"a": {"b": 1, "c": 2}}: dotted keys as the mappings they name, merged."""
-    out: dict = {}
-    for key, value in overrides.items():
-        *parents, last = key.split(".")
-        part = {last: value}
-        for parent in reversed(parents):
-            part = {parent: part}
-        out = _deep_update(out, part)
-    return out
+def refuse_renamed(config: BaseModel, changes: dict, prefix: str = "") -> None:
+    """Raise when `changes` name another preset or placement than a built config's (its values are in it already)."""
+    named = getattr(type(config), "named", "")
+    if named and named in changes and changes[named] != getattr(config, named):
+        raise ValueError(f"{prefix}{named}: {changes[named]!r} cannot replace {getattr(config, named)!r} in a config "
+                         f"already built with it; name it where the config is built (a file, --{named}, a flow "
+                         f"run's parameters)")
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(getattr(config, key, None), BaseModel):
+            refuse_renamed(getattr(config, key), value, f"{prefix}{key}.")
 
 
-def deep_merge(base: dict, new: dict) -> dict:
-    """`new` over `base`, mappings merged key by key at every depth (a value that is not a mapping replaces)."""
-    return _deep_update(base, new)
-
-
-def _deep_update(base: dict, new: dict) -> dict:
-    out = dict(base)
-    for k, v in new.items():
-        out[k] = _deep_update(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
-
-def load_config(path: str | Path | None = None, preset_name: str = "auto", overrides: dict | None = None,
-                defaults: dict | None = None) -> RLHFConfig:
-    """A preset ('auto': chosen by the policy the layers name, see `preset_for`), then an entry point's own
-    `defaults` (e.g. where `rlhf train` runs its parts), then a YAML file (any subset of the tree: what the run
-    trains, and its `deploy` section), then dotted-key overrides."""
+def load_config(path: str | Path | None = None, overrides: dict | None = None, preset: str | None = None,
+                placement: str | None = None, default_placement: str | None = None) -> RLHFConfig:
+    """A run's config as the CLI builds it (LAYERS): a YAML file (any subset of the tree: what the run trains, and its
+    `deploy` section), then dotted-key overrides, over the preset and the placement they name; `preset` and
+    `placement` (--preset, --placement) name them over what the file says; `default_placement` is the command's own,
+    when nothing names one."""
     data = {}
     if path is not None:
         data = yaml.safe_load(Path(path).read_text()) or {}
         if not isinstance(data, dict):
             raise ValueError(f"config file {path} must hold a mapping, got {type(data).__name__}")
-    return from_layers(defaults or {}, data, overrides or {}, preset_name=preset_name)
+    return from_layers({"deploy": {"placement": default_placement}} if default_placement else {}, data,
+                       overrides or {}, {"preset": preset} if preset else {},
+                       {"deploy": {"placement": placement}} if placement else {})
 
 
 def describe(section=None, prefix: str = "", advanced: bool = True) -> list[tuple[str, str, str, str]]:

@@ -1,9 +1,10 @@
 """Where a run's parts run: the deployment settings, apart from what a run trains (models/config.py).
 
-A deployment sets these once: prefect.yaml on a cluster (critic and rollout servers as deployments on their own GPU
-nodes, checkpoints in S3), `rlhf up` locally, `rlhf train` for one process. A run's own config never needs to name a
-host, a port, an interpreter or a bucket, and a flow run given a partial config keeps its deployment's settings (the
-flows deep-merge what a run is given over what its deployment says: components/runs.py).
+A deployment sets these once: prefect.yaml on a cluster (placement cluster: the servers as LeaderWorkerSets the run
+creates, checkpoints in S3), `rlhf up` locally (placement local), `rlhf train` for one process (placement in_process).
+A run's own config never needs to name a host, a port, an interpreter or a bucket, and a flow run given a partial
+config keeps its deployment's settings (the flows deep-merge what a run is given over what its deployment says:
+components/tasks.py). A placement (`PLACEMENTS`) is a named set of values for what the deployment leaves unset.
 
 Ports: None (the default) = a free port picked when the server starts (the OS's choice, so runs started together on
 one machine never race for one); a number = that port, or a free one when it is busy.
@@ -19,10 +20,21 @@ from pydantic import Field, NonNegativeInt, PositiveInt, field_validator, model_
 
 from models.sections import Section, default_state_dir
 
-Launch = Literal["in_process", "local", "deployment", "kubernetes"]
+Launch = Literal["in_process", "local", "kubernetes"]
 SECRET_NAME = re.compile(r"KEY|SECRET|TOKEN|PASSWORD|CREDENTIAL", re.I)
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$"
 GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+# what every pod of a run copies from its controller's environment by default (deploy.cluster.env_from_controller)
+CONTROLLER_ENV = ("PREFECT_API_URL", "MLFLOW_TRACKING_URI", "AWS_REGION", "AWS_DEFAULT_REGION", "RLHF_S3_BUCKET",
+                  "RLHF_S3_PREFIX", "RLHF_STORE_SIGNER_ARN", "DO_NOT_TRACK", "MLFLOW_DISABLE_TELEMETRY")
+
+
+def refuse_deployment_launch(value):
+    """launch='deployment' (a server as a Prefect deployment of its own) was removed: refused naming what replaces it."""
+    if value == "deployment":
+        raise ValueError("launch='deployment' was removed: on a cluster use 'kubernetes' (the run creates its servers "
+                         "as a LeaderWorkerSet: docs/cluster.md), else 'local'")
+    return value
 
 
 READY_TIMEOUT_S = 900.0  # a server's readiness wait: a cold GPU node joins in 3-6 min, then pulls the image, then loads
@@ -36,15 +48,25 @@ class ActorPlacement(Section):
         "max_restarts", "backend", "fsdp", "master_addr", "master_port", "collective_timeout_s",
     )
 
-    nproc_per_node: PositiveInt = Field(1, description="Actor ranks per node (one per GPU; on CPU, each gets its cores / ranks threads).")
-    nnodes: PositiveInt = Field(1, description="Node groups of the actor; more than one makes the flow run (or `rlhf train`) the run's controller: it starts the groups where `launch` says, relays rank 0's log, restarts them after a failure (`max_restarts`) and returns the run's summary.")
-    launch: Literal["local", "jobset"] = Field("local", description="Where the node groups of nnodes > 1 run: 'local' = one torchrun per group on this machine over loopback, each with the environment JobSet gives a pod and a state directory of its own (nothing shared but the run's checkpoint store); 'jobset' = a JobSet on Kubernetes (components/cluster/jobset.py), its pods admitted together by Kueue.")
-    max_restarts: NonNegativeInt = Field(2, le=100, description="With nnodes > 1: how many times the whole set of node groups is restarted after one fails (JobSet's failurePolicy.maxRestarts); each restart resumes from the run's last checkpoint. A failure a restart cannot mend (the run's name taken by another run, its lease lost) is not restarted.")
-    backend: Literal["auto", "nccl", "gloo"] = Field("auto", description="torch.distributed backend: 'auto' = nccl with CUDA, gloo on CPU.")
-    fsdp: Literal["auto", "off"] = Field("auto", description="'auto' shards a full fine-tune with FSDP2 (fully_shard per transformer block) when world size > 1; 'off' replicates it and sums gradients. LoRA always replicates the frozen base and syncs only the adapters.")
-    master_addr: str = Field("127.0.0.1", description="Address of rank 0 for ranks started by rank 0 itself (torchrun sets its own).")
-    master_port: Optional[int] = Field(None, ge=1024, le=65535, description="Port of rank 0's rendezvous; None = a free one (one node, or launch=local), 29500 on a JobSet; a busy port makes a local rank 0 pick a free one.")
-    collective_timeout_s: float = Field(300.0, gt=0, description="A collective (and the rendezvous at start) that waits longer than this, because a rank died or hangs, fails the run.")
+    nproc_per_node: PositiveInt = Field(1, description="Actor ranks per node (one per GPU).")
+    nnodes: PositiveInt = Field(
+        1,
+        description="Node groups of the actor; over one, the flow run is the run's controller (docs/distributed.md).")
+    launch: Literal["local", "jobset"] = Field(
+        "local",
+        description="Where node groups run when nnodes > 1: local torchrun processes, or a JobSet on Kubernetes.")
+    max_restarts: NonNegativeInt = Field(
+        2, le=100, description="With nnodes > 1: restarts of every node group after one fails, each from a checkpoint.")
+    backend: Literal["auto", "nccl", "gloo"] = Field(
+        "auto", description="torch.distributed backend: auto = nccl with CUDA, gloo on CPU.")
+    fsdp: Literal["auto", "off"] = Field(
+        "auto", description="auto shards a full fine-tune with FSDP2 when the world size is over 1; off replicates it.")
+    master_addr: str = Field(
+        "127.0.0.1", description="Address of rank 0 for the ranks it starts itself (torchrun sets its own).")
+    master_port: Optional[int] = Field(
+        None, ge=1024, le=65535, description="Port of rank 0's rendezvous; None = a free one (29500 on a JobSet).")
+    collective_timeout_s: float = Field(
+        300.0, gt=0, description="A collective that waits longer than this (a rank died or hangs) fails the run.")
 
     @property
     def world_size(self) -> int:
@@ -57,14 +79,23 @@ class ServerPlacement(Section):
         "host", "port", "max_queue_delay_us", "torch_threads", "ready_timeout_s", "request_timeout_s",
     )
 
-    launch: Launch = Field("local", description="'in_process' = no server (the model runs in the actor's rank 0); 'local' = a PyTriton child process of the run (own process group, stopped with it); 'deployment' = its Prefect deployment (critic-server/default, reward-server/default; on a cluster its own GPU node); 'kubernetes' = a LeaderWorkerSet the run creates on its cluster (deploy.cluster), reached through its pods' DNS names and deleted with the run.")
-    host: str = Field("127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
-    port: Optional[int] = Field(None, ge=1, le=65533, description="HTTP port P of the server (gRPC P+1, metrics P+2); None = a free block picked at start.")
-    max_queue_delay_us: int = Field(2000, ge=0, description="Dynamic-batching queue delay of the server's batched models.")
-    torch_threads: Optional[PositiveInt] = Field(None, description="torch intra-op threads of the server process; None = 1 on a CPU-only host (it usually shares the cores with the actor; 2+2 threads on 2 cores ran ~4x slower), torch's default with CUDA.")
-    ready_timeout_s: float = Field(READY_TIMEOUT_S, gt=0, description="How long to wait for the server to become ready; with launch=deployment, also for its flow run to start (a cold GPU node: 3-6 min to join, then the image pull and the model load). The run's log says every ~30 s what it waits for and how long it has waited; a local server that exits fails the wait at once.")
+    launch: Launch = Field("local", description="'in_process' = no server (the model runs in the actor's rank 0); 'local' = a PyTriton child process of the run (own process group, stopped with it); 'kubernetes' = a LeaderWorkerSet the run creates on its cluster (deploy.cluster), reached through its pods' DNS names and deleted with the run.")
+    host: str = Field(
+        "127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
+    port: Optional[int] = Field(
+        None, ge=1, le=65535, description="HTTP port of the server; None = a free port picked at start.")
+    max_queue_delay_us: int = Field(
+        2000, ge=0, description="Dynamic-batching queue delay of the server's batched models.")
+    torch_threads: Optional[PositiveInt] = Field(
+        None, description="torch intra-op threads of the server; None = 1 on a CPU-only host, else torch's default.")
+    ready_timeout_s: float = Field(
+        READY_TIMEOUT_S, gt=0,
+        description="How long to wait for the server (and, launched elsewhere, its start) to become ready.")
     request_timeout_s: float = Field(300.0, gt=0, description="Timeout of one request.")
-    auth: Literal["secret", "none"] = Field("secret", description="'secret' = every request but liveness/readiness must carry the run's secret (generated per run, handed to the server through its environment; components/serving/auth.py), others are refused (403); 'none' = open mode: inference, model config and metadata answer anyone who reaches the port (NeMo-Aligner's own client sends no credentials); the server says so when it starts.")
+    auth: Literal["secret", "none"] = Field(
+        "secret", description="Who may call: secret = the run's own requests only (docs/security.md); none = anyone.")
+
+    _launch = field_validator("launch", mode="before")(refuse_deployment_launch)
 
 
 class CriticPlacement(ServerPlacement):
@@ -72,8 +103,10 @@ class CriticPlacement(ServerPlacement):
         "host", "port", "max_queue_delay_us", "torch_threads", "ready_timeout_s", "request_timeout_s",
         "max_train_rows",
     )
-    max_train_rows: PositiveInt = Field(4096, description="Largest critic_train batch (rows) the server accepts; a bigger one is refused naming `tokens` (critic_train is not batched by Triton, so its batch is bounded here).")
-    nproc_per_node: PositiveInt = Field(1, description="Ranks of the critic server (one node): rank 0 serves HTTP, every rank holds an FSDP2 shard of the critic and computes its block of each batch (collectives: actor.backend, actor.collective_timeout_s).")
+    max_train_rows: PositiveInt = Field(
+        4096, description="Largest critic_train batch (rows) the server accepts; a bigger one is refused.")
+    nproc_per_node: PositiveInt = Field(
+        1, description="Ranks of the critic server (one node), each holding an FSDP2 shard of the critic.")
 
 
 class RolloutPlacement(Section):
@@ -85,24 +118,44 @@ class RolloutPlacement(Section):
         "max_request_tokens", "max_body_mib", "weight_transfer",
     )
 
-    launch: Literal["local", "deployment", "kubernetes"] = Field("local", description="'local' = a child process of the run (own process group, stopped with it); 'deployment' = the rollout-server/default Prefect deployment (its own GPU node on a cluster); 'kubernetes' = a LeaderWorkerSet of `replicas` servers the run creates on its cluster (deploy.cluster; the vLLM image), deleted with the run.")
-    python: str = Field(".venv-vllm/bin/python", description="Interpreter of the server's environment (`make vllm-venv`; an image with `vllm` on a cluster). Relative paths resolve against the project root.")
-    host: str = Field("127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
-    port: Optional[int] = Field(None, ge=0, le=65535, description="HTTP port of the server (replica i: port + i); None or 0 = a free one picked at start; a busy port makes a local server pick a free one.")
-    replicas: PositiveInt = Field(1, description="Independent rollout servers, each with its own copy of the weights: each iteration's prompts are spread over them at once (in equal shares of whole prompts: a prompt's samples all come from one replica, and are seeded by their place in the batch, so the samples do not depend on the replica count), and every replica is refit after every update.")
-    tensor_parallel_size: PositiveInt = Field(1, description="GPUs each replica shards the model over (vLLM's tensor parallelism); more than 1 needs that many GPUs on the server's host (refused on a CPU host; on the cluster at most the GPUs of one server node, deploy.cluster.servers.gpus_per_node) and weight_transfer='dist' (each of the replica's GPU workers joins the weight-transfer group).")
-    max_model_len: Optional[PositiveInt] = Field(None, description="Longest prompt + response the engine accepts (its KV cache is sized for it); None = the model's own limit (max_position_embeddings).")
+    launch: Literal["local", "kubernetes"] = Field("local", description="'local' = a child process of the run (own process group, stopped with it); 'kubernetes' = a LeaderWorkerSet of `replicas` servers the run creates on its cluster (deploy.cluster; the vLLM image), deleted with the run.")
+    python: str = Field(
+        ".venv-vllm/bin/python",
+        description="Interpreter of the server's environment (`make vllm-venv`), relative to the project root.")
+    host: str = Field(
+        "127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
+    port: Optional[int] = Field(
+        None, ge=0, le=65535,
+        description="HTTP port of the server (replica i: port + i); None or 0 = a free one picked at start.")
+    replicas: PositiveInt = Field(
+        1, description="Independent rollout servers, each with its own weights, sharing each batch's prompts.")
+    tensor_parallel_size: PositiveInt = Field(
+        1, description="GPUs each replica shards the model over (vLLM's tensor parallelism).")
+    max_model_len: Optional[PositiveInt] = Field(
+        None, description="Longest prompt + response the engine accepts; None = the model's own limit.")
     kv_cache_gib: float = Field(1.0, gt=0, description="KV-cache space in GiB on a CPU host (VLLM_CPU_KVCACHE_SPACE).")
-    gpu_memory_utilization: float = Field(0.3, gt=0, le=1, description="Share of the GPU's memory vLLM may take (weights + KV cache) on a GPU host; the rest is left to a trainer on the same GPU and to NCCL.")
-    enforce_eager: bool = Field(True, description="Run without CUDA graphs / torch.compile: starts in seconds instead of ~1 min; turn off for long runs on a GPU.")
-    threads: Optional[PositiveInt] = Field(None, description="CPU threads of the engine (OMP_NUM_THREADS); None = every core on a CPU-only host (the actor waits while the server generates, the server idles while the actor trains), vLLM's default otherwise. Set it lower when other work shares the cores.")
-    cpu_cores: Optional[str] = Field(None, coerce_numbers_to_str=True, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$", description="CPU cores the server runs on on a CPU host, every thread of its process (and vLLM's OpenMP threads bound to them: VLLM_CPU_OMP_THREADS_BIND), a Linux core list, e.g. '1', '2-3' or '0,4-5'; None = every core, vLLM's default binding. With asynchronous rollouts, keep the server and the actor on cores of their own (as separate pods would be).")
-    ready_timeout_s: float = Field(READY_TIMEOUT_S, gt=0, description="How long to wait for every replica to load the model and answer /health; with launch=deployment, also how long its flow run may take to start and publish its address (a cold GPU node: 3-6 min to join, then the image pull and the model load). The run's log says every ~30 s what it waits for and how long it has waited; a local server that exits fails the wait at once.")
+    gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="Share of the GPU's memory vLLM may take (weights and KV cache) on a GPU host.")
+    enforce_eager: bool = Field(
+        True, description="Run without CUDA graphs or torch.compile (starts in seconds); off for long GPU runs.")
+    threads: Optional[PositiveInt] = Field(
+        None, description="CPU threads of the engine (OMP_NUM_THREADS); None = every core on a CPU-only host.")
+    cpu_cores: Optional[str] = Field(
+        None, coerce_numbers_to_str=True, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$",
+        description="CPU cores the server runs on, a Linux core list such as '2-3'; None = every core.")
+    ready_timeout_s: float = Field(
+        READY_TIMEOUT_S, gt=0, description="How long to wait for every replica to load the model and answer /health.")
     request_timeout_s: float = Field(600.0, gt=0, description="Timeout of one generate or weight-update request.")
-    max_request_sequences: PositiveInt = Field(4096, description="Largest /generate request: prompts x n sampled sequences; a bigger one is refused (400) naming the fields.")
-    max_request_tokens: PositiveInt = Field(1 << 23, description="Largest /generate request in new tokens: prompts x n x max_new_tokens; a bigger one is refused (400) naming the fields.")
-    max_body_mib: PositiveInt = Field(32, description="Largest JSON request body (MiB) the server reads, checked from Content-Length before reading (a weight upload is bounded by the model's own size instead); 1,024 prompts of 2,048 tokens take ~13 MiB.")
-    weight_transfer: Literal["http", "dist"] = Field("dist", description="How the actor's weights reach every replica after every update: 'dist' = a torch.distributed group per replica (actor rank 0 and the replica's workers; gloo on CPU, NCCL on GPUs), tensors broadcast one at a time and loaded as they arrive; 'http' = a safetensors body streamed to each replica's POST /update_weights (a server the actor cannot reach with a process group: only its HTTP port is open). Either way the replicas receive each tensor at once, gathered once.")
+    max_request_sequences: PositiveInt = Field(
+        4096, description="Largest /generate request in sequences (prompts x samples); a bigger one is refused.")
+    max_request_tokens: PositiveInt = Field(
+        1 << 23, description="Largest /generate request in new tokens (prompts x samples x max_new_tokens).")
+    max_body_mib: PositiveInt = Field(
+        32, description="Largest JSON request body in MiB (a weight upload is bounded by the model's size).")
+    weight_transfer: Literal["http", "dist"] = Field(
+        "dist", description="How weights reach each replica after an update: dist (a process group) or http.")
+
+    _launch = field_validator("launch", mode="before")(refuse_deployment_launch)
 
     @model_validator(mode="after")
     def _tensor_parallel_needs_dist(self):
@@ -114,35 +167,66 @@ class RolloutPlacement(Section):
 
 
 class TrackingPlacement(Section):
-    uri: Optional[str] = Field(None, description="MLflow tracking URI; None uses $MLFLOW_TRACKING_URI, else the local stack's server, else sqlite in state_dir.")
+    uri: Optional[str] = Field(
+        None,
+        description="MLflow tracking URI; None = $MLFLOW_TRACKING_URI, the local stack's, else sqlite in state_dir.")
     system_metrics: bool = Field(True, description="Log CPU/GPU/memory system metrics with the run.")
 
 
 class CheckpointPlacement(Section):
     advanced: ClassVar[tuple[str, ...]] = ("lease_timeout_s",)  # --describe --all
-    uri: Optional[str] = Field(None, description="file:///dir, a path, or s3://bucket/prefix; None uses <state_dir>/checkpoints. The run name is appended.")
-    s3_endpoint_url: Optional[str] = Field(None, description="Endpoint of an S3-compatible store, for the checkpoints and for s3:// models and data (None = AWS or $AWS_ENDPOINT_URL_S3).")
-    lease_timeout_s: float = Field(60.0, ge=5, description="One writer per run name: a run holds a lease on its checkpoint store (a file lock locally, a lease object created with a conditional put on S3, renewed every third of this); another run of the same name is refused while the lease is held, and takes a lease over that was not renewed for this long (its holder is gone; logged).")
+    uri: Optional[str] = Field(
+        None, description="Checkpoint store (file:///dir, a path, s3://bucket/prefix); None = <state_dir>/checkpoints.")
+    s3_endpoint_url: Optional[str] = Field(
+        None, description="Endpoint of an S3-compatible store for checkpoints, models and data (None = AWS).")
+    lease_timeout_s: float = Field(
+        60.0, ge=5, description="Another run of the same name takes over a lease left unrenewed this long.")
 
 
 class CachePlacement(Section):
     """How this deployment's processes bring models and data that are not local paths onto their machine
     (models/resolve.py): s3:// sources into a cache directory, hub ids into the Hugging Face cache."""
 
-    dir: Optional[str] = Field(None, description="Where s3:// models and data and a run's stored reward files are fetched on each machine (once; a later run reuses them while their ETags are unchanged); a volume the run's pods share on a cluster fetches each once for all of them. None = $RLHF_CACHE_DIR, else <HF_HOME>/rlhf-flows (HF_HOME: ~/.cache/huggingface unless set; /cache/huggingface on the cluster's shared volume).")
-    hub_downloads: bool = Field(False, description="Download a hub id (model or data set) that is not in the Hugging Face cache into it at run time, one process (or pod) at a time under a lock in the cache, the others waiting for it; false = nothing downloads at run time: a missing one fails naming its field and the `hf download` command. The cluster's deployments set true (the cache on the pods' shared volume); HF_HUB_OFFLINE=1 forbids it either way.")
+    dir: Optional[str] = Field(
+        None,
+        description="Where s3:// models and data are fetched on each machine; None = $RLHF_CACHE_DIR, else HF_HOME's.")
+    hub_downloads: bool = Field(
+        False, description="Download a hub id missing from the Hugging Face cache at run time (else: refused).")
 
 
 class PodPlacement(Section):
     """Where the pods of one kind that a run creates on its cluster land, and what each asks of its node."""
-    advanced: ClassVar[tuple[str, ...]] = ("shm_size", "tolerations")  # --describe --all
+    advanced: ClassVar[tuple[str, ...]] = ("shm_size", "node_selector", "tolerations")  # --describe --all
 
-    cpu: str = Field("3", pattern=r"^[0-9]+(\.[0-9]+|m)?$", description="CPU request of each pod (a Kubernetes quantity); it must fit one node of the pool (infra/terraform/node_types.json: a g5.xlarge leaves about 3.8).")
-    memory: str = Field("12Gi", pattern=r"^[0-9]+(Mi|Gi)$", description="Memory request and limit of each pod (a g5.xlarge leaves about 14.2Gi).")
-    shm_size: str = Field("2Gi", pattern=r"^[0-9]+(Mi|Gi)$", description="Size of the in-memory /dev/shm of each pod (NCCL, data loaders); counts against memory.")
-    gpus_per_node: PositiveInt = Field(1, le=8, description="GPUs of one node of the pool (the instance type's: g5.xlarge 1, g5.12xlarge 4, p4d.24xlarge 8): a pod never asks for more.")
-    node_selector: dict[str, str] = Field(default_factory=dict, description="nodeSelector of each pod: the pool's node label (infra/terraform: rlhf/role).")
-    tolerations: list[dict] = Field(default_factory=lambda: [dict(GPU_TOLERATION)], description="Tolerations of each pod: the GPU pools' taint nvidia.com/gpu=true:NoSchedule.")
+    cpu: str = Field(
+        "3", pattern=r"^[0-9]+(\.[0-9]+|m)?$",
+        description="CPU request of each pod (a Kubernetes quantity that fits one node of its pool).")
+    memory: str = Field("12Gi", pattern=r"^[0-9]+(Mi|Gi)$", description="Memory request and limit of each pod.")
+    shm_size: str = Field(
+        "2Gi", pattern=r"^[0-9]+(Mi|Gi)$", description="Size of each pod's in-memory /dev/shm (counts against memory).")
+    gpus_per_node: PositiveInt = Field(
+        1, le=8, description="GPUs of one node of the pool (g5.xlarge 1, g5.12xlarge 4, p4d.24xlarge 8).")
+    node_selector: dict[str, str] = Field(
+        default_factory=dict,
+        description="nodeSelector of each pod: the pool's node label (infra/terraform: rlhf/role).")
+    tolerations: list[dict] = Field(
+        default_factory=lambda: [dict(GPU_TOLERATION)],
+        description="Tolerations of each pod (the GPU pools' taint nvidia.com/gpu=true:NoSchedule).")
+
+
+class ActorPods(PodPlacement):
+    """The actor's node pods: the actor-gpu pool."""
+
+    node_selector: dict[str, str] = Field(
+        default_factory=lambda: {"rlhf/role": "actor"}, description="nodeSelector of each pod: the actor pool's label.")
+
+
+class ServerPods(PodPlacement):
+    """The server pods: the critic-gpu pool."""
+
+    node_selector: dict[str, str] = Field(
+        default_factory=lambda: {"rlhf/role": "critic"},
+        description="nodeSelector of each pod: the critic pool's label.")
 
 
 class ClusterPlacement(Section):
@@ -154,22 +238,43 @@ class ClusterPlacement(Section):
         "state_dir", "state_size", "env_from_controller", "env", "secret_env",
     )
 
-    namespace: Optional[str] = Field(None, pattern=DNS_LABEL, description="Namespace of the run's objects; None = the namespace of the pod the run runs in (its service account's mount), else 'rlhf' (terraform output namespace).")
-    image: Optional[str] = Field(None, description="Image of the actor's node pods and the critic/reward servers; None = $RLHF_IMAGE (prefect.yaml gives every flow pod the image it pushed).")
-    vllm_image: Optional[str] = Field(None, description="Image of the rollout servers (docker/vllm.Dockerfile); None = $RLHF_VLLM_IMAGE.")
-    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = Field("IfNotPresent", description="imagePullPolicy of the run's pods.")
-    actor_service_account: str = Field("rlhf-actor", pattern=DNS_LABEL, description="Service account of the actor's node pods (terraform output actor_service_account_name: its IRSA role writes the run's checkpoints; RBAC lets it create the run's servers).")
-    server_service_account: str = Field("rlhf-critic", pattern=DNS_LABEL, description="Service account of the server pods (terraform output critic_service_account_name).")
-    queue: Optional[str] = Field("rlhf", pattern=DNS_LABEL, description="Kueue LocalQueue of the run's JobSet and LeaderWorkerSets (label kueue.x-k8s.io/queue-name): a JobSet's pods are admitted together or not at all; None = no Kueue (pods are scheduled one by one).")
-    cache_claim: Optional[str] = Field("rlhf-cache", pattern=DNS_LABEL, description="PersistentVolumeClaim (ReadWriteMany, EFS: infra/terraform) mounted at cache_mount in every pod of the run: the Hugging Face cache (HF_HOME=<cache_mount>/huggingface), read-mostly; None = no shared cache.")
+    namespace: Optional[str] = Field(
+        None, pattern=DNS_LABEL,
+        description="Namespace of the run's objects; None = that of the pod the run runs in, else 'rlhf'.")
+    image: Optional[str] = Field(
+        None, description="Image of the actor's node pods and the critic and reward servers; None = $RLHF_IMAGE.")
+    vllm_image: Optional[str] = Field(
+        None, description="Image of the rollout servers (docker/vllm.Dockerfile); None = $RLHF_VLLM_IMAGE.")
+    image_pull_policy: Literal["IfNotPresent", "Always", "Never"] = Field(
+        "IfNotPresent", description="imagePullPolicy of the run's pods.")
+    actor_service_account: str = Field(
+        "rlhf-actor", pattern=DNS_LABEL,
+        description="Service account of the actor's node pods (terraform: actor_service_account_name).")
+    server_service_account: str = Field(
+        "rlhf-critic", pattern=DNS_LABEL,
+        description="Service account of the server pods (terraform: critic_service_account_name).")
+    queue: Optional[str] = Field(
+        "rlhf", pattern=DNS_LABEL,
+        description="Kueue LocalQueue of the run's JobSet and LeaderWorkerSets; None = no Kueue.")
+    cache_claim: Optional[str] = Field(
+        "rlhf-cache", pattern=DNS_LABEL,
+        description="PersistentVolumeClaim of the shared Hugging Face cache every pod mounts; None = none.")
     cache_mount: str = Field("/cache", pattern=r"^/", description="Where every pod of the run mounts the shared cache.")
-    state_dir: str = Field("/var/lib/rlhf", pattern=r"^/", description="RLHF_STATE_DIR of every pod of the run: an emptyDir of its own (logs, local copies); nothing is shared between pods through it (checkpoints live in the run's store).")
+    state_dir: str = Field(
+        "/var/lib/rlhf", pattern=r"^/",
+        description="RLHF_STATE_DIR of every pod: an emptyDir of its own, shared with no other pod.")
     state_size: str = Field("50Gi", pattern=r"^[0-9]+(Mi|Gi)$", description="Size limit of each pod's state directory.")
-    actor: PodPlacement = Field(default_factory=lambda: PodPlacement(node_selector={"rlhf/role": "actor"}), description="The actor's node pods (one per node group, nproc_per_node GPUs each): the actor-gpu pool.")
-    servers: PodPlacement = Field(default_factory=lambda: PodPlacement(node_selector={"rlhf/role": "critic"}), description="The critic, reward and rollout server pods: the critic-gpu pool.")
-    env_from_controller: list[str] = Field(default_factory=lambda: ["PREFECT_API_URL", "MLFLOW_TRACKING_URI", "AWS_REGION", "AWS_DEFAULT_REGION", "RLHF_S3_BUCKET", "RLHF_S3_PREFIX", "RLHF_STORE_SIGNER_ARN", "DO_NOT_TRACK", "MLFLOW_DISABLE_TELEMETRY"], description="Environment variables every pod of the run copies from the controller's (those it has); never a secret: a pod's spec shows its values.")
-    env: dict[str, str] = Field(default_factory=dict, description="More environment variables of every pod of the run (never a secret: use secret_env).")
-    secret_env: dict[str, str] = Field(default_factory=dict, description="Environment variables every pod of the run takes from a Kubernetes Secret: NAME -> '<secret>/<key>' (a secretKeyRef: the value never appears in a spec), e.g. PREFECT_API_KEY -> prefect-api-key/key for Prefect Cloud.")
+    actor: ActorPods = Field(
+        default_factory=ActorPods, description="The actor's node pods (one per node group): the actor-gpu pool.")
+    servers: ServerPods = Field(
+        default_factory=ServerPods, description="The critic, reward and rollout server pods: the critic-gpu pool.")
+    env_from_controller: list[str] = Field(
+        default_factory=lambda: list(CONTROLLER_ENV),
+        description="Environment variables every pod copies from the controller's (never a secret).")
+    env: dict[str, str] = Field(
+        default_factory=dict, description="More environment variables of every pod (never a secret: use secret_env).")
+    secret_env: dict[str, str] = Field(
+        default_factory=dict, description="Environment variables from Kubernetes Secrets: NAME -> '<secret>/<key>'.")
 
     @field_validator("env_from_controller", "env")
     @classmethod
@@ -190,22 +295,55 @@ class ClusterPlacement(Section):
         return value
 
 
+# The named placements (deploy.placement): where a run's parts run, as values under what the deployment gives
+# (docs/reference/config.md lists them, generated from here)
+PLACEMENTS: dict[str, dict] = {
+    # every part on this machine, each server a child process of the run (the field defaults; `rlhf up`'s deployments)
+    "local": {},
+    # the critic and the reward model in the actor's process, no server to start (`rlhf train`, `rlhf pipeline`)
+    "in_process": {"critic.launch": "in_process", "reward.launch": "in_process"},
+    # Kubernetes: the servers as LeaderWorkerSets the run creates, the actor's node groups (nnodes > 1) as a JobSet,
+    # the rollout server in the vLLM image, hub models downloaded once into the pods' shared cache (prefect.yaml,
+    # `rlhf cluster manifests`)
+    "cluster": {"actor.launch": "jobset", "critic.launch": "kubernetes", "reward.launch": "kubernetes",
+                "rollout.launch": "kubernetes", "rollout.python": "/opt/vllm/bin/python", "cache.hub_downloads": True},
+}
+
+
 class DeployConfig(Section):
     """Where a run's parts run: processes, devices, hosts, ports, interpreters, cores, timeouts, tracking and storage
     URIs. Set by the deployment (prefect.yaml, `rlhf up`, `rlhf train`); a run's config never needs them."""
     advanced: ClassVar[tuple[str, ...]] = ("reference_device",)  # --describe --all
+    named: ClassVar[str] = "placement"
+    named_values: ClassVar[dict[str, dict]] = PLACEMENTS
 
-    state_dir: Optional[str] = Field(None, description="Local state directory (logs, local checkpoints and MLflow store, the local stack); None = $RLHF_STATE_DIR or ./.rlhf.")
-    device: str = Field("auto", description="'auto' (cuda if available, else cpu), 'cpu' or 'cuda[:N]'. With several actor ranks, 'auto'/'cuda' mean each rank's own GPU (LOCAL_RANK).")
-    reference_device: Literal["auto", "actor", "cpu"] = Field("auto", description="Where the frozen reference of a full fine-tune lives: 'actor' = the actor's device, sharded like the actor; 'cpu' = a CPU copy on every rank; 'auto' = the actor's device when its free memory holds the reference shard with a 20% margin, else CPU. (LoRA has no copy: adapters disabled.)")
+    placement: Literal[tuple(PLACEMENTS)] = Field(
+        "local", description="Named values for the fields below that are not given: local, in_process or cluster.")
+
+    state_dir: Optional[str] = Field(
+        None, description="Local state (logs, checkpoints, the local stack); None = $RLHF_STATE_DIR, else ./.rlhf.")
+    device: str = Field(
+        "auto", description="auto (cuda if available, else cpu), cpu or cuda[:N]; with several ranks, each rank's GPU.")
+    reference_device: Literal["auto", "actor", "cpu"] = Field(
+        "auto", description="Where a full fine-tune's frozen reference lives: actor, cpu, or auto (actor if it fits).")
     actor: ActorPlacement = Field(default_factory=ActorPlacement, description="Actor processes (data parallel, FSDP2).")
-    critic: CriticPlacement = Field(default_factory=CriticPlacement, description="The critic server (algorithms with a critic).")
-    reward: ServerPlacement = Field(default_factory=ServerPlacement, description="The reward server (algorithms without a critic, or a critic that does not carry the reward model).")
-    rollout: RolloutPlacement = Field(default_factory=RolloutPlacement, description="The vLLM rollout server (rollout.engine=vllm).")
+    critic: CriticPlacement = Field(
+        default_factory=CriticPlacement, description="The critic server (algorithms with a critic).")
+    reward: ServerPlacement = Field(
+        default_factory=ServerPlacement,
+        description="The reward server (no critic, or a critic that does not carry the reward model).")
+    rollout: RolloutPlacement = Field(
+        default_factory=RolloutPlacement, description="The vLLM rollout server (rollout.engine=vllm).")
     tracking: TrackingPlacement = Field(default_factory=TrackingPlacement, description="The MLflow tracking server.")
-    checkpoint: CheckpointPlacement = Field(default_factory=CheckpointPlacement, description="The checkpoint store (its s3_endpoint_url also serves s3:// models and data).")
-    cluster: ClusterPlacement = Field(default_factory=ClusterPlacement, description="The run's own pods on Kubernetes (the actor's node groups with actor.launch=jobset, servers with launch=kubernetes).")
-    cache: CachePlacement = Field(default_factory=CachePlacement, description="Models and data that are not local paths: s3:// sources and hub ids (models/resolve.py).")
+    checkpoint: CheckpointPlacement = Field(
+        default_factory=CheckpointPlacement,
+        description="The checkpoint store (its s3_endpoint_url also serves s3:// models and data).")
+    cluster: ClusterPlacement = Field(
+        default_factory=ClusterPlacement,
+        description="The run's own pods on Kubernetes: a JobSet for the actor, LeaderWorkerSets for servers.")
+    cache: CachePlacement = Field(
+        default_factory=CachePlacement,
+        description="Models and data that are not local paths: s3:// sources and hub ids.")
 
     def resolved_state_dir(self) -> Path:
         return Path(self.state_dir).absolute() if self.state_dir else default_state_dir()

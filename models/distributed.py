@@ -3,6 +3,11 @@
 Every function takes a `Dist`; with one rank (`SINGLE`) they are identities, so the step functions have one code path
 whether they run on one process or N. Collectives run on the default process group, which `init` creates with a
 bounded timeout: a rank that died or hangs fails the others within `actor.collective_timeout_s`, never 30 minutes.
+
+No channel between the ranks runs code or admits a stranger: objects travel as JSON and tensors (models/wire.py),
+never pickles; the group meets through a store of rank 0's, listening on rank 0's address alone, whose keys and
+values only holders of the run's secret can make, and every rank proves that secret before anything else is
+exchanged (models/rendezvous.py).
 """
 
 from __future__ import annotations
@@ -12,10 +17,12 @@ import os
 import sys
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from models import rendezvous, wire
 from models.loading import DTYPES
 
 
@@ -46,36 +53,67 @@ class Dist:
         return out
 
     def broadcast_object(self, obj=None, src: int = 0):
-        """`obj` from rank `src` on every rank."""
+        """`obj` from rank `src` on every rank (JSON and tensors: models/wire.py)."""
         if not self.active:
             return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=src)
-        return box[0]
+        device = wire_device()
+        payload = wire.encode(obj).to(device) if self.rank == src else None
+        size = torch.tensor([payload.numel() if payload is not None else 0], dtype=torch.int64, device=device)
+        dist.broadcast(size, src)
+        if payload is None:
+            payload = torch.empty(int(size), dtype=torch.uint8, device=device)
+        dist.broadcast(payload, src)
+        return obj if self.rank == src else wire.decode(payload, f"rank {src}")
 
     def gather_object(self, obj) -> list | None:
         """Every rank's `obj` on rank 0 (rank order), None elsewhere."""
         if not self.active:
             return [obj]
-        out = [None] * self.world_size if self.is_leader else None
-        dist.gather_object(obj, out, dst=0)
-        return out
+        payload, sizes = self._sized(obj)
+        width = max(sizes)
+        parts = [torch.empty(width, dtype=torch.uint8, device=payload.device) for _ in range(self.world_size)]
+        dist.gather(_padded(payload, width), parts if self.is_leader else None, dst=0)
+        if not self.is_leader:
+            return None
+        return [obj if r == 0 else wire.decode(parts[r][:sizes[r]], f"rank {r}") for r in range(self.world_size)]
+
+    def all_gather_object(self, obj) -> list:
+        """Every rank's `obj` on every rank (rank order)."""
+        if not self.active:
+            return [obj]
+        payload, sizes = self._sized(obj)
+        width = max(sizes)
+        parts = [torch.empty(width, dtype=torch.uint8, device=payload.device) for _ in range(self.world_size)]
+        dist.all_gather(parts, _padded(payload, width))
+        return [obj if r == self.rank else wire.decode(parts[r][:sizes[r]], f"rank {r}")
+                for r in range(self.world_size)]
 
     def scatter_object(self, objs: list | None):
         """Rank r gets objs[r] from rank 0."""
         if not self.active:
             return objs[0]
-        box = [None]
-        dist.scatter_object_list(box, objs if self.is_leader else None, src=0)
-        return box[0]
+        device = wire_device()
+        payloads = [wire.encode(o).to(device) for o in objs] if self.is_leader else None
+        sizes = torch.tensor([p.numel() for p in payloads] if payloads else [0] * self.world_size, dtype=torch.int64,
+                             device=device)
+        dist.broadcast(sizes, 0)
+        width = int(sizes.max())
+        mine = torch.empty(width, dtype=torch.uint8, device=device)
+        dist.scatter(mine, [_padded(p, width) for p in payloads] if payloads else None, src=0)
+        return objs[0] if self.is_leader else wire.decode(mine[:int(sizes[self.rank])], "rank 0")
+
+    def _sized(self, obj) -> tuple[Tensor, list[int]]:
+        """`obj` encoded, on the collectives' device, and every rank's payload size."""
+        payload = wire.encode(obj).to(wire_device())
+        sizes = [torch.zeros(1, dtype=torch.int64, device=payload.device) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=payload.device))
+        return payload, [int(s) for s in sizes]
 
     def all_gather_cat(self, tensor: Tensor) -> Tensor:
         """Concatenation (dim 0, rank order) of every rank's `tensor`; shapes may differ in dim 0."""
         if not self.active:
             return tensor
-        parts = [None] * self.world_size
-        dist.all_gather_object(parts, tensor.detach().cpu())
-        return torch.cat(parts)
+        return torch.cat(self.all_gather_object(tensor.detach().cpu()))
 
     def barrier(self) -> None:
         if self.active:
@@ -88,6 +126,23 @@ class Dist:
 
 
 SINGLE = Dist()
+
+
+def wire_device() -> torch.device:
+    """Where the default group's collectives take their tensors: the current GPU under NCCL, else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def _padded(payload: Tensor, width: int) -> Tensor:
+    """`payload` right-padded with zeros to `width` bytes (collectives take tensors of one size); on CPU with numpy
+    (models/wire.py says why)."""
+    if payload.numel() == width:
+        return payload
+    if payload.device.type != "cpu":
+        return torch.nn.functional.pad(payload, (0, width - payload.numel()))
+    out = np.zeros(width, dtype=np.uint8)
+    out[:payload.numel()] = payload.numpy()
+    return torch.from_numpy(out)
 
 
 def shard_slice(n: int, rank: int, world_size: int) -> slice:
@@ -105,18 +160,34 @@ def from_env() -> Dist:
                 int(os.environ.get("LOCAL_WORLD_SIZE", str(world))))
 
 
-def init(me: Dist, backend: str, timeout_s: float, device: torch.device, init_method: str | None = None) -> Dist:
-    """Join the process group as `me` (a no-op for one rank): at `init_method` (tcp://host:port), else where the
-    environment says (MASTER_ADDR/MASTER_PORT). CPU ranks share the cores this process may run on (a node group's
-    share of a machine: components/launch/nodes.py): cores / local ranks threads each."""
+def init(me: Dist, backend: str, timeout_s: float, device: torch.device, secret: str,
+         address: tuple[str, int] | None = None, name: str = "actor") -> Dist:
+    """Join the process group `name` as `me` (a no-op for one rank), proving the run's `secret`: through rank 0's
+    store at `address` (host, port), else where the environment says (`rendezvous_address`); rank 0 listens there,
+    on that address alone. Every rank proves the secret before anything else is exchanged (RendezvousRefused naming
+    a rank that does not). CPU ranks share the cores this process may run on (a node group's share of a machine:
+    components/launch/nodes.py): cores / local ranks threads each."""
     if not me.active:
         return me
     if device.type == "cpu":
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // me.local_world_size))
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method=init_method or "env://", rank=me.rank, world_size=me.world_size,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        if not secret:
+            raise rendezvous.RendezvousRefused(f"{name} rank {me.rank}: no run secret to prove: the ranks admit only "
+                                               f"processes that hold it ($RLHF_RUN_SECRET, set by who starts them)")
+        host, port = address or rendezvous_address()
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, _ = rendezvous.open_store(host, port, me.world_size, me.is_leader, secret, timeout)
+        dist.init_process_group(backend, store=store, rank=me.rank, world_size=me.world_size, timeout=timeout)
+        rendezvous.prove(dist.group.WORLD, me.rank, me.world_size, secret, wire_device(), name)
     return me
+
+
+def rendezvous_address(env=os.environ) -> tuple[str, int]:
+    """Where rank 0's store listens: $MASTER_ADDR at $MASTER_PORT, or at $MASTER_PORT + 1 under torchrun, whose
+    agents' own store holds $MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE)."""
+    port = int(env["MASTER_PORT"])
+    return env["MASTER_ADDR"], port + 1 if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else port
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -222,11 +293,7 @@ def leader_batch(me: Dist, fields: dict, pad_id: int = 0) -> dict | None:
 
 def all_rows(me: Dist, fields: dict, pad_id: int = 0) -> dict:
     """`leader_batch` on every rank: all ranks' rows of `fields`, rank order, padded alike, with `sizes`."""
-    if not me.active:
-        return _concat([_cpu(fields)], fields, pad_id)
-    parts = [None] * me.world_size
-    dist.all_gather_object(parts, _cpu(fields))
-    return _concat(parts, fields, pad_id)
+    return _concat(me.all_gather_object(_cpu(fields)), fields, pad_id)
 
 
 def _cpu(fields: dict) -> dict:

@@ -29,6 +29,9 @@ class JobKind:
     trainer: Optional[str] = None  # 'module:Class' of the StageKind its ranks train (None: not a stage on the ranks)
     registered_as: Optional[str] = None  # a pipeline registers its model as '<register_as>-<registered_as>'
     publishes: bool = True  # ends by publishing the model it trained (an eval trains none: it only measures)
+    metrics: tuple[tuple, ...] = ()  # metrics only it logs: (names, what, TRL's name) each (models/metrics.Metric)
+    policy_from_sft: bool = False  # a pipeline may train its policy with it from the SFT model, its frozen reference
+    # (a section of that name: sft -> <job> -> eval, instead of reward_model and rl)
 
     @property
     def trains_on_ranks(self) -> bool:
@@ -43,6 +46,11 @@ class JobKind:
     def config_class(self) -> type:
         """Its flow's `config` parameter, imported when asked for."""
         return load(self.config)
+
+    @property
+    def section_class(self) -> type:
+        """The class of its own config section (the `<job>` field of its config), imported when asked for."""
+        return self.config_class.model_fields[self.job].annotation
 
 
 def load(path: str):
@@ -61,13 +69,17 @@ KINDS: tuple[JobKind, ...] = (
             "models.stages.train:RewardModel", "reward-model"),
     JobKind("dpo", "dpo", "direct preference optimisation on preference pairs (prompt, chosen, rejected), against "
             "the frozen model it starts from", "models.stages.config:DPORunConfig", "models.stages.config:DPORun",
-            "models.stages.dpo:DPO", "policy"),
+            "models.stages.dpo:DPO", "policy", policy_from_sft=True),
     JobKind("kto", "kto", "KTO on completions labelled desirable or undesirable (or preference pairs, unpaired), "
             "against the frozen model it starts from", "models.stages.kto:KTORunConfig", "models.stages.kto:KTORun",
-            "models.stages.kto:KTO", "policy"),
+            "models.stages.kto:KTO", "policy", policy_from_sft=True, metrics=(
+                (("train/kl", "eval/kl"), "KTO: the KL term z0 of its loss, the policy's KL to its reference on "
+                 "mismatched (prompt, completion) pairs of the batch (held out: of all held-out rows), clamped at 0.",
+                 "kl"),)),
     JobKind("eval", "eval", "a policy against a reference policy on held-out prompts, judged by a reward model and a "
             "gold reward", "models.stages.config:EvalRunConfig", "models.stages.config:EvalRun", publishes=False),
 )
 BY_JOB: dict[str, JobKind] = {kind.job: kind for kind in KINDS}
 JOBS_BUT_RL: tuple[JobKind, ...] = tuple(kind for kind in KINDS if kind.job != "rl")  # each with its own command
 STAGES: tuple[str, ...] = tuple(kind.job for kind in KINDS if kind.trains_on_ranks)  # trained on the actor's ranks
+POLICY_FROM_SFT: tuple[str, ...] = tuple(kind.job for kind in KINDS if kind.policy_from_sft)  # a pipeline's other stages

@@ -85,16 +85,20 @@ class Resolved(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    field: str
-    value: str
-    revision: Optional[str] = None  # as asked (a hub branch, tag or commit)
-    subset: Optional[str] = None  # a data set's configuration, as asked
-    options: Optional[dict] = None  # a generated data set's options (reasoning_gym:<task>), as asked
-    source: Literal["tiny", "local", "hub", "s3", "builtin", "reasoning_gym"]
-    path: Optional[str] = None
-    details: dict = Field(default_factory=dict)  # hub: repo, repo_type, revision, commit; s3: uri, etags
-    files: dict[str, str] = Field(default_factory=dict)  # sha256 of every file by its path relative to `path`
-    stats: dict[str, tuple[int, int]] = Field(default_factory=dict)  # (size, mtime_ns) of every file when pinned
+    field: str = Field(description="The config field it was pinned for (named in its errors).")
+    value: str = Field(description="The field's value as given.")
+    revision: Optional[str] = Field(None, description="The hub branch, tag or commit asked for (None: main).")
+    subset: Optional[str] = Field(None, description="The data set's configuration asked for.")
+    options: Optional[dict] = Field(None, description="A generated data set's options (reasoning_gym:<task>).")
+    source: Literal["tiny", "local", "hub", "s3", "builtin", "reasoning_gym"] = Field(
+        description="Where it was found: the embedded models, a local path, the hub cache, s3, or code.")
+    path: Optional[str] = Field(
+        None, description="Its local directory or file where the job started (None: generated rows).")
+    details: dict = Field(default_factory=dict, description="hub: repo, repo_type, revision, commit; s3: uri, etags.")
+    files: dict[str, str] = Field(
+        default_factory=dict, description="The sha256 of every file, by its path under `path`.")
+    stats: dict[str, tuple[int, int]] = Field(
+        default_factory=dict, description="The (size, mtime_ns) of every file when it was pinned.")
 
     @property
     def digest(self) -> Optional[str]:
@@ -199,8 +203,8 @@ class Sources(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    models: dict[str, Resolved] = Field(default_factory=dict)
-    data: dict[str, Resolved] = Field(default_factory=dict)
+    models: dict[str, Resolved] = Field(default_factory=dict, description="The pin of every model field it reads.")
+    data: dict[str, Resolved] = Field(default_factory=dict, description="The pin of every data field it reads.")
 
     def local(self, field: str, reads: Reads, deploy: Optional[DeployConfig] = None) -> Resolved:
         """The pin of `field` as this machine has it (`Resolved.here`); a field the job does not read, or whose pin

@@ -4,6 +4,7 @@ with `mkdocs build --strict` (a broken link or anchor, or a page left out of the
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,7 @@ from models.metrics import entries
 from tools.docs import CONFIG_REFERENCE, METRICS, benchmarks_page, config_reference, metrics_page
 
 ROOT = Path(__file__).resolve().parent.parent
+SETTINGS = ROOT / "docs" / "reference" / "settings.md"
 
 
 def leaves(model: type[BaseModel], prefix: str) -> list[str]:
@@ -45,6 +47,34 @@ def test_the_metrics_page_is_generated_and_lists_each_metric_once_per_job():
     for job in [kind.job for kind in KINDS] + ["pipeline"]:
         listed = [name for name, _ in entries(job)]
         assert sorted({n for n in listed if listed.count(n) > 1}) == [], job
+
+
+def test_the_settings_page_names_only_fields_that_exist():
+    """docs/reference/settings.md (the details one sentence leaves out) names fields as `dotted.names`: each is a
+    field of one of the config trees (a run's, a deployment's, a pipeline's, a job's, a sweep's, an experiment's)."""
+    import typing
+
+    from components.pipeline.config import PipelineFile
+    from components.sweep.config import SweepConfig
+    from components.sweep.experiment import ExperimentConfig
+    from models.config import RLHFConfig
+    from models.kinds import JOBS_BUT_RL
+
+    def names(cls, prefix: str = "") -> set[str]:
+        out = set()
+        for name, field in cls.model_fields.items():
+            out.add(f"{prefix}{name}")
+            for kind in (field.annotation, *typing.get_args(field.annotation)):
+                if isinstance(kind, type) and issubclass(kind, BaseModel):
+                    out |= names(kind, f"{prefix}{name}.")
+        return out
+
+    known = set().union(*(names(tree) for tree in (RLHFConfig, PipelineFile, SweepConfig, ExperimentConfig,
+                                                    *(kind.run_class for kind in JOBS_BUT_RL))))
+    named = {token.split("=")[0] for token in re.findall(r"`([a-z_][a-z0-9_]*(?:\.[a-z0-9_]+)+(?:=[^`]*)?)`",
+                                                         SETTINGS.read_text())}
+    assert len(named) > 80
+    assert sorted(named - known) == []
 
 
 def test_benchmarks_page_is_generated_from_the_results():

@@ -94,7 +94,9 @@ def test_no_cycles_between_the_subpackages_of_components():
 
 
 ROLLOUT_SERVER = (*(f"components.serving.rollout.{m}" for m in ("app", "weights", "body", "main", "group", "openai")),
-                  "models.chat")  # the chat templates and tool-call parsing, the trainer's too
+                  "models.chat",  # the chat templates and tool-call parsing, the trainer's too
+                  "models.rendezvous",  # the weight-transfer group's admission by the run's secret, the trainer's too
+                  "components.wire", "components.serving.connections")  # the run's wire auth, its connections
 
 
 def test_the_rollout_server_imports_nothing_of_the_project():
@@ -201,8 +203,8 @@ def test_a_critic_or_reward_server_process_starts_without_the_actors_training_co
 
 
 def test_a_run_outside_prefect_starts_without_prefect():
-    """`rlhf train` and the ranks of a run's node groups (`python -m components.runs`) run jobs without Prefect: only
-    a run with deployment servers talks to it (components/serving/services.py imports it where it does)."""
+    """`rlhf train` and the ranks of a run's node groups (`python -m components.runs`) run jobs without Prefect: a
+    run's servers are its own processes or its own pods, never Prefect's (components/serving/services.py)."""
     for entry in ("components.runs", "components.cli.commands"):
         _, third_party = loaded_at_start(entry)
         loaded = sorted(m for m in third_party if m.split(".")[0] == "prefect")

@@ -13,17 +13,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from components.cli.options import parse_overrides
+from components.cli.files import load_cli_config
 from components.cluster.objects import RunIdentity, Site, dumps, run_manifests
 from components.controller import node_spec
-from models.config import load_config, run_name_for
+from models.config import run_name_for
 
 
 def cmd_manifests(args) -> int:
-    try:
-        cfg = load_config(args.config, args.preset, parse_overrides(args.set))
-    except Exception as exc:  # noqa: BLE001 - pydantic's ValidationError names the field; YAML and file errors too
-        raise SystemExit(f"invalid config: {exc}") from None
+    cfg = load_cli_config(args)
     site = Site.of(cfg.deploy.cluster, os.environ)
     run_name = run_name_for(cfg)
     identity = RunIdentity.of(run_name, "manifests")

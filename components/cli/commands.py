@@ -7,31 +7,16 @@ from pathlib import Path
 
 import yaml
 
-from components.cli.options import parse_overrides
+from components.cli.files import load_cli_config
 from components.pipeline.config import PipelineFile
 from components.cli.progress import ProgressSteps
 from components.runs import train
 from components.sweep.config import SweepConfig
 from components.sweep.experiment import ExperimentConfig
-from models.config import PRESETS, RLHFConfig, describe, load_config
+from models.config import RLHFConfig, describe
 from models.deploy import DeployConfig
 from models.kinds import JOBS_BUT_RL
 from models.tiny import build_tiny
-
-# Where `rlhf train`'s parts run unless its config says otherwise: the critic and reward model in this process (no
-# servers to start: the quickest way to see a run learn); the rollout server, for rollout.engine=vllm, a local child.
-TRAIN_DEPLOY = {"deploy.critic.launch": "in_process", "deploy.reward.launch": "in_process",
-                "deploy.rollout.launch": "local"}
-
-
-def load_cli_config(args, overrides: dict | None = None, defaults: dict | None = None):
-    """The config of `--config`, `--preset` and `--set` (or already parsed `overrides`), over the command's own
-    `defaults`; exits naming a bad field."""
-    try:
-        return load_config(args.config, args.preset, overrides if overrides is not None else parse_overrides(args.set),
-                           defaults=defaults)
-    except Exception as exc:  # noqa: BLE001 - pydantic's ValidationError names the field; YAML and file errors too
-        raise SystemExit(f"invalid config: {exc}") from None
 
 
 def cmd_models_tiny(args) -> int:
@@ -52,14 +37,26 @@ def described(what: str):
     return {"deploy": DeployConfig, "pipeline": PipelineFile, **by_command}[what]()
 
 
+def named_values(tree) -> dict[str, str]:
+    """Each dotted field of `tree` a preset or a placement sets, and what each sets it to ('; tiny preset 16')."""
+    out: dict[str, str] = {}
+    for cls, prefix in ((RLHFConfig, ""), (DeployConfig, "" if isinstance(tree, DeployConfig) else "deploy.")):
+        if isinstance(tree, cls) or (cls is DeployConfig and "deploy" in type(tree).model_fields):
+            for name, values in cls.named_values.items():
+                for key, value in values.items():
+                    out[prefix + key] = out.get(prefix + key, "") + f"; {name} {cls.named} {value!r}"
+    return out
+
+
 def cmd_config(args) -> int:
     """The resolved config as YAML, or with --describe [WHAT] every field of a config tree (a run's by default; a
-    deployment's, a pipeline's, a stage's, an eval's, a sweep's) with its type, default and description."""
+    deployment's, a pipeline's, a stage's, an eval's, a sweep's) with its type, default, the values presets and
+    placements give it, and its description."""
     if args.describe:
-        tiny = PRESETS["tiny"]() if args.describe == "run" else {}
-        for field, kind, default, description in describe(described(args.describe), advanced=args.all):
-            preset = f"; tiny preset {tiny[field]!r}" if field in tiny else ""
-            print(f"{field}:" if kind == "section" else f"{field}  ({kind}, default {default}{preset})")
+        tree = described(args.describe)
+        named = named_values(tree)
+        for field, kind, default, description in describe(tree, advanced=args.all):
+            print(f"{field}:" if kind == "section" else f"{field}  ({kind}, default {default}{named.get(field, '')})")
             print(f"    {description}")
         return 0
     cfg = load_cli_config(args)
@@ -70,11 +67,15 @@ def cmd_config(args) -> int:
 def cmd_train(args) -> int:
     """A training run in this process, through the same job builder as a flow run (components/runs.py): it
     checkpoints, resumes by run_name, logs to MLflow (the local stack's server when `rlhf up` runs, else the state
-    directory's store) and runs the held-out eval. Its critic and reward model run in this process unless
-    `--set deploy.critic.launch=local` (etc.) says otherwise."""
+    directory's store) and runs the held-out eval. Its critic and reward model run in this process unless another
+    placement is named (--placement local: servers as child processes). With no config at all (no --config, --set or
+    --preset) it runs the embedded demo: --preset tiny."""
+    if not (args.config or args.set or args.preset):
+        args.preset = "tiny"
+        print("rlhf train: no config given: the embedded demo on the tiny models (--preset tiny)")
     steps = ProgressSteps()  # a progress bar of the iterations with the time left, the run's messages above it
     try:
-        result = train(load_cli_config(args, defaults=TRAIN_DEPLOY), steps)
+        result = train(load_cli_config(args), steps)
     finally:
         steps.close()
     if args.metrics_out:

@@ -19,7 +19,7 @@ from pydantic import ValidationError
 from components.cli.options import parse_overrides
 from components.cli.sweep import NumberLoader
 from components.launch.processes import project_env
-from components.launch.stack import running_prefect_api
+from components.launch.stack import prefect_env
 from components.sweep.experiment import ExperimentConfig, check_experiment
 from components.sweep.report import build, find_experiment
 from components.sweep.space import SweepError
@@ -58,11 +58,11 @@ def cmd_experiment(args) -> int:
         raise SystemExit(f"invalid experiment: {exc}") from None
     env = project_env()
     if not PREFECT_API_URL.value():
-        api = running_prefect_api(config.resolved_state_dir())
-        if api is None:
+        local = prefect_env(config.resolved_state_dir())  # the local stack's URL and credentials
+        if not local:
             raise SystemExit("no Prefect server to run the experiment's runs on: start the local stack with `rlhf up` "
                              "(or set PREFECT_API_URL)")
-        env["PREFECT_API_URL"] = api
+        env.update(local)
     command = [sys.executable, "-m", "flows.experiment", "--experiment", experiment.model_dump_json(),
                "--deploy", json.dumps(deploy)]
     if args.summary_out:

@@ -3,7 +3,7 @@ policy, a stage's model) as a Hugging Face model that plain transformers loads (
 
 from __future__ import annotations
 
-from components.cli.commands import load_cli_config
+from components.cli.files import load_cli_config
 from components.export import export_checkpoint, run_store
 
 

@@ -36,14 +36,16 @@ SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-
     python -m components.serving.triton.main --spec '<ServerSpec JSON>'   (what the launcher runs: one JSON doc)
     rlhf serve critic --nproc-per-node 2 ...                              (ranks 1..N-1 run `triton.main --follow`)
 
-Settings: the config tree (the 'tiny' preset, then --config YAML, then --set overrides) supplies the models, dtype,
-device and the critic/reward sections; the flags are shortcuts for the model paths and the per-process settings.
-Without a model the embedded default is served (built on first use). HTTP port P, gRPC P+1, metrics P+2.
+Settings: the config tree (--config YAML, then --set overrides, over the preset they name: --preset tiny for the
+embedded tiny models' values) supplies the models, dtype, device and the critic/reward sections; the flags are
+shortcuts for the model paths and the per-process settings. With --preset tiny and no model flags, the embedded tiny
+models are served. HTTP on --port (Triton itself listens on a Unix socket behind it: no gRPC or metrics port).
 
-Who may call: every request but liveness/readiness must carry the run's secret (deploy.<kind>.auth=secret, the
+Who may call: every request but liveness/readiness must be signed with the run's key (deploy.<kind>.auth=secret, the
 default): give the server the secret in $RLHF_RUN_SECRET (or a file named by $RLHF_RUN_SECRET_FILE), never on the
-command line, and its clients the same variable; a server without one does not start. A client that sends no
-credentials (NeMo-Aligner's) needs open mode: --set deploy.critic.auth=none (the server says so when it starts).
+command line, and its clients the same variable (CriticClient/RewardClient sign; the secret never crosses the wire);
+a server without one does not start. A client that sends no credentials (NeMo-Aligner's) needs open mode:
+--set deploy.critic.auth=none (inference, config and metadata answer anyone; the server says so when it starts).
 """
 
 
@@ -73,7 +75,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     for sub, port in ((critic, "8400"), (reward, "8500")):
         add_config_args(sub)
         sub.add_argument("--host", default=None, help="Interface to bind (default: the config's host, 127.0.0.1).")
-        sub.add_argument("--port", type=int, default=None, help=f"HTTP port P; gRPC P+1, metrics P+2 (default: {port}).")
+        sub.add_argument("--port", type=int, default=None, help=f"HTTP port (default: {port}).")
         sub.add_argument("--max-batch-size", type=int, default=256, help="Largest batch Triton accepts and forms by dynamic batching.")
         sub.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice).")
         sub.set_defaults(run="components.cli.serve:run_args")
@@ -107,12 +109,13 @@ def add_compare_parser(sub) -> None:
 SWEEP_HELP = """Run a hyperparameter sweep (an Optuna study) as a Prefect flow in this shell; its trials are runs of the
 algorithm's deployment (ppo/default or reinforce/default) on the local stack that `rlhf up` started.
 
-    rlhf sweep --set algorithm=rloo --set eval.prompts=builtin:sentiment --set eval.every=4 --name lr-kl \\
-        --space 'reinforce.optim.lr=[1e-6, 1e-3]' --space 'kl.beta=[0.01, 0.1]' --concurrency 2
+    rlhf sweep --preset tiny --set algorithm=rloo --set eval.prompts=builtin:sentiment --set eval.every=4 \\
+        --name lr-kl --space 'reinforce.optim.lr=[1e-6, 1e-3]' --space 'kl.beta=[0.01, 0.1]' --concurrency 2
     rlhf sweep --config run.yaml --sweep sweep.yaml --pruner median
 
-The base config: the 'tiny' preset, then --config YAML, then --set (as `rlhf train`). The sweep section: --sweep YAML
-(any of its fields), then the flags below. Bad input is refused before any trial starts, naming the field."""
+The base config: --config YAML, then --set, over the preset they name (as `rlhf train`; --preset tiny: the embedded
+tiny models). The sweep section: --sweep YAML (any of its fields), then the flags below. Bad input is refused before
+any trial starts, naming the field."""
 
 
 def add_sweep_parser(sub) -> None:
@@ -168,8 +171,8 @@ nothing it was made from changed (its config, its data, its upstream models, the
     rlhf pipeline --config examples/pipeline.yaml --from reward_model                  (rebuilds it, rl and eval)
 
 The file holds the pipeline's sections (name, base_model, sft, reward_model, rl, eval, tracking, checkpoint) and
-optionally `deploy` (where its ranks and servers run; the RL stage's critic and reward model run in this process
-unless it says otherwise). The same flow is the pipeline/default deployment."""
+optionally `deploy` (where its ranks and servers run: the in_process placement unless it names another, so the RL
+stage's critic and reward model run in this process). The same flow is the pipeline/default deployment."""
 
 
 def add_stage_parsers(sub) -> None:
@@ -192,14 +195,14 @@ def add_stage_parsers(sub) -> None:
 
 
 def add_cluster_parser(sub) -> None:
-    """`rlhf cluster manifests [--config FILE] [--set ...] --out DIR`."""
+    """`rlhf cluster manifests [--config FILE] [--set ...] [--placement cluster] --out DIR`."""
     cluster = sub.add_parser("cluster", help="the Kubernetes side of a run").add_subparsers(dest="cluster_command",
                                                                                             required=True)
     p = cluster.add_parser("manifests", help="write every Kubernetes object a run of this config would create (its "
                                              "JobSet, its servers' LeaderWorkerSets and Secrets with placeholder "
                                              "values, its NetworkPolicies) as YAML, for review or kubectl apply "
                                              "--dry-run=server")
-    add_config_args(p)
+    add_config_args(p, placement="cluster")
     p.add_argument("--out", required=True, help="output directory (one YAML file per object)")
     p.set_defaults(run="components.cli.cluster:cmd_manifests")
 
@@ -224,8 +227,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "threads and cores, timeouts, ports)")
     config.set_defaults(run="components.cli.commands:cmd_config")
 
-    train = sub.add_parser("train", help="a training run in this process (checkpoints, resume by run_name, MLflow, eval; no Prefect)")
-    add_config_args(train)
+    train = sub.add_parser("train", help="a training run in this process (checkpoints, resume by run_name, MLflow, "
+                                         "eval; no Prefect); with no config at all, the tiny preset's demo")
+    # its critic and reward model in this process unless another placement is named: no servers to start, the quickest
+    # way to see a run learn (a vLLM rollout server, for rollout.engine=vllm, is still a local child)
+    add_config_args(train, placement="in_process")
     train.add_argument("--metrics-out", help="write the per-iteration metrics as JSON")
     train.add_argument("--eval-out", help="write the held-out evals (eval.*) as JSON: [{iteration, metrics...}]")
     train.add_argument("--summary-out", help="write the run's summary as JSON (run name, MLflow run, checkpoint, metrics)")

@@ -4,7 +4,7 @@ components/cli/main.py)."""
 
 from __future__ import annotations
 
-from components.cli.commands import load_cli_config
+from components.cli.files import load_cli_config
 from components.cli.options import parse_overrides
 from components.serving.triton.contract import ServerSpec
 from components.serving.triton.main import run
@@ -28,6 +28,9 @@ def spec_from_args(args) -> ServerSpec:
         if args.tokenizer:
             overrides["model.policy"] = args.tokenizer
     cfg = load_cli_config(args, overrides)
+    if args.server == "reward" and cfg.reward.source == "model" and not cfg.model.reward:
+        raise SystemExit("rlhf serve reward: no reward model (model.reward): give --model PATH or --function "
+                         "module:fn, or --preset tiny for the embedded tiny reward model")
     section = cfg.deploy.critic if args.server == "critic" else cfg.deploy.reward
     default_port = 8400 if args.server == "critic" else 8500
     extra = {}

@@ -10,9 +10,9 @@ from components.pipeline.run import run_pipeline
 from components.runs import train
 from models.kinds import BY_JOB
 
-# Where `rlhf pipeline`'s RL stage runs its critic and reward model unless the file says otherwise: in this process,
-# as `rlhf train` does (components/cli/commands.TRAIN_DEPLOY)
-PIPELINE_DEPLOY = {"critic": {"launch": "in_process"}, "reward": {"launch": "in_process"}, "rollout": {"launch": "local"}}
+# Where `rlhf pipeline`'s RL stage runs its critic and reward model unless the file names another placement: in this
+# process, as `rlhf train` does (components/cli/main.py)
+PIPELINE_PLACEMENT = "in_process"
 
 
 def cmd_stage(args) -> int:
@@ -25,7 +25,7 @@ def cmd_stage(args) -> int:
 
 def cmd_pipeline(args) -> int:
     """The pipeline in this process: stages reused where their keys match, --from rebuilds from a stage on."""
-    given = load_tree(PipelineFile, args.config, args.set, defaults={"deploy": PIPELINE_DEPLOY})
+    given = load_tree(PipelineFile, args.config, args.set, defaults={"deploy": {"placement": PIPELINE_PLACEMENT}})
     result = run_pipeline(given.pipeline, given.deploy, rerun_from=args.from_stage)
     for stage, outcome in result["stages"].items():
         state = "given" if outcome.get("given") else "cached" if outcome["cached"] else "built"

@@ -14,12 +14,12 @@ import yaml
 from prefect.settings import PREFECT_API_URL
 from pydantic import ValidationError
 
-from components.cli.commands import load_cli_config
+from components.cli.files import load_cli_config
 from components.cli.options import parse_overrides
 from components.cli.files import load_tree
 from components.pipeline.config import PipelineFile
 from components.launch.processes import project_env
-from components.launch.stack import running_prefect_api
+from components.launch.stack import prefect_env
 from components.sweep.config import SweepConfig
 from components.sweep.space import SweepError, check_sweep
 from models.config import RLHFConfig, RunConfig, merge, nested
@@ -72,9 +72,10 @@ def cmd_sweep(args) -> int:
     if is_pipeline(args.config):  # trials over the pipeline's RL stage (--space fields of its rl section)
         given = load_tree(PipelineFile, args.config, args.set)
         pipeline = given.pipeline
-        if pipeline.dpo is not None:
-            raise SystemExit("invalid sweep: a pipeline sweep varies the pipeline's RL stage, and this pipeline has a "
-                             "dpo section instead (sft -> dpo -> eval)")
+        try:
+            pipeline.check_rl_stage("a pipeline sweep varies")
+        except ValueError as exc:
+            raise SystemExit(f"invalid sweep: {exc}") from None
         config = RLHFConfig.of(merge(pipeline.rl, {"tracking.experiment": pipeline.tracking.experiment}), given.deploy)
     else:
         config = load_cli_config(args)
@@ -85,12 +86,14 @@ def cmd_sweep(args) -> int:
         raise SystemExit(f"invalid sweep: {exc}") from None
     env = project_env()
     if not PREFECT_API_URL.value():
-        api = running_prefect_api(config.resolved_state_dir())
-        if api is None:
+        local = prefect_env(config.resolved_state_dir())  # the local stack's URL and credentials
+        if not local:
             raise SystemExit("no Prefect server to run the trials on: start the local stack with `rlhf up` "
                              "(or set PREFECT_API_URL)")
-        env["PREFECT_API_URL"] = api
+        env.update(local)
     given = nested(parse_overrides(args.set)).get("deploy", {})  # what --set said of where the sweep and trials run
+    if args.placement:
+        given["placement"] = args.placement
     deploy = DeployConfig.model_validate(given).model_dump(mode="json", exclude_unset=True)
     command = [sys.executable, "-m", "flows.sweep", "--config", config.run.model_dump_json(),
                "--sweep", sweep.model_dump_json(), "--deploy", json.dumps(deploy)]

@@ -2,9 +2,10 @@
 
 The run's controller (its flow run's pod) creates the JobSet (components/cluster/objects.jobset) after the two
 NetworkPolicies that let its node groups reach each other (components/cluster/network_policy.py: the node pods carry
-the controller's rlhf/run), watches it through `status()`, reads a failed group's log and deletes the JobSet, then
-the policies, in its `finally`; all are also owned by the controller's Job, so a deleted or cancelled flow run's pod
-takes them with it. What `status()` reads:
+the controller's rlhf/run) and the Secret its pods mount (the run's secret, which the ranks prove to each other),
+watches it through `status()`, reads a failed group's log and deletes the JobSet, then the Secret and the policies,
+in its `finally`; all are also owned by the controller's Job, so a deleted or cancelled flow run's pod takes them with
+it. What `status()` reads:
 - the JobSet's conditions: Completed (succeeded), Failed (failed: the failed node group named with its pod, its
   container's exit code and reason, and the last lines of its log), Suspended (Kueue has not admitted it yet: with
   the reason its Workload gives, e.g. not enough quota in the ClusterQueue);
@@ -21,7 +22,7 @@ from typing import Optional
 
 from components.cluster.kube import Kube
 from components.cluster.network_policy import KubeAPI, RunPolicies, own_job
-from components.cluster.objects import QUEUE_LABEL, RunIdentity, Site, jobset
+from components.cluster.objects import QUEUE_LABEL, RunIdentity, Site, jobset, nodes_secret
 from components.launch.nodes import NodeSpec, NodeStatus
 from models.config import RLHFConfig
 from models.deploy import ClusterPlacement
@@ -127,11 +128,13 @@ def admission_reason(workloads: list[dict]) -> Optional[str]:
 
 
 class JobSetNodes:
-    """The node groups of `spec` as one JobSet (`NodeGroups`)."""
+    """The node groups of `spec` as one JobSet (`NodeGroups`), its pods given the run's `secret` (a Secret)."""
 
-    def __init__(self, spec: NodeSpec, cluster: ClusterPlacement, site: Site, identity: RunIdentity, kube: Kube):
+    def __init__(self, spec: NodeSpec, cluster: ClusterPlacement, site: Site, identity: RunIdentity, kube: Kube,
+                 secret: str):
         self.spec, self.kube, self.queue = spec, kube, cluster.queue
         self.manifest = jobset(spec, cluster, site, identity)
+        self.secret = nodes_secret(spec, identity, secret)
         self.name = spec.name
         self.uid: Optional[str] = None
         # the node groups' policies, when the controller runs in a Job (their pods carry its rlhf/run)
@@ -140,7 +143,7 @@ class JobSetNodes:
         self.holds_policies = False
 
     @classmethod
-    def for_run(cls, spec: NodeSpec, cfg: RLHFConfig, kube: Optional[Kube] = None, environ=os.environ,
+    def for_run(cls, spec: NodeSpec, cfg: RLHFConfig, secret: str, kube: Optional[Kube] = None, environ=os.environ,
                 job: Optional[str] = None) -> "JobSetNodes":
         """The node groups of `spec` on the cluster this process reaches (its pod's service account, else a
         kubeconfig), placed as cfg.deploy.cluster says, owned by the Job this process runs in (`job`: the flow run's
@@ -151,14 +154,20 @@ class JobSetNodes:
         found = kube.get("batch/v1", "Job", job) if job else None
         owner = {"name": job, "uid": found["metadata"]["uid"]} if found else None
         identity = RunIdentity(spec.name, job or spec.name, owner)
-        return cls(spec, cluster, Site.of(cluster, environ, kube.namespace), identity, kube)
+        return cls(spec, cluster, Site.of(cluster, environ, kube.namespace), identity, kube, secret)
 
     def start(self) -> None:
-        """Create the node groups' NetworkPolicies (once), then the JobSet."""
+        """Create the node groups' NetworkPolicies (once), the Secret, then the JobSet (the Secret deleted again if
+        the JobSet cannot be created)."""
         if self.policies is not None and not self.holds_policies:
             self.policies.acquire(self.job)
             self.holds_policies = True
-        self.uid = self.kube.create(self.manifest)["metadata"].get("uid")
+        self.kube.create(self.secret)
+        try:
+            self.uid = self.kube.create(self.manifest)["metadata"].get("uid")
+        except BaseException:
+            self.kube.delete("v1", "Secret", self.secret["metadata"]["name"])
+            raise
 
     def _pods(self) -> list[dict]:
         return self.kube.pods({JOBSET_LABEL: self.name})
@@ -185,9 +194,11 @@ class JobSetNodes:
         return self.kube.log(pod["metadata"]["name"], lines)
 
     def delete(self) -> None:
-        """Delete the JobSet (Kubernetes deletes its Jobs and their pods with it), then its policies (idempotent)."""
+        """Delete the JobSet (Kubernetes deletes its Jobs and their pods with it), then its Secret and its policies
+        (idempotent)."""
         try:
             self.kube.delete(API, "JobSet", self.name)
+            self.kube.delete("v1", "Secret", self.secret["metadata"]["name"])
         finally:
             if self.holds_policies:
                 self.policies.release()

@@ -10,8 +10,8 @@ own (servers it created, or node groups):
   `batch.kubernetes.io/job-name: <job>`, which the pod reads from its own labels (the downward API's labels file at
   PODINFO_DIR, mounted by the work pools' job templates and the run's own pod templates), whatever its hostname;
 - the pods of the objects it creates are labelled `rlhf/run: <job>` (its servers' LeaderWorkerSets, its node groups'
-  JobSet: the admission policy in infra/terraform refuses any other value from a run), and so are the pods of the
-  server deployments it starts (the work pool's job variable `run_label`);
+  JobSet: the admission policy in infra/terraform refuses any other value from a run); a flow run's own pod cannot
+  give itself this label (the work pools' job templates fix its labels: no job variable sets one);
 - two NetworkPolicies named after the job, both ways (ingress and egress): `rlhf-<job>-run`, the run's pods talk to
   the job's pods and to each other (a server group across pods; the node groups' rendezvous and collectives), and
   `rlhf-<job>-job`, the job's pods talk to the run's pods (the trainer calls its servers; the rollout server joins the

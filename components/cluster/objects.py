@@ -14,7 +14,7 @@ same objects.
   of `replicas` groups of one pod each (the rollout server: deploy.rollout.replicas; tensor parallelism inside the
   pod, tensor_parallel_size GPUs of one node), found through the LeaderWorkerSet's own headless Service: replica i
   is http://<lws>-<i>.<lws>.<namespace>:8000. Each pod runs `python -m components.serving.pod KIND`, which starts
-  the server as a local run would (components/serving/services.local_server).
+  the server as a local run would (components/serving/local.local_server).
 - The run's secret: a Secret per server kind, named after the run's Job (<job>-<8 hex>-<kind>: the one name pattern
   the admission policy lets the run's pods mount), mounted read-only into its pods (RLHF_RUN_SECRET_FILE), never a
   value in a spec; manifests written for review carry a placeholder instead.
@@ -54,7 +54,7 @@ PART_OF = {"app.kubernetes.io/part-of": "rlhf-flows"}
 PART_LABEL = "rlhf/part"  # which part of the run an object is: actor-nodes, critic, reward, rollout
 ROLE_LABEL = "rlhf/role"  # actor or critic: the pool the pod runs on (the namespace's actor-to-actor policy)
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
-SERVER_PORT = 8000  # every server pod serves HTTP here (Triton: gRPC 8001, metrics 8002)
+SERVER_PORT = 8000  # every server pod serves HTTP here
 READY_PATHS = {"critic": "/v2/health/ready", "reward": "/v2/health/ready", "rollout": "/health"}
 SECRET_DIR, SECRET_KEY = "/var/run/rlhf", "secret"
 TRAINER_PLACEHOLDER = "<the IP of the pod that runs the run: known when it starts>"
@@ -172,8 +172,16 @@ def pod_template(cluster: ClusterPlacement, placement: PodPlacement, labels: dic
 
 
 # ------------------------------------------------------------------------------------------------ the actor's nodes
+def nodes_secret(spec: NodeSpec, identity: RunIdentity, value: str = SECRET_PLACEHOLDER) -> dict:
+    """The run's secret for the node groups' pods, which their ranks prove to each other (a placeholder for manifests
+    written for review)."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": identity.metadata(secret_name(identity, "nodes"), "actor-nodes"),
+            "stringData": {SECRET_KEY: value}}
+
+
 def jobset(spec: NodeSpec, cluster: ClusterPlacement, site: Site, identity: RunIdentity) -> dict:
-    """The JobSet of the actor's node groups (see the module's docstring)."""
+    """The JobSet of the actor's node groups (see the module's docstring), its pods given `nodes_secret`."""
     if not re.fullmatch(r"[a-z]([-a-z0-9]{0,38}[a-z0-9])?", spec.name):
         raise ValueError(f"node groups {spec.name!r}: a JobSet's name must be a DNS-1035 label of at most 40 "
                          f"characters (its pods' hostnames are <name>-{NODE_JOB}-0-<index>)")
@@ -185,7 +193,8 @@ def jobset(spec: NodeSpec, cluster: ClusterPlacement, site: Site, identity: RunI
     env += [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{a}']"}}} for k, a in JOBSET_ENV.items()]
     template = pod_template(cluster, cluster.actor, labels, image=site.image, args=node_argv(spec, "python"), env=env,
                             gpus=spec.nproc_per_node, service_account=cluster.actor_service_account,
-                            restart_policy="Never", ports={"rendezvous": spec.master_port}, api_token=True)
+                            restart_policy="Never", ports={"rendezvous": spec.master_port, "ranks": spec.master_port + 1},
+                            secret=secret_name(identity, "nodes"), api_token=True)
     # a group that exits NO_RESTART_EXIT_CODE met a failure no restart mends: its Job fails by its pod failure
     # policy, and that reason fails the JobSet without a restart; any other failure restarts every group
     job = {"completionMode": "Indexed", "parallelism": spec.nnodes, "completions": spec.nnodes, "backoffLimit": 0,
@@ -273,7 +282,7 @@ def leader_worker_set(kind: str, cfg: RLHFConfig, site: Site, identity: RunIdent
     if not image:
         raise ValueError("deploy.cluster.vllm_image: no image for the rollout servers: set it, or $RLHF_VLLM_IMAGE")
     labels = {**PART_OF, RUN_LABEL: identity.run_label, PART_LABEL: kind, ROLE_LABEL: "critic"}
-    ports = {"http": SERVER_PORT, **({"grpc": SERVER_PORT + 1, "metrics": SERVER_PORT + 2} if kind != "rollout" else {})}
+    ports = {"http": SERVER_PORT}  # Triton's only address is its front (HTTP): no gRPC or metrics port
     template = pod_template(cluster, cluster.servers, labels, image=image, args=args, env=pod_env(cluster, site),
                             gpus=server_gpus(kind, cfg), service_account=cluster.server_service_account,
                             restart_policy="Always", ports=ports, api_token=False, readiness=READY_PATHS[kind],
@@ -304,14 +313,14 @@ def kubernetes_servers(cfg: RLHFConfig) -> list[str]:
 
 
 def run_manifests(cfg: RLHFConfig, site: Site, identity: RunIdentity, nodes: Optional[NodeSpec] = None) -> list[dict]:
-    """Every object the run creates on its cluster: its JobSet (`nodes`: the node groups' spec, for nnodes > 1) with
-    the controller's two NetworkPolicies (the node groups' rendezvous and collectives: their pods carry the
-    controller's rlhf/run), each Kubernetes server's Secret (a placeholder value) and LeaderWorkerSet, and their two
-    NetworkPolicies. With node groups, node group 0's rank 0 runs the run and creates the servers: they and their
-    policies belong to its Job (<jobset>-node-0, every node pod's Job)."""
+    """Every object the run creates on its cluster: its JobSet and its pods' Secret (`nodes`: the node groups' spec,
+    for nnodes > 1) with the controller's two NetworkPolicies (the node groups' rendezvous and collectives: their pods
+    carry the controller's rlhf/run), each Kubernetes server's Secret (a placeholder value) and LeaderWorkerSet, and
+    their two NetworkPolicies. With node groups, node group 0's rank 0 runs the run and creates the servers: they and
+    their policies belong to its Job (<jobset>-node-0, every node pod's Job)."""
     objects, servers = [], identity
     if nodes is not None:
-        objects.append(jobset(nodes, cfg.deploy.cluster, site, identity))
+        objects += [nodes_secret(nodes, identity), jobset(nodes, cfg.deploy.cluster, site, identity)]
         objects += policies(identity.run_label, site.namespace, (identity.owner or {}).get("uid"))
         servers = RunIdentity(identity.name, f"{nodes.name}-{NODE_JOB}-0")
     kinds = kubernetes_servers(cfg)

@@ -1,7 +1,7 @@
-"""A run's server on Kubernetes (launch=kubernetes): one LeaderWorkerSet of `replicas` server pods the run creates
+"""launch=kubernetes: a server kind of the run as one LeaderWorkerSet of `replicas` server pods the run creates
 through the API, found through the LeaderWorkerSet's own headless Service (components/cluster/objects.py), and
-answering what every started server of a run answers (components/serving/services.py): `url` (`urls` for every
-replica), `wait_until_ready(timeout)`, `death()`, `stop()`.
+answering what every started server of a run answers (a StartedServer: components/serving/started.py): `urls`,
+`wait_until_ready(timeout)`, `death()`, `stop(grace_s)`, `describe()`.
 
 Ready means both: each replica's pod runs and passes its readiness probe (Kubernetes' view), and our own probe of
 the replica's URL answers healthy (the run's view, through the NetworkPolicies and with the run's secret). While it
@@ -9,7 +9,12 @@ waits, it says what for: Kueue admission (the pods' scheduling gate), a node (un
 one up), the image pull, the model loading. A pod whose container exited or restarted is a dead server (a restarted
 critic or rollout server lost its state): the run fails naming the replica, its pod, its exit code and its log
 tail. `stop()` deletes the LeaderWorkerSet and the Secret; both are also owned by the Job the run runs in, so
-Kubernetes deletes them with it if the run dies first.
+Kubernetes deletes them with it if the run dies first: no lease to watch, nothing to poll.
+
+The servers hold the run's secret from a Kubernetes Secret of the run (mounted into their pods, never in a spec), and
+take traffic from the run's own pods only (its NetworkPolicies: components/cluster/network_policy.py). A critic
+uploads each save to the run's checkpoint store (the next checkpoint adopts it), and a resumed run tells it which
+iteration's critic to start from (components/serving/pod.py).
 """
 
 from __future__ import annotations
@@ -74,7 +79,8 @@ class KubeServers:
             raise
 
     def describe(self) -> str:
-        return f"LeaderWorkerSet {self.lws} ({len(self.urls)} replica(s), namespace {self.kube.namespace})"
+        return (f"LeaderWorkerSet {self.lws} ({len(self.urls)} replica(s), namespace {self.kube.namespace}): "
+                f"{', '.join(self.urls)}")
 
     def _pods(self) -> dict[int, dict]:
         pods = {}
@@ -134,9 +140,11 @@ class KubeServers:
                 return f"{self.name} server replica {replica} ({self.urls[replica]}) is not healthy: {probe().status}"
         return None
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 0.0) -> str:
         """Delete what was created (the LeaderWorkerSet first: its pods go with it), then release the run's
-        NetworkPolicies."""
+        NetworkPolicies; says what was deleted. The pods get their own termination grace period (Kubernetes'), not
+        `grace_s`."""
+        deleted = [f"{obj['kind']} {obj['metadata']['name']}" for obj in reversed(self.created)]
         try:
             for obj in reversed(self.created):
                 self.kube.delete(obj["apiVersion"], obj["kind"], obj["metadata"]["name"])
@@ -145,6 +153,7 @@ class KubeServers:
             if self.policies is not None:
                 self.policies.release()
                 self.policies = None
+        return f"deleted {', '.join(deleted)}" if deleted else "nothing left to delete"
 
 
 def start_servers(kind: str, cfg: RLHFConfig, secret: str, probe_for: Callable[[str], Probe], run_name: str,
@@ -167,4 +176,3 @@ def start_servers(kind: str, cfg: RLHFConfig, secret: str, probe_for: Callable[[
                          probe_for, policies)
     server.start()
     return server
-

@@ -31,6 +31,7 @@ from components.controller import control, controls
 from components.export import publish_model
 from components.jobs import Job
 from components.launch.ranks import actor_ranks
+from components.serving.auth import ranks_secret
 from components.serving.services import RunServices, rollout_server, run_services
 from components.storage.backends import CheckpointError
 from components.tracking.provenance import (RL_NOT_TRAINED, data_record, job_record, judging_files, model_record,
@@ -65,7 +66,7 @@ class RL(Job):
         return cfg, read_data(cfg)  # bad data fails here, before any model loads
 
     def tags(self, cfg: RLHFConfig) -> dict[str, str]:
-        return {"algorithm": cfg.algorithm, "preset": "tiny" if cfg.model.policy.startswith("tiny/") else "custom",
+        return {"algorithm": cfg.algorithm, "preset": cfg.preset,
                 "reward_transport": cfg.reward.transport}
 
     def provenance(self, cfg: RLHFConfig) -> dict:
@@ -96,8 +97,8 @@ class RL(Job):
         return deep_merge(logged, nested(resolved_values(cfg)))
 
     def restore_parts(self, cfg: RLHFConfig) -> tuple[str, ...] | None:
-        """launch=deployment: the critic server (maybe on another node) restores its part from the store itself."""
-        return ("actor",) if cfg.deploy.critic.launch == "deployment" else None
+        """launch=kubernetes: the critic server (a pod of its own) restores its part from the store itself."""
+        return ("actor",) if cfg.deploy.critic.launch == "kubernetes" else None
 
     def opened(self, session: RunSession) -> None:
         """A critic is resumed from the checkpoint the actor is, never newer or older."""
@@ -129,7 +130,7 @@ class RL(Job):
 @contextmanager
 def actor_on_ranks(cfg: RLHFConfig, session: RunSession, steps: Steps = DIRECT) -> Iterator[Leader]:
     """The actor on all its ranks, restored from the run's checkpoint; every rank stopped on the way out."""
-    with actor_ranks(cfg, session.local_dir / "logs") as actor:
+    with actor_ranks(cfg, session.local_dir / "logs", ranks_secret()) as actor:
         if warning := steps("restore-actor", restore_actor, session, actor):
             steps.log(f"warning: {warning}")
         yield actor
@@ -146,7 +147,7 @@ def restore_actor(session: RunSession, actor: Leader) -> str | None:
 
 
 def checkpoint(session: RunSession, actor: Leader, critic_info: dict | None) -> str:
-    """The actor (all ranks take part) + the critic of the same iteration (a local save, or a deployment critic's
+    """The actor (all ranks take part) + the critic of the same iteration (a local save, or a Kubernetes critic's
     upload adopted inside the store) + the manifest with the critic's step and the RNG states."""
     parts, stored = {}, {}
     if critic_info:

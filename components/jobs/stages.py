@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from components.export import publish_model
 from components.jobs import Job
 from components.launch.ranks import actor_ranks
+from components.serving.auth import ranks_secret
 from components.tracking.provenance import (HELD_OUT_SHAPES_OUTPUT, STAGE_NOT_TRAINED, data_record, job_record,
                                             model_record)
 from components.tracking.run import RunSession
@@ -71,7 +72,7 @@ class Stage(Job):
 
     def run(self, session: RunSession, rows, steps: Steps = DIRECT) -> dict:
         cfg, (data, held_out) = session.cfg, rows
-        with actor_ranks(cfg, session.local_dir / "logs") as trainee:
+        with actor_ranks(cfg, session.local_dir / "logs", ranks_secret()) as trainee:
             log_data(session, data, held_out, steps)
             steps("restore", session.restore, trainee, "trainee")
             plug = StageSteps(cfg, trainee, data, held_out)

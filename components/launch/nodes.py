@@ -17,7 +17,11 @@ the groups in a `finally` (and, on Kubernetes, owner references delete them with
 
 Every node group runs the same command, `node_argv(spec)`: this module's `main`, which starts torchrun for its node
 (its node rank from JOB_COMPLETION_INDEX, rank 0's address from MASTER_ADDR or else JobSet's DNS name, waited for
-until it resolves) with `spec.command` after it, and passes on the exit code of the first rank that failed.
+until it resolves) with `spec.command` after it, and passes on the exit code of the first rank that failed. Every
+group is given the run's secret, which its ranks prove to each other (models/rendezvous.py), never in `spec` (a pod's
+spec is readable): in a local group's environment, in a JobSet's pods as a mounted Secret. The ranks meet through
+rank 0's own store at MASTER_PORT + 1 (models/distributed.rendezvous_address), listening on rank 0's address alone;
+torchrun's agents keep theirs at MASTER_PORT.
 
 This file is the seam between the two backends: the dataclasses and the protocol below (and `node_argv`).
 """
@@ -34,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, Optional, Protocol
 
+from components.launch.followers import SECRET_ENV
 from components.launch.processes import (PARENT_PID_ENV, ChildProcess, exit_with_parent, project_env, signal_group,
                                          wait_for)
 
@@ -53,7 +58,8 @@ RANK_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 @dataclass(frozen=True)
 class NodeSpec:
     """What every node group runs: torchrun with these ranks, then `command` (argv after torchrun's own arguments),
-    in `env` (the same on every group; never a secret: it is visible in the pod's spec)."""
+    in `env` (the same on every group; never a secret: it is visible in the pod's spec). The ranks use
+    `master_port` (torchrun's agents) and `master_port` + 1 (the ranks' own rendezvous)."""
 
     name: str  # a DNS-1035 label: the JobSet's name (and the local groups' log prefix)
     nnodes: int
@@ -178,12 +184,14 @@ class LocalNodes:
     """`NodeGroups` on this machine: group i is `node_argv(spec)` as a child process in a process group of its own
     (torchrun's agent and its ranks), with the environment JobSet gives pod i (rank 0's address: loopback), a state
     directory of its own (`state_dir/<i>`: the groups share nothing but the run's store, as pods do), its share of
-    this machine's cores, and its output in `log_dir/node-<i>.log`. The first group to fail stops every group, and the
+    this machine's cores, the run's `secret` in its environment, and its output in `log_dir/node-<i>.log`. The first
+    group to fail stops every group, and the
     set is started again, at most `spec.max_restarts` times (JobSet's failurePolicy): `status()` does it when it sees
     the failure. A group dies with this process (exit_with_parent), so a killed controller leaves nothing."""
 
-    def __init__(self, spec: NodeSpec, log_dir: Path, state_dir: Path, grace_s: float = 20.0):
+    def __init__(self, spec: NodeSpec, log_dir: Path, state_dir: Path, secret: str, grace_s: float = 20.0):
         self.spec, self.log_dir, self.state_dir, self.grace_s = spec, Path(log_dir), Path(state_dir), grace_s
+        self.secret = secret
         self.groups: list[ChildProcess] = []
         self.restarts = 0
         self.exits: list[tuple[int, int]] = []  # (group, exit code) of the current attempt, in the order they exited
@@ -205,7 +213,7 @@ class LocalNodes:
         for i in range(self.spec.nnodes):
             env = {**base, "JOBSET_NAME": self.spec.name, "REPLICATED_JOB_NAME": NODE_JOB, "JOB_INDEX": "0",
                    "JOB_COMPLETION_INDEX": str(i), "MASTER_ADDR": "127.0.0.1", PARENT_PID_ENV: str(os.getpid()),
-                   STATE_DIR_ENV: str(self.state_dir / str(i)),
+                   STATE_DIR_ENV: str(self.state_dir / str(i)), SECRET_ENV: self.secret,
                    NODE_CPUS_ENV: ",".join(map(str, core_share(i, self.spec.nnodes, cores)))}
             group = ChildProcess(node_argv(self.spec), self.log_path(i), env)
             self.groups.append(group)

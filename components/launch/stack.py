@@ -5,17 +5,29 @@ State lives in <state_dir>/stack: pid files, ports, logs. `up` is idempotent and
 the processes `up` started, also from another shell: each is stopped as a process group by the pid in its pid file
 (launch/processes.py). Default ports avoid Triton (8000-8002), MLflow's and moto's default (5000) and each other.
 
-Only this machine's own pages may drive the stack (a web page in the user's browser must not start runs with any
-config): Prefect's CORS allows its own UI origin only and its CSRF protection is on (every state-changing request
-carries a token the Prefect client fetches itself: `prefect deployment run`, the flows, the UI all keep working;
-a raw HTTP client takes one through `prefect_post`); MLflow's server accepts its own Host names and CORS origins only
-(`--allowed-hosts`, `--cors-allowed-origins`). Both listen on 127.0.0.1 only.
+Only the stack's owner may drive it: any local user reaches 127.0.0.1, and a run's reward file runs as the stack's
+owner. So Prefect's API and MLflow's server need credentials, which `up` makes once (random, `credentials`) and keeps in
+<state_dir>/stack/credentials.json, mode 0600: Prefect's basic auth (PREFECT_SERVER_API_AUTH_STRING on the server,
+PREFECT_API_AUTH_STRING for its clients) and MLflow's basic-auth app (`--app-name basic-auth`, its admin user; clients
+send MLFLOW_TRACKING_USERNAME/PASSWORD). They reach processes through their environment only (`base_env`, the
+`rlhf-local` Prefect profile, made 0600 too), never a command line or a log. The UIs ask for them: Prefect's login form
+takes the `prefect` entry (user:password), MLflow's browser dialog the `mlflow_user` and `mlflow_password` entries.
+Liveness (`/api/health`, `/health`) answers without.
+
+Nor may a web page in the user's browser drive it: Prefect's CORS allows its own UI origin only and its CSRF protection
+is on (every state-changing request carries a token the Prefect client fetches itself: `prefect deployment run`, the
+flows, the UI all keep working; a raw HTTP client takes one through `prefect_post`); MLflow's server accepts its own
+Host names and CORS origins only (`--allowed-hosts`, `--cors-allowed-origins`). Both listen on 127.0.0.1 only.
 """
 
 from __future__ import annotations
 
+import base64
 import json
+import logging
 import os
+import secrets
+import stat
 import subprocess
 import sys
 import time
@@ -34,6 +46,9 @@ from models.sections import default_state_dir
 PREFECT_PORT, MLFLOW_PORT = 4200, 5050
 EXAMPLE_PIPELINE = PROJECT_ROOT / "examples" / "pipeline.yaml"  # what `make demo` runs as pipeline/default
 PROFILE = "rlhf-local"
+CREDENTIALS = "credentials.json"  # in <state_dir>/stack, mode 0600
+MLFLOW_USER = "rlhf"
+LOG = logging.getLogger("rlhf.stack")
 SERVICES = ("prefect", "mlflow", "deployments")
 
 
@@ -54,10 +69,49 @@ def _ports(state: Path) -> dict:
     return json.loads(f.read_text()) if f.exists() else {}
 
 
+def credentials(state: Path, create: bool = False) -> dict | None:
+    """The local stack's credentials (<state>/credentials.json, mode 0600): made at random by the first `up`
+    (`create`), the same ever after; None when there are none yet. A file others could read is made 0600 again."""
+    path = state / CREDENTIALS
+    if path.exists():
+        if stat.S_IMODE(path.stat().st_mode) & 0o077:
+            LOG.warning("%s could be read by other users: made 0600 (if they did, delete it with the stack down, "
+                        "and `rlhf up` makes new credentials)", path)
+            path.chmod(0o600)
+        return json.loads(path.read_text())
+    if not create:
+        return None
+    made = {"prefect": f"rlhf:{secrets.token_urlsafe(24)}", "mlflow_user": MLFLOW_USER,
+            "mlflow_password": secrets.token_urlsafe(24), "mlflow_flask_key": secrets.token_urlsafe(32)}
+    state.mkdir(parents=True, exist_ok=True)
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)  # never readable by others, not once
+    with os.fdopen(descriptor, "w") as f:
+        json.dump(made, f)
+    mlflow_auth_db(state.parent).unlink(missing_ok=True)  # its admin user was made with other credentials
+    return made
+
+
+def client_env(creds: dict | None) -> dict[str, str]:
+    """What Prefect's and MLflow's clients read the stack's credentials from (a process's environment)."""
+    if not creds:
+        return {}
+    return {"PREFECT_API_AUTH_STRING": creds["prefect"], "MLFLOW_TRACKING_USERNAME": creds["mlflow_user"],
+            "MLFLOW_TRACKING_PASSWORD": creds["mlflow_password"]}
+
+
+def basic_auth(user_password: str | None) -> dict[str, str]:
+    """The `Authorization: Basic` header of `user:password` ({} without)."""
+    return {"Authorization": f"Basic {base64.b64encode(user_password.encode()).decode()}"} if user_password else {}
+
+
 def running_mlflow_uri(state_dir: Path) -> str | None:
-    """The local stack's MLflow URL if `rlhf up` started one that is still alive."""
+    """The local stack's MLflow URL if `rlhf up` started one that is still alive; its credentials then go into this
+    process's environment, where MLflow's client reads them."""
     state = stack_dir(state_dir)
-    return f"http://127.0.0.1:{_ports(state).get('mlflow', MLFLOW_PORT)}" if _pid(state, "mlflow") else None
+    if not _pid(state, "mlflow"):
+        return None
+    os.environ.update({k: v for k, v in client_env(credentials(state)).items() if k.startswith("MLFLOW_")})
+    return f"http://127.0.0.1:{_ports(state).get('mlflow', MLFLOW_PORT)}"
 
 
 def running_prefect_api(state_dir: Path) -> str | None:
@@ -66,9 +120,19 @@ def running_prefect_api(state_dir: Path) -> str | None:
     return f"http://127.0.0.1:{_ports(state).get('prefect', PREFECT_PORT)}/api" if _pid(state, "prefect") else None
 
 
-def _healthy(url: str) -> bool:
+def prefect_env(state_dir: Path) -> dict[str, str]:
+    """The environment that points a Prefect client at the local stack: its API URL and credentials ({} when no
+    stack runs)."""
+    api = running_prefect_api(state_dir)
+    if api is None:
+        return {}
+    return {"PREFECT_API_URL": api, **{k: v for k, v in client_env(credentials(stack_dir(state_dir))).items()
+                                       if k.startswith("PREFECT_")}}
+
+
+def _healthy(url: str, auth: str | None = None) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=2) as r:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=basic_auth(auth)), timeout=2) as r:
             return r.status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
@@ -109,52 +173,89 @@ def own_origins(port: int) -> list[str]:
     return [f"http://127.0.0.1:{port}", f"http://localhost:{port}"]
 
 
-def prefect_server_env(prefect_port: int) -> dict[str, str]:
-    """Prefect server settings of the local stack: CORS limited to its own UI, CSRF protection on."""
-    return {"PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": ",".join(own_origins(prefect_port)),
+def prefect_server_env(prefect_port: int, creds: dict) -> dict[str, str]:
+    """Prefect server settings of the local stack: its credentials, CORS limited to its own UI, CSRF protection on."""
+    return {"PREFECT_SERVER_API_AUTH_STRING": creds["prefect"],
+            "PREFECT_SERVER_API_CORS_ALLOWED_ORIGINS": ",".join(own_origins(prefect_port)),
             "PREFECT_SERVER_API_CSRF_PROTECTION_ENABLED": "true",
             "PREFECT_SERVER_API_CORS_ALLOWED_METHODS": "GET,POST,PUT,PATCH,DELETE,OPTIONS"}
 
 
 def mlflow_security_args(mlflow_port: int) -> list[str]:
-    """MLflow server flags of the local stack: its own Host names and CORS origins only."""
-    return ["--allowed-hosts", f"127.0.0.1:{mlflow_port},localhost:{mlflow_port},127.0.0.1,localhost",
+    """MLflow server flags of the local stack: its basic-auth app, its own Host names and CORS origins only."""
+    return ["--app-name", "basic-auth",
+            "--allowed-hosts", f"127.0.0.1:{mlflow_port},localhost:{mlflow_port},127.0.0.1,localhost",
             "--cors-allowed-origins", ",".join(own_origins(mlflow_port))]
+
+
+def mlflow_auth_db(state_dir: Path) -> Path:
+    return state_dir / "mlflow" / "auth.db"
+
+
+def mlflow_server_env(state_dir: Path, creds: dict) -> dict[str, str]:
+    """MLflow server settings of the local stack: its basic-auth app's config (a file without the password, 0600),
+    admin user and password (read when it first makes its user store), and the key of its CSRF protection."""
+    (state_dir / "mlflow").mkdir(parents=True, exist_ok=True)
+    config = state_dir / "mlflow" / "auth.ini"
+    descriptor = os.open(config, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(descriptor, "w") as f:
+        # the admin is the only user; a password check per request costs a PBKDF2: checked ones are kept 5 minutes
+        f.write(f"[mlflow]\ndefault_permission = READ\ndatabase_uri = sqlite:///{mlflow_auth_db(state_dir)}\n"
+                f"admin_username = {creds['mlflow_user']}\nauth_cache_ttl_seconds = 300\n")
+    return {"MLFLOW_AUTH_CONFIG_PATH": str(config), "MLFLOW_AUTH_ADMIN_USERNAME": creds["mlflow_user"],
+            "MLFLOW_AUTH_ADMIN_PASSWORD": creds["mlflow_password"],
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": creds["mlflow_flask_key"]}
 
 
 TRANSIENT = (429, 502, 503)  # what Prefect's own client retries (a busy database answers 503): nothing was done
 
 
+def prefect_auth() -> str | None:
+    """The Prefect credentials of this process (PREFECT_API_AUTH_STRING in its environment)."""
+    return os.environ.get("PREFECT_API_AUTH_STRING") or None
+
+
+def prefect_get(api_url: str, path: str, timeout: float = 10.0, auth: str | None = None) -> httpx.Response:
+    """A GET of the Prefect API with `auth` (user:password; None: this process's credentials)."""
+    return httpx.get(f"{api_url}{path}", headers=basic_auth(auth or prefect_auth()), timeout=timeout)
+
+
 def prefect_post(api_url: str, path: str, body: dict, timeout: float = 10.0, method: str = "POST",
-                 retries: int = 5) -> httpx.Response:
+                 retries: int = 5, auth: str | None = None) -> httpx.Response:
     """A POST (or another writing `method`: PATCH, DELETE) to the Prefect API as its own client sends it with CSRF
-    protection on. A transient answer (429/502/503) is retried `retries` times, backing off as Prefect's client does
-    (Retry-After, else 2^attempt s, at most 10 s); the last answer is returned."""
-    answer = _csrf_request(api_url, path, body, timeout, method)
+    protection on, with `auth` (user:password; None: this process's credentials, `prefect_auth`). A transient answer
+    (429/502/503) is retried `retries` times, backing off as Prefect's client does (Retry-After, else 2^attempt s, at
+    most 10 s); the last answer is returned."""
+    auth = auth or prefect_auth()
+    answer = _csrf_request(api_url, path, body, timeout, method, auth)
     for attempt in range(retries):
         if answer.status_code not in TRANSIENT:
             break
         wait = answer.headers.get("Retry-After", "")
         time.sleep(min(float(wait) if wait.replace(".", "", 1).isdigit() else 2.0 ** attempt, 10.0))
-        answer = _csrf_request(api_url, path, body, timeout, method)
+        answer = _csrf_request(api_url, path, body, timeout, method, auth)
     return answer
 
 
-def _csrf_request(api_url: str, path: str, body: dict, timeout: float, method: str) -> httpx.Response:
+def _csrf_request(api_url: str, path: str, body: dict, timeout: float, method: str,
+                  user_password: str | None) -> httpx.Response:
     """A token for a client id of our own first (GET /csrf-token), then the request with both headers; a transient
     answer to the token's request is returned as the answer."""
     client_id = str(uuid.uuid4())
-    token = httpx.get(f"{api_url}/csrf-token", params={"client": client_id}, timeout=timeout)
+    auth = basic_auth(user_password)
+    token = httpx.get(f"{api_url}/csrf-token", params={"client": client_id}, headers=auth, timeout=timeout)
     if token.status_code in TRANSIENT:
         return token
-    headers = {}
+    headers = dict(auth)
     if token.status_code == 200:  # a server without CSRF protection answers 422: nothing to send
-        headers = {"Prefect-Csrf-Token": token.json()["token"], "Prefect-Csrf-Client": client_id}
+        headers.update({"Prefect-Csrf-Token": token.json()["token"], "Prefect-Csrf-Client": client_id})
     return httpx.request(method, f"{api_url}{path}", json=body, headers=headers, timeout=timeout)
 
 
 def base_env(state_dir: Path, prefect_port: int, mlflow_port: int) -> dict:
-    return project_env({
+    """The environment of the stack's processes and of what runs on it: its URLs, and its credentials once `up`
+    has made them."""
+    return project_env({**client_env(credentials(stack_dir(state_dir))),
         "RLHF_STATE_DIR": str(state_dir), "PREFECT_API_URL": f"http://127.0.0.1:{prefect_port}/api",
         "MLFLOW_TRACKING_URI": f"http://127.0.0.1:{mlflow_port}", "DO_NOT_TRACK": "1",
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
@@ -175,12 +276,13 @@ def up(state_dir: Path | None = None, prefect_port: int = PREFECT_PORT, mlflow_p
     (state / "logs").mkdir(parents=True, exist_ok=True)
     ports = _ports(state) if any(_pid(state, s) for s in SERVICES) else {"prefect": prefect_port, "mlflow": mlflow_port}
     (state / "ports.json").write_text(json.dumps(ports))
+    creds = credentials(state, create=True)
     env = base_env(state_dir, ports["prefect"], ports["mlflow"])
     urls = {"prefect": f"http://127.0.0.1:{ports['prefect']}", "mlflow": f"http://127.0.0.1:{ports['mlflow']}"}
     started = []
     if _pid(state, "prefect") is None:
         _require_free(ports["prefect"], "Prefect")
-        server_env = dict(env, PREFECT_HOME=str(state_dir / "prefect"), **prefect_server_env(ports["prefect"]))
+        server_env = dict(env, PREFECT_HOME=str(state_dir / "prefect"), **prefect_server_env(ports["prefect"], creds))
         server_env.pop("PREFECT_API_URL")
         pid = _spawn(state, "prefect", [bin_path("prefect"), "server", "start", "--host", "127.0.0.1", "--port",
                                         str(ports["prefect"])], server_env)
@@ -191,20 +293,21 @@ def up(state_dir: Path | None = None, prefect_port: int = PREFECT_PORT, mlflow_p
         pid = _spawn(state, "mlflow", [bin_path("mlflow"), "server", "--host", "127.0.0.1", "--port", str(ports["mlflow"]),
                                        "--backend-store-uri", f"sqlite:///{state_dir / 'mlflow' / 'mlflow.db'}",
                                        "--artifacts-destination", str(state_dir / "mlflow" / "artifacts"),
-                                       "--workers", "1", *mlflow_security_args(ports["mlflow"])], env)
+                                       "--workers", "1", *mlflow_security_args(ports["mlflow"])],
+                     {**env, **mlflow_server_env(state_dir, creds)})
         started.append(("mlflow", f"{urls['mlflow']}/health", pid))
     for name, url, pid in started:
         _wait(name, url, pid, state, timeout)
         log(f"started {name} (pid {pid}) at {url.rsplit('/', 1)[0] if name == 'mlflow' else urls[name]}")
     if _pid(state, "deployments") is None:
         pid = _spawn(state, "deployments", [sys.executable, "-m", "flows.serve"], env)
-        _wait_deployments(env["PREFECT_API_URL"], pid, state, timeout)
+        _wait_deployments(env["PREFECT_API_URL"], creds["prefect"], pid, state, timeout)
         log(f"started the deployment server (pid {pid}): {', '.join(DEPLOYMENTS)}")
     if not started and _pid(state, "deployments"):
         log("the local stack is already running (nothing started)")
     if set_profile:
-        _set_profile(env["PREFECT_API_URL"], log)
-    log(f"Prefect UI: {urls['prefect']}    MLflow UI: {urls['mlflow']}")
+        _set_profile(env["PREFECT_API_URL"], creds["prefect"], log)
+    log(f"Prefect UI: {urls['prefect']}    MLflow UI: {urls['mlflow']}    (their logins: {state / CREDENTIALS})")
     return urls
 
 
@@ -214,28 +317,34 @@ def _require_free(port: int, what: str) -> None:
                            f"(pass another port to `rlhf up`)")
 
 
-DEPLOYMENTS = ("ppo/default", "reinforce/default", "critic-server/default", "reward-server/default",
-               "rollout-server/default", "compare/default", "sweep/default", "experiment/default",
+DEPLOYMENTS = ("ppo/default", "reinforce/default", "compare/default", "sweep/default", "experiment/default",
                *(f"{kind.command}/default" for kind in KINDS if kind.trains_on_ranks), "pipeline/default")
 
 
-def _wait_deployments(api_url: str, pid: int, state: Path, timeout: float) -> None:
+def _wait_deployments(api_url: str, auth: str, pid: int, state: Path, timeout: float) -> None:
     """Until every deployment of flows/serve.py is registered (they register one after another)."""
     def registered() -> bool:
-        return all(_healthy(f"{api_url}/deployments/name/{name}") for name in DEPLOYMENTS)
+        return all(_healthy(f"{api_url}/deployments/name/{name}", auth) for name in DEPLOYMENTS)
 
     if not _started("deployments", registered, pid, state, timeout, 1.0, "the deployment server", tail_chars=3000):
         raise TimeoutError(f"deployments did not register within {timeout:.0f}s")
 
 
-def _set_profile(api_url: str, log) -> None:
-    """Create/activate the Prefect profile `rlhf-local` in the user's Prefect home, pointing at the local server."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
-    prefect = bin_path("prefect")
-    subprocess.run([prefect, "profile", "create", PROFILE], env=env, capture_output=True)  # fails if it exists: fine
-    subprocess.run([prefect, "-p", PROFILE, "config", "set", f"PREFECT_API_URL={api_url}",
-                    "PREFECT_SERVER_ANALYTICS_ENABLED=false"], env=env, capture_output=True, check=True)
-    subprocess.run([prefect, "profile", "use", PROFILE], env=env, capture_output=True, check=True)
+def _set_profile(api_url: str, auth: str, log) -> None:
+    """Create/activate the Prefect profile `rlhf-local` in the user's Prefect home, pointing at the local server with
+    its credentials (written by Prefect's own profile code, never through a command line; the file made 0600)."""
+    from prefect.settings import (PREFECT_API_AUTH_STRING, PREFECT_API_URL, PREFECT_PROFILES_PATH,  # heavy: up only
+                                  PREFECT_SERVER_ANALYTICS_ENABLED, load_profiles, save_profiles)
+
+    path = Path(PREFECT_PROFILES_PATH.value())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))  # 0600 before the credentials are written into it
+    path.chmod(0o600)
+    profiles = load_profiles(include_defaults=False)
+    profiles.update_profile(PROFILE, {PREFECT_API_URL: api_url, PREFECT_API_AUTH_STRING: auth,
+                                      PREFECT_SERVER_ANALYTICS_ENABLED: False})
+    profiles.set_active(PROFILE)
+    save_profiles(profiles)
     log(f"Prefect profile '{PROFILE}' is active and points at {api_url}: `prefect deployment run ppo/default` "
         f"works from any shell")
 
@@ -276,13 +385,14 @@ def demo(state_dir: Path | None = None, log=print) -> int:
     started = time.time()
     urls = up(state_dir, log=log)
     env = base_env(state_dir, _ports(stack_dir(state_dir))["prefect"], _ports(stack_dir(state_dir))["mlflow"])
+    creds = env["PREFECT_API_AUTH_STRING"]
     results = {}
     for deployment in ("ppo/default", "reinforce/default"):
         log(f"\n$ prefect deployment run {deployment} --watch")
         proc = subprocess.run([bin_path("prefect"), "deployment", "run", deployment, "--watch"], env=env)
         results[deployment] = proc.returncode
         if proc.returncode != 0:
-            log(f"{deployment}: {last_run_outcome(env['PREFECT_API_URL'], deployment)}")
+            log(f"{deployment}: {last_run_outcome(env['PREFECT_API_URL'], deployment, creds)}")
     log("\n$ prefect deployment run compare/default --watch")
     subprocess.run([bin_path("prefect"), "deployment", "run", "compare/default", "--watch"], env=env)
     table = state_dir / "compare" / "comparison.md"
@@ -295,7 +405,7 @@ def demo(state_dir: Path | None = None, log=print) -> int:
                                f"config={config}", "--watch"], env=env)
         results["pipeline/default"] = proc.returncode
         if proc.returncode != 0:
-            log(f"pipeline/default: {last_run_outcome(env['PREFECT_API_URL'], 'pipeline/default')}")
+            log(f"pipeline/default: {last_run_outcome(env['PREFECT_API_URL'], 'pipeline/default', creds)}")
     log(f"\nDemo finished in {time.time() - started:.0f}s: "
         + ", ".join(f"{d} {'Completed' if rc == 0 else 'FAILED'}" for d, rc in results.items()))
     log(f"  Prefect UI (flow runs, logs, comparison artifact): {urls['prefect']}")
@@ -305,12 +415,12 @@ def demo(state_dir: Path | None = None, log=print) -> int:
     return 0 if all(rc == 0 for rc in results.values()) else 1
 
 
-def last_run_outcome(api_url: str, deployment: str) -> str:
+def last_run_outcome(api_url: str, deployment: str, auth: str | None = None) -> str:
     """'<state>: <message>' of the newest flow run of a deployment (the reason a failed run gives)."""
     flow_name, name = deployment.split("/", 1)
     body = {"flows": {"name": {"any_": [flow_name]}}, "deployments": {"name": {"any_": [name]}},
             "sort": "EXPECTED_START_TIME_DESC", "limit": 1}
-    runs = prefect_post(api_url, "/flow_runs/filter", body).json()
+    runs = prefect_post(api_url, "/flow_runs/filter", body, auth=auth).json()
     if not runs:
         return "no flow run found"
     state = runs[0].get("state") or {}

@@ -10,10 +10,11 @@ stage. Light (pydantic and the config tree only): the CLI's parser and a sweep's
                   and its reference = the SFT model, the reward model = the RM stage's, PPO's critic initialised from
                   the reward model (NeMo-Aligner); its run name and MLflow parent are the pipeline's. Scored by reward
                   functions or environments (reward.source=function, environment.*), it needs no reward model
-    dpo           instead of reward_model + rl: DPO of the SFT model on preference pairs, its frozen reference the SFT
-                  model (sft -> dpo -> eval)
-    eval          the trained policy (RL's or DPO's) against the SFT policy on held-out prompts, judged by the reward
-                  model (a DPO pipeline's: eval.judge) and the gold reward when one is given; after an RL stage scored
+    dpo, kto      instead of reward_model + rl, one stage that trains the SFT model on preference data against itself,
+                  frozen (sft -> dpo -> eval, sft -> kto -> eval): a section named after any kind of job declared
+                  `policy_from_sft` (models/kinds.py), generated from its own stage section
+    eval          the trained policy (RL's or that stage's) against the SFT policy on held-out prompts, judged by the
+                  reward model (without an RL stage: eval.judge) and the gold reward when one is given; after an RL stage scored
                   by functions, as its own held-out eval judges (its functions or its environments' episodes: success
                   and pass@k of both policies)
 
@@ -24,103 +25,137 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import Field, PositiveInt, ValidationInfo, field_validator, model_validator
+from pydantic import Field, PositiveInt, create_model, model_validator
 
-from models.config import (RUN_NAME_PATTERN, CheckpointConfig, EvalConfig, RunConfig, deep_merge, is_tiny_policy, preset,
-                           preset_for)
+from models.config import RUN_NAME_PATTERN, EvalConfig, RunConfig, is_tiny_policy
 from models.deploy import DeployConfig
+from models.kinds import BY_JOB, POLICY_FROM_SFT
 from models.sections import Section
-from models.stages.config import DPOConfig, EvalSection, RewardModelConfig, SFTConfig
+from models.stages.config import EvalSection, RewardModelConfig, SFTConfig, StageCheckpoint
 
-STAGE_ORDER = ("sft", "reward_model", "rl", "dpo", "eval")  # every stage a pipeline may have, in order
+STAGE_ORDER = ("sft", "reward_model", "rl", *POLICY_FROM_SFT, "eval")  # every stage a pipeline may have, in order
 RL_STAGES = ("sft", "reward_model", "rl", "eval")
 FUNCTION_STAGES = ("sft", "rl", "eval")  # an RL stage scored by reward functions or environments: no reward model
-DPO_STAGES = ("sft", "dpo", "eval")
 # the RL stage's held-out eval by default: the reward model's score and the gold reward along the run, sampled (the
 # greedy answers of the tiny policies are all alike)
 EXAMPLE_RL_EVAL = EvalConfig(prompts="builtin:sentiment", every=4, temperature=1.0, samples_per_prompt=4)
 
 
 class PipelineSFT(SFTConfig):
-    model: Optional[str] = Field(None, description="A ready SFT model (a directory, hub id at its main branch, or s3://bucket/prefix) used instead of training one: the stage is then not trained.")
+    model: Optional[str] = Field(
+        None, description="A ready SFT model (a directory, hub id or s3://bucket/prefix) used instead of training one.")
 
 
 class PipelineRewardModel(RewardModelConfig):
-    model: Optional[str] = Field(None, description="A ready reward model (AutoModelForSequenceClassification, 1 label: a directory, hub id at its main branch, or s3://bucket/prefix) used instead of training one: the stage is then not trained.")
-    init: Literal["sft", "base"] = Field("sft", description="What the reward model is trained from: the SFT stage's model (InstructGPT, OpenRLHF, NeMo-Aligner) or base_model; a new score head either way.")
-
-
-class PipelineDPO(DPOConfig):
-    """The DPO stage: the SFT model trained on preference pairs against itself, frozen (its reference)."""
+    model: Optional[str] = Field(
+        None, description="A ready reward model (one-label classifier) used instead of training one.")
+    init: Literal["sft", "base"] = Field(
+        "sft",
+        description="What the reward model is trained from: the SFT stage's model or base_model (a new score head).")
 
 
 class PipelineEval(EvalSection):
-    """The eval stage: the trained policy (RL's or DPO's) against the SFT policy on held-out prompts."""
+    """The eval stage: the trained policy (RL's, DPO's or KTO's) against the SFT policy on held-out prompts."""
 
-    max_new_tokens: Optional[PositiveInt] = Field(None, description="Longest response; None = rl.generation.max_new_tokens.")
-    judge: Optional[str] = Field(None, description="The reward model that judges a DPO pipeline's eval (a directory, hub id or tiny/<name>); None = reward_model.model when given, else the embedded tiny/reward for the embedded base model. A pipeline with an RL stage is judged by its reward model.")
+    max_new_tokens: Optional[PositiveInt] = Field(
+        None, description="Longest response; None = rl.generation.max_new_tokens.")
+    judge: Optional[str] = Field(
+        None,
+        description="The reward model judging an eval without an RL stage; None = reward_model.model or tiny/reward.")
 
 
 class PipelineTracking(Section):
-    experiment: str = Field("rlhf-pipelines", description="MLflow experiment of the pipeline's parent run and its stages' nested runs.")
-    register_as: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$", description="Register each trained model in the MLflow model registry as '<register_as>-sft', '<register_as>-reward-model', '<register_as>-policy' (None = logged, not registered).")
-    parent_run_id: Optional[str] = Field(None, description="MLflow run to nest the pipeline's run under (a sweep sets it); None = a top-level run.")
+    experiment: str = Field(
+        "rlhf-pipelines", description="MLflow experiment of the pipeline's parent run and its stages' nested runs.")
+    register_as: Optional[str] = Field(
+        None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,80}$",
+        description="Register each trained model as '<register_as>-sft', '-reward-model', '-policy' (None = not).")
+    parent_run_id: Optional[str] = Field(
+        None, description="MLflow run to nest the pipeline's run under (a sweep sets it); None = a top-level run.")
 
 
-class PipelineConfig(Section):
+class PipelineStages(Section):  # PipelineConfig adds a section per kind of job that trains the SFT policy
     """The stages of one pipeline and what each is made from."""
 
-    name: str = Field("sentiment", pattern=RUN_NAME_PATTERN, description="Name of the pipeline (letters, digits, '.', '_', '-'): its MLflow parent run and its flow run.")
-    base_model: str = Field("tiny/policy", description="The model the SFT stage starts from: a local directory, a hub id (at base_revision), s3://bucket/prefix or 'tiny/<name>' (the embedded default).")
-    base_revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of base_model when it is a hub id; None = its main branch.")
+    name: str = Field(
+        "sentiment", pattern=RUN_NAME_PATTERN,
+        description="Name of the pipeline (letters, digits, '.', '_', '-'): its MLflow parent run and flow run.")
+    base_model: str = Field(
+        "tiny/policy",
+        description="The model the SFT stage starts from: a directory, hub id, s3://bucket/prefix or tiny/<name>.")
+    base_revision: Optional[str] = Field(
+        None, description="Hub revision (branch, tag or commit) of base_model when it is a hub id.")
     seed: int = Field(0, description="Seed of every stage (rows' order, initialisation, sampling).")
     sft: PipelineSFT = Field(default_factory=PipelineSFT, description="Supervised fine-tuning on completions.")
-    reward_model: PipelineRewardModel = Field(default_factory=PipelineRewardModel, description="The Bradley-Terry reward model.")
-    rl: RunConfig = Field(default_factory=lambda: RunConfig(algorithm="rloo", eval=EXAMPLE_RL_EVAL), validate_default=True, description="The RL stage: an RL run's config; its model.policy, model.reward and model.critic, run_name, seed and MLflow parent are set by the pipeline; what it leaves unset gets the preset of base_model (the tiny preset for tiny/policy).")
-    dpo: Optional[PipelineDPO] = Field(None, description="A DPO stage instead of reward_model and rl: the pipeline runs sft -> dpo -> eval (None = sft -> reward_model -> rl -> eval).")
-    eval: PipelineEval = Field(default_factory=PipelineEval, description="The trained policy against the SFT policy on held-out prompts.")
+    reward_model: PipelineRewardModel = Field(
+        default_factory=PipelineRewardModel, description="The Bradley-Terry reward model.")
+    rl: RunConfig = Field(
+        default_factory=lambda: RunConfig(preset="tiny", algorithm="rloo", eval=EXAMPLE_RL_EVAL),
+        description="The RL stage: an RL run's config (its models, name and seed are set by the pipeline).")
+    eval: PipelineEval = Field(
+        default_factory=PipelineEval, description="The trained policy against the SFT policy on held-out prompts.")
     tracking: PipelineTracking = Field(default_factory=PipelineTracking, description="MLflow lineage.")
-    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=50), description="Checkpoints of the SFT, reward-model and DPO stages (every N optimizer steps, and at the end); the RL stage's are rl.checkpoint.")
+    checkpoint: StageCheckpoint = Field(
+        default_factory=StageCheckpoint,
+        description="Checkpoints of the stages but RL (the RL stage's: rl.checkpoint).")
 
+
+    @property
+    def policy_stage(self) -> str:
+        """The stage that trains the pipeline's policy from the SFT model: 'rl', or the preference stage whose
+        section is given ('dpo', 'kto')."""
+        return next((job for job in POLICY_FROM_SFT if getattr(self, job) is not None), "rl")
 
     @property
     def stages(self) -> tuple[str, ...]:
         """The stages this pipeline runs, in order."""
-        if self.dpo is not None:
-            return DPO_STAGES
+        if self.policy_stage != "rl":
+            return "sft", self.policy_stage, "eval"
         return FUNCTION_STAGES if self.rl.reward.source == "function" else RL_STAGES
 
     @model_validator(mode="after")
-    def _each_stage_has_what_it_needs(self) -> "PipelineConfig":
-        if self.dpo is None and not self.rl.data.prompts:
-            raise ValueError(f"rl.data.prompts: not set; base_model '{self.base_model}' is not the embedded tiny policy, "
-                             f"so the RL stage's prompts must be named (a local file or folder, a hub data set id, or "
-                             f"builtin:<task>)")
-        if self.dpo is not None and self.judge is None:
-            raise ValueError(f"eval.judge: not set; a DPO pipeline's eval needs a reward model to judge with, and "
-                             f"base_model '{self.base_model}' has no embedded one (give eval.judge or reward_model.model)")
+    def _each_stage_has_what_it_needs(self):
+        given = [job for job in POLICY_FROM_SFT if getattr(self, job) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{', '.join(given)}: a pipeline trains its policy with one stage; give one of these "
+                             f"sections, not {len(given)}")
+        if not given and not self.rl.data.prompts:
+            raise ValueError("rl.data.prompts: not set; name the RL stage's prompts (a local file or folder, a hub "
+                             "data set id, or builtin:<task>), or rl.preset: tiny for the embedded tiny models' values")
+        if given and self.judge is None:
+            raise ValueError(f"eval.judge: not set; the eval of a pipeline without an RL stage needs a reward model to "
+                             f"judge with, and base_model '{self.base_model}' has no embedded one (give eval.judge or "
+                             f"reward_model.model)")
         return self
+
+    def check_rl_stage(self, what: str) -> None:
+        """Raises ValueError when the pipeline has no RL stage (`what` needs one)."""
+        if self.policy_stage != "rl":
+            raise ValueError(f"pipeline: {what} the pipeline's RL stage, and this pipeline has a {self.policy_stage} "
+                             f"section instead (sft -> {self.policy_stage} -> eval)")
 
     @property
     def judge(self) -> str | None:
         """The reward model that judges the eval stage of a DPO pipeline (eval.judge, else reward_model.model, else
         the embedded base model's own)."""
-        return self.eval.judge or self.reward_model.model or ("tiny/reward" if is_tiny_policy(self.base_model) else None)
+        embedded = "tiny/reward" if is_tiny_policy(self.base_model) else None
+        return self.eval.judge or self.reward_model.model or embedded
 
-    @field_validator("rl", mode="before")
-    @classmethod
-    def _rl_over_the_base_model_s_preset(cls, value, info: ValidationInfo):
-        """The RL stage's fields it leaves unset come from the preset of what the pipeline trains (base_model): its
-        policy is the SFT model, whose path names no preset."""
-        given = value.model_dump(mode="json", exclude_unset=True) if isinstance(value, RunConfig) else (value or {})
-        base = preset(preset_for(info.data.get("base_model"))).run.model_dump(mode="json")
-        return deep_merge(base, given)
+
+PipelineConfig = create_model(  # one optional section per kind of job that trains the SFT policy (models/kinds.py)
+    "PipelineConfig", __base__=PipelineStages, __module__=__name__, __doc__=PipelineStages.__doc__, **{
+        job: (Optional[BY_JOB[job].section_class],
+              Field(None, description=f"A {BY_JOB[job].command} stage instead of reward_model and rl: sft -> {job} -> "
+                                      f"eval (None = the RL stages)."))
+        for job in POLICY_FROM_SFT})
 
 
 class PipelineFile(PipelineConfig):
     """A pipeline as `rlhf pipeline --config FILE` reads it: its config and, optionally, where its parts run."""
 
-    deploy: DeployConfig = Field(default_factory=DeployConfig, description="Where the stages' ranks and servers run, the state directory, the tracking and checkpoint stores.")
+    deploy: DeployConfig = Field(
+        default_factory=DeployConfig,
+        description="Where the stages' ranks and servers run, the state directory, tracking and checkpoints.")
 
     @property
     def pipeline(self) -> PipelineConfig:

@@ -5,7 +5,8 @@
     rl            an RL run of the SFT policy against the reward model (PPO's critic initialised from it), or scored
                   by its reward functions or environments (no reward-model stage); its policy exported as a plain
                   model (LoRA merged)
-    dpo           (instead of reward_model and rl, with a `dpo` section) DPO of the SFT model, its frozen reference
+    dpo, kto      (instead of reward_model and rl, with its section) that stage on the SFT model, its frozen reference:
+                  one step for every kind declared `policy_from_sft` (models/kinds.py)
     eval          the trained policy against the SFT policy on held-out prompts (models/stages/evaluate.py; after a
                   function-scored RL stage, as that run's held-out eval judges: components/jobs/evaluation.py)
 
@@ -56,9 +57,9 @@ from components.runs import provenance, train
 from components.tracking.provenance import digest as record_digest
 from models.config import RLHFConfig, merge
 from models.deploy import DeployConfig
-from models.kinds import KINDS
+from models.kinds import BY_JOB, KINDS, POLICY_FROM_SFT
 from models.loop import DIRECT, Steps
-from models.stages.config import DPORun, EvalRun, RewardModelRun, SFTRun
+from models.stages.config import EvalRun, RewardModelRun, SFTRun
 from models.stages.evaluate import check_policy
 from models.stages.evaluate import check_reward_model as check_loaded_reward_model
 from models.resolve import file_digests, pin, resolve_model
@@ -246,11 +247,12 @@ def job_config(stage: str, cfg: PipelineConfig, deploy: DeployConfig, upstream: 
             "model.policy": upstream["sft"], "model.reward": upstream.get("reward_model"), "model.critic": None,
             "seed": cfg.seed, "tracking.experiment": cfg.tracking.experiment, "tracking.parent_run_id": parent_run_id}),
             deploy)
-    if stage == "dpo":
-        return DPORun.model_validate({**fields, "model": upstream["sft"], "dpo": cfg.dpo.model_dump()})
-    # eval: the trained policy (RL's or DPO's) against the SFT policy, judged by the reward model (a DPO pipeline's:
-    # its judge) and the gold reward
-    e, trained = cfg.eval, "dpo" if cfg.dpo is not None else "rl"
+    if stage in POLICY_FROM_SFT:  # the SFT model trained on preference data against itself, frozen
+        return BY_JOB[stage].run_class.model_validate({**fields, "model": upstream["sft"],
+                                                       stage: getattr(cfg, stage).model_dump()})
+    # eval: the trained policy (RL's or a preference stage's) against the SFT policy, judged by the reward model
+    # (without an RL stage: its judge) and the gold reward
+    e, trained = cfg.eval, cfg.policy_stage
     section = {**e.model_dump(exclude={"max_new_tokens", "judge"}),
                "normalize": cfg.rl.reward.normalize and trained == "rl",
                "max_new_tokens": e.max_new_tokens or cfg.rl.generation.max_new_tokens,
@@ -329,8 +331,11 @@ def rl_handoff(p: Pipeline, job: RLHFConfig, result: dict) -> dict:
             "handoff": {"loads_as": "AutoModelForCausalLM"}}
 
 
-def dpo_stage(p: Pipeline) -> None:
-    p.outcomes["dpo"] = stage(p, "dpo", job(p, "dpo"), policy_handoff("dpo"))
+def policy_stage(name: str) -> Callable[[Pipeline], None]:
+    """The step of a stage that trains the SFT policy on preference data (DPO, KTO)."""
+    def run(p: Pipeline) -> None:
+        p.outcomes[name] = stage(p, name, job(p, name), policy_handoff(name))
+    return run
 
 
 def eval_stage(p: Pipeline) -> None:
@@ -340,10 +345,11 @@ def eval_stage(p: Pipeline) -> None:
     rows = p.outcomes["eval"].record.get("rows", [])
     if rows:
         metrics = p.outcomes["eval"].record["metrics"]
-        trained = "dpo" if cfg.dpo is not None else "rl"
+        trained = cfg.policy_stage
         p.steps.table(re.sub(r"[^a-z0-9-]+", "-", f"pipeline-{cfg.name}-eval".lower())[:128], rows,
                       f"Pipeline {cfg.name}: {trained} policy vs SFT policy on held-out prompts: "
                       + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
 
 
-STAGES = {"sft": sft_stage, "reward_model": reward_model_stage, "rl": rl_stage, "dpo": dpo_stage, "eval": eval_stage}
+STAGES = {"sft": sft_stage, "reward_model": reward_model_stage, "rl": rl_stage, "eval": eval_stage,
+          **{name: policy_stage(name) for name in POLICY_FROM_SFT}}

@@ -4,24 +4,30 @@ Critic and reward servers (PyTriton): the child runs
 `python -m components.serving.triton.main --spec <ServerSpec JSON>`; readiness is Triton's server and model readiness
 (`triton_probe`). The launcher handles the environment's traps:
 - PyTriton's "one script per machine" known issue: two PyTriton servers on one machine collide on the default ports
-  8000-8002, and could share python-backend shared-memory names and workspaces. Each child gets its own ports
-  (HTTP P, gRPC P+1, metrics P+2), its own PYTRITON_HOME (a fresh temp dir, removed on stop); PyTriton 0.7 already
-  makes the shared-memory prefix unique per process. A killed Triton cannot remove its shared memory: stop does.
+  8000-8002, and could share python-backend shared-memory names and workspaces. Each child gets its own port P (its
+  front; Triton itself listens on a Unix socket in its workspace, no gRPC or metrics port), its own PYTRITON_HOME (a
+  fresh temp dir, removed on stop); PyTriton 0.7 already makes the shared-memory prefix unique per process. A killed
+  Triton cannot remove its shared memory: stop does.
 - Security (components/serving/auth.py): the child gets the run's secret in its environment ($RLHF_RUN_SECRET; a new
-  one when the caller gives none), never on its command line; with it, every Triton API but health needs the token
-  derived from it (open mode: the admin APIs only). Readiness checks use the health API, and the token to read the
-  repository index (a model's state and failure reason).
+  one when the caller gives none), never on its command line; with it, every request but health must be signed with
+  the run's key (open mode: inference, config and metadata answer anyone). Readiness checks have the server prove
+  it holds the run's secret, use the health API, and read the repository summary (a model's state and failure
+  reason) with a signed request.
 
 The rollout server (vLLM, components/serving/rollout/) runs in its own environment (`deploy.rollout.python`,
 `.venv-vllm` from `make vllm-venv`); readiness is GET /health answering 200 with the launcher's token (`rollout_probe`:
 another server at the port is named as such; a server whose weights broke after a failed update answers 503, so it
-is not healthy). It gets the run's secret in its environment too, and the one address its weight-transfer group may
-be set up with (--trainer-host: the trainer's).
+is not healthy; a server that cannot prove it holds the run's secret is another server). It gets the run's secret in
+its environment too, and the one address its weight-transfer group may be set up with (--trainer-host: the
+trainer's).
+
+A server the run did not start as its child (a pod of a LeaderWorkerSet: components/cluster/servers.py) is looked at
+through the same probes (`probe_at`); the rollout server there reaches the trainer at this pod's address
+(`trainer_host`).
 """
 
 from __future__ import annotations
 
-import http.client
 import os
 import secrets
 import shutil
@@ -29,7 +35,7 @@ import socket
 import sys
 import tempfile
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 from urllib.parse import urlparse
 
 import httpx
@@ -37,9 +43,11 @@ import torch
 
 from components.launch.processes import (PARENT_PID_ENV, PROJECT_ROOT, Health, Probe, ServerNotReady, ServerProcess,
                                          free_port, project_env)
-from components.serving.auth import TRITON_HEADER, new_secret, read_secret, secret_env, triton_token
+from components.serving.auth import new_secret, read_secret, secret_env
 from components.serving.triton.contract import ServerSpec
-from components.serving.triton.serve import model_state_summary, triton_client
+from components.serving.triton.front import MODELS_PATH
+from components.serving.triton.serve import model_state_summary
+from components.wire import ServerNotProven, run_client
 from models.config import RLHFConfig, merge
 
 ROLLOUT_SERVER_MODULE = "components.serving.rollout.main"
@@ -60,29 +68,26 @@ def child_env(pytriton_home: Path, secret: str, extra: Optional[dict] = None) ->
                         "DO_NOT_TRACK": os.environ.get("DO_NOT_TRACK", "1"), **(extra or {})})
 
 
-def _model_state(client, name: str, access_token: Optional[str]) -> tuple[str, bool]:
+def _model_state(client: httpx.Client, name: str) -> tuple[str, bool]:
     """(description, failed) of a model that is not ready.
 
-    With the access token, the repository index names a model whose load failed (state UNAVAILABLE + reason: our
-    servers register a model that cannot load its weights there). PyTriton loads healthy models from outside the
-    repository, so they never appear in the index; the model config endpoint then tells 'not found' (not bound yet,
-    weights loading) from 'no available versions' (Triton is loading it, or its load failed).
+    With the run's key, the server's repository summary (GET /rlhf/models: Triton's repository index, read by the
+    front) names a model whose load failed (state UNAVAILABLE + reason: our servers register a model that cannot load
+    its weights there). PyTriton loads healthy models from outside the repository, so they never appear in it; the
+    model config then tells 'not found' (not bound yet, weights loading) from 'no available versions' (Triton is
+    loading it, or its load failed).
     """
-    from tritonclient.utils import InferenceServerException  # heavy: tritonclient, only while waiting for a server
-
-    if access_token:
-        try:
-            index = client.get_model_repository_index(headers={TRITON_HEADER: access_token})
-        except InferenceServerException:
-            index = []
-        summary = model_state_summary(index, name)
-        if summary is not None:
-            return f"state {summary}", summary.startswith("UNAVAILABLE") and "unloaded" not in summary
-    try:
-        client.get_model_config(name, headers={TRITON_HEADER: access_token} if access_token else None)
+    index = client.get(MODELS_PATH)
+    summary = model_state_summary(index.json(), name) if index.status_code == 200 else None
+    if summary is not None:
+        return f"state {summary}", summary.startswith("UNAVAILABLE") and "unloaded" not in summary
+    config = client.get(f"/v2/models/{name}/config")
+    if config.status_code == 200:
         return "state unknown: its config is served but it is not ready", False
-    except InferenceServerException as exc:
-        error = exc.message() or str(exc)
+    try:
+        error = config.json().get("error", config.text)
+    except ValueError:
+        error = config.text
     if "no available versions" in error:
         return "state UNAVAILABLE: loading, or its load failed (see the server log)", False
     if "not found" in error:
@@ -90,37 +95,39 @@ def _model_state(client, name: str, access_token: Optional[str]) -> tuple[str, b
     return f"state unknown: {error}".strip(), False
 
 
-def triton_probe(url: str, models: Iterable[str], access_token: Optional[str] = None, timeout_s: float = 2.0) -> Probe:
-    """Server liveness, each model's readiness and server readiness (tritonclient). What it sees tells apart: nothing
-    listening at host:port; server up but model X not ready (state ...); a server that accepts connections but does not
-    answer. A model whose load failed raises at once instead of waiting out the timeout."""
+def triton_probe(url: str, models: Iterable[str], secret: Optional[str] = None, timeout_s: float = 2.0) -> Probe:
+    """Server liveness, each model's readiness and server readiness. What it sees tells apart: nothing listening at
+    host:port; server up but model X not ready (state ...); a server that accepts connections but does not answer.
+    With the run's `secret`, the server must first prove it holds it (another server at the address is named as
+    such), and a model whose load failed raises at once instead of waiting out the timeout."""
     where = urlparse(url if "://" in url else f"http://{url}").netloc
     models = tuple(models)
 
     def probe() -> Health:
-        client = triton_client(url, timeout_s=timeout_s)
+        client = run_client(secret, "triton", base_url=f"http://{where}", timeout=timeout_s)
         try:
-            live = client.is_server_live()
-            pending = [m for m in models if not client.is_model_ready(m)]
-            if live and not pending and client.is_server_ready():
+            live = client.get("/v2/health/live").status_code == 200
+            pending = [m for m in models if client.get(f"/v2/models/{m}/ready").status_code != 200]
+            if live and not pending and client.get("/v2/health/ready").status_code == 200:
                 return Health(True, "ready")
             if not pending:
                 return Health(False, f"server up at {where} but not ready (live={live})")
-            state, failed = _model_state(client, pending[0], access_token)
+            state, failed = _model_state(client, pending[0])
             status = f"server up at {where} but model {pending[0]} not ready ({state})"
             if failed:
                 raise ServerNotReady(status, "not_ready")
             return Health(False, status)
-        except ConnectionRefusedError as exc:
-            return Health(False, f"nothing listening at {where} ({exc.strerror or exc})", "not_listening")
-        except (TimeoutError, socket.timeout) as exc:
-            return Health(False, f"server at {where} accepted the connection but did not answer ({exc or 'timeout'})",
-                          "timeout")
-        except OSError as exc:  # reset, unreachable: the network said no
-            return Health(False, f"cannot reach {where}: {exc}", "not_listening")
-        except http.client.HTTPException as exc:  # e.g. geventhttpclient's HTTPConnectionClosed: it is going away
-            return Health(False, f"server at {where} closed the connection while answering "
-                          f"({type(exc).__name__}: {exc})", "not_listening")
+        except ServerNotProven as exc:
+            raise ServerNotReady(str(exc), "wrong_server") from None
+        except httpx.ConnectError as exc:
+            return Health(False, f"nothing listening at {where} ({exc})", "not_listening")
+        except httpx.TimeoutException as exc:
+            return Health(False, f"server at {where} accepted the connection but did not answer "
+                                 f"({type(exc).__name__})", "timeout")
+        except httpx.RemoteProtocolError as exc:  # it read the request and closed the connection: going away
+            return Health(False, f"server at {where} closed the connection while answering ({exc})", "not_listening")
+        except httpx.TransportError as exc:  # reset, unreachable: the network said no
+            return Health(False, f"cannot reach {where}: {type(exc).__name__}: {exc}", "not_listening")
         finally:
             client.close()
     return probe
@@ -132,7 +139,6 @@ def triton_server(argv: Sequence[str], host: str, port: int, models: Iterable[st
     this process's $RLHF_RUN_SECRET, else a new one; `server.secret`), probed for `models`; stopping it also removes
     its workspace and the shared memory a killed Triton leaves."""
     secret = secret or read_secret() or new_secret()
-    token = triton_token(secret)
     home = Path(tempfile.mkdtemp(prefix=f"rlhf-{name}-"))  # short: unix socket paths live in here
     url = f"http://{connect_host(host)}:{port}"
 
@@ -143,7 +149,7 @@ def triton_server(argv: Sequence[str], host: str, port: int, models: Iterable[st
             leftover.unlink(missing_ok=True)
 
     try:
-        server = ServerProcess(name, argv, url, log_path, triton_probe(url, models, token),
+        server = ServerProcess(name, argv, url, log_path, triton_probe(url, models, secret),
                                child_env(home, secret, env), on_stop=cleanup)
         server.secret = secret  # what its clients send (components/serving/auth.py)
         return server
@@ -223,14 +229,19 @@ def rollout_env(cfg: RLHFConfig, secret: Optional[str] = None) -> dict[str, str]
     return env
 
 
-def rollout_probe(url: str, instance: Optional[str] = None, timeout_s: float = 2.0) -> Probe:
+def rollout_probe(url: str, instance: Optional[str] = None, timeout_s: float = 2.0,
+                  secret: Optional[str] = None) -> Probe:
     """GET /health: 200 with the server's description (model, weights version, run, ...) when it serves; 503 with
     why while its weights are broken (a failed update). With `instance` (the launcher's token, echoed by the server),
-    another server answering at `url` is refused: its port was taken."""
+    or with the run's `secret` (the server must prove it holds it first), another server answering at `url` is
+    refused: its port was taken."""
 
     def probe() -> Health:
         try:
-            response = httpx.get(f"{url}/health", timeout=timeout_s)
+            with run_client(secret, "rollout", timeout=timeout_s) as client:
+                response = client.get(f"{url}/health")
+        except ServerNotProven as exc:
+            raise ServerNotReady(str(exc), "wrong_server") from None
         except httpx.ConnectError as exc:
             return Health(False, f"nothing listening at {url} ({exc})", "not_listening")
         except httpx.TimeoutException as exc:
@@ -274,7 +285,32 @@ def launch_rollout(cfg: RLHFConfig, log_path: str | Path, host: Optional[str] = 
     secret = secret or read_secret() or new_secret()
     url = f"http://{connect_host(host)}:{port}"
     server = ServerProcess("rollout", rollout_argv(cfg, port, host, instance, trainer_host), url, log_path,
-                           rollout_probe(url, instance), rollout_env(cfg, secret),
+                           rollout_probe(url, instance, secret=secret), rollout_env(cfg, secret),
                            title=None if replica is None else f"rollout server replica {replica}")
     server.secret = secret
     return server
+
+
+# ---------------------------------------------------------------- servers found at a URL (not our children)
+
+def probe_at(kind: str, cfg: RLHFConfig, secret: Optional[str] = None) -> Callable[[str], Probe]:
+    """How to look at a `kind` server found at a URL (a pod's; with the run's `secret`, the server must prove it holds
+    it, and a model that is not ready is looked up in its repository summary, which names why)."""
+    if kind == "rollout":
+        return lambda url: rollout_probe(url, secret=secret)
+    models = ServerSpec(kind=kind, config=cfg).models
+    return lambda url: triton_probe(url, models, secret)
+
+
+ADVERTISE_ENV = "RLHF_ADVERTISE_HOST"  # the address other pods reach this one at, when the default guess is wrong
+
+
+def advertised_host() -> str:
+    """The address other pods reach this pod at (its hostname's address, unless $RLHF_ADVERTISE_HOST says)."""
+    return os.environ.get(ADVERTISE_ENV) or socket.gethostbyname(socket.gethostname())
+
+
+def trainer_host(cfg: RLHFConfig) -> str:
+    """Where the rollout server reaches this process (the weight-transfer group's store): loopback for a local
+    server, this pod's address for one on Kubernetes."""
+    return "127.0.0.1" if cfg.deploy.rollout.launch == "local" else advertised_host()

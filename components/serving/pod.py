@@ -1,7 +1,7 @@
 """`python -m components.serving.pod KIND --config-json JSON [...]`: what a server pod of a run runs (launch=kubernetes;
 components/cluster/objects.leader_worker_set).
 
-It starts the `KIND` server exactly as a local run starts its own (components/serving/services.local_server: the
+It starts the `KIND` server exactly as a local run starts its own (components/serving/local.local_server: the
 same launcher, ports, probes and checks), holding the run's secret from the Secret mounted into the pod
 ($RLHF_RUN_SECRET_FILE), copies the server's log to its own output (`kubectl logs` shows it), and lives as long as
 the server: a server that exits ends the pod with its exit code (the run sees the pod end and fails naming it); a
@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from components.serving.auth import read_secret
-from components.serving.services import local_server, section
+from components.serving.local import local_server
+from components.serving.started import section
 from models.config import RLHFConfig
 
 

@@ -4,9 +4,7 @@
   (components/tracking/run.py): one writer per run name; a second run of the name is refused, naming the holder
   (host, pid, when it started, its flow run), and nothing of the live run is touched;
 - a pipeline stage's build: `locks/<stage>-<key>` in the pipeline's checkpoint base (components/pipeline/cache.py):
-  one builder, the others wait (`wait_s=None`) and then reuse what it built;
-- a deployment server's life: `servers/<kind>-<id>` in the run's store (components/serving/services.py): the server's
-  flow run serves while its run holds the lease (`holder_alive`), and stops once it does not.
+  one builder, the others wait (`wait_s=None`) and then reuse what it built.
 
 How a store holds one:
 - local (`file://`, a path): an exclusive `flock` on `<key>.lock` beside the key, which the kernel releases when the
@@ -327,31 +325,3 @@ def held(store, name: str, key: str, **options) -> Iterator[Lease]:
         yield lease
     finally:
         lease.release()
-
-
-def holder_alive(store, key: str, timeout_s: float) -> Holder | None:
-    """The live holder of `key` in `store`, None when nobody holds it: released, or its holder is gone (local: its
-    flock is free; S3: the object is missing or was not renewed for `timeout_s`). What a watcher of someone else's
-    lease asks (a deployment server of its run's); it never takes the lease."""
-    if store.s3 is not None:
-        found = store.s3.stat(key)
-        if found is None or found[2] > timeout_s:
-            return None
-        return Holder.parse(found[0]) or Holder("?")
-    path = Path(store.local_root) / key
-    try:
-        fd = os.open(lock_path(path), os.O_RDWR)
-    except FileNotFoundError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        try:
-            return Holder.parse(path.read_bytes()) or Holder("?")
-        except OSError:
-            return Holder("?")
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)

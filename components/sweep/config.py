@@ -46,39 +46,31 @@ Values = Annotated[Union[Annotated[list[Value], Tag("values")], Annotated[Range,
 class SweepConfig(Section):
     """A hyperparameter sweep: an Optuna study whose trials are runs of the algorithm's training deployment."""
 
-    name: str = Field(description="Names the Optuna study, the MLflow parent run, the trial runs '<name>-t<N>' and the "
-                                  "Prefect artifact 'sweep-<name>'; lowercase letters, digits and dashes. Rerunning a "
-                                  "name resumes its study: finished trials are kept, unfinished ones are followed or run again.",
-                      pattern=NAME_PATTERN)
+    name: str = Field(
+        pattern=NAME_PATTERN,
+        description="Names the study, its MLflow parent run and trials '<name>-t<N>'; rerunning a name resumes it.")
     space: dict[str, Values] = Field(
-        description="Dotted config field -> a list of values (categorical; grid takes every combination) or "
-                    "{low, high, log} (a float or int range, by the field's type; random and tpe only), e.g. "
-                    "{'reinforce.optim.lr': {'low': 1e-5, 'high': 1e-3, 'log': true}, 'kl.beta': [0.01, 0.1]}.")
+        description="Dotted config field -> a list of values or a {low, high, log} range (docs/sweeps.md).")
     arms: dict[str, dict[str, Any]] = Field(
-        {}, description="Named partial run configs (nested and/or dotted keys), chosen by the space's 'arm' field: a "
-                        "trial of arm A is the base config with arms[A] over it, then the trial's other fields; an "
-                        "arm may set `algorithm` (its trials run on that algorithm's deployment). An experiment's arms "
-                        "(components/experiment) are these, with the space {'seed': [...], 'arm': [...]}.")
-    sampler: Literal["grid", "random", "tpe"] = Field("grid", description="grid = every combination of the lists, in "
-                                                      "their order; random = Optuna's RandomSampler; tpe = Optuna's TPESampler.")
-    trials: PositiveInt = Field(8, description="How many trials random and tpe run in all (finished trials of an earlier "
-                                               "run of this sweep count); ignored by grid.")
+        {}, description="Named partial run configs, which the space's 'arm' field chooses between (docs/sweeps.md).")
+    sampler: Literal["grid", "random", "tpe"] = Field(
+        "grid", description="grid (every combination of the lists), random or tpe (Optuna's samplers).")
+    trials: PositiveInt = Field(
+        8, description="How many trials random and tpe run in all, earlier runs' finished ones counted.")
     seed: int = Field(0, description="Seed of the random and tpe samplers.")
-    concurrency: int = Field(1, ge=1, le=32, description="Trials running at once (each is a flow run of the training "
-                                                         "deployment: on a cluster, its own GPU nodes).")
-    metric: str = Field("eval/reward", description="The MLflow metric to optimise: any metric the runs log; a trial's "
-                                                  "value is the metric at its last logged step, and its earlier steps "
-                                                  "are what the pruner compares.")
-    direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether a larger or a smaller metric is better.")
-    pruner: Literal["none", "median"] = Field("none", description="median = Optuna's MedianPruner: a trial whose best "
-                                              "value so far is worse than the median of the completed trials at the "
-                                              "same step is cancelled and recorded as pruned.")
-    warmup_steps: int = Field(1, ge=0, description="The pruner judges no step below this one (step = iteration; the "
-                                                   "eval at step 0 comes before any update and is the same for every trial).")
+    concurrency: int = Field(
+        1, ge=1, le=32, description="Trials running at once (each a flow run of the training deployment).")
+    metric: str = Field("eval/reward", description="The MLflow metric to optimise, at a trial's last logged step.")
+    direction: Literal["maximize", "minimize"] = Field(
+        "maximize", description="Whether a larger or a smaller metric is better.")
+    pruner: Literal["none", "median"] = Field(
+        "none",
+        description="median = Optuna's MedianPruner (cancels a trial worse than the median at a step); none = off.")
+    warmup_steps: int = Field(1, ge=0, description="The pruner judges no step below this one (step = iteration).")
     startup_trials: int = Field(1, ge=0, description="Completed trials needed before the pruner stops any.")
-    storage: Optional[str] = Field(None, description="SQLAlchemy URL of the Optuna study storage, e.g. "
-                                   "postgresql+psycopg2://user:pass@host/optuna for a database every pod reaches; None "
-                                   f"= ${SWEEP_STORAGE_ENV}, else sqlite:///<state_dir>/sweeps/optuna.db.")
+    storage: Optional[str] = Field(
+        None,
+        description=f"SQLAlchemy URL of the study storage; None = ${SWEEP_STORAGE_ENV}, else sqlite in state_dir.")
     poll_s: PositiveFloat = Field(5.0, description="Seconds between two readings of the trials' states and metrics.")
 
     @field_validator("space")

@@ -32,25 +32,21 @@ AGGREGATES = ("final", "auc")  # each metric of a run: its value at the last ste
 class ExperimentConfig(Section):
     """Arms x paired seeds, compared with interval estimates (rliable)."""
 
-    name: str = Field(description="Names the MLflow parent run (tags kind=sweep, experiment=<name>), the trials "
-                                  "'<name>-t<N>', the study and the report; rerunning a name resumes it (a finished "
-                                  "arm x seed is never run again).", pattern=NAME_PATTERN)
-    base: dict[str, Any] = Field(default_factory=dict, description="The partial run config every arm starts from "
-                                 "(nested and/or dotted keys, as `rlhf train --config` takes it), over the preset of "
-                                 "its policy.")
-    arms: dict[str, dict[str, Any]] = Field(description="Arm name -> a partial config over `base` (an empty one: the "
-                                            "base itself). An arm may set `algorithm`, not `seed` (the seeds are "
-                                            "paired), and no two arms may make the same config.")
+    name: str = Field(
+        pattern=NAME_PATTERN,
+        description="Names the MLflow parent run, the runs '<name>-t<N>', the study and the report; reruns resume.")
+    base: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The partial run config every arm starts from (as `rlhf train --config` takes it).")
+    arms: dict[str, dict[str, Any]] = Field(
+        description="Arm name -> a partial config over `base`; an arm may set `algorithm`, not `seed`.")
     seeds: Union[PositiveInt, list[int]] = Field(3, description="How many seeds (0..n-1), or the seeds themselves; "
                                                  "every arm runs every seed.")
-    metrics: Optional[list[str]] = Field(None, description="The MLflow metrics compared, each at its last step "
-                                         "('final') and as the mean over its curve (the area under it over the steps "
-                                         "logged, 'auc'). None = the held-out eval's main metric: eval/gold_reward "
-                                         "when the task has a gold reward, else eval/reward.")
-    direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether larger metrics are better "
-                                                       "(the probability of improvement and the profiles read it).")
-    concurrency: int = Field(1, ge=1, le=32, description="Arm x seed runs at once (each a flow run of its "
-                                                         "training deployment).")
+    metrics: Optional[list[str]] = Field(
+        None, description="The MLflow metrics compared (final and auc); None = the held-out eval's main metric.")
+    direction: Literal["maximize", "minimize"] = Field("maximize", description="Whether larger metrics are better.")
+    concurrency: int = Field(
+        1, ge=1, le=32, description="Arm x seed runs at once (each a flow run of its training deployment).")
     reps: int = Field(2000, ge=100, le=200_000, description="Bootstrap resamples of every interval (rliable's "
                                                             "stratified bootstrap).")
     confidence: float = Field(0.95, gt=0.5, lt=1.0, description="Size of every interval.")
@@ -89,7 +85,7 @@ class ExperimentConfig(Section):
         return ["eval/gold_reward" if config.reward.gold or builtin_gold(config.data.prompts) else "eval/reward"]
 
     def base_config(self, deploy: Optional[dict] = None) -> RLHFConfig:
-        """The base run config (over its policy's preset), with where it runs."""
+        """The base run config (over the preset it names), with where it runs."""
         return from_layers(self.base, {"deploy": deploy or {}})
 
     def as_sweep(self, config: RLHFConfig) -> SweepConfig:

@@ -48,7 +48,8 @@ def project_modules(root: Path = ROOT) -> dict[str, Path]:
     return {module_name(path, root): path for package in PACKAGES for path in sorted((root / package).rglob("*.py"))}
 
 
-def imports(path: Path, name: str, tree: ast.Module | None = None) -> Iterator[tuple[str, list[str], int, bool, list[str]]]:
+def imports(path: Path, name: str,
+            tree: ast.Module | None = None) -> Iterator[tuple[str, list[str], int, bool, list[str]]]:
     """(module, imported names (none for `import module`), line, inside a function, the statement's source lines) for
     every import statement of the module `name` at `path` (`tree`: its syntax tree, parsed already)."""
     source = path.read_text()

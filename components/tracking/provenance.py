@@ -50,7 +50,8 @@ def digest(record: dict) -> str:
     return hashlib.sha256(json.dumps(record, sort_keys=True, separators=(",", ":"), default=str).encode()).hexdigest()
 
 
-def job_record(cfg, config: dict, models: dict, data: dict, files: dict | None = None, code: dict | None = None) -> dict:
+def job_record(cfg, config: dict, models: dict, data: dict, files: dict | None = None,
+               code: dict | None = None) -> dict:
     """A job's provenance record (the module docstring) from the parts its kind made."""
     return {"job": cfg.job, "config": config, "seed": cfg.seed, "code": {**code_version(), **(code or {})},
             "data": data, "models": models, "files": files or {}}

@@ -89,7 +89,7 @@ def default_tracking_uri(cfg) -> str:
 @dataclass
 class RunPlace:
     """What a run's servers need of the run: its name, where logs go, where a local critic saves, the run's
-    checkpoint store (a deployment critic uploads there), the checkpoint iteration a resumed critic starts from, and
+    checkpoint store (a Kubernetes critic uploads there), the checkpoint iteration a resumed critic starts from, and
     the run's secret (every server of the run takes requests carrying it only: components/serving/auth.py)."""
 
     run_name: str
@@ -181,7 +181,7 @@ class RunSession:
     # -- an RL run's servers
     @property
     def critic_restore_iteration(self) -> int | None:
-        """The checkpoint iteration whose critic a (deployment) critic server must start from; None for a new critic."""
+        """The checkpoint iteration whose critic a Kubernetes critic server must start from; None for a new critic."""
         return self.resumed_from if self.manifest.get("critic_step") is not None else None
 
     @property
@@ -202,7 +202,7 @@ class RunSession:
     def checkpoint(self, leader: Leader, part: str, state: dict | None = None, parts: dict[str, Path] | None = None,
                    stored: dict[str, str] | None = None) -> str:
         """Save the job on all its ranks as part `part` (with `parts`, directories saved beside it, and `stored`, parts
-        already in the store: a deployment critic's upload, adopted and then deleted), and a manifest with `state`
+        already in the store: a Kubernetes critic's upload, adopted and then deleted), and a manifest with `state`
         (what the job adds); committed only while this job's lease fences the store; prune; record in MLflow."""
         self.lease.check()  # a job whose lease was taken over writes nothing more
         staging = self.local_dir / "staging"
@@ -211,8 +211,8 @@ class RunSession:
         step = leader.state
         manifest = {"iteration": step.iteration, "episode": step.episode, "run_name": self.name,
                     "world_size": step.me.world_size, "tracking_run_id": self.tracker.run_id,
-                    "config": self.cfg.model_dump(mode="json", exclude={"sources"}), "provenance": self.provenance, "models": self.models,
-                    "data": self.data, "reward_files": self.reward_files, **(state or {})}
+                    "config": self.cfg.model_dump(mode="json", exclude={"sources"}), "provenance": self.provenance,
+                    "models": self.models, "data": self.data, "reward_files": self.reward_files, **(state or {})}
         uri = self.store.save(step.iteration, {part: staging / part, **(parts or {})}, _jsonable(manifest),
                               stored=stored, fence=self.lease.token)
         for key in (stored or {}).values():

@@ -3,8 +3,9 @@
 
     python -m components.verifiers.worker < requests.jsonl > answers.jsonl
 
-The run's secret comes in through $RLHF_RUN_SECRET (verifiers' `api_key_var`: its OpenAI client sends it as the
-bearer token the server checks), never on the command line. It answers request after request, one JSON line each
+The run's secret comes in through $RLHF_RUN_SECRET, never on the command line, and never leaves this process: the
+OpenAI client verifiers drives has an HTTP client of the run's (components/wire.py) under it, which has the
+server prove it holds the secret on every new connection before anything is sent, and signs every request. It answers request after request, one JSON line each
 (the trainer keeps one worker for a run: verifiers and the environment load once). A request (a JSON line on stdin):
 
     {"env_id": "my-env", "env_args": {...},            vf.load_environment(env_id, **env_args)
@@ -32,7 +33,8 @@ prompt + completion ids, the step joins that sample (the tokens between, the env
 logprob 0, then the step's completion); otherwise a new sample starts. A rollout that errored keeps its tokens with
 every mask 0 (nothing of it trains). The merge (`merge_steps`) is pure Python, also imported by the trainer's side.
 
-Runs in .venv-verifiers: imports nothing from the project but this package (components/verifiers/__init__.py).
+Runs in .venv-verifiers: imports nothing from the project but this package (components/verifiers/__init__.py) and
+components/wire.py (the standard library and httpx only).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ import json
 import os
 import sys
 from typing import Any
+
+from components.wire import run_async_client
 
 SECRET_ENV = "RLHF_RUN_SECRET"  # as components/serving/auth.py
 SCHEMA = 1
@@ -122,11 +126,21 @@ async def run(request: dict) -> dict:
     env = ENVIRONMENTS[key]
     if request.get("mode") == "dataset":
         return {"schema": SCHEMA, "env_id": request["env_id"], "rows": dataset_rows(env, request.get("split", "train"))}
-    client = vf.ClientConfig(client_type=request.get("client_type", "openai_chat_completions_token"),
-                             api_base_url=request["base_url"], api_key_var=SECRET_ENV,
-                             max_retries=int(request.get("max_retries", 0)),
-                             timeout=float(request.get("timeout_s", 600)))
-    model = request.get("model") or await served_model(request["base_url"])
+    client_type = request.get("client_type", "openai_chat_completions_token")
+    if client_type not in CLIENTS:
+        raise ValueError(f"client_type: one of {sorted(CLIENTS)}, got {client_type!r}")
+    from verifiers import clients  # the worker's own environment, as above
+
+    openai = openai_client(request["base_url"], float(request.get("timeout_s", 600)), int(request.get("max_retries", 0)))
+    try:
+        return await play(env, request, client_type, getattr(clients, CLIENTS[client_type])(openai), openai)
+    finally:
+        await openai.close()
+
+
+async def play(env, request: dict, client_type: str, client, openai) -> dict:
+    """The request's rollouts: k per example, at most max_concurrent groups at once."""
+    model = request.get("model") or (await openai.models.list()).data[0].id  # the model requests must name
     dataset = env.get_eval_dataset() if request.get("split") == "eval" else env.get_dataset()
     rows = [dataset[int(i)] for i in request.get("example_ids", range(len(dataset)))]
     k = int(request.get("rollouts_per_example", 1))
@@ -141,16 +155,21 @@ async def run(request: dict) -> dict:
             return await env.run_group(inputs, client, model, sampling, state_columns=["trajectory"])
 
     groups = await asyncio.gather(*(group(row) for row in rows))
-    return {"schema": SCHEMA, "env_id": request["env_id"], "client_type": client.client_type, "model": model,
+    return {"schema": SCHEMA, "env_id": request["env_id"], "client_type": client_type, "model": model,
             "rollouts": [rollout_record(dict(output)) for outputs in groups for output in outputs]}
 
 
-async def served_model(base_url: str) -> str:
-    """The id of the model the server serves (GET /v1/models), which requests must name."""
+CLIENTS = {"openai_chat_completions": "OpenAIChatCompletionsClient",  # verifiers' client of each client_type
+           "openai_chat_completions_token": "OpenAIChatCompletionsTokenClient"}
+
+
+def openai_client(base_url: str, timeout_s: float, max_retries: int):
+    """An OpenAI client of the rollout server whose HTTP client proves the server and signs each request with the
+    run's key (its `api_key` is never checked, nor sent as a credential: the signature replaces it)."""
     from openai import AsyncOpenAI  # comes with verifiers, in the worker's own environment
 
-    async with AsyncOpenAI(base_url=base_url, api_key=os.environ.get(SECRET_ENV, ""), max_retries=0) as client:
-        return (await client.models.list()).data[0].id
+    return AsyncOpenAI(base_url=base_url, api_key="signed-per-request", max_retries=max_retries, timeout=timeout_s,
+                       http_client=run_async_client(os.environ[SECRET_ENV], "rollout", timeout=timeout_s))
 
 
 def main() -> None:

@@ -14,7 +14,8 @@ from models.sections import OptimConfig, Section
 
 
 class ReinforceConfig(Section):
-    rollout_batch_size: PositiveInt = Field(16, description="Prompts per iteration; each gets `num_rollouts_per_prompt` samples.")
+    rollout_batch_size: PositiveInt = Field(
+        16, description="Prompts per iteration; each gets `num_rollouts_per_prompt` samples.")
     num_rollouts_per_prompt: int = Field(4, description="k samples per prompt, the group of the baseline (>= 2).")
     minibatch_size: PositiveInt = Field(32, description="Rollouts per actor optimizer step.")
     epochs: PositiveInt = Field(2, description="Passes over each rollout batch.")
@@ -31,7 +32,7 @@ class ReinforceConfig(Section):
 class Group(Algorithm):
     section = "reinforce"
     Config = ReinforceConfig
-    description = "The critic-free recipes' batch and optimiser settings (rloo, grpo, dr_grpo, dapo, gspo, cispo, reinforce_pp, opd; their loss: `loss`)."
+    description = "Batch and optimiser of the critic-free recipes, every algorithm but ppo (their loss: `loss`)."
 
     def samples_per_prompt(self, settings: ReinforceConfig) -> int:
         return settings.num_rollouts_per_prompt

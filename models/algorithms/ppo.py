@@ -24,9 +24,14 @@ class PPOConfig(Section):
     rollout_batch_size: PositiveInt = Field(64, description="Prompts (= rollouts) per iteration.")
     minibatch_size: PositiveInt = Field(32, description="Rollouts per actor optimizer step.")
     epochs: PositiveInt = Field(2, description="PPO epochs over each rollout batch.")
-    gae_lambda: float = Field(0.95, ge=0, le=1, description="GAE lambda (of the policy's advantages, and of the critic's returns unless critic_gae_lambda is set).")
-    critic_gae_lambda: float | None = Field(None, ge=0, le=1, description="VAPO's decoupled GAE: the lambda of the critic's returns (VAPO: 1.0); None = gae_lambda.")
-    length_adaptive_alpha: NonNegativeFloat = Field(0.0, description="VAPO's length-adaptive GAE: > 0 gives each response lambda = 1 - 1/(alpha x its length) for the policy (VAPO: 0.05); 0 = gae_lambda.")
+    gae_lambda: float = Field(
+        0.95, ge=0, le=1,
+        description="GAE lambda of the policy's advantages (and of the critic's returns, by default).")
+    critic_gae_lambda: float | None = Field(
+        None, ge=0, le=1,
+        description="VAPO's decoupled GAE: the lambda of the critic's returns (VAPO: 1.0); None = gae_lambda.")
+    length_adaptive_alpha: NonNegativeFloat = Field(
+        0.0, description="VAPO's length-adaptive GAE: each response's lambda = 1 - 1/(alpha x length); 0 = off.")
     discount: float = Field(1.0, ge=0, le=1, description="Discount factor gamma.")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="Actor optimiser.")
 

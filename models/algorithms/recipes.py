@@ -15,9 +15,8 @@ from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
 from models.advantages import ADVANTAGE_ESTIMATORS
 from models.losses import AGGREGATIONS, CORRECTIONS, POLICY_LOSSES, Menu
 from models.sections import Section
-from models.tiny_files import is_tiny_policy
 
-RECIPE = "the recipe's (docs/algorithms.md)"
+RECIPE = "the recipe's"
 
 
 class LossConfig(Section):
@@ -28,32 +27,56 @@ class LossConfig(Section):
                                            "vllm_importance_sampling_clip_min", "dynamic_sampling_extra_rounds",
                                            "overlong_penalty_factor")  # `rlhf config --describe --all` lists them
 
-    advantage_estimator: Optional[Literal[tuple(ADVANTAGE_ESTIMATORS)]] = Field(None, description=f"How scores become advantages: gae (a critic: ppo), rloo, grpo, reinforce_pp, reinforce_pp_baseline; None = {RECIPE}.")
-    scale_rewards: Optional[Literal["group", "batch", "none"]] = Field(None, description=f"grpo: divide (reward - group mean) by the group's std, the batch's, or nothing (Dr. GRPO); None = {RECIPE}.")
-    whiten_advantages: Optional[bool] = Field(None, description=f"Whiten the advantages over the batch's response tokens; None = {RECIPE} (ppo: yes).")
-    policy_loss: Optional[Literal[tuple(POLICY_LOSSES)]] = Field(None, description=f"The per-token policy term: ppo (clipped ratio), cispo, sapo, vespo, reinforce (-logp A); None = {RECIPE}.")
-    importance_sampling_level: Optional[Literal["token", "sequence"]] = Field(None, description=f"The policy ratio per token, or per sequence (exp of the mean log-ratio: GSPO); None = {RECIPE}.")
-    loss_agg_mode: Optional[Literal[tuple(AGGREGATIONS)]] = Field(None, description=f"How per-token losses are averaged over the minibatch (all ranks): token-mean, seq-mean-token-mean, seq-mean-token-sum, seq-mean-token-sum-norm (Dr. GRPO: / max_new_tokens); None = {RECIPE}.")
-    epsilon: Optional[float] = Field(None, gt=0, description=f"Clip the ratio below at 1 - epsilon; None = {RECIPE} (0.2).")
-    epsilon_high: Optional[float] = Field(None, gt=0, description=f"Clip the ratio above at 1 + epsilon_high (clip-higher; cispo: its weight's cap); None = {RECIPE}, else epsilon.")
-    delta: Optional[float] = Field(None, gt=1, description="Two-sided clip: cap the unclipped ratio at delta (INTELLECT-2); None = off.")
-    clip_ratio_c: Optional[float] = Field(None, gt=1, description="Dual clip: cap a negative-advantage token's loss at c x |A| (veRL; 3.0 there); None = off.")
+    advantage_estimator: Optional[Literal[tuple(ADVANTAGE_ESTIMATORS)]] = Field(
+        None, description=f"How scores become advantages: gae, rloo, grpo, reinforce_pp(_baseline); None = {RECIPE}.")
+    scale_rewards: Optional[Literal["group", "batch", "none"]] = Field(
+        None, description=f"grpo: divide the advantage by the group's std, the batch's, or nothing; None = {RECIPE}.")
+    whiten_advantages: Optional[bool] = Field(
+        None, description=f"Whiten the advantages over the batch's response tokens; None = {RECIPE}.")
+    policy_loss: Optional[Literal[tuple(POLICY_LOSSES)]] = Field(
+        None, description=f"The per-token policy term: ppo, cispo, sapo, vespo or reinforce; None = {RECIPE}.")
+    importance_sampling_level: Optional[Literal["token", "sequence"]] = Field(
+        None, description=f"The policy ratio per token, or per sequence (GSPO); None = {RECIPE}.")
+    loss_agg_mode: Optional[Literal[tuple(AGGREGATIONS)]] = Field(
+        None, description=f"How per-token losses are averaged over the minibatch (all ranks); None = {RECIPE}.")
+    epsilon: Optional[float] = Field(None, gt=0, description=f"Clip the ratio below at 1 - epsilon; None = {RECIPE}.")
+    epsilon_high: Optional[float] = Field(
+        None, gt=0,
+        description=f"Clip the ratio above at 1 + epsilon_high (clip-higher); None = {RECIPE}, else epsilon.")
+    delta: Optional[float] = Field(
+        None, gt=1, description="Two-sided clip: cap the unclipped ratio at delta (INTELLECT-2); None = off.")
+    clip_ratio_c: Optional[float] = Field(
+        None, gt=1, description="Dual clip: cap a negative-advantage token's loss at c x |A| (veRL); None = off.")
     sapo_temperature_pos: float = Field(1.0, gt=0, description="sapo: gate temperature where A > 0.")
     sapo_temperature_neg: float = Field(1.05, gt=0, description="sapo: gate temperature where A <= 0.")
-    entropy_coef: float = Field(0.0, ge=0, description="Entropy bonus: subtract coef x the entropy of the trained tokens.")
-    top_entropy_quantile: float = Field(1.0, gt=0, le=1, description="Train on the highest-entropy share of the response tokens only (behaviour policy's entropy, whole batch); 1 = all.")
+    entropy_coef: float = Field(
+        0.0, ge=0, description="Entropy bonus: subtract coef x the entropy of the trained tokens.")
+    top_entropy_quantile: float = Field(
+        1.0, gt=0, le=1, description="Train on this highest-entropy share of the response tokens only; 1 = all.")
     mask_truncated_completions: bool = Field(False, description="Responses cut at max_new_tokens carry no loss.")
-    missing_eos_penalty: Optional[float] = Field(None, description="Subtract this from the score of a response cut at max_new_tokens; None = off.")
-    overlong_buffer_len: Optional[NonNegativeInt] = Field(None, description=f"DAPO's soft overlong punishment: a response within this many tokens of max_new_tokens loses up to overlong_penalty_factor, linearly; 0 = off; None = {RECIPE} (dapo: a fifth of max_new_tokens).")
+    missing_eos_penalty: Optional[float] = Field(
+        None, description="Subtract this from the score of a response cut at max_new_tokens; None = off.")
+    overlong_buffer_len: Optional[NonNegativeInt] = Field(
+        None, description=f"DAPO's soft overlong punishment over this many last tokens; 0 = off; None = {RECIPE}.")
     overlong_penalty_factor: float = Field(1.0, ge=0, description="The soft overlong punishment at max_new_tokens.")
-    off_policy_mask_threshold: Optional[float] = Field(None, gt=0, description="Drop a negative-advantage sequence whose mean KL(sampler || current) per token exceeds this (DeepSeek-V3.2); None = off.")
-    vllm_importance_sampling_correction: bool = Field(True, description="Correct the loss for the rollout engine's own logprobs (vllm; the native engine samples with the trainer's weights).")
-    vllm_importance_sampling_mode: Literal[tuple(CORRECTIONS)] = Field("token_truncate", description="The mismatch weights pi_trainer / pi_engine: per token or per sequence, truncated to or masked outside [clip_min, clip_max].")
-    vllm_importance_sampling_clip_min: Optional[float] = Field(None, ge=0, description="Lower bound of the mismatch weights; None = none.")
-    vllm_importance_sampling_clip_max: Optional[float] = Field(2.0, gt=0, description="Upper bound of the mismatch weights; None = none.")
-    dynamic_sampling: Optional[bool] = Field(None, description=f"DAPO's dynamic sampling: drop prompts whose k rewards are all equal, sample more prompts until the batch is full; None = {RECIPE}.")
-    dynamic_sampling_extra_rounds: PositiveInt = Field(3, description="Dynamic sampling: at most this many extra generation rounds per iteration (then the batch is filled with dropped groups).")
-    task_reward_weight: float = Field(0.0, ge=0, description="opd: weight of the task reward's advantages (the recipe's estimator) added to the teacher's per-token signal; 0 = distillation alone.")
+    off_policy_mask_threshold: Optional[float] = Field(
+        None, gt=0,
+        description="Drop a negative-advantage sequence whose sampler KL per token exceeds this; None = off.")
+    vllm_importance_sampling_correction: bool = Field(
+        True, description="Correct the loss for the rollout engine's own logprobs (engine vllm).")
+    vllm_importance_sampling_mode: Literal[tuple(CORRECTIONS)] = Field(
+        "token_truncate",
+        description="The mismatch weights: per token or per sequence, truncated or masked outside the clips.")
+    vllm_importance_sampling_clip_min: Optional[float] = Field(
+        None, ge=0, description="Lower bound of the mismatch weights; None = none.")
+    vllm_importance_sampling_clip_max: Optional[float] = Field(
+        2.0, gt=0, description="Upper bound of the mismatch weights; None = none.")
+    dynamic_sampling: Optional[bool] = Field(
+        None, description=f"DAPO's dynamic sampling: drop prompts whose k rewards are all equal; None = {RECIPE}.")
+    dynamic_sampling_extra_rounds: PositiveInt = Field(
+        3, description="Dynamic sampling: at most this many extra generation rounds per iteration.")
+    task_reward_weight: float = Field(
+        0.0, ge=0, description="opd: weight of the task reward's advantages beside the teacher's signal; 0 = none.")
 
     @model_validator(mode="after")
     def _bounds(self) -> "LossConfig":
@@ -82,13 +105,13 @@ def fifth_of_max_new_tokens(cfg) -> int:
 
 
 def gspo_epsilon(cfg) -> float:
-    """3e-4 (the tiny policy: 1e-2, see docs/algorithms.md)"""
-    return 1e-2 if is_tiny_policy(cfg.model.policy) else 3e-4
+    """3e-4 (the tiny preset: 1e-2, see docs/algorithms.md)"""
+    return 1e-2 if cfg.preset == "tiny" else 3e-4
 
 
 def gspo_epsilon_high(cfg) -> float:
-    """4e-4 (the tiny policy: 1.33e-2)"""
-    return 4e-2 / 3 if is_tiny_policy(cfg.model.policy) else 4e-4
+    """4e-4 (the tiny preset: 1.33e-2)"""
+    return 4e-2 / 3 if cfg.preset == "tiny" else 4e-4
 
 
 R = Recipe

@@ -15,49 +15,81 @@ from typing import ClassVar, Literal, Optional
 from pydantic import Field, PositiveInt, model_validator
 
 from models.algorithms import ALGORITHMS
-from models.config import (PROMPT_SOURCES, RUN_NAME_PATTERN, SOURCES_DESCRIPTION, CheckpointConfig, LoraConfig,
+from models.config import (RUN_NAME_PATTERN, SOURCES_DESCRIPTION, CheckpointConfig, LoraConfig,
                            RunConfig, TrackingConfig)
 from models.deploy import DeployConfig
 from models.sections import OptimConfig, Section
 from models.resolve import Reads, Resolved, Sources, Want
 
 
+class StageOptim(OptimConfig):
+    """A stage's optimiser: the actor's settings at the tiny models' learning rate."""
+
+    lr: float = Field(
+        1e-3, gt=0, description="Peak learning rate (AdamW; 1e-3 suits the tiny models, docs/pipeline.md).")
+
+
+class StageCheckpoint(CheckpointConfig):
+    """A stage's checkpoints, counted in optimizer steps."""
+
+    every: PositiveInt = Field(50, description="Checkpoint every N optimizer steps (and at the end).")
+
+
 class StageTraining(Section):
     """What the SFT and reward-model stages share: their data, the update loop's batch geometry, optimizer, LoRA."""
 
-    data: str = Field(description=f"Training rows: {PROMPT_SOURCES}.")
-    subset: Optional[str] = Field(None, description="Configuration (subset) of `data` (and of `eval_data`), for a data set that has several (hub data sets, local folders whose README declares configs); None = its only (or default) one.")
-    revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of `data` (and of `eval_data`) when it is a hub data set id; None = its main branch.")
+    data: str = Field(description="Training rows from a data source (docs/data.md).")
+    subset: Optional[str] = Field(
+        None, description="Configuration (subset) of `data` and `eval_data`, for a data set that has several.")
+    revision: Optional[str] = Field(
+        None, description="Hub revision (branch, tag or commit) of `data` and `eval_data` when they are hub ids.")
     split: str = Field("train", description="Split of `data` to train on (a single file is this split).")
-    eval_data: Optional[str] = Field(None, description="Held-out rows, a source like `data`; None = split `eval_split` of `data`.")
+    eval_data: Optional[str] = Field(
+        None, description="Held-out rows, a source like `data`; None = split `eval_split` of `data`.")
     eval_split: Optional[str] = Field("test", description="Split of the held-out rows; None = no held-out eval.")
-    max_eval_rows: Optional[PositiveInt] = Field(None, description="Evaluate on the first N held-out rows only (None = all).")
-    eval_every: int = Field(0, ge=0, description="Held-out eval every N optimizer steps, and always before the first step and after the last (0 = only then).")
-    max_length: Optional[PositiveInt] = Field(None, description="Longest sequence (prompt + completion) in tokens; None = the model's position limit. A longer SFT row is cut to it (its prompt alone filling it: dropped); a longer pair is dropped; both counted.")
+    max_eval_rows: Optional[PositiveInt] = Field(
+        None, description="Evaluate on the first N held-out rows only (None = all).")
+    eval_every: int = Field(
+        0, ge=0,
+        description="Held-out eval every N optimizer steps, before the first and after the last (0 = only then).")
+    max_length: Optional[PositiveInt] = Field(
+        None, description="Longest prompt + completion in tokens (None = the model's limit; docs/pipeline.md).")
     epochs: PositiveInt = Field(1, description="Passes over the training rows (seeded order per epoch).")
-    max_steps: Optional[PositiveInt] = Field(None, description="Stop after this many optimizer steps (None = epochs x rows / batch_size, rounded up).")
-    batch_size: PositiveInt = Field(32, description="Rows (SFT) or pairs (reward model, DPO) per optimizer step, over all ranks.")
-    micro_batch_size: PositiveInt = Field(32, description="Rows or pairs per forward pass on a rank (gradient accumulation inside a step).")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="Compute dtype (autocast); trainable weights and optimizer states stay float32.")
-    lora: LoraConfig = Field(default_factory=LoraConfig, description="Train LoRA adapters instead of all weights; the stage's output model has them merged.")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3), description="AdamW and its schedule (1e-3 suits the tiny models).")
+    max_steps: Optional[PositiveInt] = Field(
+        None, description="Stop after this many optimizer steps (None = the epochs' steps).")
+    batch_size: PositiveInt = Field(
+        32, description="Rows (SFT) or pairs (reward model, DPO) per optimizer step, over all ranks.")
+    micro_batch_size: PositiveInt = Field(
+        32, description="Rows or pairs per forward pass on a rank (gradient accumulation inside a step).")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="Compute dtype (autocast); trainable weights and optimizer states stay float32.")
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig,
+        description="Train LoRA adapters instead of all weights; the stage's output model has them merged.")
+    optim: StageOptim = Field(default_factory=StageOptim, description="AdamW and its schedule.")
 
 
 class SFTConfig(StageTraining):
     """Supervised fine-tuning on completions: the loss is the mean -log p of the completion tokens (the prompt's carry
     none), as TRL's SFTTrainer with completion_only_loss."""
 
-    data: str = Field("builtin:sentiment_sft", description=f"SFT rows (prompt/completion, or messages): {PROMPT_SOURCES}.")
-    epochs: PositiveInt = Field(2, description="Passes over the training rows (seeded order per epoch); 2 suits the builtin rows (the tiny policy's held-out loss 1.07 before, 1.03 after 1 epoch, 1.00 after 2, 1.04 after 3).")
+    data: str = Field(
+        "builtin:sentiment_sft",
+        description="SFT rows (prompt/completion, or messages) from a data source (docs/data.md).")
+    epochs: PositiveInt = Field(
+        2, description="Passes over the training rows (2 suit the builtin rows: docs/pipeline.md).")
 
 
 class RewardModelConfig(StageTraining):
     """A Bradley-Terry reward model on preference pairs, as TRL's RewardTrainer: an
     AutoModelForSequenceClassification with one label, scored at each sequence's last token."""
 
-    data: str = Field("builtin:sentiment_preference", description=f"Preference pairs (prompt, chosen, rejected, optional margin): {PROMPT_SOURCES}.")
+    data: str = Field(
+        "builtin:sentiment_preference",
+        description="Preference pairs (prompt, chosen, rejected, margin) from a data source (docs/data.md).")
     epochs: PositiveInt = Field(2, description="Passes over the training pairs (seeded order per epoch).")
-    center_rewards_coefficient: Optional[float] = Field(None, ge=0, description="Adds coefficient x mean((r_chosen + r_rejected)^2) to the loss (TRL's; Eisenstein et al. 2023 suggest 0.01): rewards are defined only up to a shift, this pins their mean near 0. None = off.")
+    center_rewards_coefficient: Optional[float] = Field(
+        None, ge=0, description="Adds coefficient x mean((r_chosen + r_rejected)^2) to the loss (TRL's); None = off.")
 
 
 class DPOConfig(StageTraining):
@@ -66,11 +98,16 @@ class DPOConfig(StageTraining):
     SFT model in a pipeline; with LoRA, the model with its adapters disabled). Its implicit reward of a completion is
     beta x (log pi(completion) - log pi_ref(completion)), summed over the completion's tokens."""
 
-    data: str = Field("builtin:sentiment_preference", description=f"Preference pairs (prompt, chosen, rejected): {PROMPT_SOURCES}.")
-    beta: float = Field(0.1, gt=0, description="The KL strength beta (TRL's default 0.1): the implicit reward's scale; a larger beta keeps the policy nearer its reference. For loss_type='ipo' the regularisation tau.")
-    loss_type: Literal["sigmoid", "ipo"] = Field("sigmoid", description="'sigmoid': DPO's -log sigmoid(beta x (chosen log-ratio - rejected log-ratio)); 'ipo': IPO's (Azar et al. 2023) squared loss (mean per-token log-ratio difference - 1 / (2 beta))^2, as TRL 1.16 computes it.")
+    data: str = Field(
+        "builtin:sentiment_preference",
+        description="Preference pairs (prompt, chosen, rejected) from a data source (docs/data.md).")
+    beta: float = Field(
+        0.1, gt=0,
+        description="The KL strength beta (TRL's default 0.1; for ipo, its tau): the implicit reward's scale.")
+    loss_type: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid",
+        description="sigmoid: DPO's loss; ipo: IPO's squared loss (Azar et al. 2023), as TRL 1.16 computes it.")
     epochs: PositiveInt = Field(1, description="Passes over the training pairs (seeded order per epoch).")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3), description="AdamW and its schedule (1e-3 suits the tiny models; ~5e-7 a real one: TRL's default is 1e-6).")
 
 
 class StageRunConfig(Section):
@@ -78,12 +115,18 @@ class StageRunConfig(Section):
     checkpoints (a flow's `config` parameter; where its ranks run is the `deploy` beside it)."""
 
     stage: ClassVar[str]
-    run_name: Optional[str] = Field(None, pattern=RUN_NAME_PATTERN, description="Name of the run (letters, digits, '.', '_', '-'); re-running with the same name resumes it. None = '<stage>-<timestamp>-<random>'.")
-    seed: int = Field(0, description="Seed of the rows' order and the initialisation (a reward model's new score head).")
-    model: str = Field("tiny/policy", description="The model the stage trains from: a local directory, a hub id (at model_revision), s3://bucket/prefix or 'tiny/<name>' (the embedded default); the reward model is this model's backbone with a new score head.")
-    model_revision: Optional[str] = Field(None, description="Hub revision (branch, tag or commit) of `model` when it is a hub id; None = its main branch.")
+    run_name: Optional[str] = Field(
+        None, pattern=RUN_NAME_PATTERN,
+        description="Name of the run (letters, digits, '.', '_', '-'): the same name resumes it; None = generated.")
+    seed: int = Field(
+        0, description="Seed of the rows' order and the initialisation (a reward model's new score head).")
+    model: str = Field(
+        "tiny/policy",
+        description="The model the stage trains from: a directory, hub id, s3://bucket/prefix or tiny/<name>.")
+    model_revision: Optional[str] = Field(
+        None, description="Hub revision (branch, tag or commit) of `model` when it is a hub id.")
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
-    checkpoint: CheckpointConfig = Field(default_factory=lambda: CheckpointConfig(every=50), description="Checkpoints (every N optimizer steps, and at the end) and resume.")
+    checkpoint: StageCheckpoint = Field(default_factory=StageCheckpoint, description="Checkpoints and resume.")
 
     @property
     def train(self) -> StageTraining:
@@ -116,7 +159,8 @@ class RewardModelRunConfig(StageRunConfig):
 
 
 class DPORunConfig(StageRunConfig):
-    """What a DPO run trains (`rlhf dpo`, dpo/default): `model` is the policy it starts from and its frozen reference."""
+    """What a DPO run trains (`rlhf dpo`, dpo/default): `model` is the policy it starts from and its frozen
+    reference."""
 
     stage: ClassVar[str] = "dpo"
     dpo: DPOConfig = Field(default_factory=DPOConfig, description="The DPO stage.")
@@ -125,26 +169,32 @@ class DPORunConfig(StageRunConfig):
 class EvalSection(Section):
     """A policy against a reference policy on held-out prompts, judged by a reward model (and a gold reward)."""
 
-    prompts: str = Field("builtin:sentiment", description=f"Held-out prompts: {PROMPT_SOURCES}.")
+    prompts: str = Field("builtin:sentiment", description="Held-out prompts from a data source (docs/data.md).")
     subset: Optional[str] = Field(None, description="Configuration (subset) of `prompts`, as data.subset.")
     revision: Optional[str] = Field(None, description="Hub revision of `prompts`, as data.revision.")
     split: str = Field("test", description="Split of `prompts` to read (a single file is this split).")
     prompt_key: str = Field("prompt", description="Column holding the prompt (a string or chat messages).")
     max_prompts: Optional[PositiveInt] = Field(None, description="Evaluate on the first N prompts only (None = all).")
-    samples_per_prompt: PositiveInt = Field(4, description="Responses each policy samples per prompt (k of pass@k); the win rate pairs the j-th of one with the j-th of the other.")
-    success_threshold: Optional[float] = Field(None, description="A sample of the policy under test succeeds when its reward-model score is at least this (eval/success, eval/pass_at_<k>, as an RL run's eval.success_threshold); None = only when every score is 0 or 1, success being 1.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature of both policies (0 = greedy: one response each tells little when both policies are near-deterministic).")
-    gold: Optional[str] = Field("models.tasks.sentiment:gold_reward", pattern=r"^[\w.]+:\w+$", description="Gold reward 'package.module:function(prompts, responses)' read beside the reward model's score (proxy vs gold, as Gao et al. measure over-optimisation); None = no gold.")
-    table_rows: PositiveInt = Field(32, description="Paired samples shown in the sample table (Prefect artifact and MLflow table).")
+    samples_per_prompt: PositiveInt = Field(
+        4, description="Responses each policy samples per prompt (k of pass@k), paired for the win rate.")
+    success_threshold: Optional[float] = Field(
+        None, description="A sample succeeds at a score of at least this; None = when all scores are 0 or 1, at 1.")
+    temperature: float = Field(1.0, ge=0, description="Sampling temperature of both policies (0 = greedy).")
+    gold: Optional[str] = Field(
+        "models.tasks.sentiment:gold_reward", pattern=r"^[\w.]+:\w+$",
+        description="Gold reward 'package.module:function' read beside the reward model's score; None = no gold.")
+    table_rows: PositiveInt = Field(
+        32, description="Paired samples shown in the sample table (Prefect artifact and MLflow table).")
 
 
 class EvalJudging(EvalSection):
     """The eval job's section: the comparison, and how both policies sample."""
 
-    max_new_tokens: PositiveInt = Field(16, description="Longest response of either policy (16 suits the tiny models).")
+    max_new_tokens: PositiveInt = Field(16, description="Longest response of either policy.")
     top_k: int = Field(0, ge=0, description="Keep only the k most likely tokens (0 disables).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling mass (1.0 disables).")
-    normalize: bool = Field(False, description="Score with the reward model's (score - reward_mean) / reward_std (its config.json's statistics), as reward.normalize.")
+    normalize: bool = Field(
+        False, description="Standardise the reward model's scores with its stored statistics, as reward.normalize.")
 
 
 class EvalRunConfig(Section):
@@ -153,12 +203,18 @@ class EvalRunConfig(Section):
 
     job: ClassVar[str] = "eval"
     name_prefix: ClassVar[str] = "eval"
-    run_name: Optional[str] = Field(None, pattern=RUN_NAME_PATTERN, description="Name of the run (letters, digits, '.', '_', '-'); None = 'eval-<timestamp>-<random>'.")
-    seed: int = Field(0, description="Seed of the sampling (one seed for both policies: their j-th responses are paired).")
-    model: str = Field("tiny/policy", description="The policy under test: a local directory or hub id ('tiny/<name>' = the embedded default).")
+    run_name: Optional[str] = Field(
+        None, pattern=RUN_NAME_PATTERN,
+        description="Name of the run (letters, digits, '.', '_', '-'); None = generated.")
+    seed: int = Field(
+        0, description="Seed of the sampling (one seed for both policies: their j-th responses are paired).")
+    model: str = Field("tiny/policy", description="The policy under test: a directory, hub id or tiny/<name>.")
     reference: str = Field("tiny/policy", description="The policy it is compared against (a pipeline's SFT model).")
-    reward: Optional[str] = Field("tiny/reward", description="The reward model that judges both (one label); None with `run`.")
-    run: Optional[RunConfig] = Field(None, description="Judge as this RL run's held-out eval does instead of by a reward model: its reward functions (reward.source=function) or its environments' episodes (environment.*) score both policies, with its generation settings; eval.* says which prompts, how many samples, at what temperature (a pipeline whose RL stage scores with functions sets it).")
+    reward: Optional[str] = Field(
+        "tiny/reward", description="The reward model that judges both (one label); None with `run`.")
+    run: Optional[RunConfig] = Field(
+        None,
+        description="Judge as this RL run's eval does, by its reward functions or environments (docs/pipeline.md).")
     eval: EvalJudging = Field(default_factory=EvalJudging, description="The comparison.")
 
     @model_validator(mode="after")
@@ -170,7 +226,9 @@ class EvalRunConfig(Section):
             raise ValueError("reward: not set; name the reward model that judges both policies, or give `run`")
         return self
     tracking: TrackingConfig = Field(default_factory=TrackingConfig, description="MLflow tracking.")
-    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Unused by an eval (it keeps no checkpoint); present as in every job's config.")
+    checkpoint: CheckpointConfig = Field(
+        default_factory=CheckpointConfig,
+        description="Unused by an eval (it keeps no checkpoint); present as in every job's config.")
 
 
 class Deployed:
@@ -198,7 +256,7 @@ class Deployed:
         return self.source(field).path
 
 
-DEPLOY_DESCRIPTION = "Where the run's ranks run, its state directory, tracking and checkpoint stores (set by the deployment)."
+DEPLOY_DESCRIPTION = "Where the run's ranks run, its state, tracking and checkpoints (set by the deployment)."
 
 
 class SFTRun(SFTRunConfig, Deployed):

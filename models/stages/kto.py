@@ -25,7 +25,6 @@ from torch import Tensor
 
 from models.data import DataError, read_rows
 from models.resolve import Resolved
-from models.sections import OptimConfig
 from models.stages.config import StageTraining, stage_run_configs
 from models.stages.data import load_pairs, right_padded, sequence_ids
 from models.stages.dpo import DPO, completion_logps
@@ -36,15 +35,20 @@ from models.update import micro_batches
 class KTOConfig(StageTraining):
     """KTO on desirable and undesirable completions against the frozen model it starts from (TRL's KTOTrainer)."""
 
-    data: str = Field("builtin:sentiment_preference", description="Rows (prompt, completion, label) or preference pairs (prompt, chosen, rejected) unpaired: a local file or folder, a hub data set id, or builtin:<task>.")
+    data: str = Field(
+        "builtin:sentiment_preference",
+        description="Rows (prompt, completion, label), or preference pairs taken unpaired (docs/data.md).")
     beta: float = Field(0.1, gt=0, description="The KL strength beta (TRL's default 0.1): the implicit reward's scale.")
-    loss_type: Literal["kto", "apo_zero_unpaired"] = Field("kto", description="'kto': KTO's loss against the KL term; 'apo_zero_unpaired': APO-zero's unpaired loss (D'Oosterlinck et al. 2024), no KL term.")
-    desirable_weight: float = Field(1.0, gt=0, description="Weight of a desirable row's loss (TRL's; raise it when desirable rows are fewer).")
+    loss_type: Literal["kto", "apo_zero_unpaired"] = Field(
+        "kto",
+        description="kto: KTO's loss against its KL term; apo_zero_unpaired: APO-zero's unpaired loss, no KL term.")
+    desirable_weight: float = Field(
+        1.0, gt=0, description="Weight of a desirable row's loss (TRL's; raise it when desirable rows are fewer).")
     undesirable_weight: float = Field(1.0, gt=0, description="Weight of an undesirable row's loss.")
-    batch_size: PositiveInt = Field(64, description="Rows (completions) per optimizer step, over all ranks (two per preference pair).")
+    batch_size: PositiveInt = Field(
+        64, description="Rows (completions) per optimizer step, over all ranks (two per preference pair).")
     micro_batch_size: PositiveInt = Field(64, description="Rows per forward pass on a rank.")
     epochs: PositiveInt = Field(1, description="Passes over the training rows (seeded order per epoch).")
-    optim: OptimConfig = Field(default_factory=lambda: OptimConfig(lr=1e-3), description="AdamW and its schedule (1e-3 suits the tiny models; TRL's default 5e-7 a real one).")
 
 
 KTORunConfig, KTORun = stage_run_configs("kto", KTOConfig, "What a KTO run trains (`rlhf kto`, kto/default): `model` "

@@ -29,7 +29,7 @@ RLHF = str(Path(sys.executable).parent / "rlhf")
 def train_args(tiny_models, **overrides) -> list[str]:
     base = {"deploy.actor.nnodes": 2, "iterations": 12, "model.policy": tiny_models["policy"],
             "model.reward": tiny_models["reward"], "deploy.tracking.system_metrics": "false", **overrides}
-    return [RLHF, "train", *[arg for key, value in base.items() for arg in ("--set", f"{key}={value}")]]
+    return [RLHF, "train", "--preset", "tiny", *[arg for key, value in base.items() for arg in ("--set", f"{key}={value}")]]
 
 
 def node_group(state: Path, group: int) -> psutil.Process:

@@ -3,13 +3,13 @@ starts), driven with `prefect deployment run` exactly as a user does, on an empt
 default models ship with the package)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import psutil
 import pytest
 from mlflow.tracking import MlflowClient
@@ -62,8 +62,13 @@ def local_stack(tmp_path_factory):
     # the prefect CLI prints through Rich, which wraps lines at $COLUMNS (80 without a terminal), e.g. a watched run's
     # log line after a prefix holding the flow run's random name: text the tests look for could break anywhere
     env = {**stack.base_env(state_dir, prefect_port, mlflow_port), "COLUMNS": "1000", "HF_HUB_CACHE": str(cache)}
+    # the stack's credentials, as a process that runs on it has them: prefect_post/prefect_get and MLflow's client
+    credentials = stack.client_env(stack.credentials(stack.stack_dir(state_dir)))
+    os.environ.update(credentials)
     yield {"state_dir": state_dir, "urls": urls, "env": env, "api": env["PREFECT_API_URL"],
            "ports": (prefect_port, mlflow_port), "user": user}
+    for name in credentials:
+        os.environ.pop(name, None)
     stack.down(state_dir, log=lambda *_: None)
 
 
@@ -79,7 +84,7 @@ def flow_run_id(proc: subprocess.CompletedProcess) -> str:
 
 
 def read_flow_run(s, run_id: str) -> dict:
-    return httpx.get(f"{s['api']}/flow_runs/{run_id}", timeout=10).json()
+    return stack.prefect_get(s['api'], f"/flow_runs/{run_id}").json()
 
 
 # How long a run may take to fail after one of its processes is killed. The death itself is what fails it (a peer's
@@ -106,14 +111,16 @@ def task_names(s, run_id: str) -> list[str]:
 
 
 def stack_processes(s, marker: str) -> list[psutil.Process]:
-    """Live processes of this module's stack (their environment names its state directory, which every child of a
-    flow run inherits, so tests running beside this module in another pytest worker never count) whose command line
-    mentions `marker`. A process that outlived its parent still counts: it keeps its environment."""
+    """Live processes of this module's stack (their environment names its state directory, or one inside it: a node
+    group's, which every child of a flow run inherits, so tests running beside this module in another pytest worker
+    never count) whose command line mentions `marker`. A process that outlived its parent still counts: it keeps its
+    environment."""
     found = []
     for p in psutil.process_iter(["cmdline", "status"]):
         try:
-            if (marker in " ".join(p.info["cmdline"] or []) and p.info["status"] != psutil.STATUS_ZOMBIE
-                    and p.environ().get("RLHF_STATE_DIR") == str(s["state_dir"])):
+            state = p.environ().get("RLHF_STATE_DIR", "") if marker in " ".join(p.info["cmdline"] or []) else ""
+            if (state and p.info["status"] != psutil.STATUS_ZOMBIE
+                    and (state == str(s["state_dir"]) or state.startswith(f"{s['state_dir']}{os.sep}"))):
                 found.append(p)
         except psutil.Error:
             continue
@@ -151,13 +158,14 @@ def mlflow_run(s, run_name: str):
 def test_up_returns_once_every_deployment_is_registered(local_stack):
     """A run of any deployment may start the moment `rlhf up` returns (they register one after another)."""
     for name in stack.DEPLOYMENTS:
-        assert httpx.get(f"{local_stack['api']}/deployments/name/{name}", timeout=10).status_code == 200, name
+        assert stack.prefect_get(local_stack['api'], f"/deployments/name/{name}").status_code == 200, name
 
 
 def test_a_users_model_data_and_reward_through_the_deployments_keeping_what_the_operator_set(local_stack):
     """The walk a new user takes (issue 31's acceptance): their model under an `org/name` hub id in the Hugging Face
-    cache, `prefect deployment run reinforce/default` and `ppo/default` (at once) with a partial config naming a
-    parquet with question/answer columns and a reward file outside any package. The deployments' own parameters are
+    cache, `prefect deployment run reinforce/default` and `ppo/default` (at once) with a partial config naming preset
+    none (their model's values, not the tiny demo's ppo/default shows), a parquet with question/answer columns and a
+    reward file outside any package. The deployments' own parameters are
     kept; no gold reward is logged; the progress artifact reaches 100; MLflow holds each run's model (registered when
     asked); `rlhf export` gives a model plain transformers loads and generates from.
 
@@ -171,7 +179,7 @@ def test_a_users_model_data_and_reward_through_the_deployments_keeping_what_the_
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     s, user = local_stack, local_stack["user"]
-    deployment = httpx.get(f"{s['api']}/deployments/name/reinforce/default", timeout=10).json()
+    deployment = stack.prefect_get(s['api'], "/deployments/name/reinforce/default").json()
     schema = deployment["parameter_openapi_schema"]
     assert set(schema["properties"]) == {"config", "deploy"}
     definitions = schema["definitions"]
@@ -182,7 +190,7 @@ def test_a_users_model_data_and_reward_through_the_deployments_keeping_what_the_
                 "deploy": {"reward": {"launch": "in_process"}}}
     patch_path = f"/deployments/{deployment['id']}"
     stack.prefect_post(s["api"], patch_path, {"parameters": operator}, method="PATCH").raise_for_status()
-    walk = {"iterations": 2, "data": {"prompts": str(user / "math.parquet"), "prompt_key": "question"},
+    walk = {"preset": "none", "iterations": 2, "data": {"prompts": str(user / "math.parquet"), "prompt_key": "question"},
             "generation": {"max_new_tokens": 12}, "model": {"policy": "acme/tiny-qwen", "dtype": "float32"}}
     partials = {  # run name -> (deployment, the user's partial config); walk-rloo's name is the operator's
         "walk-rloo": ("reinforce/default", {**walk, "reward": {"source": "function", "function": f"{user}/my_rewards.py:exact"},
@@ -195,7 +203,7 @@ def test_a_users_model_data_and_reward_through_the_deployments_keeping_what_the_
         runs = {name: wait_final(s, run_id) for name, run_id in started.items()}
         for name, run in runs.items():
             assert run["state"]["type"] == "COMPLETED", (name, run["state"]["message"])
-            after = httpx.get(f"{s['api']}/deployments/{run['deployment_id']}", timeout=10).json()
+            after = stack.prefect_get(s['api'], f"/deployments/{run['deployment_id']}").json()
             assert after["parameters"] == before[run["deployment_id"]], name
     finally:
         stack.prefect_post(s["api"], patch_path, {"parameters": deployment["parameters"]}, method="PATCH").raise_for_status()
@@ -378,8 +386,8 @@ def test_a_two_rank_critic_server_loses_a_rank_the_run_fails_naming_it_and_the_r
     assert server_processes(s, str(run_dir)) == [] and not critic_followers(s)
 
 
-def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_naming_it_and_resume_in_order(local_stack):
-    """reinforce/default with rollout.engine=vllm as the rollout-server/default deployment and asynchronous rollouts
+def test_asynchronous_rollouts_from_the_rollout_server_killed_fail_naming_it_and_resume_in_order(local_stack):
+    """reinforce/default with rollout.engine=vllm (the rollout server a child of the flow run) and asynchronous rollouts
     (k=1: the next batch is generated while the actor trains). kill -9 of the rollout server mid-pipeline fails the
     run (DEAD_PROCESS_FAILS_RUN_S), naming it with its exit code, and leaves nothing. The rerun resumes from the
     checkpoint: its server samples with the checkpointed actor (the trainer's logprobs agree with the engine's on the first resumed
@@ -396,7 +404,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_na
     latest = s["state_dir"] / "checkpoints" / "e2e-vllm" / "latest.json"
     config = {"iterations": 200, "run_name": "e2e-vllm", "checkpoint": {"every": 2}, "tracking": {"table_every": 1},
               "rollout": {"engine": "vllm", "max_off_policy_steps": 1}}
-    deploy = {"rollout": {"threads": 1, "launch": "deployment"}}  # 1 thread: the other worker shares the cores
+    deploy = {"rollout": {"threads": 1}}  # 1 thread: the other worker shares the cores
     first = flow_run_id(deployment_run(s, "reinforce/default", config, deploy))
     _wait_for(lambda: latest.exists() and (json.loads(latest.read_text())["iteration"] or 0) >= 2, 300, "first checkpoint")
     server = _wait_for(lambda: stack_processes(s, "components.serving.rollout.main"), 30, "rollout server")[0]
@@ -413,7 +421,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_na
     # the rerun redoes the iterations after the checkpoint (MLflow keeps the first attempt's steps) and two more
     rerun = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {**config, "iterations": logged + 2}, deploy)))
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
-    # the training run cancels its server's flow run at the end, which stops the server
+    # the training run stops its server at the end
     _wait_for(lambda: not stack_processes(s, "components.serving.rollout.main"), 60, "rollout server stopped")
     lines = [log["message"] for log in stack.prefect_post(s['api'], "/logs/filter", {
         "logs": {"flow_run_id": {"any_": [rerun["id"]]}}, "limit": 200}, timeout=10).json()]
@@ -430,7 +438,8 @@ def test_asynchronous_rollouts_from_the_rollout_server_deployment_killed_fail_na
     # (its batches were one update behind) far more than that
     assert max(diff[i] for i in range(2, logged + 1)) > 1e-2, diff
     assert [stale[i] for i in range(1, logged + 1)] == [0.0] + [1.0] * (logged - 1), stale  # the killed attempt
-    cfg = pin(from_layers({**config, "deploy": {"state_dir": str(s["state_dir"])}, "algorithm": "rloo"}))
+    cfg = pin(from_layers({"preset": "tiny", **config, "deploy": {"state_dir": str(s["state_dir"])},
+                           "algorithm": "rloo"}))
     stream = PromptStream(read_data(cfg)[0], cfg.reinforce.rollout_batch_size, cfg.seed)
     expected = [next(stream).prompts for _ in range(logged + 2)]
     for step in range(1, logged + 3):
@@ -463,23 +472,24 @@ def critic_followers(s) -> list[psutil.Process]:
     return stack_processes(s, "components.serving.triton.main --follow")
 
 
-def test_ppo_on_two_node_groups_with_the_critic_as_a_deployment_resumes_on_two_ranks_loses_one_resumes_on_one_and_cancelled_leaves_no_critic_server(local_stack):
-    """deploy.actor.nnodes=2 with deploy.critic.launch=deployment: the PPO flow run is the run's controller; node group
-    0's rank 0 starts critic-server/default, finds its address and cancels it at the end, its log reaches the flow
-    run's, and the checkpoint holds the critic of its own iteration (adopted from the store). The same run name then
+def test_ppo_on_two_node_groups_resumes_on_two_ranks_loses_one_resumes_on_one_and_cancelled_leaves_no_critic_server(local_stack):
+    """deploy.actor.nnodes=2: the PPO flow run is the run's controller; node group 0's rank 0 runs the run, starts its
+    critic server beside it and stops it at the end, its log reaches the flow run's, and the checkpoint holds the
+    critic of its own iteration. The same run name then
     resumes on 2 ranks of one node (the local critic restored from the checkpoint the node groups wrote), where rank
     1 (rank 0 is the flow run) is killed mid-run: the run fails naming it and leaves nothing. It resumes on 1 rank
     (with a local critic server), and is cancelled once it has trained there: the run ends CANCELLED and its critic
     server goes with it."""
     s = local_stack
     config, two = {"iterations": 2, "run_name": "e2e-dist", "checkpoint": {"every": 1}}, {"actor": {"nproc_per_node": 2}}
-    nodes = {"actor": {"nnodes": 2}, "critic": {"launch": "deployment"}}
+    nodes = {"actor": {"nnodes": 2}}
     run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", config, nodes)))
     assert run["state"]["type"] == "COMPLETED", run["state"]
     said = [log["message"] for log in stack.prefect_post(s['api'], "/logs/filter", {
         "logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200}, timeout=10).json()]
     assert any("this process controls them, node group 0's rank 0 runs the run" in m for m in said), said
     assert [m.split(":")[0] for m in said if m.startswith("iteration ")] == ["iteration 1/2", "iteration 2/2"], said
+    assert any(m.startswith("critic server ready at http://127.0.0.1:") for m in said), said  # beside node group 0
     assert not node_group_processes(s)
     client, mrun = mlflow_run(s, "e2e-dist")
     assert [m.value for m in client.get_metric_history(mrun.info.run_id, "dist/world_size")] == [2.0, 2.0]
@@ -487,17 +497,10 @@ def test_ppo_on_two_node_groups_with_the_critic_as_a_deployment_resumes_on_two_r
     iter_2 = ckpt / json.loads((ckpt / "latest.json").read_text())["path"]  # iter_2-<id>: a fresh prefix per save
     manifest = json.loads((iter_2 / "state.json").read_text())
     assert manifest["state"]["world_size"] == 2 and "actor/optimizer.pt" in manifest["files"]
-    assert not actor_followers(s)
-    body = {"flow_runs": {"start_time": {"after_": run["start_time"]}}, "deployments": {}, "limit": 50}
-    runs = stack.prefect_post(s['api'], "/flow_runs/filter", body, timeout=10).json()
-    critic_runs = [r for r in runs if (r.get("parameters") or {}).get("checkpoint_uri", "").endswith("/e2e-dist")]
-    assert len(critic_runs) == 1
-    assert wait_final(s, critic_runs[0]["id"], timeout=60)["state"]["type"] == "CANCELLED"
-    assert server_processes(s, critic_runs[0]["id"]) == []
+    assert not actor_followers(s) and server_processes(s, '"run_name":"e2e-dist"') == []  # its critic server went too
     # the critic of the checkpoint is the one of its iteration, inside iter_2 beside the actor
     assert manifest["parts"] == ["actor", "critic"]
     assert json.loads((iter_2 / "critic" / "critic.json").read_text())["step"] == manifest["state"]["critic_step"] > 0
-    assert not (ckpt / "critic-pending").exists() or not any((ckpt / "critic-pending").iterdir())
 
     # the same run name resumes with the same world size, nothing redone (its first iteration is the 3rd), until its
     # rank 1 is killed: the run fails (DEAD_PROCESS_FAILS_RUN_S) naming the rank, and no process of it is left

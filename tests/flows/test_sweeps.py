@@ -3,6 +3,7 @@ what `rlhf up` starts), driven with `prefect deployment run sweep/default` as a 
 reinforce/default on the tiny default, kept short (2-6 iterations, a 16-prompt held-out eval)."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -10,7 +11,6 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-import httpx
 import numpy as np
 import optuna
 import psutil
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow(15)
 BIN = Path(sys.executable).parent
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
 EVAL = {"prompts": "builtin:sentiment", "every": 2, "max_prompts": 16}
-CONFIG = {"algorithm": "rloo", "iterations": 2, "eval": EVAL}
+CONFIG = {"preset": "tiny", "algorithm": "rloo", "iterations": 2, "eval": EVAL}
 IN_PROCESS = {"reward": {"launch": "in_process"}}  # trials with no reward server: quicker, where the test is not about it
 
 
@@ -40,8 +40,13 @@ def sweep_stack(tmp_path_factory, request):
         mp.setenv("PREFECT_RUNNER_POLL_FREQUENCY", "1")  # runs start, and cancellations land, within a second
         urls = stack.up(state_dir, prefect_port, mlflow_port, set_profile=False, log=lambda *_: None)
     env = {**stack.base_env(state_dir, prefect_port, mlflow_port), "COLUMNS": "1000"}
+    # the stack's credentials, as a process that runs on it has them: prefect_post/prefect_get and MLflow's client
+    credentials = stack.client_env(stack.credentials(stack.stack_dir(state_dir)))
+    os.environ.update(credentials)
     yield {"state_dir": state_dir, "urls": urls, "env": env, "api": env["PREFECT_API_URL"],
            "mlflow": MlflowClient(urls["mlflow"]), "storage": f"sqlite:///{state_dir / 'sweeps' / 'optuna.db'}"}
+    for name in credentials:
+        os.environ.pop(name, None)
     stack.down(state_dir, log=lambda *_: None)
     assert not stack_processes(state_dir), "a process of the sweep stack outlived `rlhf down`"
 
@@ -61,7 +66,7 @@ def flow_run_id(proc: subprocess.CompletedProcess) -> str:
 
 
 def flow_run(s, run_id: str) -> dict:
-    return httpx.get(f"{s['api']}/flow_runs/{run_id}", timeout=10).json()
+    return stack.prefect_get(s['api'], f"/flow_runs/{run_id}").json()
 
 
 def wait_until(predicate, timeout: float, what: str):
@@ -204,7 +209,7 @@ def test_a_3_point_grid_runs_its_trials_at_most_two_at_a_time_as_nested_runs_wit
     runs = trial_runs(s, "grid")
     assert [r["name"] for r in runs] == ["grid-t0", "grid-t1", "grid-t2"]
     assert all(r["state"]["type"] == "COMPLETED" for r in runs), [r["state"] for r in runs]
-    parents = {httpx.get(f"{s['api']}/task_runs/{r['parent_task_run_id']}", timeout=10).json()["flow_run_id"] for r in runs}
+    parents = {stack.prefect_get(s['api'], f"/task_runs/{r['parent_task_run_id']}").json()["flow_run_id"] for r in runs}
     assert parents == {sweep["id"]}
     # the sweep submits two at once and the third only once it has seen one end: the order of its own log lines (one
     # process: how fast a trial runs cannot reorder them; whether the two then overlap on the deployment's runner
@@ -303,7 +308,8 @@ def test_a_sweep_killed_mid_way_resumes_keeping_its_finished_trial_and_following
     assert wait_final(s, first, timeout=60)["state"]["type"] == "CRASHED"
     assert [t.state.name for t in study(s, "resume").trials] == ["COMPLETE", "RUNNING"]
 
-    config = [f"--set={key}={value}" for key, value in (("algorithm", "rloo"), ("iterations", 2), ("deploy.reward.launch", "in_process"),
+    config = [f"--set={key}={value}" for key, value in (("preset", "tiny"), ("algorithm", "rloo"), ("iterations", 2),
+                                                        ("deploy.reward.launch", "in_process"),
               *((f"eval.{k}", v) for k, v in EVAL.items()))]
     proc = subprocess.run([str(BIN / "rlhf"), "sweep", *config, "--name", "resume", "--space", "reinforce.optim.lr=[1e-3, 3e-4]",
                            "--poll-s", "1"], env=s["env"], capture_output=True, text=True, timeout=600)

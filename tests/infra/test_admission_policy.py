@@ -51,13 +51,13 @@ def policy() -> AdmissionPolicy:
 
 
 def _cfg():
-    return load_config(None, "none", {
+    return load_config(None, {
         "algorithm": "ppo", "model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
         "critic.combine_reward": False, "deploy.actor.nnodes": 2, "deploy.actor.nproc_per_node": 1,
         "deploy.actor.launch": "jobset", "deploy.rollout.launch": "kubernetes", "deploy.critic.launch": "kubernetes",
         "deploy.reward.launch": "kubernetes", "deploy.cluster.image": f"{REGISTRY}/rlhf-flows:1.4.0",
         "deploy.cluster.vllm_image": f"{REGISTRY}/rlhf-flows-vllm:1.4.0",
-        "deploy.cluster.secret_env": {"PREFECT_API_KEY": "prefect-api-key/key"}})
+        "deploy.cluster.secret_env": {"PREFECT_API_KEY": "prefect-api-key/key"}}, preset="none")
 
 
 class Run:

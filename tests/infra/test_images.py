@@ -113,12 +113,15 @@ def test_images_provide_the_paths_prefect_yaml_uses():
     pull = deployments["pull"][0]["prefect.deployments.steps.set_working_directory"]["directory"]
     assert _instructions(ACTOR, "WORKDIR") == [pull]
     venv = re.search(r"python -m venv (\S+)", " ".join(_instructions(VLLM, "RUN"))).group(1)
-    pythons = {d["parameters"]["deploy"]["rollout"]["python"] for d in deployments["deployments"]
+    from models.deploy import DeployConfig
+
+    pythons = {DeployConfig.model_validate(d["parameters"]["deploy"]).rollout.python for d in deployments["deployments"]
                if "deploy" in (d.get("parameters") or {})}
-    assert pythons == {f"{venv}/bin/python"}
+    assert pythons == {f"{venv}/bin/python"}  # the cluster placement's (models/deploy.py PLACEMENTS)
+    # every flow pod runs the project's image; the vLLM image is for the rollout servers a run creates itself
     images = {d["entrypoint"]: d["work_pool"]["job_variables"]["image"] for d in deployments["deployments"]}
-    assert images.pop("flows/servers.py:rollout_server") == "{{ $RLHF_VLLM_IMAGE }}"
     assert set(images.values()) == {"{{ $RLHF_IMAGE }}"}
+    assert deployments["definitions"]["env"]["RLHF_VLLM_IMAGE"] == "{{ $RLHF_VLLM_IMAGE }}"
 
 
 def test_images_copy_what_exists_and_leave_local_state_out():

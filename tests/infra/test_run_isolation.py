@@ -21,7 +21,7 @@ from tests.infra.test_terraform import (ENV_DEV, MODULES, _blocks, _locals, _one
 from components.cluster.network_policy import JOB_LABEL, PODINFO_DIR, RUN_LABEL, own_job, policies
 from components.cluster.objects import RunIdentity, Site, run_manifests
 from components.controller import node_spec
-from models.config import load_config
+from models.config import load_config, merge
 
 pytestmark = pytest.mark.fast
 
@@ -49,12 +49,12 @@ def _merged(base: dict, over: dict) -> dict:
 
 def _run_pods() -> dict[str, dict]:
     """The pods of a run's own objects (`rlhf cluster manifests`' builders): its node groups' and every server's."""
-    cfg = load_config(None, "none", {
+    cfg = load_config(None, {
         "algorithm": "ppo", "model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
         "critic.combine_reward": False, "deploy.actor.nnodes": 2, "deploy.actor.launch": "jobset",
         "deploy.rollout.launch": "kubernetes", "deploy.critic.launch": "kubernetes",
         "deploy.reward.launch": "kubernetes", "deploy.cluster.image": "r.example.com/rlhf-flows:1",
-        "deploy.cluster.vllm_image": "r.example.com/rlhf-flows-vllm:1"})
+        "deploy.cluster.vllm_image": "r.example.com/rlhf-flows-vllm:1"}, preset="none")
     site = Site.of(cfg.deploy.cluster, {})
     objects = run_manifests(cfg, site, RunIdentity.of("demo", "1"), node_spec(cfg, "demo", "s3://b/demo"))
     pods = {}
@@ -181,14 +181,13 @@ def test_the_namespace_denies_both_ways_and_lets_pods_out_only_to_dns_the_api_an
     assert "service_cidr" in _blocks(MODULES / "cluster", "output")
 
 
-def test_server_pods_carry_the_label_a_runs_own_policies_select_on_and_every_pod_reads_its_job_from_its_labels(tmp_path):
+def test_only_a_runs_own_pods_carry_its_label_and_every_pod_reads_its_job_from_its_labels(tmp_path):
     for pool, role in (("actor-gpu", "actor"), ("critic-gpu", "critic")):
         template = _render_template(_sample_values(pool, role))
         pod = template["job_configuration"]["job_manifest"]["spec"]["template"]
-        labels = pod["metadata"]["labels"]
-        assert labels == {"rlhf/role": role, RUN_LABEL: "{{ run_label }}"}
-        variable = template["variables"]["properties"]["run_label"]
-        assert variable["default"] == "none" and variable["pattern"].startswith("^[a-z0-9]")
+        # a flow run's pod never carries a run's rlhf/run label: no job variable sets a label
+        assert pod["metadata"]["labels"] == {"rlhf/role": role}
+        assert not {"labels", "run_label"} & set(template["variables"]["properties"])
         # the pod's own labels, where own_job reads the Job it runs in (the downward API)
         podinfo = next(v for v in pod["spec"]["volumes"] if v["name"] == "podinfo")
         assert podinfo["downwardAPI"]["items"] == [{"path": "labels", "fieldRef": {"fieldPath": "metadata.labels"}}]
@@ -197,7 +196,12 @@ def test_server_pods_carry_the_label_a_runs_own_policies_select_on_and_every_pod
     (tmp_path / "labels").write_text('batch.kubernetes.io/job-name="ppo-x7k2q"\nrlhf/role="actor"')
     job = own_job({"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, str(tmp_path / "labels"))
     run, job_pods = policies(job, "rlhf", "uid")
-    # the run labels its servers' pods (run_label = its Job's name); Kubernetes labels its own Job's pods
+    # the run labels the pods of the objects it creates (its Job's name); Kubernetes labels its own Job's pods
+    cfg = load_config(None, {"deploy.cluster.image": "r.example.com/rlhf-flows:1"}, preset="none")
+    objects = run_manifests(merge(cfg, {"deploy.critic.launch": "kubernetes"}), Site.of(cfg.deploy.cluster, {}),
+                            RunIdentity.of("demo", "1", run_label=job))
+    server = next(o for o in objects if o["kind"] == "LeaderWorkerSet")
+    assert server["spec"]["leaderWorkerTemplate"]["workerTemplate"]["metadata"]["labels"][RUN_LABEL] == job
     assert run["spec"]["podSelector"]["matchLabels"] == {RUN_LABEL: job}
     assert job_pods["spec"]["podSelector"]["matchLabels"] == {JOB_LABEL: job}
 

@@ -457,7 +457,7 @@ def test_job_template_requests_gpus_tolerates_taint_and_selects_role(pool_name: 
         and (t.get("operator") == "Exists" or (t.get("operator") == "Equal" and t.get("value") == GPU_TAINT["value"]))
         for t in tolerations
     ), tolerations
-    assert pod["serviceAccountName"] == "{{ service_account_name }}"
+    assert pod["serviceAccountName"] == f"rlhf-{role}"  # the pool's own: no job variable changes it
     resources = _job_container(template)["resources"]
     assert resources["limits"]["nvidia.com/gpu"] == "{{ gpu_count }}"
     assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"]
@@ -480,10 +480,12 @@ def test_job_template_variables_schema_matches_job_configuration(pool_name: str,
             jsonschema.validate(spec["default"], {k: v for k, v in spec.items() if k != "default"})
     assert properties["gpu_count"]["default"] == values["gpu_count"]
     assert properties["image"]["default"] == values["image"]
-    sample = {"image": "x:1", "namespace": "rlhf", "gpu_count": 2, "cpu": "4", "memory": "16Gi", "env": {"A": "b"}}
+    sample = {"image": "x:1", "gpu_count": 2, "cpu": "4", "memory": "16Gi", "env": {"A": "b"}}
     jsonschema.validate(sample, schema)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"gpu_count": "two"}, schema)
+    with pytest.raises(jsonschema.ValidationError, match="namespace"):  # only the variables above, nothing else
+        jsonschema.validate({**sample, "namespace": "kube-system"}, schema)
 
 
 def test_every_flow_run_pod_is_one_plain_pod_that_runs_its_flow_run():
@@ -496,8 +498,8 @@ def test_every_flow_run_pod_is_one_plain_pod_that_runs_its_flow_run():
 
     for pool, role in POOLS.items():
         template = _render_template(_sample_values(pool, role))
-        assert template["variables"]["properties"]["command"]["default"] == "prefect flow-run execute"
-        job = apply_values(template["job_configuration"], {"finished_job_ttl": 60})
+        assert "command" not in template["variables"]["properties"]  # fixed: a flow run cannot run another
+        job = apply_values(template["job_configuration"], {})
         spec = job["job_manifest"]["spec"]
         assert "completionMode" not in spec and "completions" not in spec and "parallelism" not in spec
         assert spec["backoffLimit"] == 2
@@ -507,7 +509,7 @@ def test_every_flow_run_pod_is_one_plain_pod_that_runs_its_flow_run():
         pod = spec["template"]["spec"]
         assert "subdomain" not in pod and pod["restartPolicy"] == "Never"
         container = _job_container(template)
-        assert "command" not in container and container["args"] == "{{ command }}"
+        assert "command" not in container and container["args"] == ["prefect", "flow-run", "execute"]
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
         assert mounts == {"dshm": "/dev/shm", "state": "/var/lib/rlhf", "cache": "/cache", "podinfo": "/etc/podinfo"}
         claim = next(v for v in pod["volumes"] if v["name"] == "cache")["persistentVolumeClaim"]["claimName"]
@@ -523,7 +525,7 @@ def test_job_variables_json_matches_templates():
     assert set(expected) == set(POOLS)
     for pool_name, keys in expected.items():
         assert keys and len(keys) == len(set(keys)), f"{pool_name}: empty or duplicated keys"
-        assert {"image", "namespace", "gpu_count", "service_account_name"} <= set(keys)
+        assert {"image", "gpu_count", "cpu", "memory", "env"} <= set(keys)
         properties = _render_template(_sample_values(pool_name, POOLS[pool_name]))["variables"]["properties"]
         assert set(keys) <= set(properties), f"{pool_name}: {set(keys) - set(properties)} not in the job template"
 
@@ -627,12 +629,14 @@ def _training_deployments() -> dict[str, dict]:
 
 
 def test_training_deployments_take_config_and_deploy_and_keep_deploy_under_a_partial_config():
-    """ppo/default and reinforce/default: `config` (what a run trains) and `deploy` (where its parts run: the servers as
-    LeaderWorkerSets the run creates, the rollout server's interpreter in the vLLM image, checkpoints in S3 under the
+    """ppo/default and reinforce/default: `config` (what a run trains: the field defaults, named as preset none) and
+    `deploy` (where its parts run: the cluster placement, which `rlhf cluster manifests` renders too: the servers as
+    LeaderWorkerSets the run creates, the rollout server's interpreter in the vLLM image; checkpoints in S3 under the
     prefix the pods' role may write, the tracking server). A run given a partial `--param config=...` keeps every
-    deploy setting and the rest of the deployment's config: its parameters are deep-merged over the deployment's,
-    as components/tasks.flow_config does (run end to end against a Prefect server in tests/flows)."""
-    from models.config import RLHFConfig, RunConfig, deep_merge
+    deploy setting and the rest of the deployment's config: its parameters are merged over the deployment's as
+    components/tasks.merge_parameters does (run end to end against a Prefect server in tests/flows)."""
+    from components.tasks import merge_parameters
+    from models.config import RLHFConfig, RunConfig
     from models.deploy import DeployConfig
 
     checkpoint_prefix = _blocks(ENV_DEV, "variable")["checkpoint_prefix"]["default"]
@@ -640,19 +644,21 @@ def test_training_deployments_take_config_and_deploy_and_keep_deploy_under_a_par
     for name, deployment in _training_deployments().items():
         parameters = deployment["parameters"]
         assert set(parameters) == {"config", "deploy"}, (name, set(parameters))
-        RunConfig.model_validate(parameters["config"])
+        assert RunConfig.model_validate(parameters["config"]).preset == "none", name
         deploy = DeployConfig.model_validate(parameters["deploy"])
+        assert parameters["deploy"]["placement"] == "cluster", name  # named, not copied
         for server in (deploy.critic, deploy.reward, deploy.rollout):
             assert server.launch == "kubernetes", (name, server)  # the run creates its servers (components/cluster)
+        assert deploy.actor.launch == "jobset" and deploy.cache.hub_downloads, name
         assert deploy.rollout.python == f"{vllm_python}/bin/python", name
         assert deploy.checkpoint.uri.rstrip("/") + "/" == f"s3://{SAMPLE_ENV['RLHF_S3_BUCKET']}/{checkpoint_prefix}", name
         assert deploy.tracking.uri == SAMPLE_ENV["MLFLOW_TRACKING_URI"], name
 
         given = {"config": {"iterations": 3, "model": {"policy": "org/model"}}}
-        merged = {key: deep_merge(parameters[key], given.get(key, {})) for key in ("config", "deploy")}
+        merged = merge_parameters(parameters, given)
         run = RLHFConfig.model_validate({**merged["config"], "deploy": merged["deploy"]})
         assert run.iterations == 3 and run.model.policy == "org/model"
-        assert run.model.dtype == parameters["config"]["model"]["dtype"]  # the deployment's own config kept
+        assert run.preset == "none" and run.model.dtype == "bfloat16"  # the deployment's own config kept
         assert run.deploy == deploy  # every deploy setting kept
 
 

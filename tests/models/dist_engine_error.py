@@ -8,6 +8,7 @@ every rank instead of leaving rank 1 waiting in the scatter.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ from models.engines.vllm import VLLMEngine
 
 if __name__ == "__main__":
     url, out = sys.argv[1], Path(sys.argv[2])
-    me = distributed.init(distributed.from_env(), "gloo", 60, torch.device("cpu"))
+    me = distributed.init(distributed.from_env(), "gloo", 60, torch.device("cpu"), os.environ["RLHF_RUN_SECRET"])
     engine = VLLMEngine(pad_id=0, stop_ids=torch.tensor([1]), me=me)
     if me.is_leader:
         engine.servers = [RolloutClient(url, "test/1", timeout_s=10)]  # nothing listens there: no version to ask

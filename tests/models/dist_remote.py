@@ -7,6 +7,7 @@ torchrun for 2): each rank's rows in, its own episodes out.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def play(tokenizer_path: str, me: distributed.Dist) -> dict:
 
 
 if __name__ == "__main__":
-    me = distributed.init(distributed.from_env(), "gloo", 120, torch.device("cpu"))
+    me = distributed.init(distributed.from_env(), "gloo", 120, torch.device("cpu"), os.environ["RLHF_RUN_SECRET"])
     out = play(sys.argv[1], me)
     torch.save(out, f"{sys.argv[2]}.{me.rank}")
     distributed.dist.destroy_process_group()

@@ -1,12 +1,13 @@
 """One PPO or RLOO training step (models/step.py) on fixed rollouts, on however many ranks this process group has (run by
 tests/models/test_distributed.py: in the test process for 1 rank, under torchrun for 2).
 
-    python -m torch.distributed.run --nproc_per_node 2 tests/models/dist_update.py ALGO CONFIG_JSON FIXTURE OUT
+    RLHF_RUN_SECRET=... python -m torch.distributed.run --nproc_per_node 2 tests/models/dist_update.py ALGO CONFIG_JSON FIXTURE OUT
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -23,6 +24,13 @@ from models.loop import build_actor, build_critic_trainer, build_local_reward
 from models.reward import load_reward_model
 from models.engines.base import Rollout
 from models.step import train_step
+
+
+def ranks_env() -> dict[str, str]:
+    """The environment of a torchrun of this directory's scripts: this one's, without a rank's variables, with a run
+    secret of its own for the ranks to prove (models/rendezvous.py)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    return {**env, "RLHF_RUN_SECRET": secrets.token_urlsafe(32)}
 
 
 class Replay:
@@ -82,7 +90,7 @@ def main() -> None:
     _, config_json, fixture_path, out = sys.argv
     me = distributed.from_env()
     torch.set_num_threads(1)
-    distributed.init(me, "gloo", 120, torch.device("cpu"))
+    distributed.init(me, "gloo", 120, torch.device("cpu"), os.environ["RLHF_RUN_SECRET"])
     cfg = RLHFConfig.model_validate_json(Path(config_json).read_text())
     weights, metrics, engine_weights = update(cfg, torch.load(fixture_path, weights_only=False), me)
     if me.is_leader:

@@ -1,13 +1,24 @@
-"""The config tree: what a run trains (RunConfig) apart from where its parts run (DeployConfig), both typed with a
-description on every field; dotted overrides; deep merges; run names that stay inside their directories."""
+"""The config tree: what a run trains (RunConfig) apart from where its parts run (DeployConfig), both typed with one
+short sentence describing every field; how a run's config is put together, layer over layer, in the documented order;
+dotted overrides; deep merges; run names that stay inside their directories."""
 
+import ast
+import inspect
 import re
+import typing
+from pathlib import Path
 
 import pytest
 from pydantic import BaseModel, ValidationError
 
-from models.config import RLHFConfig, RunConfig, deep_merge, load_config, merge, nested, preset, run_name_for
+from components.pipeline.config import PipelineFile
+from components.sweep.config import SweepConfig
+from components.sweep.experiment import ExperimentConfig
+from components.tasks import merge_parameters
+from models.config import (LAYERS, RLHFConfig, RunConfig, deep_merge, from_layers, load_config, merge, nested, preset,
+                           run_name_for, with_schedule_lengths)
 from models.deploy import DeployConfig
+from models.kinds import JOBS_BUT_RL
 
 pytestmark = pytest.mark.fast
 
@@ -63,14 +74,88 @@ def test_dotted_overrides_and_nested_mappings_merge_at_every_depth():
     assert isinstance(merge(RunConfig(), {"seed": 3}), RunConfig)
 
 
-def test_an_entry_point_s_defaults_sit_under_the_user_s_file_and_flags(tmp_path):
-    """`rlhf train` runs its critic in process unless the user says otherwise (file or --set)."""
-    defaults = {"deploy.critic.launch": "in_process"}
-    assert load_config(defaults=defaults).deploy.critic.launch == "in_process"
-    config_file = tmp_path / "run.yaml"
-    config_file.write_text("deploy:\n  critic:\n    launch: local\niterations: 3\n")
-    assert load_config(config_file, defaults=defaults).deploy.critic.launch == "local"
-    assert load_config(overrides={"deploy.critic.launch": "deployment"}, defaults=defaults).deploy.critic.launch == "deployment"
+def test_each_layer_of_a_run_s_config_wins_over_the_ones_before_it_in_the_documented_order(tmp_path):
+    """LAYERS, which docs/reference/config.md renders, on one field of what a run trains (generation.max_new_tokens)
+    and one of where it runs (deploy.critic.launch) set at every layer, on the command line and for a flow run."""
+    assert [name for name, _ in LAYERS] == ["Field defaults", "Preset and placement",
+                                            "The file or the deployment's parameters",
+                                            "The overrides or the flow run's parameters", "Derivations"]
+    def seen(cfg):
+        return cfg.generation.max_new_tokens, cfg.deploy.critic.launch
+
+    assert seen(load_config()) == (256, "local")  # 1. field defaults
+    assert seen(load_config(preset="tiny", placement="in_process")) == (16, "in_process")  # 2. preset, placement
+    assert seen(load_config(default_placement="in_process")) == (256, "in_process")  # a command's own placement
+    run = tmp_path / "run.yaml"
+    run.write_text("preset: tiny\ngeneration: {max_new_tokens: 20}\n"
+                   "deploy: {placement: in_process, critic: {launch: kubernetes}}\n")
+    assert seen(load_config(run, default_placement="cluster")) == (20, "kubernetes")  # 3. the file (naming 2)
+    assert seen(load_config(run, {"generation.max_new_tokens": 24, "deploy.critic.launch": "local"})) == \
+        (24, "local")  # 4. the overrides
+
+    deployment = {"config": {"preset": "tiny", "generation": {"max_new_tokens": 20}},  # 3. the deployment's
+                  "deploy": {"placement": "in_process", "critic": {"launch": "kubernetes"}}}
+    flow_run = {"config": {"generation": {"max_new_tokens": 24}}, "deploy": {"critic": {"launch": "local"}}}
+    for given, expected in (({}, (20, "kubernetes")), (flow_run, (24, "local"))):  # 4. the flow run's
+        merged = merge_parameters(deployment, given)
+        assert seen(from_layers({**merged["config"], "deploy": merged["deploy"]})) == expected
+
+    # 5. derivations fill only what every layer before them left None
+    cfg = load_config(preset="tiny", overrides={"iterations": 2})
+    assert cfg.ppo.optim.total_steps is None and with_schedule_lengths(cfg).ppo.optim.total_steps == 2 * 2 * 2
+    assert with_schedule_lengths(merge(cfg, {"ppo.optim.total_steps": 7})).ppo.optim.total_steps == 7
+
+
+def config_classes() -> dict[str, type[BaseModel]]:
+    """Every config class a user gives values to (a run's, a deployment's, a pipeline's, each job's, a sweep's, an
+    experiment's), and every section below them, by name."""
+    found: dict[str, type[BaseModel]] = {}
+
+    def walk(cls):
+        if cls.__name__ in found:
+            return
+        found[cls.__name__] = cls
+        for field in cls.model_fields.values():
+            for kind in (field.annotation, *typing.get_args(field.annotation)):
+                for inner in (kind, *typing.get_args(kind)):
+                    if isinstance(inner, type) and issubclass(inner, BaseModel):
+                        walk(inner)
+
+    for root in (RLHFConfig, PipelineFile, SweepConfig, ExperimentConfig, *(kind.run_class for kind in JOBS_BUT_RL)):
+        walk(root)
+    return found
+
+
+# owned by another change: the server launch modes (their descriptions are rewritten with them)
+LAUNCH_MODES = {("ServerPlacement", "launch"), ("CriticPlacement", "launch"), ("RolloutPlacement", "launch")}
+
+
+def test_every_config_field_is_described_in_one_short_sentence_on_lines_of_at_most_120():
+    classes = config_classes()
+    assert len(classes) > 40
+    long, sentences = [], []
+    for name, cls in classes.items():
+        for field, info in cls.model_fields.items():
+            text = info.description or ""
+            if (name, field) in LAUNCH_MODES:
+                continue
+            if not text or len(text) > 100:
+                long.append(f"{name}.{field} [{len(text)}]")
+            if re.search(r"\. [A-Z]", text.rstrip(".")):
+                sentences.append(f"{name}.{field}")
+    assert long == [] and sentences == [], (long, sentences)
+    files = {Path(inspect.getsourcefile(cls)) for cls in classes.values()}
+    wide = []
+    for path in files:
+        tree, lines = ast.parse(path.read_text()), path.read_text().splitlines()
+        for owner in (node for node in ast.walk(tree) if isinstance(node, ast.ClassDef)):
+            for node in owner.body:
+                if isinstance(node, ast.AnnAssign) and isinstance(node.value, ast.Call) \
+                        and getattr(node.value.func, "id", None) == "Field" \
+                        and (owner.name, node.target.id) not in LAUNCH_MODES:
+                    wide += [f"{path.name}:{n}" for n in range(node.lineno, node.end_lineno + 1)
+                             if len(lines[n - 1]) > 120]
+    assert wide == [], wide
 
 
 @pytest.mark.parametrize("name", ["../x", "/abs/path", "a/b", ".hidden", "", "x" * 101, "spaces are bad"])
@@ -94,6 +179,10 @@ def test_unnamed_runs_started_together_get_names_of_their_own():
     ({"ppo.not_a_field": 1}, "not_a_field"),
     ({"critic.launch": "local"}, "launch"),  # where the critic runs is the deployment's: deploy.critic.launch
     ({"deploy.critic.port": 70000}, "port"),
+    # a server as a Prefect deployment of its own is gone: what replaces it, named
+    ({"deploy.critic.launch": "deployment"}, r"deploy.critic.launch\n.*launch='deployment' was removed: on a cluster use 'kubernetes'.*else 'local'"),
+    ({"deploy.reward.launch": "deployment"}, r"deploy.reward.launch\n.*use 'kubernetes'"),
+    ({"deploy.rollout.launch": "deployment"}, r"deploy.rollout.launch\n.*use 'kubernetes'"),
     ({"deploy.actor.nproc_per_node": 128}, "rollout_batch_size=64 is smaller than the actor's world size 128"),
 ])
 def test_invalid_config_names_the_field(overrides, message):

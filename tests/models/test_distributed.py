@@ -5,7 +5,6 @@ controller starts them), and the pieces they rest on."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,13 +14,14 @@ import torch
 
 from components.launch.nodes import LocalNodes, NodeSpec
 from components.launch.processes import wait_for
+from components.serving.auth import new_secret
 from models import distributed
 from models.algorithms import ALGORITHMS
 from models.config import Sampling, preset
 from models.resolve import pin
 from models.loop import build_actor, load_prompts
 from models.prepare import prepare_run
-from tests.models.dist_update import update
+from tests.models.dist_update import ranks_env, update
 
 SCRIPT = Path(__file__).with_name("dist_update.py")
 NON_DETERMINISTIC = ("time/", "throughput/", "step_time", "dist/")
@@ -82,7 +82,7 @@ def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
         one_weights, one_metrics, one_engine = update(cfg, fixture, distributed.SINGLE)
     finally:
         torch.set_num_threads(threads)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = ranks_env()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(_free_port()), str(SCRIPT), str(tmp_path / "cfg.json"), str(tmp_path / "fixture.pt"),
                            str(tmp_path / "two.pt")], capture_output=True, text=True, timeout=600, env=env)
@@ -135,7 +135,7 @@ def two_node_groups_update(tmp_path: Path) -> dict:
     """dist_update.py's update on 2 node groups of 1 rank each (LocalNodes: two torchruns over loopback)."""
     nodes = LocalNodes(NodeSpec("rlhf-update-test", 2, 1, _free_port(), [str(SCRIPT), str(tmp_path / "cfg.json"),
                                 str(tmp_path / "fixture.pt"), str(tmp_path / "nodes.pt")]), tmp_path / "logs",
-                       tmp_path / "nodes")
+                       tmp_path / "nodes", new_secret())
     try:
         nodes.start()
         status = wait_for(lambda: (s := nodes.status()).phase in ("succeeded", "failed") and s, 600, poll_s=0.5)
@@ -149,7 +149,7 @@ def test_a_rollout_failure_on_rank_0_reaches_every_rank(tmp_path):
     """rollout.engine=vllm on 2 ranks: rank 0 alone talks to the rollout server. When its request fails (here: nothing
     listens at the URL), rank 0 raises the cause and rank 1 raises an error naming rank 0's, instead of waiting in
     the scatter until the process group times out."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = ranks_env()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(_free_port()), str(SCRIPT.with_name("dist_engine_error.py")),
                            f"http://127.0.0.1:{_free_port()}", str(tmp_path)],
@@ -209,7 +209,7 @@ def test_episodes_played_on_rank_0_reach_each_rank_as_one_rank_plays_them(tiny_m
 
     chat = str(Path(tiny_models["policy"]).parent / "chat")
     one = play(chat, distributed.SINGLE)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = ranks_env()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(_free_port()), str(Path(__file__).with_name("dist_remote.py")), chat,
                            str(tmp_path / "two.pt")], capture_output=True, text=True, timeout=600, env=env)

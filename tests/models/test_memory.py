@@ -12,7 +12,6 @@ a 0.3 % gradient difference allows (measured: grad norm 0.15 %, value loss 0.2 %
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from models.loading import checkpoint_activations
 from models.loop import build_actor, load_prompts
 from models.policy import Policy
 from models.prepare import prepare_run
-from tests.models.dist_update import update
+from tests.models.dist_update import ranks_env, update
 
 SCRIPT = Path(__file__).with_name("dist_update.py")
 
@@ -135,7 +134,7 @@ def test_bf16_with_checkpointing_updates_like_float32_on_one_and_two_ranks(tiny_
         one, one_metrics, _ = update(low, fixture, distributed.SINGLE)
     finally:
         torch.set_num_threads(threads)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    env = ranks_env()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
                            str(_free_port()), str(SCRIPT), str(tmp_path / "cfg.json"), str(tmp_path / "fixture.pt"),
                            str(tmp_path / "two.pt")], capture_output=True, text=True, timeout=600, env=env)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from models.config import CriticConfig, OptimConfig
+from models.config import CriticConfig, CriticOptim, OptimConfig
 from models.critic import VALUE_BOUND, CriticInputError, CriticTrainer, validate_train
 from models.loading import make_optimizer
 from models.update import minibatch_update
@@ -57,7 +57,7 @@ def test_returns_beyond_the_bound_are_refused_naming_the_tensor():
 
 def test_a_critic_whose_values_overflow_skips_its_steps_and_stays_finite(tiny_models):
     trainer = CriticTrainer(CriticConfig(train_batch_size=4, micro_batch_size=4, epochs=1,
-                                         optim=OptimConfig(lr=1e-3)), tiny_models["critic"], None, False)
+                                         optim=CriticOptim(lr=1e-3)), tiny_models["critic"], None, False)
     head = [m for m in trainer.model.modules() if isinstance(m, torch.nn.Linear)][-1]
     with torch.no_grad():
         head.bias.fill_(3e38)  # values at the edge of float32: their squares overflow

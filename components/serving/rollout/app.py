@@ -18,7 +18,11 @@ tied lm_head included (without it vLLM silently keeps the old head):
 - `dist`: vLLM's own weight-transfer API (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
   `finish_weight_update`) with a backend of ours registered in its factory: a torch.distributed group of two (gloo on
   CPU, NCCL where the engine is on a GPU) with actor rank 0, which broadcasts the tensors one at a time; each is loaded
-  as it arrives (vLLM's own backends need CUDA on both ends and vLLM on the trainer's side, which has none).
+  as it arrives (vLLM's own backends need CUDA on both ends and vLLM on the trainer's side, which has none). The group
+  admits the run's processes only (the run's secret signs its store and every member proves it: group.py), and
+  every tensor received is checked against the sha256 the trainer sends after them (POST /weights/digests) before
+  the update counts: a tensor that differs refuses the update (400 naming it; the version does not move and the
+  weights are broken until a full update, as after any failed update).
 
 Generations and weight updates take one lock: an update waits for the generation in
 flight (the offline `LLM` cannot pause one; AsyncLLM's pause/resume would interrupt it, but the actor needs those
@@ -26,13 +30,17 @@ samples anyway) and the ones after it sample with the new weights. Every answer 
 started with, and the engine's idle seconds so far (neither generating nor loading weights).
 
 Who may call, and how much (components/serving/auth.py says the same for the whole run):
-- every endpoint but GET /health needs `Authorization: Bearer <the run's secret>` (the secret reaches this process
-  through $RLHF_RUN_SECRET or the file $RLHF_RUN_SECRET_FILE names, never its command line; a server given none
-  refuses to start): 401 without it, 403 with another, compared in constant time. /health shows no run token.
+- the secret reaches this process through $RLHF_RUN_SECRET or the file $RLHF_RUN_SECRET_FILE names, never its
+  command line (a server given none refuses to start), and never crosses the wire (components/wire.py): GET
+  /rlhf/proof proves this server to a client before the client sends anything; every endpoint but GET /health and
+  the proof needs a request signed with the run's key (401 unsigned, 403 signed otherwise or sent before). /health
+  shows no run token.
 - a body is refused (413) from its Content-Length before it is read: a JSON body over --max-body-mib, a weight upload
-  over the model's own size; a POST without Content-Length is refused (411); at most --limit-concurrency connections
-  (uvicorn answers 503 beyond). /generate takes at most --max-request-sequences prompts x n and
-  --max-request-tokens prompts x n x max_new_tokens.
+  over the model's own size; a POST without Content-Length is refused (411); at most --max-in-flight of the run's
+  requests at once (503 beyond). Connections are not counted against the run (components/serving/connections.py):
+  idle ones close after --idle-s, and past --max-connections the longest idle one goes, so no number of idle or slow
+  connections keeps the run's requests or /health from an answer. /generate takes at most --max-request-sequences
+  prompts x n and --max-request-tokens prompts x n x max_new_tokens.
 - an upload that stops sending (a dropped connection, a stalled client) ends its reader: on disconnect at once, on
   silence after --body-timeout-s; the engine's lock and worker threads are never held by a gone client.
 - POST /weights/init connects only to the trainer address this server was started with (--trainer-host), with a
@@ -46,11 +54,13 @@ Endpoints:
   POST /update_weights     ?version=<next>&run=<token>, body: a safetensors file of the full state dict
   POST /weights/init       {run, master_address, master_port, backend, timeout_s}: join the trainer's group
   POST /weights/update     {run, version, names, dtype_names, shapes}: receive the tensors over that group
+  POST /weights/digests    {run, version, ready_key, digests}: the sha256 of each tensor of the update in progress
   GET /v1/models, POST /v1/chat/completions(/tokens), /tokenize, /inference/v1/generate: what environments use
                            (components/serving/rollout/openai.py, vLLM's own shapes)
 Bad input is a 4xx whose body names the field (`detail`), and the server keeps serving.
 
-Runs in .venv-vllm: imports nothing from the project (components/serving/rollout/__init__.py); started by main.py.
+Runs in .venv-vllm: imports nothing from the project but this package and models/rendezvous.py (components/serving/
+rollout/__init__.py); started by main.py.
 """
 
 from __future__ import annotations
@@ -62,6 +72,7 @@ import logging
 import threading
 import time
 from collections import Counter
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
@@ -77,9 +88,11 @@ from starlette.requests import ClientDisconnect
 from vllm import LLM, SamplingParams, TokensPrompt
 from vllm.exceptions import VLLMClientError
 
+from components.serving.connections import InFlight
 from components.serving.rollout.body import BodyReader, safetensors_header
 from components.serving.rollout.openai import add_openai_endpoints, client_error, error_body, is_openai_path
-from components.serving.rollout.weights import TRANSFER_BACKEND
+from components.serving.rollout.weights import TRANSFER_BACKEND, received_digests
+from components.wire import CHALLENGE_HEADER, PROOF_PATH, SCHEME, RunKeys, Verifier, answer_proof
 
 log = logging.getLogger("rlhf.rollout_server")
 
@@ -127,6 +140,15 @@ class UpdateRequest(BaseModel):
     shapes: list[list[int]] = Field(description="Shape of each tensor.")
 
 
+class DigestsRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    run: str = Field(min_length=1, description="The caller's run token.")
+    version: int = Field(ge=1, description="The version of the update in progress these digests are for.")
+    ready_key: str = Field(min_length=1, description="The update's ready_key (POST /weights/update).")
+    digests: list[str] = Field(description="sha256 (hex) of each tensor's bytes, in broadcast order.")
+
+
 # ---------------------------------------------------------------- the served model
 
 class ServedModel:
@@ -158,6 +180,8 @@ class ServedModel:
             self.shapes["lm_head.weight"] = [hf.vocab_size, hf.hidden_size]
         self.version = 0
         self.group_ready = False
+        self.group_timeout_s = 600.0  # how long an update waits for the trainer's digests (the group's timeout)
+        self.digests: dict[str, tuple[str, int, Future]] = {}  # ready_key -> (run, version, the trainer's digests)
         self.lock = threading.Lock()
         self.init_lock = threading.Lock()  # one transfer set-up at a time; never the generation lock while connecting
         self.started, self.busy_s = time.monotonic(), 0.0  # the engine's busy time (generating, loading weights)
@@ -353,30 +377,69 @@ class ServedModel:
                                          f"{req.master_port} ({type(exc).__name__}: {exc})") from None
             with self.lock:
                 self.check_run(req.run)  # another run may have bound the server meanwhile
-                self.run, self.group_ready = req.run, True
+                self.run, self.group_ready, self.group_timeout_s = req.run, True, req.timeout_s
         finally:
             self.init_lock.release()
         return {"run": self.run, "weights_version": self.version}
 
     def update_group(self, req: UpdateRequest, ready_key: str) -> dict:
         """Receive the tensors of `req` over the transfer group; the trainer starts broadcasting once this server
-        has checked the request, holds the lock and receives (it sets `ready_key` in the trainer's store)."""
+        has checked the request, holds the lock and receives (it sets `ready_key` in the trainer's store). The update
+        counts once every tensor every worker received matches the trainer's digests (`take_digests`)."""
         if not (len(req.names) == len(req.dtype_names) == len(req.shapes)):
             raise HTTPException(400, f"names, dtype_names, shapes: {len(req.names)}, {len(req.dtype_names)} and "
                                      f"{len(req.shapes)} entries; one each per tensor")
         self.check_tensors(req.names, req.shapes, req.dtype_names)
         if not self.group_ready:
             raise HTTPException(409, "weights/update: no transfer group; POST /weights/init first")
+        if ready_key in self.digests:
+            raise HTTPException(409, f"ready_key: an update with key {ready_key!r} is in progress")
+        expected: Future = Future()
+        self.digests[ready_key] = (req.run, req.version, expected)
 
         def load():
             self.llm.collective_rpc("start_weight_update")
             try:
                 self.llm.collective_rpc("update_weights", args=(
                     {"names": req.names, "dtype_names": req.dtype_names, "shapes": req.shapes, "ready_key": ready_key},))
+                try:
+                    digests = expected.result(timeout=self.group_timeout_s)
+                except FutureTimeout:
+                    raise HTTPException(408, f"digests: the trainer sent no digests for update {req.version} within "
+                                             f"{self.group_timeout_s:.0f}s of its last tensor") from None
+                for worker, received in enumerate(self.llm.collective_rpc(received_digests)):
+                    check_digests(req.names, digests, received, worker)
             finally:
                 self.llm.collective_rpc("finish_weight_update")
-        return self._apply(req.run, req.version, load)
+        try:
+            return self._apply(req.run, req.version, load)
+        finally:
+            self.digests.pop(ready_key, None)
 
+    def take_digests(self, req: DigestsRequest) -> dict:
+        """The trainer's digests of the update in progress under `req.ready_key`, handed to it."""
+        pending = self.digests.get(req.ready_key)
+        if pending is None or pending[2].done():
+            raise HTTPException(409, f"ready_key: no weight update waits for digests under {req.ready_key!r}")
+        run, version, expected = pending
+        if (req.run, req.version) != (run, version):
+            raise HTTPException(409, f"run, version: the update in progress under this key is version {version} of "
+                                     f"run {run!r}, not version {req.version} of {req.run!r}")
+        expected.set_result(req.digests)
+        return {"digests": len(req.digests)}
+
+
+def check_digests(names: list[str], expected: list[str], received: list[str], worker: int = 0) -> None:
+    """Refuse (400, naming the first tensor) an update whose received tensors are not those the trainer sent."""
+    if len(expected) != len(names):
+        raise HTTPException(400, f"digests: {len(expected)} for {len(names)} tensors; one sha256 per tensor")
+    if len(received) != len(names):
+        raise HTTPException(400, f"digests: worker {worker} received {len(received)} of {len(names)} tensors")
+    for name, sent, got in zip(names, expected, received):
+        if not hmac.compare_digest(sent.lower(), got):
+            raise HTTPException(400, f"digests: tensor {name} arrived with sha256 {got[:16]}..., the trainer sent "
+                                     f"{sent[:16]}... (worker {worker}): the update is refused (its bytes changed "
+                                     f"between the trainer and this server)")
 
 
 def checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:
@@ -392,36 +455,52 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:
 
 
 class Guard:
-    """ASGI middleware in front of every endpoint: the run's secret (all but GET /health: 401 without it, 403 with
-    another, compared in constant time) and the body's size from its Content-Length, before a byte of it is read
-    (411 without one, 413 over the limit: `max_body` for JSON, the model's own size for /update_weights)."""
+    """ASGI middleware in front of every endpoint: GET /health and GET /rlhf/proof (the server's proof of the run's
+    secret, components/wire.py) answer anyone; every other request must be signed with the run's key (401
+    unsigned, 403 signed otherwise or sent before: wire.Verifier), and is refused from its Content-Length before a
+    byte of its body is read (411 without one, 413 over the limit: `max_body` for JSON, the model's own size for
+    /update_weights); at most `max_in_flight` of the run's requests are served at once (503 beyond)."""
 
-    def __init__(self, app, secret: str, max_body: int, max_upload: int):
-        self.app, self.secret, self.max_body, self.max_upload = app, secret.encode(), max_body, max_upload
+    def __init__(self, app, secret: str, max_body: int, max_upload: int, max_in_flight: int = 64):
+        self.app, self.max_body, self.max_upload = app, max_body, max_upload
+        self.keys = RunKeys(secret)
+        self.verifier = Verifier(self.keys)
+        self.in_flight = InFlight(max_in_flight)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or (scope["method"], scope["path"]) in OPEN_PATHS:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        scheme, _, given = headers.get(b"authorization", b"").decode("latin-1").partition(" ")
-        if not given or scheme.lower() != "bearer":
-            return await _refuse(send, scope["path"], 401, "authorization: this server serves one run: send "
-                                            "'Authorization: Bearer <the run's secret>'", {b"www-authenticate": b"Bearer"})
-        if not hmac.compare_digest(given.strip().encode(), self.secret):
-            return await _refuse(send, scope["path"], 403, "authorization: not this run's secret")
+        if (scope["method"], scope["path"]) == ("GET", PROOF_PATH):
+            challenge = headers.get(CHALLENGE_HEADER.encode(), b"").decode("latin-1")
+            status, extra, detail = answer_proof(self.keys, "rollout", challenge)
+            return await _answer(send, scope["path"], status, detail, {k.encode(): v.encode() for k, v in extra.items()})
+        refused = self.verifier.check(scope["method"], scope["path"],
+                                      headers.get(b"authorization", b"").decode("latin-1") or None)
+        if refused:
+            status, detail = refused
+            return await _answer(send, scope["path"], status, detail,
+                                 {b"www-authenticate": SCHEME.encode()} if status == 401 else None)
         if scope["method"] in ("POST", "PUT", "PATCH"):
             length = headers.get(b"content-length")
             if length is None or not length.isdigit():
-                return await _refuse(send, scope["path"], 411, "content-length: required (a body of known size)")
+                return await _answer(send, scope["path"], 411, "content-length: required (a body of known size)")
             limit = self.max_upload if scope["path"] == "/update_weights" else self.max_body
             if int(length) > limit:
                 what = "the model's weights" if scope["path"] == "/update_weights" else "deploy.rollout.max_body_mib"
-                return await _refuse(send, scope["path"], 413, f"content-length: {int(length)} bytes exceed this endpoint's limit "
+                return await _answer(send, scope["path"], 413, f"content-length: {int(length)} bytes exceed this endpoint's limit "
                                                 f"of {limit} ({what})")
-        return await self.app(scope, receive, send)
+        if not self.in_flight.enter():
+            return await _answer(send, scope["path"], 503, f"busy: {self.in_flight.limit} of the run's requests are "
+                                                           f"in flight (--max-in-flight); try again",
+                                 {b"retry-after": b"1"})
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            self.in_flight.leave()
 
 
-async def _refuse(send, path: str, status: int, detail: str, headers: Optional[dict] = None) -> None:
+async def _answer(send, path: str, status: int, detail: str, headers: Optional[dict] = None) -> None:
     body = json.dumps(error_body(status, detail) if is_openai_path(path) else {"detail": detail}).encode()
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
@@ -429,7 +508,8 @@ async def _refuse(send, path: str, status: int, detail: str, headers: Optional[d
     await send({"type": "http.response.body", "body": body})
 
 
-def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_timeout_s: float = 60.0) -> FastAPI:
+def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_timeout_s: float = 60.0,
+              max_in_flight: int = 64) -> FastAPI:
     app = FastAPI(title="rlhf-flows rollout server")
 
     @app.get("/health")
@@ -470,6 +550,10 @@ def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_t
     def update(req: UpdateRequest, ready_key: str = Query(..., min_length=1)) -> dict:
         return served.update_group(req, ready_key)
 
+    @app.post("/weights/digests")
+    def digests(req: DigestsRequest) -> dict:
+        return served.take_digests(req)
+
     def refusal(request: Request, status: int, detail, headers: Optional[dict] = None) -> JSONResponse:
         body = error_body(status, str(detail)) if is_openai_path(request.url.path) else {"detail": detail}
         return JSONResponse(body, status_code=status, headers=headers)
@@ -491,6 +575,7 @@ def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_t
 
     add_openai_endpoints(app, served)
 
-    app.add_middleware(Guard, secret=secret, max_body=max_body, max_upload=served.max_upload_bytes)
+    app.add_middleware(Guard, secret=secret, max_body=max_body, max_upload=served.max_upload_bytes,
+                       max_in_flight=max_in_flight)
     return app
 

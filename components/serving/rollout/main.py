@@ -18,7 +18,6 @@ import signal
 import socket
 import threading
 import time
-from pathlib import Path
 from typing import Optional
 
 # in-process engine (tensors reach the model directly) and quiet start-up; set before vllm is imported
@@ -29,21 +28,19 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 
 import uvicorn
 
+from components.serving.connections import IDLE_S, MAX_CONNECTIONS, allow_open_files, bounded_protocol
 from components.serving.rollout.app import ServedModel, build_app
+from components.serving.rollout.group import SECRET_ENV, SECRET_FILE_ENV, read_secret
 
 log = logging.getLogger("rlhf.rollout_server")
 
-SECRET_ENV, SECRET_FILE_ENV = "RLHF_RUN_SECRET", "RLHF_RUN_SECRET_FILE"  # as components/serving/auth.py
 PARENT_PID_ENV = "RLHF_PARENT_PID"  # as components/launch/processes.py: the run process this server must not outlive
 
 
-def read_secret() -> str:
-    """The run's secret from $RLHF_RUN_SECRET or the file $RLHF_RUN_SECRET_FILE names (as components/serving/auth.py);
-    a server without one does not start: it would serve anyone."""
-    value = os.environ.get(SECRET_ENV)
-    if value is None and os.environ.get(SECRET_FILE_ENV):
-        value = Path(os.environ[SECRET_FILE_ENV]).read_text()
-    value = (value or "").strip()
+def run_secret() -> str:
+    """The run's secret from $RLHF_RUN_SECRET or the file $RLHF_RUN_SECRET_FILE names (group.read_secret); a server
+    without one does not start: it would serve anyone."""
+    value = read_secret() or ""
     if len(value) < 16:
         log.error(f"no run secret (at least 16 characters) in ${SECRET_ENV} or ${SECRET_FILE_ENV}: a rollout server "
                   f"serves one run, and takes requests carrying that run's secret only")
@@ -107,12 +104,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--max-request-tokens", type=int, default=1 << 23, help="Cap on prompts x n x max_new_tokens per /generate.")
     parser.add_argument("--max-body-mib", type=int, default=32, help="Largest JSON body; a weight upload is bounded by the model's size.")
     parser.add_argument("--body-timeout-s", type=float, default=60.0, help="An upload that sends nothing for this long is dropped.")
-    parser.add_argument("--limit-concurrency", type=int, default=64, help="Connections served at once (503 beyond).")
+    parser.add_argument("--max-in-flight", type=int, default=64, help="The run's requests served at once (503 beyond).")
+    parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                        help="Open connections at most: one more closes the longest idle one.")
+    parser.add_argument("--idle-s", type=float, default=IDLE_S, help="A connection without a request this long is closed.")
     args = parser.parse_args(argv)
     if args.cpu_cores:  # before any worker thread starts: the threads started later inherit it
         pin_to_cores(args.cpu_cores)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    secret = read_secret()
+    secret = run_secret()
     exit_with_parent()
     # the port first, before the model loads: a port taken by someone else fails at once, naming it
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
@@ -127,9 +127,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                          args.gpu_memory_utilization, args.instance, args.trainer_host, args.max_request_sequences,
                          args.max_request_tokens, args.tensor_parallel_size)
     log.info(f"engine loaded in {time.perf_counter() - started:.1f}s: {json.dumps(served.describe())}")
-    app = build_app(served, secret, args.max_body_mib << 20, args.body_timeout_s)
-    uvicorn.Server(uvicorn.Config(app, log_level="warning", limit_concurrency=args.limit_concurrency,
-                                  timeout_keep_alive=30)).run(sockets=[sock])
+    app = build_app(served, secret, args.max_body_mib << 20, args.body_timeout_s, args.max_in_flight)
+    allow_open_files(args.max_connections + 256)  # the connections, and the engine's own files
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", http=bounded_protocol(args.max_connections, args.idle_s),
+                                  timeout_keep_alive=int(args.idle_s))).run(sockets=[sock])
 
 
 if __name__ == "__main__":

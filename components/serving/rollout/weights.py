@@ -6,7 +6,13 @@ on both ends and vLLM on the trainer's side, which has none). Tensors come in th
 tied lm_head included (without it vLLM silently keeps the old head). The trainer's side: components/serving/rollout/
 client.py.
 
-Runs in .venv-vllm: imports nothing from the project (components/serving/rollout/__init__.py).
+The group admits the run's processes only: the worker joins the trainer's store with the run's secret (its
+environment: $RLHF_RUN_SECRET or $RLHF_RUN_SECRET_FILE) and proves it, and checks the trainer's proof, before any
+tensor (group.py). Every tensor received is digested (sha256); the server compares the digests with the trainer's
+(POST /weights/digests) before the update counts (`received_digests`).
+
+Runs in .venv-vllm: imports nothing from the project but this package and models/rendezvous.py (components/serving/
+rollout/__init__.py).
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTr
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from components.serving.rollout.group import process_group
+from components.serving.rollout.group import join, read_secret, tensor_digest
 
 TRANSFER_BACKEND = "rlhf_torch_group"  # our backend's name in vLLM's weight-transfer factory
 INIT_CONNECT_TIMEOUT_S = 30.0  # /weights/init: how long joining the trainer's store may take (it listens already)
@@ -60,18 +66,20 @@ class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateIn
         super().__init__(*args, **kwargs)
         self.group = self.store = None
         self.rank = 1
+        self.received: list[str] = []  # the sha256 of every tensor received since the update started
 
     def init_transfer_engine(self, init_info: GroupInitInfo) -> None:
+        secret = read_secret()
+        if not secret:
+            raise RuntimeError("weights/init: this server has no run secret to join the trainer's group with")
         timeout = datetime.timedelta(seconds=init_info.timeout_s)
         connect = datetime.timedelta(seconds=min(init_info.timeout_s, INIT_CONNECT_TIMEOUT_S))
-        self.store = torch.distributed.TCPStore(init_info.master_address, init_info.master_port,
-                                                init_info.world_size, is_master=False, timeout=connect)
-        self.store.set_timeout(timeout)
         self.rank = 1 + self.parallel_config.rank  # this worker's place among the engine's tensor-parallel workers
-        self.group = process_group(init_info.backend, self.store, self.rank, timeout, init_info.master_address,
-                                   init_info.world_size)
+        self.group, self.store = join(init_info.backend, init_info.master_address, init_info.master_port, self.rank,
+                                      init_info.world_size, secret, self.device, timeout, connect)
 
     def start_weight_update(self) -> None:
+        self.received = []
         initialize_layerwise_reload(self.model)
 
     def finish_weight_update(self) -> None:
@@ -85,6 +93,7 @@ class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateIn
             for name, dtype, shape in zip(update_info.names, update_info.dtype_names, update_info.shapes):
                 tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=self.device)
                 self.group.broadcast(tensor, 0).wait()
+                self.received.append(tensor_digest(tensor))
                 yield name, tensor
 
         if update_info.ready_key:  # one key per worker: the trainer broadcasts once every worker receives
@@ -93,6 +102,11 @@ class TorchGroupWeightTransfer(WeightTransferEngine[GroupInitInfo, GroupUpdateIn
 
     def shutdown(self) -> None:
         self.group = None
+
+
+def received_digests(worker) -> list[str]:
+    """What a worker received in the update in progress, as digests (`llm.collective_rpc(received_digests)`)."""
+    return list(worker.weight_transfer_engine.received)
 
 
 WeightTransferEngineFactory.register_engine(TRANSFER_BACKEND, TorchGroupWeightTransfer)

@@ -1,34 +1,37 @@
 """HTTP clients of the critic and reward servers; they satisfy models/backends.py's CriticBackend / RewardBackend.
 
 Each call runs on a small thread pool (real concurrency: several micro-batches in flight, merged by Triton's dynamic
-batcher) with its own short-lived tritonclient.http connection (gevent-based clients must not cross threads).
-Timeouts are bounded. Only a refused connection is retried for every call (the request never reached the server);
-other connection failures are retried for idempotent calls (infer, score, save), never for critic_train, which could
-have trained already. A server-side error is never retried: it raises ServerError carrying the server's message.
+batcher) over one pooled httpx client (thread-safe, connections kept alive), in Triton's binary tensor encoding
+(tritonclient's). Timeouts are bounded. A connection that was never made is retried for every call (the request
+never reached the server); a connection that broke is retried for idempotent calls (infer, score, save), never for
+critic_train, which could have trained already. A server-side error is never retried: it raises ServerError carrying
+the server's message.
 Inputs are checked against the wire contract before sending, so our own malformed request cannot fail the other
 requests Triton batched with it.
 
-Every request carries the run's token (`triton-access-token`, derived from the run's `secret`: components/serving/
-auth.py), put on by a tritonclient plugin, so no call can forget it. `secret=None` reads $RLHF_RUN_SECRET (a client
-beside a server started by hand with it); a server in open mode ignores the header.
+With the run's `secret`, the server proves it holds it on each new connection before anything is sent, and every
+request is signed with the run's key (components/wire.py: the secret never crosses the wire); no call can
+forget it. `secret=None` reads $RLHF_RUN_SECRET (a client beside a server started by hand with it); without any, the
+client sends no credentials (a server in open mode serves it).
 """
 
 from __future__ import annotations
 
 import json
-
 import re
-import socket
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Callable, Optional
+from urllib.parse import quote
 
+import httpx
 import numpy as np
 import torch
 from torch import Tensor
 
-from components.serving.auth import read_secret, triton_headers
+from components.serving.auth import read_secret
+from components.wire import run_client
 from components.serving.triton.contract import (CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, REWARD_TEXT,
                                                 TEACHER_LOGPROBS, TRAIN_STATS)
 from models.critic import CriticInputError, validate_tokens, validate_train
@@ -64,78 +67,76 @@ def _numpy(t, dtype) -> np.ndarray:
     return np.ascontiguousarray(array, dtype=dtype)
 
 
-class RunToken:
-    """A tritonclient plugin that puts the run's token on every request of a client."""
-
-    def __init__(self, secret: Optional[str]):
-        self.headers = triton_headers(secret)
-
-    def __call__(self, request) -> None:
-        request.headers.update(self.headers)
-
-
 class TritonHTTP:
-    """Synchronous calls with bounded timeouts and connection retries, and a thread pool for asynchronous ones; every
-    request carries the run's token (`secret`; None: $RLHF_RUN_SECRET)."""
+    """Synchronous calls with bounded timeouts and connection retries, and a thread pool for asynchronous ones, over
+    one pooled HTTP client (thread-safe; its connections are kept alive between calls). With the run's secret
+    (`secret`; None: $RLHF_RUN_SECRET) every connection is proven first and every request signed
+    (components/wire.py); tensors travel in Triton's own binary encoding (tritonclient's)."""
 
     def __init__(self, url: str, timeout_s: float = 300.0, connect_timeout_s: float = 10.0, retries: int = 3,
                  retry_wait_s: float = 1.0, max_workers: int = 4, name: str = "triton", secret: Optional[str] = None):
         self.url = url.split("://", 1)[-1].rstrip("/")
-        self._token = RunToken(secret if secret is not None else read_secret())
         self.timeout_s, self.connect_timeout_s = timeout_s, connect_timeout_s
         self.retries, self.retry_wait_s = retries, retry_wait_s
+        self._http = run_client(secret if secret is not None else read_secret(), "triton",
+                                limits=httpx.Limits(max_connections=max_workers + 2),
+                                base_url=f"http://{self.url}", timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix=name)
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
         self._closed = False
         self._sleep = time.sleep  # the wait between attempts (tests record it instead of timing it)
 
-    def _client(self):
-        import tritonclient.http as http  # heavy: tritonclient, only once a call is made
-
-        client = http.InferenceServerClient(self.url, connection_timeout=self.connect_timeout_s,
-                                            network_timeout=self.timeout_s)
-        client.register_plugin(self._token)
-        return client
-
-    def call(self, what: str, fn: Callable, idempotent: bool = True):
-        """fn(client) with retries on connection failures only; server errors raise ServerError."""
-        from tritonclient.utils import InferenceServerException  # heavy: tritonclient, only once a call is made
-
+    def request(self, what: str, method: str, path: str, idempotent: bool = True, **kwargs) -> httpx.Response:
+        """One request, retried on connection failures only: always when it never reached the server (refused, no
+        connection in time), for an idempotent call also when the connection broke; an error answer raises
+        ServerError with the server's message."""
         attempt = 0
         while True:
-            client = self._client()
             try:
-                return fn(client)
-            except InferenceServerException as exc:
-                raise ServerError(what, exc.status(), exc.message() or str(exc)) from None
-            except (socket.timeout, TimeoutError) as exc:
+                response = self._http.request(method, path, **kwargs)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+                failure: Exception = exc
+            except httpx.TimeoutException as exc:
                 raise TimeoutError(f"{what}: no answer from {self.url} within {self.timeout_s:.0f}s") from exc
-            except ConnectionError as exc:
-                retryable = isinstance(exc, ConnectionRefusedError) or idempotent
-                if not retryable or attempt >= self.retries:
-                    raise ServerUnavailable(f"{what}: cannot reach {self.url} ({exc}) after {attempt + 1} attempt(s)") from exc
-            finally:
-                client.close()
+            except httpx.TransportError as exc:
+                if not idempotent:
+                    raise ServerUnavailable(f"{what}: the connection to {self.url} broke ({type(exc).__name__}: {exc}); "
+                                            f"not retried (the server may have done it)") from exc
+                failure = exc
+            else:
+                if response.status_code != 200:
+                    try:
+                        detail = response.json().get("error", response.text)
+                    except ValueError:
+                        detail = response.text or "an empty answer"
+                    raise ServerError(what, str(response.status_code), detail)
+                return response
+            if attempt >= self.retries:
+                raise ServerUnavailable(f"{what}: cannot reach {self.url} ({failure}) after {attempt + 1} attempt(s)") \
+                    from failure
             attempt += 1
             self._sleep(self.retry_wait_s * attempt)
 
     def infer(self, model: str, inputs: dict[str, np.ndarray], idempotent: bool = True) -> dict[str, np.ndarray]:
-        import tritonclient.http as http  # heavy: tritonclient, only once a call is made
+        import tritonclient.http as http  # heavy: tritonclient (its tensor encoding), only once a call is made
 
-        def run(client):
-            wire = []
-            for name, array in inputs.items():
-                item = http.InferInput(name, list(array.shape), _DTYPES[array.dtype])
-                item.set_data_from_numpy(array)
-                wire.append(item)
-            result = client.infer(model, wire)
-            return {out["name"]: result.as_numpy(out["name"]) for out in result.get_response()["outputs"]}
-
-        return self.call(model, run, idempotent)
+        wire = []
+        for name, array in inputs.items():
+            item = http.InferInput(name, list(array.shape), _DTYPES[array.dtype])
+            item.set_data_from_numpy(array)
+            wire.append(item)
+        body, json_size = http.InferenceServerClient.generate_request_body(wire)
+        headers = {"Inference-Header-Content-Length": str(json_size)} if json_size is not None else {}
+        response = self.request(model, "POST", f"/v2/models/{quote(model)}/infer", idempotent, content=body,
+                                headers=headers)
+        length = response.headers.get("Inference-Header-Content-Length")
+        result = http.InferenceServerClient.parse_response_body(response.content,
+                                                                 header_length=int(length) if length else None)
+        return {out["name"]: result.as_numpy(out["name"]) for out in result.get_response()["outputs"]}
 
     def model_config(self, model: str) -> dict:
-        return self.call(model, lambda client: client.get_model_config(model))
+        return self.request(model, "GET", f"/v2/models/{quote(model)}/config").json()
 
     def submit(self, fn: Callable, *args) -> Future:
         if self._closed:
@@ -159,7 +160,7 @@ class TritonHTTP:
     def close(self) -> None:
         self._closed = True
         self._pool.shutdown(wait=True)
-
+        self._http.close()
 
 class CriticClient:
     """The critic server over HTTP (critic_infer / critic_train / critic_save); a CriticBackend.

@@ -23,11 +23,14 @@ Wire contract (NeMo-Aligner compatible; tokens right-padded, B = batch, L = sequ
     object, for a reward function that reads columns (models/reward.py); a reward model ignores it. A client that
     sends no columns (every client before it) is served as before.
 
-Who may call (components/serving/auth.py): with deploy.<kind>.auth 'secret' (the default) every Triton API but health
-(liveness, readiness) needs the run's token (`triton-access-token`, derived from the run's secret, which the server
-reads from $RLHF_RUN_SECRET or $RLHF_RUN_SECRET_FILE; a server given none refuses to start); a stranger is refused
-(403) before any callable runs. Open mode ('none') serves clients without credentials (NeMo-Aligner's) and says so.
-Bounded requests: Triton refuses a body over its own 64 MB limit, and a dynamic batch over max_batch_size;
+Who may call (components/serving/auth.py, the front: components/serving/triton/front.py): with deploy.<kind>.auth
+'secret' (the default) every request but liveness, readiness and the server's proof must be signed with the run's key
+(derived from the run's secret, which the server reads from $RLHF_RUN_SECRET or $RLHF_RUN_SECRET_FILE; a server given
+none refuses to start); a stranger is refused (401/403) before any callable runs. Open mode ('none') serves inference,
+model config and metadata to clients without credentials (NeMo-Aligner's) and says so. Triton's admin APIs (model
+loading, shared memory, trace, logging) are closed to every caller.
+Bounded requests: the front refuses a body over 64 MB (Triton's own limit) from its Content-Length, Triton a dynamic
+batch over max_batch_size;
 critic_train (not batched) takes at most max_train_rows rows; reward_text keeps only the characters of each text the
 reward model can score (models/reward.text_char_budget) and tokenizes them before the lock is taken.
 
@@ -50,7 +53,7 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from components.serving.auth import OPEN_MODE_APIS, RESTRICTED_APIS, MissingSecret, read_secret, triton_token
+from components.serving.auth import MissingSecret, read_secret
 from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig
 from models.critic import CriticInputError
@@ -246,8 +249,8 @@ class ServerSpec(BaseModel):
 
     kind: Literal["critic", "reward"]
     config: RLHFConfig = Field(default_factory=RLHFConfig)
-    host: str = Field("127.0.0.1", description="Interface to bind: HTTP port P, gRPC P+1, metrics P+2.")
-    port: int = Field(8400, ge=1, le=65533, description="HTTP port P.")
+    host: str = Field("127.0.0.1", description="Interface the server's HTTP front binds.")
+    port: int = Field(8400, ge=1, le=65535, description="The server's HTTP port.")
     checkpoint_dir: Optional[str] = Field(None, description="critic: where critic_save writes; a save there is resumed.")
     checkpoint_uri: Optional[str] = Field(None, description="critic: the run's checkpoint store; each save is also "
                                           f"uploaded to <uri>/{PENDING_PREFIX}/step-<k> for the next checkpoint to adopt.")
@@ -284,28 +287,28 @@ class ServerSpec(BaseModel):
         return ("model.reward" if self.config.reward.source == "model" else "model.policy",) + \
             (("model.teacher",) if self.carries_teacher else ())
 
-    def security(self) -> dict:
-        """Triton's restricted APIs for this server (TritonSecurityConfig's arguments): with deploy.<kind>.auth
-        'secret', every API group but health needs the token derived from the run's secret ($RLHF_RUN_SECRET or the
-        file $RLHF_RUN_SECRET_FILE names; a server without one refuses to start); with 'none' (open mode), only the
-        admin groups do (with the run's secret when it has one, else a token of its own), and it says so."""
+    def run_secret(self) -> Optional[str]:
+        """The run's secret this server's front checks requests with ($RLHF_RUN_SECRET or the file
+        $RLHF_RUN_SECRET_FILE names). With deploy.<kind>.auth 'secret' a server without one refuses to start; with
+        'none' (open mode) inference, model config and metadata answer anyone (None when it has no secret), and it
+        says so."""
         secret = read_secret()
         if self.section.auth == "secret":
             if secret is None:
                 raise MissingSecret(
-                    f"deploy.{self.kind}.auth=secret: every request must carry the run's secret, and this server was "
-                    f"given none: set $RLHF_RUN_SECRET (or $RLHF_RUN_SECRET_FILE, a file holding it) in its "
+                    f"deploy.{self.kind}.auth=secret: every request must be signed with the run's key, and this server "
+                    f"was given no secret: set $RLHF_RUN_SECRET (or $RLHF_RUN_SECRET_FILE, a file holding it) in its "
                     f"environment and give clients the same secret; or serve clients that send no credentials "
                     f"(NeMo-Aligner's) in open mode: --set deploy.{self.kind}.auth=none")
-            return {"access_token": triton_token(secret), "restricted_endpoints": list(RESTRICTED_APIS)}
+            return secret
         LOG.warning("%s server: OPEN MODE (deploy.%s.auth=none): inference, model config and metadata answer anyone "
-                    "who reaches %s:%d; only the admin endpoints need a token", self.kind, self.kind, self.host,
-                    self.port)
-        return {"access_token": triton_token(secret) if secret else None, "restricted_endpoints": list(OPEN_MODE_APIS)}
+                    "who reaches %s:%d; statistics need the run's key, Triton's admin APIs are closed", self.kind,
+                    self.kind, self.host, self.port)
+        return secret
 
     def triton_config(self):
         from pytriton.triton import TritonConfig  # heavy: only a server process starts Triton
 
-        return TritonConfig(http_address=self.host, http_port=self.port, grpc_address=self.host,
-                            grpc_port=self.port + 1, metrics_address=self.host, metrics_port=self.port + 2,
-                            allow_gpu_metrics=torch.cuda.is_available(), exit_timeout_secs=self.exit_timeout_s)
+        # HTTP only (the front's address; tritonserver itself binds a Unix socket: serve.behind_front)
+        return TritonConfig(http_address=self.host, http_port=self.port, allow_grpc=False, allow_metrics=False,
+                            exit_timeout_secs=self.exit_timeout_s)

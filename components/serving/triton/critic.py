@@ -1,6 +1,8 @@
 """The critic server's models as PyTriton callables (critic_infer, critic_train, critic_save, around models/critic.py),
 how rank 0 loads them, and the critic's other ranks (deploy.critic.nproc_per_node > 1): rank 0 starts them, hands them
-the ServerSpec and tells them what to run; `CriticTrainer.lock` serialises infer/train/save on every rank."""
+the ServerSpec and tells them what to run; `CriticTrainer.lock` serialises infer/train/save on every rank. The ranks
+admit each other by the run's secret (the server's own, else one rank 0 makes and hands to them in their
+environment) and send each other JSON and tensors (models/distributed.py)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import torch
 
 from components.launch.processes import exit_with_parent
 from components.launch.followers import BACKEND_ENV, TIMEOUT_ENV, Followers
+from components.serving.auth import ranks_secret, read_secret
 from components.serving.triton.contract import (PENDING_PREFIX, TRAIN_STATS, ModelSpec, ServerSpec, check_positions,
                                                 check_vocab, critic_specs, refuse_infer_inputs, request_array,
                                                 reward_text_spec, stack_requests)
@@ -158,13 +161,14 @@ def _start_critic_ranks(spec: ServerSpec):
     cfg = spec.config
     world = cfg.deploy.critic.nproc_per_node
     log_dir = Path(spec.checkpoint_dir).parent if spec.checkpoint_dir else cfg.resolved_state_dir() / "servers"
+    secret = ranks_secret()
     group = Followers("critic", world, "127.0.0.1", spec.port + 3, [sys.executable, "-m", "components.serving.triton.main", "--follow"],
                       {BACKEND_ENV: cfg.deploy.actor.backend, TIMEOUT_ENV: str(cfg.deploy.actor.collective_timeout_s)},
-                      log_dir / "logs", own_group=False)
+                      log_dir / "logs", secret, own_group=False)
     me = distributed.Dist(0, world, 0, world)
     device = distributed.local_device(cfg.deploy.device, me)
-    distributed.init(me, distributed.resolve_backend(cfg.deploy.actor.backend, device), cfg.deploy.actor.collective_timeout_s, device,
-                     group.init_method)
+    distributed.init(me, distributed.resolve_backend(cfg.deploy.actor.backend, device),
+                     cfg.deploy.actor.collective_timeout_s, device, secret, group.address, name="critic")
     me.broadcast_object(spec.model_dump_json())
     return group, me
 
@@ -175,7 +179,7 @@ def follow_critic() -> int:
     me = distributed.from_env()
     device = distributed.local_device("auto", me)
     distributed.init(me, distributed.resolve_backend(os.environ.get(BACKEND_ENV, "auto"), device),
-                     float(os.environ.get(TIMEOUT_ENV, "300")), device)
+                     float(os.environ.get(TIMEOUT_ENV, "300")), device, read_secret(), name="critic")
     try:
         spec = ServerSpec.model_validate_json(me.broadcast_object(None))
         if spec.torch_threads:

@@ -1,5 +1,10 @@
-"""Serving a critic or reward server (PyTriton): start Triton, load the weights (components/serving/triton/critic.py,
-reward.py), bind the models, serve until SIGTERM/SIGINT; a rank or Triton that exits stops the server.
+"""Serving a critic or reward server (PyTriton): start the front and Triton, load the weights (components/serving/
+triton/critic.py, reward.py), bind the models, serve until SIGTERM/SIGINT; a rank or Triton that exits stops the
+server.
+
+The server's address is its front (components/serving/triton/front.py, in this process); Triton listens on a Unix
+socket in the server's private workspace, with no token on its command line, and PyTriton reaches it through the
+front with a token that exists in this process only.
 
 One Triton instance serves all models of a server; `CriticTrainer.lock` serialises infer/train/save. Serving order:
 Triton starts first, then the weights load, then the models are bound. If the weights fail to load, each model name is
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import signal
 import sys
 import sysconfig
@@ -30,8 +36,9 @@ import psutil
 import torch
 
 from components.launch.processes import can_bind, exit_with_parent, wait_for
-from components.serving.auth import TRITON_HEADER, MissingSecret
+from components.serving.auth import MissingSecret
 from components.serving.triton.contract import ModelSpec, ServerSpec
+from components.serving.triton.front import INTERNAL_HEADER, Front
 from components.serving.triton.critic import load_critic
 from components.serving.triton.reward import load_reward
 from models import distributed
@@ -63,6 +70,23 @@ class TritonPythonModel:
 '''
 
 
+def behind_front(triton, socket_path: Path) -> None:
+    """Make tritonserver bind HTTP to `socket_path` only (no gRPC, no metrics port), while PyTriton keeps the address
+    it was configured with (the front's) for its own calls: the arguments tritonserver is started with are the only
+    place the socket appears (PyTriton 0.7 builds them from this config in `TritonServer.start`)."""
+    from pytriton.server.triton_server_config import TritonServerConfig  # heavy: only a server process starts Triton
+
+    class Arguments(TritonServerConfig):
+        def to_args_list(self) -> list:
+            args = super().to_args_list()
+            args[args.index("--http-address") + 1] = f"unix:{socket_path}"
+            return args
+
+    arguments = Arguments()
+    arguments.update_config(params=triton._triton_server_config.server_args())
+    triton._triton_server_config = arguments
+
+
 def triton_client(url: str, timeout_s: float = 2.0):
     """A tritonclient HTTP client of `url` (http://host:port or host:port) with bounded timeouts."""
     import tritonclient.http as http  # heavy: a flow imports this module for the spec, not for a client
@@ -71,7 +95,7 @@ def triton_client(url: str, timeout_s: float = 2.0):
                                       network_timeout=timeout_s)
 
 
-def _register_failed_model(workspace, url: str, token: str | None, name: str, reason: str) -> None:
+def _register_failed_model(workspace, url: str, token: str, name: str, reason: str) -> None:
     """Put `name` into Triton's repository as a model whose load fails with `reason` (state UNAVAILABLE + reason)."""
     from tritonclient.utils import InferenceServerException  # heavy: see triton_client
 
@@ -85,7 +109,7 @@ def _register_failed_model(workspace, url: str, token: str | None, name: str, re
     (model_dir / "1" / "model.py").write_text(_FAILING_MODEL_PY)
     client = triton_client(url, timeout_s=60)
     try:
-        client.load_model(name, headers={TRITON_HEADER: token} if token else None)
+        client.load_model(name, headers={INTERNAL_HEADER.decode(): token})
     except InferenceServerException:
         pass  # expected: the load fails with `reason`
     finally:
@@ -102,10 +126,8 @@ def serve(spec: ServerSpec, load: Callable[[], tuple[list, object]] | None = Non
     prepare_environment()
     kind = spec.kind
     load = load or (lambda: load_callables(spec))
-    busy = [port for port in (spec.port, spec.port + 1, spec.port + 2) if not can_bind(spec.host, port)]
-    if busy:  # tritonserver would exit, but PyTriton would keep waiting for it for minutes
-        LOG.error("%s server: port(s) %s on %s already in use (HTTP %d, gRPC +1, metrics +2); choose another --port",
-                  kind, busy, spec.host, spec.port)
+    if not can_bind(spec.host, spec.port):
+        LOG.error("%s server: port %d on %s already in use; choose another --port", kind, spec.port, spec.host)
         return 1
     from pytriton.triton import Triton, TritonSecurityConfig  # heavy: only a server process starts Triton
     from pytriton.utils.workspace import Workspace  # heavy: as above
@@ -121,28 +143,37 @@ def serve(spec: ServerSpec, load: Callable[[], tuple[list, object]] | None = Non
     if spec.torch_threads:
         torch.set_num_threads(spec.torch_threads)
     try:
-        security = spec.security()
+        secret = spec.run_secret()
     except MissingSecret as exc:
         LOG.error("%s server: %s", kind, exc)
         return 2
-    workspace = Workspace()  # a fresh directory under $PYTRITON_HOME: servers on one machine never share one
+    workspace = Workspace()  # a fresh 0700 directory under $PYTRITON_HOME: servers on one machine never share one
+    token = secrets.token_urlsafe(32)  # PyTriton's own, to the front: never on a command line, never sent elsewhere
+    front = Front(spec.host, spec.port, Path(workspace.path) / "triton.sock", secret, spec.section.auth == "none",
+                  token, kind=kind)
+    # PyTriton's address for Triton is the front's; Triton itself binds the Unix socket, with no token
     triton = Triton(config=spec.triton_config(), workspace=workspace,
-                    security_config=TritonSecurityConfig(**security))
+                    security_config=TritonSecurityConfig(access_token=token, restricted_endpoints=[]))
+    behind_front(triton, front.triton_socket)
     url = f"http://{spec.host}:{spec.port}"
     code = 0
     group = None
     try:
+        front.start()
+    except OSError as exc:
+        LOG.error("%s server: %s", kind, exc)
+        return 1
+    try:
         started = time.monotonic()
         triton.run()
-        LOG.info("%s server: Triton up at %s (grpc %d, metrics %d) in %.1fs; loading weights", kind, url,
-                 spec.port + 1, spec.port + 2, time.monotonic() - started)
+        LOG.info("%s server: Triton up behind %s in %.1fs; loading weights", kind, url, time.monotonic() - started)
         try:
             bindings, group = load()
         except Exception as exc:
             LOG.exception("%s server: weights failed to load", kind)
             reason = f"{kind} server failed to load: {type(exc).__name__}: {exc}"
             for name in spec.models:
-                _register_failed_model(workspace, url, triton.get_access_token(), name, reason)
+                _register_failed_model(workspace, url, token, name, reason)
             code = 1
             wait_for(lambda: not triton.is_alive(), None, poll_s=0.5)  # answer readiness checks with the reason
             return code
@@ -165,6 +196,7 @@ def serve(spec: ServerSpec, load: Callable[[], tuple[list, object]] | None = Non
     finally:
         # serving that ended by itself (a rank or Triton died) stops within a bound; a requested stop as it takes
         _stop_triton(triton, kind, spec.exit_timeout_s + STOP_SLACK_S if code else None)
+        front.stop()
         if group is not None:
             _stop_ranks(group)
         LOG.info("%s server: stopped", kind)
@@ -215,7 +247,7 @@ def _stop_ranks(group) -> None:
 def configure_logging() -> None:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("pytriton", "tritonclient", "urllib3"):
+    for noisy in ("pytriton", "tritonclient", "urllib3", "httpx"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -130,7 +130,7 @@ def test_bad_data_fails_the_run_before_any_model_loads(tiny_models, tmp_path, ca
     """A data set without the prompt column: `rlhf train` exits naming the file and the columns there are, before the
     actor or a server starts (no rank log, no rollout server)."""
     (tmp_path / "rows.jsonl").write_text(json.dumps({"question": "review the cat :", "answer": 1}) + "\n")
-    code, err = train_in_process(["--set", f"data.prompts={tmp_path / 'rows.jsonl'}", "--set",
+    code, err = train_in_process(["--preset", "tiny", "--set", f"data.prompts={tmp_path / 'rows.jsonl'}", "--set",
                                   f"model.policy={tiny_models['policy']}", "--set", f"model.reward={tiny_models['reward']}"],
                                  tmp_path / "state", capsys)
     assert code != 0
@@ -144,7 +144,8 @@ def test_an_eval_set_smaller_than_the_actor_ranks_is_refused_before_any_model_lo
     eval.prompts when the data is read, before any rank starts (it used to die on rank 1 with 'max() arg is an empty
     sequence' and leave rank 0 waiting in the next collective)."""
     (tmp_path / "eval.jsonl").write_text(json.dumps({"prompt": "review the cat :"}) + "\n")
-    code, err = train_in_process(["--set", "deploy.actor.nproc_per_node=2", "--set", f"eval.prompts={tmp_path / 'eval.jsonl'}",
+    code, err = train_in_process(["--preset", "tiny", "--set", "deploy.actor.nproc_per_node=2",
+                                  "--set", f"eval.prompts={tmp_path / 'eval.jsonl'}",
                                   "--set", "eval.every=2", "--set", f"model.policy={tiny_models['policy']}",
                                   "--set", f"model.reward={tiny_models['reward']}"], tmp_path / "state", capsys)
     assert code != 0
@@ -165,9 +166,10 @@ def test_rlhf_train_checkpoints_logs_to_mlflow_and_resumes_by_run_name_beside_a_
     state = tmp_path / "state"
     env = {"RLHF_STATE_DIR": str(state)}
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", **env)
-    common = ["--set", "algorithm=rloo", "--set", "run_name=cli-resume", "--set", "deploy.tracking.system_metrics=false"]
+    common = ["--preset", "tiny", "--set", "algorithm=rloo", "--set", "run_name=cli-resume",
+              "--set", "deploy.tracking.system_metrics=false"]
     together = [[*common, "--set", "iterations=2", "--metrics-out", str(tmp_path / "m1.json")],
-                ["--set", "algorithm=rloo", "--set", "iterations=1", "--set", "run_name=beside",
+                ["--preset", "tiny", "--set", "algorithm=rloo", "--set", "iterations=1", "--set", "run_name=beside",
                  "--set", "reinforce.rollout_batch_size=4", "--set", "generation.max_new_tokens=4",
                  "--set", "deploy.tracking.system_metrics=false"]]
     procs = [subprocess.Popen([RLHF, "train", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -198,8 +200,24 @@ def test_rlhf_train_checkpoints_logs_to_mlflow_and_resumes_by_run_name_beside_a_
     assert not (state / "models").exists()  # nothing built: the embedded models ship with the package
 
 
+def test_rlhf_train_alone_runs_the_tiny_preset_and_a_config_given_names_its_own(monkeypatch, capsys):
+    """`rlhf train` with no config at all is the embedded demo, named (--preset tiny); anything given (--set, a file)
+    runs over the preset it names, none when it names none, never one its model implies; its critic and reward
+    model in this process (the in_process placement) unless another placement is named."""
+    from components.cli import commands
+
+    ran = []
+    monkeypatch.setattr(commands, "train", lambda cfg, steps: ran.append(cfg) or {"history": []})
+    for args in ([], ["--set", "iterations=2"], ["--preset", "tiny", "--placement", "local"]):
+        assert main(["train", *args]) == 0
+    assert [(c.preset, c.model.policy, c.deploy.placement, c.deploy.critic.launch) for c in ran] == [
+        ("tiny", "tiny/policy", "in_process", "in_process"), ("none", "tiny/policy", "in_process", "in_process"),
+        ("tiny", "tiny/policy", "local", "local")]
+    assert "no config given: the embedded demo on the tiny models (--preset tiny)" in capsys.readouterr().out
+
+
 def test_a_model_path_that_does_not_exist_fails_fast_naming_the_field(tmp_path):
-    proc = run("train", "--set", f"model.policy={tmp_path / 'no-such-model'}", "--set", "iterations=1",
+    proc = run("train", "--preset", "tiny", "--set", f"model.policy={tmp_path / 'no-such-model'}", "--set", "iterations=1",
                env={"RLHF_STATE_DIR": str(tmp_path / "state")}, check=False)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]

@@ -25,6 +25,8 @@ def test_the_shipped_examples_are_pipelines():
     assert given.rl.reward.normalize and given.reward_model.data == "builtin:sentiment_preference"
     dpo = load_tree(PipelineFile, str(ROOT / "examples" / "pipeline_dpo.yaml"), [])
     assert dpo.pipeline.stages == ("sft", "dpo", "eval") and dpo.dpo.beta == 0.5 and dpo.sft == given.sft
+    kto = load_tree(PipelineFile, str(ROOT / "examples" / "pipeline_kto.yaml"), [])
+    assert kto.pipeline.stages == ("sft", "kto", "eval") and kto.kto.loss_type == "kto" and kto.sft == given.sft
 
 
 def test_two_rlhf_sft_of_one_run_name_started_together_one_trains_the_other_is_refused(tmp_path):

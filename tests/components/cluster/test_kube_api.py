@@ -159,9 +159,9 @@ def _enforce_admission(api, pod="ppo-x7k2q-bcdfg"):
 
 
 def _cfg(**overrides):
-    return load_config(None, "none", {"model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
-                                      "deploy.actor.nnodes": 2, "deploy.actor.launch": "jobset", "deploy.actor.max_restarts": 2,
-                                      "deploy.cluster.image": "r/a:1", "deploy.cluster.vllm_image": "r/v:1", **overrides})
+    return load_config(None, {"model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
+                              "deploy.actor.nnodes": 2, "deploy.actor.launch": "jobset", "deploy.actor.max_restarts": 2,
+                              "deploy.cluster.image": "r/a:1", "deploy.cluster.vllm_image": "r/v:1", **overrides})
 
 
 def _pod(name, index, phase="Running", attempt=0, waiting=None, terminated=None, unschedulable=None, restarts=0,
@@ -187,7 +187,8 @@ SPEC = NodeSpec("rlhf-demo-1a2b3c", 2, 1, 29500, ["-m", "components.runs", "--st
 
 def test_the_jobset_is_created_watched_and_deleted(api):
     _enforce_admission(api)  # the flow run's pod of Job ppo-x7k2q asks
-    nodes = JobSetNodes.for_run(SPEC, _cfg(), kube=api.kube, environ={"RLHF_IMAGE": "unused"}, job="ppo-x7k2q")
+    nodes = JobSetNodes.for_run(SPEC, _cfg(), "the-runs-secret-for-its-ranks", kube=api.kube,
+                                environ={"RLHF_IMAGE": "unused"}, job="ppo-x7k2q")
     name = SPEC.name
     suspended = {"conditions": [{"type": "Suspended", "status": "True", "reason": "SuspendedJobs", "message": "jobset is suspended"}]}
     api.script[("jobsets", name)] = [
@@ -214,15 +215,26 @@ def test_the_jobset_is_created_watched_and_deleted(api):
     api.logs[(f"{name}-node-0-1-d", "false")] = "rank 1: CUDA out of memory\nKilled"
 
     nodes.start()
+    (secret,) = api.sent("POST", "secrets")  # first: the run's secret, which the node groups' ranks prove
+    assert secret["body"]["stringData"] == {"secret": "the-runs-secret-for-its-ranks"}
+    assert secret["body"]["metadata"]["ownerReferences"][0]["uid"] == "job-uid"
     (create,) = api.sent("POST", "jobsets")
     validate(create["body"])  # what was sent is a valid JobSet (jobset.x-k8s.io/v1alpha2, the chart's CRD)
-    # first the policies that let the node groups reach each other (their pods carry the controller's rlhf/run)
+    # first the policies that let the node groups reach each other (their pods carry the controller's rlhf/run), then
+    # the Secret the node pods mount
     posts = [r["path"].split("/")[-1] for r in api.requests if r["method"] == "POST"]
-    assert posts == ["networkpolicies", "networkpolicies", "jobsets"]
+    assert posts == ["networkpolicies", "networkpolicies", "secrets", "jobsets"]
     assert [r["body"]["metadata"]["name"] for r in api.sent("POST", "networkpolicies")] == [
         "rlhf-ppo-x7k2q-run", "rlhf-ppo-x7k2q-job"]
     assert create["body"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["metadata"]["labels"][
         "rlhf/run"] == "ppo-x7k2q"
+    pod = create["body"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    (secret,) = api.sent("POST", "secrets")
+    secret_name = secret["body"]["metadata"]["name"]
+    assert secret_name.startswith("ppo-x7k2q-") and secret_name.endswith("-nodes")  # the admission policy's pattern
+    assert {"name": "run-secret", "secret": {"secretName": secret_name, "defaultMode": 0o440}} in pod["volumes"]
+    assert {"name": "RLHF_RUN_SECRET_FILE", "value": "/var/run/rlhf/secret"} in pod["containers"][0]["env"]
+    assert "the-runs-secret-for-its-ranks" not in json.dumps(create["body"])  # never in the pod's spec
     assert create["auth"] == "Bearer the-service-account-token"
     assert create["body"]["metadata"]["ownerReferences"][0]["uid"] == "job-uid"  # dies with the flow run's Job
     assert create["body"]["metadata"]["labels"]["kueue.x-k8s.io/queue-name"] == "rlhf"
@@ -253,14 +265,16 @@ def test_the_jobset_is_created_watched_and_deleted(api):
     assert delete["path"].endswith(f"/namespaces/{NS}/jobsets/{name}")
     assert delete["body"]["propagationPolicy"] == "Background"  # its Jobs and pods go with it
     deleted = [r["path"].split("/")[-1] for r in api.requests if r["method"] == "DELETE"]
-    assert deleted == [name, "rlhf-ppo-x7k2q-run", "rlhf-ppo-x7k2q-job"]  # the policies after the JobSet
+    # the Secret and the policies after the JobSet
+    assert deleted == [name, secret_name, "rlhf-ppo-x7k2q-run", "rlhf-ppo-x7k2q-job"]
+    assert ("secrets", secret_name) not in api.objects
     nodes.delete()  # idempotent: a second delete finds nothing and says nothing
     assert len(api.sent("DELETE", "networkpolicies")) == 2
 
 
 def test_a_cancelled_run_deletes_its_jobset_in_its_finally(api):
     """The controller's shape: start, watch, and whatever happens (here a cancellation), delete."""
-    nodes = JobSetNodes.for_run(SPEC, _cfg(), kube=api.kube, environ={}, job="ppo-x7k2q")
+    nodes = JobSetNodes.for_run(SPEC, _cfg(), "the-runs-secret-for-its-ranks", kube=api.kube, environ={}, job="ppo-x7k2q")
     api.script[("jobsets", SPEC.name)] = [{"conditions": [], "restarts": 0}]
     with pytest.raises(KeyboardInterrupt):
         try:
@@ -274,7 +288,7 @@ def test_a_cancelled_run_deletes_its_jobset_in_its_finally(api):
 
 
 def test_the_apis_refusals_name_the_object_and_the_likely_cause(api):
-    nodes = JobSetNodes.for_run(SPEC, _cfg(), kube=api.kube, environ={}, job="ppo-x7k2q")
+    nodes = JobSetNodes.for_run(SPEC, _cfg(), "the-runs-secret-for-its-ranks", kube=api.kube, environ={}, job="ppo-x7k2q")
     api.refuse[("POST", "jobsets")] = 404
     with pytest.raises(KubeError, match=r"create JobSet 'rlhf-demo-1a2b3c' in namespace 'rlhf': 404 .*is JobSet "
                                         r"\(sigs.k8s.io/jobset\) installed"):
@@ -352,7 +366,7 @@ def test_servers_are_leader_worker_sets_created_waited_for_and_deleted_with_the_
                             f"restarted 1 time(s)")
     assert death.endswith("CUDA error: an illegal memory access")
 
-    server.stop()
+    assert server.stop(2.0) == f"deleted LeaderWorkerSet {name}, Secret {secret['metadata']['name']}"
     deleted = [(r["path"].split("/")[-2], r["path"].split("/")[-1]) for r in api.requests if r["method"] == "DELETE"]
     assert deleted == [("leaderworkersets", name), ("secrets", secret["metadata"]["name"]),
                        ("networkpolicies", "rlhf-ppo-x7k2q-run"), ("networkpolicies", "rlhf-ppo-x7k2q-job")]
@@ -373,8 +387,9 @@ def test_a_server_that_cannot_start_is_named_and_its_objects_are_deleted(api):
                                       labels={"leaderworkerset.sigs.k8s.io/group-index": "0"})]
     with pytest.raises(ServerNotReady, match=r"critic server replica 0 \(pod .*-0, .*\) exited with code 1, restarted 2"):
         server.wait_until_ready(5)
-    server.stop()
+    server.stop(2.0)
     assert not [k for k in api.objects if k[0] in ("secrets", "leaderworkersets")]
+    assert server.stop(2.0) == "nothing left to delete"  # twice: safe
     assert not api.sent("POST", "networkpolicies")
     api.refuse[("POST", "leaderworkersets")] = 422
     with pytest.raises(KubeError, match="LeaderWorkerSet .*422"):

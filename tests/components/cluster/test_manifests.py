@@ -21,11 +21,12 @@ from tests.infra.schemas import validate
 
 pytestmark = pytest.mark.fast
 
-RUN = ["--preset", "none", "--set", "algorithm=ppo", "--set", "run_name=demo", "--set", "model.policy=org/policy",
+# a run's shape on the cluster placement (the command's own: the actor's node groups a JobSet, the servers
+# LeaderWorkerSets; the images from the environment, as prefect.yaml gives every flow pod)
+RUN = ["--set", "algorithm=ppo", "--set", "run_name=demo", "--set", "model.policy=org/policy",
        "--set", "model.reward=org/reward", "--set", "rollout.engine=vllm", "--set", "deploy.actor.nnodes=2",
-       "--set", "deploy.actor.nproc_per_node=2", "--set", "deploy.actor.launch=jobset", "--set", "deploy.actor.max_restarts=2",
-       "--set", "deploy.rollout.replicas=2", "--set", "deploy.rollout.launch=kubernetes",
-       "--set", "deploy.critic.launch=kubernetes", "--set", "deploy.cluster.actor.gpus_per_node=2",
+       "--set", "deploy.actor.nproc_per_node=2", "--set", "deploy.actor.max_restarts=2",
+       "--set", "deploy.rollout.replicas=2", "--set", "deploy.cluster.actor.gpus_per_node=2",
        "--set", "deploy.checkpoint.uri=s3://bucket/rlhf/checkpoints",
        "--set", "deploy.cluster.secret_env={PREFECT_API_KEY: prefect-api-key/key}"]
 IMAGES = {"RLHF_IMAGE": "123.dkr.ecr.us-east-1.amazonaws.com/rlhf-flows:1",
@@ -54,8 +55,9 @@ def _by_kind(manifests, kind):
 def test_a_two_node_ppo_run_with_two_vllm_replicas_writes_every_object_and_each_validates(manifests):
     kinds = sorted(o["kind"] for o in manifests.values())
     # the critic carries the reward model (critic.combine_reward): no reward server
-    # the node groups' two policies (the controller's) and the servers' two (node group 0's Job's)
-    assert kinds == ["JobSet", "LeaderWorkerSet", "LeaderWorkerSet", *["NetworkPolicy"] * 4, "Secret", "Secret"]
+    # the node groups' two policies (the controller's) and the servers' two (node group 0's Job's); the node pods'
+    # Secret and the servers' two
+    assert kinds == ["JobSet", "LeaderWorkerSet", "LeaderWorkerSet", *["NetworkPolicy"] * 4, *["Secret"] * 3]
     for obj in manifests.values():
         validate(obj)
         assert obj["metadata"]["namespace"] == "rlhf" and obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "rlhf-flows"
@@ -85,7 +87,12 @@ def test_the_jobset_runs_torchrun_on_every_node_and_finds_rank_0_through_its_own
     assert pod["nodeSelector"] == {"rlhf/role": "actor"} and pod["serviceAccountName"] == "rlhf-actor"
     assert pod["restartPolicy"] == "Never" and pod["securityContext"]["runAsNonRoot"] is True
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-    assert mounts == {"dshm": "/dev/shm", "state": "/var/lib/rlhf", "cache": "/cache", "podinfo": "/etc/podinfo"}
+    assert mounts == {"dshm": "/dev/shm", "state": "/var/lib/rlhf", "cache": "/cache", "podinfo": "/etc/podinfo",
+                      "run-secret": "/var/run/rlhf"}  # the run's secret, which the ranks prove to each other
+    secret = next(v for v in pod["volumes"] if v["name"] == "run-secret")["secret"]["secretName"]
+    assert secret.endswith("-nodes") and secret in {o["metadata"]["name"] for o in _by_kind(manifests, "Secret")}
+    assert env["RLHF_RUN_SECRET_FILE"]["value"] == "/var/run/rlhf/secret"
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"rendezvous": 29500, "ranks": 29501}
     assert env["RLHF_STATE_DIR"]["value"] == "/var/lib/rlhf" and env["HF_HOME"]["value"] == "/cache/huggingface"
     assert env["MLFLOW_TRACKING_URI"]["value"] == "https://mlflow.example.com"  # copied from the controller
     assert env["PREFECT_API_KEY"] == {"name": "PREFECT_API_KEY", "valueFrom": {"secretKeyRef": {
@@ -135,8 +142,8 @@ def test_servers_are_found_at_the_leader_addresses_their_leader_worker_set_gives
 
 
 def _cfg(**overrides) -> RLHFConfig:
-    return load_config(None, "none", {"model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
-                                      "deploy.cluster.image": "r/a:1", "deploy.cluster.vllm_image": "r/v:1", **overrides})
+    return load_config(None, {"model.policy": "org/policy", "model.reward": "org/reward", "rollout.engine": "vllm",
+                              "deploy.cluster.image": "r/a:1", "deploy.cluster.vllm_image": "r/v:1", **overrides})
 
 
 def test_the_config_a_server_pod_runs_with_is_the_runs_bound_to_the_pod():
@@ -170,6 +177,6 @@ def test_what_a_pod_cannot_have_is_refused_naming_the_field():
     with pytest.raises(ValueError, match="DNS-1035"):
         jobset(NodeSpec("Demo_Run", 2, 1, 29500, ["x"]), _cfg().deploy.cluster, site, identity)
     with pytest.raises(ValueError, match=r"deploy.cluster.image.*RLHF_IMAGE"):
-        Site.of(load_config(None, "none", {"model.policy": "org/p"}).deploy.cluster, {})
+        Site.of(load_config(None, {"model.policy": "org/p"}).deploy.cluster, {})
     with pytest.raises(ValueError, match=r"secret_env"):
         _cfg(**{"deploy.cluster.env_from_controller": ["AWS_SECRET_ACCESS_KEY"]})

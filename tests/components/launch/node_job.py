@@ -11,7 +11,7 @@ import sys
 import time
 
 GIVEN = ("JOBSET_NAME", "REPLICATED_JOB_NAME", "JOB_INDEX", "JOB_COMPLETION_INDEX", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-         "MASTER_ADDR", "MASTER_PORT", "RLHF_STATE_DIR", "RLHF_PARENT_PID", "NODE_JOB_TOKEN")
+         "MASTER_ADDR", "MASTER_PORT", "RLHF_STATE_DIR", "RLHF_PARENT_PID", "NODE_JOB_TOKEN", "RLHF_RUN_SECRET")
 
 out, mode = sys.argv[1], sys.argv[2]
 rank = int(os.environ["RANK"])

@@ -16,6 +16,7 @@ from components.launch.processes import free_port, wait_for
 from tests.conftest import run_processes
 
 JOB = str(Path(__file__).with_name("node_job.py"))
+SECRET = "the-run-secret-its-ranks-prove"  # handed to every group in its environment, never in its spec
 
 
 def spec(out: Path, mode: str, max_restarts: int = 1) -> NodeSpec:
@@ -34,11 +35,11 @@ def finished(nodes: LocalNodes, timeout: float = 180):
 
 def test_each_rank_has_a_pods_environment_and_a_failure_no_restart_mends_fails_every_group_at_once(tmp_path):
     """Rank 1 exits with NO_RESTART_EXIT_CODE: the set fails at once (no restart of the 3 allowed), naming node group 1,
-    its exit code and its log; what each rank was given is what a JobSet's pod gets. (A failure a restart mends
+    its exit code and its log; what each rank was given is what a JobSet's pod gets, and the run's secret. (A failure a restart mends
     restarts every group: tests/components/test_controller_runs.py kills one mid-run.)"""
     out, state = tmp_path / "out", tmp_path / "nodes"
     out.mkdir()
-    nodes = LocalNodes(spec(out, "no-restart", max_restarts=3), tmp_path / "logs", state)
+    nodes = LocalNodes(spec(out, "no-restart", max_restarts=3), tmp_path / "logs", state, SECRET)
     try:
         nodes.start()
         status = finished(nodes)
@@ -55,7 +56,7 @@ def test_each_rank_has_a_pods_environment_and_a_failure_no_restart_mends_fails_e
         assert seen == {**seen, "JOBSET_NAME": "rlhf-test-0a1b2c", "REPLICATED_JOB_NAME": "node", "JOB_INDEX": "0",
                         "JOB_COMPLETION_INDEX": str(rank), "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": "0",
                         "MASTER_ADDR": "127.0.0.1", "RLHF_STATE_DIR": str(state / str(rank)),
-                        "NODE_JOB_TOKEN": "given"}, seen
+                        "NODE_JOB_TOKEN": "given", "RLHF_RUN_SECRET": SECRET}, seen
         assert seen["cores"] == core_share(rank, 2, cores)  # its group's share, as a pod has its node's
         assert seen["RLHF_PARENT_PID"] == str(seen["parent"])  # a rank dies with its group's torchrun
     assert not run_processes(state)
@@ -67,7 +68,7 @@ from pathlib import Path
 sys.path.insert(0, sys.argv[4])
 from tests.components.launch.test_local_nodes import spec
 from components.launch.nodes import LocalNodes
-nodes = LocalNodes(spec(Path(sys.argv[1]), "sleep"), Path(sys.argv[2]), Path(sys.argv[3]))
+nodes = LocalNodes(spec(Path(sys.argv[1]), "sleep"), Path(sys.argv[2]), Path(sys.argv[3]), "a-secret-of-the-test-run")
 nodes.start()
 print("started", flush=True)
 time.sleep(600)

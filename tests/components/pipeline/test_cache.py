@@ -112,7 +112,8 @@ def test_a_stages_key_and_its_job_read_the_same_pin_when_the_branch_moves_betwee
     (moved / "generation_config.json").write_text('{"max_length": 7}')
     assert put_in_cache(moved, tmp_path / "hub", "org/base") != first  # main moved on
     assert job.local_path("model").endswith(first) and prov.digest(provenance(pin(job))) == key
-    assert provenance(pin(job.model_copy(update={"sources": type(job.sources)()})))["models"]["model"]["commit"] != first
+    repinned = pin(job.model_copy(update={"sources": type(job.sources)()}))
+    assert provenance(repinned)["models"]["model"]["commit"] != first
 
 
 def test_subset_reaches_the_stage_data_and_a_missing_rl_prompts_is_named(tmp_path):
@@ -126,8 +127,8 @@ def test_subset_reaches_the_stage_data_and_a_missing_rl_prompts_is_named(tmp_pat
     digests = {subset: prov.data_record(resolve_data(str(folder), "sft.data", subset=subset), "train")["digest"]
                for subset in ("a", "b")}
     assert digests["a"] != digests["b"]
-    with pytest.raises(ValueError, match=r"rl.data.prompts: not set; base_model 'org/x' is not the embedded tiny"):
-        PipelineConfig(base_model="org/x")
+    with pytest.raises(ValueError, match=r"rl.data.prompts: not set; name the RL stage's prompts .* or rl.preset: tiny"):
+        PipelineConfig(base_model="org/x", rl={"algorithm": "rloo"})  # the field defaults: no prompts named
 
 
 def write_model(records: Records, stage: str, key: str, tmp_path: Path) -> dict:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from components.launch.processes import find_free_ports
-from components.serving.auth import read_secret, triton_headers
+from components.serving.auth import read_secret, request_headers
 from components.serving.launcher import launch
 from components.serving.triton.clients import (CriticClient, RewardClient, ServerError, ServerUnavailable,
                                                critic_backend, reward_backend, summarize_server_error)
@@ -105,7 +105,7 @@ def raw_values(url, tokens, lengths):
         item = http.InferInput(name, list(array.shape), "INT64")
         item.set_data_from_numpy(np.ascontiguousarray(array))
         items.append(item)
-    out = client.infer("critic_infer", items, headers=triton_headers(read_secret()))
+    out = client.infer("critic_infer", items, headers=request_headers(read_secret(), "POST", "/v2/models/critic_infer/infer"))
     client.close()
     return out.as_numpy("values"), out.as_numpy("rewards")
 
@@ -139,8 +139,8 @@ def test_critic_client_surface(stack):
 
 
 def _failure_count(proc, model):
-    request = urllib.request.Request(f"{proc.url}/v2/models/{model}/stats",
-                                     headers=triton_headers(proc.secret))
+    path = f"/v2/models/{model}/stats"
+    request = urllib.request.Request(f"{proc.url}{path}", headers=request_headers(proc.secret, "GET", path))
     stats = json.loads(urllib.request.urlopen(request, timeout=5).read())
     return int(stats["model_stats"][0]["inference_stats"]["fail"]["count"])
 

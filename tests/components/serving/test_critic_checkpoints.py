@@ -1,6 +1,8 @@
-"""The critic part of a checkpoint in launch=deployment: a critic server that uploads its saves to the run's store (S3 on
-a moto server), a checkpoint that adopts the save of its own iteration, a resume that starts the server from it, and
-restore errors that fail the run naming the URI and the cause (an S3 endpoint answering 403, through a proxy)."""
+"""The critic part of a checkpoint in launch=kubernetes: a critic server in a pod of its own that uploads its saves to
+the run's store (S3 on a moto server), a checkpoint that adopts the save of its own iteration, a resume that starts the
+server from it, and restore errors that fail the run naming the URI and the cause (an S3 endpoint answering 403,
+through a proxy). The pod itself is not run here (no cluster): its server is started with what the pod gives it
+(components/serving/pod.py: its own directory, the run's store, the iteration to restore)."""
 
 from __future__ import annotations
 
@@ -36,14 +38,15 @@ def cfg(tiny_models, tmp_path, s3_bucket, mlflow_uri):
     return prepare_run(preset("tiny", **{
         "deploy.state_dir": str(tmp_path / "state"), "model.policy": tiny_models["policy"],
         "model.reward": tiny_models["reward"], "run_name": "dep-critic", "algorithm": "ppo",
-        "deploy.critic.launch": "deployment", "deploy.checkpoint.uri": f"s3://{bucket}/ckpt",
+        "deploy.critic.launch": "kubernetes", "deploy.checkpoint.uri": f"s3://{bucket}/ckpt",
         "deploy.checkpoint.s3_endpoint_url": endpoint, "deploy.tracking.uri": mlflow_uri,
         "deploy.tracking.system_metrics": False, "ppo.rollout_batch_size": 8, "ppo.minibatch_size": 8,
         "ppo.epochs": 1, "generation.max_new_tokens": 6, "critic.train_batch_size": 8}))
 
 
 def critic_server(cfg, session, directory, restore_iteration=None):
-    """What critic-server/default runs: a server with its own directory that uploads its saves to the run's store."""
+    """What a critic server pod runs (components/serving/pod.py): a server with its own directory that uploads its
+    saves to the run's store."""
     spec = ServerSpec(kind="critic", config=cfg, port=find_free_ports(), checkpoint_dir=str(directory),
                       checkpoint_uri=session.store.uri, restore_iteration=restore_iteration, torch_threads=1)
     return launch(spec, directory.parent / f"{directory.name}.log")
@@ -164,12 +167,12 @@ def test_a_403_on_the_critic_checkpoint_fails_the_run_naming_the_uri(cfg, forbid
         open_session(JOBS["rl"], forbidden)
     assert critic_uri.search(str(err.value)) and "403" in str(err.value) and "passes its checks" not in str(err.value)
 
-    # launch=deployment: the run reads only the actor; the critic server's restore fails, naming the URI and the 403
-    deployment = merge(forbidden, {"deploy.critic.launch": "deployment"})
-    resumed = open_session(JOBS["rl"], deployment)
+    # launch=kubernetes: the run reads only the actor; the critic server's restore fails, naming the URI and the 403
+    pod = merge(forbidden, {"deploy.critic.launch": "kubernetes"})
+    resumed = open_session(JOBS["rl"], pod)
     assert resumed.critic_restore_iteration == 1
     with pytest.raises(ServerNotReady) as err:
-        critic_server(deployment, resumed, tmp_path / "node-c", restore_iteration=1)
+        critic_server(pod, resumed, tmp_path / "node-c", restore_iteration=1)
     assert err.value.reason == "not_ready"
     assert critic_uri.search(str(err.value)) and "403" in str(err.value)
     resumed.close("FAILED")

@@ -16,7 +16,7 @@ from tritonclient.utils import InferenceServerException
 
 from components.launch.processes import find_free_ports
 from components.launch.processes import ServerNotReady
-from components.serving.auth import read_secret, triton_headers
+from components.serving.auth import read_secret, request_headers
 from components.serving.launcher import launch
 from components.serving.triton.contract import ServerSpec
 from models.config import preset
@@ -35,7 +35,7 @@ def raw(url, model, **arrays):
             item = http.InferInput(name, list(array.shape), dtype)
             item.set_data_from_numpy(array)
             items.append(item)
-        out = client.infer(model, items, headers=triton_headers(read_secret()))  # the run's token
+        out = client.infer(model, items, headers=request_headers(read_secret(), "POST", f"/v2/models/{model}/infer"))
         return {o["name"]: out.as_numpy(o["name"]) for o in out.get_response()["outputs"]}
     finally:
         client.close()

@@ -77,7 +77,8 @@ def test_rlhf_serve_flags_map_onto_the_config_tree(tiny_models, tmp_path):
     assert spec.port == 8500 and spec.config.reward.source == "function"
     assert spec.config.reward.function == "models.tasks.sentiment:gold_reward"
     assert spec.config.model.policy == tiny_models["policy"]
-    assert set(spec.config.sources.models) == {"model.policy"} and spec.config.local_path("model.policy") == tiny_models["policy"]
+    assert set(spec.config.sources.models) == {"model.policy"}
+    assert spec.config.local_path("model.policy") == tiny_models["policy"]
 
 
 def test_wrong_port_says_nothing_is_listening():
@@ -142,7 +143,7 @@ def test_a_model_that_fails_to_load_is_reported_with_its_state_and_reason(tiny_m
         message = str(err.value)
         assert err.value.reason == "not_ready"
         assert message.startswith(f"server up at 127.0.0.1:{port} but model critic_infer not ready (state UNAVAILABLE")
-        assert str(not_a_model) in message  # the reason travels through Triton's repository index
+        assert str(not_a_model) in message  # the reason travels through the server's repository summary
         assert "timed out" not in message  # a failed load is reported as such, not by waiting out the timeout
         assert proc.poll() is None  # the server keeps answering with the reason
     assert proc.poll() is not None and not proc.group_members()
@@ -151,7 +152,7 @@ def test_a_model_that_fails_to_load_is_reported_with_its_state_and_reason(tiny_m
 def test_a_server_that_dies_at_start_reports_its_exit_code_and_log(tiny_models, tmp_path):
     port = find_free_ports()
     blocker = socket.socket()
-    blocker.bind(("127.0.0.1", port + 1))  # its gRPC port is taken
+    blocker.bind(("127.0.0.1", port))  # its port is taken
     blocker.listen()
     try:
         argv = serve_argv("reward", "--model", tiny_models["reward"], "--port", str(port))
@@ -160,7 +161,7 @@ def test_a_server_that_dies_at_start_reports_its_exit_code_and_log(tiny_models, 
                 proc.wait_until_ready(timeout=120)
         assert err.value.reason == "process_exited"
         assert "reward server exited with code 1 before" in str(err.value)
-        assert f"[{port + 1}]" in str(err.value) and "already in use" in str(err.value)  # the log tail says why
+        assert f"port {port} on 127.0.0.1 already in use" in str(err.value)  # the log tail says why
     finally:
         blocker.close()
 

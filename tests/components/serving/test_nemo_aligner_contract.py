@@ -14,8 +14,9 @@ reward_critic_clients.py) and its PPO trainer (nemo_aligner/algorithms/ppo.py) b
 - critic_save: `dummy_var` = np.array([0]) (int64 [1]); the client only waits for the answer.
 
 NeMo-Aligner's client sends no credentials: the servers here run in open mode (deploy.critic.auth=none), which says
-so when it starts and still keeps Triton's admin APIs behind the run's token; a server in the default mode refuses
-that client (tests/components/serving/test_server_security.py).
+so when it starts, serves inference, model config and metadata to anyone, keeps statistics and the repository summary
+for requests signed with the run's key, and Triton's admin APIs closed to everyone; a server in the default mode
+refuses that client (tests/components/serving/test_server_security.py).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from pytriton.client.exceptions import PyTritonClientInferenceServerError
 from tritonclient.utils import InferenceServerException
 
 from components.launch.processes import find_free_ports
-from components.serving.auth import triton_headers
+from components.serving.auth import request_headers
 from components.serving.launcher import triton_server
 from components.serving.triton.contract import CRITIC_MODELS
 
@@ -44,7 +45,8 @@ TOL = dict(rtol=1e-6, atol=1e-6)  # two processes may pick other GEMM kernels (a
 def critic_argv(tiny, port, checkpoint_dir):
     """`rlhf serve critic` as a user types it; a long queue delay so concurrent critic_infer requests meet in Triton's
     dynamic batcher; 12 rows / batch 4 x 2 epochs = 6 optimizer steps per critic_train."""
-    return [sys.executable, "-m", "components.cli.main", "serve", "critic", "--model", tiny["critic"], "--reward", tiny["reward"], "--port", str(port),
+    return [sys.executable, "-m", "components.cli.main", "serve", "critic", "--preset", "tiny", "--model", tiny["critic"],
+            "--reward", tiny["reward"], "--port", str(port),
             "--checkpoint-dir", str(checkpoint_dir), "--set", f"model.policy={tiny['policy']}",
             "--set", "deploy.critic.max_queue_delay_us=100000",
             "--set", "critic.optim.lr=1e-3", "--set", "critic.train_batch_size=4", "--set", "critic.epochs=2",
@@ -253,14 +255,17 @@ def test_save_as_nemo_aligners_client_sends_it(pair):
         np.testing.assert_allclose(weights_a[key], weights_b[key], **TOL, err_msg=key)
 
 
-def test_open_mode_says_so_and_keeps_the_admin_apis_restricted(pair):
+def test_open_mode_says_so_and_keeps_the_admin_apis_closed(pair):
     server = pair["a"]
     assert "OPEN MODE (deploy.critic.auth=none)" in server.tail(400)
     client = http.InferenceServerClient(server.url.split("://")[1])
     try:
         assert client.get_model_config("critic_infer")["name"] == "critic_infer"  # open: what NeMo's client reads
-        with pytest.raises(InferenceServerException, match="403.*restricted"):
-            client.get_model_repository_index()  # admin: the run's token only
-        assert client.get_model_repository_index(headers=triton_headers(server.secret)) is not None
+        with pytest.raises(InferenceServerException, match="401.*authorization"):
+            client.get_inference_statistics()  # statistics: the run's key only, also in open mode
+        assert client.get_inference_statistics(headers=request_headers(server.secret, "GET", "/v2/models/stats"))
+        for headers in ({}, request_headers(server.secret, "POST", "/v2/repository/index")):
+            with pytest.raises(InferenceServerException, match="403.*closed to every caller"):
+                client.get_model_repository_index(headers=headers)  # admin: nobody's
     finally:
         client.close()

@@ -1,6 +1,6 @@
 """What a server pod of a run runs (components/serving/pod.py): it refuses to start without the run's secret, and it
 copies its server's log to its own output (what `kubectl logs` shows). The server itself starts through
-services.local_server, tested with every server kind in tests/components/serving."""
+local.local_server, tested with every server kind in tests/components/serving."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ pytestmark = pytest.mark.fast
 def test_a_server_pod_without_the_runs_secret_does_not_start(monkeypatch):
     monkeypatch.delenv("RLHF_RUN_SECRET", raising=False)
     monkeypatch.delenv("RLHF_RUN_SECRET_FILE", raising=False)
-    config = load_config(None, "tiny").model_dump_json()
+    config = load_config(preset="tiny").model_dump_json()
     with pytest.raises(SystemExit, match=r"critic server: no run secret \(\$RLHF_RUN_SECRET_FILE"):
         pod.main(["critic", "--config-json", config])
 

@@ -22,6 +22,7 @@ from components.launch.processes import PROJECT_ROOT
 from components.serving.launcher import launch_rollout, rollout_python
 from components.serving.rollout.client import RolloutClient
 from components.verifiers.rollouts import VerifiersError, VerifiersWorker, verifiers_python
+from components.wire import run_client
 from models.config import from_layers
 from models.resolve import pin
 from models.engines import Weights
@@ -52,7 +53,7 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.url, timeout=120, headers={"authorization": f"Bearer {server.secret}"}) as client:
+    with run_client(server.secret, "rollout", base_url=server.url, timeout=120) as client:
         yield client
 
 
@@ -69,7 +70,9 @@ def in_verifiers_venv(script: str, server, timeout_s: float = 300) -> dict:
 
 OPENAI_CLIENT = """
 import json, os, openai
-client = openai.OpenAI(base_url=os.environ["SERVER_URL"] + "/v1", api_key=os.environ["RLHF_RUN_SECRET"], max_retries=0)
+from components.wire import run_client  # the server proves itself, each request is signed: no secret is sent
+client = openai.OpenAI(base_url=os.environ["SERVER_URL"] + "/v1", api_key="unused", max_retries=0,
+                       http_client=run_client(os.environ["RLHF_RUN_SECRET"], "rollout", timeout=120))
 model = client.models.list().data[0].id
 tools = json.loads(os.environ.get("TOOLS", "[]"))
 answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "2 + 3?"}], tools=tools,

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from components.launch.processes import ServerNotReady, alive, group_members, wait_for
-from components.serving.auth import bearer_headers, new_secret
+from components.serving.auth import new_secret, request_headers
 from components.serving.launcher import launch_rollout, rollout_env, rollout_python
 from components.serving.rollout.client import HTTPWeights, RolloutClient, safetensors_header, safetensors_stream
+from components.wire import run_client
 from models.config import LoraConfig, RLHFConfig, Sampling, from_layers, preset
 from models.resolve import pin
 from models.engines import Weights
@@ -39,7 +40,7 @@ RUN = "test-rollout-server/1"  # the run every test of this module speaks as (th
 
 def config(tiny_models, tmp_path, **placement) -> RLHFConfig:
     """Any free port; 1 thread: the suite's other worker shares the cores (a run's default is every core)."""
-    return pin(from_layers({"model": {"policy": tiny_models["policy"]}, "rollout": {"engine": "vllm"},
+    return pin(from_layers({"preset": "tiny", "model": {"policy": tiny_models["policy"]}, "rollout": {"engine": "vllm"},
                             "deploy": {"state_dir": str(tmp_path), "rollout": {"port": 0, "threads": 1, **placement}}}))
 
 
@@ -358,7 +359,7 @@ def test_lora_weights_reach_the_engine_merged(server, tiny_models):
 
 
 def test_bad_input_is_refused_naming_the_field_and_the_server_keeps_serving(server, policy):
-    http = httpx.Client(base_url=server.url, timeout=60, headers=bearer_headers(server.secret))
+    http = run_client(server.secret, "rollout", base_url=server.url, timeout=60)
     good = {"prompt_token_ids": policy.encode_prompts(sentiment.prompts(1)), "max_new_tokens": 4, "run": RUN}
     health = http.get("/health").json()
     version, vocab, limit = health["weights_version"], health["vocab_size"], health["max_model_len"]
@@ -404,8 +405,9 @@ def test_bad_input_is_refused_naming_the_field_and_the_server_keeps_serving(serv
 
 # ------------------------------------------------------------------------------------------------ its own run only
 def test_a_stranger_is_refused_and_health_shows_no_run_token(server, policy):
-    """Every endpoint but GET /health needs the run's secret: 401 without it (naming the header), 403 with another
-    run's, before any body is read; /health says whether a run is bound, never which."""
+    """Every endpoint but GET /health and the proof needs a request signed with the run's key: 401 unsigned (naming
+    the header; the run's secret itself as a bearer token too: it is never sent), 403 signed with another run's,
+    before any body is read; /health says whether a run is bound, never which."""
     connected(server, policy).close()  # bound to this module's run
     body = {"prompt_token_ids": [[1, 2]], "max_new_tokens": 2, "run": RUN}
     requests = [("POST", "/generate", {"json": body}), ("POST", "/weights/init", {"json": {
@@ -413,17 +415,57 @@ def test_a_stranger_is_refused_and_health_shows_no_run_token(server, policy):
                 ("POST", "/weights/update", {"params": {"ready_key": "k"}, "json": {"run": RUN, "version": 1,
                                                                                    "names": [], "dtype_names": [],
                                                                                    "shapes": []}}),
+                ("POST", "/weights/digests", {"json": {"run": RUN, "version": 1, "ready_key": "k", "digests": []}}),
                 ("POST", "/update_weights", {"params": {"version": 1, "run": RUN}, "content": b"x" * 100}),
                 ("GET", "/openapi.json", {}), ("GET", "/docs", {})]
-    for headers, status in (({}, 401), (bearer_headers(new_secret()), 403), ({"authorization": server.secret}, 401)):
+    stranger = new_secret()
+    for who, status in ((lambda m, p: {}, 401), (lambda m, p: request_headers(stranger, m, p), 403),
+                        (lambda m, p: {"authorization": f"Bearer {server.secret}"}, 401)):
         for method, path, kwargs in requests:
-            response = httpx.request(method, f"{server.url}{path}", headers=headers, timeout=30, **kwargs)
-            assert response.status_code == status, (path, headers, response.text)
+            response = httpx.request(method, f"{server.url}{path}", headers=who(method, path), timeout=30, **kwargs)
+            assert response.status_code == status, (path, status, response.text)
             assert response.json()["detail"].startswith("authorization:")
     health = httpx.get(f"{server.url}/health", timeout=30)
     assert health.status_code == 200 and health.json()["bound"] is True
     assert RUN not in health.text and "run" not in health.json()
     assert RolloutClient(server.url, RUN, secret=server.secret).generate(body)["samples"]
+
+
+def test_idle_and_slow_connections_of_a_stranger_keep_nothing_from_the_run(server, policy):
+    """The issue's probe: 64 idle TCP connections, with no secret, made the server answer 503 to every request,
+    /health included (uvicorn's limit counted connections). A stranger now holds more connections than the server
+    keeps open (--max-connections, 1024), some idle, some sending a request head that never ends: /health and the
+    run's own requests are answered all the while (the longest idle connections are closed to make room)."""
+    host, port = server.url.split("//")[1].split(":")
+    held = []
+    try:
+        for i in range(1100):
+            sock = socket.create_connection((host, int(port)), timeout=30)
+            if i % 3 == 0:  # a request head sent in part: it never ends
+                sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nX-Slow: a")
+            held.append(sock)
+        health = httpx.get(f"{server.url}/health", timeout=30)
+        assert health.status_code == 200, health.text
+        client = RolloutClient(server.url, RUN, timeout_s=60, secret=server.secret)
+        connected(server, policy).close()  # bound to this module's run
+        answer = client.generate({"prompt_token_ids": policy.encode_prompts(sentiment.prompts(1)), "max_new_tokens": 2})
+        assert answer["samples"] and httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+        client.close()
+        closed = sum(1 for sock in held if _closed_by_peer(sock))
+        assert closed >= 1100 - 1024, closed  # the server kept at most its bound, the stranger's oldest went first
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
 
 
 def whole_answer(sock: socket.socket) -> str:
@@ -439,19 +481,24 @@ def whole_answer(sock: socket.socket) -> str:
     return data.decode(errors="replace")
 
 
+def signed(server, method: str, path: str) -> str:
+    """An `Authorization` line signed with the run's key, for a request written by hand."""
+    return f"Authorization: {request_headers(server.secret, method, path.split('?')[0])['authorization']}\r\n"
+
+
 def test_bodies_and_requests_are_bounded(server, policy):
-    http = httpx.Client(base_url=server.url, timeout=60, headers=bearer_headers(server.secret))
+    http = run_client(server.secret, "rollout", base_url=server.url, timeout=60)
     version = http.get("/health").json()["weights_version"]
     # refused from the Content-Length alone: nothing of the body is read (none is sent here)
     host, port = server.url.split("//")[1].split(":")
     for path, size in (("/generate", (32 << 20) + 1), (f"/update_weights?version={version + 1}&run={RUN}", 1 << 40)):
         with socket.create_connection((host, int(port)), timeout=30) as sock:
-            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.secret}\r\n"
+            sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\n{signed(server, 'POST', path)}"
                          f"Content-Type: application/json\r\nContent-Length: {size}\r\n\r\n".encode())
             answer = whole_answer(sock)
         assert answer.startswith("HTTP/1.1 413") and "content-length:" in answer, answer
     with socket.create_connection((host, int(port)), timeout=30) as sock:  # a body of unknown size: chunked
-        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.secret}\r\n"
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: x\r\n{signed(server, 'POST', '/generate')}"
                      f"Transfer-Encoding: chunked\r\n\r\n2\r\n{{}}\r\n0\r\n\r\n".encode())
         answer = whole_answer(sock)
     assert answer.startswith("HTTP/1.1 411") and "content-length: required" in answer, answer
@@ -486,7 +533,7 @@ def test_45_aborted_uploads_end_their_readers_and_the_server_keeps_serving(serve
     for i in range(45):
         with socket.create_connection((host, int(port)), timeout=30) as sock:
             sock.sendall(f"POST /update_weights?version={version + 1}&run={RUN} HTTP/1.1\r\nHost: x\r\n"
-                         f"Authorization: Bearer {server.secret}\r\nContent-Type: application/octet-stream\r\n"
+                         f"{signed(server, 'POST', '/update_weights')}Content-Type: application/octet-stream\r\n"
                          f"Content-Length: {length}\r\n\r\n".encode() + (header + b"\0" * 4096)[:64 + 97 * i])
     health = wait_for(lambda: httpx.get(f"{server.url}/health", timeout=30).json(), 30)
     assert health["weights_version"] == version  # no aborted upload became a version
@@ -503,7 +550,7 @@ def test_the_weight_transfer_store_listens_on_the_trainers_address_only(server, 
     client = RolloutClient(server.url, RUN, timeout_s=60, secret=server.secret)
     engine = VLLMEngine(policy.pad_id, policy.stop_ids)
     client.use_dist("127.0.0.1", timeout_s=60)
-    port = client.transport.store.port
+    port = client.transport.port
     listening = [c for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN
                  and c.laddr.port == port]
     assert listening and {c.laddr.ip for c in listening} == {"127.0.0.1"}, listening  # never every interface
@@ -539,8 +586,8 @@ def test_schemathesis_drives_every_endpoint_from_the_servers_own_schema(server, 
     from schemathesis import GenerationMode
 
     connected(server, policy).close()  # bound to this module's run: a stranger's random `run` is another run
-    auth = bearer_headers(server.secret)
-    raw = httpx.get(f"{server.url}/openapi.json", headers=auth, timeout=30).json()
+    raw = httpx.get(f"{server.url}/openapi.json", headers=request_headers(server.secret, "GET", "/openapi.json"),
+                    timeout=30).json()
     schema = schemathesis.openapi.from_dict(raw)
     counts: Counter = Counter()
     for result in schema.get_all_operations():
@@ -553,6 +600,7 @@ def test_schemathesis_drives_every_endpoint_from_the_servers_own_schema(server, 
                   suppress_health_check=list(HealthCheck))
         @given(cases)
         def one(case):
+            auth = request_headers(server.secret, case.method, case.formatted_path)  # each request signed once
             response = case.call(base_url=server.url, headers=auth, timeout=60)
             counts[operation.label, response.status_code] += 1
             assert response.status_code < 500, (case.as_curl_command(), response.text)

@@ -1,7 +1,11 @@
 """The critic and reward servers serve their own run only, and no request can hurt them (issue 32's probes, against real
 PyTriton servers started as a run starts them):
-- a stranger (no token, or another run's) is refused on every API but liveness/readiness; NeMo-Aligner's client too
-  unless the server runs in open mode (tests/components/serving/test_nemo_aligner_contract.py);
+- a stranger (unsigned, signed with another run's key, or sending the run's secret itself) is refused on every API but
+  liveness/readiness; NeMo-Aligner's client too unless the server runs in open mode
+  (tests/components/serving/test_nemo_aligner_contract.py);
+- Triton's own access token is nowhere (its command line holds none, /proc/<pid>/cmdline is world-readable), Triton
+  listens on no TCP port, and its admin APIs (model loading above all: a python-backend model is code run as the
+  run) are closed to every caller, the run included;
 - an oversized body is refused by Triton; critic_train with returns of 3e38 is refused naming `returns`, and the
   critic's values stay finite; a critic_train over max_train_rows is refused naming `tokens`; a 5 MB reward_text is
   scored from the characters the model can see, as the same text's tail is;
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import socket
 import subprocess
 import sys
@@ -21,7 +26,9 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import numpy as np
+import psutil
 import pytest
 import torch
 import tritonclient.http as http
@@ -32,7 +39,8 @@ from pytriton.client import ModelClient
 from tritonclient.utils import InferenceServerException
 
 from components.launch.processes import find_free_ports, group_members, wait_for
-from components.serving.auth import new_secret, triton_headers
+from components import wire
+from components.serving.auth import new_secret, request_headers
 from components.serving.launcher import launch
 from components.serving.triton.clients import CriticClient, RewardClient, ServerError
 from components.serving.triton.contract import (CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, REWARD_TEXT,
@@ -48,6 +56,7 @@ VOCAB = 40  # ids the tiny models know (their vocabularies are larger)
 def config(tiny_models, tmp_path, **deploy) -> RLHFConfig:
     """A run's config as its servers receive it: what it reads pinned (models/resolve.py)."""
     return pin(from_layers({
+        "preset": "tiny",
         "model": {"policy": tiny_models["policy"], "reward": tiny_models["reward"], "critic": tiny_models["critic"]},
         "critic": {"train_batch_size": 8, "micro_batch_size": 8, "epochs": 1},
         "deploy": {"state_dir": str(tmp_path), "critic": {"max_train_rows": 64, **deploy}}}))
@@ -106,41 +115,120 @@ def own_request_served(servers) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ strangers
+def infer_path(model: str) -> str:
+    return f"/v2/models/{model}/infer"
+
+
 def test_a_stranger_is_refused_on_every_api_but_liveness_and_readiness(servers):
     tokens, lengths = batch()
     train = [tensor("tokens", tokens), *(tensor(n, np.zeros(tokens.shape, np.float32) + (n == "mask"))
                                          for n in ("returns", "prev_values", "mask"))]
-    calls = {
-        "critic_infer": lambda c, h: c.infer(CRITIC_INFER, [tensor("tokens", tokens), tensor("sequence_lengths", lengths)],
-                                             headers=h),
-        "critic_train": lambda c, h: c.infer(CRITIC_TRAIN, train, headers=h),
-        "critic_save": lambda c, h: c.infer(CRITIC_SAVE, [tensor("dummy_var", np.zeros(1, np.int64))], headers=h),
-        "model config": lambda c, h: c.get_model_config(CRITIC_INFER, headers=h),
-        "model metadata": lambda c, h: c.get_model_metadata(CRITIC_TRAIN, headers=h),
-        "server metadata": lambda c, h: c.get_server_metadata(headers=h),
-        "repository index": lambda c, h: c.get_model_repository_index(headers=h),
-        "statistics": lambda c, h: c.get_inference_statistics(headers=h),
-        "unload a model": lambda c, h: c.unload_model(CRITIC_TRAIN, headers=h),
+    calls = {  # what the run may call: (method, path, the call with headers h)
+        "critic_infer": ("POST", infer_path(CRITIC_INFER), lambda c, h: c.infer(
+            CRITIC_INFER, [tensor("tokens", tokens), tensor("sequence_lengths", lengths)], headers=h)),
+        "critic_train": ("POST", infer_path(CRITIC_TRAIN), lambda c, h: c.infer(CRITIC_TRAIN, train, headers=h)),
+        "critic_save": ("POST", infer_path(CRITIC_SAVE), lambda c, h: c.infer(
+            CRITIC_SAVE, [tensor("dummy_var", np.zeros(1, np.int64))], headers=h)),
+        "model config": ("GET", f"/v2/models/{CRITIC_INFER}/config",
+                         lambda c, h: c.get_model_config(CRITIC_INFER, headers=h)),
+        "model metadata": ("GET", f"/v2/models/{CRITIC_TRAIN}", lambda c, h: c.get_model_metadata(CRITIC_TRAIN, headers=h)),
+        "server metadata": ("GET", "/v2", lambda c, h: c.get_server_metadata(headers=h)),
+        "statistics": ("GET", "/v2/models/stats", lambda c, h: c.get_inference_statistics(headers=h)),
+    }
+    token = new_secret()
+    strangers = {  # who: (headers for method, path; the status the server answers)
+        "no credentials": (lambda m, p: {}, "401"),
+        "another run's key": (lambda m, p: request_headers(token, m, p), "403"),
+        "the run's secret itself": (lambda m, p: {"authorization": f"Bearer {servers['secret']}"}, "401"),
+        "the Triton token the run used to send": (lambda m, p: {"triton-access-token": servers["secret"]}, "401"),
     }
     client = http.InferenceServerClient(address(servers["critic"]))
+    stats = f"/v2/models/{CRITIC_TRAIN}/stats"
     try:
-        before = client.get_inference_statistics(CRITIC_TRAIN, headers=triton_headers(servers["secret"]))
-        for who, headers in (("no token", {}), ("another run's token", triton_headers(new_secret())),
-                             ("the run's secret itself", {"triton-access-token": servers["secret"]})):
-            for what, call in calls.items():
+        before = client.get_inference_statistics(CRITIC_TRAIN, headers=request_headers(servers["secret"], "GET", stats))
+        for who, (headers, status) in strangers.items():
+            for what, (method, path, call) in calls.items():
                 with pytest.raises(InferenceServerException) as err:
-                    call(client, headers)
-                assert err.value.status() == "403" and "restricted" in err.value.message(), (who, what)
+                    call(client, headers(method, path))
+                assert err.value.status() == status and err.value.message().startswith("authorization:"), (who, what)
         # liveness and readiness stay open (a probe needs no secret)
         assert client.is_server_live() and client.is_server_ready() and client.is_model_ready(CRITIC_TRAIN)
-        after = client.get_inference_statistics(CRITIC_TRAIN, headers=triton_headers(servers["secret"]))
+        after = client.get_inference_statistics(CRITIC_TRAIN, headers=request_headers(servers["secret"], "GET", stats))
         assert after == before  # no stranger's critic_train ever reached the critic
+        for what, (method, path, call) in calls.items():  # the run, signing each request, is served
+            call(client, request_headers(servers["secret"], method, path))
     finally:
         client.close()
     # NeMo-Aligner's client (pytriton's ModelClient) sends no credentials: refused by a server not in open mode
-    with pytest.raises(Exception, match="403|restricted"):
+    with pytest.raises(Exception, match="401|authorization"):
         with ModelClient(servers["critic"].url, CRITIC_INFER, init_timeout_s=10) as nemo:
             nemo.infer_batch(tokens=tokens, sequence_lengths=lengths)
+    own_request_served(servers)
+
+
+PYTHON_MODEL = """
+import os
+class TritonPythonModel:
+    def initialize(self, args):
+        open(os.environ["RLHF_PWNED"], "w").write("ran as the run")
+"""
+
+
+def test_the_admin_apis_are_closed_to_everyone_the_run_included(servers, tmp_path):
+    """The issue's probe: with Triton's token (on its command line, readable by any local user) a stranger could load
+    a python-backend model through the repository API, i.e. run code as the run. Every admin API is refused now,
+    whoever asks: unsigned, with the old token, and signed with the run's own key."""
+    import base64
+    import json
+
+    config = json.dumps({"name": "evil", "backend": "python", "max_batch_size": 0,
+                         "input": [{"name": "x", "data_type": "TYPE_INT64", "dims": [1]}],
+                         "output": [{"name": "y", "data_type": "TYPE_INT64", "dims": [1]}]})
+    load = {"parameters": {"config": config, "file:1/model.py": base64.b64encode(PYTHON_MODEL.encode()).decode()}}
+    admin = [("POST", "/v2/repository/models/evil/load", load), ("POST", f"/v2/repository/models/{CRITIC_TRAIN}/unload", {}),
+             ("POST", "/v2/repository/index", {}), ("GET", "/v2/trace/setting", None),
+             ("POST", "/v2/trace/setting", {"trace_file": str(tmp_path / "trace")}), ("GET", "/v2/logging", None),
+             ("POST", "/v2/logging", {"log_file": str(tmp_path / "log")}),
+             ("POST", "/v2/systemsharedmemory/region/r/register", {"key": "/x", "offset": 0, "byte_size": 8}),
+             ("GET", "/v2/systemsharedmemory/status", None), ("GET", "/v2/cudasharedmemory/status", None)]
+    for server in (servers["critic"], servers["reward"]):
+        for method, path, body in admin:
+            for headers in ({}, {"triton-access-token": servers["secret"]},
+                            request_headers(servers["secret"], method, path)):
+                answer = httpx.request(method, f"{server.url}{path}", json=body, headers=headers, timeout=30)
+                assert answer.status_code == 403 and "closed to every caller" in answer.json()["error"], \
+                    (path, headers.keys(), answer.text)
+        models = httpx.get(f"{server.url}/rlhf/models", headers=request_headers(servers["secret"], "GET", "/rlhf/models"),
+                           timeout=30)
+        assert models.status_code == 200 and "evil" not in {m["name"] for m in models.json()}
+        assert httpx.get(f"{server.url}/rlhf/models", timeout=30).status_code == 401  # the run's only
+    assert not list(tmp_path.iterdir())
+    own_request_served(servers)
+
+
+def tritonserver(server) -> psutil.Process:
+    found = [p for p in psutil.Process(server.pid).children(recursive=True) if p.name() == "tritonserver"]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_tritonserver_has_no_token_on_its_command_line_and_no_port_of_its_own(servers):
+    """Any local user reads /proc/<pid>/cmdline: Triton's holds no token (and no secret of the run), and Triton
+    listens on no TCP port; it listens on a Unix socket in the server's workspace, a directory only the run's user
+    may enter. The server's address (its front) is the only way in."""
+    keys = [servers["secret"], *(k.hex() for k in (wire.RunKeys(servers["secret"]).client,
+                                                  wire.RunKeys(servers["secret"]).server))]
+    for server in (servers["critic"], servers["reward"]):
+        triton = tritonserver(server)
+        cmdline = open(f"/proc/{triton.pid}/cmdline", "rb").read().decode().split("\0")
+        assert not any(word in arg for arg in cmdline for word in ("restricted", "access-token", "token", *keys)), cmdline
+        assert not [c for c in triton.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        socket_path = cmdline[cmdline.index("--http-address") + 1].removeprefix("unix:")
+        assert stat.S_ISSOCK(os.stat(socket_path).st_mode)
+        assert stat.S_IMODE(os.stat(os.path.dirname(socket_path)).st_mode) == 0o700
+        listening = {c.laddr.port for c in psutil.Process(server.pid).net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN}
+        assert listening == {int(server.url.rsplit(":", 1)[1])}  # the front, nothing else
     own_request_served(servers)
 
 
@@ -159,7 +247,7 @@ def test_an_oversized_body_is_refused_and_the_server_keeps_serving(servers):
     host, port = address(servers["critic"]).split(":")
     size = 70 << 20  # over Triton's 64 MB
     header = (f"POST /v2/models/{CRITIC_INFER}/infer HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-              f"triton-access-token: {triton_headers(servers['secret'])['triton-access-token']}\r\n"
+              f"authorization: {request_headers(servers['secret'], 'POST', infer_path(CRITIC_INFER))['authorization']}\r\n"
               f"Content-Length: {size}\r\n\r\n").encode()
     answer = b""
     with socket.create_connection((host, int(port)), timeout=30) as sock:
@@ -188,7 +276,7 @@ def test_returns_of_3e38_are_refused_and_the_critic_stays_finite(servers):
         with pytest.raises(InferenceServerException, match=r"CriticInputError: returns: \|values\| must be at most 1e\+06, got 3e\+38"):
             raw.infer(CRITIC_TRAIN, [tensor("tokens", tokens), tensor("returns", mask * 3e38),
                                      tensor("prev_values", mask * 0), tensor("mask", mask)],
-                      headers=triton_headers(servers["secret"]))
+                      headers=request_headers(servers["secret"], "POST", infer_path(CRITIC_TRAIN)))
     finally:
         raw.close()
     with CriticClient(servers["critic"].url, secret=servers["secret"]) as critic:
@@ -294,7 +382,6 @@ def fuzz(servers, model: str) -> None:
     server, contract = CONTRACT[model]
     declared = list(contract)
     client = http.InferenceServerClient(address(servers[server]), network_timeout=120)
-    headers = triton_headers(servers["secret"])
 
     @settings(max_examples=EXAMPLES[model], deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
@@ -303,7 +390,7 @@ def fuzz(servers, model: str) -> None:
         FUZZED[model, "sent"] += 1
         try:
             client.infer(model, [tensor(name, array, datatype) for name, (datatype, array) in inputs.items()],
-                         headers=headers)
+                         headers=request_headers(servers["secret"], "POST", infer_path(model)))
             FUZZED[model, "served"] += 1
         except InferenceServerException as exc:
             message = exc.message() or str(exc)

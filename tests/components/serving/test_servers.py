@@ -13,7 +13,7 @@ import tritonclient.http as http
 from tritonclient.utils import InferenceServerException
 
 from components.launch.processes import find_free_ports
-from components.serving.auth import read_secret, triton_headers
+from components.serving.auth import read_secret, request_headers
 from components.serving.launcher import triton_server
 from components.serving.triton.contract import CRITIC_MODELS, REWARD_MODELS, TEACHER_LOGPROBS, critic_specs
 from components.serving.triton.critic import CriticCallables
@@ -24,8 +24,8 @@ TRAIN_SETTINGS = ["--set", "critic.optim.lr=1e-3", "--set", "critic.train_batch_
 
 def critic_argv(tiny, port, checkpoint_dir, store):
     """`rlhf serve critic` as a user types it (the flags, not the launcher's JSON spec)."""
-    return [sys.executable, "-m", "components.cli.main", "serve", "critic", "--model", tiny["critic"], "--reward",
-            tiny["reward"], "--port", str(port), "--checkpoint-dir", str(checkpoint_dir),
+    return [sys.executable, "-m", "components.cli.main", "serve", "critic", "--preset", "tiny", "--model",
+            tiny["critic"], "--reward", tiny["reward"], "--port", str(port), "--checkpoint-dir", str(checkpoint_dir),
             "--set", "deploy.critic.max_queue_delay_us=500", "--checkpoint-uri", store.as_uri(), *TRAIN_SETTINGS]
 
 
@@ -42,7 +42,8 @@ def servers(tiny_models, tmp_path_factory):
     critic = triton_server(critic_argv(tiny_models, critic_port, ckpt, store), "127.0.0.1", critic_port, CRITIC_MODELS,
                            logs / "critic.log", name="critic")
     # the reward server of an on-policy distillation run serves its teacher too (teacher_logprobs)
-    reward = triton_server([sys.executable, "-m", "components.cli.main", "serve", "reward", "--model", tiny_models["reward"],
+    reward = triton_server([sys.executable, "-m", "components.cli.main", "serve", "reward", "--preset", "tiny",
+                            "--model", tiny_models["reward"],
                             "--port", str(reward_port), "--set", "algorithm=opd", "--set",
                             f"model.teacher={tiny_models['policy']}"], "127.0.0.1", reward_port,
                            REWARD_MODELS + (TEACHER_LOGPROBS,), logs / "reward.log", name="reward")
@@ -64,13 +65,16 @@ def infer_input(name, array, dtype=None):
     return item
 
 
-RUN_HEADERS = triton_headers(read_secret())  # the run's token (the servers were given the tests' run secret)
+def signed(method: str, path: str) -> dict:
+    """The run's signature of one request (the servers were given the tests' run secret)."""
+    return request_headers(read_secret(), method, path)
 
 
-def raw(url, model, headers=RUN_HEADERS, **arrays):
+def raw(url, model, headers=None, **arrays):
     client = http.InferenceServerClient(url.split("://")[1])
     try:
-        result = client.infer(model, [infer_input(k, v) for k, v in arrays.items()], headers=headers)
+        result = client.infer(model, [infer_input(k, v) for k, v in arrays.items()],
+                              headers=signed("POST", f"/v2/models/{model}/infer") if headers is None else headers)
         return {o["name"]: result.as_numpy(o["name"]) for o in result.get_response()["outputs"]}
     finally:
         client.close()
@@ -93,7 +97,8 @@ def test_critic_infer_contract_shapes_and_dtypes(servers):
     assert np.all(out["values"][beyond] == 0) and np.any(out["values"][~beyond] != 0)
 
     client = http.InferenceServerClient(servers["critic"].url.split("://")[1])
-    infer_cfg, train_cfg, save_cfg = (client.get_model_config(m, headers=RUN_HEADERS) for m in CRITIC_MODELS)
+    infer_cfg, train_cfg, save_cfg = (client.get_model_config(m, headers=signed("GET", f"/v2/models/{m}/config"))
+                                      for m in CRITIC_MODELS)
     client.close()
     assert infer_cfg["max_batch_size"] > 0 and "dynamic_batching" in infer_cfg
     assert {i["name"]: i["dims"] for i in infer_cfg["input"] if not i.get("optional")} == {"tokens": [-1],

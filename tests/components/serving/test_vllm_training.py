@@ -30,7 +30,7 @@ NON_DETERMINISTIC = ("time/", "throughput/", "step_time")
 def train_args(tiny_models, **overrides) -> list[str]:
     base = {"rollout.engine": "vllm", "deploy.rollout.threads": 1, "model.policy": tiny_models["policy"],
             "model.reward": tiny_models["reward"], **overrides}  # 1 thread: the suite's other worker shares the cores
-    return [RLHF, "train", *[arg for key, value in base.items() for arg in ("--set", f"{key}={value}")]]
+    return [RLHF, "train", "--preset", "tiny", *[arg for key, value in base.items() for arg in ("--set", f"{key}={value}")]]
 
 
 def rlhf_train(args: list[str], state: Path, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -102,8 +102,8 @@ def test_k2_reaches_its_bound_and_a_killed_rollout_replica_fails_the_run_naming_
             lines.append(line)
         staleness = [float(line.rsplit("staleness ", 1)[1]) for line in lines if re.search(r"iteration \d+/500\b", line)]
         assert staleness == [0.0, 1.0, 2.0], lines[-10:]
-        pid = int(next(re.search(r"rollout server replica 1 starting: pid (\d+)", line).group(1) for line in lines
-                       if "rollout server replica 1 starting" in line))
+        pid = int(next(re.search(r"rollout server replica 1: pid (\d+)", line).group(1) for line in lines
+                       if "rollout server starting: " in line))  # every replica's pid, url and log on that line
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         out, _ = proc.communicate(timeout=300)

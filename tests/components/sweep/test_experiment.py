@@ -28,7 +28,7 @@ from components.sweep.space import SweepError, check_sweep, trial_config
 
 pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
 
-BASE = {"algorithm": "rloo", "iterations": 4, "eval": {"prompts": "builtin:sentiment", "every": 2}}
+BASE = {"preset": "tiny", "algorithm": "rloo", "iterations": 4, "eval": {"prompts": "builtin:sentiment", "every": 2}}
 
 
 def experiment(**fields) -> ExperimentConfig:

@@ -277,7 +277,7 @@ def test_the_parent_run_is_found_again_and_the_table_gets_each_finished_trial_on
 def test_rlhf_sweep_refuses_bad_input_before_anything_starts(args, expected, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing listens there: never asked
     with pytest.raises(SystemExit) as err:
-        main(["sweep", "--set", "algorithm=rloo", *args])
+        main(["sweep", "--preset", "tiny", "--set", "algorithm=rloo", *args])
     assert str(err.value).startswith("invalid sweep: ") and expected in str(err.value)
 
 

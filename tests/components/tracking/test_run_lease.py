@@ -23,7 +23,6 @@ from components.launch.processes import wait_for
 from components.storage.lease import LEASE_KEY, HeldLease, LeaseLost, RunLocked, acquire
 from components.storage.store import CheckpointStore
 from components.runs import JOBS, open_session
-from components.storage.lease import holder_alive
 from models.config import RLHFConfig, RunConfig
 
 REPO = Path(__file__).resolve().parents[3]
@@ -89,10 +88,8 @@ def test_s3_one_writer_a_stale_lease_taken_over_and_a_lost_lease_stops_writing(s
     try:
         with pytest.raises(RunLocked, match=rf"pid {holder.pid} on .*renewed \d+s ago"):
             acquire(store, "held", timeout_s=5.0)
-        assert holder_alive(store, LEASE_KEY, 5.0).pid == holder.pid  # what a server watching it sees
         os.kill(holder.pid, signal.SIGKILL)  # its renewals stop; the object stays behind
         holder.wait()
-        assert wait_for(lambda: holder_alive(store, LEASE_KEY, 5.0) is None, 30, poll_s=0.5)  # gone after 5 s
         said: list[str] = []
 
         def taken():

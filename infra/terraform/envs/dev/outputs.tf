@@ -34,27 +34,27 @@ output "actor_work_pool_name" {
 }
 
 output "critic_work_pool_name" {
-  description = "prefect.yaml work_pool.name of critic-server/default and reward-server/default."
+  description = "prefect.yaml work_pool.name of compare/default, sweep/default and experiment/default."
   value       = module.prefect.critic_work_pool_name
 }
 
 output "work_pool_job_variables" {
-  description = "Job variables each work pool accepts (keys allowed in prefect.yaml job_variables)."
+  description = "Job variables each work pool accepts from a deployment or a flow run (no other is accepted)."
   value       = module.prefect.job_variables
 }
 
 output "namespace" {
-  description = "Kubernetes namespace of the flow-run jobs (job_variables.namespace)."
+  description = "Kubernetes namespace of the flow-run jobs and of the objects the runs create."
   value       = var.namespace
 }
 
 output "actor_service_account_name" {
-  description = "job_variables.service_account_name of actor deployments."
+  description = "Service account of the actor pool's flow-run pods and of a run's node groups."
   value       = var.actor_service_account_name
 }
 
 output "critic_service_account_name" {
-  description = "job_variables.service_account_name of critic/reward deployments."
+  description = "Service account of the critic pool's flow-run pods and of a run's server pods."
   value       = var.critic_service_account_name
 }
 

@@ -1,7 +1,8 @@
 locals {
-  # Every pod of both pools runs its flow run as one process (Prefect's `prefect flow-run execute`, the default of the
-  # `command` job variable). A run on several nodes creates its node groups itself, as a JobSet
-  # (components/cluster/jobset.py): the flow-run pod is its controller, never a rank.
+  # Every pod of both pools runs its flow run as one process (Prefect's `prefect flow-run execute`, fixed in the
+  # template). A run on several nodes creates its node groups itself, as a JobSet (components/cluster/jobset.py): the
+  # flow-run pod is its controller, never a rank. A deployment or a flow run may set only the template's variables
+  # (image, resources, env, the pod watch timeout): never the namespace, the service account, the command or a label.
   # Where each pod keeps its state and finds the shared Hugging Face cache: the template mounts both there. prefect.yaml's
   # deployments set the same two variables (a deployment's env replaces this default whole).
   pod_env = merge(var.env, {
@@ -20,7 +21,7 @@ locals {
       role                 = "critic"
       service_account_name = var.critic_service_account_name
       resources            = var.critic_resources
-      description          = "RLHF critic, reward and rollout servers, and the flows that need no GPU, on the critic GPU node group."
+      description          = "RLHF flows that need no GPU (compare, sweep, experiment), on the critic GPU node group, where the runs' servers run."
     }
   }
 

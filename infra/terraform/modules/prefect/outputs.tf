@@ -4,7 +4,7 @@ output "actor_work_pool_name" {
 }
 
 output "critic_work_pool_name" {
-  description = "Name of the critic work pool (prefect.yaml: work_pool.name of critic-server/default and reward-server/default)."
+  description = "Name of the critic work pool (prefect.yaml: work_pool.name of compare/default, sweep/default and experiment/default)."
   value       = prefect_work_pool.this[var.critic_pool_name].name
 }
 
@@ -14,6 +14,6 @@ output "work_pool_ids" {
 }
 
 output "job_variables" {
-  description = "Map work pool name -> job variable names that deployments may set in job_variables."
+  description = "Map work pool name -> the job variables a deployment or a flow run may set (no other is accepted)."
   value       = { for name, tpl in local.base_job_templates : name => sort(keys(jsondecode(tpl).variables.properties)) }
 }

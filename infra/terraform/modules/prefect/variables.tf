@@ -22,7 +22,7 @@ variable "critic_pool_name" {
 
 variable "image" {
   type        = string
-  description = "Default container image of both pools (deployments may override it with job_variables.image)."
+  description = "Default container image of both pools (a deployment may set job_variables.image)."
 
   validation {
     condition     = length(trimspace(var.image)) > 0 && !can(regex("\\s", var.image))
@@ -32,7 +32,7 @@ variable "image" {
 
 variable "namespace" {
   type        = string
-  description = "Default Kubernetes namespace of the flow-run jobs."
+  description = "Kubernetes namespace of the flow-run jobs (fixed: not a job variable)."
 
   validation {
     condition     = can(regex("^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$", var.namespace))
@@ -42,7 +42,7 @@ variable "namespace" {
 
 variable "actor_service_account_name" {
   type        = string
-  description = "Default service account of actor jobs (bound to the actor IRSA role)."
+  description = "Service account of the actor pool's jobs (bound to the actor IRSA role; fixed: not a job variable)."
 
   validation {
     condition     = can(regex("^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$", var.actor_service_account_name))
@@ -52,7 +52,7 @@ variable "actor_service_account_name" {
 
 variable "critic_service_account_name" {
   type        = string
-  description = "Default service account of critic/reward jobs (bound to the critic IRSA role)."
+  description = "Service account of the critic pool's jobs (bound to the critic IRSA role; fixed: not a job variable)."
 
   validation {
     condition     = can(regex("^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$", var.critic_service_account_name))
