@@ -106,8 +106,8 @@ def learning(seeds: list[int], iterations: int, env: dict, tmp: Path) -> dict:
         for seed in seeds:
             overrides = {"algorithm": "rloo", "iterations": iterations, "seed": seed, "rollout.engine": "vllm",
                          "deploy.rollout.threads": 1, "rollout.max_off_policy_steps": k,
-                         "model.policy": cfg.resolve_model_path(cfg.model.policy),
-                         "model.reward": cfg.resolve_model_path(cfg.model.reward)}
+                         "model.policy": cfg.local_path("model.policy"),
+                         "model.reward": cfg.local_path("model.reward")}
             log(f"async_rollouts: learning k={k} seed={seed}")
             curves[f"k{k}_seed{seed}"] = [m["objective/gold_reward"] for m in train(overrides, tmp / f"l{k}{seed}.json", None, env)]
     gains = {k: [(c[-1] + c[-2]) / 2 - (c[0] + c[1]) / 2 for name, c in curves.items() if name.startswith(f"k{k}_")]
@@ -138,7 +138,7 @@ def main(argv=None) -> dict:
                                     "rollout server", parts_run_last=args.parts)
     with tempfile.TemporaryDirectory(prefix="async-bench-") as tmp:
         model = Path(tmp) / "qwen2_110m"
-        params = build_random_model(model, tiny_config().resolve_model_path("tiny/policy"))
+        params = build_random_model(model, tiny_config().local_path("model.policy"))
         iterations = 5 if quick else 10
         if "throughput" in args.parts:
             result["throughput"] = {"model": "qwen2_110m_random", "parameters": params, "sizes": SIZES,

@@ -36,6 +36,7 @@ from models.algorithms import Backends
 from models.backends import LocalCritic
 from models.config import RLHFConfig, merge
 from models.loop import build_actor, build_critic_trainer, load_prompts, prompt_batches
+from models.resolve import pin
 from models.step import train_step
 
 TARGET = 1.10
@@ -107,7 +108,7 @@ def summarize(records: list[dict]) -> dict:
 def auth_round_trips(quick: bool, secret_first: bool = False) -> dict:
     """critic_infer round trips, open mode vs the run's secret, same build, same machine, alternating."""
     pairs, warmup = (60, 10) if quick else (400, 30)
-    cfg = RLHFConfig.model_validate({"deploy": {"state_dir": str(RESULTS / "tmp" / "auth-state")}})
+    cfg = pin(RLHFConfig.model_validate({"deploy": {"state_dir": str(RESULTS / "tmp" / "auth-state")}}))
     secret = new_secret()
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
     ports = [find_free_ports()]

@@ -209,7 +209,7 @@ def run_round(cfg, iterations: int, sides: dict | None = None, trainer_class=Non
             with self._phase("training_step"):
                 return super().training_step(*args, **kwargs)
 
-    policy_path = cfg.resolve_model_path(cfg.model.policy)
+    policy_path = cfg.local_path("model.policy")
     with tempfile.TemporaryDirectory(prefix="trl-") as out:
         args = args_for(cfg, out, iterations + 1)
         trainer = TimedRLOOTrainer(model=policy_path, reward_funcs=gold_reward, args=args,

@@ -26,6 +26,7 @@ import torch
 
 from benchmarks.common import log, quick_flag, side_by_side, stats, write_result
 from models.stages.config import RewardModelRun, SFTRun
+from models.resolve import resolve_data
 from models.stages.data import load_pairs, load_sequences
 from models.stages.kinds import build_stage
 from models.stages.train import train_step
@@ -84,12 +85,12 @@ def run_round(stage: str, steps: int, state_dir: str) -> tuple[list[float], list
     ours = build_stage(cfg)  # seeds torch with cfg.seed first: the new score head is drawn from seed 0
     torch.manual_seed(cfg.seed)
     if stage == "sft":
-        data = load_sequences("builtin:sentiment_sft", "train", tokenizer, 64)
+        data = load_sequences(resolve_data("builtin:sentiment_sft", "sft.data"), "train", tokenizer, 64)
         dataset = Dataset.from_dict({"input_ids": data.ids, "completion_mask": [
             [0] * p + [1] * (len(ids) - p) for ids, p in zip(data.ids, data.prompt_lengths)]})
         model, trainer_class = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), SFTTrainer
     else:
-        data = load_pairs("builtin:sentiment_preference", "train", tokenizer, 64)
+        data = load_pairs(resolve_data("builtin:sentiment_preference", "reward_model.data"), "train", tokenizer, 64)
         dataset = Dataset.from_dict({"chosen_ids": data.chosen, "rejected_ids": data.rejected})
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
         model.config.pad_token_id = tokenizer.pad_token_id

@@ -41,10 +41,12 @@ def run_store(cfg: RLHFConfig, run: str) -> CheckpointStore:
 
 
 def export_checkpoint(store: CheckpointStore, out_dir: str | Path, iteration: int | None = None,
-                      deploy: DeployConfig | None = None, config: dict | None = None) -> tuple[Path, int]:
+                      deploy: DeployConfig | None = None, config: dict | None = None,
+                      base: str | None = None) -> tuple[Path, int]:
     """The model of checkpoint `iteration` (the latest by default) of `store` as a Hugging Face model in `out_dir`,
-    `config` entries added to its config.json; `deploy`: where this machine finds the base of a LoRA adapter
-    (models/resolve.py). Returns (out_dir, iteration)."""
+    `config` entries added to its config.json. A LoRA adapter merges onto its base: `base`, its local directory as the
+    job pinned it (a job publishing its model), else the base its manifest names found on this machine (`deploy`: the
+    cache and downloads; a hub id at the commit the run pinned: models/resolve.py). Returns (out_dir, iteration)."""
     iteration = store.latest() if iteration is None else iteration
     if iteration is None:
         raise CheckpointError(f"no checkpoint in {store.uri}: nothing to export")
@@ -59,25 +61,26 @@ def export_checkpoint(store: CheckpointStore, out_dir: str | Path, iteration: in
                                   f"no 'export': written by an earlier version)")
         spec = state["export"]
         trained = scratch / spec["part"]
-        base = spec["base"]
-        found = resolve_model(base["value"], base["field"], base["revision"], deploy) \
-            if (trained / "adapter_config.json").exists() else None
-        export_model(trained, out_dir, found.path if found else None, spec["dtype"], spec["task"], config,
-                     base_digest=base.get("digest"))
+        wanted = spec["base"]
+        if base is None and (trained / "adapter_config.json").exists():  # an export later, elsewhere: found here
+            base = resolve_model(wanted["value"], wanted["field"], wanted.get("commit") or wanted["revision"],
+                                 deploy).path
+        export_model(trained, out_dir, base, spec["dtype"], spec["task"], config, base_digest=wanted.get("digest"))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     return out_dir, iteration
 
 
-def publish_model(session, config: dict | None = None, log_model: bool = True) -> dict:
+def publish_model(session, base_field: str, config: dict | None = None, log_model: bool = True) -> dict:
     """The last step of every job that trains a model (components/runs.py): its model exported from its last
-    checkpoint (`config` entries added to its config.json: a reward model's statistics) into its store (`model/`,
+    checkpoint (a LoRA adapter merged onto the model of `base_field` as the job pinned it; `config` entries added to
+    its config.json: a reward model's statistics) into its store (`model/`,
     every file's sha256 beside it), named in its MLflow run (tag model.uri) and, with `log_model` (an RL run's
     policy), logged to it as the run's model (registered under tracking.register_as when set). Returns {"model": store
     URI, "model_dir", "files": {path: sha256}, "digest", "iteration", "mlflow_model_id" (when logged)}."""
     local = session.local_dir / "model"
     shutil.rmtree(local, ignore_errors=True)
-    out, iteration = export_checkpoint(session.store, local, deploy=session.cfg.deploy, config=config)
+    out, iteration = export_checkpoint(session.store, local, config=config, base=session.cfg.local_path(base_field))
     uri = session.store.put_dir(out, MODEL_KEY)
     files = file_digests(out)
     session.tracker.client.set_tag(session.tracker.run_id, "model.uri", uri)

@@ -12,11 +12,14 @@ the CLI (`rlhf train | sft | reward-model | dpo | eval`), the Prefect flows and 
     the summary; the session closed (MLflow FINISHED or FAILED, the lease released) on success, failure and
         cancellation
 
-A kind is what plugs in: `prepare(cfg) -> (cfg, data)`, `tags(cfg)`, `sources(cfg, store)` (what travels with the
-job and what it reads), `restore_parts(cfg)`, `opened(session)`, `run(session, data, steps) -> result`,
-`publish(session, result, steps) -> model` (none for an eval). How each named step executes is the caller's `Steps`
-(models/loop.py): directly (the CLI), as Prefect tasks of a flow run (components/tasks.py), or nested in a pipeline's
-stage. Where the ranks and servers run is the config's `deploy`.
+A kind is what plugs in (components/jobs/: a `Job`): `prepare(cfg) -> (cfg, data)` (what it reads pinned once,
+models/resolve.py: its ranks and servers receive the pins in its config and resolve nothing), `tags(cfg)`,
+`provenance(cfg)` (its record, from its pinned sources), `stored(cfg, store)` (what travels with the job),
+`logged_config(cfg)`, `restore_parts(cfg)`, `opened(session)`, `run(session, data, steps) -> result`,
+`publish(session, result, steps) -> model` (a kind that `publishes`), `controls(cfg)` / `control(cfg, steps)` (an RL
+run on several nodes). The builder asks no config which kind it is. How each named step executes is the caller's
+`Steps` (models/loop.py): directly (the CLI), as Prefect tasks of a flow run (components/tasks.py), or nested in a
+pipeline's stage. Where the ranks and servers run is the config's `deploy`.
 
 With the actor on several nodes, the process that calls `train` for an RL run is the run's controller
 (components/controller.py) and node group 0's rank 0 runs the run: every rank of a node group runs this module
@@ -34,7 +37,7 @@ import traceback
 from contextlib import contextmanager
 from typing import Iterator, Optional
 
-from components.controller import RelaySteps, control, controls, handoff, report
+from components.controller import RelaySteps, handoff, report
 from components.environment import first_line
 from components.jobs.evaluation import Eval
 from components.jobs.rl import RL
@@ -46,7 +49,7 @@ from components.serving.auth import read_secret
 from components.storage.lease import LeaseLost, RunLocked
 from components.storage.signing import StoreKeyError
 from components.storage.store import CheckpointStore, ForeignCheckpoint
-from components.tracking.provenance import provenance as provenance_of
+from components.jobs import Job
 from components.tracking.run import RunSession, closed_when_done
 from models.config import RLHFConfig
 from models.kinds import STAGES
@@ -66,22 +69,26 @@ def train(cfg, steps: Steps = DIRECT, provenance: dict | None = None, lease_hold
     file's sha256) and what its kind adds. An RL run on several nodes: this process controls it
     (components/controller.py); `lease_holder`: node group 0's rank 0 writes under its controller's lease."""
     kind = JOBS[cfg.job]
-    cfg, data = kind.prepare(cfg)  # bad input fails here, before any model loads
-    if cfg.job == "rl" and controls(cfg):
-        return control(cfg, steps)
-    record = provenance or provenance_of(cfg)  # a pipeline's stage: its key's, of its config as given
+    cfg, data = kind.prepare(cfg)  # what it reads pinned; bad input fails here, before any model loads
+    if kind.controls(cfg):
+        return kind.control(cfg, steps)
+    record = provenance or kind.provenance(cfg)  # a pipeline's stage: its key's, of its config as given
     with recorded(kind, cfg, steps, record, lease_holder) as session:
         result = kind.run(session, data, steps)
-        model = steps("export-model", kind.publish, session, result, steps, retries=1) \
-            if getattr(kind, "publishes", True) else {}
+        model = steps("export-model", kind.publish, session, result, steps, retries=1) if kind.publishes else {}
         return {"job": cfg.job, "run_name": session.name, "mlflow_run_id": session.tracker.run_id,
                 "checkpoint": session.store.uri, "provenance": record, "models": session.models,
                 "data": session.data, "reward_files": session.reward_files, "reproducible": reproducibility(cfg),
                 **result, **model}
 
 
+def provenance(cfg) -> dict:
+    """The provenance record of a job's pinned config, as its kind makes it (components/tracking/provenance.py)."""
+    return JOBS[cfg.job].provenance(cfg)
+
+
 @contextmanager
-def recorded(kind, cfg, steps: Steps = DIRECT, provenance: dict | None = None,
+def recorded(kind: Job, cfg, steps: Steps = DIRECT, provenance: dict | None = None,
              lease_holder: Optional[str] = None) -> Iterator[RunSession]:
     """The job's session (opened or resumed) for the block; closed on the way out as FINISHED or FAILED."""
     with closed_when_done(steps("open-run", open_session, kind, cfg, steps, provenance, lease_holder,
@@ -89,18 +96,17 @@ def recorded(kind, cfg, steps: Steps = DIRECT, provenance: dict | None = None,
         yield session
 
 
-def open_session(kind, cfg, steps: Steps = DIRECT, provenance: dict | None = None,
+def open_session(kind: Job, cfg, steps: Steps = DIRECT, provenance: dict | None = None,
                  lease_holder: Optional[str] = None) -> RunSession:
     """Resolve the run name, take its lease (or write under its controller's), download the last complete
     checkpoint if there is one, start or continue the MLflow run tagged with the job's provenance; said in the job's
     log (a lease taken over, a checkpoint passed over too)."""
-    session = RunSession.open(cfg, {**kind.tags(cfg), **reproducibility_tags(cfg), **steps.tags()}, log=steps.log, parts=kind.restore_parts(cfg),
-                              provenance=provenance, lease_holder=lease_holder, sources=kind.sources)
+    session = RunSession.open(cfg, kind, {**kind.tags(cfg), **reproducibility_tags(cfg), **steps.tags()},
+                              log=steps.log, provenance=provenance, lease_holder=lease_holder)
     kind.opened(session)
-    what = f"run {session.name}" if cfg.job == "rl" else f"{cfg.job} run {session.name}"
+    what = kind.title(session.name)
     if session.resumed_from is not None:
-        unit = "iteration" if cfg.job == "rl" else "step"
-        steps.log(f"{what}: resuming from checkpoint {unit} {session.resumed_from} ({session.store.uri})")
+        steps.log(f"{what}: resuming from checkpoint {kind.unit} {session.resumed_from} ({session.store.uri})")
     else:
         steps.log(f"{what}: new run, checkpoints in {session.store.uri}")
     steps.log(f"MLflow run {session.tracker.run_id} at {session.tracker.tracking_uri}")

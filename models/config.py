@@ -37,7 +37,7 @@ from models.advantages import KL_ESTIMATORS
 from models.algorithms import ALGORITHMS, LossConfig, resolve
 from models.algorithms.recipes import refuse_old_spellings
 from models.deploy import DeployConfig
-from models.resolve import Resolved, resolve_model
+from models.resolve import Reads, Resolved, Sources, Want
 from models.sections import (STATE_DIR_ENV, OptimConfig, Section, deep_merge, default_state_dir, given,  # noqa: F401
                              nested)  # (STATE_DIR_ENV, default_state_dir, deep_merge: re-exported)
 from models.tiny_files import TINY_PREFIX, embedded_model_path, is_embedded, is_tiny_policy  # noqa: F401 (re-exported)
@@ -498,6 +498,8 @@ class _Tree(Section):
         return self
 
 
+SOURCES_DESCRIPTION = "What the job reads, pinned once where it starts (set by the job; models/resolve.py)."
+
 RunConfig = create_model(
     "RunConfig", __base__=_Tree, __module__=__name__, __doc__=_Tree.__doc__,
     **{a.section: (a.Config, Field(default_factory=a.Config, description=a.description)) for a in ALGORITHMS.values()})
@@ -509,6 +511,7 @@ class RLHFConfig(RunConfig):
     job: ClassVar[str] = "rl"  # what components/runs.py builds for it (the other jobs: models/stages/config.py)
     deploy: DeployConfig = Field(
         default_factory=DeployConfig, description="Where the run's parts run (set by the deployment).")
+    sources: Sources = Field(default_factory=Sources, description=SOURCES_DESCRIPTION)
 
     @model_validator(mode="after")
     def _every_rank_gets_prompts(self):
@@ -528,7 +531,7 @@ class RLHFConfig(RunConfig):
     @property
     def run(self) -> "RunConfig":
         """What the run trains, without the deployment's settings."""
-        return RunConfig.model_validate(self.model_dump(exclude={"deploy"}))
+        return RunConfig.model_validate(self.model_dump(exclude={"deploy", "sources"}))
 
     @property
     def name_prefix(self) -> str:
@@ -544,18 +547,29 @@ class RLHFConfig(RunConfig):
     def resolved_state_dir(self) -> Path:
         return self.deploy.resolved_state_dir()
 
-    def resolve_model(self, value: str) -> Resolved:
-        """Where a model field's value is on this machine, and its provenance (models/resolve.py): `tiny/<name>` =
-        the embedded default shipped with the package, a local directory as it is, a hub id = its snapshot in the
-        Hugging Face cache (at model.revision when it is the policy's id), s3:// = fetched into deploy.cache.dir. A
-        missing model fails naming its field."""
-        field = next((f"model.{name}" for name in ("policy", "reward", "critic", "teacher")
-                      if getattr(self.model, name) == value), "model")
-        return resolve_model(value, field, self.model.revision if value == self.model.policy else None, self.deploy)
+    def reads(self) -> Reads:
+        """What the run reads (pinned once where it starts: models/resolve.pin): every model it names (a hub id at
+        model.revision when it is the policy's; the teacher when its algorithm distils), its prompts and held-out
+        prompts (a verifiers environment's are its own)."""
+        m, d, e = self.model, self.data, self.eval
+        names = ("policy", "reward", "critic") + (("teacher",) if ALGORITHMS[self.algorithm].needs_teacher else ())
+        models = {f"model.{name}": Want(value, m.revision if value == m.policy else None)
+                  for name in names if (value := getattr(m, name))}
+        data = {}
+        if not self.environment.verifiers:
+            if d.prompts:
+                data["data.prompts"] = Want(d.prompts, d.revision, d.subset, d.options)
+            if e.prompts and e.every:
+                data["eval.prompts"] = Want(e.prompts, e.revision, e.subset, e.options)
+        return Reads(models, data)
 
-    def resolve_model_path(self, value: str) -> str:
-        """The local directory of a model field's value (`resolve_model`)."""
-        return self.resolve_model(value).path
+    def source(self, field: str) -> Resolved:
+        """The pin of a source the run reads (`reads`), as this machine has it (models/resolve.py); nothing resolves."""
+        return self.sources.local(field, self.reads(), self.deploy)
+
+    def local_path(self, field: str) -> str:
+        """The local directory (or file) of a model or data field the run reads, as pinned (`source`)."""
+        return self.source(field).path
 
 
 def run_name_for(cfg) -> str:

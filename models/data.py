@@ -26,10 +26,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
-from models.deploy import DeployConfig
-from models.resolve import resolve_data
+from models.resolve import Resolved
 from models.tasks import arithmetic, reasoning, sentiment
 
 DATA_FILES = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".csv": "csv", ".arrow": "arrow"}
@@ -105,49 +103,40 @@ class DataError(ValueError):
 # ---------------------------------------------------------------- reading a source
 
 
-def read_rows(source: str, split: str = "train", field: str = "data.prompts", subset: str | None = None,
-              revision: str | None = None, deploy: Optional[DeployConfig] = None, options: dict | None = None):
-    """The rows of `source` (at configuration `subset`, a hub data set at `revision`) as a `datasets.Dataset` (see
-    the module docstring for the forms a source takes); `deploy`: the deployment's cache and download settings;
-    `options` configure a generated source (reasoning_gym:<task>)."""
+def read_rows(source: Resolved, split: str = "train"):
+    """The rows of a data source pinned where the job started (models/resolve.py: its path on this machine, the
+    configuration `subset` it asks for; a generated source, reasoning_gym:<task>, made from its `options`) as a
+    `datasets.Dataset` (see the module docstring for the forms a source takes)."""
     import datasets  # heavy (pyarrow, pandas: ~1 s): only reading a data set needs it
 
     datasets.disable_progress_bars()
+    value, field, subset, revision, options = source.value, source.field, source.subset, source.revision, source.options
     section = field.rsplit(".", 1)[0]
-    if not source:
-        raise DataError(f"{field}: not set; name the rows (a local file or folder, s3://..., a hub data set id, or "
-                        f"builtin:<task>: models/data.py)")
-    if options and not source.startswith(reasoning.PREFIX):
-        raise DataError(f"{section}.options: only a reasoning_gym:<task> source takes options; '{source}' takes none")
-    if source.startswith(reasoning.PREFIX):
+    if value.startswith(reasoning.PREFIX):
         if subset is not None or revision is not None:
-            raise DataError(f"{section}: '{source}' is generated from {section}.options; leave {section}.subset and "
+            raise DataError(f"{section}: '{value}' is generated from {section}.options; leave {section}.subset and "
                             f"{section}.revision unset")
         try:
-            return datasets.Dataset.from_list(reasoning.rows(source[len(reasoning.PREFIX):], split, options, field))
+            return datasets.Dataset.from_list(reasoning.rows(value[len(reasoning.PREFIX):], split, options, field))
         except reasoning.TaskError as exc:
             raise DataError(str(exc)) from None
-    try:
-        found = resolve_data(source, field, revision, deploy, subset)
-    except (FileNotFoundError, ValueError) as exc:
-        raise DataError(str(exc)) from None
-    if revision is not None and found.source != "hub":
-        raise DataError(f"{section}.revision: '{source}' is no hub data set id: a revision names a hub branch, tag "
+    if revision is not None and source.source != "hub":
+        raise DataError(f"{section}.revision: '{value}' is no hub data set id: a revision names a hub branch, tag "
                         f"or commit; leave {section}.revision unset")
-    path = Path(found.path) if found.path else None
+    path = Path(source.path) if source.path else None
     if subset is not None and (path is None or path.is_file()):
-        raise DataError(f"{section}.subset: '{source}' has no configurations (a builtin task or a single file); "
+        raise DataError(f"{section}.subset: '{value}' has no configurations (a builtin task or a single file); "
                         f"leave {section}.subset unset")
     if path is None:
-        return datasets.Dataset.from_list(builtin_rows(source.split(":", 1)[1], split, field))
+        return datasets.Dataset.from_list(builtin_rows(value.split(":", 1)[1], split, field))
     try:
         return _read_folder(path, split, field, subset) if path.is_dir() else _read_file(path, split, field)
     except DataError:
         raise
     except Exception as exc:
         if "corresponds to no data" in str(exc):  # datasets' way of saying the file has no row
-            raise DataError(f"{field}: split '{split}' of '{source}' is empty") from exc
-        raise DataError(f"{field}: cannot read '{source}': {type(exc).__name__}: {exc}") from exc
+            raise DataError(f"{field}: split '{split}' of '{value}' is empty") from exc
+        raise DataError(f"{field}: cannot read '{value}': {type(exc).__name__}: {exc}") from exc
 
 
 # rows of the stages' builtin data sets per split (train, test): generated from a seed of their own per split
@@ -260,14 +249,13 @@ def _config_names(path: Path) -> list[str]:
 # ---------------------------------------------------------------- rows -> prompts
 
 
-def load_prompt_set(source: str, split: str, prompt_key: str, tokenizer, max_prompt_length: int | None = None,
-                    long_prompts: str = "error", chat_template: bool = False, field: str = "data.prompts",
-                    subset: str | None = None, revision: str | None = None,
-                    deploy: Optional[DeployConfig] = None, options: dict | None = None) -> PromptSet:
-    """Read `source` (at configuration `subset`, revision `revision`, with `options` for a generated one:
-    `read_rows`) and turn its rows into prompts for the policy whose `tokenizer` is given: checks the prompt column,
-    renders chat messages, applies the length policy. Raises DataError naming what is wrong."""
-    rows = read_rows(source, split, field, subset, revision, deploy, options)
+def load_prompt_set(source: Resolved, split: str, prompt_key: str, tokenizer, max_prompt_length: int | None = None,
+                    long_prompts: str = "error", chat_template: bool = False) -> PromptSet:
+    """Read a pinned `source` (`read_rows`) and turn its rows into prompts for the policy whose `tokenizer` is given:
+    checks the prompt column, renders chat messages, applies the length policy. Raises DataError naming what is
+    wrong."""
+    rows = read_rows(source, split)
+    field, source = source.field, source.value
     if prompt_key not in rows.column_names:
         raise DataError(f"{field}: '{source}' has no column '{prompt_key}' (the prompt_key); its columns: "
                         f"{rows.column_names}")

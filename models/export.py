@@ -8,9 +8,10 @@ gives one directory that `AutoModelFor...from_pretrained(DIR)` loads with nothin
 - the weights as safetensors in the job's compute dtype (model.dtype; a stage's `dtype`): the dtype is kept, so an
   RL run's model and the pipeline's are the same bytes;
 - a LoRA adapter merged into the base it was trained on (base + scale * B @ A, as peft's merge_and_unload does),
-  the base loaded in float32 for the merge; the base is the run's model as resolved here (models/resolve.py) and is
-  checked against the digest the run recorded when it trained (`base_digest`): a base that changed since (a local
-  directory rewritten, a hub branch moved, another s3 object) is refused instead of merged;
+  the base loaded in float32 for the merge; the base is the run's model as it pinned it (models/resolve.py: within
+  the run, its pin; later, `rlhf export`, found here again at the hub commit it pinned) and is checked against the
+  digest the run recorded when it trained (`base_digest`): a base that changed since (a local directory rewritten,
+  another s3 object) is refused instead of merged;
 - the model's config (`config` entries added: a reward model's reward statistics) and generation config (its stop
   tokens, sampling defaults), and the tokenizer with its chat template;
 - written into a staging directory beside `out_dir` and renamed into place: a crash leaves no half model.
@@ -26,20 +27,19 @@ from pathlib import Path
 import torch
 
 from models.loading import DTYPES
-from models.resolve import directory_digest
+from models.resolve import Resolved, directory_digest
 
 ADAPTER_CONFIG = "adapter_config.json"
 TASKS = ("causal-lm", "sequence-classification")  # a policy; a reward model (one label)
 
 
-def export_spec(part: str, task: str, dtype: str, base: str, revision: str | None, field: str,
-                provenance: dict | None) -> dict:
-    """What a checkpoint's manifest says about exporting it (components/export.export_checkpoint): its trained part, the task, the
-    dtype, and the base model a LoRA adapter merges onto (the config's value, its revision and field, the digest of
-    its files when the run trained)."""
+def export_spec(part: str, task: str, dtype: str, base: Resolved) -> dict:
+    """What a checkpoint's manifest says about exporting it (components/export.export_checkpoint): its trained part,
+    the task, the dtype, and the base a LoRA adapter merges onto as the job pinned it (its value, revision and field,
+    the hub commit it resolved to, the digest of its files)."""
     return {"part": part, "task": task, "dtype": dtype,
-            "base": {"value": base, "revision": revision, "field": field,
-                     "digest": (provenance or {}).get("digest")}}
+            "base": {"value": base.value, "revision": base.revision, "field": base.field,
+                     "commit": base.details.get("commit"), "digest": base.digest}}
 
 
 def is_lora(trained_dir: str | Path) -> bool:

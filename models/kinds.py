@@ -28,6 +28,7 @@ class JobKind:
     run: Optional[str] = None  # 'module:Class' of its config with `deploy`, as its processes receive it
     trainer: Optional[str] = None  # 'module:Class' of the StageKind its ranks train (None: not a stage on the ranks)
     registered_as: Optional[str] = None  # a pipeline registers its model as '<register_as>-<registered_as>'
+    publishes: bool = True  # ends by publishing the model it trained (an eval trains none: it only measures)
     metrics: tuple[tuple, ...] = ()  # metrics only it logs: (names, what, TRL's name) each (models/metrics.Metric)
     policy_from_sft: bool = False  # a pipeline may train its policy with it from the SFT model, its frozen reference
     # (a section of that name: sft -> <job> -> eval, instead of reward_model and rl)
@@ -60,7 +61,7 @@ def load(path: str):
 
 KINDS: tuple[JobKind, ...] = (
     JobKind("rl", "rl", "an RL run: PPO or a critic-free recipe (rlhf train, ppo/default, reinforce/default)",
-            registered_as="policy"),
+            run="models.config:RLHFConfig", registered_as="policy"),
     JobKind("sft", "sft", "supervised fine-tuning on completions (TRL's prompt/completion or messages rows)",
             "models.stages.config:SFTRunConfig", "models.stages.config:SFTRun", "models.stages.train:SFT", "sft"),
     JobKind("reward_model", "reward-model", "a Bradley-Terry reward model on preference pairs (prompt, chosen, "
@@ -76,7 +77,7 @@ KINDS: tuple[JobKind, ...] = (
                  "mismatched (prompt, completion) pairs of the batch (held out: of all held-out rows), clamped at 0.",
                  "kl"),)),
     JobKind("eval", "eval", "a policy against a reference policy on held-out prompts, judged by a reward model and a "
-            "gold reward", "models.stages.config:EvalRunConfig", "models.stages.config:EvalRun"),
+            "gold reward", "models.stages.config:EvalRunConfig", "models.stages.config:EvalRun", publishes=False),
 )
 BY_JOB: dict[str, JobKind] = {kind.job: kind for kind in KINDS}
 JOBS_BUT_RL: tuple[JobKind, ...] = tuple(kind for kind in KINDS if kind.job != "rl")  # each with its own command

@@ -5,11 +5,11 @@ from __future__ import annotations
 import contextlib
 import math
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from models.resolve import model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -29,9 +29,10 @@ def resolve_device(device: str = "auto") -> torch.device:
 
 
 def from_pretrained(auto_class, path: str, field: str, **kwargs):
-    """`auto_class.from_pretrained(path)` with the config field named in any error; `path` is a local directory
-    (what a config's resolve_model_path gives: models/resolve.py) or tiny/<name>."""
-    path = model_path(path, field)
+    """`auto_class.from_pretrained(path)` with the config field named in any error; `path` is a local directory (a
+    job's pinned source: its config's `local_path(field)`, models/resolve.py)."""
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{field}: model path '{path}' does not exist (a directory saved with save_pretrained)")
     try:
         return auto_class.from_pretrained(path, **kwargs)
     except Exception as exc:

@@ -36,6 +36,7 @@ from models.eval import evaluate
 from models.distributed import SINGLE, Dist, local_device
 from models.policy import Policy, load_policy_tokenizer
 from models.scoring import load_teacher
+from models.resolve import Resolved
 from models.reward import load_reward_function, load_reward_functions, load_reward_model, load_reward_tokenizer
 from models.safe_io import load_state
 from models.stages import train as stage_train
@@ -50,17 +51,15 @@ def read_data(cfg: RLHFConfig) -> tuple[PromptSet, PromptSet | None]:
     """The run's training prompts (data.*) and held-out eval prompts (eval.*; None when the run has no eval), read
     with the policy's tokenizer and checked against the reward functions' columns. Raises models/data.DataError
     naming the source and what is wrong, before any model loads (the tokenizer only)."""
-    tokenizer = load_policy_tokenizer(cfg.resolve_model_path(cfg.model.policy))
+    tokenizer = load_policy_tokenizer(cfg.local_path("model.policy"))
     d, e = cfg.data, cfg.eval
     if not d.prompts:
         raise DataError("data.prompts: not set; name the training prompts (a local file or folder, a hub data set id, "
                         "or builtin:<task>: models/data.py)")
-    prompts = checked_prompt_set(cfg, tokenizer, d.prompts, d.split, d.prompt_key, "data.prompts", d.subset, d.revision,
-                                 d.options)
+    prompts = checked_prompt_set(cfg, tokenizer, cfg.source("data.prompts"), d.split, d.prompt_key)
     evals = None
     if e.prompts and e.every:
-        evals = checked_prompt_set(cfg, tokenizer, e.prompts, e.split, e.prompt_key, "eval.prompts", e.subset,
-                                   e.revision, e.options)
+        evals = checked_prompt_set(cfg, tokenizer, cfg.source("eval.prompts"), e.split, e.prompt_key)
     if cfg.environment.factory:  # the environments probed, their reward functions' columns checked, in a worker
         check_environment_run(cfg, tokenizer, {f"{field} '{found.source}'": columns_of(found)
                                                for field, found in (("data.prompts", prompts), ("eval.prompts", evals))
@@ -75,10 +74,12 @@ def read_data(cfg: RLHFConfig) -> tuple[PromptSet, PromptSet | None]:
     return prompts, evals
 
 
-def checked_prompt_set(cfg: RLHFConfig, tokenizer, source: str, split: str, prompt_key: str, field: str,
-                       subset: str | None = None, revision: str | None = None, options: dict | None = None) -> PromptSet:
-    found = load_prompt_set(source, split, prompt_key, tokenizer, cfg.data.max_prompt_length, cfg.data.long_prompts,
-                            cfg.data.chat_template, field, subset, revision, cfg.deploy, options)
+def checked_prompt_set(cfg: RLHFConfig, tokenizer, pinned: Resolved, split: str, prompt_key: str) -> PromptSet:
+    """The prompts of a pinned source read for the run (its length policy), checked against the columns its reward
+    functions and gold reward read."""
+    found = load_prompt_set(pinned, split, prompt_key, tokenizer, cfg.data.max_prompt_length, cfg.data.long_prompts,
+                            cfg.data.chat_template)
+    field, source = pinned.field, pinned.value
     names = columns_of(found)
     if cfg.reward.source == "function" and not cfg.environment.enabled:  # an environment run's: read_data's check
         load_reward_functions(cfg.reward, probe=False, deploy=cfg.deploy).check_columns(names, f"{field} '{source}'")
@@ -115,7 +116,7 @@ def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
     frozen reference, optimizer and generators."""
     torch.manual_seed(cfg.seed)
     shard = me.active and cfg.deploy.actor.fsdp == "auto" and not cfg.model.lora.enabled
-    policy = Policy.load(cfg.resolve_model_path(cfg.model.policy), cfg.model.lora, cfg.model.dtype,
+    policy = Policy.load(cfg.local_path("model.policy"), cfg.model.lora, cfg.model.dtype,
                          local_device(cfg.deploy.device, me), me=me, shard=shard,
                          reference_device=cfg.deploy.reference_device,
                          gradient_checkpointing=cfg.model.gradient_checkpointing)
@@ -130,8 +131,8 @@ def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
 
 
 def build_critic_trainer(cfg: RLHFConfig, checkpoint_dir: str | Path | None = None) -> CriticTrainer:
-    critic_path = cfg.resolve_model_path(cfg.model.critic) if cfg.model.critic else None
-    reward_path = cfg.resolve_model_path(cfg.model.reward) if cfg.model.reward else None
+    critic_path = cfg.local_path("model.critic") if cfg.model.critic else None
+    reward_path = cfg.local_path("model.reward") if cfg.model.reward else None
     return CriticTrainer(cfg.critic, critic_path, reward_path, cfg.critic_carries_reward,
                          cfg.model.dtype, local_device(cfg.deploy.device, SINGLE), checkpoint_dir,
                          token_rewards=cfg.reward.transport == "tokens",
@@ -143,7 +144,7 @@ def critic_text_reward(cfg: RLHFConfig, trainer: CriticTrainer):
     scoring (prompt, response) with its own tokenizer; None when critic_infer already returns rewards."""
     if trainer.reward_model is None or trainer.token_rewards:
         return None
-    return LocalRewardModel(trainer.reward_model, load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward)),
+    return LocalRewardModel(trainer.reward_model, load_reward_tokenizer(cfg.local_path("model.reward")),
                             cfg.reward.chat_template)
 
 
@@ -152,7 +153,7 @@ def build_local_reward(cfg: RLHFConfig):
     reward = _local_reward(cfg)
     if not ALGORITHMS[cfg.algorithm].needs_teacher:
         return reward
-    teacher = load_teacher(cfg.resolve_model_path(cfg.model.teacher), cfg.model.dtype,
+    teacher = load_teacher(cfg.local_path("model.teacher"), cfg.model.dtype,
                            local_device(cfg.deploy.device, SINGLE))
     return WithTeacher(reward, teacher, cfg.generation.temperature, cfg.generation.micro_batch_size)
 
@@ -160,10 +161,10 @@ def build_local_reward(cfg: RLHFConfig):
 def _local_reward(cfg: RLHFConfig):
     if cfg.reward.source == "function":
         return FunctionReward(load_reward_functions(cfg.reward, deploy=cfg.deploy))
-    model = load_reward_model(cfg.resolve_model_path(cfg.model.reward), cfg.model.dtype, local_device(cfg.deploy.device, SINGLE),
+    model = load_reward_model(cfg.local_path("model.reward"), cfg.model.dtype, local_device(cfg.deploy.device, SINGLE),
                               normalize=cfg.reward.normalize)
     if cfg.reward.transport == "text":
-        return LocalRewardModel(model, load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward)), cfg.reward.chat_template)
+        return LocalRewardModel(model, load_reward_tokenizer(cfg.local_path("model.reward")), cfg.reward.chat_template)
     return LocalRewardModel(model)
 
 
@@ -189,14 +190,14 @@ LOG = logging.getLogger("rlhf.actor")
 
 def build(cfg: RLHFConfig | StageRun, me: Dist = SINGLE) -> ActorState | StageState:
     """This rank's state of the job of `cfg`: an RL run's actor, or a stage's trainee (models/stages/kinds.py)."""
-    return build_actor(cfg, me) if cfg.job == "rl" else build_stage(cfg, me)
+    return build_actor(cfg, me) if isinstance(cfg, RLHFConfig) else build_stage(cfg, me)
 
 
 def execute(state: ActorState | StageState, cfg: RLHFConfig | StageRun, command: dict, critic=None, reward=None):
     """Run one command of rank 0's on this rank (rank 0 passes its backends; the others None). A step and an eval
     work on the command's global `batch` (an RL run's prompts, a stage's rows) and move the state's counters and
     `data` (where its stream stands) as a checkpoint records them."""
-    op, rl = command["op"], cfg.job == "rl"
+    op, rl = command["op"], isinstance(state, ActorState)
     if op == "step" and rl:  # an iteration (models/step.py); `ahead`: the next iterations' batches (asynchronous
         # rollouts); `reserve`: the stream's next batches, each with the stream's state after it (dynamic sampling)
         reserve = command.get("reserve") or []

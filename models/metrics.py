@@ -151,7 +151,8 @@ EVAL_JOB = Group("The eval (`rlhf eval`, a pipeline's eval stage)", ("eval",), "
     M(("eval/success_gain",), "The policy's eval/success minus the reference's.", None, ("binary",)),
 ))
 PIPELINE = Group("A pipeline's run", ("pipeline",), "Its MLflow parent run: at step 0, each stage's last metrics as `<stage>/<name>` (`sft/eval/loss`, `reward_model/eval/accuracy`, `rl/reward`, `dpo/eval/rewards/accuracies`, `eval/eval/win_rate`); the RL stage's held-out evals at their iterations, by their own names (above).", (
-    M(tuple(f"{kind.job}/*" for kind in KINDS if kind.job != "eval") + ("eval/eval/*",), "A stage's last metrics (its record's)."),
+    # a kind that publishes no model (the eval) only measures: its metrics are all held-out ones, eval/*
+    M(tuple(f"{kind.job}/*" if kind.publishes else f"{kind.job}/eval/*" for kind in KINDS), "A stage's last metrics (its record's)."),
 ))
 GROUPS = (EVERY_ITERATION, PPO_ONLY, OPD, BOTH_ADVANTAGES, VLLM, ENVIRONMENT, HELD_OUT, ONCE, STAGES, EVAL_JOB, PIPELINE)
 

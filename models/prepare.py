@@ -1,9 +1,10 @@
 """What a run derives from its config, computed once at the entry point and carried with the run.
 
-`prepare_run(cfg)` is the one explicit place that checks the models a config names before any weights load: each
-exists (a path, a hub id in the Hugging Face cache, an s3:// prefix fetched into this machine's cache, or the embedded
-default `tiny/...` shipped with the package: models/resolve.py), the
-models not given follow the policy's family (model.reward: the family's own or required; model.critic: the reward
+`prepare_run(cfg)` is the one explicit place that pins what a run reads before any weights load (models/resolve.pin:
+each model and data source resolved once, a missing one failing naming its field: a path, a hub id in the Hugging
+Face cache, an s3:// prefix fetched into this machine's cache, or the embedded default `tiny/...` shipped with the
+package; a config that carries its pins already, as the ranks, servers and node groups receive it, resolves
+nothing); the models not given follow the policy's family (model.reward: the family's own or required; model.critic: the reward
 model when it shares the policy's tokenizer, else the policy), and every model that reads the policy's token ids (the
 critic, a reward model on the token transport, on-policy distillation's teacher) shares the policy's tokenizer
 (tokenizers only: nothing heavy loads).
@@ -20,6 +21,7 @@ from pathlib import Path
 from models.algorithms import ALGORITHMS
 from models.config import RLHFConfig, is_tiny_policy, merge, with_schedule_lengths
 from models.data import DataError
+from models.resolve import pin
 from models.reward import absolute_spec, load_reward_tokenizer, same_tokenizer
 
 FAMILY_REWARD = "tiny/reward"  # the reward model of the embedded tiny policy's family
@@ -28,11 +30,12 @@ FAMILY_REWARD = "tiny/reward"  # the reward model of the embedded tiny policy's 
 def prepare_run(cfg: RLHFConfig) -> RLHFConfig:
     """The config with its derived values filled in (idempotent: a prepared config comes back unchanged)."""
     cfg = merge(cfg, {**family_reward(cfg), **absolute_reward_files(cfg)})
-    check_models(cfg)
+    cfg = pin(cfg)
+    check_reward_model(cfg)
     if not cfg.data.prompts and not cfg.environment.verifiers:  # a verifiers environment brings its dataset
         raise DataError("data.prompts: not set; name the training prompts (a local file or folder, a hub data set "
                         "id, or builtin:<task>: models/data.py)")
-    cfg = merge(cfg, critic_source(cfg))
+    cfg = pin(merge(cfg, critic_source(cfg)))  # a critic initialised from the policy shares the policy's pin
     check_tokenizers(cfg)
     cfg = with_schedule_lengths(cfg)
     return merge(cfg, {"deploy.state_dir": str(cfg.resolved_state_dir()), "reward.transport": reward_transport(cfg)})
@@ -65,18 +68,12 @@ def absolute_reward_files(cfg: RLHFConfig) -> dict:
     return out
 
 
-def check_models(cfg: RLHFConfig, fields: tuple[str, ...] = ("policy", "reward", "critic", "teacher")) -> None:
-    """Every model a `model.<field>` names is on this machine (models/resolve.py: a hub id in the Hugging Face cache,
-    or downloaded into it where the deployment allows; an s3:// prefix fetched into the cache), before anything
-    loads; the first that does not fails, naming its field. A reward model that
-    is needed and not given fails too."""
-    for field in fields:
-        if field == "reward" and cfg.reward.source == "model" and not cfg.model.reward:
-            raise ValueError(f"model.reward: not set, and reward.source='model' needs a reward model for the policy "
-                             f"'{cfg.model.policy}' (a sequence-classification checkpoint with one label); or score "
-                             f"with Python functions: reward.source=function, reward.function=path/to/rewards.py:fn")
-        if value := getattr(cfg.model, field):
-            cfg.resolve_model(value)  # a missing one raises naming its field (models/resolve.py)
+def check_reward_model(cfg: RLHFConfig) -> None:
+    """A reward model that is needed and not given fails, naming the field."""
+    if cfg.reward.source == "model" and not cfg.model.reward:
+        raise ValueError(f"model.reward: not set, and reward.source='model' needs a reward model for the policy "
+                         f"'{cfg.model.policy}' (a sequence-classification checkpoint with one label); or score "
+                         f"with Python functions: reward.source=function, reward.function=path/to/rewards.py:fn")
 
 
 def critic_source(cfg: RLHFConfig) -> dict:
@@ -86,8 +83,8 @@ def critic_source(cfg: RLHFConfig) -> dict:
     if cfg.model.critic or not ALGORITHMS[cfg.algorithm].needs_critic:
         return {}
     if cfg.reward.source == "model":
-        policy = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")
-        if same_tokenizer(policy, load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward))):
+        policy = load_reward_tokenizer(cfg.local_path("model.policy"), "model.policy")
+        if same_tokenizer(policy, load_reward_tokenizer(cfg.local_path("model.reward"))):
             return {}
     return {"model.critic": cfg.model.policy}
 
@@ -109,9 +106,9 @@ def check_tokenizers(cfg: RLHFConfig) -> None:
                         "give a teacher of the policy's family (the same tokenizer)"))
     if not readers:
         return
-    policy = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")
+    policy = load_reward_tokenizer(cfg.local_path("model.policy"), "model.policy")
     for field, value, why, fix in readers:
-        path = cfg.resolve_model_path(value)
+        path = cfg.local_path(field)
         try:
             reader = load_reward_tokenizer(path, field)
         except (OSError, RuntimeError, ValueError):  # a checkpoint without tokenizer files (a saved critic)
@@ -140,9 +137,9 @@ def reward_transport(cfg: RLHFConfig, reader: str | None = None) -> str:
     critic_from_reward = reader is None and ALGORITHMS[cfg.algorithm].needs_critic and not cfg.model.critic
     if cfg.reward.source == "function" or (cfg.reward.transport != "auto" and not critic_from_reward):
         return "tokens" if cfg.reward.transport == "auto" else cfg.reward.transport  # a function decodes tokens itself
-    rollouts = load_reward_tokenizer(cfg.resolve_model_path(reader or cfg.model.policy),
-                                     "model.policy" if reader is None else "model.critic")
-    reward = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.reward))
+    rollouts = load_reward_tokenizer(cfg.local_path("model.policy" if reader is None else reader),
+                                     "model.policy" if reader is None else reader)
+    reward = load_reward_tokenizer(cfg.local_path("model.reward"))
     shared = same_tokenizer(rollouts, reward)
     if critic_from_reward and not shared:
         raise ValueError(f"model.critic: not set, so the critic would be initialised from model.reward "

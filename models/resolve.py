@@ -1,6 +1,6 @@
-"""Where a model or a data set that a config field names is on this machine: the one resolver every job goes through
-(RL's model.policy / reference / critic / reward, the SFT and reward-model stages' model, the pipeline's base_model,
-eval's models; data.prompts, eval.prompts and the stages' data), in every process of a run.
+"""Where a model or a data set that a config field names is on this machine: the one resolver of every job (RL's
+model.policy / reference / critic / reward / teacher, the stages' model, the pipeline's base_model, eval's models;
+data.prompts, eval.prompts and the stages' data), called once per job where it starts (`pin`).
 
     tiny/<name>           the embedded default shipped with the package (models/assets/tiny)
     a local path          a directory written by save_pretrained (data: a file or a folder)
@@ -9,8 +9,9 @@ eval's models; data.prompts, eval.prompts and the stages' data), in every proces
     s3://bucket/prefix    every object under the prefix (data: or the one object the URI names), fetched once per
                           machine into the cache directory (deploy.cache.dir), checked by digest, reused later
 
-`resolve_model` / `resolve_data` return a `Resolved`: where the value came from, its local path, and its
-`provenance`, a JSON record of what it is (the contract other code keys on, e.g. the pipeline's cache):
+`resolve_model` / `resolve_data` return a pin (`Resolved`): the value as asked (its revision, subset, options), where
+it came from, its local path, every file's sha256 and (size, mtime), and its `provenance`, a JSON record of what it
+is (the contract other code keys on, e.g. the pipeline's cache):
 
     source    'tiny' | 'local' | 'hub' | 's3' | 'builtin' | 'reasoning_gym'
     value     the field's value as given
@@ -18,10 +19,18 @@ eval's models; data.prompts, eval.prompts and the stages' data), in every proces
               of file_digests): the same bytes give the same digest whatever the source; None for generated data
     hub       repo, repo_type ('model' | 'dataset'), revision (as asked, None = main), commit (the one it resolved to)
     s3        uri, etags ({relative name: the object's ETag})
-    data      subset (a data set's configuration), when given
+    data      subset (a data set's configuration), options (a generated one's), when given
 
-A digest is computed once per process and path (a hub file stored as a Git LFS blob is named by its sha256 already;
-an s3 fetch records its files' digests as it checks them), so asking again is cheap.
+Once per job: `pin(cfg)` resolves every source the config reads (`cfg.reads()`) into `Sources`, which the config
+carries (`sources`) to every process of the job: the ranks (their config hand-off), the servers, the node groups of a
+run on several nodes. They read the pinned paths (`cfg.local_path(field)`, `cfg.source(field)`) and resolve nothing:
+a hub id stays at the commit it was pinned at even when its branch moves, and what the job records (its MLflow tags,
+its summary, the pipeline's key) is what its processes load. Each use checks the pin cheaply: every file still has
+its pinned size and mtime, or else its pinned sha256 (a file that changed fails naming the field). Where the pinned
+path is not on a machine (a node without the job's shared cache), the pinned bytes are found there: the embedded
+model in that package, a hub id at its pinned commit in that machine's cache, an s3:// source fetched into it, each
+checked against the pinned digests. A digest is computed once per process and path (a hub file stored as a Git LFS
+blob is named by its sha256 already; an s3 fetch records its files' digests as it checks them).
 
 Downloads (nothing downloads unless the deployment allows it):
 - a hub id missing from the cache fails naming the field and the `hf download` command, unless
@@ -52,9 +61,10 @@ import re
 import shutil
 import time
 import uuid
-from dataclasses import dataclass, field as dataclass_field
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Protocol
+from typing import Callable, Iterable, Iterator, Literal, NamedTuple, Optional, Protocol
+
+from pydantic import BaseModel, ConfigDict, Field
 
 from models.deploy import DeployConfig
 from models.tiny_files import embedded_model_path, is_embedded, manifest_digest
@@ -68,32 +78,171 @@ MARKER = ".rlhf-fetched.json"  # inside a fetched s3 entry: what was fetched and
 
 # ---------------------------------------------------------------- the record
 
-@dataclass
-class Resolved:
-    """A model or data source on this machine: where it came from (`source`), its local `path` (a directory; data may
-    be one file; None for builtin data) and what identifies it (`provenance`)."""
+class Resolved(BaseModel):
+    """One source pinned: the value a field gave, what it resolved to (`source`, hub commit or s3 ETags in `details`),
+    its local `path` (a directory; data may be one file; None for generated data) and every file's sha256 and
+    (size, mtime) when it was pinned. JSON: it travels in a job's config (`sources`) to every process of the job."""
 
-    value: str
-    field: str
-    source: str  # 'tiny' | 'local' | 'hub' | 's3' | 'builtin' | 'reasoning_gym'
-    path: Optional[str]
-    details: dict = dataclass_field(default_factory=dict)  # hub: repo, repo_type, revision, commit; s3: uri, etags
-    known: Optional[dict[str, str]] = None  # file digests already checked (an s3 fetch), else computed on demand
+    model_config = ConfigDict(extra="forbid")
 
-    def files(self) -> dict[str, str]:
-        """sha256 of every file, by path relative to `path` (a file: its own name)."""
-        if self.path is None:
-            return {}
-        return dict(self.known) if self.known is not None else file_digests(self.path)
+    field: str = Field(description="The config field it was pinned for (named in its errors).")
+    value: str = Field(description="The field's value as given.")
+    revision: Optional[str] = Field(None, description="The hub branch, tag or commit asked for (None: main).")
+    subset: Optional[str] = Field(None, description="The data set's configuration asked for.")
+    options: Optional[dict] = Field(None, description="A generated data set's options (reasoning_gym:<task>).")
+    source: Literal["tiny", "local", "hub", "s3", "builtin", "reasoning_gym"] = Field(
+        description="Where it was found: the embedded models, a local path, the hub cache, s3, or code.")
+    path: Optional[str] = Field(
+        None, description="Its local directory or file where the job started (None: generated rows).")
+    details: dict = Field(default_factory=dict, description="hub: repo, repo_type, revision, commit; s3: uri, etags.")
+    files: dict[str, str] = Field(
+        default_factory=dict, description="The sha256 of every file, by its path under `path`.")
+    stats: dict[str, tuple[int, int]] = Field(
+        default_factory=dict, description="The (size, mtime_ns) of every file when it was pinned.")
 
     @property
     def digest(self) -> Optional[str]:
-        return manifest_digest(self.files()) if self.path is not None else None
+        return manifest_digest(self.files) if self.path is not None else None
 
     @property
     def provenance(self) -> dict:
         """What the source is, as JSON (the module docstring lists the keys)."""
-        return {"source": self.source, "value": self.value, **self.details, "digest": self.digest}
+        asked = {key: value for key, value in (("subset", self.subset), ("options", self.options)) if value is not None}
+        return {"source": self.source, "value": self.value, **self.details, **asked, "digest": self.digest}
+
+    def asks(self, want: "Want") -> bool:
+        """Whether this is the pin of what `want` asks for (its value at its revision, subset and options)."""
+        return (self.value, self.revision, self.subset, self.options) == tuple(want)
+
+    def here(self, deploy: Optional[DeployConfig] = None) -> "Resolved":
+        """This pin as this machine has it: every file at `path` still has the size and mtime it was pinned with, or
+        else its pinned sha256. Where `path` is not on this machine (another node without the job's shared cache), the
+        pinned bytes are found here: tiny/ in this package, a hub id at its pinned commit in this machine's hub cache,
+        an s3:// source fetched into its cache; checked file by file. A file that differs fails naming the field."""
+        if self.path is None:
+            return self
+        path = Path(self.path)
+        if path.exists():
+            if not self._changed(path):
+                return self
+            return self._checked(path, "changed since the job pinned it")
+        if self.source == "tiny":
+            found = embedded_model_path(self.value)
+        elif self.source == "hub":
+            found = resolve_hub(self.details["repo"], self.field, self.details["commit"], deploy or DeployConfig(),
+                                self.details["repo_type"]).path
+        elif self.source == "s3":  # a prefix, or the one object a data field named (its name is the pinned path's)
+            one = list(self.files) == [path.name]
+            found = fetch_s3(self.details["uri"], self.field, deploy or DeployConfig(), prefix_only=not one).path
+        else:
+            raise FileNotFoundError(f"{self.field}: '{self.value}' was pinned at {self.path} where the job started, "
+                                    f"and that path is not on this machine")
+        return self._checked(Path(found), "is not what the job pinned where it started")
+
+    def _changed(self, path: Path) -> bool:
+        """Whether a file at `path` lacks its pinned size or mtime (a check by stat only)."""
+        for name, pinned in self.stats.items():
+            try:
+                stat = (path if path.is_file() else path / name).stat()
+            except OSError:
+                return True
+            if (stat.st_size, stat.st_mtime_ns) != tuple(pinned):
+                return True
+        return False
+
+    def _checked(self, path: Path, why: str) -> "Resolved":
+        """The pin at `path`, every pinned file's sha256 the pinned one (memoized per process, file size and mtime;
+        files beside them, an s3 fetch's marker, are not the source's)."""
+        found = {name: digest for name, digest in file_digests(path).items() if name in self.files}
+        if found != self.files:
+            differ = sorted(n for n in set(found) | set(self.files) if found.get(n) != self.files.get(n))
+            raise ValueError(f"{self.field}: '{self.value}' at {path} {why}: {differ[:5]} differ (sha256); a job "
+                             f"reads the bytes it pinned, and records them (models/resolve.py)")
+        return self.model_copy(update={"path": str(path), "stats": _stats(path, found)})
+
+
+def pinned(value: str, field: str, source: str, path: Optional[str | Path], details: Optional[dict] = None,
+           revision: Optional[str] = None, subset: Optional[str] = None, known: Optional[dict[str, str]] = None,
+           options: Optional[dict] = None) -> Resolved:
+    """A source pinned at `path`: every file's sha256 (`known`: checked already, an s3 fetch's) and (size, mtime)."""
+    files = {} if path is None else (dict(known) if known is not None else file_digests(path))
+    return Resolved(field=field, value=value, revision=revision, subset=subset, options=options, source=source,
+                    path=None if path is None else str(path), details=details or {}, files=files,
+                    stats={} if path is None else _stats(Path(path), files))
+
+
+def _stats(path: Path, files: dict[str, str]) -> dict[str, tuple[int, int]]:
+    out = {}
+    for name in files:
+        stat = (path if path.is_file() else path / name).stat()
+        out[name] = (stat.st_size, stat.st_mtime_ns)
+    return out
+
+
+class Want(NamedTuple):
+    """What a job asks of one source: a field's value, at a hub revision, at a data set's configuration."""
+
+    value: str
+    revision: Optional[str] = None
+    subset: Optional[str] = None
+    options: Optional[dict] = None  # a generated data set's (reasoning_gym:<task>)
+
+
+class Reads(NamedTuple):
+    """Every source a job reads, by field (a job config's `reads()`): models, and data sets."""
+
+    models: dict[str, Want]
+    data: dict[str, Want]
+
+
+class Sources(BaseModel):
+    """Every source a job reads, pinned once where the job starts (`pin`), by field: its models and its data sets.
+    The job's config carries it (`sources`) to its ranks and servers, which read the pinned paths (`local`) and
+    resolve nothing; the job's records (its MLflow tags, summary and checkpoints' manifests; the provenance record
+    a pipeline keys its stages on) are made from it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    models: dict[str, Resolved] = Field(default_factory=dict, description="The pin of every model field it reads.")
+    data: dict[str, Resolved] = Field(default_factory=dict, description="The pin of every data field it reads.")
+
+    def local(self, field: str, reads: Reads, deploy: Optional[DeployConfig] = None) -> Resolved:
+        """The pin of `field` as this machine has it (`Resolved.here`); a field the job does not read, or whose pin
+        is not of the value the config now gives, fails naming it (nothing is resolved here)."""
+        for group in ("models", "data"):
+            want = getattr(reads, group).get(field)
+            if want is not None:
+                found = getattr(self, group).get(field)
+                if found is None or not found.asks(want):
+                    raise RuntimeError(f"{field}: '{want.value}' is not pinned in the job's sources (every source a "
+                                       f"job reads is pinned once where it starts: models/resolve.pin)")
+                return found.here(deploy)
+        raise KeyError(f"{field}: the job reads no such source; it reads "
+                       f"{', '.join([*reads.models, *reads.data]) or 'none'}")
+
+
+def pin(cfg, fields: Optional[Iterable[str]] = None):
+    """`cfg` with `sources` holding a pin of every source it reads (`cfg.reads()`; `fields`: of those only, what a
+    server started on its own loads), each resolved once: a field whose pin it carries already keeps it (checked on
+    this machine: `Resolved.here`), a field that asks what another field's pin holds (the critic initialised from the
+    policy) shares it, the rest are resolved here; pins of fields it does not read are dropped."""
+    reads, have, deploy = cfg.reads(), cfg.sources, cfg.deploy
+    out = {}
+    for group, resolve in (("models", resolve_model), ("data", resolve_data)):
+        pins, known = {}, list(getattr(have, group).values())
+        for field, want in getattr(reads, group).items():
+            if fields is not None and field not in fields:
+                continue
+            found = next((p for p in [getattr(have, group).get(field), *pins.values(), *known]
+                          if p is not None and p.asks(want)), None)
+            if found is not None:
+                pins[field] = found.here(deploy).model_copy(update={"field": field})
+            elif group == "models":
+                pins[field] = resolve(want.value, field, want.revision, deploy)
+            else:
+                pins[field] = resolve(want.value, field, want.revision, deploy, want.subset, want.options)
+        out[group] = pins
+    return cfg.model_copy(update={"sources": Sources(**out)})
 
 
 # ---------------------------------------------------------------- models
@@ -105,7 +254,7 @@ def resolve_model(value: str, field: str = "model", revision: Optional[str] = No
     settings (None: the defaults, offline)."""
     deploy = deploy or DeployConfig()
     if is_embedded(value):
-        return Resolved(value, field, "tiny", str(embedded_model_path(value)))
+        return pinned(value, field, "tiny", embedded_model_path(value), revision=revision)
     if value.startswith("s3://"):
         if revision:
             raise ValueError(f"{field}: '{value}' is an s3:// prefix; a revision ('{revision}') names a hub commit, "
@@ -113,18 +262,12 @@ def resolve_model(value: str, field: str = "model", revision: Optional[str] = No
         return fetch_s3(value, field, deploy, prefix_only=True)
     path = Path(value).expanduser()
     if path.is_dir():
-        return Resolved(value, field, "local", str(path.absolute()))
+        return pinned(value, field, "local", path.absolute(), revision=revision)
     if not looks_like_hub_id(value):
         raise FileNotFoundError(
             f"{field}: model path '{value}' does not exist (expected a directory saved with save_pretrained, a hub id "
             f"'org/name' in the Hugging Face cache, s3://bucket/prefix, or tiny/<name>, the embedded default)")
     return resolve_hub(value, field, revision, deploy, "model")
-
-
-def model_path(value: str, field: str = "model", revision: Optional[str] = None,
-               deploy: Optional[DeployConfig] = None) -> str:
-    """`resolve_model(...).path`: what from_pretrained is given."""
-    return resolve_model(value, field, revision, deploy).path
 
 
 # ---------------------------------------------------------------- data
@@ -133,28 +276,30 @@ GENERATED = ("builtin:", "reasoning_gym:")  # data sources whose rows code makes
 
 
 def resolve_data(value: str, field: str = "data.prompts", revision: Optional[str] = None,
-                 deploy: Optional[DeployConfig] = None, subset: Optional[str] = None) -> Resolved:
+                 deploy: Optional[DeployConfig] = None, subset: Optional[str] = None,
+                 options: Optional[dict] = None) -> Resolved:
     """Where a data source is on this machine: `builtin:<task>` or `reasoning_gym:<task>` (no path: the rows are made
     by code), a local file or folder, s3://bucket/key (one object) or s3://bucket/prefix (a folder of files), or a hub
     data set id at `revision` (its snapshot in the hub cache, read as a local folder; `subset` picks its
     configuration). A missing one raises FileNotFoundError naming `field`."""
     deploy = deploy or DeployConfig()
-    extra = {"subset": subset} if subset is not None else {}
+    if not value:
+        raise ValueError(f"{field}: not set; name the rows (a local file or folder, s3://..., a hub data set id, or "
+                         f"builtin:<task>: models/data.py)")
     if value.startswith(GENERATED):  # rows made by code from the config: no path
-        return Resolved(value, field, value.split(":", 1)[0], None, dict(extra))
+        return pinned(value, field, value.split(":", 1)[0], None, revision=revision, subset=subset, options=options)
+    if options:
+        raise ValueError(f"{field.rsplit('.', 1)[0]}.options: only a reasoning_gym:<task> source takes options; "
+                         f"'{value}' takes none")
     if value.startswith("s3://"):
-        found = fetch_s3(value, field, deploy, prefix_only=False)
-        found.details.update(extra)
-        return found
+        return fetch_s3(value, field, deploy, prefix_only=False, revision=revision, subset=subset)
     path = Path(value).expanduser()
     if path.exists():
-        return Resolved(value, field, "local", str(path.absolute()), dict(extra))
+        return pinned(value, field, "local", path.absolute(), revision=revision, subset=subset)
     if not looks_like_hub_id(value) or Path(value).suffix in (".parquet", ".jsonl", ".json", ".csv", ".arrow", ".txt"):
         raise FileNotFoundError(f"{field}: '{value}' does not exist (a file, a folder, builtin:<task>, s3://bucket/key "
                                 f"or a hub data set id)")
-    found = resolve_hub(value, field, revision, deploy, "dataset")
-    found.details.update(extra)
-    return found
+    return resolve_hub(value, field, revision, deploy, "dataset", subset)
 
 
 # ---------------------------------------------------------------- the Hugging Face cache
@@ -191,7 +336,7 @@ def fetch_command(repo_id: str, revision: Optional[str] = None, client: str = "h
 
 
 def resolve_hub(repo_id: str, field: str, revision: Optional[str], deploy: DeployConfig,
-                repo_type: str = "model") -> Resolved:
+                repo_type: str = "model", subset: Optional[str] = None) -> Resolved:
     """The snapshot of `repo_id` at `revision` in the hub cache; downloaded into it first when the deployment allows
     it (one process at a time, the others wait on the lock and find it there)."""
     from huggingface_hub import snapshot_download  # only a hub id needs it (~0.3 s)
@@ -222,8 +367,8 @@ def resolve_hub(repo_id: str, field: str, revision: Optional[str], deploy: Deplo
                         f"{field}: '{repo_id}'{at} is not in the Hugging Face cache ({cache}), and downloading it "
                         f"failed ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); fetch it "
                         f"with `{fetch_command(repo_id, revision, repo_type=repo_type)}`") from exc
-    return Resolved(repo_id, field, "hub", str(path),
-                    {"repo": repo_id, "repo_type": repo_type, "revision": revision, "commit": Path(path).name})
+    return pinned(repo_id, field, "hub", path, {"repo": repo_id, "repo_type": repo_type, "revision": revision,
+                                                "commit": Path(path).name}, revision, subset)
 
 
 def refuse_download(repo_id: str, field: str, revision: Optional[str], deploy: DeployConfig, repo_type: str,
@@ -291,9 +436,10 @@ def s3_entry(uri: str, deploy: Optional[DeployConfig] = None) -> Path:
     return cache_root(deploy) / "s3" / bucket / f"{hashlib.sha256(uri.rstrip('/').encode()).hexdigest()[:16]}-{name}"
 
 
-def fetch_s3(uri: str, field: str, deploy: DeployConfig, prefix_only: bool) -> Resolved:
+def fetch_s3(uri: str, field: str, deploy: DeployConfig, prefix_only: bool, revision: Optional[str] = None,
+             subset: Optional[str] = None) -> Resolved:
     """An s3:// source in this machine's cache (fetched once, checked, reused; module docstring)."""
-    uri = uri.rstrip("/")
+    value, uri = uri, uri.rstrip("/")
     transport = remote("s3", field, deploy)
     try:
         is_prefix, objects = transport.objects(uri, prefix_only)
@@ -309,9 +455,9 @@ def fetch_s3(uri: str, field: str, deploy: DeployConfig, prefix_only: bool) -> R
             if marker is None:
                 marker = download_entry(transport, uri, objects, entry, field, is_prefix)
     path = entry if is_prefix else entry / next(iter(objects))
-    return Resolved(uri, field, "s3", str(path),
-                    {"uri": uri, "etags": {name: meta["etag"] for name, meta in marker["objects"].items()}},
-                    known={name: meta["sha256"] for name, meta in marker["objects"].items()})
+    return pinned(value, field, "s3", path,
+                  {"uri": uri, "etags": {name: meta["etag"] for name, meta in marker["objects"].items()}},
+                  revision, subset, known={name: meta["sha256"] for name, meta in marker["objects"].items()})
 
 
 def current_fetch(entry: Path, uri: str, objects: dict[str, tuple[int, str]]) -> Optional[dict]:

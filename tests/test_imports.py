@@ -1,7 +1,8 @@
 """The import graph of the project: no cycles (imports inside functions included), and no import inside a function
 except a heavy or optional third-party one that says so in a trailing comment.
 
-Every module of components/, models/, flows/ and benchmarks/ is parsed with `ast` (nothing is imported). `import a.b`
+Every module of components/, models/, flows/ and benchmarks/ is parsed with `ast` (nothing is imported: the graph is
+components/tracking/code.py's, the one a job's code version is computed from). `import a.b`
 and `from a import b` count as importing `a.b` when that is a project module, and `a`, its package, unless `a` is a
 package of the importing module itself (always imported before it) and is not imported for a name of its own
 (`from a import name_in_a_init`). Imports under `if TYPE_CHECKING:` count too (a cycle there is still a cycle).
@@ -9,72 +10,18 @@ package of the importing module itself (always imported before it) and is not im
 
 from __future__ import annotations
 
-import ast
 import sys
 from pathlib import Path
 
 import pytest
 
+from components.tracking.code import PACKAGES, import_graph, imports, project_modules, targets
+from components.tracking.code import ROOT as CODE_ROOT
+
 pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-fast`
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("components", "models", "flows", "benchmarks")
-
-
-def module_name(path: Path) -> str:
-    parts = list(path.relative_to(ROOT).with_suffix("").parts)
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
-def project_modules() -> dict[str, Path]:
-    return {module_name(path): path for package in PACKAGES for path in sorted((ROOT / package).rglob("*.py"))}
-
-
-def imports(path: Path, name: str):
-    """(module, imported names (none for `import module`), line, inside a function, the statement's source lines) for
-    every import statement of the module `name` at `path`."""
-    source = path.read_text()
-    lines = source.splitlines()
-    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-
-    def visit(node: ast.AST, in_function: bool):
-        for child in ast.iter_child_nodes(node):
-            inside = in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
-            if isinstance(child, ast.Import):
-                text = lines[child.lineno - 1:child.end_lineno]
-                for alias in child.names:
-                    yield alias.name, [], child.lineno, inside, text
-            elif isinstance(child, ast.ImportFrom):
-                base = child.module or ""
-                if child.level:  # relative: from . import x, from ..a import b
-                    anchor = package.split(".")[:len(package.split(".")) - child.level + 1]
-                    base = ".".join(anchor + ([base] if base else []))
-                yield base, [alias.name for alias in child.names], child.lineno, inside, \
-                    lines[child.lineno - 1:child.end_lineno]
-            else:
-                yield from visit(child, inside)
-
-    return visit(ast.parse(source, str(path)), False)
-
-
-def targets(importer: str, module: str, names: list[str], known: dict[str, Path]) -> set[str]:
-    """The project modules an import statement in `importer` depends on: `import module` -> module;
-    `from module import names` -> the submodules named, and module itself when a name is not a submodule; plus the
-    packages on the way, except the importer's own packages (always imported before it)."""
-    submodules = {f"{module}.{n}" for n in names if f"{module}.{n}" in known}
-    explicit = submodules | ({module} if len(submodules) < len(names) or not names else set())
-    parts, own = module.split("."), importer.split(".")
-    implicit = {".".join(parts[:i]) for i in range(1, len(parts) + 1)} - {".".join(own[:i]) for i in range(1, len(own))}
-    return ((explicit | implicit) & known.keys()) - {importer}
-
-
-def import_graph() -> dict[str, set[str]]:
-    known = project_modules()
-    graph = {name: set() for name in known}
-    for name, path in known.items():
-        for module, names, _, _, _ in imports(path, name):
-            graph[name] |= targets(name, module, names, known)
-    return graph
+assert ROOT == CODE_ROOT  # the graph of the project's modules is the one components/tracking/code.py reads
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -1,5 +1,6 @@
-"""Every kind of job is declared once (models/kinds.py): no other table of kinds in the product code, and what is
-derived from the declaration agrees with what Prefect, the CLI and the pipeline see."""
+"""Every kind of job is declared once (models/kinds.py): no other table of kinds in the product code, no branch on a
+kind's name outside the classes of that kind, and what is derived from the declaration agrees with what Prefect, the
+CLI and the pipeline see."""
 
 from __future__ import annotations
 
@@ -41,6 +42,70 @@ def test_no_table_of_kinds_outside_their_declaration():
                 if len(named) >= 2:
                     found.append(f"{where}:{node.lineno}: {sorted(named)}")
     assert found == [], "tables of job kinds outside models/kinds.py:\n" + "\n".join(found)
+
+
+# the pipeline's own structure: which stages it has, in order, and how each stage's job is made from its config
+STRUCTURE = {"components/pipeline/config.py", "components/pipeline/run.py", "models/kinds.py"}
+# words that name kinds of job and something else where these operands hold them: a data split ('eval'), KTO's loss
+# type ('kto')
+NOT_A_JOB = {"split", "loss_type"}
+
+
+def declared(node: ast.ClassDef) -> set[str]:
+    """The kinds a class declares itself to be: a name of a kind assigned in its body (`job: ClassVar[str] = 'eval'`,
+    `stage = 'sft'`, `name, pairs = 'reward_model', True`)."""
+    out = set()
+    for statement in node.body:
+        value = statement.value if isinstance(statement, (ast.Assign, ast.AnnAssign)) else None
+        for const in ast.walk(value) if value is not None else ():
+            if isinstance(const, ast.Constant) and const.value in NAMES:
+                out.add(const.value)
+    return out
+
+
+def kind_comparisons(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, source) of every comparison with a kind's job or command name outside a class of that kind."""
+    found = []
+
+    def visit(node: ast.AST, own: set[str]) -> None:
+        if isinstance(node, ast.ClassDef):
+            own = own | declared(node)
+        if isinstance(node, ast.Compare):
+            operands = [node.left, *node.comparators]
+            names = {c.value for o in operands for c in ([o] if isinstance(o, ast.Constant) else getattr(o, "elts", []))
+                     if isinstance(c, ast.Constant) and c.value in NAMES}
+            mentions = {m.id if isinstance(m, ast.Name) else m.attr if isinstance(m, ast.Attribute) else m.value
+                        for o in operands for m in ast.walk(o)
+                        if isinstance(m, (ast.Name, ast.Attribute)) or isinstance(getattr(m, "value", None), str)}
+            if names - own and not mentions & NOT_A_JOB:
+                found.append((node.lineno, ast.unparse(node)))
+        for child in ast.iter_child_nodes(node):
+            visit(child, own)
+
+    visit(tree, set())
+    return found
+
+
+def test_no_branch_on_a_kinds_name_outside_its_own_class():
+    """What differs between kinds is each kind's own (its job adapter in components/jobs/, its trainer in
+    models/stages/, its config class): a comparison with a kind's job or command name elsewhere is a branch on the
+    kind that its class should answer."""
+    found = []
+    for folder in ("models", "components", "flows"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            where = str(path.relative_to(ROOT))
+            if where not in STRUCTURE:
+                found += [f"{where}:{line}: {text}" for line, text in kind_comparisons(ast.parse(path.read_text()))]
+    assert found == [], "branches on a kind's name outside its class:\n" + "\n".join(found)
+
+
+def test_the_branch_check_sees_a_branch_and_spares_a_kinds_own_class():
+    caught = kind_comparisons(ast.parse(
+        "def f(cfg):\n    return cfg.job == 'rl'\n"
+        "class RewardModel:\n    name = 'reward_model'\n    def g(self, cfg):\n        return cfg.stage == 'reward_model'\n"
+        "class SFT:\n    name = 'sft'\n    def h(self, cfg):\n        return cfg.stage in ('dpo', 'kto')\n"
+        "def k(row):\n    return row['split'] == 'eval'\n"))
+    assert caught == [(2, "cfg.job == 'rl'"), (10, "cfg.stage in ('dpo', 'kto')")]
 
 
 def test_every_kind_has_its_command_flow_deployment_and_prefix():

@@ -1,5 +1,6 @@
-"""`rlhf serve critic|reward`: its flags and --set overrides -> one ServerSpec, then the server in the foreground
-(the flags and their help: `SERVE_HELP` and `add_serve_parser` in components/cli/main.py)."""
+"""`rlhf serve critic|reward`: its flags and --set overrides -> one ServerSpec (its models pinned: models/resolve.py),
+then the server in the foreground (the flags and their help: `SERVE_HELP` and `add_serve_parser` in
+components/cli/main.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from components.cli.files import load_cli_config
 from components.cli.options import parse_overrides
 from components.serving.triton.contract import ServerSpec
 from components.serving.triton.main import run
+from models.resolve import pin
 
 
 def spec_from_args(args) -> ServerSpec:
@@ -35,8 +37,10 @@ def spec_from_args(args) -> ServerSpec:
     if args.server == "critic":
         extra = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_uri": args.checkpoint_uri,
                  "restore_iteration": args.restore_iteration}
-    return ServerSpec(kind=args.server, config=cfg, host=args.host or section.host, port=args.port or section.port or default_port,
+    spec = ServerSpec(kind=args.server, config=cfg, host=args.host or section.host, port=args.port or section.port or default_port,
                       max_batch_size=args.max_batch_size, torch_threads=args.torch_threads, **extra)
+    # a server started on its own is its own job: it pins the models it loads here (a run's servers get its pins)
+    return spec.model_copy(update={"config": pin(cfg, spec.loaded_models)})
 
 
 def run_args(args) -> int:

@@ -22,12 +22,13 @@ from components.launch.processes import project_env
 from components.launch.stack import prefect_env
 from components.sweep.config import SweepConfig
 from components.sweep.space import SweepError, check_sweep
-from models.config import RLHFConfig, merge, nested
+from models.config import RLHFConfig, RunConfig, merge, nested
 from models.kinds import KINDS
 from models.deploy import DeployConfig
 
-# keys of a pipeline's file that a run's config has not: its base model and a section per kind of job but the eval
-PIPELINE_ONLY = {"base_model", *(kind.job for kind in KINDS if kind.job != "eval")}
+# keys of a pipeline's file that a run's config has not: its base model and its section of each kind of job that a
+# run's config has no section of (both have an `eval`)
+PIPELINE_ONLY = {"base_model", *({kind.job for kind in KINDS} - set(RunConfig.model_fields))}
 
 
 class NumberLoader(yaml.SafeLoader):

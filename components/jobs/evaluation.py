@@ -5,13 +5,19 @@ pipeline whose RL stage scores with functions or environments) as that RL run's 
 metric scheme (models/eval.compared): the policy's as an RL run's held-out eval names them, the reference's as
 eval/reference/<name>, the win rates and the gain in success of their paired samples.
 
-    prepare    the held-out prompts read with the policy's tokenizer: bad data fails here, before any model loads
+    prepare    what it reads pinned (models/resolve.py), the held-out prompts read with the policy's tokenizer: bad
+               data fails here, before any model loads
+    provenance its record: the comparison's settings, the held-out prompts' rows, the policies and the judge as
+               pinned, the gold reward's file (and the judging RL run's settings, reward and environment files)
     run        both policies sample, the judge scores; the metrics at step 0 and the sample table in MLflow
-    publish    nothing: an eval trains no model
+    publish    nothing: an eval trains no model (its kind publishes none)
 """
 
 from __future__ import annotations
 
+from components.jobs import Job
+from components.tracking.provenance import (EVAL_NOT_MEASURED, RL_NOT_TRAINED, data_record, function_record,
+                                            job_record, judging_files, model_record)
 from components.tracking.run import RunSession
 from models.algorithms import Backends
 from models.backends import FunctionReward
@@ -22,47 +28,48 @@ from models.eval import compared, judge
 from models.loop import DIRECT, Steps, build_actor, checked_prompt_set, gold_function
 from models.policy import load_policy_tokenizer
 from models.prepare import prepare_run
-from models.resolve import resolve_data
+from models.resolve import pin
 from models.reward import load_reward_functions
 from models.stages.config import EvalRun
 from models.stages.evaluate import compare_policies
 
 
-class Eval:
+class Eval(Job):
     """An eval run (models/stages/config.EvalRun)."""
 
-    name = "eval"
-    publishes = False
+    def __init__(self):
+        super().__init__(EvalRun.job)
 
     def prepare(self, cfg: EvalRun) -> tuple[EvalRun, PromptSet]:
         e = cfg.eval
-        for name in judged_models(cfg):  # every model is here, named by its field, before any loads
-            cfg.resolve_model(getattr(cfg, name), name)
-        tokenizer = load_policy_tokenizer(cfg.resolve_model_path(cfg.model))
+        cfg = pin(cfg)  # every model and the prompts are here, a missing one named by its field, before any loads
+        tokenizer = load_policy_tokenizer(cfg.local_path("model"))
         if cfg.run is not None:  # read as the RL run's eval reads them (its chat template, its functions' columns)
-            prompts = checked_prompt_set(as_run(cfg, cfg.model), tokenizer, e.prompts, e.split, e.prompt_key,
-                                         "eval.prompts", e.subset, e.revision)
+            prompts = checked_prompt_set(as_run(cfg, "model"), tokenizer, cfg.source("eval.prompts"), e.split,
+                                         e.prompt_key)
         else:
-            prompts = load_prompt_set(e.prompts, e.split, e.prompt_key, tokenizer, field="eval.prompts",
-                                      subset=e.subset, revision=e.revision, deploy=cfg.deploy)
+            prompts = load_prompt_set(cfg.source("eval.prompts"), e.split, e.prompt_key, tokenizer)
         return cfg, prompts.head(e.max_prompts) if e.max_prompts else prompts
 
     def tags(self, cfg: EvalRun) -> dict[str, str]:
         return {"stage": "eval", "model": cfg.model, "reference": cfg.reference,
                 "reward": cfg.reward if cfg.run is None else "run"}
 
-    def sources(self, cfg: EvalRun, store) -> tuple[EvalRun, dict, dict, dict]:
-        """The provenance of the policies, the judge and the held-out prompts (models/resolve.py)."""
-        models = {name: cfg.resolve_model(getattr(cfg, name), name).provenance for name in judged_models(cfg)}
+    def provenance(self, cfg: EvalRun) -> dict:
+        """What it measures with: the comparison's settings (and the judging RL run's training fields), the held-out
+        prompts' rows, the policies and the judge as pinned, the gold reward's file (and the judging run's reward
+        and environment files)."""
         e = cfg.eval
-        return cfg, models, {"eval.prompts": resolve_data(e.prompts, "eval.prompts", e.revision, cfg.deploy, e.subset)
-                             .provenance}, {}
-
-    def restore_parts(self, cfg: EvalRun) -> None:
-        return None
-
-    def opened(self, session: RunSession) -> None:
-        pass
+        config = {"eval": e.model_dump(mode="json", exclude=EVAL_NOT_MEASURED)}
+        if cfg.run is not None:
+            config["run"] = cfg.run.model_dump(mode="json", exclude=RL_NOT_TRAINED)
+        models = {"policy": model_record(cfg.source("model")), "reference": model_record(cfg.source("reference"))}
+        if cfg.reward:
+            models["reward"] = model_record(cfg.source("reward"))
+        files = {"gold": function_record(e.gold, "eval.gold")} if e.gold else {}
+        if cfg.run is not None:  # judged as an RL run's eval: its reward functions and environments, by content
+            files.update(judging_files(cfg.run))
+        return job_record(cfg, config, models, {"prompts": data_record(cfg.source("eval.prompts"), e.split)}, files)
 
     def run(self, session: RunSession, prompts: PromptSet, steps: Steps = DIRECT) -> dict:
         cfg, e = session.cfg, session.cfg.eval
@@ -70,7 +77,7 @@ class Eval:
             metrics, rows = steps("evaluate-policies", evaluate_as_run, cfg, prompts)
         else:
             sampling = Sampling(max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_k=e.top_k, top_p=e.top_p)
-            paths = [cfg.resolve_model(getattr(cfg, name), name).path for name in ("model", "reference", "reward")]
+            paths = [cfg.local_path(name) for name in ("model", "reference", "reward")]
             metrics, rows = steps("compare-policies", compare_policies, *paths, prompts,
                                   sampling, e.samples_per_prompt, e.gold, cfg.seed, e.table_rows, e.normalize,
                                   local_device(cfg.deploy.device, SINGLE), e.success_threshold)
@@ -79,22 +86,21 @@ class Eval:
         return {"steps": 0, "history": [], "evals": [{"step": 0, **metrics}], "metrics": metrics, "rows": rows}
 
 
-def judged_models(cfg: EvalRun) -> tuple[str, ...]:
-    return ("model", "reference") if cfg.run is not None else ("model", "reference", "reward")
-
-
-def as_run(cfg: EvalRun, policy: str) -> RLHFConfig:
-    """The RL run config whose held-out eval evaluates `policy` as the eval asks (its prompts, samples, temperature,
-    lengths, success threshold, gold), sampled in this process (the native engine)."""
+def as_run(cfg: EvalRun, side: str) -> RLHFConfig:
+    """The RL run config whose held-out eval evaluates the policy of `side` ('model' or 'reference') as the eval asks
+    (its prompts, samples, temperature, lengths, success threshold, gold), sampled in this process (the native
+    engine); it carries the eval's pins, so preparing it resolves nothing again (models/resolve.pin)."""
     e = cfg.eval
-    return RLHFConfig.of(merge(cfg.run, {
-        "model.policy": policy, "model.reward": None, "model.critic": None, "rollout.engine": "native",
-        "rollout.max_off_policy_steps": 0, "seed": cfg.seed, "data.prompts": cfg.run.data.prompts or e.prompts,
-        "eval.prompts": e.prompts, "eval.every": 1, "eval.samples_per_prompt": e.samples_per_prompt,
-        "eval.table_rows": e.table_rows,
+    run = RLHFConfig.of(merge(cfg.run, {
+        "model.policy": getattr(cfg, side), "model.revision": None, "model.reward": None, "model.critic": None,
+        "rollout.engine": "native", "rollout.max_off_policy_steps": 0, "seed": cfg.seed,
+        "data.prompts": cfg.run.data.prompts or e.prompts,
+        "eval.prompts": e.prompts, "eval.subset": e.subset, "eval.revision": e.revision, "eval.options": None,
+        "eval.every": 1, "eval.samples_per_prompt": e.samples_per_prompt, "eval.table_rows": e.table_rows,
         "eval.temperature": e.temperature, "eval.success_threshold": e.success_threshold, "reward.gold": e.gold,
         "generation.max_new_tokens": e.max_new_tokens, "generation.top_k": e.top_k, "generation.top_p": e.top_p}),
         cfg.deploy)
+    return pin(run.model_copy(update={"sources": cfg.sources}))
 
 
 def evaluate_as_run(cfg: EvalRun, prompts: PromptSet) -> tuple[dict, list[dict]]:
@@ -102,7 +108,7 @@ def evaluate_as_run(cfg: EvalRun, prompts: PromptSet) -> tuple[dict, list[dict]]
     environments' episodes, one sampling seed for both), compared (models/eval.compared)."""
     sides = {}
     for side in ("model", "reference"):
-        run = prepare_run(as_run(cfg, cfg.resolve_model_path(getattr(cfg, side))))
+        run = prepare_run(as_run(cfg, side))
         state = build_actor(run)
         try:
             reward = None if run.environment.enabled else FunctionReward(load_reward_functions(run.reward, deploy=run.deploy))

@@ -1,8 +1,10 @@
 """What an RL run plugs into the job builder (components/runs.py): PPO, RLOO, GRPO on the actor's ranks.
 
-    prepare    models/prepare.py (the models checked, derived values filled in), the prompts read (models/data.py)
-    sources    its reward files stored in its store (every process that scores loads them by digest), the provenance
-               of its models and data (models/resolve.py)
+    prepare    models/prepare.py (what it reads pinned, derived values filled in), the prompts read (models/data.py)
+    provenance its record: the training fields of its config, its prompts' rows, its models as pinned, its reward
+               and environment files, the code and libraries (and vLLM's version when it samples with vLLM)
+    stored     its reward files stored in its store (every process that scores loads them by digest)
+    controls   with the actor on several nodes, this process is the run's controller (components/controller.py)
     run        the rollout server when the engine holds its own weights (it loads beside the actor); the actor on its
                ranks, restored from the run's checkpoint (weights, optimizer, RNGs); the run's services: the rollout
                server given the actor's weights, and what the algorithm scores with (a critic server, a reward server
@@ -25,15 +27,19 @@ from typing import Iterator
 
 import torch
 
+from components.controller import control, controls
 from components.export import publish_model
+from components.jobs import Job
 from components.launch.ranks import actor_ranks
 from components.serving.auth import ranks_secret
 from components.serving.services import RunServices, rollout_server, run_services
 from components.storage.backends import CheckpointError
-from components.tracking.run import (RunSession, data_provenance, model_provenance, store_reward_files,
-                                     tuple_state)
+from components.tracking.provenance import (RL_NOT_TRAINED, data_record, job_record, judging_files, model_record,
+                                            verifiers_record, vllm_version)
+from components.tracking.run import RunSession, store_reward_files, tuple_state
 from components.verifiers import rollouts as verifiers
-from models.config import RLHFConfig
+from models.algorithms.recipes import resolved_values
+from models.config import RLHFConfig, deep_merge, nested
 from models.data import PromptSet
 from models.export import export_spec
 from models.loop import DIRECT, Iterations, Leader, Steps, read_data, run_loop
@@ -42,10 +48,16 @@ from models.prepare import prepare_run
 HEADLINE = ("reward", "reward_std", "kl")  # with objective/* and rewards/*: the last iteration's, in a summary
 
 
-class RL:
+class RL(Job):
     """An RL run (models/config.RLHFConfig)."""
 
-    name = "rl"
+    unit = "iteration"
+
+    def __init__(self):
+        super().__init__(RLHFConfig.job)
+
+    def title(self, run_name: str) -> str:
+        return f"run {run_name}"
 
     def prepare(self, cfg: RLHFConfig) -> tuple[RLHFConfig, tuple[PromptSet, PromptSet | None]]:
         cfg = prepare_run(cfg)
@@ -57,11 +69,32 @@ class RL:
         return {"algorithm": cfg.algorithm, "preset": cfg.preset,
                 "reward_transport": cfg.reward.transport}
 
-    def sources(self, cfg: RLHFConfig, store) -> tuple[RLHFConfig, dict, dict, dict]:
-        """Its reward files stored in its store (reward.files: what every process of the run receives), the
-        provenance of its models and data."""
-        cfg, reward_files = store_reward_files(cfg, store)
-        return cfg, model_provenance(cfg), data_provenance(cfg), reward_files
+    def provenance(self, cfg: RLHFConfig) -> dict:
+        """What it trains from: its prompts' rows (a verifiers environment's own), its models as pinned, its reward
+        and environment files; vLLM's version when it samples with vLLM."""
+        d = cfg.data
+        data = {"prompts": verifiers_record(cfg.environment.verifiers) if cfg.environment.verifiers else
+                data_record(cfg.source("data.prompts"), d.split)}
+        models = {field.removeprefix("model."): model_record(cfg.source(field)) for field in cfg.reads().models}
+        code = {"vllm": vllm_version(cfg.deploy.rollout.python)} if cfg.rollout.engine == "vllm" else None
+        return job_record(cfg, cfg.run.model_dump(mode="json", exclude=RL_NOT_TRAINED), models, data,
+                          judging_files(cfg), code)
+
+    def controls(self, cfg: RLHFConfig) -> bool:
+        return controls(cfg)
+
+    def control(self, cfg: RLHFConfig, steps: Steps = DIRECT) -> dict:
+        return control(cfg, steps)
+
+    def stored(self, cfg: RLHFConfig, store) -> tuple[RLHFConfig, dict]:
+        """Its reward files stored in its store (reward.files: what every process of the run receives)."""
+        return store_reward_files(cfg, store)
+
+    def logged_config(self, cfg: RLHFConfig) -> dict:
+        """Its config (the reward files' digests are tags: their paths make no param names) with its loss settings as
+        they run (each left unset: its recipe's value)."""
+        logged = cfg.model_dump(mode="json", exclude={"reward": {"files"}, "sources": True})
+        return deep_merge(logged, nested(resolved_values(cfg)))
 
     def restore_parts(self, cfg: RLHFConfig) -> tuple[str, ...] | None:
         """launch=kubernetes: the critic server (a pod of its own) restores its part from the store itself."""
@@ -88,7 +121,7 @@ class RL:
                 "final": {k: v for k, v in final.items() if k in HEADLINE or k.startswith(("objective/", "rewards/"))}}
 
     def publish(self, session: RunSession, result: dict, steps: Steps = DIRECT) -> dict:
-        model = publish_model(session)  # the trained model out: store + MLflow
+        model = publish_model(session, "model.policy")  # the trained model out: store + MLflow
         steps.log(f"model of iteration {model['iteration']}: {model['model']} (MLflow logged model "
                   f"{model['mlflow_model_id']})")
         return model
@@ -126,8 +159,7 @@ def checkpoint(session: RunSession, actor: Leader, critic_info: dict | None) -> 
     cfg = session.cfg
     state = {"critic_step": (critic_info or {}).get("step"),
              "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-             "export": export_spec("actor", "causal-lm", cfg.model.dtype, cfg.model.policy, cfg.model.revision,
-                                   "model.policy", session.models.get("model.policy"))}
+             "export": export_spec("actor", "causal-lm", cfg.model.dtype, cfg.source("model.policy"))}
     return session.checkpoint(actor, "actor", state, parts=parts, stored=stored)
 
 

@@ -34,22 +34,22 @@ quiet()  # this module is a process's entry point too: before the model librarie
 
 from components.storage import s3  # noqa: F401 - registers the s3:// transport: a rank loads an s3:// model itself
 from models import distributed
-from models.config import RLHFConfig
 from models.kinds import BY_JOB
 from models.loop import Leader, build, execute
 
 
 def config_class(job: str) -> type:
-    """The config the ranks of a job are given: an RL run's, or a stage's run config (models/kinds.py)."""
-    return RLHFConfig if job == RLHFConfig.job else BY_JOB[job].run_class
+    """The config the ranks of a job are given: its kind's run config (models/kinds.py)."""
+    return BY_JOB[job].run_class
 
 
 @contextmanager
 def actor_ranks(cfg, log_dir: Path, secret: str) -> Iterator[Leader]:
     """The actor on all its ranks, this process being rank 0; followers are stopped on exit, whatever happened.
-    `cfg` is prepared (models/prepare.py: absolute state dir, schedule lengths, reward transport): the ranks get it
-    as it is. Its job (`cfg.job`: models/loop.build): an RL run's actor, or a stage's trainee on the same ranks.
-    `secret`: the run's, which every rank proves (under torchrun, the one every node group was given)."""
+    `cfg` is prepared (models/prepare.py: what it reads pinned, absolute state dir, schedule lengths, reward
+    transport): the ranks get it as it is, and load the pinned paths it carries (they resolve nothing). Its job
+    (`cfg.job`: models/loop.build): an RL run's actor, or a stage's trainee on the same ranks. `secret`: the run's,
+    which every rank proves (under torchrun, the one every node group was given)."""
     name = cfg.job
     outer = distributed.from_env()  # torchrun (several nodes) made us a rank already
     followers = None

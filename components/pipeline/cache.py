@@ -2,8 +2,9 @@
 
 A stage's key is the digest of its job's provenance record (components/tracking/provenance.py): the config fields
 that change what it trains, its seed, its data by content, its upstream models by content (a hub model by its
-resolved commit too), its reward and gold files by their bytes, and the code version (models/, CODE_VERSION, the
-versions of the libraries that change results). Where a stage runs (deploy.*: ranks, servers, stores) is not in it:
+resolved commit too), its reward and gold files by their bytes, and the code version (the syntax tree, docstrings
+aside, of every project module the job's processes import: components/tracking/code.py; the versions of the libraries
+that change results). Where a stage runs (deploy.*: ranks, servers, stores) is not in it:
 the update is the same whatever the world size. Nothing else is in it either: the pipeline's name, the time, the user,
 an edit of the CLI.
 

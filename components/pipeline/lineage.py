@@ -40,8 +40,7 @@ class PipelineRun:
 
     def record_stage(self, stage: str, outcome: dict) -> None:
         """Tags naming what the stage is (cached or built, its model, key, run); its metrics at step 0 as
-        '<stage>/<name>' (the eval stage's: eval/eval/win_rate...); the RL stage's held-out evals at their iterations
-        (eval/reward, eval/gold_reward: what a sweep over the pipeline reads, as it reads an RL run's)."""
+        '<stage>/<name>' (the eval stage's: eval/eval/win_rate...)."""
         tags = {"cached": str(outcome.get("cached", False)).lower(), "model": outcome.get("model"),
                 "key": outcome.get("key"), "run": outcome.get("mlflow_run_id"), "logged_model": outcome.get("logged_model_id")}
         self.tracker.client.log_batch(self.run_id, tags=[RunTag(f"stage.{stage}.{name}", str(value))
@@ -49,10 +48,13 @@ class PipelineRun:
         numbers = {f"{stage}/{k}": v for k, v in (outcome.get("metrics") or {}).items() if isinstance(v, (int, float))}
         if numbers:
             self.tracker.log_side_metrics(numbers, step=0)
-        if stage == "rl":
-            for evaluation in outcome.get("evals") or []:
-                self.tracker.log_side_metrics({k: v for k, v in evaluation.items() if k.startswith("eval/")},
-                                              step=int(evaluation["iteration"]))
+
+    def log_evals(self, evaluations: list[dict]) -> None:
+        """An RL stage's held-out evals at their iterations (eval/reward, eval/gold_reward: what a sweep over the
+        pipeline reads, as it reads an RL run's)."""
+        for evaluation in evaluations:
+            self.tracker.log_side_metrics({k: v for k, v in evaluation.items() if k.startswith("eval/")},
+                                          step=int(evaluation["iteration"]))
 
     def log_model(self, stage: str, record: dict, upstream: dict[str, str], data: dict[str, str]) -> str:
         """Log the stage's model as an external MLflow LoggedModel of the run that built it (`record`'s MLflow run,

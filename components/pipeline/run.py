@@ -10,9 +10,10 @@
     eval          the trained policy against the SFT policy on held-out prompts (models/stages/evaluate.py; after a
                   function-scored RL stage, as that run's held-out eval judges: components/jobs/evaluation.py)
 
-Every stage is a job of the one job builder (components/runs.py), run as a stage of the pipeline: its key is the
-digest of the job's provenance record (components/tracking/provenance.py: the config fields that change what it
-trains, its data, reward and gold files and upstream models by content, the code version); a record for that key is
+Every stage is a job of the one job builder (components/runs.py), run as a stage of the pipeline: what it reads is
+pinned once (models/resolve.pin), its key is the digest of the job's provenance record made from those pins
+(components/tracking/provenance.py: the config fields that change what it trains, its data, reward and gold files
+and upstream models by content, the code version), and the job runs with the same pins; a record for that key is
 reused (a Prefect task in the Cached state, `cached: true` in the summary); otherwise the job is built under the
 stage's lease (a pipeline racing for the same key waits, then reuses it) and recorded beside its checkpoints.
 `rerun_from` (`--from STAGE`) builds that stage and every one after it again, from scratch. Before the next stage
@@ -52,9 +53,8 @@ from components.jobs.stages import stage_rows
 from components.pipeline.cache import Records, build_once, stage_dir
 from components.pipeline.config import PipelineConfig
 from components.pipeline.lineage import PipelineRun
-from components.runs import train
+from components.runs import provenance, train
 from components.tracking.provenance import digest as record_digest
-from components.tracking.provenance import provenance
 from models.config import RLHFConfig, merge
 from models.deploy import DeployConfig
 from models.kinds import BY_JOB, KINDS, POLICY_FROM_SFT
@@ -62,7 +62,7 @@ from models.loop import DIRECT, Steps
 from models.stages.config import EvalRun, RewardModelRun, SFTRun
 from models.stages.evaluate import check_policy
 from models.stages.evaluate import check_reward_model as check_loaded_reward_model
-from models.resolve import file_digests, resolve_model
+from models.resolve import file_digests, pin, resolve_model
 
 STEP_NAMES = {kind.job: f"{kind.command}-stage" for kind in KINDS}  # a stage's task: '<its kind's command>-stage'
 
@@ -153,17 +153,20 @@ def given(p: Pipeline, stage: str, model: str) -> Outcome:
     return outcome
 
 
-def stage(p: Pipeline, name: str, job, handoff: Callable[[Pipeline, dict], dict] = lambda p, result: {}) -> Outcome:
+def stage(p: Pipeline, name: str, job, handoff: Callable[[Pipeline, object, dict], dict] = lambda p, job, result: {}
+          ) -> Outcome:
     """Reuse the record of the stage's key (the digest of its job's provenance record), or build it (under its lease)
-    and record it; returns the outcome. `job`: the stage's job config (its run name is the pipeline's: set here);
-    `handoff(p, result)`: the stage's hand-off check of a built job's result, what it adds to the record."""
+    and record it; returns the outcome. `job`: the stage's job config (its sources pinned here, once: the record and
+    the job are made from the same pins; its run name is the pipeline's: set here); `handoff(p, job, result)`: the
+    stage's hand-off check of a built job's result, what it adds to the record."""
+    job = pin(job)
     record = provenance(job)
     key = record_digest(record)
     started = time.time()
 
     def build(p: Pipeline, key: str) -> dict:
         result = train(job.model_copy(update={"run_name": stage_dir(name, key)}), p.steps, provenance=record)
-        return {**stage_record(result), "provenance": record, **handoff(p, result)}
+        return {**stage_record(result), "provenance": record, **handoff(p, job, result)}
 
     found = p.steps(STEP_NAMES[name], run_or_reuse, p, name, key, build)
     if isinstance(found, State):  # a Prefect task that ended Cached gives its state back
@@ -183,7 +186,7 @@ def stage(p: Pipeline, name: str, job, handoff: Callable[[Pipeline, dict], dict]
 
 def stage_record(result: dict) -> dict:
     """A job's summary as its stage's record: small (no per-step history), JSON."""
-    keep = ("model", "files", "digest", "run_name", "mlflow_run_id", "reward_stats", "steps", "evals", "rows")
+    keep = ("model", "files", "digest", "run_name", "mlflow_run_id", "model_config", "steps", "evals", "rows")
     record = {k: result[k] for k in keep if k in result}
     record["metrics"] = {k: v for k, v in result["metrics"].items() if isinstance(v, (int, float))}
     return record
@@ -281,7 +284,7 @@ def sft_stage(p: Pipeline) -> None:
 
 def policy_handoff(name: str):
     """A stage's policy as saved loads as the next stage loads a policy."""
-    def check(p: Pipeline, result: dict) -> dict:
+    def check(p: Pipeline, job, result: dict) -> dict:
         p.steps(f"hand-off-{name.replace('_', '-')}", check_policy, result["model_dir"], f"{name} model")
         return {"handoff": {"loads_as": "AutoModelForCausalLM"}}
     return check
@@ -297,12 +300,11 @@ def reward_model_stage(p: Pipeline) -> None:
     p.outcomes["reward_model"] = stage(p, "reward_model", job(p, "reward_model"), reward_model_handoff)
 
 
-def reward_model_handoff(p: Pipeline, result: dict) -> dict:
+def reward_model_handoff(p: Pipeline, job: RewardModelRun, result: dict) -> dict:
     """The reward model as saved loads as the RL stage loads it (no newly initialised weight, one label), and scores
-    its held-out pairs as its stage recorded."""
+    its held-out pairs (the stage's pinned rows, read with the saved model's tokenizer) as its stage recorded."""
     recorded = result["metrics"].get("eval/accuracy")
-    pairs = (stage_rows("reward_model", p.cfg.reward_model, result["model_dir"], held_out_only=True, deploy=p.deploy)[1]
-             if recorded is not None else None)
+    pairs = stage_rows(job, result["model_dir"], held_out_only=True)[1] if recorded is not None else None
     accuracy = p.steps("hand-off-reward-model", check_loaded_reward_model, result["model_dir"], pairs, recorded,
                        "reward_model.model")
     if accuracy is not None:
@@ -313,12 +315,15 @@ def reward_model_handoff(p: Pipeline, result: dict) -> dict:
 
 
 def rl_stage(p: Pipeline) -> None:
+    """The RL run; its held-out evals beside the pipeline's run at their iterations (what a sweep over the pipeline
+    reads, as it reads an RL run's)."""
     p.outcomes["rl"] = stage(p, "rl", job(p, "rl"), rl_handoff)
+    p.lineage.log_evals(p.outcomes["rl"].record.get("evals") or [])
 
 
-def rl_handoff(p: Pipeline, result: dict) -> dict:
+def rl_handoff(p: Pipeline, job: RLHFConfig, result: dict) -> dict:
     """The RL policy as exported loads as the eval stage loads it; the run's curves beside its record."""
-    policy_handoff("rl")(p, result)
+    policy_handoff("rl")(p, job, result)
     history = result["history"]
     curves = {name: [m.get(name) for m in history] for name in ("reward", "objective/gold_reward", "objective/kl")
               if history and name in history[0]}

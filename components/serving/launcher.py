@@ -199,7 +199,7 @@ def rollout_argv(cfg: RLHFConfig, port: int, host: Optional[str] = None, instanc
                  trainer_host: str = "127.0.0.1") -> list[str]:
     """The rollout server's command line (no secret on it: the secret goes in its environment, `rollout_env`)."""
     v = cfg.deploy.rollout
-    argv = [rollout_python(cfg), "-m", ROLLOUT_SERVER_MODULE, "--model", str(cfg.resolve_model_path(cfg.model.policy)),
+    argv = [rollout_python(cfg), "-m", ROLLOUT_SERVER_MODULE, "--model", cfg.local_path("model.policy"),
             "--host", host or v.host, "--port", str(port), "--dtype", cfg.rollout.vllm.dtype, "--seed", str(cfg.seed),
             "--gpu-memory-utilization", str(v.gpu_memory_utilization), "--instance", instance,
             "--trainer-host", trainer_host, "--max-request-sequences", str(v.max_request_sequences),

@@ -41,8 +41,8 @@ from components.sweep.tracking import find_parent
 from components.tracking.tracker import flatten
 from models.config import RLHFConfig
 
-PROVENANCE_TAGS = ("provenance.code.version", "provenance.code.models", "mlflow.source.git.commit", "machine",
-                   "reproducible", "reproducible.why")
+PROVENANCE_TAGS = ("provenance.code.modules", "mlflow.source.git.commit", "machine", "reproducible",
+                   "reproducible.why")
 
 
 @dataclass

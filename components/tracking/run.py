@@ -13,7 +13,8 @@ latest.json or manifest the deployment did not sign is refused when the job open
 What a job is made of travels with it: opening an RL run stores the bytes of every reward file it names (a local
 'path/to/rewards.py:fn') in its store, `rewards/<sha256>.py`, and sets reward.files, so every process that scores
 loads those bytes by their digest (models/reward.py); the session holds them with the provenance of every model and
-data set the job reads (models/resolve.py: its source, hub commit, s3 ETags, the digest of its files), as MLflow tags
+data set the job reads, made from the pins its config carries (`cfg.sources`, pinned once where the job starts:
+models/resolve.py; its source, hub commit, s3 ETags, the digest of its files), as MLflow tags
 (`reward.function.sha256`, `model.policy.digest`, ...), in the summary and in every checkpoint's manifest (what `rlhf
 export` checks a LoRA adapter's base against), and the job's provenance record (components/tracking/provenance.py:
 what a pipeline stage's key is the digest of) as `provenance.*` tags.
@@ -48,9 +49,8 @@ from components.storage.lease import HeldLease, acquire as acquire_lease
 from components.storage.store import CheckpointStore
 from components.tracking.provenance import digest
 from components.tracking.tracker import Tracker, resolve_tracking_uri
-from models.algorithms.recipes import resolved_values
-from models.config import RLHFConfig, deep_merge, merge, nested, run_name_for
-from models.resolve import resolve_data
+from models.config import RLHFConfig, merge, run_name_for
+from models.resolve import Sources
 from models.reward import is_file_spec, reward_file
 
 if TYPE_CHECKING:  # only annotations here: what reads a run's record (a sweep, rlhf compare) loads no model code
@@ -130,16 +130,16 @@ class RunSession:
     reward_files: dict = field(default_factory=dict)  # reward field -> {path, sha256, uri} (store_reward_files)
 
     @classmethod
-    def open(cls, cfg, tags: dict[str, str] | None = None, log: Callable[[str], None] = LOG.warning,
-             parts: tuple[str, ...] | None = None, provenance: dict | None = None, lease_holder: str | None = None,
-             sources: Callable | None = None) -> "RunSession":
+    def open(cls, cfg, kind, tags: dict[str, str] | None = None, log: Callable[[str], None] = LOG.warning,
+             provenance: dict | None = None, lease_holder: str | None = None) -> "RunSession":
         """Resolve the job's run name; take its lease (one writer per run name: another live job of this name is
         refused, naming it, before anything of it is touched), or with `lease_holder` write under the lease of that
-        holder (a multi-node run's controller), and fence its store with it; `sources(cfg, store)` (the job's kind)
-        stores what must travel with it and says what it reads: (cfg, models, data, reward_files); if the store has
-        a checkpoint, download the newest that passes its checks (its `parts`; an older one when the newest fails
-        them, said through `log`) into `restore_dir` and remember its manifest; start or continue its MLflow run,
-        tagged with `tags`, its sources and the `provenance` record."""
+        holder (a multi-node run's controller), and fence its store with it; store what must travel with the job
+        (its `kind`'s `stored`: an RL run's reward files); if the store has a checkpoint, download the newest that
+        passes its checks (the kind's `restore_parts`; an older one when the newest fails them, said through `log`)
+        into `restore_dir` and remember its manifest; start or continue its MLflow run, tagged with `tags`, the
+        digests of its pinned sources (`cfg.sources`) and the `provenance` record, its config (as its kind logs it)
+        as the run's parameters."""
         name = run_name_for(cfg)
         store = CheckpointStore.from_uri(checkpoint_uri(cfg, name), s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
         lease = (HeldLease(store, name, lease_holder) if lease_holder else
@@ -147,11 +147,12 @@ class RunSession:
                                flow_run_id=_flow_run_id(), what=f"run_name={name!r}"))
         try:
             store.fence(lease.token)  # from now on latest.json moves only for this lease
-            cfg, models, data, reward_files = sources(cfg, store) if sources else (cfg, {}, {}, {})
+            cfg, reward_files = kind.stored(cfg, store)
+            models, data = sources_record(cfg.sources)
             local_dir = cfg.resolved_state_dir() / "runs" / name
             local_dir.mkdir(parents=True, exist_ok=True)
             manifest, resumed_from = {}, None
-            restored = store.restore(local_dir / "restore", parts=parts, log=log)
+            restored = store.restore(local_dir / "restore", parts=kind.restore_parts(cfg), log=log)
             if restored is not None:
                 resumed_from, manifest = restored[0], from_jsonable(restored[1])
             parent = {"mlflow.parentRunId": cfg.tracking.parent_run_id} if cfg.tracking.parent_run_id else {}
@@ -161,12 +162,7 @@ class RunSession:
                               tags={"job": cfg.job, **record_tags(record),
                                     **provenance_tags({**models, **data}, reward_files), **parent, **(tags or {})},
                               system_metrics=cfg.deploy.tracking.system_metrics)
-            # URL passwords redacted by the tracker; the reward files' digests are tags (their paths make no param names);
-            # an RL run's loss settings as they run (each left unset: its recipe's value)
-            logged = cfg.model_dump(mode="json", exclude={"reward": {"files"}} if cfg.job == "rl" else None)
-            if cfg.job == "rl":
-                logged = deep_merge(logged, nested(resolved_values(cfg)))
-            tracker.start(logged)
+            tracker.start(kind.logged_config(cfg))  # URL passwords redacted by the tracker
         except BaseException:
             lease.release()
             raise
@@ -215,8 +211,8 @@ class RunSession:
         step = leader.state
         manifest = {"iteration": step.iteration, "episode": step.episode, "run_name": self.name,
                     "world_size": step.me.world_size, "tracking_run_id": self.tracker.run_id,
-                    "config": self.cfg.model_dump(mode="json"), "provenance": self.provenance, "models": self.models,
-                    "data": self.data, "reward_files": self.reward_files, **(state or {})}
+                    "config": self.cfg.model_dump(mode="json", exclude={"sources"}), "provenance": self.provenance,
+                    "models": self.models, "data": self.data, "reward_files": self.reward_files, **(state or {})}
         uri = self.store.save(step.iteration, {part: staging / part, **(parts or {})}, _jsonable(manifest),
                               stored=stored, fence=self.lease.token)
         for key in (stored or {}).values():
@@ -282,24 +278,12 @@ def store_reward_files(cfg: RLHFConfig, store: CheckpointStore) -> tuple[RLHFCon
     return (merge(cfg, {"reward.files": files}) if files else cfg), record
 
 
-def model_provenance(cfg: RLHFConfig) -> dict:
-    """{model.<field>: provenance} of every model an RL run names (models/resolve.py: source, hub commit, s3 ETags,
-    the digest of its files)."""
-    return {f"model.{name}": cfg.resolve_model(value).provenance for name in ("policy", "reward", "critic")
-            if (value := getattr(cfg.model, name))}
-
-
-def data_provenance(cfg: RLHFConfig) -> dict:
-    """{data.prompts / eval.prompts: provenance} of the data an RL run reads (models/resolve.py: a local file's, an
-    s3:// object's or a hub data set's digest and origin; builtin data: its name; reasoning_gym data: its name and
-    options)."""
-    d, e = cfg.data, cfg.eval
-    sources = [("data.prompts", d.prompts, d.revision, d.subset, d.options)]
-    if e.prompts and e.every:
-        sources.append(("eval.prompts", e.prompts, e.revision, e.subset, e.options))
-    return {name: {**resolve_data(value, name, revision, cfg.deploy, subset).provenance,
-                   **({"options": options} if options else {})}
-            for name, value, revision, subset, options in sources if value}
+def sources_record(sources: Sources) -> tuple[dict, dict]:
+    """({model field: provenance}, {data field: provenance}) of a job's pinned sources (models/resolve.py: source,
+    hub commit, s3 ETags, the digest of its files; generated data: its name and options): what its summary, its
+    checkpoints' manifests and its MLflow tags say it read."""
+    return ({field: found.provenance for field, found in sources.models.items()},
+            {field: found.provenance for field, found in sources.data.items()})
 
 
 def provenance_tags(sources: dict, reward_files: dict) -> dict[str, str]:

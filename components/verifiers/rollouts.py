@@ -143,7 +143,7 @@ def prompt_sets(cfg, eval_limit: Optional[int] = None, evals: bool = True) -> tu
     rendered with the policy's chat template; each row's position and split are its columns (what a rollout request
     names)."""
     v = cfg.environment.verifiers
-    tokenizer = load_policy_tokenizer(cfg.resolve_model_path(cfg.model.policy))
+    tokenizer = load_policy_tokenizer(cfg.local_path("model.policy"))
     sets = []
     with VerifiersWorker(None, Path(cfg.deploy.state_dir) / "verifiers" / f"{v.id}-dataset.log",
                          env_paths=v.paths) as worker:

@@ -453,7 +453,7 @@ def check_environment_run(cfg, tokenizer, sources: dict[str, list[str]]) -> None
     episodes, and every reward function finds the data set columns it reads in each source ({where: columns})."""
     from transformers import AutoConfig  # light next to a model: its config file
 
-    runner = start_episodes(cfg, tokenizer, AutoConfig.from_pretrained(cfg.resolve_model_path(cfg.model.policy)),
+    runner = start_episodes(cfg, tokenizer, AutoConfig.from_pretrained(cfg.local_path("model.policy")),
                             workers=1)
     try:
         fields = (["reward.function"] if cfg.reward.function else

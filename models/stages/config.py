@@ -14,11 +14,12 @@ from typing import ClassVar, Literal, Optional
 
 from pydantic import Field, PositiveInt, model_validator
 
-from models.config import (RUN_NAME_PATTERN, CheckpointConfig, LoraConfig, RunConfig,
-                           TrackingConfig)
+from models.algorithms import ALGORITHMS
+from models.config import (RUN_NAME_PATTERN, SOURCES_DESCRIPTION, CheckpointConfig, LoraConfig,
+                           RunConfig, TrackingConfig)
 from models.deploy import DeployConfig
 from models.sections import OptimConfig, Section
-from models.resolve import Resolved, resolve_model
+from models.resolve import Reads, Resolved, Sources, Want
 
 
 class StageOptim(OptimConfig):
@@ -231,20 +232,28 @@ class EvalRunConfig(Section):
 
 
 class Deployed:
-    """What a stage run with its deployment answers (a run as its processes receive it: what it trains, and where
-    its parts run, `deploy`)."""
+    """What a stage or eval run with its deployment answers (a run as its processes receive it: what it trains, and
+    where its parts run, `deploy`; what it reads, pinned where it starts, `sources`)."""
 
     def resolved_state_dir(self):
         return self.deploy.resolved_state_dir()
 
-    def resolve_model(self, value: str, field: str = "model") -> Resolved:
-        """Where a model is on this machine (models/resolve.py): `model` at model_revision, or another field's value
-        (an eval's reference and reward) as it is, named by `field`."""
-        revision = getattr(self, "model_revision", None) if value == self.model else None
-        return resolve_model(value, field, revision, self.deploy)
+    def reads(self) -> Reads:
+        """What a stage reads (pinned once where it starts: models/resolve.pin): the model it trains from (at
+        model_revision), its rows and, when its held-out split is read from elsewhere, its eval_data."""
+        t, stage = self.train, self.stage
+        data = {f"{stage}.data": Want(t.data, t.revision, t.subset)}
+        if t.eval_split is not None and t.eval_data:
+            data[f"{stage}.eval_data"] = Want(t.eval_data, t.revision, t.subset)
+        return Reads({"model": Want(self.model, self.model_revision)}, data)
 
-    def resolve_model_path(self, value: str) -> str:
-        return self.resolve_model(value).path
+    def source(self, field: str) -> Resolved:
+        """The pin of a source the job reads (`reads`), as this machine has it (models/resolve.py); nothing resolves."""
+        return self.sources.local(field, self.reads(), self.deploy)
+
+    def local_path(self, field: str) -> str:
+        """The local directory (or file) of a model or data field the job reads, as pinned (`source`)."""
+        return self.source(field).path
 
 
 DEPLOY_DESCRIPTION = "Where the run's ranks run, its state, tracking and checkpoints (set by the deployment)."
@@ -254,24 +263,43 @@ class SFTRun(SFTRunConfig, Deployed):
     """An SFT run with its deployment."""
 
     deploy: DeployConfig = Field(default_factory=DeployConfig, description=DEPLOY_DESCRIPTION)
+    sources: Sources = Field(default_factory=Sources, description=SOURCES_DESCRIPTION)
 
 
 class RewardModelRun(RewardModelRunConfig, Deployed):
     """A reward-model run with its deployment."""
 
     deploy: DeployConfig = Field(default_factory=DeployConfig, description=DEPLOY_DESCRIPTION)
+    sources: Sources = Field(default_factory=Sources, description=SOURCES_DESCRIPTION)
 
 
 class DPORun(DPORunConfig, Deployed):
     """A DPO run with its deployment."""
 
     deploy: DeployConfig = Field(default_factory=DeployConfig, description=DEPLOY_DESCRIPTION)
+    sources: Sources = Field(default_factory=Sources, description=SOURCES_DESCRIPTION)
 
 
 class EvalRun(EvalRunConfig, Deployed):
     """An eval run with its deployment."""
 
     deploy: DeployConfig = Field(default_factory=DeployConfig, description=DEPLOY_DESCRIPTION)
+    sources: Sources = Field(default_factory=Sources, description=SOURCES_DESCRIPTION)
+
+    def reads(self) -> Reads:
+        """What an eval reads: the policy, its reference and its judge, and the held-out prompts; judged as an RL run's
+        eval (`run`), also what that run's config names and its prepared config reads (components/jobs/evaluation
+        .as_run): its prompts (their task names its gold reward) and its teacher (a distilling recipe)."""
+        e, run = self.eval, self.run
+        models = {name: Want(value) for name in ("model", "reference", "reward") if (value := getattr(self, name))}
+        data = {"eval.prompts": Want(e.prompts, e.revision, e.subset)}
+        if run is not None:
+            if ALGORITHMS[run.algorithm].needs_teacher and run.model.teacher:
+                models["run.model.teacher"] = Want(run.model.teacher)
+            if run.data.prompts and not run.environment.verifiers:
+                data["run.data.prompts"] = Want(run.data.prompts, run.data.revision, run.data.subset,
+                                                run.data.options)
+        return Reads(models, data)
 
 
 StageRun = SFTRun | RewardModelRun | DPORun  # and any other stage's (models/kinds.py: a JobKind's `run`)
@@ -286,6 +314,7 @@ def stage_run_configs(stage: str, section: type, doc: str) -> tuple[type, type]:
         "stage": stage, stage: Field(default_factory=section, description=f"The {name} stage.")})
     run = type(f"{name}Run", (config, Deployed), {
         "__doc__": f"{doc.rstrip('.')}, with its deployment.", "__module__": section.__module__,
-        "__annotations__": {"deploy": DeployConfig}, "deploy": Field(default_factory=DeployConfig,
-                                                                    description=DEPLOY_DESCRIPTION)})
+        "__annotations__": {"deploy": DeployConfig, "sources": Sources},
+        "deploy": Field(default_factory=DeployConfig, description=DEPLOY_DESCRIPTION),
+        "sources": Field(default_factory=Sources, description=SOURCES_DESCRIPTION)})
     return config, run

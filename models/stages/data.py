@@ -29,8 +29,8 @@ from torch import Tensor
 
 from models.chat import ChatTemplateError
 from models.data import DataError, read_rows, render_messages
-from models.deploy import DeployConfig
 from models.environments.chat import ChatFormat, ChatFormatError
+from models.resolve import Resolved
 
 
 @dataclass
@@ -148,12 +148,11 @@ def position_limit(tokenizer, max_length: int | None, model_config=None) -> int 
 
 # ---------------------------------------------------------------- SFT rows
 
-def load_sequences(source: str, split: str, tokenizer, max_length: int | None = None, field: str = "sft.data",
-                   subset: str | None = None, revision: str | None = None,
-                   deploy: DeployConfig | None = None) -> Sequences:
-    """SFT rows of `source` (split `split`; configuration `subset`, hub revision `revision`: models/data.read_rows)
-    tokenized; a DataError naming the source and the problem otherwise."""
-    rows = _rows(source, split, field, subset, revision, deploy)
+def load_sequences(source: Resolved, split: str, tokenizer, max_length: int | None = None) -> Sequences:
+    """SFT rows of a pinned `source` (split `split`: models/data.read_rows) tokenized; a DataError naming the source
+    and the problem otherwise."""
+    rows = _rows(source, split)
+    field, source = source.field, source.value
     names = rows.column_names
     if "messages" in names and "prompt" not in names:
         form = "messages"
@@ -224,11 +223,11 @@ def tool_conversation_ids(tokenizer, row: dict, where: str) -> tuple[list[int], 
 
 # ---------------------------------------------------------------- preference pairs
 
-def load_pairs(source: str, split: str, tokenizer, max_length: int | None = None, field: str = "reward_model.data",
-               subset: str | None = None, revision: str | None = None, deploy: DeployConfig | None = None) -> Pairs:
-    """Preference pairs of `source` (split `split`; `subset`, `revision` as `load_sequences`) tokenized; a DataError
-    naming the source and the problem otherwise."""
-    rows = _rows(source, split, field, subset, revision, deploy)
+def load_pairs(source: Resolved, split: str, tokenizer, max_length: int | None = None) -> Pairs:
+    """Preference pairs of a pinned `source` (split `split`, as `load_sequences`) tokenized; a DataError naming the
+    source and the problem otherwise."""
+    rows = _rows(source, split)
+    field, source = source.field, source.value
     missing = [c for c in ("prompt", "chosen", "rejected") if c not in rows.column_names]
     if missing:
         raise DataError(f"{field}: '{source}' lacks the column(s) {missing} (TRL's preference form: prompt, chosen, "
@@ -261,23 +260,21 @@ def _text(value) -> str:
     return value if isinstance(value, str) else " | ".join(f"{m.get('role')}: {m.get('content')}" for m in value)
 
 
-def _rows(source: str, split: str, field: str, subset: str | None = None, revision: str | None = None,
-          deploy: DeployConfig | None = None, options: dict | None = None):
-    rows = read_rows(source, split, field, subset, revision, deploy, options)
+def _rows(source: Resolved, split: str):
+    rows = read_rows(source, split)
     if len(rows) == 0:
-        raise DataError(f"{field}: split '{split}' of '{source}' is empty")
+        raise DataError(f"{source.field}: split '{split}' of '{source.value}' is empty")
     return rows
 
 
 # ---------------------------------------------------------------- what a stage was made from
 
-def rows_digest(source: str, split: str, field: str, subset: str | None = None, revision: str | None = None,
-                deploy: DeployConfig | None = None, options: dict | None = None) -> str:
-    """sha256 of the rows of `source` (split `split`, configuration `subset`, hub revision `revision`) as read: every
-    row as canonical JSON, in order. The same rows give the same digest whatever the file format they came in; any
-    changed value, row or order changes it. `options`: a generated source's (reasoning_gym:<task>)."""
+def rows_digest(source: Resolved, split: str) -> str:
+    """sha256 of the rows of a pinned `source` (split `split`) as read: every row as canonical JSON, in order. The
+    same rows give the same digest whatever the file format they came in; any changed value, row or order changes
+    it."""
     digest = hashlib.sha256()
-    for row in _rows(source, split, field, subset, revision, deploy, options):
+    for row in _rows(source, split):
         digest.update(json.dumps(row, sort_keys=True, default=str, separators=(",", ":")).encode())
         digest.update(b"\n")
     return digest.hexdigest()

@@ -26,7 +26,7 @@ def build_stage(cfg: StageRun, me: Dist = SINGLE) -> StageState:
     torch.manual_seed(cfg.seed)  # the same new score head on every rank
     train, kind = cfg.train, stage_kind(cfg.stage)
     shard = me.active and cfg.deploy.actor.fsdp == "auto" and not train.lora.enabled
-    trainee = kind.build(cfg, cfg.resolve_model_path(cfg.model), local_device(cfg.deploy.device, me), me, shard)
+    trainee = kind.build(cfg, cfg.local_path("model"), local_device(cfg.deploy.device, me), me, shard)
     trainee.model.train()
     optimizer, scheduler = make_optimizer(trainee.trainable_parameters(), train.optim)
     return StageState(trainee, kind, optimizer, scheduler, torch.Generator().manual_seed(cfg.seed + 1_000_003 * me.rank),

@@ -24,6 +24,7 @@ from pydantic import Field, PositiveInt
 from torch import Tensor
 
 from models.data import DataError, read_rows
+from models.resolve import Resolved
 from models.stages.config import StageTraining, stage_run_configs
 from models.stages.data import load_pairs, right_padded, sequence_ids
 from models.stages.dpo import DPO, completion_logps
@@ -118,17 +119,17 @@ class Labeled:
                 "kl_prompt_lengths": cut}
 
 
-def load_labeled(source: str, split: str, tokenizer, max_length: int | None = None, field: str = "kto.data",
-                 subset: str | None = None, revision: str | None = None, deploy=None) -> Labeled:
-    """KTO's rows of `source`: (prompt, completion, label) as they are, or (prompt, chosen, rejected) unpaired; a
-    DataError naming the source and the problem otherwise."""
-    rows = read_rows(source, split, field, subset, revision, deploy)
+def load_labeled(pinned: Resolved, split: str, tokenizer, max_length: int | None = None) -> Labeled:
+    """KTO's rows of a pinned source: (prompt, completion, label) as they are, or (prompt, chosen, rejected)
+    unpaired; a DataError naming the source and the problem otherwise."""
+    rows = read_rows(pinned, split)
+    field, source = pinned.field, pinned.value
     names = rows.column_names
     if not {"prompt", "completion", "label"} <= set(names):
         if not {"prompt", "chosen", "rejected"} <= set(names):
             raise DataError(f"{field}: '{source}' needs the columns prompt, completion and label (TRL's unpaired "
                             f"preference form) or prompt, chosen and rejected (pairs); its columns: {names}")
-        pairs = load_pairs(source, split, tokenizer, max_length, field, subset, revision, deploy)
+        pairs = load_pairs(pinned, split, tokenizer, max_length)
         out = Labeled([], [], [], source, pairs.dropped, pairs.mismatched)
         for chosen, rejected, (c_len, r_len) in zip(pairs.chosen, pairs.rejected, pairs.prompt_lengths):
             out.ids += [chosen, rejected]
@@ -192,8 +193,8 @@ class KTO(DPO):
 
     name, pairs = "kto", False
 
-    def load_rows(self, *args, **kwargs) -> Labeled:
-        return load_labeled(*args, **kwargs)
+    def load_rows(self, source: Resolved, split: str, tokenizer, max_length: int | None) -> Labeled:
+        return load_labeled(source, split, tokenizer, max_length)
 
     def step(self, trainee, cfg, mine):
         train = cfg.train

@@ -36,6 +36,7 @@ from models.distributed import SINGLE, Dist, shard_model
 from models.loading import adapters_in_float32, autocast, base_dtype, disable_dropout, from_pretrained
 from models.losses import bradley_terry_loss, completion_mask, sft_loss
 from models.policy import Policy, load_policy_tokenizer, load_trained, save_trained
+from models.resolve import Resolved
 from models.stages.config import StageRun
 from models.stages.data import load_pairs, load_sequences, right_padded
 from models.update import MicroLoss, micro_batches, minibatch_update
@@ -136,12 +137,18 @@ class StageKind:
 
     name: str
     pairs: bool  # trains on preference pairs (models/stages/data.load_pairs), else on SFT rows (load_sequences)
+    task = "causal-lm"  # how its trained model exports (models/export.py): a policy
+    held_out_in_model = False  # whether its model carries what its last held-out eval measured (`model_config`)
 
-    def load_rows(self, source: str, split: str, tokenizer, max_length: int | None, field: str,
-                  subset: str | None = None, revision: str | None = None, deploy=None):
-        """Its rows of `source` tokenized (models/stages/data.py): preference pairs, or SFT rows."""
+    def model_config(self, trainee, data, evaluations: list[dict]) -> dict | None:
+        """What its model's config.json carries beside its weights (None: nothing), from its trainee on its ranks,
+        its training rows and its held-out evals."""
+        return None
+
+    def load_rows(self, source: Resolved, split: str, tokenizer, max_length: int | None):
+        """Its rows of a pinned `source` tokenized (models/stages/data.py): preference pairs, or SFT rows."""
         load = load_pairs if self.pairs else load_sequences
-        return load(source, split, tokenizer, max_length, field, subset, revision, deploy)
+        return load(source, split, tokenizer, max_length)
 
     def build(self, cfg: StageRun, path: str, device: torch.device, me: Dist, shard: bool):
         """This rank's trainee, from the model at `path`."""
@@ -193,6 +200,16 @@ class RewardModel(StageKind):
     """Bradley-Terry on pairs, the mean over pairs (TRL's RewardTrainer)."""
 
     name, pairs = "reward_model", True
+    task = "sequence-classification"  # one label
+    held_out_in_model = True  # its reward statistics: which held-out rows it reads changes its output
+    stats_rows = 1000  # pairs whose rewards give its reward statistics when it has no held-out split
+
+    def model_config(self, trainee, data, evaluations: list[dict]) -> dict:
+        """reward_mean and reward_std (what `reward.normalize` reads) of its last held-out eval, else of up to
+        `stats_rows` training pairs scored now (all ranks take part)."""
+        last = evaluations[-1] if evaluations else \
+            trainee.evaluate(data.rows(list(range(min(len(data), self.stats_rows)))))[0]
+        return {"reward_mean": last["reward_mean"], "reward_std": last["reward_std"]}
 
     def build(self, cfg, path, device, me, shard):
         return Scorer.load(path, cfg.train.lora, cfg.train.dtype, device, me, shard)

@@ -17,13 +17,15 @@ from components.jobs.stages import stage_rows
 from components.runs import train as train_stage
 from components.storage.store import CheckpointStore
 from models.critic import init_critic
-from models.resolve import file_digests, resolve_model
+from models.resolve import file_digests, pin, resolve_model
 from models.reward import HandOffError, load_reward_model, reward_model_scores
 from models.stages.config import RewardModelRun, SFTRun
 from models.stages.data import right_padded
 from models.loop import Steps
 from models.metrics import find
 from models.stages.evaluate import check_reward_model
+from models.tiny_files import EMBEDDED_DIR
+from tests.hub_cache import put_in_cache
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +120,7 @@ def test_two_ranks_train_the_reward_model_like_one_and_its_output_carries_its_st
     config = json.loads((model_dir / "config.json").read_text())
     assert (config["reward_mean"], config["reward_std"]) == (one["metrics"]["reward_mean"], one["metrics"]["reward_std"])
     assert one["model"].endswith("/checkpoints/one/model") and one["files"]["config.json"]
-    _, pairs = stage_rows("reward_model", cfg.train, str(model_dir), held_out_only=True)
+    _, pairs = stage_rows(pin(cfg), str(model_dir), held_out_only=True)
     assert check_reward_model(str(model_dir), pairs, one["metrics"]["eval/accuracy"], "one") == pytest.approx(
         one["metrics"]["eval/accuracy"], abs=1 / len(pairs))
     normalized = load_reward_model(str(model_dir), normalize=True)
@@ -197,3 +199,23 @@ def test_kto_on_two_ranks_trains_like_one_and_learns_the_preference(state):
     before, after = run["evals"][0], run["evals"][-1]
     assert before["eval/rewards/margins"] == 0 and before["eval/loss"] == pytest.approx(0.5, abs=1e-6)
     assert after["eval/rewards/margins"] > 0 and after["eval/loss"] < before["eval/loss"], after
+
+
+def test_a_job_given_its_pins_runs_on_its_ranks_with_what_it_was_resolved_from_out_of_reach(state, tmp_path,
+                                                                                             monkeypatch):
+    """Sources are resolved once, where a job starts: an SFT run of a hub model, pinned first, runs on two ranks
+    (rank 0 and a follower it starts) and publishes its model with the Hugging Face cache it was resolved from
+    hidden from every process: none of them resolves the id again. What it records is the pinned commit."""
+    commit = put_in_cache(EMBEDDED_DIR / "policy", tmp_path / "hub", "org/tiny")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    cfg = pin(stage_config(SFTRun, state, run_name="pinned", model="org/tiny", section={"max_steps": 2},
+                           deploy={"state_dir": str(state), "tracking": {"system_metrics": False},
+                                   "actor": {"nproc_per_node": 2}}))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "elsewhere"))  # every process started from here on
+    with pytest.raises(FileNotFoundError, match="^model: 'org/tiny' is not in the Hugging Face cache"):
+        resolve_model("org/tiny", "model")
+    result = train_stage(cfg)
+    assert result["steps"] == 2 and result["models"]["model"]["commit"] == commit
+    assert result["provenance"]["models"]["model"] == {"source": "hub", "digest": resolve_model("tiny/policy").digest,
+                                                       "revision": None, "commit": commit}

@@ -398,6 +398,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_killed_fail_naming_it_and
     from models.config import from_layers
     from models.data import PromptStream
     from models.loop import read_data
+    from models.resolve import pin
 
     s = local_stack
     latest = s["state_dir"] / "checkpoints" / "e2e-vllm" / "latest.json"
@@ -437,7 +438,8 @@ def test_asynchronous_rollouts_from_the_rollout_server_killed_fail_naming_it_and
     # (its batches were one update behind) far more than that
     assert max(diff[i] for i in range(2, logged + 1)) > 1e-2, diff
     assert [stale[i] for i in range(1, logged + 1)] == [0.0] + [1.0] * (logged - 1), stale  # the killed attempt
-    cfg = from_layers({"preset": "tiny", **config, "deploy": {"state_dir": str(s["state_dir"])}, "algorithm": "rloo"})
+    cfg = pin(from_layers({"preset": "tiny", **config, "deploy": {"state_dir": str(s["state_dir"])},
+                           "algorithm": "rloo"}))
     stream = PromptStream(read_data(cfg)[0], cfg.reinforce.rollout_batch_size, cfg.seed)
     expected = [next(stream).prompts for _ in range(logged + 2)]
     for step in range(1, logged + 3):

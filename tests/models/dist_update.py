@@ -76,7 +76,7 @@ def update(cfg: RLHFConfig, fixture: dict, me: distributed.Dist) -> tuple[dict, 
         elif cfg.reward.source == "function":
             backends.reward = build_local_reward(cfg)
         else:
-            backends.reward = LocalRewardModel(load_reward_model(cfg.resolve_model_path(cfg.model.reward)))
+            backends.reward = LocalRewardModel(load_reward_model(cfg.local_path("model.reward")))
     metrics, _ = train_step(state, rounds[0]["prompts"], cfg, backends,
                             reserve=[Batch(part["prompts"]) for part in rounds[1:]])
     for backend in (backends.critic, backends.reward):

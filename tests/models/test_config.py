@@ -52,7 +52,7 @@ def test_what_a_run_trains_names_no_place_and_where_it_runs_is_the_deployment_s(
     deploy = set(fields(DeployConfig))
     assert {"state_dir", "critic.launch", "critic.port", "reward.launch", "rollout.python", "rollout.port",
             "actor.nproc_per_node", "actor.master_port", "tracking.uri", "checkpoint.uri"} <= deploy
-    assert set(RLHFConfig.model_fields) == set(RunConfig.model_fields) | {"deploy"}
+    assert set(RLHFConfig.model_fields) == set(RunConfig.model_fields) | {"deploy", "sources"}  # sources: set by the job
 
 
 def test_a_run_and_its_deployment_compose_and_come_apart():

@@ -11,6 +11,7 @@ from models.config import preset
 from models.data import Batch, DataError, PromptSet, PromptStream, builtin_rows, encode, load_prompt_set, read_rows
 from models.loop import Leader, build_actor, build_local_reward, restore_actor, save_actor
 from models.policy import Policy, load_policy_tokenizer
+from models.resolve import pin, resolve_data
 from models.reward import load_reward_function
 from models.step import prompt_ids
 from models.tasks import sentiment
@@ -26,8 +27,9 @@ def tokenizer(tiny_models):
     return load_policy_tokenizer(tiny_models["policy"])
 
 
-def load(source, tokenizer, split="train", key="question", **kwargs) -> PromptSet:
-    return load_prompt_set(str(source), split, key, tokenizer, **kwargs)
+def load(source, tokenizer, split="train", key="question", field="data.prompts", subset=None, **kwargs) -> PromptSet:
+    """The prompts of `source` as a job reads them: pinned (models/resolve.py), then read."""
+    return load_prompt_set(resolve_data(str(source), field, subset=subset), split, key, tokenizer, **kwargs)
 
 
 def expect_rows(found: PromptSet, rows=ROWS):
@@ -77,7 +79,7 @@ def test_bad_data_is_refused_naming_the_file_and_the_problem(tmp_path, tokenizer
     (tmp_path / "broken.parquet").write_bytes(b"not a parquet file at all")
     with pytest.raises(DataError, match=r"data.prompts: cannot read '.*broken.parquet': "):
         load(tmp_path / "broken.parquet", tokenizer)
-    with pytest.raises(DataError, match=r"'.*missing.jsonl' does not exist"):
+    with pytest.raises(FileNotFoundError, match=r"^data.prompts: '.*missing.jsonl' does not exist"):
         load(tmp_path / "missing.jsonl", tokenizer)
     (tmp_path / "rows.xlsx").write_bytes(b"")
     with pytest.raises(DataError, match=r"unknown extension '.xlsx'"):
@@ -93,9 +95,9 @@ def test_bad_data_is_refused_naming_the_file_and_the_problem(tmp_path, tokenizer
         load(tmp_path / "blank.jsonl", tokenizer)
     with pytest.raises(DataError, match=r"unknown builtin task 'math'; known: sentiment, sentiment_target"):
         load("builtin:math", tokenizer)
-    with pytest.raises(DataError, match=r"^data.prompts: 'someone/some-data-set' is not in the Hugging Face cache .*"
-                                        r"`hf download someone/some-data-set --repo-type dataset`"):
-        read_rows("someone/some-data-set")  # nothing downloads here: said so, with the command that fetches it
+    with pytest.raises(FileNotFoundError, match=r"^data.prompts: 'someone/some-data-set' is not in the Hugging Face "
+                                                r"cache .*`hf download someone/some-data-set --repo-type dataset`"):
+        resolve_data("someone/some-data-set")  # nothing downloads here: said so, with the command that fetches it
 
 
 def test_chat_messages_are_rendered_with_the_policys_chat_template(tmp_path, tokenizer, tiny_models):
@@ -185,9 +187,10 @@ def test_a_reward_function_with_kwargs_gets_every_column_repeated_for_each_sampl
 def test_the_stream_position_travels_with_the_actor_checkpoint(tiny_models, tmp_path):
     """Three iterations mid-epoch, an actor checkpoint, a fresh actor restored from it: the resumed stream hands out
     exactly the rows the uninterrupted run reads next (what the flow does on resume: flows/training.py)."""
-    cfg = preset("tiny", **{"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "algorithm": "rloo",
-                            "model.reward": tiny_models["reward"], "reinforce.rollout_batch_size": 4,
-                            "reinforce.minibatch_size": 16, "generation.max_new_tokens": 4})
+    cfg = pin(preset("tiny", **{"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"],
+                                "algorithm": "rloo", "model.reward": tiny_models["reward"],
+                                "reinforce.rollout_batch_size": 4, "reinforce.minibatch_size": 16,
+                                "generation.max_new_tokens": 4}))
     rows = PromptSet(sentiment.prompts(10, seed=1), [{"i": i} for i in range(10)], "test")
     stream, reward = PromptStream(rows, 4, seed=5), build_local_reward(cfg)
     actor = Leader(cfg, build_actor(cfg))
@@ -227,6 +230,6 @@ def test_a_subset_picks_a_configuration_of_a_folder_that_declares_them(tmp_path,
             load(tmp_path / "ds", tokenizer, **kwargs)
         assert str(failure.value).startswith(message.format(ds=tmp_path / "ds")), str(failure.value)
     with pytest.raises(DataError, match="^eval.subset: 'builtin:sentiment' has no configurations"):
-        read_rows("builtin:sentiment", "test", "eval.prompts", "main")
+        read_rows(resolve_data("builtin:sentiment", "eval.prompts", subset="main"), "test")
     with pytest.raises(DataError, match="^data.subset: .* has no configurations"):
-        read_rows(str(tmp_path / "ds" / "main" / "train.jsonl"), "train", "data.prompts", "main")
+        read_rows(resolve_data(str(tmp_path / "ds" / "main" / "train.jsonl"), "data.prompts", subset="main"), "train")

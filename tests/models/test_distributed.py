@@ -18,6 +18,7 @@ from components.serving.auth import new_secret
 from models import distributed
 from models.algorithms import ALGORITHMS
 from models.config import Sampling, preset
+from models.resolve import pin
 from models.loop import build_actor, load_prompts
 from models.prepare import prepare_run
 from tests.models.dist_update import ranks_env, update
@@ -172,7 +173,7 @@ def test_splitting_a_minibatch_into_micro_batches_does_not_change_the_step(tiny_
     """The shared update loop: one optimizer step over 12 rows, as 1 micro-batch or as 5, gives the same weights."""
     from models.update import minibatch_update
 
-    cfg = preset("tiny", **{"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"]})
+    cfg = pin(preset("tiny", **{"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"]}))
     tokens = torch.randint(4, 40, (12, 10), generator=torch.Generator().manual_seed(0))
     lengths = torch.randint(4, 11, (12,), generator=torch.Generator().manual_seed(1))
     results = []

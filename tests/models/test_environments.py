@@ -507,19 +507,20 @@ def test_reasoning_gym_rows_and_their_scorer():
     """reasoning_gym:<task> rows carry what the task's score_answer needs; the held-out split shares no question
     with the train split; the scorer reads <answer> tags."""
     from models.data import DataError, read_rows
+    from models.resolve import resolve_data
     from models.tasks.reasoning import score
 
     options = {"size": 40, "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}
-    train = read_rows("reasoning_gym:chain_sum", "train", options=options).to_list()
-    test = read_rows("reasoning_gym:chain_sum", "test", "eval.prompts", options=options).to_list()
+    train = read_rows(resolve_data("reasoning_gym:chain_sum", options=options), "train").to_list()
+    test = read_rows(resolve_data("reasoning_gym:chain_sum", "eval.prompts", options=options), "test").to_list()
     assert len(train) == len(test) == 40 and not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     responses = [r["answer"] for r in train[:2]] + [f"so <answer>{train[2]['answer']}</answer>", "12345"]
     columns = {k: [r[k] for r in train[:4]] for k in ("answer", "metadata", "task")}
     assert score([r["prompt"] for r in train[:4]], responses, **columns) == [1.0, 1.0, 1.0, 0.0]
     with pytest.raises(DataError, match="data.prompts: reasoning_gym:no_such_task"):
-        read_rows("reasoning_gym:no_such_task", "train", options={"size": 2})
-    with pytest.raises(DataError, match="data.options: only a reasoning_gym:<task> source takes options"):
-        read_rows("builtin:arithmetic", "train", options={"size": 2})
+        read_rows(resolve_data("reasoning_gym:no_such_task", options={"size": 2}), "train")
+    with pytest.raises(ValueError, match="data.options: only a reasoning_gym:<task> source takes options"):
+        resolve_data("builtin:arithmetic", options={"size": 2})
 
 
 def test_a_worker_killed_at_its_deadline_takes_the_processes_its_tool_started(tmp_path, monkeypatch):

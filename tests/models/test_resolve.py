@@ -4,9 +4,12 @@ BPE tokenizer and chat template, laid out in a temporary HF_HUB_CACHE as hugging
 model.revision; a missing one fails naming the field, the id and the command that fetches it, and is downloaded
 only where the deployment allows it, by one process while the others wait. Every record carries the digest of its
 files (checked here against hashlib over the bytes) and, for the hub, the commit it resolved to. A hub data set
-resolves the same way, at its revision and subset. And what prepare_run decides about the models a user did not
-give: the critic and a token-transport reward model must read the policy's tokens, checked before any weights load.
-s3:// sources: tests/components/storage/test_sources.py."""
+resolves the same way, at its revision and subset. A job pins what it reads once (models/resolve.pin): a field asking
+what another's pin holds shares it, a config that carries its pins (what the ranks, servers and node groups receive)
+resolves nothing again and loads where the resolver could not, a pinned file that changed fails naming its field,
+and a pin whose path is not on this machine is found by its pinned commit. And what prepare_run decides about the
+models a user did not give: the critic and a token-transport reward model must read the policy's tokens, checked
+before any weights load. s3:// sources: tests/components/storage/test_sources.py."""
 
 from __future__ import annotations
 
@@ -18,11 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.config import preset
+from models import resolve
+from models.config import RLHFConfig, merge, preset
 from models.data import DataError, read_rows
 from models.deploy import DeployConfig
 from models.prepare import prepare_run
-from models.resolve import resolve_data, resolve_model
+from models.resolve import pin, resolve_data, resolve_model
 from models.tiny_files import EMBEDDED_DIR
 from tests.hub_cache import build_qwen2, put_in_cache
 
@@ -64,7 +68,7 @@ def test_a_cached_hub_id_loads_offline_as_policy_tokenizer_reward_model_and_crit
     from models.reward import load_reward_model
 
     cfg = prepare_run(user_cfg(tmp_path, **{"model.reward": REWARD, "algorithm": "ppo"}))
-    snapshot = cfg.resolve_model_path(POLICY)
+    snapshot = cfg.local_path("model.policy")
     assert snapshot == str(hub["cache"] / "models--acme--tiny-qwen" / "snapshots" / hub["main"])
     tokenizer = load_policy_tokenizer(snapshot)
     assert tokenizer.chat_template and "<|im_start|>" in tokenizer.apply_chat_template(
@@ -73,22 +77,22 @@ def test_a_cached_hub_id_loads_offline_as_policy_tokenizer_reward_model_and_crit
     expected = weights(AutoModelForCausalLM.from_pretrained(hub["root"] / "policy"))
     got = weights(policy.model)
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in expected)
-    reward = load_reward_model(cfg.resolve_model_path(REWARD))
+    reward = load_reward_model(cfg.local_path("model.reward"))
     assert type(reward).__name__ == "Qwen2ForSequenceClassification"
     assert cfg.model.critic is None  # the reward model shares the policy's tokenizer: the critic starts from it
-    critic = init_critic(None, cfg.resolve_model_path(REWARD))
+    critic = init_critic(None, cfg.local_path("model.reward"))
     assert type(critic).__name__ == "Qwen2ForTokenClassification"
     assert cfg.reward.transport == "tokens"
 
 
 def test_model_revision_picks_a_branch_or_commit_of_the_policy_id(hub, tmp_path):
-    v2 = user_cfg(tmp_path, **{"model.revision": "v2"})
-    assert v2.resolve_model_path(POLICY).endswith(hub["v2"])
-    assert user_cfg(tmp_path, **{"model.revision": hub["main"]}).resolve_model_path(POLICY).endswith(hub["main"])
+    v2 = pin(user_cfg(tmp_path, **{"model.revision": "v2"}))
+    assert v2.local_path("model.policy").endswith(hub["v2"])
+    assert pin(user_cfg(tmp_path, **{"model.revision": hub["main"]})).local_path("model.policy").endswith(hub["main"])
     # the policy's revision applies to another field naming the same id, not to another id
-    same = user_cfg(tmp_path, **{"model.revision": "v2", "model.critic": POLICY, "model.reward": REWARD})
-    assert same.resolve_model_path(same.model.critic).endswith(hub["v2"])
-    assert "models--acme--tiny-qwen-rm" in same.resolve_model_path(REWARD)
+    same = pin(user_cfg(tmp_path, **{"model.revision": "v2", "model.critic": POLICY, "model.reward": REWARD}))
+    assert same.local_path("model.critic").endswith(hub["v2"])
+    assert "models--acme--tiny-qwen-rm" in same.local_path("model.reward")
 
 
 @pytest.mark.parametrize("overrides, field, missing, command", [
@@ -208,15 +212,17 @@ def test_a_hub_data_set_is_read_at_its_revision_and_subset_from_the_cache(hub, t
             "---\nconfigs:\n- config_name: main\n  data_files:\n  - split: train\n    path: main/train.jsonl\n"
             "- config_name: socratic\n  data_files:\n  - split: train\n    path: socratic/train.jsonl\n---\n")
         put_in_cache(folder, hub["cache"], "acme/math", branch, repo_type="dataset")
-    assert read_rows("acme/math", "train", "data.prompts", "main")["question"] == ["1 + 1? (main)", "2 + 2? (main)"]
-    assert read_rows("acme/math", "train", "data.prompts", "socratic", "v2")["question"] == ["3 + 3? (socratic)"]
+    main = resolve_data("acme/math", "data.prompts", subset="main")
+    assert read_rows(main, "train")["question"] == ["1 + 1? (main)", "2 + 2? (main)"]
     found = resolve_data("acme/math", "data.prompts", "v2", subset="socratic")
+    assert read_rows(found, "train")["question"] == ["3 + 3? (socratic)"]
     assert found.provenance["repo_type"] == "dataset" and found.provenance["subset"] == "socratic"
     assert found.provenance["commit"] != resolve_data("acme/math", "data.prompts").provenance["commit"]
-    with pytest.raises(DataError, match=r"^data.prompts: 'acme/other' .*`hf download acme/other --repo-type dataset`"):
-        read_rows("acme/other")
+    with pytest.raises(FileNotFoundError,
+                       match=r"^data.prompts: 'acme/other' .*`hf download acme/other --repo-type dataset`"):
+        resolve_data("acme/other")
     with pytest.raises(DataError, match=r"^eval.revision: 'builtin:sentiment' is no hub data set id"):
-        read_rows("builtin:sentiment", "test", "eval.prompts", revision="v2")
+        read_rows(resolve_data("builtin:sentiment", "eval.prompts", "v2"), "test")
 
 
 def digest_of(directory: Path) -> str:
@@ -268,3 +274,75 @@ def test_the_critic_follows_the_policy_and_a_foreign_one_fails_before_any_weight
     assert cfg.reward.transport == "text" and cfg.model.critic == POLICY
     with pytest.raises(ValueError, match=r"^model.reward: not set, and reward.source='model' needs a reward model"):
         prepare_run(user_cfg(tmp_path))
+
+
+@pytest.fixture
+def counted(monkeypatch) -> list[str]:
+    """The hub ids the resolver resolves in this process (what a pin costs: a cache lookup, a download)."""
+    seen, original = [], resolve.resolve_hub
+
+    def counting(repo_id, *args, **kwargs):
+        seen.append(repo_id)
+        return original(repo_id, *args, **kwargs)
+
+    monkeypatch.setattr(resolve, "resolve_hub", counting)
+    return seen
+
+
+def test_a_job_resolves_each_source_once_and_what_it_hands_on_resolves_nothing(hub, tmp_path, counted):
+    """Preparing a run pins each model once: the critic initialised from the policy shares the policy's pin. The
+    prepared config, as its ranks, servers and node groups receive it (JSON), prepares again without resolving, and
+    the paths it gives are the pins' (the snapshot of the commit recorded)."""
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def length(prompts, responses):\n    return [float(len(r)) for r in responses]\n")
+    cfg = prepare_run(user_cfg(tmp_path, **{"algorithm": "ppo", "reward.source": "function",
+                                            "reward.function": f"{rewards}:length"}))
+    assert counted == [POLICY] and cfg.model.critic == POLICY
+    policy, critic = cfg.source("model.policy"), cfg.source("model.critic")
+    assert critic.path == policy.path and critic.files == policy.files and critic.details["commit"] == hub["main"]
+    received = RLHFConfig.model_validate_json(cfg.model_dump_json())
+    assert prepare_run(received) == received and counted == [POLICY]
+    assert received.local_path("model.critic") == str(hub["cache"] / "models--acme--tiny-qwen" / "snapshots" / hub["main"])
+
+
+def test_a_pinned_config_loads_where_the_resolver_could_not(hub, tmp_path, monkeypatch):
+    """A process given the pinned config reads the pinned snapshot even where the hub cache it would resolve in is
+    empty: it never resolves the id."""
+    from models.policy import load_policy_tokenizer
+
+    cfg = pin(user_cfg(tmp_path))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match=f"model.policy: '{POLICY}'"):
+        resolve_model(POLICY, "model.policy")
+    assert load_policy_tokenizer(cfg.local_path("model.policy")).chat_template
+
+
+def test_a_pinned_file_that_changed_or_a_value_that_moved_on_fails_naming_the_field(tmp_path):
+    """A local model rewritten after the job pinned it is refused (its sha256 differs), and so is a config whose
+    field names another value than its pin: nothing is resolved again behind the record's back."""
+    copy = tmp_path / "my-policy"
+    shutil.copytree(EMBEDDED_DIR / "policy", copy)
+    cfg = pin(preset("tiny", **{"deploy.state_dir": str(tmp_path), "model.policy": str(copy)}))
+    assert cfg.local_path("model.policy") == str(copy)
+    (copy / "config.json").write_text((copy / "config.json").read_text() + " ")
+    with pytest.raises(ValueError, match=r"^model.policy: .* changed since the job pinned it: \['config.json'\]"):
+        cfg.local_path("model.policy")
+    moved = merge(cfg, {"model.policy": "tiny/policy"})
+    with pytest.raises(RuntimeError, match=r"^model.policy: 'tiny/policy' is not pinned"):
+        moved.local_path("model.policy")
+
+
+def test_a_pin_whose_path_is_elsewhere_is_found_here_by_what_it_pinned(hub, tmp_path, monkeypatch):
+    """Another node without the job's shared cache: a hub pin is found at its pinned commit in this machine's cache
+    (not at the branch, which moved), an embedded one in this package; each checked against the pinned digests."""
+    cfg = pin(user_cfg(tmp_path, **{"model.reward": "tiny/reward"}))
+    elsewhere = tmp_path / "other-cache"
+    shutil.copytree(hub["cache"], elsewhere, symlinks=True)
+    put_in_cache(build_qwen2(tmp_path / "moved", seed=5), elsewhere, POLICY)  # main moved on here
+    pins = cfg.sources.model_copy(deep=True)
+    pins.models["model.policy"].path = str(tmp_path / "gone" / hub["main"])
+    pins.models["model.reward"].path = str(tmp_path / "gone" / "reward")
+    monkeypatch.setenv("HF_HUB_CACHE", str(elsewhere))
+    moved = cfg.model_copy(update={"sources": pins})
+    assert moved.local_path("model.policy") == str(elsewhere / "models--acme--tiny-qwen" / "snapshots" / hub["main"])
+    assert moved.local_path("model.reward") == str(EMBEDDED_DIR / "reward")

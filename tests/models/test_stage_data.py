@@ -13,6 +13,7 @@ import torch
 from models.data import DataError, builtin_rows, encode
 from models.losses import completion_mask, sft_loss
 from models.policy import Policy, load_policy_tokenizer
+from models.resolve import resolve_data
 from models.stages.data import load_pairs, load_sequences, right_padded, rows_digest
 from models.tasks import sentiment
 
@@ -38,7 +39,7 @@ def test_prompt_completion_rows_take_the_rl_stages_layout(tmp_path, tokenizer):
     rows = [{"prompt": "tell me about the cat :", "completion": " the cat is good ."},
             {"prompt": "review the dog :", "completion": " i hate the dog . <eos>"}]
     datasets.Dataset.from_list(rows).to_json(str(tmp_path / "sft.jsonl"))
-    found = load_sequences(str(tmp_path / "sft.jsonl"), "train", tokenizer)
+    found = load_sequences(resolve_data(str(tmp_path / "sft.jsonl"), "sft.data"), "train", tokenizer)
     for row, ids, prompt_length in zip(rows, found.ids, found.prompt_lengths):
         prompt = encode(tokenizer, [row["prompt"]], templated=False)[0]
         completion = tokenizer(row["completion"].replace(" <eos>", ""), add_special_tokens=False)["input_ids"]
@@ -55,7 +56,7 @@ def test_chat_rows_are_rendered_and_the_completion_starts_after_the_prompt(tmp_p
     prompt = chat_tokenizer(chat_tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=False),
                             add_special_tokens=False)["input_ids"]
     for source in (tmp_path / "messages", tmp_path / "pc.parquet"):
-        found = load_sequences(str(source), "train", chat_tokenizer)
+        found = load_sequences(resolve_data(str(source), "sft.data"), "train", chat_tokenizer)
         assert found.ids == [whole] and found.prompt_lengths == [len(prompt)] and found.mismatched == 0
         assert chat_tokenizer.decode(whole[len(prompt):]) == "the cat is good <eos>"
 
@@ -63,10 +64,10 @@ def test_chat_rows_are_rendered_and_the_completion_starts_after_the_prompt(tmp_p
 def test_long_rows_are_cut_or_dropped_and_counted(tokenizer):
     rows = builtin_rows("sentiment_sft", "train")[:50]
     longest = max(len(tokenizer(r["prompt"] + r["completion"])["input_ids"]) + 1 for r in rows)
-    found = load_sequences("builtin:sentiment_sft", "test", tokenizer, max_length=8)
+    found = load_sequences(resolve_data("builtin:sentiment_sft", "sft.data"), "test", tokenizer, max_length=8)
     assert all(len(ids) <= 8 for ids in found.ids) and found.truncated > 0
     assert all(p < 8 for p in found.prompt_lengths)  # a row whose prompt fills max_length is dropped, not kept
-    pairs = load_pairs("builtin:sentiment_preference", "test", tokenizer, max_length=12)
+    pairs = load_pairs(resolve_data("builtin:sentiment_preference", "reward_model.data"), "test", tokenizer, max_length=12)
     assert pairs.dropped > 0 and all(max(len(c), len(r)) <= 12 for c, r in zip(pairs.chosen, pairs.rejected))
     assert longest <= 64  # the tiny model's position limit holds every builtin row
 
@@ -75,7 +76,7 @@ def test_pairs_with_a_margin_column(tmp_path, tokenizer):
     rows = [{"prompt": "review the cat :", "chosen": " the cat is good .", "rejected": " the cat is bad .",
              "margin": 1.5, "extra": "ignored"}]
     (tmp_path / "pairs.json").write_text(json.dumps(rows))
-    pairs = load_pairs(str(tmp_path / "pairs.json"), "train", tokenizer)
+    pairs = load_pairs(resolve_data(str(tmp_path / "pairs.json"), "reward_model.data"), "train", tokenizer)
     assert pairs.margin == [1.5] and len(pairs) == 1
     assert tokenizer.decode(pairs.chosen[0]) == "review the cat : the cat is good . <eos>"
     prompt = len(tokenizer("review the cat :")["input_ids"])  # where each completion starts (DPO scores from there)
@@ -87,22 +88,22 @@ def test_bad_rows_are_refused_naming_the_field_and_the_row(tmp_path, tokenizer, 
     (tmp_path / "a.jsonl").write_text(json.dumps({"question": "q", "answer": "a"}) + "\n")
     with pytest.raises(DataError, match=r"sft.data: '.*a.jsonl' needs the columns 'prompt' and 'completion', or "
                                         r"'messages' .*its columns: \['question', 'answer'\]"):
-        load_sequences(str(tmp_path / "a.jsonl"), "train", tokenizer)
+        load_sequences(resolve_data(str(tmp_path / "a.jsonl"), "sft.data"), "train", tokenizer)
     with pytest.raises(DataError, match=r"reward_model.data: '.*a.jsonl' lacks the column\(s\) \['prompt', 'chosen', "
                                         r"'rejected'\]"):
-        load_pairs(str(tmp_path / "a.jsonl"), "train", tokenizer)
+        load_pairs(resolve_data(str(tmp_path / "a.jsonl"), "reward_model.data"), "train", tokenizer)
     (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "p", "chosen": " a", "rejected": " b", "margin": "x"}) + "\n")
     with pytest.raises(DataError, match=r"row 0 of .*'margin' must be a number, got 'x'"):
-        load_pairs(str(tmp_path / "b.jsonl"), "train", tokenizer)
+        load_pairs(resolve_data(str(tmp_path / "b.jsonl"), "reward_model.data"), "train", tokenizer)
     talk = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
     (tmp_path / "c.jsonl").write_text(json.dumps({"messages": talk}) + "\n")
     with pytest.raises(DataError, match=r"row 0 of .*a conversation ending with an assistant turn"):
-        load_sequences(str(tmp_path / "c.jsonl"), "train", chat_tokenizer)
+        load_sequences(resolve_data(str(tmp_path / "c.jsonl"), "sft.data"), "train", chat_tokenizer)
     (tmp_path / "d.jsonl").write_text(json.dumps({"messages": talk[:1] + [{"role": "assistant", "content": "x"}]}) + "\n")
     with pytest.raises(DataError, match=r"holds chat messages, but the tokenizer has no chat template"):
-        load_sequences(str(tmp_path / "d.jsonl"), "train", tokenizer)
+        load_sequences(resolve_data(str(tmp_path / "d.jsonl"), "sft.data"), "train", tokenizer)
     with pytest.raises(DataError, match=r"builtin:sentiment_sft has no split 'validation'"):
-        load_sequences("builtin:sentiment_sft", "validation", tokenizer)
+        load_sequences(resolve_data("builtin:sentiment_sft", "sft.data"), "validation", tokenizer)
 
 
 def test_builtin_preferences_follow_the_gold_reward_and_hold_out_their_test_split():
@@ -123,21 +124,21 @@ def test_the_rows_digest_is_the_rows_not_the_file(tmp_path):
     table = datasets.Dataset.from_list(rows)
     table.to_json(str(tmp_path / "p.jsonl"))
     table.to_parquet(str(tmp_path / "p.parquet"))
-    digest = rows_digest(str(tmp_path / "p.jsonl"), "train", "reward_model.data")
-    assert rows_digest(str(tmp_path / "p.parquet"), "train", "reward_model.data") == digest
+    digest = rows_digest(resolve_data(str(tmp_path / "p.jsonl"), "reward_model.data"), "train")
+    assert rows_digest(resolve_data(str(tmp_path / "p.parquet"), "reward_model.data"), "train") == digest
     changed = [dict(r) for r in rows]
     changed[7]["chosen"] += " ."
     datasets.Dataset.from_list(changed).to_json(str(tmp_path / "q.jsonl"))
-    assert rows_digest(str(tmp_path / "q.jsonl"), "train", "reward_model.data") != digest
+    assert rows_digest(resolve_data(str(tmp_path / "q.jsonl"), "reward_model.data"), "train") != digest
     datasets.Dataset.from_list(rows[::-1]).to_json(str(tmp_path / "r.jsonl"))
-    assert rows_digest(str(tmp_path / "r.jsonl"), "train", "reward_model.data") != digest  # order is data too
+    assert rows_digest(resolve_data(str(tmp_path / "r.jsonl"), "reward_model.data"), "train") != digest  # order is data too
 
 
 def test_sft_loss_of_the_policy_matches_a_float64_reference(tiny_models, tokenizer):
     """Our completion-only loss on a batch of builtin rows (right-padded, prompts of different lengths) against the
     mean over completion tokens of -log softmax(logits)[next token], computed here in float64 one row at a time from
     each row's own, unpadded, forward pass: prompt tokens and padding carry no loss."""
-    found = load_sequences("builtin:sentiment_sft", "test", tokenizer)
+    found = load_sequences(resolve_data("builtin:sentiment_sft", "sft.data"), "test", tokenizer)
     rows = found.rows(list(range(6)))
     policy = Policy.load(tiny_models["policy"], reference=False)
     tokens, lengths = right_padded(rows["ids"], tokenizer.pad_token_id)

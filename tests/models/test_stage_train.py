@@ -7,6 +7,7 @@ import torch
 
 from models.reward import reward_model_scores
 from models.stages.data import load_pairs, right_padded
+from models.resolve import resolve_data
 from models.stages.train import Scorer
 
 
@@ -14,7 +15,7 @@ def test_scores_are_read_at_the_last_real_token_when_pad_is_eos(tiny_models):
     scorer = Scorer.load(tiny_models["reward"], None, "float32", torch.device("cpu"))
     scorer.model.eval()
     eos = scorer.tokenizer.eos_token_id
-    pairs = load_pairs("builtin:sentiment_preference", "test", scorer.tokenizer)
+    pairs = load_pairs(resolve_data("builtin:sentiment_preference", "reward_model.data"), "test", scorer.tokenizer)
     rows = pairs.chosen[:6] + pairs.rejected[:6]  # lengths differ, every row ends with EOS
     assert all(r[-1] == eos for r in rows) and len({len(r) for r in rows}) > 1
     tokens, lengths = right_padded(rows, eos)  # padded with EOS, as pad = EOS would

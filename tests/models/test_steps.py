@@ -9,6 +9,7 @@ import torch
 from components.runs import train
 from models.algorithms import resolve
 from models.config import preset, with_schedule_lengths
+from models.resolve import pin
 from models.eval import Judged, compared, eval_metrics
 from models.loop import build_actor, build_local_reward
 from models.metrics import find
@@ -21,11 +22,11 @@ RUNS = itertools.count()
 
 def tiny_cfg(tiny_models, tmp_path, **overrides):
     """A run of the embedded default in this process (critic and reward model in process, as `rlhf train`), its own
-    name, the module's state directory."""
+    name, the module's state directory; what it reads pinned, as a job pins it (models/resolve.py)."""
     base = {"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "model.reward": tiny_models["reward"],
             "deploy.critic.launch": "in_process", "deploy.reward.launch": "in_process",
             "deploy.tracking.system_metrics": False, "run_name": f"steps-{next(RUNS)}"}
-    return preset("tiny", **{**base, **overrides})
+    return pin(preset("tiny", **{**base, **overrides}))
 
 
 def train_in_process(cfg, on_eval=None) -> list[dict]:
@@ -142,9 +143,8 @@ def test_bad_reward_function_fails_before_training(tiny_models, tmp_path, spec, 
 
 
 def test_missing_model_path_fails_before_training(tiny_models, tmp_path):
-    cfg = tiny_cfg(tiny_models, tmp_path, **{"model.policy": str(tmp_path / "nope")})
-    with pytest.raises(FileNotFoundError, match="model.policy"):
-        build_actor(cfg)
+    with pytest.raises(FileNotFoundError, match="^model.policy: model path '.*nope' does not exist"):
+        tiny_cfg(tiny_models, tmp_path, **{"model.policy": str(tmp_path / "nope")})  # pinned before anything loads
 
 
 def test_bfloat16_compute_keeps_float32_master_weights(tiny_models, tmp_path):

@@ -43,11 +43,12 @@ def test_the_models_load_bit_for_bit_the_same_under_each_cpu_capability(capabili
 
 
 def test_tiny_names_resolve_to_the_shipped_files_and_unknown_ones_are_refused():
-    from models.config import RLHFConfig
+    from models.config import RLHFConfig, merge
+    from models.resolve import pin
 
-    cfg = RLHFConfig()
-    assert cfg.resolve_model_path("tiny/policy") == str(EMBEDDED_DIR / "policy")
-    with pytest.raises(FileNotFoundError, match="model: model path '/elsewhere/policy' does not exist"):
-        cfg.resolve_model_path("/elsewhere/policy")  # a missing model fails, naming its field, when it is resolved
+    cfg = pin(RLHFConfig())
+    assert cfg.local_path("model.policy") == str(EMBEDDED_DIR / "policy")
+    with pytest.raises(FileNotFoundError, match="model.critic: model path '/elsewhere/policy' does not exist"):
+        pin(merge(cfg, {"model.critic": "/elsewhere/policy"}))  # a missing model fails, naming its field
     with pytest.raises(FileNotFoundError, match="tiny/policy, tiny/reward, tiny/critic, tiny/reward-chars"):
         embedded_model_path("tiny/nope")

@@ -279,12 +279,13 @@ class ServerSpec(BaseModel):
 
     @property
     def loaded_models(self) -> tuple[str, ...]:
-        """The `model.<field>`s this server loads: the critic (or the reward model it starts from) and the reward
-        model; a reward server its reward model, or the policy's tokenizer for a reward function."""
+        """The model fields this server loads: the critic (or the reward model it starts from) and the reward model; a
+        reward server its reward model, or the policy's tokenizer for a reward function (and a teacher)."""
+        m = self.config.model
         if self.kind == "critic":
-            return ("critic", "reward")
-        return (("reward",) if self.config.reward.source == "model" else ("policy",)) + \
-            (("teacher",) if self.carries_teacher else ())
+            return tuple(f"model.{name}" for name in ("critic", "reward") if getattr(m, name))
+        return ("model.reward" if self.config.reward.source == "model" else "model.policy",) + \
+            (("model.teacher",) if self.carries_teacher else ())
 
     def run_secret(self) -> Optional[str]:
         """The run's secret this server's front checks requests with ($RLHF_RUN_SECRET or the file

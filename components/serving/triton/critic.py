@@ -143,12 +143,12 @@ def _critic_trainer(spec: ServerSpec, me=None):
     """The critic of a spec on this rank (every rank builds it alike), and the reward model's tokenizer."""
     me = me or distributed.SINGLE
     cfg = spec.config
-    critic_path = cfg.resolve_model_path(cfg.model.critic) if cfg.model.critic else None
-    reward_path = cfg.resolve_model_path(cfg.model.reward) if cfg.model.reward else None
+    critic_path = cfg.local_path("model.critic") if cfg.model.critic else None
+    reward_path = cfg.local_path("model.reward") if cfg.model.reward else None
     reward_tokenizer = load_reward_tokenizer(reward_path) if cfg.critic_carries_reward else None
     # critic_infer scores the critic's (= the policy's) tokens with the reward model only when the run's reward
     # transport is tokens (a flow's config carries it decided; a server started on its own decides it for its critic)
-    token_rewards = reward_transport(cfg, reader=cfg.model.critic or cfg.model.reward) == "tokens"
+    token_rewards = reward_transport(cfg, reader="model.critic" if cfg.model.critic else "model.reward") == "tokens"
     trainer = CriticTrainer(cfg.critic, critic_path, reward_path, cfg.critic_carries_reward, cfg.model.dtype,
                             distributed.local_device(cfg.deploy.device, me), spec.checkpoint_dir,
                             token_rewards=token_rewards, me=me, gradient_checkpointing=cfg.model.gradient_checkpointing,

@@ -14,7 +14,6 @@ from typing import Optional
 from components.serving.triton.contract import ServerSpec
 from components.serving.triton.critic import follow_critic
 from components.serving.triton.serve import configure_logging, serve
-from models.prepare import check_models
 
 USAGE = "usage: python -m components.serving.triton.main --spec '<ServerSpec JSON>' | --follow"
 
@@ -22,7 +21,8 @@ USAGE = "usage: python -m components.serving.triton.main --spec '<ServerSpec JSO
 def run(spec: ServerSpec) -> int:
     """Serve until SIGTERM/SIGINT (blocking); returns the exit code."""
     configure_logging()
-    check_models(spec.config, spec.loaded_models)  # a model that is not there fails the start, naming its field
+    for field in spec.loaded_models:  # pinned where the run started and here: else the start fails, naming the field
+        spec.config.source(field)
     return serve(spec)
 
 

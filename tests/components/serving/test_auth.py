@@ -23,6 +23,7 @@ from components.sweep.config import SweepConfig
 from components.sweep.tracking import SweepRun
 from components.tracking.tracker import redact
 from models.config import RLHFConfig, merge
+from models.resolve import pin
 
 
 def test_secrets_and_the_keys_derived_from_them():
@@ -173,7 +174,7 @@ def test_a_server_reads_the_secret_from_its_environment_or_a_file(tmp_path):
 def test_no_secret_on_a_server_command_line(tmp_path, monkeypatch):
     secret = new_secret()
     monkeypatch.setenv("RLHF_RUN_SECRET", secret)
-    cfg = RLHFConfig.model_validate({"deploy": {"state_dir": str(tmp_path), "rollout": {"python": "/usr/bin/env"}}})
+    cfg = pin(RLHFConfig.model_validate({"deploy": {"state_dir": str(tmp_path), "rollout": {"python": "/usr/bin/env"}}}))
     argv = server_argv(ServerSpec(kind="critic", config=cfg)) + rollout_argv(cfg, 1234)
     keys = wire.RunKeys(secret)
     assert not any(secret in arg or keys.client.hex() in arg or keys.server.hex() in arg for arg in argv)

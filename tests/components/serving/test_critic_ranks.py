@@ -20,6 +20,7 @@ from components.serving.auth import read_secret, request_headers
 from components.serving.launcher import launch
 from components.serving.triton.contract import ServerSpec
 from models.config import preset
+from models.resolve import pin
 
 pytestmark = pytest.mark.slow(2)
 
@@ -41,9 +42,9 @@ def raw(url, model, **arrays):
 
 
 def critic(tiny_models, directory: Path, ranks: int):
-    cfg = preset("tiny", **{"model.reward": tiny_models["reward"], "model.policy": tiny_models["policy"],
-                            "deploy.critic.nproc_per_node": ranks, "critic.train_batch_size": 8, "critic.micro_batch_size": 4,
-                            "deploy.state_dir": str(directory / "state")})
+    cfg = pin(preset("tiny", **{"model.reward": tiny_models["reward"], "model.policy": tiny_models["policy"],
+                                "deploy.critic.nproc_per_node": ranks, "critic.train_batch_size": 8,
+                                "critic.micro_batch_size": 4, "deploy.state_dir": str(directory / "state")}))
     spec = ServerSpec(kind="critic", config=cfg, port=find_free_ports(count=4), checkpoint_dir=str(directory / "critic"),
                       torch_threads=1)
     return launch(spec, directory / "server.log")
@@ -99,9 +100,9 @@ def restored(pair, tiny_models, tiny_reward_chars, tmp_path_factory):
     One server for the checkpoint's and reward-chars' tests below. Yields the server and its log."""
     root = tmp_path_factory.mktemp("restored")
     os.symlink(Path(pair["dirs"][1]) / "critic", root / "critic")
-    cfg = preset("tiny", **{"model.policy": tiny_models["policy"], "model.reward": tiny_reward_chars,
-                            "model.critic": tiny_models["critic"], "critic.train_batch_size": 8,
-                            "critic.micro_batch_size": 4, "deploy.state_dir": str(root / "state")})
+    cfg = pin(preset("tiny", **{"model.policy": tiny_models["policy"], "model.reward": tiny_reward_chars,
+                                "model.critic": tiny_models["critic"], "critic.train_batch_size": 8,
+                                "critic.micro_batch_size": 4, "deploy.state_dir": str(root / "state")}))
     spec = ServerSpec(kind="critic", config=cfg, port=find_free_ports(count=4), checkpoint_dir=str(root / "critic"),
                       torch_threads=1)
     with launch(spec, root / "server.log") as server:
@@ -186,14 +187,15 @@ def test_a_critic_carrying_reward_chars_gives_values_from_tokens_and_the_gold_re
     from models.tasks import sentiment
     from models.tiny import _reward_texts
 
-    rloo = preset("tiny", **{"algorithm": "rloo", "model.policy": tiny_models["policy"], "model.reward": tiny_reward_chars})
+    rloo = pin(preset("tiny", **{"algorithm": "rloo", "model.policy": tiny_models["policy"],
+                                 "model.reward": tiny_reward_chars}))
     assert reward_transport(rloo) == "text"
-    assert reward_transport(preset("tiny", **{"algorithm": "rloo", "model.reward": tiny_models["reward"],
-                                              "model.policy": tiny_models["policy"]})) == "tokens"
+    assert reward_transport(pin(preset("tiny", **{"algorithm": "rloo", "model.reward": tiny_models["reward"],
+                                                  "model.policy": tiny_models["policy"]}))) == "tokens"
     ppo = {"algorithm": "ppo", "model.policy": tiny_models["policy"], "model.reward": tiny_reward_chars}
-    assert reward_transport(preset("tiny", **ppo, **{"model.critic": tiny_models["critic"]})) == "text"
+    assert reward_transport(pin(preset("tiny", **ppo, **{"model.critic": tiny_models["critic"]}))) == "text"
     with pytest.raises(ValueError, match="model.critic: not set, so the critic would be initialised from model.reward"):
-        reward_transport(preset("tiny", **ppo))  # a critic made from reward-chars could not read the policy's tokens
+        reward_transport(pin(preset("tiny", **ppo)))  # a critic made from reward-chars could not read the policy's tokens
     held_out = sentiment.corpus(200, seed=10_001) + _reward_texts(random.Random(10_002), 200)
     prompts, responses = [p for p, _ in held_out], [r for _, r in held_out]
     gold = np.array(sentiment.gold_reward(prompts, responses), dtype=np.float64)

@@ -69,12 +69,16 @@ def test_rlhf_serve_flags_map_onto_the_config_tree(tiny_models, tmp_path):
     assert spec.kind == "critic" and spec.port == 23456 and spec.checkpoint_dir == str(tmp_path / "c")
     assert spec.config.model.reward == tiny_models["reward"] and spec.config.critic.combine_reward is False
     assert spec.config.critic.optim.lr == 0.002
+    assert set(spec.config.sources.models) == {"model.reward"} == set(spec.loaded_models)  # no critic: from the RM
+    assert spec.config.sources.data == {}  # a server started on its own pins what it loads, no data set
     args = build_parser().parse_args(["serve", "reward", "--function", "models.tasks.sentiment:gold_reward",
                                       "--tokenizer", tiny_models["policy"]])
     spec = spec_from_args(args)
     assert spec.port == 8500 and spec.config.reward.source == "function"
     assert spec.config.reward.function == "models.tasks.sentiment:gold_reward"
     assert spec.config.model.policy == tiny_models["policy"]
+    assert set(spec.config.sources.models) == {"model.policy"}
+    assert spec.config.local_path("model.policy") == tiny_models["policy"]
 
 
 def test_wrong_port_says_nothing_is_listening():

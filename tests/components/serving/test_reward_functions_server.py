@@ -108,7 +108,7 @@ def test_the_reward_server_answers_the_weighted_sum_and_each_functions_scores(se
     torch.testing.assert_close(expected["function_rewards"], torch.tensor([mentions, brevity]).T)
     torch.testing.assert_close(expected["scores"], torch.tensor([m + 0.5 * b for m, b in zip(mentions, brevity)]))
 
-    tokenizer = load_policy_tokenizer(cfg.resolve_model_path(cfg.model.policy))
+    tokenizer = load_policy_tokenizer(cfg.local_path("model.policy"))
     rows = [tokenizer(p)["input_ids"] + tokenizer(r)["input_ids"] for p, r in zip(PROMPTS, RESPONSES)]
     tokens = torch.full((len(rows), max(map(len, rows))), tokenizer.pad_token_id)
     for i, row in enumerate(rows):

@@ -24,6 +24,7 @@ from components.serving.rollout.client import RolloutClient
 from components.verifiers.rollouts import VerifiersError, VerifiersWorker, verifiers_python
 from components.wire import run_client
 from models.config import from_layers
+from models.resolve import pin
 from models.engines import Weights
 from tests.components.serving.tool_model import CALL, build_tool_model, perturb
 
@@ -40,8 +41,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     state = tmp_path_factory.mktemp("rollout")
-    cfg = from_layers({"model": {"policy": str(model_dir)}, "rollout": {"engine": "vllm", "vllm": {"dtype": "float32"}},
-                       "deploy": {"state_dir": str(state), "rollout": {"port": 0, "threads": 1}}})
+    cfg = pin(from_layers({"model": {"policy": str(model_dir)}, "rollout": {"engine": "vllm", "vllm": {"dtype": "float32"}},
+                           "deploy": {"state_dir": str(state), "rollout": {"port": 0, "threads": 1}}}))
     rollout_python(cfg)  # a missing .venv-vllm fails here, naming `make vllm-venv`
     verifiers_python()  # and a missing .venv-verifiers, naming `make verifiers-venv`
     with launch_rollout(cfg, state / "rollout-server.log") as proc:

@@ -24,6 +24,7 @@ from components.serving.launcher import launch_rollout, rollout_env, rollout_pyt
 from components.serving.rollout.client import HTTPWeights, RolloutClient, safetensors_header, safetensors_stream
 from components.wire import run_client
 from models.config import LoraConfig, RLHFConfig, Sampling, from_layers, preset
+from models.resolve import pin
 from models.engines import Weights
 from models.engines.vllm import EngineRequestError, VLLMEngine
 from models.algorithms import StepData, resolve
@@ -39,8 +40,8 @@ RUN = "test-rollout-server/1"  # the run every test of this module speaks as (th
 
 def config(tiny_models, tmp_path, **placement) -> RLHFConfig:
     """Any free port; 1 thread: the suite's other worker shares the cores (a run's default is every core)."""
-    return from_layers({"preset": "tiny", "model": {"policy": tiny_models["policy"]}, "rollout": {"engine": "vllm"},
-                        "deploy": {"state_dir": str(tmp_path), "rollout": {"port": 0, "threads": 1, **placement}}})
+    return pin(from_layers({"preset": "tiny", "model": {"policy": tiny_models["policy"]}, "rollout": {"engine": "vllm"},
+                            "deploy": {"state_dir": str(tmp_path), "rollout": {"port": 0, "threads": 1, **placement}}}))
 
 
 def test_the_server_gets_every_core_of_a_cpu_host_unless_told(tiny_models, tmp_path):

@@ -46,6 +46,7 @@ from components.serving.triton.clients import CriticClient, RewardClient, Server
 from components.serving.triton.contract import (CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, REWARD_TEXT,
                                                 ServerSpec)
 from models.config import RLHFConfig, from_layers
+from models.resolve import pin
 from models.reward import load_reward_model, load_reward_tokenizer, reward_limit, text_char_budget, text_reward_scores
 
 REPO = Path(__file__).resolve().parents[3]
@@ -53,11 +54,12 @@ VOCAB = 40  # ids the tiny models know (their vocabularies are larger)
 
 
 def config(tiny_models, tmp_path, **deploy) -> RLHFConfig:
-    return from_layers({
+    """A run's config as its servers receive it: what it reads pinned (models/resolve.py)."""
+    return pin(from_layers({
         "preset": "tiny",
         "model": {"policy": tiny_models["policy"], "reward": tiny_models["reward"], "critic": tiny_models["critic"]},
         "critic": {"train_batch_size": 8, "micro_batch_size": 8, "epochs": 1},
-        "deploy": {"state_dir": str(tmp_path), "critic": {"max_train_rows": 64, **deploy}}})
+        "deploy": {"state_dir": str(tmp_path), "critic": {"max_train_rows": 64, **deploy}}}))
 
 
 @pytest.fixture(scope="module")

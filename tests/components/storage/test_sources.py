@@ -4,7 +4,8 @@ once into this machine's cache, checked against those digests, and reused by a l
 cached file that was corrupted is caught by its digest and fetched again, as is an object that changed on S3; a
 download that does not match the digests stored beside it is refused naming the field; two processes fetching the
 same model at once download it once (the second waits on the first's lock); a data file or a folder of them on S3
-reads as rows."""
+reads as rows. A job's pin of an s3:// model is read by its processes without listing S3 again, and a newer fetch of
+the prefix into the same cache entry is refused where the job reads its pin."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ import pytest
 from components.storage import s3
 from components.storage.store import CheckpointStore
 from components.launch.processes import project_env
+from models.config import RLHFConfig, preset
 from models.data import read_rows
 from models.deploy import DeployConfig
-from models.resolve import MARKER, resolve_data, resolve_model
+from models.resolve import MARKER, pin, resolve_data, resolve_model
 from models.tiny_files import EMBEDDED_DIR
 
 POLICY = EMBEDDED_DIR / "policy"
@@ -57,7 +59,7 @@ def test_a_model_on_s3_is_fetched_once_checked_and_reused(stored, downloads):
     files = sorted(p.name for p in POLICY.iterdir())
     assert found.source == "s3" and Path(found.path).parent.parent == Path(stored["deploy"].cache.dir) / "s3"
     assert sorted(downloads) == files
-    assert found.files() == {name: sha256(POLICY / name) for name in files}  # checked: the bytes of the original
+    assert found.files == {name: sha256(POLICY / name) for name in files}  # checked: the bytes of the original
     assert found.digest == resolve_model("tiny/policy").digest  # the same bytes, the same digest
     listed = {o["Key"].rsplit("/", 1)[1]: o["ETag"] for o in
               stored["client"].list_objects_v2(Bucket=stored["bucket"], Prefix="models/policy/")["Contents"]}
@@ -72,7 +74,7 @@ def test_a_corrupted_cached_file_and_a_changed_object_are_fetched_again(stored, 
     found = resolve_model(stored["uri"], "model.policy", None, stored["deploy"])
     config = Path(found.path) / "config.json"
     config.write_bytes(config.read_bytes().replace(b"{", b"[", 1))  # the cache's copy corrupted in place
-    assert resolve_model(stored["uri"], "model.policy", None, stored["deploy"]).files() == found.files()
+    assert resolve_model(stored["uri"], "model.policy", None, stored["deploy"]).files == found.files
     assert config.read_bytes() == (POLICY / "config.json").read_bytes() and downloads.count("config.json") == 2
     # the object changes on S3 (a new model stored over it, digests and all): its new ETag says so
     changed = json.loads((POLICY / "generation_config.json").read_text()) | {"note": "v2"}
@@ -143,16 +145,39 @@ def test_data_on_s3_reads_as_rows_a_file_or_a_folder_of_files(stored):
     client.put_object(Bucket=bucket, Key="data/one/prompts.jsonl", Body=body)
     client.put_object(Bucket=bucket, Key="data/splits/train.jsonl", Body=body)
     client.put_object(Bucket=bucket, Key="data/splits/test.jsonl", Body=body[:body.index(b"\n") + 1])
-    one = read_rows(f"s3://{bucket}/data/one/prompts.jsonl", "train", "data.prompts", deploy=stored["deploy"])
-    assert one.to_list() == rows
     found = resolve_data(f"s3://{bucket}/data/one/prompts.jsonl", "data.prompts", deploy=stored["deploy"])
-    assert found.files() == {"prompts.jsonl": hashlib.sha256(body).hexdigest()}  # the digest a run records
+    assert read_rows(found, "train").to_list() == rows
+    assert found.files == {"prompts.jsonl": hashlib.sha256(body).hexdigest()}  # the digest a run records
     assert found.provenance["etags"] == {"prompts.jsonl": f'"{hashlib.md5(body).hexdigest()}"'}
-    assert read_rows(f"s3://{bucket}/data/splits", "test", "eval.prompts", deploy=stored["deploy"]).to_list() == rows[:1]
-    from models.data import DataError
+    splits = resolve_data(f"s3://{bucket}/data/splits", "eval.prompts", deploy=stored["deploy"])
+    assert read_rows(splits, "test").to_list() == rows[:1]
+    with pytest.raises(FileNotFoundError, match=r"^data.prompts: nothing is stored at 's3://.*/data/none'"):
+        resolve_data(f"s3://{bucket}/data/none", "data.prompts", deploy=stored["deploy"])
 
-    with pytest.raises(DataError, match=r"^data.prompts: nothing is stored at 's3://.*/data/none'"):
-        read_rows(f"s3://{bucket}/data/none", "train", "data.prompts", deploy=stored["deploy"])
+
+def test_a_pinned_s3_model_is_read_without_listing_s3_and_a_newer_fetch_under_it_is_refused(stored, monkeypatch):
+    """A run's config as its ranks and servers receive it carries the pin: they read the fetched files without
+    listing the prefix. Another job that fetches a newer model stored over the prefix into the same cache entry
+    replaces its files; the run's next read of its pin fails naming the field instead of loading other bytes than it
+    recorded."""
+    deploy = stored["deploy"]
+    cfg = pin(preset("tiny", **{"model.policy": stored["uri"], "deploy": deploy.model_dump()}))
+    listings, original = [], s3.S3Source.objects
+    monkeypatch.setattr(s3.S3Source, "objects", lambda self, *a, **k: listings.append(a) or original(self, *a, **k))
+    received = RLHFConfig.model_validate_json(cfg.model_dump_json())
+    path = received.local_path("model.policy")
+    assert Path(path).parent.parent == Path(deploy.cache.dir) / "s3" and listings == []
+    assert received.source("model.policy").digest == resolve_model("tiny/policy").digest
+    newer = Path(deploy.cache.dir).parent / "newer"
+    newer.mkdir()
+    for p in POLICY.iterdir():
+        (newer / p.name).write_bytes(p.read_bytes())
+    (newer / "config.json").write_text((POLICY / "config.json").read_text().replace("{", '{"note": "newer", ', 1))
+    CheckpointStore.from_uri(f"s3://{stored['bucket']}/models", s3_endpoint_url=stored["endpoint"]).put_dir(newer, "policy")
+    assert resolve_model(stored["uri"], "model.policy", None, deploy).path == path  # the other job's fetch
+    with pytest.raises(ValueError, match=r"^model.policy: 's3://.*' at .* changed since the job pinned it: "
+                                         r"\['config.json'\]"):
+        received.local_path("model.policy")
 
 
 def sha256(path: Path) -> str:

@@ -8,6 +8,7 @@ from mlflow.tracking import MlflowClient
 import pytest
 
 from components import tasks
+from components.runs import JOBS
 from components.tracking.run import RunSession
 from components.tasks import flow_config, flow_run_namer
 from models.config import RLHFConfig, RunConfig
@@ -38,12 +39,12 @@ def test_a_run_with_a_parent_is_nested_under_it(tmp_path, mlflow_uri):
     parent = client.create_run(client.create_experiment("nest"), run_name="sweep").info.run_id
     cfg = RLHFConfig(run_name="sweep-t0", tracking={"experiment": "nest", "parent_run_id": parent},
                      deploy={"state_dir": str(tmp_path), "tracking": {"uri": mlflow_uri, "system_metrics": False}})
-    session = RunSession.open(cfg)
+    session = RunSession.open(cfg, JOBS["rl"])
     session.close("FINISHED")
     child = client.get_run(session.tracker.run_id)
     assert child.info.run_name == "sweep-t0" and child.data.tags["mlflow.parentRunId"] == parent
     assert child.data.params["tracking.parent_run_id"] == parent
     alone = RunSession.open(cfg.model_copy(update={"run_name": "alone", "tracking": cfg.tracking.model_copy(
-        update={"parent_run_id": None})}))
+        update={"parent_run_id": None})}), JOBS["rl"])
     alone.close("FINISHED")
     assert "mlflow.parentRunId" not in client.get_run(alone.tracker.run_id).data.tags

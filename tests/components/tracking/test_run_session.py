@@ -19,6 +19,7 @@ from models.algorithms import Backends
 from models.metrics import find
 from models.loop import Leader, build_actor, build_critic_trainer, gold_function, load_prompts, prompt_batches
 from models.prepare import prepare_run
+from models.resolve import resolve_model
 from models.step import train_step
 from tests.components.conftest import AWS_ENV
 
@@ -100,8 +101,8 @@ def test_s3_checkpoint_resume_is_exact_and_continues_the_mlflow_run(cfg):
     assert session.resumed_from is None and session.store.uri.startswith("s3://")
     policy = session.models["model.policy"]  # fetched from S3, the same bytes as the tiny policy
     assert policy["source"] == "s3" and policy["uri"] == cfg.model.policy and set(policy["etags"]) >= {"config.json"}
-    assert policy["digest"] == cfg.resolve_model("tiny/policy").digest
-    assert cfg.resolve_model_path(cfg.model.policy).startswith(str(Path(cfg.deploy.cache.dir) / "s3"))
+    assert policy["digest"] == resolve_model("tiny/policy").digest and policy == cfg.source("model.policy").provenance
+    assert cfg.local_path("model.policy").startswith(str(Path(cfg.deploy.cache.dir) / "s3"))
     run = session.tracker.client.get_run(session.tracker.run_id)
     assert run.data.tags["model.policy.digest"] == policy["digest"]
     assert session.data == {"data.prompts": {"source": "builtin", "value": "builtin:sentiment", "digest": None}}
