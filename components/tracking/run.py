@@ -49,9 +49,11 @@ from components.storage.store import CheckpointStore
 from components.tracking.provenance import digest
 from components.tracking.tracker import Tracker, resolve_tracking_uri
 from models.algorithms.recipes import resolved_values
-from models.config import RLHFConfig, deep_merge, merge, nested, run_name_for
+from models.config import RLHFConfig, merge, nested, run_name_for
 from models.resolve import resolve_data
-from models.reward import is_file_spec, reward_file
+from models.reward import reward_file
+from models.sections import deep_merge
+from models.specs import is_file_spec
 
 if TYPE_CHECKING:  # only annotations here: what reads a run's record (a sweep, rlhf compare) loads no model code
     from models.loop import Leader
