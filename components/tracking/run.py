@@ -180,10 +180,6 @@ class RunSession:
         """Where the checkpoint the job resumes from was downloaded (one directory per part)."""
         return self.local_dir / "restore"
 
-    @property
-    def start_iteration(self) -> int:
-        return int(self.manifest.get("iteration", 0))
-
     # -- an RL run's servers
     @property
     def critic_restore_iteration(self) -> int | None:
