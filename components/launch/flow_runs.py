@@ -115,7 +115,7 @@ def preload(flows: list) -> None:
     their modules and components/launch/warm.py (what a run would import on first use), each flow passed by
     reference; the forkserver starts now (its imports overlap the deployments' registration). Only where `forking()`:
     it patches Prefect's private module."""
-    from prefect import flow_engine
+    from prefect import flow_engine  # here, as above: only the deployment server with the switch on patches it
     from prefect.runner import _starter_direct  # the module Prefect's runner calls to start a served flow run
 
     multiprocessing.set_forkserver_preload(by_reference(flows) + [WARM])
