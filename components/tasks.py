@@ -17,10 +17,11 @@ from prefect.runtime import deployment, flow_run
 from components.environment import first_line
 from components.runs import train
 from models.algorithms import ALGORITHMS
-from models.config import RLHFConfig, deep_merge, from_layers, run_name_for
+from models.config import RLHFConfig, from_layers, run_name_for
 from models.deploy import DeployConfig
 from models.kinds import BY_JOB
 from models.loop import Steps
+from models.sections import deep_merge
 
 FLOW_PARAMETERS = ("config", "deploy")  # a training flow's parameters: what the run trains, where it runs
 # the field of each that names its values (a preset, a placement), and its default

@@ -2,7 +2,8 @@
 
 Each deployment is added with its flow (`Runner.add_flow`), so a flow run runs the flow this process holds, in a child
 forked from a process that has imported the flows already (components/launch/flow_runs.py), instead of a new
-interpreter that loads the flow from its file and imports everything again (`python -m prefect.engine`).
+interpreter that loads the flow from its file and imports everything again (`python -m prefect.engine`), when
+RLHF_FORK_FLOW_RUNS=1 (what `rlhf up` sets); otherwise Prefect starts each flow run itself.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from prefect.exceptions import TerminationSignal
 from prefect.runner import Runner
 
 from components.environment import quiet
-from components.launch.flow_runs import preload
+from components.launch.flow_runs import by_reference, forking, preload
 from flows.compare import compare
 from flows.experiment import EXAMPLE_EXPERIMENT, experiment_flow
 from flows.ppo import ppo
@@ -64,7 +65,11 @@ def deployments() -> list[tuple]:
 def main() -> None:
     quiet()
     served = deployments()
-    preload([flow for flow, _ in served])
+    flows = [flow for flow, _ in served]
+    if forking():  # RLHF_FORK_FLOW_RUNS=1 (`rlhf up`): each run a fork of a process that has imported them
+        preload(flows)
+    else:  # Prefect's own start: a new interpreter for each run
+        by_reference(flows)
     runner = Runner(limit=4)
     for flow, deployment in served:
         runner.add_flow(flow, name="default", **deployment)

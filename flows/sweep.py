@@ -82,12 +82,20 @@ def run_sweep(config: RLHFConfig, sweep: SweepConfig, given_deploy: dict, pipeli
     if pipeline is None:
         for algorithm in space.algorithms:  # ppo/default or reinforce/default (an arm may set its own), which must exist
             training_deployment(algorithm)
-        deployment = lambda cfg: TRAINING_DEPLOYMENTS[cfg.algorithm]  # noqa: E731
-        parameters = lambda cfg: {"config": cfg.run.model_dump(mode="json"),  # noqa: E731
-                                  **({"deploy": given_deploy} if given_deploy else {})}
+
+        def deployment(cfg):
+            return TRAINING_DEPLOYMENTS[cfg.algorithm]
+
+        def parameters(cfg):
+            return {"config": cfg.run.model_dump(mode="json"), **({"deploy": given_deploy} if given_deploy else {})}
     else:
         require_deployment(PIPELINE_DEPLOYMENT)
-        deployment, parameters = lambda cfg: PIPELINE_DEPLOYMENT, lambda cfg: pipeline_trial(pipeline, cfg, given_deploy)
+
+        def deployment(cfg):
+            return PIPELINE_DEPLOYMENT
+
+        def parameters(cfg):
+            return pipeline_trial(pipeline, cfg, given_deploy)
     study = open_study(config, sweep, space)  # created, or resumed by name: its finished trials are kept
     with SweepRun.open(config, sweep, {"prefect.flow_run_id": flow_run.get_id(), **(tags or {})}) as parent, \
             Trials(config, sweep, space, study, parent, deployment, parameters) as trials:  # on failure: cancelled

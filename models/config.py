@@ -38,9 +38,7 @@ from models.algorithms import ALGORITHMS, LossConfig, resolve
 from models.algorithms.recipes import refuse_old_spellings
 from models.deploy import DeployConfig
 from models.resolve import Reads, Resolved, Sources, Want
-from models.sections import (STATE_DIR_ENV, OptimConfig, Section, deep_merge, default_state_dir, given,  # noqa: F401
-                             nested)  # (STATE_DIR_ENV, default_state_dir, deep_merge: re-exported)
-from models.tiny_files import TINY_PREFIX, embedded_model_path, is_embedded, is_tiny_policy  # noqa: F401 (re-exported)
+from models.sections import OptimConfig, Section, deep_merge, given, nested
 
 
 class LoraConfig(Section):

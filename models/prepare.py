@@ -19,10 +19,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from models.algorithms import ALGORITHMS
-from models.config import RLHFConfig, is_tiny_policy, merge, with_schedule_lengths
+from models.config import RLHFConfig, merge, with_schedule_lengths
 from models.data import DataError
 from models.resolve import pin
-from models.reward import absolute_spec, load_reward_tokenizer, same_tokenizer
+from models.reward import load_reward_tokenizer, same_tokenizer
+from models.specs import absolute_spec
+from models.tiny_files import is_tiny_policy
 
 FAMILY_REWARD = "tiny/reward"  # the reward model of the embedded tiny policy's family
 

@@ -24,7 +24,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from models.deploy import DeployConfig
 from models.loading import DTYPES, disable_dropout, freeze, from_pretrained
 from models.resolve import fetch_file
-from models.specs import absolute_spec, import_object, is_file_spec, spec_file  # noqa: F401 (re-exported)
+from models.specs import import_object, is_file_spec, spec_file
 
 RewardFn = Callable[[list[str], list[str]], list[float]]
 

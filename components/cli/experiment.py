@@ -24,8 +24,9 @@ from components.sweep.experiment import ExperimentConfig, check_experiment
 from components.sweep.report import build, find_experiment
 from components.sweep.space import SweepError
 from components.tracking.run import default_tracking_uri
-from models.config import RLHFConfig, deep_merge, nested
+from models.config import RLHFConfig, nested
 from models.deploy import DeployConfig
+from models.sections import deep_merge
 
 
 def load_experiment(path: str, overrides: list[str] | None) -> tuple[ExperimentConfig, dict]:

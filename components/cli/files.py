@@ -9,7 +9,8 @@ from pathlib import Path
 import yaml
 
 from components.cli.options import parse_overrides
-from models.config import deep_merge, load_config, nested
+from models.config import load_config, nested
+from models.sections import deep_merge
 
 
 def load_tree(model_class, path: str | None, sets: list[str] | None, defaults: dict | None = None):

@@ -39,11 +39,12 @@ from components.tracking.provenance import (RL_NOT_TRAINED, data_record, job_rec
 from components.tracking.run import RunSession, store_reward_files, tuple_state
 from components.verifiers import rollouts as verifiers
 from models.algorithms.recipes import resolved_values
-from models.config import RLHFConfig, deep_merge, nested
+from models.config import RLHFConfig, nested
 from models.data import PromptSet
 from models.export import export_spec
 from models.loop import DIRECT, Iterations, Leader, Steps, read_data, run_loop
 from models.prepare import prepare_run
+from models.sections import deep_merge
 
 HEADLINE = ("reward", "reward_std", "kl")  # with objective/* and rewards/*: the last iteration's, in a summary
 

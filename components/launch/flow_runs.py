@@ -11,13 +11,17 @@ killed by a signal reports the signal as its exit code).
 Prefect hands the child its flow pickled (cloudpickle): a flow's function is not its module's attribute (the Flow is),
 so it would go by value, with a copy of only the globals its code names, and a flow whose annotations are strings
 (`from __future__ import annotations`) could not validate its parameters there. The flows served here go by
-reference instead (their module and attribute, already imported by the forkserver): the child runs the module's own
-flow, as `python -m prefect.engine` does.
+reference instead (`by_reference`: their module and attribute, already imported by the forkserver), forked or not:
+the child runs the module's own flow, as `python -m prefect.engine` does.
 
 Two things a forked child would otherwise lose, which it gets here: PREFECT__FLOW_RUN_ID in its environment (so the
 processes it starts inherit it, as they do from `python -m prefect.engine`), and a name of its own: a fork keeps the
 forkserver's command line and its initial environment (/proc/<pid>/environ), so the child names itself
 `flow_run_name(id)` (its comm, what `ps -o comm`, `top` and psutil's `name()` show).
+
+This patches Prefect where it has no public hook (`prefect.runner._starter_direct`, prefect.flow_engine's
+`multiprocessing`), so it is a switch: RLHF_FORK_FLOW_RUNS=1 (`forking()`), which `rlhf up` sets for its deployment
+server and the test suite for everything it starts; off anywhere else (the cluster: a pod runs one flow run).
 """
 
 from __future__ import annotations
@@ -31,11 +35,17 @@ import pickle
 from multiprocessing.context import ForkServerProcess
 from typing import Optional
 
-from prefect import Flow, flow_engine
-from prefect.runner import _starter_direct  # the module Prefect says to patch to start flow runs differently
 
-
+SWITCH = "RLHF_FORK_FLOW_RUNS"  # 1: the deployment server's flow runs are forks (`preload`); 0 or unset: Prefect's own
 WARM = "components.launch.warm"  # imported by the forkserver after the flows' modules
+
+
+def forking() -> bool:
+    """Whether this process's served flow runs start as forks of a preloaded forkserver: RLHF_FORK_FLOW_RUNS=1."""
+    value = os.environ.get(SWITCH, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{SWITCH}={value!r}: expected 0 (Prefect starts each flow run) or 1 (forks, `rlhf up`)")
+    return value == "1"
 
 
 def flow_run_name(flow_run_id: str) -> str:
@@ -79,14 +89,15 @@ class _ForkServer:
 
 
 def served_flow(module: str, name: str):
-    """A served flow, as a forked child unpickles it: its module's attribute."""
+    """A served flow, as a flow run's process unpickles it: its module's attribute."""
     return getattr(importlib.import_module(module), name)
 
 
-def preload(flows: list) -> None:
-    """From now on this process's Prefect runner starts runs of `flows` as forks of a forkserver that has imported
-    their modules and components/launch/warm.py (what a run would import on first use), each flow passed by
-    reference; the forkserver starts now (its imports overlap the deployments' registration)."""
+def by_reference(flows: list) -> list[str]:
+    """From now on `flows` pickle (for the child that runs a flow run, forked or spawned) as their module and
+    attribute, not by value; returns their modules."""
+    from prefect import Flow  # here: `rlhf up` reads SWITCH from this module without importing Prefect
+
     where = {}
     for flow in flows:
         module = importlib.import_module(flow.fn.__module__)
@@ -96,7 +107,18 @@ def preload(flows: list) -> None:
         return (served_flow, where[id(flow)]) if id(flow) in where else flow.__reduce_ex__(pickle.DEFAULT_PROTOCOL)
 
     copyreg.pickle(Flow, reduce_flow)
-    multiprocessing.set_forkserver_preload(sorted({module for module, _ in where.values()}) + [WARM])
+    return sorted({module for module, _ in where.values()})
+
+
+def preload(flows: list) -> None:
+    """From now on this process's Prefect runner starts runs of `flows` as forks of a forkserver that has imported
+    their modules and components/launch/warm.py (what a run would import on first use), each flow passed by
+    reference; the forkserver starts now (its imports overlap the deployments' registration). Only where `forking()`:
+    it patches Prefect's private module."""
+    from prefect import flow_engine  # here, as above: only the deployment server with the switch on patches it
+    from prefect.runner import _starter_direct  # the module Prefect's runner calls to start a served flow run
+
+    multiprocessing.set_forkserver_preload(by_reference(flows) + [WARM])
     forkserver = _ForkServer()
     start = flow_engine.run_flow_in_subprocess
 

@@ -3,7 +3,7 @@
 One node (`deploy.actor.nproc_per_node` = N > 1, no torchrun around us): rank 0 starts ranks 1..N-1 as child processes in a
 process group of their own, with the standard environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), and watches them. Several nodes: the run's controller starts node groups, each a torchrun
-(components/launch/nodes.py), whose rank 0 runs the run (components/launch/attempt.py) and whose other ranks follow;
+(components/launch/nodes.py), whose rank 0 runs the run (components/runs.py) and whose other ranks follow;
 `torchrun ... -m components.launch.ranks -- <command>` still makes the process torchrun makes rank 0 exec the command
 and every other rank follow. Either way a follower joins the process group, receives the run's config from rank 0,
 builds the same actor, and executes rank 0's commands until told to stop (models/loop.py). The ranks share no

@@ -39,6 +39,7 @@ from pathlib import Path
 import httpx
 import yaml
 
+from components.launch.flow_runs import SWITCH as FORK_SWITCH
 from components.launch.processes import PROJECT_ROOT, ChildProcess, alive, port_block_free, project_env, stop_group, wait_for
 from models.kinds import KINDS
 from models.sections import default_state_dir
@@ -300,7 +301,10 @@ def up(state_dir: Path | None = None, prefect_port: int = PREFECT_PORT, mlflow_p
         _wait(name, url, pid, state, timeout)
         log(f"started {name} (pid {pid}) at {url.rsplit('/', 1)[0] if name == 'mlflow' else urls[name]}")
     if _pid(state, "deployments") is None:
-        pid = _spawn(state, "deployments", [sys.executable, "-m", "flows.serve"], env)
+        # its flow runs start as forks of a process that has imported the flows (components/launch/flow_runs.py),
+        # unless the caller's environment says RLHF_FORK_FLOW_RUNS=0
+        pid = _spawn(state, "deployments", [sys.executable, "-m", "flows.serve"],
+                     {**env, FORK_SWITCH: env.get(FORK_SWITCH, "1")})
         _wait_deployments(env["PREFECT_API_URL"], creds["prefect"], pid, state, timeout)
         log(f"started the deployment server (pid {pid}): {', '.join(DEPLOYMENTS)}")
     if not started and _pid(state, "deployments"):

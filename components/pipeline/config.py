@@ -27,11 +27,12 @@ from typing import Literal, Optional
 
 from pydantic import Field, PositiveInt, create_model, model_validator
 
-from models.config import RUN_NAME_PATTERN, EvalConfig, RunConfig, is_tiny_policy
+from models.config import RUN_NAME_PATTERN, EvalConfig, RunConfig
 from models.deploy import DeployConfig
 from models.kinds import BY_JOB, POLICY_FROM_SFT
 from models.sections import Section
 from models.stages.config import EvalSection, RewardModelConfig, SFTConfig, StageCheckpoint
+from models.tiny_files import is_tiny_policy
 
 STAGE_ORDER = ("sft", "reward_model", "rl", *POLICY_FROM_SFT, "eval")  # every stage a pipeline may have, in order
 RL_STAGES = ("sft", "reward_model", "rl", "eval")

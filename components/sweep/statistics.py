@@ -143,7 +143,10 @@ def curves(values: dict[str, np.ndarray], steps: list[int], reps: int, confidenc
     """{steps, arms: {arm: {value, low, high}}}: the IQM over an arm's runs at each step (values: arm -> [runs,
     steps]), with intervals (rliable's sample-efficiency curves)."""
     matrices = {arm: np.asarray(v, dtype=np.float64)[:, None, :] for arm, v in values.items()}
-    per_step = lambda x: np.array([rm.aggregate_iqm(x[..., j]) for j in range(x.shape[-1])])  # noqa: E731
+
+    def per_step(x: np.ndarray) -> np.ndarray:
+        return np.array([rm.aggregate_iqm(x[..., j]) for j in range(x.shape[-1])])
+
     point, bounds = _estimates(matrices, per_step, reps, confidence, seed)
     return {"steps": list(steps), "arms": {arm: {"value": point[arm].tolist(), "low": bounds[arm][0].tolist(),
                                                  "high": bounds[arm][1].tolist()} for arm in values}}

@@ -51,7 +51,8 @@ from components.tracking.provenance import digest
 from components.tracking.tracker import Tracker, resolve_tracking_uri
 from models.config import RLHFConfig, merge, run_name_for
 from models.resolve import Sources
-from models.reward import is_file_spec, reward_file
+from models.reward import reward_file
+from models.specs import is_file_spec
 
 if TYPE_CHECKING:  # only annotations here: what reads a run's record (a sweep, rlhf compare) loads no model code
     from models.loop import Leader
@@ -173,10 +174,6 @@ class RunSession:
     def restore_dir(self) -> Path:
         """Where the checkpoint the job resumes from was downloaded (one directory per part)."""
         return self.local_dir / "restore"
-
-    @property
-    def start_iteration(self) -> int:
-        return int(self.manifest.get("iteration", 0))
 
     # -- an RL run's servers
     @property

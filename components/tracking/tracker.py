@@ -271,19 +271,6 @@ class Tracker:
         except Exception:  # noqa: BLE001 - optional: missing psutil or an unsupported platform must not stop training
             self._monitor = None
 
-    def log_metrics(self, metrics: dict[str, float], step: int) -> None:
-        """Log numeric values (non-finite ones as they are) at `step`, which must exceed the last step."""
-        if self.last_step is not None and step <= self.last_step:
-            raise ValueError(f"step {step} is not after the last logged step {self.last_step} of run {self.run_id}")
-        timestamp = int(time.time() * 1000)
-        entries = []
-        for key, value in metrics.items():
-            number = _as_number(value)
-            if number is not None:
-                entries.append(Metric(key, number, timestamp, step))
-        self._log_batch(metrics=entries)
-        self.last_step = step
-
     def log_steps(self, steps: list[tuple[int, dict[str, float]]]) -> None:
         """Log the metrics of several steps in one batch (ascending steps, each after the last logged one)."""
         entries, timestamp = [], int(time.time() * 1000)

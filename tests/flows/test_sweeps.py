@@ -350,8 +350,11 @@ def test_an_experiment_of_2_arms_x_3_seeds_killed_half_way_resumes_its_report_is
     the experiment run again on the deployment starts no run."""
     s = sweep_stack
     params = ["--param", f"experiment={json.dumps(EXPERIMENT)}", "--param", f"deploy={json.dumps(IN_PROCESS)}"]
-    start = lambda: subprocess.run([str(BIN / "prefect"), "deployment", "run", "experiment/default", *params],  # noqa: E731
-                                   env=s["env"], capture_output=True, text=True, timeout=120, check=True)
+
+    def start():
+        return subprocess.run([str(BIN / "prefect"), "deployment", "run", "experiment/default", *params],
+                              env=s["env"], capture_output=True, text=True, timeout=120, check=True)
+
     first = flow_run_id(start())
     wait_until(lambda: len(trial_runs(s, "exp")) >= 3, 600, "a third run started (one has ended)")
     for process in wait_until(lambda: stack_processes(s["state_dir"], first), 30, "the experiment's process"):

@@ -15,10 +15,11 @@ from components.pipeline.config import PipelineFile
 from components.sweep.config import SweepConfig
 from components.sweep.experiment import ExperimentConfig
 from components.tasks import merge_parameters
-from models.config import (LAYERS, RLHFConfig, RunConfig, deep_merge, from_layers, load_config, merge, nested, preset,
+from models.config import (LAYERS, RLHFConfig, RunConfig, from_layers, load_config, merge, nested, preset,
                            run_name_for, with_schedule_lengths)
 from models.deploy import DeployConfig
 from models.kinds import JOBS_BUT_RL
+from models.sections import deep_merge
 
 pytestmark = pytest.mark.fast
 

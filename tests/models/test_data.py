@@ -186,7 +186,7 @@ def test_a_reward_function_with_kwargs_gets_every_column_repeated_for_each_sampl
 
 def test_the_stream_position_travels_with_the_actor_checkpoint(tiny_models, tmp_path):
     """Three iterations mid-epoch, an actor checkpoint, a fresh actor restored from it: the resumed stream hands out
-    exactly the rows the uninterrupted run reads next (what the flow does on resume: flows/training.py)."""
+    exactly the rows the uninterrupted run reads next (what the flow does on resume: models/loop.py)."""
     cfg = pin(preset("tiny", **{"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"],
                                 "algorithm": "rloo", "model.reward": tiny_models["reward"],
                                 "reinforce.rollout_batch_size": 4, "reinforce.minibatch_size": 16,

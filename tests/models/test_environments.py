@@ -232,7 +232,10 @@ def test_limits_end_episodes_as_trl_does(runners, tokenizer):
     ('length'); a failing tool is the model's to see ({'error': ...}, a tool failure, not an environment error); a
     malformed call is text and ends it."""
     runner = echo_runner(runners)
-    always = lambda context: call("echo", text="again")  # noqa: E731
+
+    def always(context):
+        return call("echo", text="again")
+
     played = play(runner, tokenizer, always, [{"prompt": "say again"}])
     episode = played.episodes[0]
     assert (episode.end, episode.turns, episode.rounds, episode.tool_calls) == ("max_turns", 3, 2, 2)  # the 3rd: not run
@@ -259,11 +262,16 @@ def test_limits_end_episodes_as_trl_does(runners, tokenizer):
     assert engine.calls > 2 and played.episodes[1].end == "stop"
     runner.position_limit = 512
 
-    failing = lambda context: "done<|im_end|>" if "<tool_response>" in context else call("echo", text="fail")  # noqa
+    def failing(context):
+        return "done<|im_end|>" if "<tool_response>" in context else call("echo", text="fail")
+
     episode = play(runner, tokenizer, failing, [{"prompt": "say fail"}]).episodes[0]
     assert episode.completion[1]["content"] == str({"error": "refusing to echo 'fail'"}) and episode.end == "stop"
     assert (episode.tool_failures, episode.error) == (1, "")
-    broken = lambda context: '<tool_call>\n{"name": "echo", "argu<|im_end|>'  # noqa: E731
+
+    def broken(context):
+        return '<tool_call>\n{"name": "echo", "argu<|im_end|>'
+
     episode = play(runner, tokenizer, broken, [{"prompt": "say it"}]).episodes[0]
     assert (episode.end, episode.tool_calls, episode.completion[0].get("tool_calls")) == ("stop", 0, None)
 
@@ -338,7 +346,10 @@ def test_an_environment_of_one_session_is_serialised_or_refused(runners, tokeniz
     reset), or the run is refused naming environment.single_session."""
     log = tmp_path / "calls.log"
     runner = runners(f"{ENVS}:OneSession", [f"{ENVS}:last_text"])
-    reply = lambda c: "done<|im_end|>" if "<tool_response>" in c else call("echo", text="x")  # noqa: E731
+
+    def reply(c):
+        return "done<|im_end|>" if "<tool_response>" in c else call("echo", text="x")
+
     engine = ScriptedEngine(tokenizer, reply)
     played = runner.play(engine, [{"prompt": "say x", "log": str(log)}] * 3, Sampling(max_new_tokens=100), None, 100,
                          tokenizer.pad_token_id)
@@ -380,8 +391,10 @@ def test_a_verifiers_rollout_record_is_one_episode_whose_loss_counts_the_model_s
     from components.verifiers.worker import merge_steps
     from models.environments.remote import episode_of
 
-    turn = lambda prompt, ids: {"prompt_ids": prompt, "completion_ids": ids, "completion_mask": [1] * len(ids),  # noqa: E731
-                                "completion_logprobs": [-0.5] * len(ids), "is_truncated": False}
+    def turn(prompt, ids):
+        return {"prompt_ids": prompt, "completion_ids": ids, "completion_mask": [1] * len(ids),
+                "completion_logprobs": [-0.5] * len(ids), "is_truncated": False}
+
     steps = [turn([1, 2], [3, 4]), turn([1, 2, 3, 4, 9, 9], [5])]  # the tool's reply: 9 9
     prompt = [{"role": "user", "content": "2 + 3?"}]
     messages = prompt + [{"role": "assistant", "tool_calls": ['{"function": {"name": "add", "arguments": "{}"}}']},

@@ -28,11 +28,14 @@ LABELS = [True, False, True, True, False, False, True]
 B, L = len(LABELS), 6
 
 
+def sig(x):
+    return 1 / (1 + math.exp(-x))
+
+
 def reference(logps, refs, labels, kl, beta, loss_type, wd, wu):
     terms = []
     for lp, rp, good in zip(logps, refs, labels):
         h = lp - rp
-        sig = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
         if loss_type == "kto":
             term = 1 - sig(beta * (h - kl)) if good else 1 - sig(beta * (kl - h))
         else:

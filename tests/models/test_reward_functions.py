@@ -13,7 +13,8 @@ import torch
 from models.algorithms.base import collect_rewards
 from models.backends import FunctionReward
 from models.config import preset
-from models.reward import absolute_spec, import_function, load_reward_function, load_reward_functions
+from models.reward import import_function, load_reward_function, load_reward_functions
+from models.specs import absolute_spec
 from models.step import function_reward_metrics
 
 REWARDS = '''

@@ -333,8 +333,10 @@ def test_servers_are_leader_worker_sets_created_waited_for_and_deleted_with_the_
     name = lws["metadata"]["name"]
     assert server.urls == [f"http://{name}-0.{name}.{NS}:8000", f"http://{name}-1.{name}.{NS}:8000"]
 
-    group = lambda i, **kw: _pod(f"{name}-{i}", i, labels={"leaderworkerset.sigs.k8s.io/name": name,  # noqa: E731
-                                                            "leaderworkerset.sigs.k8s.io/group-index": str(i)}, **kw)
+    def group(i, **kw):
+        return _pod(f"{name}-{i}", i, labels={"leaderworkerset.sigs.k8s.io/name": name,
+                                              "leaderworkerset.sigs.k8s.io/group-index": str(i)}, **kw)
+
     stages = iter([[group(0, phase="Pending", unschedulable=("SchedulingGated", "Scheduling is blocked due to non-empty scheduling gates"))],
                    [group(0, phase="Pending", waiting={"reason": "ContainerCreating"}), group(1, phase="Pending")],
                    [group(0, ready=False), group(1, ready=False)],  # running, the model still loading

@@ -83,7 +83,10 @@ def test_a_readiness_wait_says_what_it_waits_for_and_how_long_it_has_waited():
     """A cold GPU node takes minutes to serve: every report_every_s of waiting (30 s in a run) the run's log is told
     what is awaited, where, what was seen and how long of how long it has waited; the timeout names the last sight."""
     said = []
-    never = lambda: Health(False, "nothing listening at 127.0.0.1:9 (refused)", "not_listening")  # noqa: E731
+
+    def never():
+        return Health(False, "nothing listening at 127.0.0.1:9 (refused)", "not_listening")
+
     with pytest.raises(ServerNotReady, match=r"timed out after 1s waiting for rollout server replica 1 at "
                                              r"http://127\.0\.0\.1:9: nothing listening") as err:
         wait_until_ready(never, 1.0, "rollout server replica 1", "http://127.0.0.1:9", poll_s=0.05, report=said.append,

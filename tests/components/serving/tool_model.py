@@ -99,7 +99,10 @@ def build_tool_model(out: str | Path) -> Path:
     out = Path(out)
     tok = build_tokenizer()
     V = len(tok)
-    ids = lambda *pieces: [tok.convert_tokens_to_ids(p) if p in tok.get_vocab() else None for p in pieces]  # noqa: E731
+
+    def ids(*pieces):
+        return [tok.convert_tokens_to_ids(p) if p in tok.get_vocab() else None for p in pieces]
+
     newline = tok.encode("\n", add_special_tokens=False)
     assert len(newline) == 1
     chain = newline + ids("<tool_call>", *CALL_PIECES, "</tool_call>", "<|im_end|>")

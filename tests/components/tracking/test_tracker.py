@@ -25,8 +25,8 @@ def history(client: MlflowClient, run_id: str, key: str) -> list[tuple[int, floa
 def test_new_run_logs_params_tags_and_config(mlflow_uri: str, tmp_path: Path) -> None:
     with Tracker(mlflow_uri, "exp", "ppo-1", tags={"algorithm": "ppo"}, system_metrics=False) as tracker:
         run_id = tracker.start(CONFIG)
-        tracker.log_metrics({"objective/kl": 0.5, "reward": 1, "note": "text", "bad": None}, step=0)
-        tracker.log_metrics({"objective/kl": float("nan"), "loss/value_avg": 2.0}, step=1)
+        tracker.log_steps([(0, {"objective/kl": 0.5, "reward": 1, "note": "text", "bad": None})])
+        tracker.log_steps([(1, {"objective/kl": float("nan"), "loss/value_avg": 2.0})])
         tracker.log_table([{"prompt": "a", "reward": 1.0}, {"prompt": "b", "response": "c"}], step=1)
         tracker.log_checkpoint("s3://bucket/run/iter_1", step=1)
 
@@ -55,9 +55,9 @@ def test_resume_continues_run_with_increasing_steps(mlflow_uri: str) -> None:
     first = Tracker(mlflow_uri, "exp", "rloo-1", system_metrics=False)
     run_id = first.start(CONFIG)
     for step in range(3):
-        first.log_metrics({"objective/kl": step / 10}, step=step)
+        first.log_steps([(step, {"objective/kl": step / 10})])
     with pytest.raises(ValueError, match="step 2 is not after the last logged step 2"):
-        first.log_metrics({"objective/kl": 9.0}, step=2)
+        first.log_steps([(2, {"objective/kl": 9.0})])
     first.log_checkpoint("file:///ckpt/iter_2", step=2)
     first.end("FAILED")  # e.g. the flow run crashed
 
@@ -65,8 +65,8 @@ def test_resume_continues_run_with_increasing_steps(mlflow_uri: str) -> None:
     assert second.start(CONFIG) == run_id
     assert second.last_step == 2
     with pytest.raises(ValueError, match="not after"):
-        second.log_metrics({"objective/kl": 1.0}, step=1)
-    second.log_metrics({"objective/kl": 0.3}, step=3)
+        second.log_steps([(1, {"objective/kl": 1.0})])
+    second.log_steps([(3, {"objective/kl": 0.3})])
     assert MlflowClient(mlflow_uri).get_run(run_id).info.status == "RUNNING"
     second.end()
 
@@ -88,8 +88,8 @@ def test_two_trackers_in_one_process_do_not_interfere(mlflow_uri: str) -> None:
     a = Tracker(mlflow_uri, "exp", "a", system_metrics=False)
     b = Tracker(mlflow_uri, "exp", "b", system_metrics=False)
     run_a, run_b = a.start({"x": 1}), b.start({"x": 2})
-    a.log_metrics({"m": 1.0}, step=5)
-    b.log_metrics({"m": 2.0}, step=0)  # b's steps are independent of a's
+    a.log_steps([(5, {"m": 1.0})])
+    b.log_steps([(0, {"m": 2.0})])  # b's steps are independent of a's
     a.end()
     b.end()
     client = MlflowClient(mlflow_uri)
@@ -106,7 +106,7 @@ def test_system_metrics_are_logged(mlflow_uri: str, monkeypatch: pytest.MonkeyPa
     while "system/cpu_utilization_percentage" not in client.get_run(run_id).data.metrics:
         assert time.monotonic() < deadline, "no system metric was logged within 120 s"
         time.sleep(0.2)
-    tracker.log_metrics({"m": 1.0}, step=0)
+    tracker.log_steps([(0, {"m": 1.0})])
     tracker.end()
     metrics = client.get_run(run_id).data.metrics
     assert "system/cpu_utilization_percentage" in metrics and "m" in metrics
