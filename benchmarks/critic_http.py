@@ -11,7 +11,7 @@ Target: HTTP <= 1.10x in-process seconds per iteration (median of the per-pair r
 `--auth` (issue 32) measures what the run's secret costs a critic round trip: two critic servers of the same build
 side by side, one in open mode (deploy.critic.auth=none, its client sends no credentials: what every server did
 before the secret) and one checking a signature on every request (its front, components/serving/triton/front.py;
-its client proves the server once per connection and signs each request: components/wire.py),
+its client proves the server once per connection and signs each request: components/handshake.py),
 critic_infer round trips alternating between them (ABBA), for a 1x8-token and a 32x64-token batch; warm-up discarded.
 Written to benchmarks/results/critic_http_auth.json.
 """

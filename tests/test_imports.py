@@ -96,7 +96,7 @@ def test_no_cycles_between_the_subpackages_of_components():
 ROLLOUT_SERVER = (*(f"components.serving.rollout.{m}" for m in ("app", "weights", "body", "main", "group", "openai")),
                   "models.chat",  # the chat templates and tool-call parsing, the trainer's too
                   "models.rendezvous",  # the weight-transfer group's admission by the run's secret, the trainer's too
-                  "components.wire", "components.serving.connections")  # the run's wire auth, its connections
+                  "components.handshake", "components.serving.connections")  # the run's wire auth, its connections
 
 
 def test_the_rollout_server_imports_nothing_of_the_project():

@@ -5,7 +5,7 @@ once per run attempt) and hands it to each server through its environment ($RLHF
 $RLHF_RUN_SECRET_FILE (a Kubernetes Secret of the run, mounted into its server pods, deleted with them). It never
 appears on a command line, in a log, in a pod's spec, in Prefect (parameters, blocks, variables) or in MLflow.
 
-On the wire (components/wire.py) the secret never crosses either: a server proves it holds it before a client
+On the wire (components/handshake.py) the secret never crosses either: a server proves it holds it before a client
 sends anything on a new connection (GET /rlhf/proof answers the client's fresh challenge with an HMAC), and every
 request is signed with a key derived from it (`Authorization: RLHF-HMAC ...`, each nonce once). A server found at an
 address that cannot prove itself is sent nothing.
@@ -36,7 +36,7 @@ import secrets
 from pathlib import Path
 from typing import Mapping, Optional
 
-from components import wire
+from components import handshake
 
 SECRET_ENV = "RLHF_RUN_SECRET"  # the run's secret, in a server's environment
 SECRET_FILE_ENV = "RLHF_RUN_SECRET_FILE"  # or a file holding it (a Kubernetes Secret mounted as a volume)
@@ -53,7 +53,7 @@ def new_secret() -> str:
 
 def request_headers(secret: str, method: str, path: str) -> dict[str, str]:
     """The header that signs one request to a run's server (`path` without its query): fresh each time, used once."""
-    return wire.request_headers(wire.RunKeys(secret), method, path)
+    return handshake.request_headers(handshake.RunKeys(secret), method, path)
 
 
 def read_secret(env: Mapping[str, str] = os.environ) -> Optional[str]:

@@ -47,7 +47,7 @@ from components.serving.auth import new_secret, read_secret, secret_env
 from components.serving.triton.contract import ServerSpec
 from components.serving.triton.front import MODELS_PATH
 from components.serving.triton.serve import model_state_summary
-from components.wire import ServerNotProven, run_client
+from components.handshake import ServerNotProven, run_client
 from models.config import RLHFConfig, merge
 
 ROLLOUT_SERVER_MODULE = "components.serving.rollout.main"

@@ -4,7 +4,7 @@
     python -m components.verifiers.worker < requests.jsonl > answers.jsonl
 
 The run's secret comes in through $RLHF_RUN_SECRET, never on the command line, and never leaves this process: the
-OpenAI client verifiers drives has an HTTP client of the run's (components/wire.py) under it, which has the
+OpenAI client verifiers drives has an HTTP client of the run's (components/handshake.py) under it, which has the
 server prove it holds the secret on every new connection before anything is sent, and signs every request. It answers request after request, one JSON line each
 (the trainer keeps one worker for a run: verifiers and the environment load once). A request (a JSON line on stdin):
 
@@ -34,7 +34,7 @@ logprob 0, then the step's completion); otherwise a new sample starts. A rollout
 every mask 0 (nothing of it trains). The merge (`merge_steps`) is pure Python, also imported by the trainer's side.
 
 Runs in .venv-verifiers: imports nothing from the project but this package (components/verifiers/__init__.py) and
-components/wire.py (the standard library and httpx only).
+components/handshake.py (the standard library and httpx only).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ import os
 import sys
 from typing import Any
 
-from components.wire import run_async_client
+from components.handshake import run_async_client
 
 SECRET_ENV = "RLHF_RUN_SECRET"  # as components/serving/auth.py
 SCHEMA = 1

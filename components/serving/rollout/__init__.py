@@ -4,7 +4,7 @@ client.
 The server runs in `.venv-vllm` (Makefile `vllm-venv`), never in the project's: vLLM needs numpy >= 2, PyTriton pins
 numpy < 2. So its modules (app, weights, body, main, group, openai) import nothing from the project but each other,
 models/chat.py (the chat templates and tool-call parsing the trainer uses too), models/rendezvous.py (the weight
-group's admission by the run's secret, the trainer's too), components/wire.py (the run's proof and request
+group's admission by the run's secret, the trainer's too), components/handshake.py (the run's proof and request
 signatures) and components/serving/connections.py (its connections, bounded), which import nothing of the project
 themselves (tests/test_imports.py checks it); this package's __init__ (like components/, components/serving/ and
 models/) imports nothing. On a cluster the server is its own pod, from an image with `vllm`.

@@ -31,7 +31,7 @@ started with, and the engine's idle seconds so far (neither generating nor loadi
 
 Who may call, and how much (components/serving/auth.py says the same for the whole run):
 - the secret reaches this process through $RLHF_RUN_SECRET or the file $RLHF_RUN_SECRET_FILE names, never its
-  command line (a server given none refuses to start), and never crosses the wire (components/wire.py): GET
+  command line (a server given none refuses to start), and never crosses the wire (components/handshake.py): GET
   /rlhf/proof proves this server to a client before the client sends anything; every endpoint but GET /health and
   the proof needs a request signed with the run's key (401 unsigned, 403 signed otherwise or sent before). /health
   shows no run token.
@@ -92,7 +92,7 @@ from components.serving.connections import InFlight
 from components.serving.rollout.body import BodyReader, safetensors_header
 from components.serving.rollout.openai import add_openai_endpoints, client_error, error_body, is_openai_path
 from components.serving.rollout.weights import TRANSFER_BACKEND, received_digests
-from components.wire import CHALLENGE_HEADER, PROOF_PATH, SCHEME, RunKeys, Verifier, answer_proof
+from components.handshake import CHALLENGE_HEADER, PROOF_PATH, SCHEME, RunKeys, Verifier, answer_proof
 
 log = logging.getLogger("rlhf.rollout_server")
 
@@ -456,7 +456,7 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, list[int]]:
 
 class Guard:
     """ASGI middleware in front of every endpoint: GET /health and GET /rlhf/proof (the server's proof of the run's
-    secret, components/wire.py) answer anyone; every other request must be signed with the run's key (401
+    secret, components/handshake.py) answer anyone; every other request must be signed with the run's key (401
     unsigned, 403 signed otherwise or sent before: wire.Verifier), and is refused from its Content-Length before a
     byte of its body is read (411 without one, 413 over the limit: `max_body` for JSON, the model's own size for
     /update_weights); at most `max_in_flight` of the run's requests are served at once (503 beyond)."""

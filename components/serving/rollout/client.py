@@ -2,7 +2,7 @@
 torch.distributed group. It is the `RolloutServer` that models/engines/vllm.py samples from.
 
 The server proves it holds the run's secret on every new connection before anything is sent on it, and every request
-is signed with the run's key (components/wire.py: the secret never crosses the wire; the server refuses
+is signed with the run's key (components/handshake.py: the secret never crosses the wire; the server refuses
 anyone else); requests carry the run's token (`run`): the server serves the run that first sent it weights and refuses any
 other (409, naming both). Weights go as the server's next version; the server answers with the version it applied.
 
@@ -39,7 +39,7 @@ import torch
 
 from components.serving.auth import read_secret
 from components.serving.rollout.group import join, tensor_digest
-from components.wire import run_client
+from components.handshake import run_client
 from models.engines.base import Weights
 from models.engines.vllm import EngineRequestError
 from models.rendezvous import RendezvousRefused, open_store

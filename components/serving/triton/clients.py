@@ -10,7 +10,7 @@ Inputs are checked against the wire contract before sending, so our own malforme
 requests Triton batched with it.
 
 With the run's `secret`, the server proves it holds it on each new connection before anything is sent, and every
-request is signed with the run's key (components/wire.py: the secret never crosses the wire); no call can
+request is signed with the run's key (components/handshake.py: the secret never crosses the wire); no call can
 forget it. `secret=None` reads $RLHF_RUN_SECRET (a client beside a server started by hand with it); without any, the
 client sends no credentials (a server in open mode serves it).
 """
@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from components.serving.auth import read_secret
-from components.wire import run_client
+from components.handshake import run_client
 from components.serving.triton.contract import (CRITIC_INFER, CRITIC_SAVE, CRITIC_TRAIN, REWARD_MODEL, REWARD_TEXT,
                                                 TEACHER_LOGPROBS, TRAIN_STATS)
 from models.critic import CriticInputError, validate_tokens, validate_train
@@ -71,7 +71,7 @@ class TritonHTTP:
     """Synchronous calls with bounded timeouts and connection retries, and a thread pool for asynchronous ones, over
     one pooled HTTP client (thread-safe; its connections are kept alive between calls). With the run's secret
     (`secret`; None: $RLHF_RUN_SECRET) every connection is proven first and every request signed
-    (components/wire.py); tensors travel in Triton's own binary encoding (tritonclient's)."""
+    (components/handshake.py); tensors travel in Triton's own binary encoding (tritonclient's)."""
 
     def __init__(self, url: str, timeout_s: float = 300.0, connect_timeout_s: float = 10.0, retries: int = 3,
                  retry_wait_s: float = 1.0, max_workers: int = 4, name: str = "triton", secret: Optional[str] = None):

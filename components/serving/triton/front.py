@@ -38,7 +38,7 @@ import uvicorn
 
 from components.launch.processes import wait_for
 from components.serving.connections import InFlight, allow_open_files, bounded_protocol
-from components.wire import CHALLENGE_HEADER, PROOF_PATH, SCHEME, RunKeys, Verifier, answer_proof
+from components.handshake import CHALLENGE_HEADER, PROOF_PATH, SCHEME, RunKeys, Verifier, answer_proof
 
 LOG = logging.getLogger("rlhf.server")
 

@@ -1,4 +1,4 @@
-"""The run's credentials as pure functions (components/serving/auth.py, wire.py), where they reach a server process
+"""The run's credentials as pure functions (components/serving/auth.py, handshake.py), where they reach a server process
 (its environment, never its command line), what a server found at an address gets before it proves itself (nothing),
 and the passwords of URLs kept out of what is logged (a sweep's study storage in its MLflow run)."""
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from mlflow.tracking import MlflowClient
 
-from components import wire
+from components import handshake
 from components.serving.auth import MissingSecret, new_secret, read_secret, request_headers
 from components.serving.launcher import rollout_argv, rollout_probe, server_argv, triton_probe
 from components.serving.rollout.client import RolloutClient
@@ -29,10 +29,10 @@ from models.resolve import pin
 def test_secrets_and_the_keys_derived_from_them():
     a, b = new_secret(), new_secret()
     assert a != b and len(a) >= 43  # 256 bits, URL-safe
-    ka, kb = wire.RunKeys(a), wire.RunKeys(b)
+    ka, kb = handshake.RunKeys(a), handshake.RunKeys(b)
     assert ka.server != ka.client and ka.server != kb.server and ka.client != kb.client  # one key per use and run
     challenge = "0" * 32
-    assert ka.proof("triton", challenge) == wire.RunKeys(a).proof("triton", challenge) != kb.proof("triton", challenge)
+    assert ka.proof("triton", challenge) == handshake.RunKeys(a).proof("triton", challenge) != kb.proof("triton", challenge)
     assert ka.proof("triton", challenge) != ka.proof("rollout", challenge)  # a proof names the role it answers for
     header = request_headers(a, "POST", "/generate")["authorization"]
     assert header.startswith("RLHF-HMAC ts=") and a not in header and request_headers(a, "POST", "/generate") != \
@@ -41,7 +41,7 @@ def test_secrets_and_the_keys_derived_from_them():
 
 def test_a_signed_request_passes_once_and_nothing_else_passes():
     secret = new_secret()
-    verifier = wire.Verifier(wire.RunKeys(secret))
+    verifier = handshake.Verifier(handshake.RunKeys(secret))
     header = request_headers(secret, "POST", "/generate")["authorization"]
     assert verifier.check("POST", "/generate", header) is None
     assert verifier.check("POST", "/generate", header) == (403, "authorization: this request was sent before (a nonce "
@@ -51,7 +51,7 @@ def test_a_signed_request_passes_once_and_nothing_else_passes():
     assert verifier.check("GET", "/generate", fresh)[0] == 403  # or another method
     assert verifier.check("POST", "/generate", request_headers(new_secret(), "POST", "/generate")["authorization"]) \
         == (403, "authorization: not signed with this run's key")
-    assert verifier.check("POST", "/generate", fresh, now=time.time() + wire.WINDOW_S + 5)[1].startswith(
+    assert verifier.check("POST", "/generate", fresh, now=time.time() + handshake.WINDOW_S + 5)[1].startswith(
         "authorization: ts=")  # too old
     for unsigned in (None, f"Bearer {secret}", "RLHF-HMAC ts=1, nonce=zz, mac=00"):
         status, why = verifier.check("POST", "/generate", unsigned)
@@ -72,9 +72,9 @@ class Impostor(BaseHTTPRequestHandler):
         headers = {name.lower(): value for name, value in self.headers.items()}
         self.received.append((self.requestline, headers, self.rfile.read(length) if length else b""))
         proof = {}
-        if self.secret and self.path == wire.PROOF_PATH:
-            proof = {wire.PROOF_HEADER: wire.RunKeys(self.secret).proof(headers[wire.ROLE_HEADER],
-                                                                        headers[wire.CHALLENGE_HEADER])}
+        if self.secret and self.path == handshake.PROOF_PATH:
+            proof = {handshake.PROOF_HEADER: handshake.RunKeys(self.secret).proof(headers[handshake.ROLE_HEADER],
+                                                                        headers[handshake.CHALLENGE_HEADER])}
         body = b'{"weights_version": 0, "max_batch_size": 8, "output": []}'
         self.send_response(200)
         for name, value in {**proof, "content-type": "application/json", "content-length": str(len(body))}.items():
@@ -108,24 +108,24 @@ def test_a_server_that_cannot_prove_the_runs_secret_is_sent_nothing(impostor):
     key, no signed header, no payload; what it saw (a random challenge) lets it speak as the run nowhere."""
     handler, url = impostor
     secret = new_secret()
-    with pytest.raises(wire.ServerNotProven, match="did not prove it holds the run's secret"):
+    with pytest.raises(handshake.ServerNotProven, match="did not prove it holds the run's secret"):
         RolloutClient(url, "run/1", timeout_s=10, secret=secret).generate({"prompt_token_ids": [[1, 2, 3]]})
     critic = CriticClient(url, timeout_s=10, secret=secret, combined_reward=True)
-    with pytest.raises(wire.ServerNotProven):
+    with pytest.raises(handshake.ServerNotProven):
         critic.infer(np.ones((2, 4), np.int64), np.full((2,), 4))
     critic.close()
     for probe in (rollout_probe(url, secret=secret), triton_probe(url, ["critic_infer"], secret)):
         with pytest.raises(Exception, match="did not prove it holds the run's secret") as refused:
             probe()
         assert refused.value.reason == "wrong_server"
-    assert handler.received and {line for line, _, _ in handler.received} == {f"GET {wire.PROOF_PATH} HTTP/1.1"}
-    keys = wire.RunKeys(secret)
+    assert handler.received and {line for line, _, _ in handler.received} == {f"GET {handshake.PROOF_PATH} HTTP/1.1"}
+    keys = handshake.RunKeys(secret)
     for _, headers, body in handler.received:
         assert body == b"" and "authorization" not in headers
         seen = str(headers)
         assert secret not in seen and keys.client.hex() not in seen and keys.server.hex() not in seen
-        assert len(headers[wire.CHALLENGE_HEADER]) == 32
-    challenges = [headers[wire.CHALLENGE_HEADER] for _, headers, _ in handler.received]
+        assert len(headers[handshake.CHALLENGE_HEADER]) == 32
+    challenges = [headers[handshake.CHALLENGE_HEADER] for _, headers, _ in handler.received]
     assert len(set(challenges)) == len(challenges)  # a fresh challenge each time: an old answer proves nothing
 
 
@@ -141,7 +141,7 @@ def test_a_server_that_proves_the_runs_secret_gets_signed_requests(impostor):
     signed = [(line, headers) for line, headers, _ in handler.received if not line.startswith("GET /rlhf/proof")]
     assert [line for line, _ in signed] == ["GET /health HTTP/1.1"] * 2
     assert sum(line.startswith("GET /rlhf/proof") for line, _, _ in handler.received) == 1  # one kept-alive connection
-    verifier = wire.Verifier(wire.RunKeys(secret))
+    verifier = handshake.Verifier(handshake.RunKeys(secret))
     for _, headers in signed:
         assert secret not in str(headers)
         assert verifier.check("GET", "/health", headers["authorization"]) is None
@@ -149,14 +149,14 @@ def test_a_server_that_proves_the_runs_secret_gets_signed_requests(impostor):
 
 
 def test_a_server_without_the_proof_answer_is_refused_by_a_plain_http_client_too(impostor):
-    """wire.run_client is what every client of the run builds on: no request leaves before the proof."""
+    """handshake.run_client is what every client of the run builds on: no request leaves before the proof."""
     handler, url = impostor
-    with wire.run_client(new_secret(), "triton", base_url=url, timeout=10) as client:
-        with pytest.raises(wire.ServerNotProven, match=f"{url.split('//')[1]} did not prove"):
+    with handshake.run_client(new_secret(), "triton", base_url=url, timeout=10) as client:
+        with pytest.raises(handshake.ServerNotProven, match=f"{url.split('//')[1]} did not prove"):
             client.post("/v2/models/critic_train/infer", content=b"payload")
     assert all(body == b"" for _, _, body in handler.received)
     with pytest.raises(ValueError, match="role"):
-        wire.run_client(new_secret(), "critic")
+        handshake.run_client(new_secret(), "critic")
     assert httpx.get(f"{url}/health").status_code == 200  # the stand-in is a working HTTP server
 
 
@@ -176,7 +176,7 @@ def test_no_secret_on_a_server_command_line(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_RUN_SECRET", secret)
     cfg = pin(RLHFConfig.model_validate({"deploy": {"state_dir": str(tmp_path), "rollout": {"python": "/usr/bin/env"}}}))
     argv = server_argv(ServerSpec(kind="critic", config=cfg)) + rollout_argv(cfg, 1234)
-    keys = wire.RunKeys(secret)
+    keys = handshake.RunKeys(secret)
     assert not any(secret in arg or keys.client.hex() in arg or keys.server.hex() in arg for arg in argv)
     assert "access_token" not in ServerSpec.model_fields  # the spec travels on the command line: no field for it
 

@@ -22,7 +22,7 @@ from components.launch.processes import PROJECT_ROOT
 from components.serving.launcher import launch_rollout, rollout_python
 from components.serving.rollout.client import RolloutClient
 from components.verifiers.rollouts import VerifiersError, VerifiersWorker, verifiers_python
-from components.wire import run_client
+from components.handshake import run_client
 from models.config import from_layers
 from models.resolve import pin
 from models.engines import Weights
@@ -70,7 +70,7 @@ def in_verifiers_venv(script: str, server, timeout_s: float = 300) -> dict:
 
 OPENAI_CLIENT = """
 import json, os, openai
-from components.wire import run_client  # the server proves itself, each request is signed: no secret is sent
+from components.handshake import run_client  # the server proves itself, each request is signed: no secret is sent
 client = openai.OpenAI(base_url=os.environ["SERVER_URL"] + "/v1", api_key="unused", max_retries=0,
                        http_client=run_client(os.environ["RLHF_RUN_SECRET"], "rollout", timeout=120))
 model = client.models.list().data[0].id

@@ -22,7 +22,7 @@ from components.launch.processes import ServerNotReady, alive, group_members, wa
 from components.serving.auth import new_secret, request_headers
 from components.serving.launcher import launch_rollout, rollout_env, rollout_python
 from components.serving.rollout.client import HTTPWeights, RolloutClient, safetensors_header, safetensors_stream
-from components.wire import run_client
+from components.handshake import run_client
 from models.config import LoraConfig, RLHFConfig, Sampling, from_layers, preset
 from models.resolve import pin
 from models.engines import Weights

@@ -39,7 +39,7 @@ from pytriton.client import ModelClient
 from tritonclient.utils import InferenceServerException
 
 from components.launch.processes import find_free_ports, group_members, wait_for
-from components import wire
+from components import handshake
 from components.serving.auth import new_secret, request_headers
 from components.serving.launcher import launch
 from components.serving.triton.clients import CriticClient, RewardClient, ServerError
@@ -216,8 +216,8 @@ def test_tritonserver_has_no_token_on_its_command_line_and_no_port_of_its_own(se
     """Any local user reads /proc/<pid>/cmdline: Triton's holds no token (and no secret of the run), and Triton
     listens on no TCP port; it listens on a Unix socket in the server's workspace, a directory only the run's user
     may enter. The server's address (its front) is the only way in."""
-    keys = [servers["secret"], *(k.hex() for k in (wire.RunKeys(servers["secret"]).client,
-                                                  wire.RunKeys(servers["secret"]).server))]
+    keys = [servers["secret"], *(k.hex() for k in (handshake.RunKeys(servers["secret"]).client,
+                                                  handshake.RunKeys(servers["secret"]).server))]
     for server in (servers["critic"], servers["reward"]):
         triton = tritonserver(server)
         cmdline = open(f"/proc/{triton.pid}/cmdline", "rb").read().decode().split("\0")

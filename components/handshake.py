@@ -106,7 +106,7 @@ class Verifier:
         """None when the request is the run's; else (401 or 403, why), naming the header."""
         if not authorization or not authorization.startswith(f"{SCHEME} "):
             return 401, (f"authorization: this server serves one run: sign each request with the run's key "
-                         f"('Authorization: {SCHEME} ts=..., nonce=..., mac=...', components/wire.py)")
+                         f"('Authorization: {SCHEME} ts=..., nonce=..., mac=...', components/handshake.py)")
         found = _HEADER.match(authorization.strip())
         if not found:
             return 401, (f"authorization: malformed {SCHEME} header (expected ts=<seconds>, nonce=<32 hex>, "
