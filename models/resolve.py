@@ -286,11 +286,11 @@ def resolve_data(value: str, field: str = "data.prompts", revision: Optional[str
     if not value:
         raise ValueError(f"{field}: not set; name the rows (a local file or folder, s3://..., a hub data set id, or "
                          f"builtin:<task>: models/data.py)")
-    if value.startswith(GENERATED):  # rows made by code from the config: no path
-        return pinned(value, field, value.split(":", 1)[0], None, revision=revision, subset=subset, options=options)
-    if options:
+    if options and not value.startswith("reasoning_gym:"):
         raise ValueError(f"{field.rsplit('.', 1)[0]}.options: only a reasoning_gym:<task> source takes options; "
                          f"'{value}' takes none")
+    if value.startswith(GENERATED):  # rows made by code from the config: no path
+        return pinned(value, field, value.split(":", 1)[0], None, revision=revision, subset=subset, options=options)
     if value.startswith("s3://"):
         return fetch_s3(value, field, deploy, prefix_only=False, revision=revision, subset=subset)
     path = Path(value).expanduser()

@@ -20,6 +20,7 @@ from components.serving.rollout.client import HTTPWeights, RolloutClient
 from models.config import from_layers
 from models.engines.vllm import EngineRequestError
 from models.policy import Policy
+from models.resolve import pin
 from models.tasks import sentiment
 
 pytestmark = pytest.mark.slow(2)
@@ -29,9 +30,9 @@ RUN = "test-rollout-weight-channel/1"
 
 @pytest.fixture(scope="module")
 def server(tiny_models, tmp_path_factory):
-    cfg = from_layers({"model": {"policy": tiny_models["policy"]}, "rollout": {"engine": "vllm"},
-                       "deploy": {"state_dir": str(tmp_path_factory.mktemp("rollout")),
-                                  "rollout": {"port": 0, "threads": 1}}})
+    cfg = pin(from_layers({"model": {"policy": tiny_models["policy"]}, "rollout": {"engine": "vllm"},
+                           "deploy": {"state_dir": str(tmp_path_factory.mktemp("rollout")),
+                                      "rollout": {"port": 0, "threads": 1}}}))
     rollout_python(cfg)  # a missing .venv-vllm fails here, naming `make vllm-venv`
     with launch_rollout(cfg, tmp_path_factory.mktemp("logs") / "rollout-server.log") as proc:
         proc.wait_until_ready(300)
