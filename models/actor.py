@@ -180,7 +180,8 @@ def common_metrics(state: ActorState, rollout: Rollout, scores: Tensor, gold: Te
     response_lengths = gather(rollout.sampled_lengths).float()
     ended = gather(rollout.is_end.long()).bool()
     response_tokens = int(response_lengths.sum())
-    seconds = {k: float(v) for k, v in zip(timers.seconds, me.all_reduce(torch.tensor(list(timers.seconds.values())), "max"))}
+    seconds = {k: float(v)
+               for k, v in zip(timers.seconds, me.all_reduce(torch.tensor(list(timers.seconds.values())), "max"))}
     metrics = {
         "reward": float(scores.mean()),
         "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,

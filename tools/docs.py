@@ -6,7 +6,8 @@
 * docs/metrics.md: every metric the code logs (models/metrics.py), what it means, TRL's name for it, when it is
   logged;
 * the results part of docs/benchmarks.md (between its markers), from benchmarks/results/*.json;
-* the recipes' and the loss menu's tables of docs/algorithms.md (between its markers), from models/algorithms/recipes.py.
+* the recipes' and the loss menu's tables of docs/algorithms.md (between its markers), from
+models/algorithms/recipes.py.
 
     python -m tools.docs            # rewrite them
     python -m tools.docs --check    # exit 1, naming the stale file, when one is not what the code says (make docs)
@@ -161,7 +162,8 @@ def config_reference() -> str:
 
     trees = [("config", "`config`: what an RL run trains (`RunConfig`; `rlhf train`, ppo/default, reinforce/default)",
               RunConfig(), ()),
-             ("deploy", "`deploy`: where a job's parts run (`DeployConfig`; every job's `deploy` section)", DeployConfig(), ()),
+             ("deploy", "`deploy`: where a job's parts run (`DeployConfig`; every job's `deploy` section)",
+              DeployConfig(), ()),
              ("pipeline", "A pipeline (`PipelineConfig`; `rlhf pipeline`, pipeline/default): its `rl` section is a "
                           "`RunConfig` (above)", PipelineConfig(), ("rl",))]
     for kind in JOBS_BUT_RL:  # every other kind of job (models/kinds.py)
@@ -197,7 +199,8 @@ NEEDS = {"critic": "PPO", "rloo": "RLOO", "vllm": "`rollout.engine=vllm`", "eval
          "functions": "reward functions", "binary": "0/1 scores", "async": "`rollout.max_off_policy_steps` > 0",
          "environment": "`environment.factory` or `.verifiers`",
          "never": "not a sweep's metric", "kl": "`kl.beta` > 0", "kl_loss": "the KL in the loss",
-         "ratio_clip": "`loss.policy_loss=ppo`", "dual_clip": "`loss.clip_ratio_c`", "vespo": "`loss.policy_loss=vespo`",
+         "ratio_clip": "`loss.policy_loss=ppo`", "dual_clip": "`loss.clip_ratio_c`",
+         "vespo": "`loss.policy_loss=vespo`",
          "dynamic": "`loss.dynamic_sampling`", "opd": "`algorithm=opd`"}
 
 
@@ -229,7 +232,8 @@ def recipes_table() -> str:
     from models.algorithms.recipes import COMMON, NAMES, RECIPES
     from models.config import RLHFConfig
 
-    lines = [RECIPES_START, "", "| `algorithm` | what it is | its settings (the rest: the common ones below) | TRL 1.16 "
+    lines = [RECIPES_START, "",
+             "| `algorithm` | what it is | its settings (the rest: the common ones below) | TRL 1.16 "
              "| veRL 0.9 |", "|---|---|---|---|---|"]
     for recipe in RECIPES.values():
         values = ", ".join(f"`{k}` = {v.__doc__}" if callable(v) else f"`{k}={v}`" for k, v in recipe.values.items())
@@ -243,8 +247,10 @@ def recipes_table() -> str:
         section, name = dotted.split(".")
         field = type(getattr(tree, section)).model_fields[name]
         default = "the recipe's" if field.default is None and dotted in set_by_recipes else f"`{json.dumps(field.default)}`"
-        lines.append(f"| `{dotted}` | {default} | {cell(f'`{trl}`' if trl and not trl.startswith('(') else trl or '(none)')} "
-                     f"| {cell(f'`{verl}`' if verl and not verl.startswith('(') else verl or '(none)')} | {cell(source)} |")
+        lines.append(f"| `{dotted}` | {default} | "
+                     f"{cell(f'`{trl}`' if trl and not trl.startswith('(') else trl or '(none)')} | "
+                     f"{cell(f'`{verl}`' if verl and not verl.startswith('(') else verl or '(none)')} | {cell(source)} "
+                     "|")
     return "\n".join(lines + ["", RECIPES_END])
 
 

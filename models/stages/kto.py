@@ -107,7 +107,8 @@ class Labeled:
         return len(self.ids)
 
     def head(self, n: int) -> "Labeled":
-        return Labeled(self.ids[:n], self.prompt_lengths[:n], self.labels[:n], self.source, self.dropped, self.mismatched)
+        return Labeled(self.ids[:n], self.prompt_lengths[:n], self.labels[:n], self.source, self.dropped,
+                       self.mismatched)
 
     def rows(self, indices: list[int]) -> dict:
         """The rows `indices` as a command carries them to every rank, each with its KL sequence: its prompt and the
