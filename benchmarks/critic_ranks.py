@@ -105,9 +105,10 @@ def main(argv=None) -> dict:
     transport["text_over_tokens"] = transport["text"]["median"] / transport["tokens"]["median"]
     log(f"critic_ranks: reward as text {transport['text']['median'] * 1e3:.1f} ms vs tokens "
         f"{transport['tokens']['median'] * 1e3:.1f} ms")
-    result = {"quick": quick, "settings": {"batch": list(tokens.shape), "repetitions": reps,
-                                           "critic": "tiny critic (GPT-2, 108k parameters) + combined tiny reward model",
-                                           "torch_threads_per_rank": 1},
+    result = {"quick": quick,
+              "settings": {"batch": list(tokens.shape), "repetitions": reps,
+                           "critic": "tiny critic (GPT-2, 108k parameters) + combined tiny reward model",
+                           "torch_threads_per_rank": 1},
               "critic_round_trip_seconds": critic, "reward_transport_seconds": transport}
     write_result("critic_ranks", result)
     return result

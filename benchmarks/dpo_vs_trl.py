@@ -63,7 +63,8 @@ def trl_args(output_dir: str, steps: int):
 
 def trl_rows(inputs: dict) -> dict:
     """The batch TRL's training_step received, as our train command carries it (the same token rows)."""
-    ids, attention, completion = inputs["input_ids"].cpu(), inputs["attention_mask"].cpu(), inputs["completion_mask"].cpu()
+    ids, attention, completion = (inputs["input_ids"].cpu(), inputs["attention_mask"].cpu(),
+                                  inputs["completion_mask"].cpu())
     lengths = attention.sum(1)
     rows = [r[:int(n)].tolist() for r, n in zip(ids, lengths)]
     prompts = [int((m[:int(n)] == 0).long().cumprod(0).sum()) for m, n in zip(completion, lengths)]

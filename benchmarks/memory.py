@@ -176,7 +176,8 @@ def measure_lora(model_dir: str, batch: int, seq_len: int, reps: int, code: dict
 
 
 def describe(row: dict) -> str:
-    label = f"{row['dtype']}{' + checkpointing' if row['gradient_checkpointing'] else ''} B={row['batch']} L={row['seq_len']}"
+    label = (f"{row['dtype']}{' + checkpointing' if row['gradient_checkpointing'] else ''} "
+             f"B={row['batch']} L={row['seq_len']}")
     if "failed" in row:
         return f"{label}: failed ({row['failed']})"
     peak = row.get("peak_bytes", row.get("peak_rss_bytes"))

@@ -75,8 +75,7 @@ def main(argv=None) -> dict:
         record = {"first_s": first_s, "rl_only_s": rl_s, "new_data_s": data_s, "all_cached_s": all_s,
                   "rl_only_ratio": rl_s / first_s, "new_data_ratio": data_s / first_s,
                   "first_cpu_s": first_cpu, "rl_only_cpu_s": rl_cpu, "new_data_cpu_s": data_cpu,
-                  "all_cached_cpu_s": all_cpu,
-                  "rl_only_cpu_ratio": rl_cpu / first_cpu,
+                  "all_cached_cpu_s": all_cpu, "rl_only_cpu_ratio": rl_cpu / first_cpu,
                   "pipeline_seconds": {"first": first["seconds"], "rl_only": rl_only["seconds"],
                                        "all_cached": all_cached["seconds"]},
                   "rl_only_pipeline_ratio": rl_only["seconds"] / first["seconds"],
@@ -85,7 +84,8 @@ def main(argv=None) -> dict:
                   "states": {"first": states(first), "rl_only": states(rl_only), "new_data": states(new_data),
                              "all_cached": states(all_cached)},
                   "reward_model_held_out_accuracy": first["stages"]["reward_model"]["metrics"]["eval/accuracy"],
-                  "reward_model_held_out_accuracy_new_data": new_data["stages"]["reward_model"]["metrics"]["eval/accuracy"],
+                  "reward_model_held_out_accuracy_new_data":
+                      new_data["stages"]["reward_model"]["metrics"]["eval/accuracy"],
                   "sft_held_out_loss": first["stages"]["sft"]["metrics"]["eval/loss"],
                   "eval_stage": first["stages"]["eval"]["metrics"], "rl_curves": curves}
         records.append(record)

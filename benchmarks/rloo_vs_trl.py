@@ -53,7 +53,8 @@ def optimizer_steps_per_iteration(cfg) -> int:
 
 # ---------------------------------------------------------------------------------------------------------------- ours
 class OurRLOO:
-    """Our side: actor, in-process function reward and prompt stream; `iteration()` runs and times one RLOO iteration."""
+    """Our side: actor, in-process function reward and prompt stream; `iteration()` runs and times one RLOO
+    iteration."""
 
     def __init__(self, cfg):
         self.cfg = cfg

@@ -101,8 +101,8 @@ def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list
     gen = Sampling(max_new_tokens=new_tokens, temperature=1.0)
     native = NativeEngine.for_policy(policy)
     vcfg = merge(cfg, {"model.policy": model_dir, "rollout.vllm.dtype": dtype, "deploy.rollout.port": 0})
-    with tempfile.TemporaryDirectory(prefix="rollout-bench-") as logs, launch_rollout(vcfg,
-                                                                                      Path(logs) / "server.log") as server:
+    with (tempfile.TemporaryDirectory(prefix="rollout-bench-") as logs,
+          launch_rollout(vcfg, Path(logs) / "server.log") as server):
         started = time.perf_counter()
         server.wait_until_ready(vcfg.deploy.rollout.ready_timeout_s)
         ready_s = time.perf_counter() - started
@@ -141,10 +141,10 @@ def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list
                                   "server_seconds": stats([r["seconds"] for r in rs]),
                                   "rank0_peak_extra_bytes": stats([r["rank0_peak_extra_bytes"] for r in rs]),
                                   "server_peak_extra_bytes": stats([r["server_peak_extra_bytes"] for r in rs]),
-                                  "rank0_peak_extra_model_copies": max(r["rank0_peak_extra_bytes"]
-                                                                       for r in rs) / model_bytes,
-                                  "server_peak_extra_model_copies": max(r["server_peak_extra_bytes"]
-                                                                        for r in rs) / model_bytes}
+                                  "rank0_peak_extra_model_copies":
+                                      max(r["rank0_peak_extra_bytes"] for r in rs) / model_bytes,
+                                  "server_peak_extra_model_copies":
+                                      max(r["server_peak_extra_bytes"] for r in rs) / model_bytes}
                       for transport, rs in refits.items()}}
     log(f"rollout {Path(model_dir).name} {dtype}: native {case['native_tokens_per_s']['median']:.0f} tok/s, vLLM "
         f"{case['vllm_tokens_per_s']['median']:.0f} tok/s (x{case['speedup_vllm_over_native']:.2f}); refit "

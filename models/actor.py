@@ -93,7 +93,8 @@ class Timers:
 
 def needs_logprob_recompute(cfg: RLHFConfig) -> bool:
     """Sampling-time logprobs equal a full recomputation in float32 without dropout; lower precisions recompute."""
-    return cfg.generation.recompute_logprobs if cfg.generation.recompute_logprobs is not None else cfg.model.dtype != "float32"
+    return (cfg.generation.recompute_logprobs if cfg.generation.recompute_logprobs is not None
+            else cfg.model.dtype != "float32")
 
 
 def rollout_logprobs(policy: Policy, rollout: Rollout, cfg: RLHFConfig, timers: Timers, me: Dist = SINGLE,

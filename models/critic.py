@@ -88,7 +88,8 @@ def validate_tokens(tokens: np.ndarray, sequence_lengths: np.ndarray, vocab_size
         raise CriticInputError(f"tokens: expected a non-empty batch [B>0, L>0], got shape {list(tokens.shape)}")
     if sequence_lengths.dtype != np.int64:
         raise CriticInputError(f"sequence_lengths: expected dtype int64, got {sequence_lengths.dtype}")
-    lengths = sequence_lengths.reshape(-1) if sequence_lengths.ndim == 2 and sequence_lengths.shape[1] == 1 else sequence_lengths
+    column = sequence_lengths.ndim == 2 and sequence_lengths.shape[1] == 1
+    lengths = sequence_lengths.reshape(-1) if column else sequence_lengths
     if lengths.ndim != 1:
         raise CriticInputError(f"sequence_lengths: expected shape [B, 1], got {list(sequence_lengths.shape)}")
     if lengths.shape[0] != tokens.shape[0]:

@@ -77,7 +77,8 @@ def export_model(trained_dir: str | Path, out_dir: str | Path, base: str | None 
         model = auto.from_pretrained(trained_dir, dtype=torch.float32, **labels)
     tokenizer = AutoTokenizer.from_pretrained(trained_dir if (trained_dir / "tokenizer_config.json").exists() else base)
     if task != "causal-lm" and model.config.pad_token_id is None:  # HF's pooling needs it (we score by length)
-        model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        model.config.pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                     else tokenizer.eos_token_id)
     for key, value in (config or {}).items():
         setattr(model.config, key, value)
     staging = out_dir.with_name(f".{out_dir.name}.partial")

@@ -175,7 +175,8 @@ ENVIRONMENT = Group("Environment runs (`environment.factory` or `environment.ver
     M(("env/turn_limit_ratio",), "Share of episodes ended by `environment.max_turns` with a tool call unanswered.",
       None, ("environment",)),
     M(("env/overlong_ratio",),
-      "Share of episodes ended because a tool reply did not fit `generation.max_new_tokens` (or the model's positions).", None, ("environment",)),
+      "Share of episodes ended because a tool reply did not fit `generation.max_new_tokens` (or the model's "
+      "positions).", None, ("environment",)),
     M(("env/errors",),
       "Episodes that failed this iteration (an exception in reset or get_reward, a worker that died, a reward function "
       "that raised or returned a bad value, an instance lost with its worker): scored 0, left out of the loss.", None,
@@ -191,7 +192,8 @@ HELD_OUT = Group("Held-out eval (`eval.*` of an RL run; the eval job's policy un
                  "test, with the reference's beside them (below). TRL's evaluation logs its training names with an "
                  "`eval_` prefix; ours use `eval/`.", (
     M(("eval/reward",),
-      "Mean score of the eval samples: by the run's reward (the eval job: by its reward model, or as its `run` scores).", "eval_reward", ("eval",)),
+      "Mean score of the eval samples: by the run's reward (the eval job: by its reward model, or as its `run` "
+      "scores).", "eval_reward", ("eval",)),
     M(("eval/rewards/<name>/mean", "eval/rewards/<name>/std"), "Each reward function's (with reward functions).", None,
       ("eval", "functions")),
     M(("eval/gold_reward",), "Mean gold reward (when the run has one; the eval job: `eval.gold`).", None,

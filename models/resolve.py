@@ -354,7 +354,8 @@ def resolve_hub(repo_id: str, field: str, revision: Optional[str], deploy: Deplo
     path = cached()
     if path is None:
         refuse_download(repo_id, field, revision, deploy, repo_type, cache)
-        lock = Path(cache) / ".locks" / "rlhf" / f"{repo_type}s--{repo_id.replace('/', '--')}--{revision or 'main'}.lock"
+        name = f"{repo_type}s--{repo_id.replace('/', '--')}--{revision or 'main'}.lock"
+        lock = Path(cache) / ".locks" / "rlhf" / name
         with exclusive(lock):
             path = cached()  # another process (or pod) fetched it while we waited
             if path is None:

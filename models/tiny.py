@@ -375,8 +375,8 @@ def _fit(model, rows: list[list[int]], steps: int, rng: random.Random, pad: int,
 
 
 def _scores_with_grad(model, ids, lengths):
-    hidden = model.base_model(input_ids=ids,
-                              attention_mask=(torch.arange(ids.shape[1]) < lengths.unsqueeze(1)).long()).last_hidden_state
+    attention_mask = (torch.arange(ids.shape[1]) < lengths.unsqueeze(1)).long()
+    hidden = model.base_model(input_ids=ids, attention_mask=attention_mask).last_hidden_state
     return model.score(hidden[torch.arange(ids.shape[0]), lengths - 1]).squeeze(-1)
 
 

@@ -32,9 +32,11 @@ PROGRESS_COMMANDS = ("train", "export")
 # rlhf config --describe WHAT: a run's, a deployment's, a pipeline's, each other kind of job's (its command), a sweep's
 DESCRIBED = ("run", "deploy", "pipeline", *(kind.command for kind in JOBS_BUT_RL), "sweep", "experiment")
 
-SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-5 ...] [--model PATH] [--reward PATH] [--no-combine]
-                      [--port 8400] [--checkpoint-dir DIR] [--checkpoint-uri s3://bucket/run] [--restore-iteration N]
-    rlhf serve reward [--config YAML] [--set ...] [--model PATH | --function module:fn [--tokenizer PATH]] [--port 8500]
+SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-5 ...] [--model PATH] [--reward PATH]
+                      [--no-combine] [--port 8400] [--checkpoint-dir DIR] [--checkpoint-uri s3://bucket/run]
+                      [--restore-iteration N]
+    rlhf serve reward [--config YAML] [--set ...] [--model PATH | --function module:fn [--tokenizer PATH]]
+                      [--port 8500]
     python -m components.serving.triton.main --spec '<ServerSpec JSON>'   (what the launcher runs: one JSON doc)
     rlhf serve critic --nproc-per-node 2 ...                              (ranks 1..N-1 run `triton.main --follow`)
 
@@ -151,8 +153,8 @@ def add_sweep_parser(sub) -> None:
     p.set_defaults(run="components.cli.sweep:cmd_sweep")
 
 
-EXPERIMENT_HELP = """Run an experiment (arms x paired seeds, compared with rliable's interval estimates) as a Prefect flow
-in this shell; each arm x seed is a run of its algorithm's deployment on the local stack that `rlhf up` started.
+EXPERIMENT_HELP = """Run an experiment (arms x paired seeds, compared with rliable's interval estimates) as a Prefect
+flow in this shell; each arm x seed is a run of its algorithm's deployment on the local stack that `rlhf up` started.
 
     rlhf experiment --config examples/experiment.yaml [--set seeds=5] [--summary-out summary.json]
     rlhf experiment report NAME --out report.html [--summary-out summary.json]

@@ -100,7 +100,8 @@ class KubeServers:
             tail = self.kube.log(name, 30, previous=restarted)  # a restarted container: the one that ended
         except Exception as exc:  # noqa: BLE001 - the log is what we add, the death stands without it
             tail = f"(its log could not be read: {exc})"
-        return f"{self.name} server replica {replica} (pod {name}, {self.urls[replica]}) {how}; last lines of its log:\n{tail}"
+        return (f"{self.name} server replica {replica} (pod {name}, {self.urls[replica]}) {how}; "
+                f"last lines of its log:\n{tail}")
 
     def _replica_probe(self, replica: int) -> Probe:
         def probe() -> Health:

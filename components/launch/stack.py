@@ -40,7 +40,8 @@ import httpx
 import yaml
 
 from components.launch.flow_runs import SWITCH as FORK_SWITCH
-from components.launch.processes import PROJECT_ROOT, ChildProcess, alive, port_block_free, project_env, stop_group, wait_for
+from components.launch.processes import (PROJECT_ROOT, ChildProcess, alive, port_block_free, project_env, stop_group,
+                                         wait_for)
 from models.kinds import KINDS
 from models.sections import default_state_dir
 

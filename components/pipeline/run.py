@@ -223,7 +223,8 @@ def local_model(p: Pipeline, name: str, record: dict) -> str:
 
 def stage_deploy(p: Pipeline) -> DeployConfig:
     """Where a stage's job runs: the pipeline's deployment, its checkpoints under the records' base."""
-    return p.deploy.model_copy(update={"checkpoint": p.deploy.checkpoint.model_copy(update={"uri": p.records.base_uri})})
+    checkpoint = p.deploy.checkpoint.model_copy(update={"uri": p.records.base_uri})
+    return p.deploy.model_copy(update={"checkpoint": checkpoint})
 
 
 def job_config(stage: str, cfg: PipelineConfig, deploy: DeployConfig, upstream: dict[str, str],

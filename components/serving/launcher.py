@@ -266,7 +266,8 @@ def rollout_probe(url: str, instance: Optional[str] = None, timeout_s: float = 2
 
 
 def check_tensor_parallel(cfg: RLHFConfig) -> None:
-    """A rollout server sharded over GPUs needs them on the host it starts on: refused on a CPU host, naming the field."""
+    """A rollout server sharded over GPUs needs them on the host it starts on: refused on a CPU host, naming the
+    field."""
     tp = cfg.deploy.rollout.tensor_parallel_size
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if tp > 1 and gpus < tp:

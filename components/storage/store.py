@@ -346,7 +346,8 @@ class CheckpointStore:
             if not isinstance(manifest, dict):
                 raise TypeError(f"a JSON {type(manifest).__name__}, not an object")
         except (ValueError, TypeError) as exc:
-            raise CorruptCheckpoint(f"checkpoint {where} has an unreadable state.json ({type(exc).__name__}: {exc})") from None
+            raise CorruptCheckpoint(f"checkpoint {where} has an unreadable state.json "
+                                    f"({type(exc).__name__}: {exc})") from None
         why = self.signer.verify(manifest)
         if why is None and (manifest.get("path"), manifest.get("iteration")) != (key, entry["iteration"]):
             why = f"it was signed for {manifest.get('path')!r}, iteration {manifest.get('iteration')!r}"
@@ -356,7 +357,8 @@ class CheckpointStore:
         try:
             names, files, state = list(manifest.get("parts", [])), dict(manifest["files"]), manifest["state"]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CorruptCheckpoint(f"checkpoint {where} has an unreadable state.json ({type(exc).__name__}: {exc})") from None
+            raise CorruptCheckpoint(f"checkpoint {where} has an unreadable state.json "
+                                    f"({type(exc).__name__}: {exc})") from None
         for name in names:
             if not isinstance(name, str) or not _PART_RE.match(name) or name in (".", ".."):
                 raise CorruptCheckpoint(f"checkpoint {where} names an invalid part {name!r}")

@@ -166,7 +166,8 @@ def provenance(records: list[RunRecord]) -> dict:
                  for k, v in (records[0].tags if records else {}).items()
                  if k.startswith("provenance.code.libraries.")}
     return {"tags": tags, "libraries": libraries,
-            "report_made_on": f"{platform.node()} ({platform.platform()}, {platform.processor() or platform.machine()})",
+            "report_made_on":
+                f"{platform.node()} ({platform.platform()}, {platform.processor() or platform.machine()})",
             "report_made_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 

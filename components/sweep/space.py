@@ -162,7 +162,8 @@ def metric_problem(cfg: RLHFConfig, metric: str, pipeline: bool = False) -> Opti
            "gold": f"'{metric}' needs a gold reward, and reward.gold is None (and data.prompts is not a builtin task)",
            "critic": f"'{metric}' comes from a critic, and {cfg.algorithm} has none",
            "rloo": f"'{metric}' is the REINFORCE family's, and {cfg.algorithm} has a critic",
-           "vllm": f"'{metric}' comes from an engine with its own weights, and rollout.engine is {cfg.rollout.engine!r}",
+           "vllm": f"'{metric}' comes from an engine with its own weights, and rollout.engine is "
+                   f"{cfg.rollout.engine!r}",
            "async": f"'{metric}' needs asynchronous rollouts, and rollout.max_off_policy_steps is 0",
            "functions": f"'{metric}' needs reward functions, and reward.source is {cfg.reward.source!r}",
            "environment": f"'{metric}' is an environment run's, and neither environment.factory nor "

@@ -146,7 +146,8 @@ class SweepRun:
         compared = self._log_comparison()
         summary = f"{len(trials)} trials: " + ", ".join(f"{n} {name}" for name, n in counts.items())
         if best is not None:
-            summary += f"; best: trial {best.number} ({best.user_attrs.get('run_name')}) {self.sweep.metric} {best.value:.4g}"
+            summary += (f"; best: trial {best.number} ({best.user_attrs.get('run_name')}) {self.sweep.metric} "
+                        f"{best.value:.4g}")
         return {"sweep": self.sweep.name, "mlflow_run_id": self.run_id, **counts, "summary": summary,
                 "best": None if best is None else {"trial": best.number, "value": best.value, "params": best.params,
                                                     "run_name": best.user_attrs.get("run_name")},

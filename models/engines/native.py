@@ -31,7 +31,8 @@ class NativeEngine:
 
     def __init__(self, model, pad_id: int, stop_ids: Tensor, device: torch.device, dtype: str = "float32",
                  me: Dist = SINGLE):
-        self.model, self.pad_id, self.stop_ids, self.device, self.dtype, self.me = model, pad_id, stop_ids, device, dtype, me
+        self.model, self.pad_id, self.stop_ids = model, pad_id, stop_ids
+        self.device, self.dtype, self.me = device, dtype, me
 
     @classmethod
     def for_policy(cls, policy, rollout=None) -> "NativeEngine":

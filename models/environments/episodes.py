@@ -426,7 +426,8 @@ def worker_reward_specs(cfg) -> list[str]:
     for i, spec in enumerate(cfg.reward.specs()):
         stored = (cfg.reward.files or {}).get(str(spec_file(spec))) if is_file_spec(spec) else None
         if stored is not None:
-            spec = f"{fetch_file(stored.uri, stored.sha256, f'reward.functions[{i}]', cfg.deploy)}:{spec.rpartition(':')[2]}"
+            path = fetch_file(stored.uri, stored.sha256, f"reward.functions[{i}]", cfg.deploy)
+            spec = f"{path}:{spec.rpartition(':')[2]}"
         out.append(absolute_spec(spec))
     return out
 

@@ -217,7 +217,8 @@ class KTO(DPO):
         kl = kl_term(trainee, mine, train, me)
         batch = labeled_batch(mine, trainee.pad_id)
         logps, refs = all_logps(trainee, batch, train.micro_batch_size, me)
-        logps, refs, labels = me.all_gather_cat(logps), me.all_gather_cat(refs), me.all_gather_cat(batch["labels"].long())
+        logps, refs = me.all_gather_cat(logps), me.all_gather_cat(refs)
+        labels = me.all_gather_cat(batch["labels"].long())
         if not me.is_leader:
             return {}, []
         _, stats = kto_loss(logps, refs, labels, kl, train.beta, train.loss_type, train.desirable_weight,

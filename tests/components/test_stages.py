@@ -162,7 +162,8 @@ def test_a_lora_stage_exports_its_adapters_merged(state, tiny_models):
     assert latest["iteration"] == 2 and (store / latest["path"] / "trainee" / "adapter_model.safetensors").exists()
     assert result["steps"] == 2
     manifest = json.loads((store / latest["path"] / "state.json").read_text())["state"]
-    assert manifest["export"]["base"]["digest"] == resolve_model("tiny/policy").digest == manifest["models"]["model"]["digest"]
+    assert (manifest["export"]["base"]["digest"] == resolve_model("tiny/policy").digest
+            == manifest["models"]["model"]["digest"])
     out, iteration = export_checkpoint(CheckpointStore.from_uri(str(store)), state / "exported")
     assert iteration == 2 and file_digests(out) == result["files"]
 

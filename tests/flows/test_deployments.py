@@ -357,7 +357,7 @@ def _wait_for(predicate, timeout: float, what: str):
     raise TimeoutError(what)
 
 
-def test_a_two_rank_critic_server_loses_a_rank_the_run_fails_naming_it_and_the_rerun_resumes_and_leaves_nothing(local_stack):
+def test_a_critic_server_losing_a_rank_fails_the_run_naming_it_and_the_rerun_resumes_leaving_nothing(local_stack):
     """ppo/default with deploy.critic.nproc_per_node=2: the critic server's rank 0 serves, rank 1 follows. Rank 1 is
     killed after the first checkpoint (iteration 2): the run fails (DEAD_PROCESS_FAILS_RUN_S) naming the rank and the
     server that stopped because of it, and no process of the run is left. The same run name then resumes from the
@@ -495,7 +495,7 @@ def critic_followers(s) -> list[psutil.Process]:
     return stack_processes(s, "components.serving.triton.main --follow")
 
 
-def test_ppo_on_two_node_groups_resumes_on_two_ranks_loses_one_resumes_on_one_and_cancelled_leaves_no_critic_server(local_stack):
+def test_ppo_on_two_node_groups_resumes_on_two_ranks_then_one_and_cancelled_leaves_no_critic_server(local_stack):
     """deploy.actor.nnodes=2: the PPO flow run is the run's controller; node group 0's rank 0 runs the run, starts its
     critic server beside it and stops it at the end, its log reaches the flow run's, and the checkpoint holds the
     critic of its own iteration. The same run name then

@@ -202,7 +202,7 @@ GRID = {"name": "grid", "space": {"reinforce.optim.lr": [1e-8, 1e-6, 1e-3]}, "co
 LRS = GRID["space"]["reinforce.optim.lr"]
 
 
-def test_a_3_point_grid_runs_its_trials_at_most_two_at_a_time_as_nested_runs_with_a_table_the_best_trial_and_plots(sweep_stack, tmp_path):
+def test_a_grid_sweep_runs_two_trials_at_a_time_as_nested_runs_with_table_best_trial_and_plots(sweep_stack, tmp_path):
     """Three trials at concurrency 2: the third waits for a slot (what "at most two at a time" needs to show)."""
     s = sweep_stack
     # the sweep's mechanics: no reward server
@@ -270,7 +270,8 @@ def test_failed_trials_are_recorded_with_their_reason_and_a_sweep_whose_trials_a
     s = sweep_stack
     sweep = {"name": "fail", "space": {"model.policy": ["/no/such/policy"]}}
     run = wait_final(s, flow_run_id(start_sweep(s, sweep, CONFIG, IN_PROCESS)))
-    assert run["state"]["type"] == "FAILED" and "every trial of sweep fail failed" in run["state"]["message"], run["state"]
+    assert run["state"]["type"] == "FAILED", run["state"]
+    assert "every trial of sweep fail failed" in run["state"]["message"], run["state"]
     trials = study(s, "fail").trials
     assert [t.state.name for t in trials] == ["FAIL"]
     assert "model.policy: model path '/no/such/policy' does not exist" in trials[0].user_attrs["reason"]
@@ -303,7 +304,7 @@ def test_a_trial_that_cannot_learn_is_pruned_at_an_eval_step_cancelled_and_leave
 RESUME = {"name": "resume", "space": {"reinforce.optim.lr": [1e-3, 3e-4]}}
 
 
-def test_a_sweep_killed_mid_way_resumes_keeping_its_finished_trial_and_following_the_running_one_then_a_rerun_starts_no_trial_and_another_space_is_refused(sweep_stack, tmp_path):
+def test_a_killed_sweep_resumes_and_runs_no_trial_twice_and_another_space_is_refused(sweep_stack, tmp_path):
     """The sweep's flow run is killed while its second trial runs; `rlhf sweep` with the same config and sweep (the
     flow in a shell, the trials on the deployments) resumes it: no trial is run again. The finished sweep, run again
     on the deployment, starts no trial; another space under its name is refused."""
@@ -344,7 +345,8 @@ def test_a_sweep_killed_mid_way_resumes_keeping_its_finished_trial_and_following
 
     other = wait_final(s, other, timeout=300)
     assert other["state"]["type"] == "FAILED"
-    assert "sweep.name: the study 'resume'" in other["state"]["message"] and "another space" in other["state"]["message"]
+    message = other["state"]["message"]
+    assert "sweep.name: the study 'resume'" in message and "another space" in message
     assert len(trial_runs(s, "resume")) == 2
 
 
@@ -353,7 +355,7 @@ EXPERIMENT = {"name": "exp", "base": CONFIG, "arms": {"rloo": {}, "grpo": {"algo
               "concurrency": 2, "reps": 500, "bootstrap_seed": 3, "poll_s": 1}
 
 
-def test_an_experiment_of_2_arms_x_3_seeds_killed_half_way_resumes_its_report_is_rliables_on_the_mlflow_metrics_and_a_rerun_starts_no_run(sweep_stack, tmp_path):
+def test_a_killed_experiment_resumes_its_report_is_rliables_on_mlflow_and_a_rerun_starts_no_run(sweep_stack, tmp_path):
     """`prefect deployment run experiment/default`, killed once a run has ended; `rlhf experiment --config` resumes
     it (nothing finished is run again); its summary's statistics are what rliable computes from the runs' MLflow
     metrics with the same bootstrap seed; the report is on the parent run and rebuilt by `rlhf experiment report`;

@@ -65,7 +65,8 @@ def test_every_kind_a_run_creates_has_its_controller_installed_at_the_version_it
         chart = CONTROLLERS[kind]
         assert chart in releases, f"{kind} objects are created but chart {chart} is not installed"
         assert file.startswith(f"{chart}-v{versions[chart]}-"), f"{file}: not the schema of {chart} {versions[chart]}"
-    assert "depends_on" in releases["kueue_queues"] and "helm_release.kueue" in str(releases["kueue_queues"]["depends_on"])
+    assert "depends_on" in releases["kueue_queues"]
+    assert "helm_release.kueue" in str(releases["kueue_queues"]["depends_on"])
 
 
 def _queues(max_sizes=(2, 3)) -> list[dict]:

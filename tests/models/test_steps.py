@@ -225,7 +225,8 @@ def test_eval_metrics_against_a_float64_reference():
     passed = sum(any(scores[i * 4:(i + 1) * 4]) for i in range(3)) / 3
     assert m["eval/pass_at_4"] == pytest.approx(passed) == pytest.approx(2 / 3)
     assert m["eval/accuracy"] == pytest.approx(sum(scores) / 12)
-    assert m["eval/gold_reward"] == pytest.approx(sum(gold) / 12) and m["eval/completions/mean_length"] == pytest.approx(30 / 12)
+    assert m["eval/gold_reward"] == pytest.approx(sum(gold) / 12)
+    assert m["eval/completions/mean_length"] == pytest.approx(30 / 12)
     continuous = eval_metrics(torch.tensor([0.5, 1.0]), None, torch.tensor([1.0, 2.0]), k=1)
     assert "eval/accuracy" not in continuous and "eval/gold_reward" not in continuous  # not a 0/1 reward, no gold
 

@@ -82,7 +82,8 @@ def test_models_tiny_is_the_script_that_made_the_shipped_models(tiny_models, tin
         assert manifest["models"][name]["files"]["model.safetensors"]
     shipped_loss, _ = held_out_quality(shipped)
     assert shipped_loss < 1.2
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
+    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification,
+                              AutoTokenizer)
 
     AutoTokenizer.from_pretrained(out / "policy")
     assert AutoModelForCausalLM.from_pretrained(out / "policy").config.n_layer == 2

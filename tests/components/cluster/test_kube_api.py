@@ -246,7 +246,8 @@ def test_the_jobset_is_created_watched_and_deleted(api):
     assert status.phase == "pending" and status.message.startswith("waiting for Kueue admission (queue rlhf)")
     assert "insufficient unused quota for nvidia.com/gpu" in status.message
     (workloads,) = api.sent("GET", "workloads")
-    assert workloads["query"]["labelSelector"] == [f"kueue.x-k8s.io/job-uid={api.objects[('jobsets', name)]['metadata']['uid']}"]
+    uid = api.objects[("jobsets", name)]["metadata"]["uid"]
+    assert workloads["query"]["labelSelector"] == [f"kueue.x-k8s.io/job-uid={uid}"]
 
     current["pods"] = next(stages)
     status = nodes.status()

@@ -60,7 +60,8 @@ def test_a_two_node_ppo_run_with_two_vllm_replicas_writes_every_object_and_each_
     assert kinds == ["JobSet", "LeaderWorkerSet", "LeaderWorkerSet", *["NetworkPolicy"] * 4, *["Secret"] * 3]
     for obj in manifests.values():
         validate(obj)
-        assert obj["metadata"]["namespace"] == "rlhf" and obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "rlhf-flows"
+        assert obj["metadata"]["namespace"] == "rlhf"
+        assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "rlhf-flows"
 
 
 def test_the_jobset_runs_torchrun_on_every_node_and_finds_rank_0_through_its_own_dns(manifests):
@@ -81,9 +82,11 @@ def test_the_jobset_runs_torchrun_on_every_node_and_finds_rank_0_through_its_own
     assert container["args"][9:] == ["--", "-m", "components.runs", "--store", "s3://bucket/rlhf/checkpoints/demo"]
     env = {e["name"]: e for e in container["env"]}
     # what the node command reads to find rank 0: <jobset>-node-0-0.<jobset>, from JobSet's annotations
-    assert env["JOBSET_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['jobset.sigs.k8s.io/jobset-name']"
+    assert (env["JOBSET_NAME"]["valueFrom"]["fieldRef"]["fieldPath"]
+            == "metadata.annotations['jobset.sigs.k8s.io/jobset-name']")
     assert "MASTER_ADDR" not in env and "hostname" not in json.dumps(js)
-    assert container["resources"]["requests"]["nvidia.com/gpu"] == container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    resources = container["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == "2"
     assert pod["nodeSelector"] == {"rlhf/role": "actor"} and pod["serviceAccountName"] == "rlhf-actor"
     assert pod["restartPolicy"] == "Never" and pod["securityContext"]["runAsNonRoot"] is True
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}

@@ -118,7 +118,8 @@ def test_the_openai_client_reads_models_chat_tool_calls_logprobs_and_token_ids(s
         [{"role": "user", "content": "2 + 3?"}], tools=TOOLS, add_generation_prompt=True, tokenize=True,
         return_dict=False)
     assert tokenized.json()["count"] == len(out["prompt_token_ids"]) and tokenized.json()["max_model_len"] == 2048
-    assert out["usage"]["prompt_tokens"] == len(out["prompt_token_ids"]) and out["usage"]["completion_tokens"] == len(ids)
+    assert out["usage"]["prompt_tokens"] == len(out["prompt_token_ids"])
+    assert out["usage"]["completion_tokens"] == len(ids)
     assert int(out["header"]) == out["weights_version"]
     status, body = out["refused"]
     assert status == 400 and body["param"] == "tool_choice" and "'required' is not supported" in body["message"]

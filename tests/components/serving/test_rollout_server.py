@@ -342,7 +342,8 @@ def test_a_skipped_refit_is_caught_by_the_mismatch_metric(engine, tiny_models):
         metrics[name] = engine_mismatch(data, settings)
     assert metrics["fresh"]["sampling/sampling_logp_difference/max"] < 1e-3
     assert metrics["stale"]["sampling/sampling_logp_difference/mean"] > 0.05, metrics
-    assert metrics["stale"]["sampling/sampling_logp_difference/max"] > 20 * metrics["fresh"]["sampling/sampling_logp_difference/max"]
+    assert (metrics["stale"]["sampling/sampling_logp_difference/max"]
+            > 20 * metrics["fresh"]["sampling/sampling_logp_difference/max"])
 
 
 def test_lora_weights_reach_the_engine_merged(server, tiny_models):

@@ -252,9 +252,9 @@ def test_a_server_started_without_the_runs_secret_refuses_to_start(tiny_models, 
 def test_an_oversized_body_is_refused_and_the_server_keeps_serving(servers):
     host, port = address(servers["critic"]).split(":")
     size = 70 << 20  # over Triton's 64 MB
+    authorization = request_headers(servers["secret"], "POST", infer_path(CRITIC_INFER))["authorization"]
     header = (f"POST /v2/models/{CRITIC_INFER}/infer HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-              "authorization: "
-              f"{request_headers(servers['secret'], 'POST', infer_path(CRITIC_INFER))['authorization']}\r\nContent-Length: {size}\r\n\r\n").encode()
+              f"authorization: {authorization}\r\nContent-Length: {size}\r\n\r\n").encode()
     answer = b""
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(header)

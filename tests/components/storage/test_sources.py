@@ -113,7 +113,8 @@ def download(self, uri, name, local):
     return original(self, uri, name, local)
 s3.S3Source.download = download
 Path(started).touch()
-found = resolve_model(uri, "model.policy", None, DeployConfig(checkpoint={"s3_endpoint_url": endpoint}, cache={"dir": cache}))
+deploy = DeployConfig(checkpoint={"s3_endpoint_url": endpoint}, cache={"dir": cache})
+found = resolve_model(uri, "model.policy", None, deploy)
 print(json.dumps({"path": found.path, "digest": found.digest}))
 """
 

@@ -220,8 +220,8 @@ def test_a_study_of_the_same_name_with_another_definition_is_refused(tmp_path):
     config, sweep = sweep_in(tmp_path)
     open_study(config, sweep, check_sweep(config, sweep))
     other = sweep.model_copy(update={"space": {"kl.beta": [0.01, 0.1]}})
-    with pytest.raises(SweepError,
-                       match=r"sweep\.name: the study 'lr-kl' in sqlite:///.*optuna\.db was started with another space"):
+    with pytest.raises(SweepError, match=r"sweep\.name: the study 'lr-kl' in sqlite:///.*optuna\.db was started with "
+                                         r"another space"):
         open_study(config, other, check_sweep(config, other))
     with pytest.raises(SweepError, match="another config"):
         open_study(base(**{"deploy.state_dir": str(tmp_path)}, iterations=3), sweep, check_sweep(config, sweep))
@@ -278,10 +278,11 @@ def test_the_parent_run_is_found_again_and_the_table_gets_each_finished_trial_on
     again.record(study)
     table = json.loads(Path(client.download_artifacts(parent.run_id, "trials.json", str(tmp_path))).read_text())
     assert [row[0] for row in table["data"]] == [0, 1, 2, 3]
-    assert [row[table["columns"].index("state")] for row in table["data"]] == ["complete", "complete", "pruned",
-                                                                               "failed"]
+    states = [row[table["columns"].index("state")] for row in table["data"]]
+    assert states == ["complete", "complete", "pruned", "failed"]
     run = client.get_run(parent.run_id)
-    assert run.data.tags["best.trial"] == "1" and run.data.tags["best.kl.beta"] == "0.1" and run.data.metrics["sweep/best_value"] == 0.9
+    assert run.data.tags["best.trial"] == "1" and run.data.tags["best.kl.beta"] == "0.1"
+    assert run.data.metrics["sweep/best_value"] == 0.9
     pruned = client.get_run(table["data"][2][table["columns"].index("mlflow_run_id")])
     assert pruned.data.tags["sweep.state"] == "pruned" and pruned.info.status == "KILLED"
     assert find_sweep(client, "rlhf-flows", "lr-kl", mlflow_uri)[1:] == (parent.run_id, sweep)  # rlhf compare --sweep
