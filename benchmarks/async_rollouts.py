@@ -79,8 +79,8 @@ def throughput(model_dir: str, iterations: int, env: dict, tmp: Path, runs=RUNS,
         generate = [m["time/generate"] for m in history]
         train_s = [m["step_time"] - m["time/generate"] for m in history]
         cases[name] = {
-            "max_off_policy_steps": k, "actor_cores": pin or "0,1 (shared)", "server_cores": "1" if pin
-            else "0,1 (shared)",
+            "max_off_policy_steps": k, "actor_cores": pin or "0,1 (shared)",
+            "server_cores": "1" if pin else "0,1 (shared)",
             "seconds_per_iteration": stats(step), "iterations_per_minute": 60 / statistics.median(step),
             "rollout_wait_s": stats([m["time/rollout_wait"] for m in history]),
             "engine_idle_s": stats([m["time/engine_idle"] for m in history]),

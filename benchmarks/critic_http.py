@@ -180,8 +180,8 @@ def main(argv=None) -> dict:
         f"{statistics.median(x['seconds'] for x in got['http']):.3f} s/it, median pair ratio {ratio['median']:.2f}")
     result = {
         "quick": quick,
-        "what": "seconds per PPO iteration (models.step.train_step), critic over HTTP (PyTriton child process) / in "
-                "process",
+        "what": "seconds per PPO iteration (models.step.train_step), critic over HTTP (PyTriton child process) "
+                "/ in process",
         "repetitions": {"pairs": pairs, "warmup_iterations_discarded_per_side": 1,
                         "order": "interleaved per iteration, ABBA"},
         "settings": {"rollout_batch_size": cfg.ppo.rollout_batch_size, "minibatch_size": cfg.ppo.minibatch_size,

@@ -135,8 +135,8 @@ def reference_bench(policy, cfg, device, batch, seq_len, reps):
     tokens = torch.randint(2, cfg.vocab_size, (batch, seq_len), device=device)
     lengths = torch.full((batch,), seq_len, device=device)
     out = {"batch": batch, "seq_len": seq_len,
-           "reference_device": str(next(policy.reference.parameters()).device) if policy.reference is not None
-           else None}
+           "reference_device": (str(next(policy.reference.parameters()).device) if policy.reference is not None
+                                else None)}
     for label, kwargs in (("reference (as loaded)", {"reference": True}), ("actor on device, no grad", {})):
         times = []
         for rep in range(reps + 1):

@@ -82,8 +82,8 @@ def table(results: dict) -> str:
         if r.get("learning"):
             lr = r["learning"]
             n = f"{reps.get('learning_rounds', '?')} rounds x {reps['timed_iterations_per_round_per_side']} pairs"
-            rows.append(["", "learning (configured lr): time ours / TRL", fmt(lr["time_ratio_ours_over_trl"]), n, "",
-                         ""])
+            rows.append(["", "learning (configured lr): time ours / TRL", fmt(lr["time_ratio_ours_over_trl"]), n,
+                         "", ""])
             rows.append(["", "learning: generated tokens/iteration ours vs TRL",
                          f"{fmt(lr['ours']['generated_tokens_per_iteration'], digits=0)} vs "
                          f"{fmt(lr['trl']['generated_tokens_per_iteration'], digits=0)}", n, "", ""])

@@ -39,8 +39,8 @@ EXAMPLE_EXPERIMENT = ExperimentConfig(
 def experiment_name() -> str:
     """The experiment's flow run is named after the experiment."""
     experiment = flow_run.get_parameters().get("experiment")
-    return experiment.name if isinstance(experiment,
-                                         ExperimentConfig) else str((experiment or {}).get("name", "experiment"))
+    return (experiment.name if isinstance(experiment, ExperimentConfig)
+            else str((experiment or {}).get("name", "experiment")))
 
 
 @flow(name="experiment", log_prints=True, flow_run_name=experiment_name)

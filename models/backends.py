@@ -117,8 +117,8 @@ class FunctionReward:
             if hasattr(self.fn, "score_all"):
                 total, each = self.fn.score_all(prompts, responses, columns)
                 future.set_result({"scores": torch.tensor(total, dtype=torch.float32),
-                                   "function_rewards": torch.tensor(each,
-                                                                    dtype=torch.float32).reshape(len(each), -1).T})
+                                   "function_rewards":
+                                       torch.tensor(each, dtype=torch.float32).reshape(len(each), -1).T})
             else:
                 future.set_result(torch.tensor(self.fn(prompts, responses, columns), dtype=torch.float32))
         except Exception as exc:  # noqa: BLE001 - delivered through the future like a remote error

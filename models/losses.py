@@ -316,8 +316,8 @@ def policy_objective(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: T
     return loss, stats
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float
-               | None = 0.2) -> tuple[Tensor, dict]:
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+               clip: float | None = 0.2) -> tuple[Tensor, dict]:
     """Clipped value loss: 0.5 * mean(max((v - R)^2, (clip(v, v_old +- c) - R)^2)); unclipped when clip is None."""
     unclipped = (values - returns) ** 2
     if clip is None:

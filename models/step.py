@@ -265,8 +265,8 @@ def step_data(rollout: Rollout, old_logp, ref_logp, entropy, settings: Settings,
     mask = rollout.loss_mask
     if settings.mask_truncated_completions:
         mask = mask * rollout.is_end.unsqueeze(1).to(mask.dtype)
-    kl = kl_penalty(old_logp, ref_logp,
-                    settings.kl_estimator) * mask if ref_logp is not None else torch.zeros_like(mask)
+    kl = (kl_penalty(old_logp, ref_logp, settings.kl_estimator) * mask if ref_logp is not None
+          else torch.zeros_like(mask))
     weights = engine = None
     if own_weights:
         engine = rollout.sample_logprobs * mask

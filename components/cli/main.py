@@ -6,11 +6,11 @@ it runs, so `rlhf up`, `status` and `--help` start without loading torch, Triton
     rlhf sft | reward-model | dpo | eval        components/cli/stages.py (the jobs other than RL)
     rlhf pipeline                               components/cli/stages.py (the whole pipeline)
     rlhf serve critic|reward                    components/cli/serve.py (a server in the foreground)
-    rlhf up | down | status | demo              components/launch/stack.py (the local Prefect + MLflow + deployments
-    stack)
+    rlhf up | down | status | demo              components/launch/stack.py (the local Prefect + MLflow +
+                                                deployments stack)
     rlhf compare                                components/cli/compare.py (PPO vs RLOO from MLflow; a sweep's trials)
     rlhf sweep                                  components/cli/sweep.py (a sweep flow here, its trials on the
-    deployments)
+                                                deployments)
     rlhf experiment [report NAME]               components/cli/experiment.py (arms x paired seeds; its report)
     rlhf cluster manifests                      components/cli/cluster.py (every Kubernetes object a run would create)
 """

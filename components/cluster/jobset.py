@@ -124,8 +124,8 @@ def admission_reason(workloads: list[dict]) -> Optional[str]:
     """Why Kueue has not admitted a workload yet: its QuotaReserved condition's message (e.g. insufficient quota)."""
     for workload in workloads:
         for cond in (workload.get("status") or {}).get("conditions") or []:
-            if cond.get("type") in ("QuotaReserved",
-                                    "Admitted") and cond.get("status") == "False" and cond.get("message"):
+            if (cond.get("type") in ("QuotaReserved", "Admitted") and cond.get("status") == "False"
+                    and cond.get("message")):
                 return cond["message"]
     return None
 

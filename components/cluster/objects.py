@@ -59,9 +59,9 @@ READY_PATHS = {"critic": "/v2/health/ready", "reward": "/v2/health/ready", "roll
 SECRET_DIR, SECRET_KEY = "/var/run/rlhf", "secret"
 TRAINER_PLACEHOLDER = "<the IP of the pod that runs the run: known when it starts>"
 SECRET_PLACEHOLDER = "<the run's secret: generated when the run starts, never written to a file>"
+# JobSet annotates its pods; Kubernetes adds JOB_COMPLETION_INDEX
 JOBSET_ENV = {"JOBSET_NAME": "jobset.sigs.k8s.io/jobset-name",
               "REPLICATED_JOB_NAME": "jobset.sigs.k8s.io/replicatedjob-name",
-              # JobSet annotates its pods; Kubernetes adds JOB_COMPLETION_INDEX
               "JOB_INDEX": "jobset.sigs.k8s.io/job-index"}
 
 

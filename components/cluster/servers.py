@@ -42,8 +42,8 @@ def pod_death(pod: dict) -> Optional[str]:
         ended = (status.get("state") or {}).get("terminated") or (status.get("lastState") or {}).get("terminated")
         restarts = status.get("restartCount") or 0
         if ended or restarts:
-            code = f"exited with code {ended.get('exitCode')}" + (f" ({ended['reason']})" if ended.get("reason")
-                                                                  else "") \
+            code = f"exited with code {ended.get('exitCode')}" \
+                + (f" ({ended['reason']})" if ended.get("reason") else "") \
                 if ended else "was restarted"
             return f"{code}" + (f", restarted {restarts} time(s)" if restarts else "")
     if (pod.get("status") or {}).get("phase") == "Failed":

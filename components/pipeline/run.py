@@ -112,8 +112,8 @@ def run_pipeline(cfg: PipelineConfig, deploy: DeployConfig | None = None, steps:
     stages = cfg.stages
     if rerun_from is not None and rerun_from not in stages:
         raise PipelineError(f"--from: {rerun_from!r} is not a stage of this pipeline; its stages: {', '.join(stages)}")
-    deploy = (deploy
-              or DeployConfig()).model_copy(update={"state_dir": str((deploy or DeployConfig()).resolved_state_dir())})
+    deploy = (deploy or DeployConfig()).model_copy(
+        update={"state_dir": str((deploy or DeployConfig()).resolved_state_dir())})
     base = deploy.checkpoint.uri or (deploy.resolved_state_dir() / "checkpoints").as_uri()
     forced = set(stages[stages.index(rerun_from):]) if rerun_from else set()
     started = time.time()

@@ -410,8 +410,8 @@ class CheckpointStore:
     def load_part(self, iteration: int, name: str, dest: Path) -> Path:
         """Replace directory `dest` with part `name` of the committed checkpoint of `iteration` (signature- and
         sha256-checked); the checkpoint must hold it."""
-        scratch = Path(tempfile.mkdtemp(prefix=".restore-", dir=Path(dest).parent if Path(dest).parent.exists()
-                                        else None))
+        scratch = Path(tempfile.mkdtemp(prefix=".restore-",
+                                        dir=Path(dest).parent if Path(dest).parent.exists() else None))
         try:
             self.load(scratch, iteration, parts=(name,))
             if not (scratch / name).is_dir():

@@ -148,8 +148,8 @@ def compute(records: list[RunRecord], arms: list[str]) -> dict[str, dict]:
     for arm in arms:
         mine = [r for r in records if r.arm == arm and r.wall_s is not None]
         hours = sum(r.wall_s for r in mine) / 3600
-        out[arm] = {"runs": len(mine), "wall_hours": hours, "wall_s_per_run": hours * 3600 / len(mine) if mine
-                    else None,
+        out[arm] = {"runs": len(mine), "wall_hours": hours,
+                    "wall_s_per_run": hours * 3600 / len(mine) if mine else None,
                     "process_hours": sum(r.wall_s * r.ranks for r in mine) / 3600}
     return out
 

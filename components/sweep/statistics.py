@@ -40,8 +40,8 @@ def run_scores(history: list[tuple[int, float]]) -> dict[str, float]:
         raise ValueError("a run's metric has no logged step")
     steps = np.array([s for s, _ in history], dtype=np.float64)
     values = np.array([v for _, v in history], dtype=np.float64)
-    auc = float(values[0]) if len(values) == 1 else float(((values[1:] + values[:-1]) / 2
-                                                           * np.diff(steps)).sum() / (steps[-1] - steps[0]))
+    auc = float(values[0]) if len(values) == 1 \
+        else float(((values[1:] + values[:-1]) / 2 * np.diff(steps)).sum() / (steps[-1] - steps[0]))
     return {"final": float(values[-1]), "auc": auc}
 
 

@@ -91,8 +91,8 @@ class SweepRun:
     def __enter__(self) -> "SweepRun":
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType
-                 | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         status = "FINISHED" if exc_type is None else "KILLED" if not issubclass(exc_type, Exception) else "FAILED"
         self.client.set_terminated(self.run_id, status)
 

@@ -279,8 +279,8 @@ def resolve(cfg) -> Settings:
     epsilon = get("loss.epsilon")
     high = get("loss.epsilon_high")
     menu = Menu(policy_loss=get("loss.policy_loss"), importance_sampling_level=get("loss.importance_sampling_level"),
-                loss_agg_mode=get("loss.loss_agg_mode"), epsilon=epsilon, epsilon_high=high if high is not None
-                else epsilon,
+                loss_agg_mode=get("loss.loss_agg_mode"), epsilon=epsilon,
+                epsilon_high=high if high is not None else epsilon,
                 delta=loss.delta, clip_ratio_c=loss.clip_ratio_c, sapo_temperature_pos=loss.sapo_temperature_pos,
                 sapo_temperature_neg=loss.sapo_temperature_neg, entropy_coef=loss.entropy_coef,
                 off_policy_mask_threshold=loss.off_policy_mask_threshold, kl_in_loss=get("kl.placement") == "loss",

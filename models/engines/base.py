@@ -96,8 +96,8 @@ class RolloutEngine(Protocol):
     name: str
     shares_actor_weights: bool
 
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling, generator: torch.Generator
-                 | None = None) -> Rollout: ...
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling,
+                 generator: torch.Generator | None = None) -> Rollout: ...
 
     def update_weights(self, weights: Weights) -> None: ...
 

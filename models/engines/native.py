@@ -39,8 +39,8 @@ class NativeEngine:
         return cls(policy.model, policy.pad_id, policy.stop_ids, policy.device, policy.dtype, policy.me)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling, generator: torch.Generator
-                 | None = None) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling,
+                 generator: torch.Generator | None = None) -> Rollout:
         """`n` samples of each prompt (consecutive rows) at `sampling.temperature` (0: greedy), top-k / top-p
         filtered; each sampled token's logprob is that of the distribution it was drawn from (filters applied)."""
         model = self.model

@@ -114,8 +114,8 @@ class VLLMEngine:
         where = self.urls[index]
         return f"rollout server replica {index} ({where})" if len(self.servers) > 1 else f"rollout server ({where})"
 
-    def submit(self, iteration: int, prompts: list[list[int]], n: int, sampling, generator: torch.Generator
-               | None) -> None:
+    def submit(self, iteration: int, prompts: list[list[int]], n: int, sampling,
+               generator: torch.Generator | None) -> None:
         """Rank 0: ask for iteration `iteration`'s batch now (every rank's prompts, rank order), answered in the
         background; `generate` for that iteration takes the answer."""
         if iteration in self.pending:
@@ -165,8 +165,8 @@ class VLLMEngine:
                         raise EngineRequestError(f"the batch submitted for iteration {iteration} holds other prompts "
                                                  f"than the one trained on")
                 else:
-                    seed = int(torch.randint(0, 2**31 - 1, (1,),
-                                             generator=generator)) if generator is not None else None
+                    seed = (int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None
+                            else None)
                     samples, versions, _ = self.sample(flat, n, sampling, seed)
                 self.wait_s = time.perf_counter() - started
                 per_rank, start = [], 0

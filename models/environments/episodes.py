@@ -173,8 +173,8 @@ class EpisodeRunner:
             # one length for every rank's turns (one request on rank 0), no longer than any context has room for
             # (the engine's position limit): a turn it cuts before its own budget goes on at the next call
             longest = max(budgets, default=1)
-            room = min((self.position_limit - len(c) for c in contexts),
-                       default=longest) if self.position_limit else longest
+            room = (min((self.position_limit - len(c) for c in contexts), default=longest) if self.position_limit
+                    else longest)
             if self.me.active:
                 longest = int(self.me.all_reduce(torch.tensor(longest), op="max"))
                 room = int(self.me.all_reduce(torch.tensor(room), op="min"))
@@ -330,8 +330,8 @@ class EpisodeRunner:
                 if "error" in own:
                     problems.append(f"{self.environments[episode.env]['class']}.get_reward: {own['error']}")
                 elif own["value"] is not None:
-                    episode.values[self.functions
-                                   + self.env_rewards.index(self.environments[episode.env]["class"])] = own["value"]
+                    env_reward = self.env_rewards.index(self.environments[episode.env]["class"])
+                    episode.values[self.functions + env_reward] = own["value"]
                 if problems:
                     episode.fail("error", "; ".join(problems))
         for episode in episodes:

@@ -75,8 +75,8 @@ def local_stack(tmp_path_factory):
 def deployment_run(s, name: str, config: dict, deploy: dict | None = None,
                    check: bool = True) -> subprocess.CompletedProcess:
     """`prefect deployment run NAME --param config=... [--param deploy=...]`, as a user types it."""
-    params = ["--param", f"config={json.dumps(config)}"] + (["--param", f"deploy={json.dumps(deploy)}"] if deploy
-                                                            else [])
+    params = ["--param", f"config={json.dumps(config)}"]
+    params += ["--param", f"deploy={json.dumps(deploy)}"] if deploy else []
     return subprocess.run([PREFECT, "deployment", "run", name, *params],
                           env=s["env"], capture_output=True, text=True, timeout=120, check=check)
 
@@ -224,8 +224,8 @@ def test_a_users_model_data_and_reward_through_the_deployments_keeping_what_the_
     assert not (s["state_dir"] / "runs" / "walk-rloo" / "logs" / "reward-server.log").exists()  # in process
     client, mrun = mlflow_run(s, "walk-rloo")
     params = mrun.data.params
+    # the operator's batch beside the user's
     assert (params["iterations"], params["checkpoint.every"], params["reinforce.rollout_batch_size"],
-            # the operator's batch beside the user's
             params["reinforce.num_rollouts_per_prompt"]) == ("2", "1", "8", "2")
     assert params["deploy.reward.launch"] == "in_process"
     assert [m.value for m in client.get_metric_history(mrun.info.run_id, "episode")] == [16.0, 32.0]  # 8 prompts x 2

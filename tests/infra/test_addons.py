@@ -92,8 +92,8 @@ def test_the_kueue_queues_are_valid_sized_to_the_pools_and_named_as_the_runs_exp
     assert quotas == {"actor": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "2"},
                       "critic": {"cpu": "12", "memory": "48Gi", "nvidia.com/gpu": "3"}}
     (local_queue,) = [o for o in objects if o["kind"] == "LocalQueue"]
-    assert local_queue["metadata"]["name"] == ClusterPlacement().queue == _blocks(ENV_DEV,
-                                                                                  "variable")["queue_name"]["default"]
+    assert (local_queue["metadata"]["name"] == ClusterPlacement().queue
+            == _blocks(ENV_DEV, "variable")["queue_name"]["default"])
     assert local_queue["spec"]["clusterQueue"] == cluster_queue["metadata"]["name"]
     # Terraform computes the same quotas from the pools' variables and node_types.json
     quota_expr = str(_locals(ADDONS)["quotas"])
@@ -137,8 +137,8 @@ def test_the_cache_volume_is_the_one_every_pod_mounts():
                 _blocks(MODULES / "prefect", "variable")["cache_claim"]["default"],
                 _blocks(ENV_DEV, "variable")["cache_claim_name"]["default"]}
     assert defaults == {"rlhf-cache"}
-    assert ClusterPlacement().cache_mount == _blocks(MODULES / "prefect",
-                                                     "variable")["cache_mount"]["default"] == "/cache"
+    assert (ClusterPlacement().cache_mount == _blocks(MODULES / "prefect", "variable")["cache_mount"]["default"]
+            == "/cache")
     assert ClusterPlacement().state_dir == _blocks(MODULES / "prefect", "variable")["state_dir"]["default"]
     storage_class = cache[("kubernetes_storage_class_v1", "efs")]
     assert storage_class["parameters"]["uid"] == "1000"  # the images' user (docker/actor.Dockerfile)

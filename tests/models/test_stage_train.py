@@ -24,9 +24,8 @@ def test_scores_are_read_at_the_last_real_token_when_pad_is_eos(tiny_models):
         alone = torch.cat([scorer.scores(torch.tensor([r]), torch.tensor([len(r)])) for r in rows])
         inference = reward_model_scores(scorer.model, tokens, lengths)
         scorer.model.config.pad_token_id = eos  # HF's own pooling with pad = EOS
-        naive = scorer.model(input_ids=tokens,
-                             attention_mask=(torch.arange(tokens.shape[1]) < lengths[:,
-                                                                                     None]).long()).logits.squeeze(-1)
+        mask = (torch.arange(tokens.shape[1]) < lengths[:, None]).long()
+        naive = scorer.model(input_ids=tokens, attention_mask=mask).logits.squeeze(-1)
         again = scorer.scores(tokens, lengths)  # whatever pad id the config names, the same scores
     assert torch.allclose(ours, alone, atol=1e-5) and torch.allclose(ours, inference, atol=1e-5)
     assert not torch.allclose(ours, naive, atol=1e-3)  # the pitfall is real on this batch

@@ -136,8 +136,8 @@ class InitRequest(BaseModel):
     master_port: int = Field(ge=1, le=65535, description="Port of the trainer's TCPStore.")
     backend: str = Field("gloo", pattern="^(gloo|nccl)$", description="torch.distributed backend of the group.")
     timeout_s: float = Field(600.0, gt=0, le=3600,
-                             description="How long a collective of the group may wait (joining the store: at most 30 "
-                                         "s).")
+                             description="How long a collective of the group may wait (joining the store: at most "
+                                         "30 s).")
     world_size: int = Field(2, ge=2,
                             description="The group's size: the trainer and this server's workers (1 + "
                                         "tensor_parallel_size).")
@@ -417,8 +417,8 @@ class ServedModel:
             self.llm.collective_rpc("start_weight_update")
             try:
                 self.llm.collective_rpc("update_weights", args=(
-                    {"names": req.names, "dtype_names": req.dtype_names, "shapes": req.shapes, "ready_key": ready_key},
-                    ))
+                    {"names": req.names, "dtype_names": req.dtype_names, "shapes": req.shapes,
+                     "ready_key": ready_key},))
                 try:
                     digests = expected.result(timeout=self.group_timeout_s)
                 except FutureTimeout:

@@ -60,8 +60,8 @@ def exit_with_parent(poll_s: float = 1.0, grace_s: float = 10.0) -> None:
             time.sleep(poll_s)
         log.error(f"the run process {parent} that started this server is gone: stopping")
         group = os.getpgid(0)
-        target = (lambda sig: os.killpg(group,
-                                        sig)) if group == os.getpid() else (lambda sig: os.kill(os.getpid(), sig))
+        target = ((lambda sig: os.killpg(group, sig)) if group == os.getpid()
+                  else (lambda sig: os.kill(os.getpid(), sig)))
         target(signal.SIGTERM)
         time.sleep(grace_s)
         target(signal.SIGKILL)

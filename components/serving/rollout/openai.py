@@ -241,8 +241,8 @@ class OpenAIEndpoints:
                                                   for c in parsed.tool_calls])
             called = bool(message.tool_calls) and out.finish_reason == "stop"
             choices.append(ChatCompletionResponseChoice(
-                index=out.index, message=message, finish_reason="tool_calls" if called
-                else (out.finish_reason or "stop"),
+                index=out.index, message=message,
+                finish_reason="tool_calls" if called else (out.finish_reason or "stop"),
                 stop_reason=out.stop_reason, token_ids=ids if req.return_token_ids else None,
                 logprobs=self.chat_logprobs(ids, out.logprobs, req.top_logprobs, req.return_tokens_as_token_ids)
                 if req.logprobs else None, **extra))

@@ -4,7 +4,7 @@ ours registered in its factory: a torch.distributed group (gloo on CPU, NCCL whe
 rank 0 and the engine's workers (one per tensor-parallel shard), which rank 0 broadcasts the tensors to one at a time;
 each is loaded as it arrives (vLLM's own backends need CUDA on both ends and vLLM on the trainer's side, which has
 none). Tensors come in the actor's Hugging Face names with a tied lm_head included (without it vLLM silently keeps the
-old head). The trainer's side: components/serving/rollout/ client.py.
+old head). The trainer's side: components/serving/rollout/client.py.
 
 The group admits the run's processes only: the worker joins the trainer's store with the run's secret (its
 environment: $RLHF_RUN_SECRET or $RLHF_RUN_SECRET_FILE) and proves it, and checks the trainer's proof, before any

@@ -11,8 +11,8 @@ Wire contract (NeMo-Aligner compatible; tokens right-padded, B = batch, L = sequ
                                       -> loss_mean, grad_norm, explained_variance, clipfrac, lr, skipped_steps
                                       float32 [1]; step int64 [1]. At most deploy.critic.max_train_rows rows;
                                       |returns|, |prev_values| <= models.critic.VALUE_BOUND (refused naming the tensor)
-    critic_save   (no batching)       dummy_var int64 [1] -> status int64 [1] (0 = saved), step int64 [1], path bytes
-    [1]
+    critic_save   (no batching)       dummy_var int64 [1] -> status int64 [1] (0 = saved), step int64 [1],
+                                      path bytes [1]
     reward_model  (dynamic batching)  tokens, sequence_lengths (+ optional prompt_lengths int64 [B,1])
                                       -> rewards float32 [B,1]
     reward_text   (dynamic batching)  prompts BYTES [B,1], responses BYTES [B,1] (UTF-8)
@@ -195,8 +195,8 @@ def _tensor(name: str, dtype, shape, optional: bool = False):
 
 
 def critic_specs(combine_reward: bool, max_batch_size: int, max_queue_delay_us: int) -> list[ModelSpec]:
-    infer_out = [_tensor("values", np.float32, (-1,))] + ([_tensor("rewards", np.float32, (1,))] if combine_reward
-                                                          else [])
+    infer_out = [_tensor("values", np.float32, (-1,))] \
+        + ([_tensor("rewards", np.float32, (1,))] if combine_reward else [])
     return [
         ModelSpec(CRITIC_INFER, [_tensor("tokens", np.int64, (-1,)), _tensor("sequence_lengths", np.int64, (1,)),
                                  _tensor("sentences", bytes, (-1,), optional=True),
@@ -214,8 +214,8 @@ def critic_specs(combine_reward: bool, max_batch_size: int, max_queue_delay_us: 
 def reward_outputs(functions: bool) -> list:
     """`rewards` [B,1]; a server of reward functions also answers `function_rewards` [B,F]: each function's score
     (in reward.functions order), whose weighted sum `rewards` is."""
-    return [_tensor("rewards", np.float32, (1,))] + ([_tensor("function_rewards", np.float32, (-1,))] if functions
-                                                     else [])
+    return [_tensor("rewards", np.float32, (1,))] \
+        + ([_tensor("function_rewards", np.float32, (-1,))] if functions else [])
 
 
 def reward_specs(max_batch_size: int, max_queue_delay_us: int, functions: bool = False) -> list[ModelSpec]:

@@ -132,8 +132,8 @@ def load_critic(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], obj
              if trainer.reward_model is not None else "not loaded")
     if trainer.warning:
         LOG.warning(trainer.warning)
-    bindings = CriticCallables(trainer, store, cfg.deploy.critic.max_train_rows).bindings(spec.max_batch_size,
-                                                                                          cfg.deploy.critic.max_queue_delay_us)
+    callables = CriticCallables(trainer, store, cfg.deploy.critic.max_train_rows)
+    bindings = callables.bindings(spec.max_batch_size, cfg.deploy.critic.max_queue_delay_us)
     if trainer.reward_model is not None:
         text = RewardCallables(model=trainer.reward_model, reward_tokenizer=reward_tokenizer,
                                chat_template=cfg.reward.chat_template, lock=trainer.lock)

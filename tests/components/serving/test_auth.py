@@ -32,8 +32,8 @@ def test_secrets_and_the_keys_derived_from_them():
     ka, kb = handshake.RunKeys(a), handshake.RunKeys(b)
     assert ka.server != ka.client and ka.server != kb.server and ka.client != kb.client  # one key per use and run
     challenge = "0" * 32
-    assert ka.proof("triton", challenge) == handshake.RunKeys(a).proof("triton",
-                                                                       challenge) != kb.proof("triton", challenge)
+    assert (ka.proof("triton", challenge) == handshake.RunKeys(a).proof("triton", challenge)
+            != kb.proof("triton", challenge))
     assert ka.proof("triton", challenge) != ka.proof("rollout", challenge)  # a proof names the role it answers for
     header = request_headers(a, "POST", "/generate")["authorization"]
     assert header.startswith("RLHF-HMAC ts=") and a not in header and request_headers(a, "POST", "/generate") != \

@@ -155,9 +155,9 @@ def test_equal_neighbouring_prompts_keep_k_samples_each(engine, policy, server):
     ids = policy.encode_prompts(["review the cat :", "review the cat :", "review the dog :"])
     rollout = engine.generate(ids, 3, Sampling(max_new_tokens=8), torch.Generator().manual_seed(4))
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(4)))
-    direct = RolloutClient(server.url,
-                           RUN).generate({"prompt_token_ids": ids, "n": 3, "max_new_tokens": 8, "seed": seed,
-                                                      "stop_token_ids": [int(t) for t in policy.stop_ids]})
+    stop_ids = [int(t) for t in policy.stop_ids]
+    direct = RolloutClient(server.url, RUN).generate({"prompt_token_ids": ids, "n": 3, "max_new_tokens": 8,
+                                                      "seed": seed, "stop_token_ids": stop_ids})
     expected = [s["token_ids"] for per_prompt in direct["samples"] for s in per_prompt]
     got = [rollout.tokens[i, rollout.prompt_lengths[i]:rollout.lengths[i]].tolist() for i in range(len(rollout))]
     assert len(got) == 9 and got == expected

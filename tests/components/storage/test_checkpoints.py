@@ -283,8 +283,8 @@ def test_a_second_save_of_an_iteration_never_touches_the_first(store_uri, tmp_pa
     assert {k: raw_keys_bytes(store_uri, k) for k in raw_keys(store_uri) if k.startswith(first)} == before
     assert store.list() == [3] and store.load(tmp_path / "out") == {"step": "second"}
     assert store.prune(keep_last=2) == [3]  # the replaced save of iteration 3
-    assert not any(k.startswith(first)
-                   for k in raw_keys(store_uri)) and store.load(tmp_path / "again") == {"step": "second"}
+    assert not any(k.startswith(first) for k in raw_keys(store_uri))
+    assert store.load(tmp_path / "again") == {"step": "second"}
 
 
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(store_uri, tmp_path: Path) -> None:
