@@ -79,11 +79,13 @@ def throughput(model_dir: str, iterations: int, env: dict, tmp: Path, runs=RUNS,
         generate = [m["time/generate"] for m in history]
         train_s = [m["step_time"] - m["time/generate"] for m in history]
         cases[name] = {
-            "max_off_policy_steps": k, "actor_cores": pin or "0,1 (shared)", "server_cores": "1" if pin else "0,1 (shared)",
+            "max_off_policy_steps": k, "actor_cores": pin or "0,1 (shared)",
+            "server_cores": "1" if pin else "0,1 (shared)",
             "seconds_per_iteration": stats(step), "iterations_per_minute": 60 / statistics.median(step),
             "rollout_wait_s": stats([m["time/rollout_wait"] for m in history]),
             "engine_idle_s": stats([m["time/engine_idle"] for m in history]),
-            "generate_s": stats(generate), "train_s": stats(train_s), "refit_s": stats([m["time/refit"] for m in history]),
+            "generate_s": stats(generate), "train_s": stats(train_s),
+            "refit_s": stats([m["time/refit"] for m in history]),
             "staleness_max": max(m["rollout/staleness_max"] for m in history),
             "staleness_mean": statistics.mean(m["rollout/staleness_mean"] for m in history),
             "refit_wait_s": stats([m["time/refit_wait"] for m in history]),
@@ -109,7 +111,8 @@ def learning(seeds: list[int], iterations: int, env: dict, tmp: Path) -> dict:
                          "model.policy": cfg.local_path("model.policy"),
                          "model.reward": cfg.local_path("model.reward")}
             log(f"async_rollouts: learning k={k} seed={seed}")
-            curves[f"k{k}_seed{seed}"] = [m["objective/gold_reward"] for m in train(overrides, tmp / f"l{k}{seed}.json", None, env)]
+            curves[f"k{k}_seed{seed}"] = [m["objective/gold_reward"]
+                                          for m in train(overrides, tmp / f"l{k}{seed}.json", None, env)]
     gains = {k: [(c[-1] + c[-2]) / 2 - (c[0] + c[1]) / 2 for name, c in curves.items() if name.startswith(f"k{k}_")]
              for k in (0, 1)}
     result = {"iterations": iterations, "seeds": seeds, "gold_reward_curves": curves,

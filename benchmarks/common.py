@@ -123,7 +123,8 @@ def top_ops(fn, repeat: int = 5, top: int = 12) -> list[dict]:
         for _ in range(repeat):
             fn()
     rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
-    return [{"op": e.key, "self_cpu_ms_per_call": e.self_cpu_time_total / 1e3 / repeat, "calls_per_call": e.count / repeat}
+    return [{"op": e.key, "self_cpu_ms_per_call": e.self_cpu_time_total / 1e3 / repeat,
+             "calls_per_call": e.count / repeat}
             for e in rows]
 
 

@@ -1,11 +1,11 @@
 """PPO iteration with the critic behind PyTriton (HTTP) vs in process.
 
-The same PPO step (`models.step.train_step`) on the tiny models, once with `models.backends.LocalCritic` (critic + combined reward
-model on a thread of this process) and once with `components.serving.triton.clients.CriticClient` talking to a critic server
-that `components.serving.launcher.launch` starts as a child process (own process group, stopped at the end; torch threads as
-the flows choose them: 1 on a CPU-only host unless `critic.torch_threads` says otherwise). Each side has
-its own actor, seeded alike, and the same prompt sequence. The two sides alternate every iteration (ABBA), so they
-see the same background load; one warm-up iteration per side is discarded.
+The same PPO step (`models.step.train_step`) on the tiny models, once with `models.backends.LocalCritic` (critic +
+combined reward model on a thread of this process) and once with `components.serving.triton.clients.CriticClient`
+talking to a critic server that `components.serving.launcher.launch` starts as a child process (own process group,
+stopped at the end; torch threads as the flows choose them: 1 on a CPU-only host unless `critic.torch_threads` says
+otherwise). Each side has its own actor, seeded alike, and the same prompt sequence. The two sides alternate every
+iteration (ABBA), so they see the same background load; one warm-up iteration per side is discarded.
 Target: HTTP <= 1.10x in-process seconds per iteration (median of the per-pair ratios).
 
 `--auth` (issue 32) measures what the run's secret costs a critic round trip: two critic servers of the same build
@@ -59,7 +59,8 @@ def http_critic(cfg):
     started = time.perf_counter()
     port = find_free_ports(cfg.deploy.critic.host)
     (RESULTS / "tmp").mkdir(parents=True, exist_ok=True)
-    spec = ServerSpec(kind="critic", config=cfg, host=cfg.deploy.critic.host, port=port, torch_threads=server_threads(cfg))
+    spec = ServerSpec(kind="critic", config=cfg, host=cfg.deploy.critic.host, port=port,
+                      torch_threads=server_threads(cfg))
     server = launch(spec, RESULTS / "tmp" / "critic-server.log")
     log(f"critic server ready at {server.url} in {time.perf_counter() - started:.1f} s")
     client = critic_backend(cfg, url=server.url)
@@ -179,14 +180,16 @@ def main(argv=None) -> dict:
         f"{statistics.median(x['seconds'] for x in got['http']):.3f} s/it, median pair ratio {ratio['median']:.2f}")
     result = {
         "quick": quick,
-        "what": "seconds per PPO iteration (models.step.train_step), critic over HTTP (PyTriton child process) / in process",
+        "what": "seconds per PPO iteration (models.step.train_step), critic over HTTP (PyTriton child process) "
+                "/ in process",
         "repetitions": {"pairs": pairs, "warmup_iterations_discarded_per_side": 1,
                         "order": "interleaved per iteration, ABBA"},
         "settings": {"rollout_batch_size": cfg.ppo.rollout_batch_size, "minibatch_size": cfg.ppo.minibatch_size,
                      "epochs": cfg.ppo.epochs, "max_new_tokens": cfg.generation.max_new_tokens,
                      "micro_batch_size": cfg.generation.micro_batch_size, "critic_epochs": cfg.critic.epochs,
                      "critic_train_batch_size": cfg.critic.train_batch_size,
-                     "combine_reward": cfg.critic.combine_reward, "max_queue_delay_us": cfg.deploy.critic.max_queue_delay_us,
+                     "combine_reward": cfg.critic.combine_reward,
+                     "max_queue_delay_us": cfg.deploy.critic.max_queue_delay_us,
                      "critic_micro_batch_size": cfg.critic.micro_batch_size,
                      "server_torch_threads": server_threads(cfg), "actor_torch_threads": torch.get_num_threads()},
         "in_process": summarize(got["in_process"]),

@@ -1,8 +1,8 @@
 """The critic server on 1 vs 2 ranks, and rewards as text vs tokens, through a raw tritonclient.
 
 1. Round-trip time of critic_infer (64 x 32 tokens) and critic_train (the same batch, 2 epochs) against a critic
-   server with deploy.critic.nproc_per_node = 1 and 2 (the tiny critic, one torch thread per rank), alternated. On 2 cores a
-   tiny critic gains nothing from 2 ranks: the figure shows the cost of the broadcast and the collectives.
+   server with deploy.critic.nproc_per_node = 1 and 2 (the tiny critic, one torch thread per rank), alternated. On 2
+   cores a tiny critic gains nothing from 2 ranks: the figure shows the cost of the broadcast and the collectives.
 2. Text transport overhead: reward_text (64 prompt/response strings, tokenized by the server) against reward_model
    (the same rollouts as token ids) on one reward server, alternated.
 """
@@ -36,7 +36,8 @@ def _client(url):
 def _call(client, model, **arrays) -> float:
     items = []
     for name, array in arrays.items():
-        dtype = "BYTES" if array.dtype == np.object_ else {np.dtype(np.int64): "INT64", np.dtype(np.float32): "FP32"}[array.dtype]
+        dtype = "BYTES" if array.dtype == np.object_ else {np.dtype(np.int64): "INT64",
+                                                           np.dtype(np.float32): "FP32"}[array.dtype]
         item = http.InferInput(name, list(array.shape), dtype)
         item.set_data_from_numpy(array)
         items.append(item)
@@ -83,8 +84,8 @@ def main(argv=None) -> dict:
         for op in ("infer", "train"):
             critic[f"{op}_ratio_2_over_1"] = critic["2_ranks"][op]["median"] / critic["1_ranks"][op]["median"]
         log(f"critic_ranks: infer {critic['1_ranks']['infer']['median'] * 1e3:.1f} ms (1) vs "
-            f"{critic['2_ranks']['infer']['median'] * 1e3:.1f} ms (2); train {critic['1_ranks']['train']['median']:.3f} s "
-            f"vs {critic['2_ranks']['train']['median']:.3f} s")
+            f"{critic['2_ranks']['infer']['median'] * 1e3:.1f} ms (2); train "
+            f"{critic['1_ranks']['train']['median']:.3f} s vs {critic['2_ranks']['train']['median']:.3f} s")
     finally:
         for server in servers.values():
             server.stop()
@@ -104,9 +105,10 @@ def main(argv=None) -> dict:
     transport["text_over_tokens"] = transport["text"]["median"] / transport["tokens"]["median"]
     log(f"critic_ranks: reward as text {transport['text']['median'] * 1e3:.1f} ms vs tokens "
         f"{transport['tokens']['median'] * 1e3:.1f} ms")
-    result = {"quick": quick, "settings": {"batch": list(tokens.shape), "repetitions": reps,
-                                           "critic": "tiny critic (GPT-2, 108k parameters) + combined tiny reward model",
-                                           "torch_threads_per_rank": 1},
+    result = {"quick": quick,
+              "settings": {"batch": list(tokens.shape), "repetitions": reps,
+                           "critic": "tiny critic (GPT-2, 108k parameters) + combined tiny reward model",
+                           "torch_threads_per_rank": 1},
               "critic_round_trip_seconds": critic, "reward_transport_seconds": transport}
     write_result("critic_ranks", result)
     return result

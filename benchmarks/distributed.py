@@ -51,7 +51,8 @@ distributed.shutdown()
 
 def build_model(directory: Path) -> int:
     """A GPT-2 of ~24M parameters from config (random weights) with the tiny tokenizer, saved with save_pretrained."""
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast  # heavy: only here (ranks: subprocesses)
+    # heavy: only here (ranks: subprocesses)
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(ensure_tiny_models() / "policy")
     config = GPT2Config(vocab_size=8192, n_positions=256, n_embd=512, n_layer=6, n_head=8,
@@ -79,7 +80,8 @@ def seconds_per_iteration(algorithm: str, world: int, iterations: int) -> list[f
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "m.json"
         env = dict(os.environ, RLHF_STATE_DIR=str(state_dir()))
-        subprocess.run([str(Path(sys.executable).parent / "rlhf"), "train", "--preset", "tiny", "--set", f"algorithm={algorithm}",
+        subprocess.run([str(Path(sys.executable).parent / "rlhf"), "train", "--preset", "tiny", "--set",
+                        f"algorithm={algorithm}",
                         "--set", f"iterations={iterations}", "--set", f"deploy.actor.nproc_per_node={world}",
                         "--metrics-out", str(out)], check=True, capture_output=True, text=True, env=env, timeout=1800)
         history = json.loads(out.read_text())

@@ -14,8 +14,8 @@ our steps on that very batch, outside TRL's clock, so the sides alternate step b
 load. Each round builds a fresh trainer and trainee; the first steps of each round are a warm-up and are discarded.
 The warm-up steps also check that both sides compute the same thing: both start from the same weights and update them
 with the same batches, so TRL's metrics (rewards/*, logps/*) and ours must agree step after step to float32 tolerance
-(the first step's rewards are 0 on both sides: the policy is its reference; the third's are not). Target: ours <= 1.0x TRL's seconds
-per step (median of the per-pair ratios).
+(the first step's rewards are 0 on both sides: the policy is its reference; the third's are not). Target: ours <= 1.0x
+TRL's seconds per step (median of the per-pair ratios).
 
     python -m benchmarks.dpo_vs_trl [--quick]      (needs trl==1.16.0: the bench extra)
 """
@@ -63,7 +63,8 @@ def trl_args(output_dir: str, steps: int):
 
 def trl_rows(inputs: dict) -> dict:
     """The batch TRL's training_step received, as our train command carries it (the same token rows)."""
-    ids, attention, completion = inputs["input_ids"].cpu(), inputs["attention_mask"].cpu(), inputs["completion_mask"].cpu()
+    ids, attention, completion = (inputs["input_ids"].cpu(), inputs["attention_mask"].cpu(),
+                                  inputs["completion_mask"].cpu())
     lengths = attention.sum(1)
     rows = [r[:int(n)].tolist() for r, n in zip(ids, lengths)]
     prompts = [int((m[:int(n)] == 0).long().cumprod(0).sum()) for m, n in zip(completion, lengths)]

@@ -135,7 +135,8 @@ def reference_bench(policy, cfg, device, batch, seq_len, reps):
     tokens = torch.randint(2, cfg.vocab_size, (batch, seq_len), device=device)
     lengths = torch.full((batch,), seq_len, device=device)
     out = {"batch": batch, "seq_len": seq_len,
-           "reference_device": str(next(policy.reference.parameters()).device) if policy.reference is not None else None}
+           "reference_device": (str(next(policy.reference.parameters()).device) if policy.reference is not None
+                                else None)}
     for label, kwargs in (("reference (as loaded)", {"reference": True}), ("actor on device, no grad", {})):
         times = []
         for rep in range(reps + 1):
@@ -235,7 +236,8 @@ def main(argv=None) -> dict:
     if not torch.cuda.is_available() and not args.cpu_smoke:
         log("gpu: skipped (no CUDA device)")
         result = {"quick": args.quick, "skipped": "no CUDA device",
-                  "what": "decode tokens/s vs roofline, training MFU, memory per model.dtype x model.gradient_checkpointing (~0.5B model)"}
+                  "what": "decode tokens/s vs roofline, training MFU, memory per model.dtype x "
+                          "model.gradient_checkpointing (~0.5B model)"}
         write_result("gpu", result)
         return result
 

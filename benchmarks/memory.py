@@ -176,12 +176,13 @@ def measure_lora(model_dir: str, batch: int, seq_len: int, reps: int, code: dict
 
 
 def describe(row: dict) -> str:
-    label = f"{row['dtype']}{' + checkpointing' if row['gradient_checkpointing'] else ''} B={row['batch']} L={row['seq_len']}"
+    label = (f"{row['dtype']}{' + checkpointing' if row['gradient_checkpointing'] else ''} "
+             f"B={row['batch']} L={row['seq_len']}")
     if "failed" in row:
         return f"{label}: failed ({row['failed']})"
     peak = row.get("peak_bytes", row.get("peak_rss_bytes"))
-    return (f"{label}: peak {peak / 2**30:.2f} GiB, saved for backward {row['saved_for_backward_bytes'] / 2**20:.0f} MiB, "
-            f"{row['seconds_per_step']['median']:.2f} s/step")
+    return (f"{label}: peak {peak / 2**30:.2f} GiB, saved for backward {row['saved_for_backward_bytes'] / 2**20:.0f} "
+            f"MiB, {row['seconds_per_step']['median']:.2f} s/step")
 
 
 def main(argv=None) -> dict | None:
@@ -221,8 +222,8 @@ def lora_main(args) -> dict:
     return run_benchmark(
         "memory_lora", args.quick, f"LoRA r={LORA['r']} on {LORA['target_modules']}, model.dtype=bfloat16",
         lambda model_dir, batch, seq_len, reps: measure_lora(model_dir, batch, seq_len, reps, code),
-        "one LoRA actor training step with model.dtype=bfloat16, per checkout of the code: the bytes of the frozen base "
-        "and of the adapters, peak RSS, activation bytes saved for backward, s/step",
+        "one LoRA actor training step with model.dtype=bfloat16, per checkout of the code: the bytes of the frozen "
+        "base and of the adapters, peak RSS, activation bytes saved for backward, s/step",
         ["frozen_bytes/trainable_bytes are exact (parameter storage); RSS also holds the interpreter, the libraries "
          "and what the allocator kept"])
 

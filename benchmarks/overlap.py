@@ -174,7 +174,8 @@ def main(argv=None) -> dict:
                         "order": "interleaved per iteration, ABBA"},
         "settings": {"rollout_batch_size": cfg.ppo.rollout_batch_size,
                      "micro_batch_size": cfg.generation.micro_batch_size,
-                     "critic_infer_requests_per_iteration": -(-cfg.ppo.rollout_batch_size // cfg.generation.micro_batch_size),
+                     "critic_infer_requests_per_iteration": -(-cfg.ppo.rollout_batch_size
+                                                              // cfg.generation.micro_batch_size),
                      "recompute_logprobs": cfg.generation.recompute_logprobs, "dtype": cfg.model.dtype},
         "http": sides["http"],
         "in_process": sides["in_process"],

@@ -74,8 +74,8 @@ def main(argv=None) -> dict:
             curves = rl_curves(first)  # from the record beside the checkpoints, before the directory goes
         record = {"first_s": first_s, "rl_only_s": rl_s, "new_data_s": data_s, "all_cached_s": all_s,
                   "rl_only_ratio": rl_s / first_s, "new_data_ratio": data_s / first_s,
-                  "first_cpu_s": first_cpu, "rl_only_cpu_s": rl_cpu, "new_data_cpu_s": data_cpu, "all_cached_cpu_s": all_cpu,
-                  "rl_only_cpu_ratio": rl_cpu / first_cpu,
+                  "first_cpu_s": first_cpu, "rl_only_cpu_s": rl_cpu, "new_data_cpu_s": data_cpu,
+                  "all_cached_cpu_s": all_cpu, "rl_only_cpu_ratio": rl_cpu / first_cpu,
                   "pipeline_seconds": {"first": first["seconds"], "rl_only": rl_only["seconds"],
                                        "all_cached": all_cached["seconds"]},
                   "rl_only_pipeline_ratio": rl_only["seconds"] / first["seconds"],
@@ -84,7 +84,8 @@ def main(argv=None) -> dict:
                   "states": {"first": states(first), "rl_only": states(rl_only), "new_data": states(new_data),
                              "all_cached": states(all_cached)},
                   "reward_model_held_out_accuracy": first["stages"]["reward_model"]["metrics"]["eval/accuracy"],
-                  "reward_model_held_out_accuracy_new_data": new_data["stages"]["reward_model"]["metrics"]["eval/accuracy"],
+                  "reward_model_held_out_accuracy_new_data":
+                      new_data["stages"]["reward_model"]["metrics"]["eval/accuracy"],
                   "sft_held_out_loss": first["stages"]["sft"]["metrics"]["eval/loss"],
                   "eval_stage": first["stages"]["eval"]["metrics"], "rl_curves": curves}
         records.append(record)
@@ -118,7 +119,8 @@ def rl_curves(summary: dict) -> dict:
     record beside its checkpoints (a local store here)."""
     model = summary["stages"]["rl"]["model"]
     record = json.loads((Path(model[len("file://"):]).parent / "record.json").read_text())
-    return {"held_out": [{k: e.get(k) for k in ("iteration", "eval/reward", "eval/gold_reward")} for e in record["evals"]],
+    return {"held_out": [{k: e.get(k) for k in ("iteration", "eval/reward", "eval/gold_reward")}
+                         for e in record["evals"]],
             "training": record.get("curves", {})}
 
 

@@ -1,10 +1,10 @@
 """Every recipe (`algorithm`: models/algorithms/recipes.py) learning in 12 iterations, as `rlhf train` runs it, on
 three tasks: the shipped task (builtin:sentiment, the tiny reward model, the gold reward logged), a reward file of a
 user's own (examples/rewards/review.py:praise on builtin:sentiment_target, a graded score, its own gold), and a
-verifiable 0/1 reward file (review.py:names_and_praises, where groups of equal scores are common: dynamic sampling). Each run's
-learning is the share of the headroom its gold reward closed (the mean of the last 2 iterations against the first 2,
-towards the best score 1), as the tests assert it (>= 0.3). On-policy distillation learns from a teacher that RLOO
-trained on the task: the share of the gap between the student's held-out gold reward at 0 and the teacher's it
+verifiable 0/1 reward file (review.py:names_and_praises, where groups of equal scores are common: dynamic sampling).
+Each run's learning is the share of the headroom its gold reward closed (the mean of the last 2 iterations against the
+first 2, towards the best score 1), as the tests assert it (>= 0.3). On-policy distillation learns from a teacher that
+RLOO trained on the task: the share of the gap between the student's held-out gold reward at 0 and the teacher's it
 closed, and the student's reverse KL to the teacher at the first and last iteration. DAPO's extra generation rounds
 are counted.
 

@@ -1,4 +1,5 @@
-"""RLOO iteration: ours (models.step.train_step, algorithm=rloo) vs TRL 1.16 `RLOOTrainer`, same model, prompts, reward and settings.
+"""RLOO iteration: ours (models.step.train_step, algorithm=rloo) vs TRL 1.16 `RLOOTrainer`, same model, prompts, reward
+and settings.
 
 Both sides: the tiny policy, the built-in sentiment prompts, k rollouts per prompt, the same response length and
 sampling (temperature, no top-k/top-p), the gold reward function `models.tasks.sentiment:gold_reward` as a Python
@@ -52,7 +53,8 @@ def optimizer_steps_per_iteration(cfg) -> int:
 
 # ---------------------------------------------------------------------------------------------------------------- ours
 class OurRLOO:
-    """Our side: actor, in-process function reward and prompt stream; `iteration()` runs and times one RLOO iteration."""
+    """Our side: actor, in-process function reward and prompt stream; `iteration()` runs and times one RLOO
+    iteration."""
 
     def __init__(self, cfg):
         self.cfg = cfg
@@ -93,7 +95,8 @@ def trl_kwargs(cfg, output_dir: str, iterations: int) -> dict:
     rf, gen, optim = cfg.reinforce, cfg.generation, cfg.reinforce.optim
     rollouts = rf.rollout_batch_size * rf.num_rollouts_per_prompt
     if rollouts % rf.minibatch_size:
-        raise ValueError(f"rollouts per iteration ({rollouts}) must be a multiple of the minibatch ({rf.minibatch_size})")
+        raise ValueError(f"rollouts per iteration ({rollouts}) must be a multiple of the minibatch "
+                         f"({rf.minibatch_size})")
     return dict(
         output_dir=output_dir,
         # batch geometry: one generation batch of B*k rollouts, minibatches of `minibatch_size`, `epochs` passes

@@ -101,7 +101,8 @@ def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list
     gen = Sampling(max_new_tokens=new_tokens, temperature=1.0)
     native = NativeEngine.for_policy(policy)
     vcfg = merge(cfg, {"model.policy": model_dir, "rollout.vllm.dtype": dtype, "deploy.rollout.port": 0})
-    with tempfile.TemporaryDirectory(prefix="rollout-bench-") as logs, launch_rollout(vcfg, Path(logs) / "server.log") as server:
+    with (tempfile.TemporaryDirectory(prefix="rollout-bench-") as logs,
+          launch_rollout(vcfg, Path(logs) / "server.log") as server):
         started = time.perf_counter()
         server.wait_until_ready(vcfg.deploy.rollout.ready_timeout_s)
         ready_s = time.perf_counter() - started
@@ -140,8 +141,10 @@ def compare_generation(cfg, model_dir: str, dtype: str, reps: int, prompts: list
                                   "server_seconds": stats([r["seconds"] for r in rs]),
                                   "rank0_peak_extra_bytes": stats([r["rank0_peak_extra_bytes"] for r in rs]),
                                   "server_peak_extra_bytes": stats([r["server_peak_extra_bytes"] for r in rs]),
-                                  "rank0_peak_extra_model_copies": max(r["rank0_peak_extra_bytes"] for r in rs) / model_bytes,
-                                  "server_peak_extra_model_copies": max(r["server_peak_extra_bytes"] for r in rs) / model_bytes}
+                                  "rank0_peak_extra_model_copies":
+                                      max(r["rank0_peak_extra_bytes"] for r in rs) / model_bytes,
+                                  "server_peak_extra_model_copies":
+                                      max(r["server_peak_extra_bytes"] for r in rs) / model_bytes}
                       for transport, rs in refits.items()}}
     log(f"rollout {Path(model_dir).name} {dtype}: native {case['native_tokens_per_s']['median']:.0f} tok/s, vLLM "
         f"{case['vllm_tokens_per_s']['median']:.0f} tok/s (x{case['speedup_vllm_over_native']:.2f}); refit "
@@ -215,7 +218,8 @@ def main(argv=None) -> dict:
         iteration = rloo_iteration(tmp, reps)
     # the tiny policy has 64 positions: 16 new tokens (its default)
     models["tiny"] = {"parameters": sum(p.numel() for p in Policy.load(tiny).model.parameters()), "max_new_tokens": 16,
-                      "cases": [compare_generation(cfg, tiny, dtype, reps, prompts, 16) for dtype in ("float32", "bfloat16")]}
+                      "cases": [compare_generation(cfg, tiny, dtype, reps, prompts, 16)
+                                for dtype in ("float32", "bfloat16")]}
     result = {"quick": quick, "what": "rollout engines: native KV-cache loop vs the vLLM rollout server",
               "repetitions": {"reps_per_side_per_case": reps, "warmup_per_side": 1, "order": "alternating"},
               "models": models, "rloo_iteration_qwen2_110m_64_tokens": iteration}

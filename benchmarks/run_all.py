@@ -18,7 +18,8 @@ import traceback
 
 from benchmarks.common import ROOT, load_average, log, machine, results_dir, versions
 
-BENCHMARKS = ("generate", "rollout_engine", "async_rollouts", "rloo_vs_trl", "grpo_vs_trl", "recipes", "stages_vs_trl", "dpo_vs_trl", "pipeline_cache",
+BENCHMARKS = ("generate", "rollout_engine", "async_rollouts", "rloo_vs_trl", "grpo_vs_trl", "recipes", "stages_vs_trl",
+              "dpo_vs_trl", "pipeline_cache",
               "critic_http", "overlap", "what_if", "distributed", "critic_ranks", "memory", "gpu")
 # results measured on their own (not by run_all): `python -m benchmarks.memory --lora --baseline DIR` (two checkouts)
 MEASURED_APART = ("memory_lora",)
@@ -81,7 +82,8 @@ def table(results: dict) -> str:
         if r.get("learning"):
             lr = r["learning"]
             n = f"{reps.get('learning_rounds', '?')} rounds x {reps['timed_iterations_per_round_per_side']} pairs"
-            rows.append(["", "learning (configured lr): time ours / TRL", fmt(lr["time_ratio_ours_over_trl"]), n, "", ""])
+            rows.append(["", "learning (configured lr): time ours / TRL", fmt(lr["time_ratio_ours_over_trl"]), n,
+                         "", ""])
             rows.append(["", "learning: generated tokens/iteration ours vs TRL",
                          f"{fmt(lr['ours']['generated_tokens_per_iteration'], digits=0)} vs "
                          f"{fmt(lr['trl']['generated_tokens_per_iteration'], digits=0)}", n, "", ""])
@@ -169,19 +171,22 @@ def table(results: dict) -> str:
             for case in model["cases"]:
                 n = f"{r['repetitions']['reps_per_side_per_case']} reps/side"
                 rows.append([f"vLLM rollout server vs native, {name} {case['dtype']}", "tokens/s: vLLM vs native",
-                             f"{fmt(case['vllm_tokens_per_s'], digits=0)} vs {fmt(case['native_tokens_per_s'], digits=0)}"
-                             f" (x{case['speedup_vllm_over_native']:.2f})", n, "—", ""])
+                             f"{fmt(case['vllm_tokens_per_s'], digits=0)} vs "
+                             f"{fmt(case['native_tokens_per_s'], digits=0)} (x{case['speedup_vllm_over_native']:.2f})",
+                             n, "—", ""])
                 small = case["refit_bytes"] < 64 * 2**20  # below what peak RSS resolves (pages, allocator arenas)
                 for transport, refit in case["refit"].items():
                     peak = max(refit["rank0_peak_extra_model_copies"], refit["server_peak_extra_model_copies"])
                     rows.append(["", f"refit over {transport}: seconds; peak RSS above the level before, in model "
                                  f"copies (rank 0 / server)", f"{fmt(refit['seconds'])} s; "
-                                 f"{refit['rank0_peak_extra_model_copies']:.2f} / {refit['server_peak_extra_model_copies']:.2f}"
+                                 f"{refit['rank0_peak_extra_model_copies']:.2f} / "
+                                 f"{refit['server_peak_extra_model_copies']:.2f}"
                                  + (f" (of {case['refit_bytes'] / 2**20:.1f} MiB: RSS noise)" if small else ""),
                                  f"{refit['seconds']['n']} refits", "—" if small else "<= 1 copy each side",
                                  "" if small else "yes" if peak <= 1 else "**no**"])
         it = r["rloo_iteration_qwen2_110m_64_tokens"]
-        for side in [k.removesuffix("_refit_share_of_iteration") for k in it if k.endswith("_refit_share_of_iteration")]:
+        for side in [k.removesuffix("_refit_share_of_iteration") for k in it
+                     if k.endswith("_refit_share_of_iteration")]:
             share = it[f"{side}_refit_share_of_iteration"]
             rows.append([f"Refit share of an RLOO iteration (110M, float32, {side})", "refit / iteration",
                          fmt(share, 100, 1, " %"), f"{share['n']} iterations", "<= 5 %",
@@ -216,10 +221,11 @@ def table(results: dict) -> str:
             if case not in t:
                 continue
             c = t[case]
-            rows.append([f"What-if: actor torch threads {t['actor_threads']['default']} -> {t['actor_threads']['split']}"
-                         f" ({label})", "s/iteration: default vs fewer (pair ratio)",
+            rows.append([f"What-if: actor torch threads {t['actor_threads']['default']} -> "
+                         f"{t['actor_threads']['split']} ({label})", "s/iteration: default vs fewer (pair ratio)",
                          f"{fmt(c['default']['seconds_per_iteration'], digits=3)} vs "
-                         f"{fmt(c['split']['seconds_per_iteration'], digits=3)} (x{c['split_over_default']['median']:.2f})",
+                         f"{fmt(c['split']['seconds_per_iteration'], digits=3)} "
+                         f"(x{c['split_over_default']['median']:.2f})",
                          f"{t['repetitions']['pairs']} pairs", "—", ""])
     r = results.get("distributed")
     if r:
@@ -244,7 +250,8 @@ def table(results: dict) -> str:
                          "(none on 2 cores)", ""])
         t = r["reward_transport_seconds"]
         rows.append(["Rewards as text vs tokens (same rollouts)", "reward_text vs reward_model round trip",
-                     f"{fmt(t['text'], 1e3, 1, ' ms')} vs {fmt(t['tokens'], 1e3, 1, ' ms')} (x{t['text_over_tokens']:.2f})",
+                     f"{fmt(t['text'], 1e3, 1, ' ms')} vs {fmt(t['tokens'], 1e3, 1, ' ms')} "
+                     f"(x{t['text_over_tokens']:.2f})",
                      n, "—", ""])
     r = results.get("memory")
     if r:
@@ -300,15 +307,17 @@ def phase_tables(results: dict) -> list[str]:
                   "optimizer step timed with optimizer step hooks; TRL: its `_generate`, `_generate_and_score_"
                   "completions` minus generation, `training_step` minus the rollout, the optimizer step between "
                   "`on_pre_optimizer_step` and `on_optimizer_step`; other = the rest of the iteration (grad clipping, "
-                  "LR schedule, the trainer loop; ours has grad clipping and the LR schedule inside its time/train, i.e. in the "
-                  "forward+backward column).", "",
+                  "LR schedule, the trainer loop; ours has grad clipping and the LR schedule inside its time/train, "
+                  "i.e. in the forward+backward column).", "",
                   "| Side | " + " | ".join(names) + " | total |", "|---" * (len(names) + 2) + "|"]
         for side, label in (("ours", "ours"), ("trl", "TRL")):
             phases = r[side]["phases_seconds"]
-            lines.append(f"| {label} | " + " | ".join(f"{phases[n]['median']:.3f}" if n in phases else "—" for n in names)
+            lines.append(f"| {label} | "
+                         + " | ".join(f"{phases[n]['median']:.3f}" if n in phases else "—" for n in names)
                          + f" | {r[side]['seconds_per_iteration']['median']:.3f} |")
         if r.get("ours_top_ops_torch_profiler"):
-            lines += ["", "Our RLOO iteration, top ops by self CPU time (torch.profiler, ms per iteration): " + ", ".join(
+            lines += ["", "Our RLOO iteration, top ops by self CPU time (torch.profiler, ms per iteration): "
+                      + ", ".join(
                 f"`{o['op']}` {o['self_cpu_ms_per_call']:.1f}" for o in r["ours_top_ops_torch_profiler"][:8]) + "."]
         lines += ["", "RLOO settings, ours vs TRL:", "", "| Setting | Ours | TRL RLOOTrainer |", "|---|---|---|"]
         for name, (ours, trl) in r["settings_ours_vs_trl"].items():

@@ -65,7 +65,8 @@ def trl_rows(stage: str, inputs: dict) -> dict:
     rows = [r[:int(n)].tolist() for r, n in zip(ids, attention.sum(1))]
     if stage == "sft":
         labels = inputs["labels"].cpu()
-        prompt_lengths = [int((row[:int(n)] == -100).long().cumprod(0).sum()) for row, n in zip(labels, attention.sum(1))]
+        prompt_lengths = [int((row[:int(n)] == -100).long().cumprod(0).sum())
+                          for row, n in zip(labels, attention.sum(1))]
         return {"ids": rows, "prompt_lengths": prompt_lengths}
     half = len(rows) // 2
     return {"chosen": rows[:half], "rejected": rows[half:]}
@@ -157,7 +158,8 @@ def main(argv=None) -> dict:
     for stage in ("sft", "reward_model"):
         result[stage] = compare(stage, rounds, steps)
     result["target"] = f"median per-pair time ratio <= {TARGET} for both stages"
-    result["target_met"] = all(result[s]["time_ratio_ours_over_trl"]["median"] <= TARGET for s in ("sft", "reward_model"))
+    result["target_met"] = all(result[s]["time_ratio_ours_over_trl"]["median"] <= TARGET
+                               for s in ("sft", "reward_model"))
     write_result("stages_vs_trl", result)
     return result
 

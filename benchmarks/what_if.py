@@ -1,5 +1,6 @@
-"""What-if experiments behind the recommendations in docs/benchmarks.md. The library is unchanged; each change is applied
-here, in the benchmark process only, and measured against the default in the same interleaved way as the benchmarks.
+"""What-if experiments behind the recommendations in docs/benchmarks.md. The library is unchanged; each change is
+applied here, in the benchmark process only, and measured against the default in the same interleaved way as the
+benchmarks.
 
 (Fused AdamW, measured here before as a what-if at 0.68-0.70x TRL's time per RLOO iteration, is now the default:
 models/loading.make_optimizer.)
@@ -70,7 +71,8 @@ def thread_split(quick: bool) -> dict:
 
 def main(argv=None) -> dict:
     quick = quick_flag(argv)
-    result = {"quick": quick, "what": "library changes applied in the benchmark process only, measured against the default",
+    result = {"quick": quick,
+              "what": "library changes applied in the benchmark process only, measured against the default",
               "thread_split_ppo": thread_split(quick)}
     write_result("what_if", result)
     return result

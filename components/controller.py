@@ -106,8 +106,8 @@ def shared_by_pods(checkpoints: str, tracking: str) -> None:
         raise ValueError(f"deploy.checkpoint.uri: {checkpoints} is a local directory; with deploy.actor.launch=jobset "
                          f"the node groups' pods reach the run's store over the network: an s3:// URI")
     if not tracking.startswith(("http://", "https://", "databricks")):
-        raise ValueError(f"deploy.tracking.uri: {tracking} is local to this pod; with deploy.actor.launch=jobset rank 0 "
-                         f"logs from another pod: an MLflow server's http(s) URI")
+        raise ValueError(f"deploy.tracking.uri: {tracking} is local to this pod; with deploy.actor.launch=jobset rank "
+                         f"0 logs from another pod: an MLflow server's http(s) URI")
 
 
 def spec_name(run_name: str) -> str:

@@ -51,7 +51,8 @@ def export_checkpoint(store: CheckpointStore, out_dir: str | Path, iteration: in
     if iteration is None:
         raise CheckpointError(f"no checkpoint in {store.uri}: nothing to export")
     if iteration not in store.list():
-        raise CheckpointError(f"{store.uri} has no complete checkpoint iter_{iteration}; its checkpoints: {store.list()}")
+        raise CheckpointError(f"{store.uri} has no complete checkpoint iter_{iteration}; its checkpoints: "
+                              f"{store.list()}")
     out_dir = Path(out_dir)
     scratch = Path(tempfile.mkdtemp(prefix=".export-", dir=out_dir.parent if out_dir.parent.is_dir() else None))
     try:

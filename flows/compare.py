@@ -25,7 +25,8 @@ def compare(experiment: str = "rlhf-flows", run_ids: list[str] | None = None, tr
                            statistics=lambda ids: one_seed_per_arm(MlflowClient(uri), ids))  # an experiment's code
     run_id = log_comparison(uri, experiment, png, md)
     image = base64.b64encode(Path(png).read_bytes()).decode()
-    create_markdown_artifact(key="comparison", markdown=Path(md).read_text() + f"\n\n![comparison](data:image/png;base64,{image})\n",
+    create_markdown_artifact(key="comparison", markdown=Path(md).read_text()
+                             + f"\n\n![comparison](data:image/png;base64,{image})\n",
                              description="PPO vs RLOO: gold reward, RM score, KL, entropy, step time")
     get_run_logger().info(f"comparison written to {png} and {md}; MLflow run {run_id}")
     return {"png": str(png), "markdown": str(md), "mlflow_run_id": run_id}

@@ -31,14 +31,16 @@ from models.deploy import DeployConfig
 # the deployment's defaults: RLOO against GRPO on the shipped task, 3 paired seeds, a held-out eval every 4 iterations
 EXAMPLE_EXPERIMENT = ExperimentConfig(
     name="rloo-vs-grpo",
-    base={"preset": "tiny", "algorithm": "rloo", "iterations": 12, "eval": {"prompts": "builtin:sentiment", "every": 4}},
+    base={"preset": "tiny", "algorithm": "rloo", "iterations": 12,
+          "eval": {"prompts": "builtin:sentiment", "every": 4}},
     arms={"rloo": {}, "grpo": {"algorithm": "grpo"}}, seeds=3, concurrency=2)
 
 
 def experiment_name() -> str:
     """The experiment's flow run is named after the experiment."""
     experiment = flow_run.get_parameters().get("experiment")
-    return experiment.name if isinstance(experiment, ExperimentConfig) else str((experiment or {}).get("name", "experiment"))
+    return (experiment.name if isinstance(experiment, ExperimentConfig)
+            else str((experiment or {}).get("name", "experiment")))
 
 
 @flow(name="experiment", log_prints=True, flow_run_name=experiment_name)
@@ -56,7 +58,8 @@ def experiment_flow(experiment: ExperimentConfig = EXAMPLE_EXPERIMENT, deploy: D
         result, md, page, images = build(parent.client, parent.uri, parent.experiment_id, parent.run_id, experiment,
                                          config)
         log_report(parent.client, parent.run_id, experiment, result, md, page, images)
-    inline = "".join(f"\n\n![{name}](data:image/png;base64,{base64.b64encode(png).decode()})" for name, png in images.items())
+    inline = "".join(f"\n\n![{name}](data:image/png;base64,{base64.b64encode(png).decode()})"
+                     for name, png in images.items())
     create_markdown_artifact(key=f"experiment-{experiment.name}", markdown=md + inline,
                              description=f"Experiment {experiment.name}: {len(result['arms'])} arms x "
                                          f"{len(result['seeds'])} paired seeds; {swept['summary']}")

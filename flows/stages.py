@@ -51,9 +51,11 @@ def pipeline_name() -> str:
 def pipeline(config: PipelineConfig = PipelineConfig(), deploy: DeployConfig = DeployConfig(),
              rerun_from: Optional[Literal[STAGE_ORDER]] = None) -> dict:
     """sft -> reward_model -> rl -> eval (or sft -> dpo -> eval with a `dpo` section, sft -> kto -> eval with `kto`),
-    each stage reused when its key (config, data, upstream models, code) matches a record beside the checkpoints (its task Cached); `rerun_from`
-    builds that stage and every later one again. Returns the summary: {stages: {stage: {cached, model, metrics}}}."""
+    each stage reused when its key (config, data, upstream models, code) matches a record beside the checkpoints (its
+    task Cached); `rerun_from` builds that stage and every later one again. Returns the summary: {stages: {stage:
+    {cached, model, metrics}}}."""
     with reported_failure():
         merged = merged_parameters(config, deploy)
-        return run_pipeline(PipelineConfig.model_validate(merged["config"]), DeployConfig.model_validate(merged["deploy"]),
+        return run_pipeline(PipelineConfig.model_validate(merged["config"]),
+                            DeployConfig.model_validate(merged["deploy"]),
                             FlowSteps(), rerun_from)

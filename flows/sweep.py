@@ -80,7 +80,8 @@ def run_sweep(config: RLHFConfig, sweep: SweepConfig, given_deploy: dict, pipeli
     was told of where trials run, given to each; `tags`: more tags on the parent run."""
     space = check_sweep(config, sweep, pipeline=pipeline is not None)  # bad input fails here, before any trial starts
     if pipeline is None:
-        for algorithm in space.algorithms:  # ppo/default or reinforce/default (an arm may set its own), which must exist
+        # ppo/default or reinforce/default (an arm may set its own), which must exist
+        for algorithm in space.algorithms:
             training_deployment(algorithm)
 
         def deployment(cfg):

@@ -93,7 +93,8 @@ class Timers:
 
 def needs_logprob_recompute(cfg: RLHFConfig) -> bool:
     """Sampling-time logprobs equal a full recomputation in float32 without dropout; lower precisions recompute."""
-    return cfg.generation.recompute_logprobs if cfg.generation.recompute_logprobs is not None else cfg.model.dtype != "float32"
+    return (cfg.generation.recompute_logprobs if cfg.generation.recompute_logprobs is not None
+            else cfg.model.dtype != "float32")
 
 
 def rollout_logprobs(policy: Policy, rollout: Rollout, cfg: RLHFConfig, timers: Timers, me: Dist = SINGLE,
@@ -180,7 +181,8 @@ def common_metrics(state: ActorState, rollout: Rollout, scores: Tensor, gold: Te
     response_lengths = gather(rollout.sampled_lengths).float()
     ended = gather(rollout.is_end.long()).bool()
     response_tokens = int(response_lengths.sum())
-    seconds = {k: float(v) for k, v in zip(timers.seconds, me.all_reduce(torch.tensor(list(timers.seconds.values())), "max"))}
+    seconds = {k: float(v)
+               for k, v in zip(timers.seconds, me.all_reduce(torch.tensor(list(timers.seconds.values())), "max"))}
     metrics = {
         "reward": float(scores.mean()),
         "reward_std": float(scores.std()) if len(scores) > 1 else 0.0,

@@ -87,7 +87,8 @@ class WithTeacher:
     as `reward` does, and the teacher's logprobs of the student's tokens on a worker thread of its own."""
 
     def __init__(self, reward, teacher, temperature: float = 1.0, micro_batch_size: int = 64):
-        self.reward, self.teacher, self.temperature, self.micro_batch_size = reward, teacher, temperature, micro_batch_size
+        self.reward, self.teacher = reward, teacher
+        self.temperature, self.micro_batch_size = temperature, micro_batch_size
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="teacher")
 
     def score_async(self, *args, **kwargs):
@@ -116,7 +117,8 @@ class FunctionReward:
             if hasattr(self.fn, "score_all"):
                 total, each = self.fn.score_all(prompts, responses, columns)
                 future.set_result({"scores": torch.tensor(total, dtype=torch.float32),
-                                   "function_rewards": torch.tensor(each, dtype=torch.float32).reshape(len(each), -1).T})
+                                   "function_rewards":
+                                       torch.tensor(each, dtype=torch.float32).reshape(len(each), -1).T})
             else:
                 future.set_result(torch.tensor(self.fn(prompts, responses, columns), dtype=torch.float32))
         except Exception as exc:  # noqa: BLE001 - delivered through the future like a remote error

@@ -46,7 +46,8 @@ def response_template(tokenizer, model_type: Optional[str] = None) -> Optional[d
     if own is not None or model_type is None:
         return own
     try:
-        from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS  # optional: `transformers serve`'s table
+        # optional: `transformers serve`'s table
+        from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
     except ImportError:  # a transformers without the table: only the tokenizer's own
         return None
     return next((t for types, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if model_type in types), None)

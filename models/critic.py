@@ -57,7 +57,8 @@ def init_critic(critic_path: str | None, reward_path: str | None, dtype: str = "
         rm, info = from_pretrained(AutoModelForSequenceClassification, reward_path, "model.reward", dtype=DTYPES[dtype],
                                    output_loading_info=True)
         check_loaded(info, reward_path, "model.reward")  # a critic copied from a random score head would be noise
-        model = from_pretrained(AutoModelForTokenClassification, reward_path, "model.reward", dtype=DTYPES[dtype], num_labels=1)
+        model = from_pretrained(AutoModelForTokenClassification, reward_path, "model.reward", dtype=DTYPES[dtype],
+                                num_labels=1)
         value_head, reward_head = _head(model), _head(rm)
         with torch.no_grad():
             value_head.weight.copy_(reward_head.weight)
@@ -87,13 +88,16 @@ def validate_tokens(tokens: np.ndarray, sequence_lengths: np.ndarray, vocab_size
         raise CriticInputError(f"tokens: expected a non-empty batch [B>0, L>0], got shape {list(tokens.shape)}")
     if sequence_lengths.dtype != np.int64:
         raise CriticInputError(f"sequence_lengths: expected dtype int64, got {sequence_lengths.dtype}")
-    lengths = sequence_lengths.reshape(-1) if sequence_lengths.ndim == 2 and sequence_lengths.shape[1] == 1 else sequence_lengths
+    column = sequence_lengths.ndim == 2 and sequence_lengths.shape[1] == 1
+    lengths = sequence_lengths.reshape(-1) if column else sequence_lengths
     if lengths.ndim != 1:
         raise CriticInputError(f"sequence_lengths: expected shape [B, 1], got {list(sequence_lengths.shape)}")
     if lengths.shape[0] != tokens.shape[0]:
-        raise CriticInputError(f"sequence_lengths: batch size {lengths.shape[0]} does not match tokens batch size {tokens.shape[0]}")
+        raise CriticInputError(f"sequence_lengths: batch size {lengths.shape[0]} does not match tokens batch size "
+                               f"{tokens.shape[0]}")
     if (lengths < 1).any() or (lengths > tokens.shape[1]).any():
-        raise CriticInputError(f"sequence_lengths: every length must be in [1, L={tokens.shape[1]}], got min {lengths.min()} max {lengths.max()}")
+        raise CriticInputError(f"sequence_lengths: every length must be in [1, L={tokens.shape[1]}], got min "
+                               f"{lengths.min()} max {lengths.max()}")
     if vocab_size is not None and ((tokens < 0).any() or (tokens >= vocab_size).any()):
         raise CriticInputError(f"tokens: ids must be in [0, {vocab_size}), got min {tokens.min()} max {tokens.max()}")
 

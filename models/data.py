@@ -233,7 +233,8 @@ def _read_configured_folder(path: Path, split: str, field: str, subset: str, sav
                         + (f"; its configurations: {known}" if known else
                            " (configurations are declared as `configs` in its README.md, as on the hub)")) from exc
     if split not in found:
-        raise DataError(f"{field}: configuration '{subset}' of '{path}' has no split '{split}'; its splits: {list(found)}")
+        raise DataError(f"{field}: configuration '{subset}' of '{path}' has no split '{split}'; its splits: "
+                        f"{list(found)}")
     return found[split]
 
 
@@ -373,7 +374,8 @@ class PromptStream(RowStream):
         return self.prompts.batch(super().__next__())
 
     @classmethod
-    def resume(cls, prompts: PromptSet, batch_size: int, seed: int, saved: dict | None, iteration: int) -> "PromptStream":
+    def resume(cls, prompts: PromptSet, batch_size: int, seed: int, saved: dict | None,
+               iteration: int) -> "PromptStream":
         """The stream after what a checkpoint consumed: its saved (epoch, position), or for a checkpoint without
         one, `iteration` batches of `batch_size`."""
         stream = cls(prompts, batch_size, seed)

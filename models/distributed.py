@@ -287,7 +287,8 @@ def local_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
 
 def leader_batch(me: Dist, fields: dict, pad_id: int = 0) -> dict | None:
     """Every rank's rows of `fields` concatenated in rank order on rank 0 (None elsewhere), with `sizes` (rows per
-    rank). [B, T] tensors are right-padded to the widest T (`tokens` with pad_id, the rest with 0); lists concatenate."""
+    rank). [B, T] tensors are right-padded to the widest T (`tokens` with pad_id, the rest with 0); lists
+    concatenate."""
     return _concat(me.gather_object(_cpu(fields)), fields, pad_id)
 
 

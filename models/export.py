@@ -52,7 +52,8 @@ def export_model(trained_dir: str | Path, out_dir: str | Path, base: str | None 
     """Write the model of a checkpoint's trained part `trained_dir` to `out_dir` as a Hugging Face model (see the
     module docstring). `base`: the local directory of the model the job started from, needed to merge a LoRA
     adapter, checked against `base_digest` when given. `out_dir` must not exist or be empty."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer  # heavy: only an export needs them here
+    # heavy: only an export needs them here
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     if task not in TASKS:
         raise ValueError(f"export: unknown task {task!r}; known: {', '.join(TASKS)}")
@@ -76,7 +77,8 @@ def export_model(trained_dir: str | Path, out_dir: str | Path, base: str | None 
         model = auto.from_pretrained(trained_dir, dtype=torch.float32, **labels)
     tokenizer = AutoTokenizer.from_pretrained(trained_dir if (trained_dir / "tokenizer_config.json").exists() else base)
     if task != "causal-lm" and model.config.pad_token_id is None:  # HF's pooling needs it (we score by length)
-        model.config.pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        model.config.pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                     else tokenizer.eos_token_id)
     for key, value in (config or {}).items():
         setattr(model.config, key, value)
     staging = out_dir.with_name(f".{out_dir.name}.partial")

@@ -82,4 +82,5 @@ KINDS: tuple[JobKind, ...] = (
 BY_JOB: dict[str, JobKind] = {kind.job: kind for kind in KINDS}
 JOBS_BUT_RL: tuple[JobKind, ...] = tuple(kind for kind in KINDS if kind.job != "rl")  # each with its own command
 STAGES: tuple[str, ...] = tuple(kind.job for kind in KINDS if kind.trains_on_ranks)  # trained on the actor's ranks
-POLICY_FROM_SFT: tuple[str, ...] = tuple(kind.job for kind in KINDS if kind.policy_from_sft)  # a pipeline's other stages
+# a pipeline's other stages
+POLICY_FROM_SFT: tuple[str, ...] = tuple(kind.job for kind in KINDS if kind.policy_from_sft)

@@ -62,7 +62,8 @@ def disable_dropout(model: nn.Module) -> nn.Module:
 def base_dtype(dtype: str, lora) -> torch.dtype:
     """The dtype a trained model is loaded in (one precision policy for the policy, the critic and the reward model:
     docs/memory.md): float32 master weights for a full fine-tune (autocast computes in `dtype`); with LoRA the frozen
-    base in the compute dtype `dtype`, as peft, TRL and veRL load it (its adapters stay float32: `adapters_in_float32`)."""
+    base in the compute dtype `dtype`, as peft, TRL and veRL load it (its adapters stay float32:
+    `adapters_in_float32`)."""
     return DTYPES[dtype] if lora is not None and lora.enabled else torch.float32
 
 

@@ -112,8 +112,8 @@ def batch_size(cfg: RLHFConfig) -> int:
 
 
 def build_actor(cfg: RLHFConfig, me: Dist = SINGLE) -> ActorState:
-    """This rank's actor: the policy (FSDP2-sharded over the ranks for a full fine-tune unless deploy.actor.fsdp='off'), the
-    frozen reference, optimizer and generators."""
+    """This rank's actor: the policy (FSDP2-sharded over the ranks for a full fine-tune unless deploy.actor.fsdp='off'),
+    the frozen reference, optimizer and generators."""
     torch.manual_seed(cfg.seed)
     shard = me.active and cfg.deploy.actor.fsdp == "auto" and not cfg.model.lora.enabled
     policy = Policy.load(cfg.local_path("model.policy"), cfg.model.lora, cfg.model.dtype,

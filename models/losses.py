@@ -1,8 +1,9 @@
 """Pure loss functions. Each returns the scalar loss (or per-token losses) and a dict of detached statistics
 (TRL/CleanRL names).
 
-The RL actor's loss is assembled from a menu of parts, each a pure function of tensors chosen by name (docs/algorithms.md
-has the menu and the recipes built from it). A new variant is one function here and one line in its registry:
+The RL actor's loss is assembled from a menu of parts, each a pure function of tensors chosen by name
+(docs/algorithms.md has the menu and the recipes built from it). A new variant is one function here and one line in its
+registry:
 
     POLICY_LOSSES   the per-token policy-gradient term: ppo (clip, clip-higher, two-sided `delta`, dual clip), cispo,
                     sapo, vespo, reinforce (no ratio)
@@ -70,7 +71,8 @@ def ppo_clip(p: PolicyInputs) -> tuple[Tensor, dict]:
     stats = clip_stats(capped, p)
     if p.clip_ratio_c is not None:
         dual = torch.minimum(loss, -p.advantages * p.clip_ratio_c)
-        stats["clip_ratio/dual_mean"] = masked_mean(((loss > dual) & (p.advantages < 0)).to(p.mask.dtype).detach(), p.mask)
+        stats["clip_ratio/dual_mean"] = masked_mean(((loss > dual) & (p.advantages < 0)).to(p.mask.dtype).detach(),
+                                                    p.mask)
         loss = torch.where(p.advantages < 0, dual, loss)
     return loss, stats
 
@@ -314,7 +316,8 @@ def policy_objective(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: T
     return loss, stats
 
 
-def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, clip: float | None = 0.2) -> tuple[Tensor, dict]:
+def value_loss(values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor,
+               clip: float | None = 0.2) -> tuple[Tensor, dict]:
     """Clipped value loss: 0.5 * mean(max((v - R)^2, (clip(v, v_old +- c) - R)^2)); unclipped when clip is None."""
     unclipped = (values - returns) ** 2
     if clip is None:
@@ -398,7 +401,8 @@ def dpo_loss(chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Ten
     loss = per_pair.mean()
     with torch.no_grad():
         chosen_reward, rejected_reward = beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
-        stats = {"loss": loss.detach(), "rewards/chosen": chosen_reward.mean(), "rewards/rejected": rejected_reward.mean(),
+        stats = {"loss": loss.detach(), "rewards/chosen": chosen_reward.mean(),
+                 "rewards/rejected": rejected_reward.mean(),
                  "rewards/accuracies": (chosen_reward > rejected_reward).to(chosen_reward.dtype).mean(),
                  "rewards/margins": (chosen_reward - rejected_reward).mean(),
                  "logps/chosen": chosen_logps.detach().mean(), "logps/rejected": rejected_logps.detach().mean()}

@@ -92,7 +92,8 @@ class Policy:
         return cls(model, tokenizer, lora=False, reference=reference, dtype=dtype, me=me, device=device)
 
     # ----------------------------------------------------------------------------------------------------------------
-    def encode_prompts(self, prompts: list[str], chat_template: bool = False, templated: bool = False) -> list[list[int]]:
+    def encode_prompts(self, prompts: list[str], chat_template: bool = False,
+                       templated: bool = False) -> list[list[int]]:
         """Token ids of plain prompts (`chat_template`: as a user turn of the chat template) or of rendered chat
         templates (`templated`); models/data.encode."""
         return encode(self.tokenizer, prompts, templated, chat_template)
@@ -115,12 +116,15 @@ class Policy:
             with torch.no_grad():
                 if self.lora:
                     with self.model.disable_adapter(), autocast(self.device, self.dtype):
-                        return token_logprobs(self.model, tokens.to(self.device), lengths.to(self.device), temperature, with_entropy)
+                        return token_logprobs(self.model, tokens.to(self.device), lengths.to(self.device), temperature,
+                                              with_entropy)
                 ref_device = next(self.reference.parameters()).device
                 with autocast(ref_device, self.dtype):
-                    return token_logprobs(self.reference, tokens.to(ref_device), lengths.to(ref_device), temperature, with_entropy)
+                    return token_logprobs(self.reference, tokens.to(ref_device), lengths.to(ref_device), temperature,
+                                          with_entropy)
         with autocast(self.device, self.dtype):
-            return token_logprobs(self.model, tokens.to(self.device), lengths.to(self.device), temperature, with_entropy,
+            return token_logprobs(self.model, tokens.to(self.device), lengths.to(self.device), temperature,
+                                  with_entropy,
                                    entropy_grad)
 
     def engine_weights(self) -> Weights:

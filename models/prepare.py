@@ -4,9 +4,9 @@
 each model and data source resolved once, a missing one failing naming its field: a path, a hub id in the Hugging
 Face cache, an s3:// prefix fetched into this machine's cache, or the embedded default `tiny/...` shipped with the
 package; a config that carries its pins already, as the ranks, servers and node groups receive it, resolves
-nothing); the models not given follow the policy's family (model.reward: the family's own or required; model.critic: the reward
-model when it shares the policy's tokenizer, else the policy), and every model that reads the policy's token ids (the
-critic, a reward model on the token transport, on-policy distillation's teacher) shares the policy's tokenizer
+nothing); the models not given follow the policy's family (model.reward: the family's own or required; model.critic: the
+reward model when it shares the policy's tokenizer, else the policy), and every model that reads the policy's token ids
+(the critic, a reward model on the token transport, on-policy distillation's teacher) shares the policy's tokenizer
 (tokenizers only: nothing heavy loads).
 It also fills in the LR schedule lengths, decides the reward transport ('auto' -> 'tokens' or 'text'), makes reward
 files and the state directory absolute. Every entry point calls it (`rlhf train`, the training flows, the server

@@ -35,8 +35,8 @@ blob is named by its sha256 already; an s3 fetch records its files' digests as i
 Downloads (nothing downloads unless the deployment allows it):
 - a hub id missing from the cache fails naming the field and the `hf download` command, unless
   deploy.cache.hub_downloads is true (the cluster's deployments: a cache on the volume the run's pods share): then one
-  process downloads it under a lock in the cache (`.locks/rlhf/...`), the others wait and find it there. HF_HUB_OFFLINE=1
-  forbids it whatever the deployment says.
+  process downloads it under a lock in the cache (`.locks/rlhf/...`), the others wait and find it there.
+  HF_HUB_OFFLINE=1 forbids it whatever the deployment says.
 - an s3:// source is fetched through the S3 transport of components/storage/s3.py (it registers itself here when
   imported: models/ speaks no transport, `register_remote`), into `<cache dir>/s3/<bucket>/<hash>-<name>/`: under an
   exclusive lock (a second process, or pod on a shared volume, waits and then reuses it), into a staging directory
@@ -354,7 +354,8 @@ def resolve_hub(repo_id: str, field: str, revision: Optional[str], deploy: Deplo
     path = cached()
     if path is None:
         refuse_download(repo_id, field, revision, deploy, repo_type, cache)
-        lock = Path(cache) / ".locks" / "rlhf" / f"{repo_type}s--{repo_id.replace('/', '--')}--{revision or 'main'}.lock"
+        name = f"{repo_type}s--{repo_id.replace('/', '--')}--{revision or 'main'}.lock"
+        lock = Path(cache) / ".locks" / "rlhf" / name
         with exclusive(lock):
             path = cached()  # another process (or pod) fetched it while we waited
             if path is None:

@@ -6,8 +6,9 @@ stores the bytes of each such file in its store where it starts (reward.files: i
 absolute path it was read from), and every process that scores for it (the reward server wherever it runs, the
 actor's rank 0) loads those bytes, checked by their digest, never the path: a file that exists only where the run
 started scores everywhere, and a changed reward needs no image rebuild. A process with no stored copy of a file (a
-standalone `rlhf serve reward`) loads it by its path. Several functions with weights (reward.functions / reward.weights, as TRL's reward_funcs /
-reward_weights) score as their weighted sum; each one's scores travel with it for the metrics rewards/<name>/mean.
+standalone `rlhf serve reward`) loads it by its path. Several functions with weights (reward.functions / reward.weights,
+as TRL's reward_funcs / reward_weights) score as their weighted sum; each one's scores travel with it for the metrics
+rewards/<name>/mean.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ class HandOffError(ValueError):
     """A model that does not load as the next stage needs it (a reward model with a newly initialised weight)."""
 
 
-def load_reward_model(path: str, dtype: str = "float32", device: str | torch.device = "cpu", field: str = "model.reward",
+def load_reward_model(path: str, dtype: str = "float32", device: str | torch.device = "cpu",
+                      field: str = "model.reward",
                       normalize: bool = False):
     """A frozen AutoModelForSequenceClassification with one label (the scalar reward), every weight from its
     checkpoint (check_loaded). `normalize`: its scores become (s - reward_mean) / reward_std, the statistics the

@@ -16,7 +16,8 @@ def token_logprobs(model, tokens: Tensor, lengths: Tensor, temperature: float, w
     positions = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0)
     attention_mask = (positions < lengths.unsqueeze(1)).long()
     # no KV cache: a scoring pass never decodes further (and a cache would keep every layer's keys and values)
-    logits = model(input_ids=tokens, attention_mask=attention_mask, use_cache=False).logits[:, :-1].float() / temperature
+    logits = model(input_ids=tokens, attention_mask=attention_mask,
+                   use_cache=False).logits[:, :-1].float() / temperature
     log_norm = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(2, tokens[:, 1:].unsqueeze(2)).squeeze(2) - log_norm
     entropy = None

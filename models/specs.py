@@ -65,8 +65,8 @@ def run_source(name: str, path: Path, field: str, origin: Path, sha256: str | No
     plant) is read or written. Registered in sys.modules before it runs (dataclasses and pickling look it up)."""
     source = path.read_bytes()
     if sha256 is not None and hashlib.sha256(source).hexdigest() != sha256:
-        raise ValueError(f"{field}: '{path}' does not match its sha256 {sha256[:12]}...: refused (changed since the run "
-                         f"stored it)")
+        raise ValueError(f"{field}: '{path}' does not match its sha256 {sha256[:12]}...: refused (changed since the "
+                         f"run stored it)")
     module = types.ModuleType(name)
     module.__file__ = str(path)
     module.__spec__ = importlib.util.spec_from_loader(name, loader=None, origin=str(path))

@@ -106,7 +106,8 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
         data.scored["scores"].float(), data.is_end, data.mask.sum(1), settings.missing_eos_penalty,
         settings.overlong_buffer_len, settings.overlong_penalty_factor, cfg.generation.max_new_tokens)})
     if settings.top_entropy_quantile < 1:  # over the behaviour policy's entropies of every rank's tokens
-        data = replace(data, entropy_mask=high_entropy_mask(data.entropy_mask, data.mask, settings.top_entropy_quantile))
+        data = replace(data,
+                       entropy_mask=high_entropy_mask(data.entropy_mask, data.mask, settings.top_entropy_quantile))
     adv = algorithm.advantages(data, section)
 
     # 4. update: the critic (rank 0, async) while the actor trains on this rank's rows; then the engine's weights
@@ -114,7 +115,8 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
     width = local.tokens.shape[1]
     loss_fn, row_norm = algorithm.loss(data.rows(rows, width), adv.rows(rows, width))
     with timers("train"):
-        train_stats = actor_update(state, rollout, loss_fn, row_norm, section.minibatch_size, section.epochs, cfg.generation.micro_batch_size, section.optim.grad_clip,
+        train_stats = actor_update(state, rollout, loss_fn, row_norm, section.minibatch_size, section.epochs,
+                                   cfg.generation.micro_batch_size, section.optim.grad_clip,
                                    cfg.generation.temperature, entropy_grad=settings.menu.entropy_coef > 0)
     critic_stats = None
     if algorithm.needs_critic:
@@ -153,7 +155,8 @@ def train_step(state: ActorState, prompts: list[str] | Batch, cfg: RLHFConfig, b
     if own_weights:
         metrics.update(engine_mismatch(data, settings))
         staleness = me.all_gather_cat(trained_version - rollout.versions).double()
-        metrics.update({"rollout/staleness_mean": float(staleness.mean()), "rollout/staleness_max": float(staleness.max()),
+        metrics.update({"rollout/staleness_mean": float(staleness.mean()),
+                        "rollout/staleness_max": float(staleness.max()),
                         **rollout_clock})
     if settings.needs_reference:
         state.kl_ctl.update(metrics["objective/kl"], len(adv.scores))  # the controller's unit: KL per sequence
@@ -196,9 +199,10 @@ def dynamic_sample(state: ActorState, batches: list[Batch], cfg: RLHFConfig, k: 
                    backends: Backends, timers: Timers) -> tuple[Sampled, dict[str, float]]:
     """DAPO's dynamic sampling (Yu et al. 2025; veRL's filter_groups): sample and score `batches` in turn (this
     iteration's, then the stream's next ones) until as many groups as this batch has prompts have k scores (as the
-    objective sees them, shaped) that are not all equal, or the batches run out; the batch is those groups, the first in stream order, topped up with the
-    earliest groups that were dropped (so the optimizer takes its usual steps). Every rank then holds its share of
-    the chosen groups, as if they had been one batch: the same rows on 1 and N ranks, the order of the stream."""
+    objective sees them, shaped) that are not all equal, or the batches run out; the batch is those groups, the first in
+    stream order, topped up with the earliest groups that were dropped (so the optimizer takes its usual steps). Every
+    rank then holds its share of the chosen groups, as if they had been one batch: the same rows on 1 and N ranks, the
+    order of the stream."""
     me, policy, target = state.me, state.policy, len(batches[0])
     pools, kept = [], 0
     for batch in batches:
@@ -207,7 +211,8 @@ def dynamic_sample(state: ActorState, batches: list[Batch], cfg: RLHFConfig, k: 
             scored = me.broadcast_object(round_.collect() if round_.collect is not None else None)
         everyone = all_rows(me, {name: getattr(round_.rollout, name) for name in ROLLOUT_FIELDS}, pad_id=policy.pad_id)
         settings = resolve(cfg)  # the scores as the objective sees them (the overlong punishment may tie a group)
-        shaped = shape_scores(scored["scores"].float(), everyone["is_end"], everyone["lengths"] - everyone["prompt_lengths"],
+        shaped = shape_scores(scored["scores"].float(), everyone["is_end"],
+                              everyone["lengths"] - everyone["prompt_lengths"],
                               settings.missing_eos_penalty, settings.overlong_buffer_len,
                               settings.overlong_penalty_factor, cfg.generation.max_new_tokens)
         informative = informative_groups(shaped, k)
@@ -260,7 +265,8 @@ def step_data(rollout: Rollout, old_logp, ref_logp, entropy, settings: Settings,
     mask = rollout.loss_mask
     if settings.mask_truncated_completions:
         mask = mask * rollout.is_end.unsqueeze(1).to(mask.dtype)
-    kl = kl_penalty(old_logp, ref_logp, settings.kl_estimator) * mask if ref_logp is not None else torch.zeros_like(mask)
+    kl = (kl_penalty(old_logp, ref_logp, settings.kl_estimator) * mask if ref_logp is not None
+          else torch.zeros_like(mask))
     weights = engine = None
     if own_weights:
         engine = rollout.sample_logprobs * mask
@@ -305,7 +311,8 @@ def function_reward_metrics(scored: dict, names: list[str]) -> dict[str, float]:
 def all_ranks(me: Dist, local: StepData, scored: dict) -> tuple[StepData, slice]:
     """The step's data over the rows of all ranks (rank order; per-row tensors right-padded to the widest rank's),
     with `scored` (already over all rows), and where this rank's rows are in it."""
-    names = [name for name in ("tokens", "is_end", "is_weights", *StepData.PER_TOKEN) if getattr(local, name) is not None]
+    names = [name for name in ("tokens", "is_end", "is_weights", *StepData.PER_TOKEN)
+             if getattr(local, name) is not None]
     everyone = all_rows(me, {name: getattr(local, name) for name in names}, pad_id=local.pad_id)
     sizes = everyone.pop("sizes")
     start = sum(sizes[:me.rank])

@@ -101,7 +101,8 @@ def _reward_texts(rng: random.Random, n: int) -> list[tuple[str, str]]:
             response = " ".join(rng.choice(words) for _ in range(rng.randint(1, 14)))
         else:
             pool = rng.choice([sentiment.POSITIVE, sentiment.NEGATIVE, sentiment.POSITIVE + sentiment.NEGATIVE])
-            response = " ".join(rng.choice(pool + ["the", noun, "is", "and", "very"]) for _ in range(rng.randint(1, 14)))
+            response = " ".join(rng.choice(pool + ["the", noun, "is", "and", "very"])
+                                for _ in range(rng.randint(1, 14)))
         pairs.append((prompt, response + (" ." if rng.random() < 0.7 else "")))
     return pairs
 
@@ -199,7 +200,8 @@ def _build_base(out: Path, seed: int, policy_steps: int, reward_steps: int, log)
         rows = [tokenizer(f"{p} {r}")["input_ids"] + [eos] for p, r in sentiment.corpus(6000, seed=seed)]
         lm_loss = _fit(policy, rows, policy_steps, rng, pad, lambda ids, mask, _: policy(
             input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100)).loss)
-        log(f"policy: {sum(p.numel() for p in policy.parameters()):,} params, LM loss {lm_loss:.3f} after {policy_steps} steps")
+        log(f"policy: {sum(p.numel() for p in policy.parameters()):,} params, LM loss {lm_loss:.3f} after "
+            f"{policy_steps} steps")
 
         # reward model: regress the gold reward from "prompt response <eos>", read at the last token
         reward = GPT2ForSequenceClassification(tiny_config(tokenizer, num_labels=1))
@@ -373,7 +375,8 @@ def _fit(model, rows: list[list[int]], steps: int, rng: random.Random, pad: int,
 
 
 def _scores_with_grad(model, ids, lengths):
-    hidden = model.base_model(input_ids=ids, attention_mask=(torch.arange(ids.shape[1]) < lengths.unsqueeze(1)).long()).last_hidden_state
+    attention_mask = (torch.arange(ids.shape[1]) < lengths.unsqueeze(1)).long()
+    hidden = model.base_model(input_ids=ids, attention_mask=attention_mask).last_hidden_state
     return model.score(hidden[torch.arange(ids.shape[0]), lengths - 1]).squeeze(-1)
 
 

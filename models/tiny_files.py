@@ -1,5 +1,6 @@
 """The embedded default as files: the tiny policy, reward model, critic, reward-chars and the chat model ship with
-the package (models/assets/tiny/<name>, ~3.5 MB in all), so every machine runs the same model whatever CPU kernels it has.
+the package (models/assets/tiny/<name>, ~3.5 MB in all), so every machine runs the same model whatever CPU kernels it
+has.
 
 `rlhf models tiny --out DIR` (models/tiny.py) is the script that made them; what it trains depends on the CPU's
 kernels (AVX2 vs AVX-512 give other weights), which is why the result is shipped instead of rebuilt on each machine.

@@ -34,7 +34,8 @@ def micro_batches(n: int, size: int) -> list[slice]:
     return [slice(s, min(s + size, n)) for s in range(0, n, size)]
 
 
-def minibatch_update(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, scheduler, micro_loss: MicroLoss,
+def minibatch_update(params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer, scheduler,
+                     micro_loss: MicroLoss,
                      row_weights: Tensor, global_rows: Tensor, n_global: int, minibatch_size: int, epochs: int,
                      micro_batch_size: int, grad_clip: float, generator: torch.Generator, me: Dist = SINGLE,
                      sharded: bool = False) -> dict[str, float]:

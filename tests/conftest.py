@@ -105,9 +105,11 @@ def assert_learned(gold: list[float], share: float = 0.3) -> float:
     return closed
 
 
-EVAL_SAMPLED = {"eval.prompts": "builtin:sentiment", "eval.every": 6, "eval.temperature": 1.0, "eval.samples_per_prompt": 4}
+EVAL_SAMPLED = {"eval.prompts": "builtin:sentiment", "eval.every": 6, "eval.temperature": 1.0,
+                "eval.samples_per_prompt": 4}
 # The held-out eval of the learning checks: the task's 40 test prompts, 4 samples each at temperature 1 (greedy decoding
-# of the shipped policy already writes positive reviews: its greedy gold reward starts at ~0.95, where no rise can show).
+# of the shipped policy already writes positive reviews: its greedy gold reward starts at ~0.95, where no rise can
+# show).
 
 
 def assert_learned_with_eval(metrics_path: Path, evals_path: Path) -> list[dict]:

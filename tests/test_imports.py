@@ -106,7 +106,8 @@ def test_the_rollout_server_imports_nothing_of_the_project():
     known = project_modules()
     bad = []
     for name in ("components", "components.serving", "components.serving.rollout", "models"):
-        bad += [f"{known[name].relative_to(ROOT)}:{line}: {text[0].strip()}  (a package the rollout server runs through)"
+        bad += [f"{known[name].relative_to(ROOT)}:{line}: {text[0].strip()}  (a package the rollout server runs "
+                "through)"
                 for module, _, line, _, text in imports(known[name], name) if module != "__future__"]
     for name in ROLLOUT_SERVER:
         bad += [f"{known[name].relative_to(ROOT)}:{line}: {text[0].strip()}"
@@ -158,7 +159,8 @@ def test_the_checks_see_what_they_check(tmp_path):
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c", "a"]]
     source = tmp_path / "x.py"
-    source.write_text("from . import main\n\n\ndef f():\n    import torch  # heavy: only f\n    from ..tasks import run\n")
+    source.write_text("from . import main\n\n\ndef f():\n    import torch  # heavy: only f\n    from ..tasks import "
+                      "run\n")
     assert [(m, names, line, inside) for m, names, line, inside, _ in imports(source, "components.cli.x")] == [
         ("components.cli", ["main"], 1, False), ("torch", [], 5, True), ("components.tasks", ["run"], 6, True)]
     known = {"components": ROOT, "components.tasks": ROOT, "components.cli": ROOT, "components.cli.main": ROOT}

@@ -102,14 +102,15 @@ def test_no_branch_on_a_kinds_name_outside_its_own_class():
 def test_the_branch_check_sees_a_branch_and_spares_a_kinds_own_class():
     caught = kind_comparisons(ast.parse(
         "def f(cfg):\n    return cfg.job == 'rl'\n"
-        "class RewardModel:\n    name = 'reward_model'\n    def g(self, cfg):\n        return cfg.stage == 'reward_model'\n"
-        "class SFT:\n    name = 'sft'\n    def h(self, cfg):\n        return cfg.stage in ('dpo', 'kto')\n"
-        "def k(row):\n    return row['split'] == 'eval'\n"))
+        "class RewardModel:\n    name = 'reward_model'\n    def g(self, cfg):\n        return cfg.stage == "
+        "'reward_model'\nclass SFT:\n    name = 'sft'\n    def h(self, cfg):\n        return cfg.stage in ('dpo', "
+        "'kto')\ndef k(row):\n    return row['split'] == 'eval'\n"))
     assert caught == [(2, "cfg.job == 'rl'"), (10, "cfg.stage in ('dpo', 'kto')")]
 
 
 def test_every_kind_has_its_command_flow_deployment_and_prefix():
-    deployments = {f"{d['entrypoint'].split(':')[1]}": d for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
+    deployments = {f"{d['entrypoint'].split(':')[1]}": d
+                   for d in yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]}
     commands = build_parser()._subparsers._group_actions[0].choices
     for kind in KINDS:
         assert JOBS[kind.job] is not None and PREFIXES[kind.job] == kind.command

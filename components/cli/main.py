@@ -6,9 +6,11 @@ it runs, so `rlhf up`, `status` and `--help` start without loading torch, Triton
     rlhf sft | reward-model | dpo | eval        components/cli/stages.py (the jobs other than RL)
     rlhf pipeline                               components/cli/stages.py (the whole pipeline)
     rlhf serve critic|reward                    components/cli/serve.py (a server in the foreground)
-    rlhf up | down | status | demo              components/launch/stack.py (the local Prefect + MLflow + deployments stack)
+    rlhf up | down | status | demo              components/launch/stack.py (the local Prefect + MLflow +
+                                                deployments stack)
     rlhf compare                                components/cli/compare.py (PPO vs RLOO from MLflow; a sweep's trials)
-    rlhf sweep                                  components/cli/sweep.py (a sweep flow here, its trials on the deployments)
+    rlhf sweep                                  components/cli/sweep.py (a sweep flow here, its trials on the
+                                                deployments)
     rlhf experiment [report NAME]               components/cli/experiment.py (arms x paired seeds; its report)
     rlhf cluster manifests                      components/cli/cluster.py (every Kubernetes object a run would create)
 """
@@ -30,9 +32,11 @@ PROGRESS_COMMANDS = ("train", "export")
 # rlhf config --describe WHAT: a run's, a deployment's, a pipeline's, each other kind of job's (its command), a sweep's
 DESCRIBED = ("run", "deploy", "pipeline", *(kind.command for kind in JOBS_BUT_RL), "sweep", "experiment")
 
-SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-5 ...] [--model PATH] [--reward PATH] [--no-combine]
-                      [--port 8400] [--checkpoint-dir DIR] [--checkpoint-uri s3://bucket/run] [--restore-iteration N]
-    rlhf serve reward [--config YAML] [--set ...] [--model PATH | --function module:fn [--tokenizer PATH]] [--port 8500]
+SERVE_HELP = """    rlhf serve critic [--config YAML] [--set critic.optim.lr=1e-5 ...] [--model PATH] [--reward PATH]
+                      [--no-combine] [--port 8400] [--checkpoint-dir DIR] [--checkpoint-uri s3://bucket/run]
+                      [--restore-iteration N]
+    rlhf serve reward [--config YAML] [--set ...] [--model PATH | --function module:fn [--tokenizer PATH]]
+                      [--port 8500]
     python -m components.serving.triton.main --spec '<ServerSpec JSON>'   (what the launcher runs: one JSON doc)
     rlhf serve critic --nproc-per-node 2 ...                              (ranks 1..N-1 run `triton.main --follow`)
 
@@ -55,29 +59,41 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                                    description=SERVE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     kinds = parser.add_subparsers(dest="server", required=True)
 
-    critic = kinds.add_parser("critic", help="critic_infer + critic_train + critic_save (values, value-model training).")
-    critic.add_argument("--model", default=None, help="Critic checkpoint (model.critic); default: initialise from the reward model.")
-    critic.add_argument("--reward", default=None, help="Reward model (model.reward): served in critic_infer unless --no-combine.")
-    critic.add_argument("--no-combine", action="store_true", help="Do not serve rewards from critic_infer (critic.combine_reward=false).")
-    critic.add_argument("--checkpoint-dir", default=None, help="Where critic_save writes (atomically); a save there is resumed.")
-    critic.add_argument("--checkpoint-uri", default=None, help="The run's checkpoint store (file:///dir or s3://bucket/prefix): "
+    critic = kinds.add_parser("critic",
+                              help="critic_infer + critic_train + critic_save (values, value-model training).")
+    critic.add_argument("--model", default=None,
+                        help="Critic checkpoint (model.critic); default: initialise from the reward model.")
+    critic.add_argument("--reward", default=None,
+                        help="Reward model (model.reward): served in critic_infer unless --no-combine.")
+    critic.add_argument("--no-combine", action="store_true",
+                        help="Do not serve rewards from critic_infer (critic.combine_reward=false).")
+    critic.add_argument("--checkpoint-dir", default=None,
+                        help="Where critic_save writes (atomically); a save there is resumed.")
+    critic.add_argument("--checkpoint-uri", default=None,
+                        help="The run's checkpoint store (file:///dir or s3://bucket/prefix): "
                         "saves are also uploaded there for the flow's checkpoint to adopt.")
-    critic.add_argument("--restore-iteration", type=int, default=None, help="Start from iter_<N>/critic of --checkpoint-uri.")
+    critic.add_argument("--restore-iteration", type=int, default=None,
+                        help="Start from iter_<N>/critic of --checkpoint-uri.")
     critic.add_argument("--nproc-per-node", type=int, default=None, help="Ranks of the server (critic.nproc_per_node): "
                         "rank 0 serves HTTP, every rank holds an FSDP2 shard of the critic.")
 
     reward = kinds.add_parser("reward", help="reward_model: scores from a reward model or a Python function.")
     source = reward.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help="Sequence-classification reward model (model.reward, 1 label).")
-    source.add_argument("--function", default=None, help="'package.module:function(prompts, responses) -> list[float]'.")
-    reward.add_argument("--tokenizer", default=None, help="Tokenizer that decodes tokens for --function (model.policy). "
-                        "Clients that send no prompt_lengths (NeMo-Aligner's) get the whole sequence scored as the response.")
+    source.add_argument("--function", default=None,
+                        help="'package.module:function(prompts, responses) -> list[float]'.")
+    reward.add_argument("--tokenizer", default=None,
+                        help="Tokenizer that decodes tokens for --function (model.policy). "
+                        "Clients that send no prompt_lengths (NeMo-Aligner's) get the whole sequence scored as the "
+                        "response.")
     for sub, port in ((critic, "8400"), (reward, "8500")):
         add_config_args(sub)
         sub.add_argument("--host", default=None, help="Interface to bind (default: the config's host, 127.0.0.1).")
         sub.add_argument("--port", type=int, default=None, help=f"HTTP port (default: {port}).")
-        sub.add_argument("--max-batch-size", type=int, default=256, help="Largest batch Triton accepts and forms by dynamic batching.")
-        sub.add_argument("--torch-threads", type=int, default=None, help="torch intra-op threads (default: torch's choice).")
+        sub.add_argument("--max-batch-size", type=int, default=256,
+                         help="Largest batch Triton accepts and forms by dynamic batching.")
+        sub.add_argument("--torch-threads", type=int, default=None,
+                         help="torch intra-op threads (default: torch's choice).")
         sub.set_defaults(run="components.cli.serve:run_args")
     return parser
 
@@ -121,7 +137,8 @@ any trial starts, naming the field."""
 def add_sweep_parser(sub) -> None:
     """`rlhf sweep`: the config flags of `rlhf train`, and the sweep section from a YAML file and/or flags (one per
     field of components/sweep/config.py)."""
-    p = sub.add_parser("sweep", help="run a hyperparameter sweep (Optuna); its trials run on the local stack's deployments",
+    p = sub.add_parser("sweep",
+                       help="run a hyperparameter sweep (Optuna); its trials run on the local stack's deployments",
                        description=SWEEP_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
     p.add_argument("--sweep", metavar="YAML", help="the sweep section as a YAML file (the flags below override it)")
@@ -136,8 +153,8 @@ def add_sweep_parser(sub) -> None:
     p.set_defaults(run="components.cli.sweep:cmd_sweep")
 
 
-EXPERIMENT_HELP = """Run an experiment (arms x paired seeds, compared with rliable's interval estimates) as a Prefect flow
-in this shell; each arm x seed is a run of its algorithm's deployment on the local stack that `rlhf up` started.
+EXPERIMENT_HELP = """Run an experiment (arms x paired seeds, compared with rliable's interval estimates) as a Prefect
+flow in this shell; each arm x seed is a run of its algorithm's deployment on the local stack that `rlhf up` started.
 
     rlhf experiment --config examples/experiment.yaml [--set seeds=5] [--summary-out summary.json]
     rlhf experiment report NAME --out report.html [--summary-out summary.json]
@@ -180,14 +197,18 @@ def add_stage_parsers(sub) -> None:
     components/cli/stages.py) and `rlhf pipeline`."""
     for name, stage, text in ((kind.command, kind.job, kind.summary) for kind in JOBS_BUT_RL):
         p = sub.add_parser(name, help=f"{text}, in this process (checkpoints, resume by run_name, MLflow)")
-        p.add_argument("--config", help=f"YAML file with any subset of the run's tree (model, {stage}, seed, tracking, checkpoint, deploy)")
-        p.add_argument("--set", action="append", metavar="KEY=VALUE", help=f"override, e.g. --set {stage}.optim.lr=1e-4 (repeatable)")
+        p.add_argument("--config",
+                       help=f"YAML file with any subset of the run's tree (model, {stage}, seed, tracking, checkpoint, "
+                            "deploy)")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help=f"override, e.g. --set {stage}.optim.lr=1e-4 (repeatable)")
         p.add_argument("--summary-out", help="write the run's summary as JSON (its model, metrics, evals)")
         p.set_defaults(run="components.cli.stages:cmd_stage", stage=stage)
     p = sub.add_parser("pipeline", help="sft -> reward model -> RL -> eval, each stage cached by what it was made from",
                        description=PIPELINE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML file with any subset of the pipeline's tree (default: the embedded default)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override, e.g. --set rl.iterations=20 (repeatable)")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override, e.g. --set rl.iterations=20 (repeatable)")
     p.add_argument("--from", dest="from_stage", choices=tuple(kind.job for kind in KINDS),
                    help="build this stage and every one after it again, even where a record matches")
     p.add_argument("--summary-out", help="write the summary as JSON: {stages: {stage: {cached, model, metrics}}}")
@@ -212,12 +233,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     models = sub.add_parser("models", help="model utilities").add_subparsers(dest="models_command", required=True)
-    tiny = models.add_parser("tiny", help="build the tiny local policy / reward / critic (offline; the same seed gives the same data and models)")
+    tiny = models.add_parser("tiny",
+                             help="build the tiny local policy / reward / critic (offline; the same seed gives the "
+                                  "same data and models)")
     tiny.add_argument("--out", required=True, help="output directory")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.set_defaults(run="components.cli.commands:cmd_models_tiny")
 
-    config = sub.add_parser("config", help="print the resolved config (or, with --describe, every field and what it means)")
+    config = sub.add_parser("config",
+                            help="print the resolved config (or, with --describe, every field and what it means)")
     add_config_args(config)
     config.add_argument("--describe", nargs="?", const="run", metavar="WHAT", choices=DESCRIBED,
                         help="print every field of a config tree with its type, default and description instead: "
@@ -234,7 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_args(train, placement="in_process")
     train.add_argument("--metrics-out", help="write the per-iteration metrics as JSON")
     train.add_argument("--eval-out", help="write the held-out evals (eval.*) as JSON: [{iteration, metrics...}]")
-    train.add_argument("--summary-out", help="write the run's summary as JSON (run name, MLflow run, checkpoint, metrics)")
+    train.add_argument("--summary-out",
+                       help="write the run's summary as JSON (run name, MLflow run, checkpoint, metrics)")
     train.set_defaults(run="components.cli.commands:cmd_train")
 
     export = sub.add_parser("export", help="a run's trained policy (its latest checkpoint, or --iteration N) as a "

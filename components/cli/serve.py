@@ -37,7 +37,8 @@ def spec_from_args(args) -> ServerSpec:
     if args.server == "critic":
         extra = {"checkpoint_dir": args.checkpoint_dir, "checkpoint_uri": args.checkpoint_uri,
                  "restore_iteration": args.restore_iteration}
-    spec = ServerSpec(kind=args.server, config=cfg, host=args.host or section.host, port=args.port or section.port or default_port,
+    spec = ServerSpec(kind=args.server, config=cfg, host=args.host or section.host, port=args.port or section.port
+                      or default_port,
                       max_batch_size=args.max_batch_size, torch_threads=args.torch_threads, **extra)
     # a server started on its own is its own job: it pins the models it loads here (a run's servers get its pins)
     return spec.model_copy(update={"config": pin(cfg, spec.loaded_models)})

@@ -62,7 +62,8 @@ def pod_exit(pod: dict) -> Optional[str]:
         return f"exited with code {ended['exitCode']}" + (f" ({ended['reason']})" if ended.get("reason") else "")
     status = pod.get("status") or {}
     if status.get("phase") == "Failed":
-        return f"failed: {status.get('reason') or 'no reason given'}" + (f": {status['message']}" if status.get("message") else "")
+        return f"failed: {status.get('reason') or 'no reason given'}" + (f": {status['message']}"
+                                                                         if status.get("message") else "")
     return None
 
 
@@ -90,7 +91,8 @@ def read_status(obj: Optional[dict], pods: list[dict], nnodes: int, admission: O
         return NodeStatus("failed", message="the JobSet is gone (deleted outside the run)")
     name = obj["metadata"]["name"]
     restarts = int((obj.get("status") or {}).get("restarts") or 0)
-    current = [p for p in pods if (p["metadata"].get("labels") or {}).get(ATTEMPT_LABEL, str(restarts)) == str(restarts)]
+    current = [p for p in pods
+               if (p["metadata"].get("labels") or {}).get(ATTEMPT_LABEL, str(restarts)) == str(restarts)]
     if condition(obj, "Completed"):
         return NodeStatus("succeeded", restarts, f"JobSet {name} completed")
     if failed := condition(obj, "Failed"):
@@ -122,7 +124,8 @@ def admission_reason(workloads: list[dict]) -> Optional[str]:
     """Why Kueue has not admitted a workload yet: its QuotaReserved condition's message (e.g. insufficient quota)."""
     for workload in workloads:
         for cond in (workload.get("status") or {}).get("conditions") or []:
-            if cond.get("type") in ("QuotaReserved", "Admitted") and cond.get("status") == "False" and cond.get("message"):
+            if (cond.get("type") in ("QuotaReserved", "Admitted") and cond.get("status") == "False"
+                    and cond.get("message")):
                 return cond["message"]
     return None
 
@@ -177,7 +180,8 @@ class JobSetNodes:
         pods = self._pods() if obj is not None else []
         admission = None
         if obj is not None and condition(obj, "Suspended") and self.queue:
-            admission = admission_reason(self.kube.list(KUEUE_API, "Workload", {"kueue.x-k8s.io/job-uid": obj["metadata"]["uid"]}))
+            admission = admission_reason(self.kube.list(KUEUE_API, "Workload",
+                                                        {"kueue.x-k8s.io/job-uid": obj["metadata"]["uid"]}))
         status = read_status(obj, pods, self.spec.nnodes, admission)
         if status.phase == "failed" and status.failed_group is not None:
             tail = self.logs(status.failed_group)

@@ -75,7 +75,8 @@ class Kube:
     """A namespace of a cluster, as this process's credentials reach it."""
 
     def __init__(self, namespace: Optional[str] = None, config_file: Optional[str] = None):
-        from kubernetes import client, config  # the client: loaded by a run that talks to a cluster, not by every import
+        # the client: loaded by a run that talks to a cluster, not by every import
+        from kubernetes import client, config
 
         configuration = client.Configuration()
         if config_file is None and in_cluster():
@@ -99,7 +100,8 @@ class Kube:
 
         try:
             response = self.api.call_api(path, method, query_params=list((query or {}).items()), body=body,
-                                         header_params={"Accept": "application/json", "Content-Type": "application/json"},
+                                         header_params={"Accept": "application/json",
+                                                        "Content-Type": "application/json"},
                                          auth_settings=["BearerToken"], _preload_content=False, _request_timeout=30)
         except ApiException as exc:
             raise _explain(exc, verb, kind, name, self.namespace) from None
@@ -146,4 +148,5 @@ class Kube:
     def log(self, pod: str, lines: int = 50, previous: bool = False) -> str:
         """The last `lines` lines of a pod's log (`previous`: of its container's run before its last restart)."""
         query = {"tailLines": lines, **({"previous": "true"} if previous else {})}
-        return self._call("GET", self._path("v1", "Pod", pod, "log"), "read the log of", "Pod", pod, query=query, raw=True)
+        return self._call("GET", self._path("v1", "Pod", pod, "log"), "read the log of", "Pod", pod, query=query,
+                          raw=True)

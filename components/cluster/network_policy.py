@@ -53,9 +53,9 @@ def own_job(env=os.environ, labels_file: Optional[str] = None) -> Optional[str]:
     try:
         labels = pod_labels(open(path).read())
     except OSError as exc:
-        raise RuntimeError(f"on Kubernetes, this pod has no labels file {path} ({exc.strerror}): its template must mount "
-                           f"the downward API's metadata.labels there (the work pools' and the run's own templates "
-                           f"do), or set {SWITCH_ENV}=off to run without per-run policies") from None
+        raise RuntimeError(f"on Kubernetes, this pod has no labels file {path} ({exc.strerror}): its template must "
+                           "mount the downward API's metadata.labels there (the work pools' and the run's own "
+                           f"templates do), or set {SWITCH_ENV}=off to run without per-run policies") from None
     job = labels.get(JOB_LABEL) or labels.get("job-name")
     if not job:
         raise RuntimeError(f"on Kubernetes, this pod's labels ({path}) name no Job ({JOB_LABEL}): a run's controller "

@@ -59,8 +59,10 @@ READY_PATHS = {"critic": "/v2/health/ready", "reward": "/v2/health/ready", "roll
 SECRET_DIR, SECRET_KEY = "/var/run/rlhf", "secret"
 TRAINER_PLACEHOLDER = "<the IP of the pod that runs the run: known when it starts>"
 SECRET_PLACEHOLDER = "<the run's secret: generated when the run starts, never written to a file>"
-JOBSET_ENV = {"JOBSET_NAME": "jobset.sigs.k8s.io/jobset-name", "REPLICATED_JOB_NAME": "jobset.sigs.k8s.io/replicatedjob-name",
-              "JOB_INDEX": "jobset.sigs.k8s.io/job-index"}  # JobSet annotates its pods; Kubernetes adds JOB_COMPLETION_INDEX
+# JobSet annotates its pods; Kubernetes adds JOB_COMPLETION_INDEX
+JOBSET_ENV = {"JOBSET_NAME": "jobset.sigs.k8s.io/jobset-name",
+              "REPLICATED_JOB_NAME": "jobset.sigs.k8s.io/replicatedjob-name",
+              "JOB_INDEX": "jobset.sigs.k8s.io/job-index"}
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,8 @@ class RunIdentity:
     owner: Optional[dict] = None
 
     @classmethod
-    def of(cls, run_name: str, attempt: str, run_label: Optional[str] = None, owner: Optional[dict] = None) -> "RunIdentity":
+    def of(cls, run_name: str, attempt: str, run_label: Optional[str] = None,
+           owner: Optional[dict] = None) -> "RunIdentity":
         """`rlhf-<run name, slugged>-<hash of run name and attempt>`: runs and attempts never share a name."""
         slug = re.sub(r"[^a-z0-9]+", "-", run_name.lower()).strip("-")[:24].strip("-") or "run"
         digest = hashlib.sha256(f"{run_name}/{attempt}".encode()).hexdigest()[:6]
@@ -190,10 +193,12 @@ def jobset(spec: NodeSpec, cluster: ClusterPlacement, site: Site, identity: RunI
                          f"one node of its pool (deploy.cluster.actor.gpus_per_node={cluster.actor.gpus_per_node})")
     labels = {**PART_OF, RUN_LABEL: identity.run_label, PART_LABEL: "actor-nodes", ROLE_LABEL: "actor"}
     env = pod_env(cluster, site, spec.env)
-    env += [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{a}']"}}} for k, a in JOBSET_ENV.items()]
+    env += [{"name": k, "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{a}']"}}}
+            for k, a in JOBSET_ENV.items()]
     template = pod_template(cluster, cluster.actor, labels, image=site.image, args=node_argv(spec, "python"), env=env,
                             gpus=spec.nproc_per_node, service_account=cluster.actor_service_account,
-                            restart_policy="Never", ports={"rendezvous": spec.master_port, "ranks": spec.master_port + 1},
+                            restart_policy="Never",
+                            ports={"rendezvous": spec.master_port, "ranks": spec.master_port + 1},
                             secret=secret_name(identity, "nodes"), api_token=True)
     # a group that exits NO_RESTART_EXIT_CODE met a failure no restart mends: its Job fails by its pod failure
     # policy, and that reason fails the JobSet without a restart; any other failure restarts every group
@@ -293,10 +298,12 @@ def leader_worker_set(kind: str, cfg: RLHFConfig, site: Site, identity: RunIdent
                      "leaderWorkerTemplate": {"size": 1, "workerTemplate": template}}}
 
 
-def server_objects(kind: str, cfg: RLHFConfig, site: Site, identity: RunIdentity, secret_value: str = SECRET_PLACEHOLDER,
+def server_objects(kind: str, cfg: RLHFConfig, site: Site, identity: RunIdentity,
+                   secret_value: str = SECRET_PLACEHOLDER,
                    **args) -> list[dict]:
     """[the kind's Secret, its LeaderWorkerSet], in the order they are created."""
-    return [secret(identity, kind, secret_value), leader_worker_set(kind, cfg, site, identity, server_args(kind, cfg, **args))]
+    return [secret(identity, kind, secret_value),
+            leader_worker_set(kind, cfg, site, identity, server_args(kind, cfg, **args))]
 
 
 # ------------------------------------------------------------------------------------------------ a whole run

@@ -42,7 +42,8 @@ def pod_death(pod: dict) -> Optional[str]:
         ended = (status.get("state") or {}).get("terminated") or (status.get("lastState") or {}).get("terminated")
         restarts = status.get("restartCount") or 0
         if ended or restarts:
-            code = f"exited with code {ended.get('exitCode')}" + (f" ({ended['reason']})" if ended.get("reason") else "") \
+            code = f"exited with code {ended.get('exitCode')}" \
+                + (f" ({ended['reason']})" if ended.get("reason") else "") \
                 if ended else "was restarted"
             return f"{code}" + (f", restarted {restarts} time(s)" if restarts else "")
     if (pod.get("status") or {}).get("phase") == "Failed":
@@ -99,7 +100,8 @@ class KubeServers:
             tail = self.kube.log(name, 30, previous=restarted)  # a restarted container: the one that ended
         except Exception as exc:  # noqa: BLE001 - the log is what we add, the death stands without it
             tail = f"(its log could not be read: {exc})"
-        return f"{self.name} server replica {replica} (pod {name}, {self.urls[replica]}) {how}; last lines of its log:\n{tail}"
+        return (f"{self.name} server replica {replica} (pod {name}, {self.urls[replica]}) {how}; "
+                f"last lines of its log:\n{tail}")
 
     def _replica_probe(self, replica: int) -> Probe:
         def probe() -> Health:

@@ -76,7 +76,8 @@ class Eval(Job):
         if cfg.run is not None:
             metrics, rows = steps("evaluate-policies", evaluate_as_run, cfg, prompts)
         else:
-            sampling = Sampling(max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_k=e.top_k, top_p=e.top_p)
+            sampling = Sampling(max_new_tokens=e.max_new_tokens, temperature=e.temperature, top_k=e.top_k,
+                                top_p=e.top_p)
             paths = [cfg.local_path(name) for name in ("model", "reference", "reward")]
             metrics, rows = steps("compare-policies", compare_policies, *paths, prompts,
                                   sampling, e.samples_per_prompt, e.gold, cfg.seed, e.table_rows, e.normalize,
@@ -111,7 +112,8 @@ def evaluate_as_run(cfg: EvalRun, prompts: PromptSet) -> tuple[dict, list[dict]]
         run = prepare_run(as_run(cfg, side))
         state = build_actor(run)
         try:
-            reward = None if run.environment.enabled else FunctionReward(load_reward_functions(run.reward, deploy=run.deploy))
+            reward = None if run.environment.enabled else FunctionReward(load_reward_functions(run.reward,
+                                                                                               deploy=run.deploy))
             sides[side] = judge(state, prompts.all(), run, Backends(reward=reward), gold_function(run), 0)
         finally:
             state.close()

@@ -235,7 +235,8 @@ def own_critic_save(path: str, critic_dir: Path) -> Path:
 
 def log_data(session: RunSession, prompts: PromptSet, evals: PromptSet | None, steps: Steps = DIRECT) -> None:
     """What the run reads: counts in the log and in MLflow (data/rows, data/filtered_rows, eval/rows at step 0)."""
-    counts = {"data/rows": len(prompts), "data/filtered_rows": prompts.filtered, "data/truncated_rows": prompts.truncated}
+    counts = {"data/rows": len(prompts), "data/filtered_rows": prompts.filtered,
+              "data/truncated_rows": prompts.truncated}
     note = f"data: {len(prompts)} prompts from {prompts.source}"
     if prompts.filtered or prompts.truncated:
         note += (f" ({prompts.filtered} filtered, {prompts.truncated} truncated: longer than "

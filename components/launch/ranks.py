@@ -1,7 +1,7 @@
 """The actor's ranks as processes: rank 0 is this process (the flow run, or `rlhf train`); the others follow it.
 
-One node (`deploy.actor.nproc_per_node` = N > 1, no torchrun around us): rank 0 starts ranks 1..N-1 as child processes in a
-process group of their own, with the standard environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+One node (`deploy.actor.nproc_per_node` = N > 1, no torchrun around us): rank 0 starts ranks 1..N-1 as child processes
+in a process group of their own, with the standard environment (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), and watches them. Several nodes: the run's controller starts node groups, each a torchrun
 (components/launch/nodes.py), whose rank 0 runs the run (components/runs.py) and whose other ranks follow;
 `torchrun ... -m components.launch.ranks -- <command>` still makes the process torchrun makes rank 0 exec the command
@@ -14,8 +14,8 @@ on several nodes the controller's, handed to every node group). The ranks meet t
 rank 0's address alone, and each proves the secret before the config is sent; what they send each other is JSON and
 tensors, never pickles (models/distributed.py, models/rendezvous.py, models/wire.py).
 
-Faults: collectives time out after `deploy.actor.collective_timeout_s`; rank 0 names a follower that died (rank, exit code,
-log tail) or went silent; followers exit when rank 0 disappears; no process of the run outlives it.
+Faults: collectives time out after `deploy.actor.collective_timeout_s`; rank 0 names a follower that died (rank, exit
+code, log tail) or went silent; followers exit when rank 0 disappears; no process of the run outlives it.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ def actor_ranks(cfg, log_dir: Path, secret: str) -> Iterator[Leader]:
             raise ValueError("deploy.actor.nnodes > 1: the run's node groups are started by its controller "
                              "(components/controller.py: `rlhf train` and the training flows), not here")
         followers = Followers.for_actor(cfg, log_dir, secret)
-        me, address = distributed.Dist(0, cfg.deploy.actor.world_size, 0, cfg.deploy.actor.world_size), followers.address
+        me, address = distributed.Dist(0, cfg.deploy.actor.world_size, 0,
+                                       cfg.deploy.actor.world_size), followers.address
     else:
         me, address = distributed.SINGLE, None
     leader = None

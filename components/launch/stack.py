@@ -40,7 +40,8 @@ import httpx
 import yaml
 
 from components.launch.flow_runs import SWITCH as FORK_SWITCH
-from components.launch.processes import PROJECT_ROOT, ChildProcess, alive, port_block_free, project_env, stop_group, wait_for
+from components.launch.processes import (PROJECT_ROOT, ChildProcess, alive, port_block_free, project_env, stop_group,
+                                         wait_for)
 from models.kinds import KINDS
 from models.sections import default_state_dir
 
@@ -291,7 +292,8 @@ def up(state_dir: Path | None = None, prefect_port: int = PREFECT_PORT, mlflow_p
     if _pid(state, "mlflow") is None:
         _require_free(ports["mlflow"], "MLflow")
         (state_dir / "mlflow" / "artifacts").mkdir(parents=True, exist_ok=True)
-        pid = _spawn(state, "mlflow", [bin_path("mlflow"), "server", "--host", "127.0.0.1", "--port", str(ports["mlflow"]),
+        pid = _spawn(state, "mlflow",
+                     [bin_path("mlflow"), "server", "--host", "127.0.0.1", "--port", str(ports["mlflow"]),
                                        "--backend-store-uri", f"sqlite:///{state_dir / 'mlflow' / 'mlflow.db'}",
                                        "--artifacts-destination", str(state_dir / "mlflow" / "artifacts"),
                                        "--workers", "1", *mlflow_security_args(ports["mlflow"])],
@@ -404,7 +406,8 @@ def demo(state_dir: Path | None = None, log=print) -> int:
         log("\n" + "\n".join(line for line in table.read_text().splitlines() if line.startswith("|")))
     if EXAMPLE_PIPELINE.exists():  # sft -> reward model -> RLOO -> eval; a second `make demo` shows every stage Cached
         config = json.dumps(yaml.safe_load(EXAMPLE_PIPELINE.read_text()))
-        log(f"\n$ prefect deployment run pipeline/default --param config=<{EXAMPLE_PIPELINE.relative_to(PROJECT_ROOT)}> --watch")
+        log("\n$ prefect deployment run pipeline/default --param "
+            f"config=<{EXAMPLE_PIPELINE.relative_to(PROJECT_ROOT)}> --watch")
         proc = subprocess.run([bin_path("prefect"), "deployment", "run", "pipeline/default", "--param",
                                f"config={config}", "--watch"], env=env)
         results["pipeline/default"] = proc.returncode

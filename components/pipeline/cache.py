@@ -49,7 +49,8 @@ class Records:
 
     def store(self, stage: str, key: str) -> CheckpointStore:
         """The store of a stage's run: its checkpoints, its model, its record."""
-        return CheckpointStore.from_uri(f"{self.base_uri}/{stage_dir(stage, key)}", s3_endpoint_url=self.s3_endpoint_url)
+        return CheckpointStore.from_uri(f"{self.base_uri}/{stage_dir(stage, key)}",
+                                        s3_endpoint_url=self.s3_endpoint_url)
 
     def valid_record(self, stage: str, key: str) -> dict | None:
         """The record of (stage, key) if it can be reused: its full key matches and its model (if it has one) is in

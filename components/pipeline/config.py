@@ -14,9 +14,9 @@ stage. Light (pydantic and the config tree only): the CLI's parser and a sweep's
                   frozen (sft -> dpo -> eval, sft -> kto -> eval): a section named after any kind of job declared
                   `policy_from_sft` (models/kinds.py), generated from its own stage section
     eval          the trained policy (RL's or that stage's) against the SFT policy on held-out prompts, judged by the
-                  reward model (without an RL stage: eval.judge) and the gold reward when one is given; after an RL stage scored
-                  by functions, as its own held-out eval judges (its functions or its environments' episodes: success
-                  and pass@k of both policies)
+                  reward model (without an RL stage: eval.judge) and the gold reward when one is given; after an RL
+                  stage scored by functions, as its own held-out eval judges (its functions or its environments'
+                  episodes: success and pass@k of both policies)
 
 The defaults are the embedded default: every stage on the tiny models and the shipped task's builtin data.
 """

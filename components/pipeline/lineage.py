@@ -42,7 +42,8 @@ class PipelineRun:
         """Tags naming what the stage is (cached or built, its model, key, run); its metrics at step 0 as
         '<stage>/<name>' (the eval stage's: eval/eval/win_rate...)."""
         tags = {"cached": str(outcome.get("cached", False)).lower(), "model": outcome.get("model"),
-                "key": outcome.get("key"), "run": outcome.get("mlflow_run_id"), "logged_model": outcome.get("logged_model_id")}
+                "key": outcome.get("key"), "run": outcome.get("mlflow_run_id"),
+                "logged_model": outcome.get("logged_model_id")}
         self.tracker.client.log_batch(self.run_id, tags=[RunTag(f"stage.{stage}.{name}", str(value))
                                                          for name, value in tags.items() if value])
         numbers = {f"{stage}/{k}": v for k, v in (outcome.get("metrics") or {}).items() if isinstance(v, (int, float))}

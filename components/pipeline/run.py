@@ -112,7 +112,8 @@ def run_pipeline(cfg: PipelineConfig, deploy: DeployConfig | None = None, steps:
     stages = cfg.stages
     if rerun_from is not None and rerun_from not in stages:
         raise PipelineError(f"--from: {rerun_from!r} is not a stage of this pipeline; its stages: {', '.join(stages)}")
-    deploy = (deploy or DeployConfig()).model_copy(update={"state_dir": str((deploy or DeployConfig()).resolved_state_dir())})
+    deploy = (deploy or DeployConfig()).model_copy(
+        update={"state_dir": str((deploy or DeployConfig()).resolved_state_dir())})
     base = deploy.checkpoint.uri or (deploy.resolved_state_dir() / "checkpoints").as_uri()
     forced = set(stages[stages.index(rerun_from):]) if rerun_from else set()
     started = time.time()
@@ -222,7 +223,8 @@ def local_model(p: Pipeline, name: str, record: dict) -> str:
 
 def stage_deploy(p: Pipeline) -> DeployConfig:
     """Where a stage's job runs: the pipeline's deployment, its checkpoints under the records' base."""
-    return p.deploy.model_copy(update={"checkpoint": p.deploy.checkpoint.model_copy(update={"uri": p.records.base_uri})})
+    checkpoint = p.deploy.checkpoint.model_copy(update={"uri": p.records.base_uri})
+    return p.deploy.model_copy(update={"checkpoint": checkpoint})
 
 
 def job_config(stage: str, cfg: PipelineConfig, deploy: DeployConfig, upstream: dict[str, str],
@@ -258,7 +260,8 @@ def job_config(stage: str, cfg: PipelineConfig, deploy: DeployConfig, upstream: 
                "max_new_tokens": e.max_new_tokens or cfg.rl.generation.max_new_tokens,
                "top_k": cfg.rl.generation.top_k, "top_p": cfg.rl.generation.top_p}
     if trained == "rl" and "reward_model" not in cfg.stages:  # judged as the RL stage's own eval judges
-        return EvalRun.model_validate({**fields, "model": upstream[trained], "reference": upstream["sft"], "reward": None,
+        return EvalRun.model_validate({**fields, "model": upstream[trained], "reference": upstream["sft"],
+                                       "reward": None,
                                        "run": cfg.rl.model_dump(mode="json", exclude_unset=True), "eval": section})
     judge = upstream["reward_model"] if trained == "rl" else cfg.judge
     return EvalRun.model_validate({**fields, "model": upstream[trained], "reference": upstream["sft"], "reward": judge,

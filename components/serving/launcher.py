@@ -215,7 +215,8 @@ def rollout_env(cfg: RLHFConfig, secret: Optional[str] = None) -> dict[str, str]
     must not outlive."""
     v = cfg.deploy.rollout
     # a CPU-only host: every core (the actor's ranks wait while the server generates, and the server idles while they
-    # train); vLLM on 1 of 2 cores generated 1.27x the native engine's tokens/s, on both 1.89x (benchmarks/rollout_engine)
+    # train); vLLM on 1 of 2 cores generated 1.27x the native engine's tokens/s, on both 1.89x
+    # (benchmarks/rollout_engine)
     threads = v.threads or (len(os.sched_getaffinity(0)) if not torch.cuda.is_available() else None)
     extra = {"VLLM_CPU_KVCACHE_SPACE": f"{v.kv_cache_gib:g}", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
              PARENT_PID_ENV: str(os.getpid()), **(secret_env(secret) if secret else {})}
@@ -257,26 +258,30 @@ def rollout_probe(url: str, instance: Optional[str] = None, timeout_s: float = 2
                                  f"taken", "wrong_server")
         if response.status_code == 200:
             return Health(True, "ready", info=info)
-        return Health(False, f"/health answered {response.status_code}: {info.get('detail') or info.get('broken') or response.text[:200]}",
+        return Health(False,
+                      f"/health answered {response.status_code}: "
+                      f"{info.get('detail') or info.get('broken') or response.text[:200]}",
                       info=info)
     return probe
 
 
 def check_tensor_parallel(cfg: RLHFConfig) -> None:
-    """A rollout server sharded over GPUs needs them on the host it starts on: refused on a CPU host, naming the field."""
+    """A rollout server sharded over GPUs needs them on the host it starts on: refused on a CPU host, naming the
+    field."""
     tp = cfg.deploy.rollout.tensor_parallel_size
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if tp > 1 and gpus < tp:
         raise ValueError(f"deploy.rollout.tensor_parallel_size={tp}: the rollout server shards the model over {tp} "
-                         f"GPUs, and this host has {gpus}" + (" (a CPU host runs tensor_parallel_size=1)" if not gpus else ""))
+                         f"GPUs, and this host has {gpus}"
+                         + (" (a CPU host runs tensor_parallel_size=1)" if not gpus else ""))
 
 
 def launch_rollout(cfg: RLHFConfig, log_path: str | Path, host: Optional[str] = None, secret: Optional[str] = None,
                    trainer_host: str = "127.0.0.1", replica: Optional[int] = None) -> ServerProcess:
     """Start the rollout server of `cfg` as a child process (not waiting for it) holding the run's `secret` (None:
-    this process's $RLHF_RUN_SECRET, else a new one; `server.secret`), setting up weight transfers with `trainer_host` only: on
-    `deploy.rollout.port` (replica i: port + i), or a free port when that one is busy, 0 or None. `replica`: its
-    index among the run's replicas, which names it ('rollout server replica i')."""
+    this process's $RLHF_RUN_SECRET, else a new one; `server.secret`), setting up weight transfers with `trainer_host`
+    only: on `deploy.rollout.port` (replica i: port + i), or a free port when that one is busy, 0 or None. `replica`:
+    its index among the run's replicas, which names it ('rollout server replica i')."""
     check_tensor_parallel(cfg)
     host = host or cfg.deploy.rollout.host
     base = cfg.deploy.rollout.port

@@ -30,7 +30,8 @@ if TYPE_CHECKING:  # an annotation only: a server pod runs no run's record
 
 
 def _threads(placement) -> Optional[int]:
-    """One torch thread for a server on a CPU-only host unless configured: it usually shares the cores with the actor."""
+    """One torch thread for a server on a CPU-only host unless configured: it usually shares the cores with the
+    actor."""
     if placement.torch_threads:
         return placement.torch_threads
     return 1 if not torch.cuda.is_available() else None

@@ -65,8 +65,8 @@ def serve(kind: str, cfg: RLHFConfig, checkpoint_uri=None, restore_iteration=Non
     signal.signal(signal.SIGTERM, terminate)
     try:
         with local_server(kind, cfg, log_path, secret, trainer_host, **fields) as server:
-            print(f"{kind} server: pid {server.pid}, {server.url}; readiness: {section(kind, cfg).ready_timeout_s:.0f}s",
-                  flush=True)
+            print(f"{kind} server: pid {server.pid}, {server.url}; "
+                  f"readiness: {section(kind, cfg).ready_timeout_s:.0f}s", flush=True)
             while (code := server.poll()) is None:
                 time.sleep(1.0)
             print(f"{kind} server exited with code {code}", flush=True)

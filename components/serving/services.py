@@ -151,7 +151,8 @@ def critic_service(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT) -> I
 
 
 @contextmanager
-def reward_service(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT, needed: bool = True) -> Iterator[Optional[Service]]:
+def reward_service(cfg: RLHFConfig, place: RunPlace, steps: Steps = DIRECT,
+                   needed: bool = True) -> Iterator[Optional[Service]]:
     if not needed:
         yield None
         return
@@ -213,7 +214,8 @@ def rollout_service(server, actor, cfg: RLHFConfig, place: RunPlace, steps: Step
     steps.log(f"rollout engine at {', '.join(server.urls)} holds the actor's weights ({actor.state.engine.last_refit})")
     worker = None
     if v := cfg.environment.verifiers:  # verifiers' clients play the episodes against it, as this run, in one worker
-        worker = verifiers.VerifiersWorker(run_secret(place), place.log_dir / f"verifiers-{v.id}.log", env_paths=v.paths)
+        worker = verifiers.VerifiersWorker(run_secret(place), place.log_dir / f"verifiers-{v.id}.log",
+                                           env_paths=v.paths)
         actor.state.episodes.source = verifiers.rollout_source(v, f"{server.urls[0]}/v1", worker)
     try:
         yield [Service("rollout server", clients, server.death)]

@@ -150,7 +150,8 @@ class FileLease(Lease):
     """The lease of a local store's key: an exclusive flock on `<key>.lock`, released by the kernel with its holder."""
 
     def __init__(self, root: Path, key: str, holder: Holder, log: Callable[[str], None] = LOG.warning,
-                 wait_s: float | None = 0, poll_s: float = 1.0, waiting: Callable[[Holder | None], None] = lambda h: None,
+                 wait_s: float | None = 0, poll_s: float = 1.0,
+                 waiting: Callable[[Holder | None], None] = lambda h: None,
                  what: str | None = None, last_word: str = _LAST_WORD):
         self.path, self.holder, self.log = Path(root) / key, holder, log
         self.where = str(self.path)
@@ -204,7 +205,8 @@ class S3Lease(Lease):
     taken over after `timeout_s` without renewal."""
 
     def __init__(self, s3, key: str, holder: Holder, timeout_s: float = 60.0, log: Callable[[str], None] = LOG.warning,
-                 wait_s: float | None = 0, poll_s: float = 1.0, waiting: Callable[[Holder | None], None] = lambda h: None,
+                 wait_s: float | None = 0, poll_s: float = 1.0,
+                 waiting: Callable[[Holder | None], None] = lambda h: None,
                  what: str | None = None, last_word: str = _LAST_WORD):
         self.s3, self.key, self.holder, self.timeout_s, self.log = s3, key, holder, timeout_s, log
         self.where = f"s3://{s3.location.bucket}/{s3._key(key)}"

@@ -124,7 +124,8 @@ class S3Store:
         )
 
     def _client(self, *, attempts: int, connect_timeout: float, read_timeout: float):
-        config = _config(self.endpoint_url, attempts=attempts, connect_timeout=connect_timeout, read_timeout=read_timeout)
+        config = _config(self.endpoint_url, attempts=attempts, connect_timeout=connect_timeout,
+                         read_timeout=read_timeout)
         return self._session.client("s3", endpoint_url=self.endpoint_url, config=config)
 
     @property
@@ -185,7 +186,8 @@ class S3Store:
         """Server-side copy within the bucket (managed: multipart copy for large objects)."""
         bucket = self.location.bucket
         with self._errors(f"copy s3://{bucket}/{self._key(source)} to s3://{bucket}/{self._key(target)}"):
-            self.client.copy({"Bucket": bucket, "Key": self._key(source)}, bucket, self._key(target), Config=self.transfer)
+            self.client.copy({"Bucket": bucket, "Key": self._key(source)}, bucket, self._key(target),
+                             Config=self.transfer)
 
     def put_bytes(self, key: str, data: bytes) -> None:
         with self._errors(f"write s3://{self.location.bucket}/{self._key(key)}"):

@@ -346,7 +346,8 @@ class CheckpointStore:
             if not isinstance(manifest, dict):
                 raise TypeError(f"a JSON {type(manifest).__name__}, not an object")
         except (ValueError, TypeError) as exc:
-            raise CorruptCheckpoint(f"checkpoint {where} has an unreadable state.json ({type(exc).__name__}: {exc})") from None
+            raise CorruptCheckpoint(f"checkpoint {where} has an unreadable state.json "
+                                    f"({type(exc).__name__}: {exc})") from None
         why = self.signer.verify(manifest)
         if why is None and (manifest.get("path"), manifest.get("iteration")) != (key, entry["iteration"]):
             why = f"it was signed for {manifest.get('path')!r}, iteration {manifest.get('iteration')!r}"
@@ -356,7 +357,8 @@ class CheckpointStore:
         try:
             names, files, state = list(manifest.get("parts", [])), dict(manifest["files"]), manifest["state"]
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CorruptCheckpoint(f"checkpoint {where} has an unreadable state.json ({type(exc).__name__}: {exc})") from None
+            raise CorruptCheckpoint(f"checkpoint {where} has an unreadable state.json "
+                                    f"({type(exc).__name__}: {exc})") from None
         for name in names:
             if not isinstance(name, str) or not _PART_RE.match(name) or name in (".", ".."):
                 raise CorruptCheckpoint(f"checkpoint {where} names an invalid part {name!r}")
@@ -408,7 +410,8 @@ class CheckpointStore:
     def load_part(self, iteration: int, name: str, dest: Path) -> Path:
         """Replace directory `dest` with part `name` of the committed checkpoint of `iteration` (signature- and
         sha256-checked); the checkpoint must hold it."""
-        scratch = Path(tempfile.mkdtemp(prefix=".restore-", dir=Path(dest).parent if Path(dest).parent.exists() else None))
+        scratch = Path(tempfile.mkdtemp(prefix=".restore-",
+                                        dir=Path(dest).parent if Path(dest).parent.exists() else None))
         try:
             self.load(scratch, iteration, parts=(name,))
             if not (scratch / name).is_dir():
@@ -544,10 +547,12 @@ def inside(dest: Path, relpath: str, parts: list[str], where: str) -> Path:
     checkpoint's parts (no absolute path, no '..', nothing outside `dest`)."""
     pure = PurePosixPath(relpath) if isinstance(relpath, str) else None
     if (pure is None or not relpath or pure.is_absolute() or "\\" in relpath
-            or any(p in ("", ".", "..") for p in relpath.split("/")) or len(pure.parts) < 2 or pure.parts[0] not in parts):
+            or any(p in ("", ".", "..") for p in relpath.split("/")) or len(pure.parts) < 2
+            or pure.parts[0] not in parts):
         raise CorruptCheckpoint(f"checkpoint {where}: manifest path {relpath!r} is not a file below one of its parts "
                                 f"{sorted(parts)}: refused (it would be written outside {dest})")
     target = (Path(dest) / relpath).resolve()
     if Path(dest).resolve() not in target.parents:
-        raise CorruptCheckpoint(f"checkpoint {where}: manifest path {relpath!r} would be written outside {dest}: refused")
+        raise CorruptCheckpoint(f"checkpoint {where}: manifest path {relpath!r} would be written outside {dest}: "
+                                "refused")
     return Path(dest) / relpath

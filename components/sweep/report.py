@@ -148,7 +148,8 @@ def compute(records: list[RunRecord], arms: list[str]) -> dict[str, dict]:
     for arm in arms:
         mine = [r for r in records if r.arm == arm and r.wall_s is not None]
         hours = sum(r.wall_s for r in mine) / 3600
-        out[arm] = {"runs": len(mine), "wall_hours": hours, "wall_s_per_run": hours * 3600 / len(mine) if mine else None,
+        out[arm] = {"runs": len(mine), "wall_hours": hours,
+                    "wall_s_per_run": hours * 3600 / len(mine) if mine else None,
                     "process_hours": sum(r.wall_s * r.ranks for r in mine) / 3600}
     return out
 
@@ -161,10 +162,12 @@ def provenance(records: list[RunRecord]) -> dict:
         values = sorted({r.tags[name] for r in records if name in r.tags})
         if values:
             tags[name] = values[0] if len(values) == 1 else values
-    libraries = {k.removeprefix("provenance.code.libraries."): v for k, v in (records[0].tags if records else {}).items()
+    libraries = {k.removeprefix("provenance.code.libraries."): v
+                 for k, v in (records[0].tags if records else {}).items()
                  if k.startswith("provenance.code.libraries.")}
     return {"tags": tags, "libraries": libraries,
-            "report_made_on": f"{platform.node()} ({platform.platform()}, {platform.processor() or platform.machine()})",
+            "report_made_on":
+                f"{platform.node()} ({platform.platform()}, {platform.processor() or platform.machine()})",
             "report_made_at": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
 
 
@@ -208,13 +211,15 @@ def statistics_markdown(result: dict) -> list[str]:
     for metric, by_aggregate in result["statistics"].items():
         for aggregate in AGGREGATES:
             stats = by_aggregate[aggregate]
-            out += ["", f"## {metric} ({aggregate})", "", "| arm | IQM | mean | median | runs |", "|---|---|---|---|---|"]
+            out += ["", f"## {metric} ({aggregate})", "", "| arm | IQM | mean | median | runs |",
+                    "|---|---|---|---|---|"]
             for arm in result["arms"]:
                 a = stats["aggregates"][arm]
                 runs = ", ".join(f"{v:.4g}" for v in stats["scores"][arm])
                 out.append(f"| {arm} | {_ci(a['iqm'])} | {_ci(a['mean'])} | {_ci(a['median'])} | {runs} |")
             if stats["improvement"]:
-                out += ["", "| x over y | P(x > y) | paired x - y per seed | mean x - y | separated |", "|---|---|---|---|---|"]
+                out += ["", "| x over y | P(x > y) | paired x - y per seed | mean x - y | separated |",
+                        "|---|---|---|---|---|"]
                 for key, pair in stats["improvement"].items():
                     diffs = ", ".join(f"{v:+.4g}" for v in pair["differences"])
                     out.append(f"| {key.replace(',', ' over ')} | {_ci(pair['probability'])} | {diffs} | "
@@ -226,9 +231,10 @@ def statistics_markdown(result: dict) -> list[str]:
 
 def markdown(result: dict, figure_names: list[str] = ()) -> str:
     out = [f"# Experiment {result['experiment']}", "",
-           f"{len(result['arms'])} arms x {len(result['seeds'])} paired seeds ({', '.join(map(str, result['seeds']))}); "
-           f"{round(100 * result['confidence'])}% stratified bootstrap intervals (rliable, {result['reps']} resamples, "
-           f"seed {result['bootstrap_seed']}); {result['direction']} is better."]
+           f"{len(result['arms'])} arms x {len(result['seeds'])} paired seeds "
+           f"({', '.join(map(str, result['seeds']))}); {round(100 * result['confidence'])}% stratified bootstrap "
+           f"intervals (rliable, {result['reps']} resamples, seed {result['bootstrap_seed']}); {result['direction']} "
+           "is better."]
     if result["unpaired_seeds"]:
         out.append(f"Seeds left out (not every arm completed them): {result['unpaired_seeds']}.")
     out += statistics_markdown(result)
@@ -236,7 +242,8 @@ def markdown(result: dict, figure_names: list[str] = ()) -> str:
     for arm, diff in result["config_diff"].items():
         out.append(f"- **{arm}**: " + ("the base config" if not diff else
                                         "; ".join(f"`{k}` {base} -> {mine}" for k, (base, mine) in diff.items())))
-    out += ["", "## Compute", "", "| arm | runs | wall-clock hours | per run (s) | process-hours |", "|---|---|---|---|---|"]
+    out += ["", "## Compute", "", "| arm | runs | wall-clock hours | per run (s) | process-hours |",
+            "|---|---|---|---|---|"]
     for arm, c in result["compute"].items():
         per = "n/a" if c["wall_s_per_run"] is None else f"{c['wall_s_per_run']:.0f}"
         out.append(f"| {arm} | {c['runs']} | {c['wall_hours']:.3g} | {per} | {c['process_hours']:.3g} |")
@@ -268,7 +275,8 @@ def one_seed_per_arm(client: MlflowClient, run_ids: list[str],
     records = read_records(client, runs, [metric], lambda run: (run.info.run_name, 0))
     result = compared(records, [r.arm for r in records], [0], [metric], "maximize", 1000, 0.95, 0)
     return "\n".join(["", "One run per arm: the statistics of an experiment (docs/experiments.md) with one seed; its "
-                            "intervals are points and say nothing of the spread between seeds.", *statistics_markdown(result)]) + "\n"
+                            "intervals are points and say nothing of the spread between seeds.",
+                            *statistics_markdown(result)]) + "\n"
 
 
 # ------------------------------------------------------------------------------------------------ figures
@@ -345,8 +353,8 @@ def html(result: dict, images: dict[str, bytes]) -> str:
     style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
              "table{border-collapse:collapse;margin:.5em 0}td,th{border:1px solid #ccc;padding:3px 8px;"
              "font-size:90%}th{background:#f3f3f3}img{max-width:100%}")
-    return (f"<!doctype html><html><head><meta charset='utf-8'><title>Experiment {html_escape.escape(result['experiment'])}"
-            f"</title><style>{style}</style></head><body>{''.join(body)}</body></html>\n")
+    return ("<!doctype html><html><head><meta charset='utf-8'><title>Experiment "
+            f"{html_escape.escape(result['experiment'])}</title><style>{style}</style></head><body>{''.join(body)}</body></html>\n")
 
 
 def _inline(text: str) -> str:
@@ -380,7 +388,8 @@ def log_report(client: MlflowClient, parent_run_id: str, experiment: ExperimentC
     """experiment.yaml (what `rlhf experiment report` rebuilds it from), experiment.json, report.md, report.html and
     the figures under report/ on the parent run; the IQM of each arm's final metric as metrics
     (experiment/<metric>/<arm>/iqm)."""
-    client.log_text(parent_run_id, yaml.safe_dump(experiment.model_dump(mode="json"), sort_keys=False), "experiment.yaml")
+    client.log_text(parent_run_id, yaml.safe_dump(experiment.model_dump(mode="json"), sort_keys=False),
+                    "experiment.yaml")
     client.log_text(parent_run_id, json.dumps(result, indent=1), "report/experiment.json")
     client.log_text(parent_run_id, md, "report/report.md")
     client.log_text(parent_run_id, page, "report/report.html")
@@ -395,7 +404,9 @@ def log_report(client: MlflowClient, parent_run_id: str, experiment: ExperimentC
         for arm, a in by_aggregate["final"]["aggregates"].items()])
 
 
-def find_experiment(client: MlflowClient, tracking_experiment: str, name: str, uri: str) -> tuple[str, str, ExperimentConfig]:
+def find_experiment(client: MlflowClient, tracking_experiment: str, name: str,
+                    uri: str) -> tuple[str, str, ExperimentConfig]:
     """(MLflow experiment id, parent run id, the experiment's definition) of the experiment named `name`."""
-    experiment_id, run_id, definition = find_parent(client, tracking_experiment, "experiment", name, uri, "experiment.yaml")
+    experiment_id, run_id, definition = find_parent(client, tracking_experiment, "experiment", name, uri,
+                                                    "experiment.yaml")
     return experiment_id, run_id, ExperimentConfig.model_validate(definition)

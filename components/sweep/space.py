@@ -2,12 +2,12 @@
 
 `check_sweep(config, sweep)` refuses, naming the field: a dotted field the config does not have, a field the sweep
 itself sets (algorithm, run_name, tracking.parent_run_id), an arm (`arms`: a named partial config the space's `arm`
-field picks) that sets a field the space varies or makes the same config as another arm, a range on a field that is not a number, a value or a
-combination of values the config refuses (every grid combination; for random and tpe every combination of the lists'
-values and the ranges' ends), and a metric that a trial's config cannot produce: one no run logs (the list the code
-logs, models/metrics.py, generated into docs/metrics.md; the closest names are suggested), and one this config does
-not log (a held-out eval it does not run, a gold reward it does not have, a critic's with an algorithm that has none,
-the vLLM engine's with the native one). It returns the space as Optuna
+field picks) that sets a field the space varies or makes the same config as another arm, a range on a field that is not
+a number, a value or a combination of values the config refuses (every grid combination; for random and tpe every
+combination of the lists' values and the ranges' ends), and a metric that a trial's config cannot produce: one no run
+logs (the list the code logs, models/metrics.py, generated into docs/metrics.md; the closest names are suggested), and
+one this config does not log (a held-out eval it does not run, a gold reward it does not have, a critic's with an
+algorithm that has none, the vLLM engine's with the native one). It returns the space as Optuna
 distributions (and the grid's combinations), and `trial_config` makes a trial's config from the base config.
 """
 
@@ -74,8 +74,9 @@ def check_arms(config: RLHFConfig, sweep: SweepConfig) -> None:
                 raise SweepError(f"arms.{name}: sets 'seed', and the seeds are paired: every arm runs every seed of "
                                  f"the experiment (common random numbers); give the arms no seed")
             if field in (*SET_BY_THE_SWEEP[1:], *sweep.space) or any(field.startswith(f"{f}.") for f in sweep.space):
-                raise SweepError(f"arms.{name}: sets '{field}', which the {'sweep' if field in SET_BY_THE_SWEEP else 'space'} "
-                                 f"sets for every trial (an arm may not change it)")
+                raise SweepError(f"arms.{name}: sets '{field}', which the "
+                                 f"{'sweep' if field in SET_BY_THE_SWEEP else 'space'} sets for every trial (an arm "
+                                 "may not change it)")
         try:
             made[name] = valid_config(config, sweep, {ARM: name}).model_dump(mode="json")
         except SweepError as exc:
@@ -161,10 +162,12 @@ def metric_problem(cfg: RLHFConfig, metric: str, pipeline: bool = False) -> Opti
            "gold": f"'{metric}' needs a gold reward, and reward.gold is None (and data.prompts is not a builtin task)",
            "critic": f"'{metric}' comes from a critic, and {cfg.algorithm} has none",
            "rloo": f"'{metric}' is the REINFORCE family's, and {cfg.algorithm} has a critic",
-           "vllm": f"'{metric}' comes from an engine with its own weights, and rollout.engine is {cfg.rollout.engine!r}",
+           "vllm": f"'{metric}' comes from an engine with its own weights, and rollout.engine is "
+                   f"{cfg.rollout.engine!r}",
            "async": f"'{metric}' needs asynchronous rollouts, and rollout.max_off_policy_steps is 0",
            "functions": f"'{metric}' needs reward functions, and reward.source is {cfg.reward.source!r}",
-           "environment": f"'{metric}' is an environment run's, and neither environment.factory nor environment.verifiers is set",
+           "environment": f"'{metric}' is an environment run's, and neither environment.factory nor "
+                          "environment.verifiers is set",
            "kl": f"'{metric}' needs a KL to the reference, and kl.beta is 0 for {cfg.algorithm}",
            "kl_loss": f"'{metric}' needs the KL in the loss (kl.placement=loss, kl.beta > 0)",
            "ratio_clip": f"'{metric}' needs a clipped ratio (loss.policy_loss=ppo)",

@@ -40,7 +40,8 @@ def run_scores(history: list[tuple[int, float]]) -> dict[str, float]:
         raise ValueError("a run's metric has no logged step")
     steps = np.array([s for s, _ in history], dtype=np.float64)
     values = np.array([v for _, v in history], dtype=np.float64)
-    auc = float(values[0]) if len(values) == 1 else float(((values[1:] + values[:-1]) / 2 * np.diff(steps)).sum() / (steps[-1] - steps[0]))
+    auc = float(values[0]) if len(values) == 1 \
+        else float(((values[1:] + values[:-1]) / 2 * np.diff(steps)).sum() / (steps[-1] - steps[0]))
     return {"final": float(values[-1]), "auc": auc}
 
 
@@ -135,7 +136,8 @@ def profiles(scores: dict[str, np.ndarray], reps: int, confidence: float, seed: 
         warnings.filterwarnings("ignore", category=FutureWarning, module="arch")
         point, bounds = rly.create_performance_profile(matrices, tau, reps=reps, confidence_interval_size=confidence)
     return {"tau": [float(t) for t in tau],
-            "arms": {arm: {"value": point[arm].tolist(), "low": bounds[arm][0].tolist(), "high": bounds[arm][1].tolist()}
+            "arms": {arm: {"value": point[arm].tolist(), "low": bounds[arm][0].tolist(),
+                           "high": bounds[arm][1].tolist()}
                      for arm in scores}}
 
 

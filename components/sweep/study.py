@@ -61,8 +61,9 @@ def open_study(config: RLHFConfig, sweep: SweepConfig, space: Space) -> optuna.S
         study.set_user_attr("definition", mine)
     elif stored != mine:
         differ = [key for key, value in json.loads(mine).items() if json.loads(stored).get(key) != value]
-        raise SweepError(f"sweep.name: the study '{sweep.name}' in {redact(url)} was started with another {' and '.join(differ)}; "
-                         f"rerun it with the same ones to resume it, or give the sweep another name")
+        raise SweepError(f"sweep.name: the study '{sweep.name}' in {redact(url)} was started with another "
+                         f"{' and '.join(differ)}; rerun it with the same ones to resume it, or give the sweep "
+                         "another name")
     for _ in study.get_trials(deepcopy=False, states=(TrialState.WAITING,)):  # enqueued by a run that died
         trial = study.ask()
         trial.set_user_attr("reason", "enqueued by a run of the sweep that stopped before starting it")

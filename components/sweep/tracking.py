@@ -73,13 +73,16 @@ class SweepRun:
             client.update_run(run_id, status="RUNNING")
         else:
             run_id = client.create_run(experiment_id, run_name=sweep.name,
-                                       tags={"kind": "sweep", "sweep": sweep.name, "algorithm": config.algorithm}).info.run_id
+                                       tags={"kind": "sweep", "sweep": sweep.name,
+                                             "algorithm": config.algorithm}).info.run_id
             definition = sweep.model_dump(mode="json", include={"space", "arms", "sampler", "seed", "metric",
                                                                   "direction"})
             client.log_batch(run_id, params=[Param(k, v) for k, v in flatten({"sweep": definition}).items()])
             # the study storage URL (and any URL of the config) may hold a password: never logged as it is
-            client.log_text(run_id, yaml.safe_dump(redact(config.model_dump(mode="json")), sort_keys=False), "config.yaml")
-            client.log_text(run_id, yaml.safe_dump(redact(sweep.model_dump(mode="json")), sort_keys=False), "sweep.yaml")
+            client.log_text(run_id, yaml.safe_dump(redact(config.model_dump(mode="json")), sort_keys=False),
+                            "config.yaml")
+            client.log_text(run_id, yaml.safe_dump(redact(sweep.model_dump(mode="json")), sort_keys=False),
+                            "sweep.yaml")
         settings = {"sweep.concurrency": sweep.concurrency, "sweep.trials": sweep.trials, "sweep.pruner": sweep.pruner,
                     **(tags or {})}
         client.log_batch(run_id, tags=[RunTag(k, str(v)) for k, v in settings.items()])
@@ -88,7 +91,8 @@ class SweepRun:
     def __enter__(self) -> "SweepRun":
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         status = "FINISHED" if exc_type is None else "KILLED" if not issubclass(exc_type, Exception) else "FAILED"
         self.client.set_terminated(self.run_id, status)
 
@@ -131,7 +135,8 @@ class SweepRun:
         metrics = [Metric(f"sweep/{name}", float(n), int(time.time() * 1000), 0) for name, n in counts.items()]
         if best is not None:
             metrics.append(Metric("sweep/best_value", best.value, int(time.time() * 1000), len(complete)))
-            tags = {"best.trial": best.number, "best.value": best.value, "best.run_name": best.user_attrs.get("run_name"),
+            tags = {"best.trial": best.number, "best.value": best.value,
+                    "best.run_name": best.user_attrs.get("run_name"),
                     "best.run_id": best.user_attrs.get("mlflow_run_id"),
                     **{f"best.{field}": value for field, value in best.params.items()}}
             self.client.log_batch(self.run_id, metrics=metrics, tags=[RunTag(k, str(v)) for k, v in tags.items()])
@@ -141,7 +146,8 @@ class SweepRun:
         compared = self._log_comparison()
         summary = f"{len(trials)} trials: " + ", ".join(f"{n} {name}" for name, n in counts.items())
         if best is not None:
-            summary += f"; best: trial {best.number} ({best.user_attrs.get('run_name')}) {self.sweep.metric} {best.value:.4g}"
+            summary += (f"; best: trial {best.number} ({best.user_attrs.get('run_name')}) {self.sweep.metric} "
+                        f"{best.value:.4g}")
         return {"sweep": self.sweep.name, "mlflow_run_id": self.run_id, **counts, "summary": summary,
                 "best": None if best is None else {"trial": best.number, "value": best.value, "params": best.params,
                                                     "run_name": best.user_attrs.get("run_name")},
@@ -174,7 +180,8 @@ class SweepRun:
                     continue
             figure = _figure(axes)
             figure.set_size_inches(9, 5)
-            self.client.log_figure(self.run_id, figure, f"plots/{name}.png", save_kwargs={"dpi": 90, "bbox_inches": "tight"})
+            self.client.log_figure(self.run_id, figure, f"plots/{name}.png",
+                                   save_kwargs={"dpi": 90, "bbox_inches": "tight"})
             plt.close(figure)  # Optuna draws through pyplot, which keeps every figure until closed
             drawn.append(f"plots/{name}.png")
         return drawn
@@ -230,7 +237,8 @@ def compare_trials(client: MlflowClient, uri: str, experiment_id: str, parent_ru
     return png, md
 
 
-def find_parent(client: MlflowClient, experiment: str, tag: str, name: str, uri: str, artifact: str) -> tuple[str, str, dict]:
+def find_parent(client: MlflowClient, experiment: str, tag: str, name: str, uri: str,
+                artifact: str) -> tuple[str, str, dict]:
     """(experiment id, parent run id, the YAML `artifact` on it) of the sweep-kind parent run tagged `tag`=`name` (a
     sweep's: sweep=<name>, sweep.yaml; an experiment's: experiment=<name>, experiment.yaml); LookupError naming what
     is missing."""

@@ -86,7 +86,8 @@ class Trials:
     def __enter__(self) -> "Trials":
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if exc_type is not None and self.running:  # a failure, or the sweep's cancellation (SIGTERM) / Ctrl-C
             self.stop_all(f"the sweep failed: {first_line(exc)}" if isinstance(exc, Exception)
                           else f"the sweep was cancelled or interrupted ({exc_type.__name__})")

@@ -53,7 +53,8 @@ def _select_runs(client: MlflowClient, experiment: str, run_ids: list[str] | Non
             max_results=1,
         )
     if not runs:
-        raise TrackingError(f"no finished {'/'.join(ALGORITHMS)} runs (tag 'algorithm') in experiment '{experiment}' at {tracking_uri}")
+        raise TrackingError(f"no finished {'/'.join(ALGORITHMS)} runs (tag 'algorithm') in experiment '{experiment}' "
+                            f"at {tracking_uri}")
     return runs
 
 
@@ -117,10 +118,12 @@ def compare_runs(
     for s in series:
         steps = {step for key in training if key in s.points for step, _, _ in s.points[key]}
         finals = [_fmt(s.points[k][-1][2]) if k in s.points else "absent" for k in metrics]
-        cells = [s.name or s.run.info.run_name, s.run.info.run_id, s.run.data.tags.get("algorithm", "?"), str(len(steps)), *finals]
+        cells = [s.name or s.run.info.run_name, s.run.info.run_id, s.run.data.tags.get("algorithm", "?"),
+                 str(len(steps)), *finals]
         lines.append("| " + " | ".join([*cells, _fmt(s.wall_clock())]) + " |")
     stats = statistics([s.run.info.run_id for s in series]) if statistics else ""
-    md.write_text(f"# Run comparison: {experiment}\n\n![comparison](comparison.png)\n\n" + "\n".join(lines) + "\n" + stats)
+    md.write_text(f"# Run comparison: {experiment}\n\n![comparison](comparison.png)\n\n" + "\n".join(lines) + "\n"
+                  + stats)
     return png, md
 
 

@@ -144,14 +144,16 @@ def verifiers_record(v) -> dict:
 
 # per kind of job: the fields of its section that do NOT change what it trains or measures (each kind's
 # `training_config` leaves them out)
-STAGE_NOT_TRAINED = {"model", "data", "subset", "revision", "split", "eval_data", "eval_split", "max_eval_rows", "eval_every",
+STAGE_NOT_TRAINED = {"model", "data", "subset", "revision", "split", "eval_data", "eval_split", "max_eval_rows",
+                     "eval_every",
                      "micro_batch_size"}
 # a stage whose model carries what its held-out eval measured (a reward model's reward_mean and reward_std): which
 # held-out rows it reads changes its output (the held-out data's digest is in `data`)
 HELD_OUT_SHAPES_OUTPUT = {"max_eval_rows"}
 RL_NOT_TRAINED = {
     "run_name": True, "seed": True,  # the seed is the record's own
-    "model": {"policy", "reward", "critic", "teacher", "revision", "gradient_checkpointing"},  # by content; a memory knob
+    # by content; a memory knob
+    "model": {"policy", "reward", "critic", "teacher", "revision", "gradient_checkpointing"},
     "data": {"prompts", "subset", "split", "revision"},  # by content (data.prompts)
     "eval": True, "tracking": True, "checkpoint": True,  # the held-out eval, MLflow, checkpoints: not what is trained
     "generation": {"micro_batch_size"},  # memory, not the math

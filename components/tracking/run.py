@@ -142,7 +142,8 @@ class RunSession:
         digests of its pinned sources (`cfg.sources`) and the `provenance` record, its config (as its kind logs it)
         as the run's parameters."""
         name = run_name_for(cfg)
-        store = CheckpointStore.from_uri(checkpoint_uri(cfg, name), s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
+        store = CheckpointStore.from_uri(checkpoint_uri(cfg, name),
+                                         s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
         lease = (HeldLease(store, name, lease_holder) if lease_holder else
                  acquire_lease(store, name, timeout_s=cfg.deploy.checkpoint.lease_timeout_s, log=log,
                                flow_run_id=_flow_run_id(), what=f"run_name={name!r}"))
@@ -188,7 +189,8 @@ class RunSession:
     @functools.cached_property
     def place(self) -> RunPlace:
         """One RunPlace per session: the servers of the run share it (and the secret made for them)."""
-        return RunPlace(self.name, self.local_dir / "logs", self.critic_dir, self.store.uri, self.critic_restore_iteration)
+        return RunPlace(self.name, self.local_dir / "logs", self.critic_dir, self.store.uri,
+                        self.critic_restore_iteration)
 
     # -- checkpoints
     def restore(self, leader: Leader, part: str) -> str | None:

@@ -197,7 +197,8 @@ class Tracker:
         self.tags = dict(tags or {})
         self.system_metrics = system_metrics
         self.last_step: int | None = None
-        self.logged: set[tuple[str, int]] = set()  # (metric, step) pairs in the run: an earlier attempt's and side metrics'
+        # (metric, step) pairs in the run: an earlier attempt's and side metrics'
+        self.logged: set[tuple[str, int]] = set()
         self._client: MlflowClient | None = None
         self._monitor = None
         self._active = False
@@ -223,7 +224,8 @@ class Tracker:
                 if commit:
                     tags.setdefault("mlflow.source.git.commit", commit)
                 experiment_id = get_or_create_experiment(self._client, self.experiment, self.tracking_uri)
-                run = self._client.create_run(experiment_id, run_name=self.run_name, tags={"mlflow.runName": self.run_name})
+                run = self._client.create_run(experiment_id, run_name=self.run_name,
+                                              tags={"mlflow.runName": self.run_name})
                 self.run_id = run.info.run_id
                 self._log_config(config)
             self._log_batch(tags=[RunTag(k, str(v)) for k, v in tags.items()])

@@ -5,8 +5,9 @@
 
 The run's secret comes in through $RLHF_RUN_SECRET, never on the command line, and never leaves this process: the
 OpenAI client verifiers drives has an HTTP client of the run's (components/handshake.py) under it, which has the
-server prove it holds the secret on every new connection before anything is sent, and signs every request. It answers request after request, one JSON line each
-(the trainer keeps one worker for a run: verifiers and the environment load once). A request (a JSON line on stdin):
+server prove it holds the secret on every new connection before anything is sent, and signs every request. It answers
+request after request, one JSON line each (the trainer keeps one worker for a run: verifiers and the environment load
+once). A request (a JSON line on stdin):
 
     {"env_id": "my-env", "env_args": {...},            vf.load_environment(env_id, **env_args)
      "base_url": "http://127.0.0.1:P/v1",              the rollout server's OpenAI-compatible endpoints
@@ -131,7 +132,8 @@ async def run(request: dict) -> dict:
         raise ValueError(f"client_type: one of {sorted(CLIENTS)}, got {client_type!r}")
     from verifiers import clients  # the worker's own environment, as above
 
-    openai = openai_client(request["base_url"], float(request.get("timeout_s", 600)), int(request.get("max_retries", 0)))
+    openai = openai_client(request["base_url"], float(request.get("timeout_s", 600)),
+                           int(request.get("max_retries", 0)))
     try:
         return await play(env, request, client_type, getattr(clients, CLIENTS[client_type])(openai), openai)
     finally:

@@ -29,7 +29,8 @@ from models.algorithms.recipes import Settings
 from models.losses import AGGREGATIONS, policy_objective
 from models.sections import Section
 
-LossFn = Callable[[Tensor, Tensor | None, Tensor], tuple[Tensor, dict]]  # (new logp, entropy, rows) -> (loss sum, stats)
+# (new logp, entropy, rows) -> (loss sum, stats)
+LossFn = Callable[[Tensor, Tensor | None, Tensor], tuple[Tensor, dict]]
 
 
 @dataclass

@@ -58,7 +58,8 @@ class PPO(Algorithm):
 
     def advantages(self, data: StepData, settings: PPOConfig) -> Advantages:
         """KL-shaped per-token rewards (score on the last response token), GAE per sequence, whitening."""
-        values = data.scored["values"][:, :data.tokens.shape[1]][:, :-1] * data.mask  # value of prefix t, for action t+1
+        # value of prefix t, for action t+1
+        values = data.scored["values"][:, :data.tokens.shape[1]][:, :-1] * data.mask
         scores = data.scored["scores"].float()
         advantages, returns = estimate(data, scores, values=values, gamma=settings.discount, lam=settings.gae_lambda,
                                        lam_critic=settings.critic_gae_lambda,

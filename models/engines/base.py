@@ -31,7 +31,8 @@ class Rollout:
     # engine held (an engine with its own copy: the version it sampled with). With greedy decoding (temperature 0):
     # under the untempered distribution.
     sample_logprobs: Tensor
-    versions: Tensor | None = None  # [B] int64: the weights version each row was sampled with (an engine with its own copy)
+    # [B] int64: the weights version each row was sampled with (an engine with its own copy)
+    versions: Tensor | None = None
     # [B, L-1] float, 1 where tokens[:, t+1] was sampled by the model: a multi-turn episode's response also holds the
     # environment's replies (models/environments/), which carry no loss, no KL and no logprob. None: every response
     # token was sampled (a single-turn rollout)
@@ -95,7 +96,8 @@ class RolloutEngine(Protocol):
     name: str
     shares_actor_weights: bool
 
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling, generator: torch.Generator | None = None) -> Rollout: ...
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling,
+                 generator: torch.Generator | None = None) -> Rollout: ...
 
     def update_weights(self, weights: Weights) -> None: ...
 

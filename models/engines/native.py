@@ -31,14 +31,16 @@ class NativeEngine:
 
     def __init__(self, model, pad_id: int, stop_ids: Tensor, device: torch.device, dtype: str = "float32",
                  me: Dist = SINGLE):
-        self.model, self.pad_id, self.stop_ids, self.device, self.dtype, self.me = model, pad_id, stop_ids, device, dtype, me
+        self.model, self.pad_id, self.stop_ids = model, pad_id, stop_ids
+        self.device, self.dtype, self.me = device, dtype, me
 
     @classmethod
     def for_policy(cls, policy, rollout=None) -> "NativeEngine":
         return cls(policy.model, policy.pad_id, policy.stop_ids, policy.device, policy.dtype, policy.me)
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[list[int]], n: int, sampling, generator: torch.Generator | None = None) -> Rollout:
+    def generate(self, prompt_ids: list[list[int]], n: int, sampling,
+                 generator: torch.Generator | None = None) -> Rollout:
         """`n` samples of each prompt (consecutive rows) at `sampling.temperature` (0: greedy), top-k / top-p
         filtered; each sampled token's logprob is that of the distribution it was drawn from (filters applied)."""
         model = self.model

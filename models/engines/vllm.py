@@ -18,8 +18,8 @@ The server issues the weights version: each update asks for the next one, and ev
 sampled with, which must be the last one this engine applied. The samples are checked against what a rollout relies
 on (a response ends at its stop token when the server says it ended, else runs to max_new_tokens). Logprobs are
 those of the sampled distribution (vLLM `processed_logprobs`: temperature, top-k and top-p applied), the behaviour
-policy's, so the step can compare them with the trainer's own (sampling/sampling_logp_difference/*) and weight the loss by
-truncated importance sampling (models/losses.py: tis_weights).
+policy's, so the step can compare them with the trainer's own (sampling/sampling_logp_difference/*) and weight the loss
+by truncated importance sampling (models/losses.py: tis_weights).
 
 Asynchronous rollouts (rollout.max_off_policy_steps = k >= 1): rank 0 submits the next batches' requests ahead
 (`submit`: a request in a thread of its own, at most k beyond the batch being trained on: the step says which), and
@@ -114,7 +114,8 @@ class VLLMEngine:
         where = self.urls[index]
         return f"rollout server replica {index} ({where})" if len(self.servers) > 1 else f"rollout server ({where})"
 
-    def submit(self, iteration: int, prompts: list[list[int]], n: int, sampling, generator: torch.Generator | None) -> None:
+    def submit(self, iteration: int, prompts: list[list[int]], n: int, sampling,
+               generator: torch.Generator | None) -> None:
         """Rank 0: ask for iteration `iteration`'s batch now (every rank's prompts, rank order), answered in the
         background; `generate` for that iteration takes the answer."""
         if iteration in self.pending:
@@ -164,7 +165,8 @@ class VLLMEngine:
                         raise EngineRequestError(f"the batch submitted for iteration {iteration} holds other prompts "
                                                  f"than the one trained on")
                 else:
-                    seed = int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None else None
+                    seed = (int(torch.randint(0, 2**31 - 1, (1,), generator=generator)) if generator is not None
+                            else None)
                     samples, versions, _ = self.sample(flat, n, sampling, seed)
                 self.wait_s = time.perf_counter() - started
                 per_rank, start = [], 0

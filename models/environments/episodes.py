@@ -173,7 +173,8 @@ class EpisodeRunner:
             # one length for every rank's turns (one request on rank 0), no longer than any context has room for
             # (the engine's position limit): a turn it cuts before its own budget goes on at the next call
             longest = max(budgets, default=1)
-            room = min((self.position_limit - len(c) for c in contexts), default=longest) if self.position_limit else longest
+            room = (min((self.position_limit - len(c) for c in contexts), default=longest) if self.position_limit
+                    else longest)
             if self.me.active:
                 longest = int(self.me.all_reduce(torch.tensor(longest), op="max"))
                 room = int(self.me.all_reduce(torch.tensor(room), op="min"))
@@ -280,7 +281,8 @@ class EpisodeRunner:
                 continue
             suffix = self.chat.suffix_ids(messages)
             total = len(episode.prompt_ids) + len(episode.ids) + len(suffix)
-            if len(episode.ids) + len(suffix) >= max_new_tokens or (self.position_limit and total >= self.position_limit):
+            if len(episode.ids) + len(suffix) >= max_new_tokens or (self.position_limit
+                                                                    and total >= self.position_limit):
                 episode.end = "overlong"  # TRL: the tool reply is dropped, the completion ends as it is
                 continue
             episode.completion += messages
@@ -328,7 +330,8 @@ class EpisodeRunner:
                 if "error" in own:
                     problems.append(f"{self.environments[episode.env]['class']}.get_reward: {own['error']}")
                 elif own["value"] is not None:
-                    episode.values[self.functions + self.env_rewards.index(self.environments[episode.env]["class"])] = own["value"]
+                    env_reward = self.env_rewards.index(self.environments[episode.env]["class"])
+                    episode.values[self.functions + env_reward] = own["value"]
                 if problems:
                     episode.fail("error", "; ".join(problems))
         for episode in episodes:
@@ -400,7 +403,8 @@ def start_episodes(cfg, tokenizer, model_config, me: Dist = SINGLE, workers: int
     """The environments of the run `cfg` (an RLHFConfig with environment.factory) on this rank: the worker pool
     started and probed, the environments and the chat format checked (each refusal names its field)."""
     env = cfg.environment
-    pool = WorkerPool(workers or env.workers, {name or "": absolute_spec(spec) for name, spec in env.factories().items()},
+    pool = WorkerPool(workers or env.workers,
+                      {name or "": absolute_spec(spec) for name, spec in env.factories().items()},
                       worker_reward_specs(cfg)).start()
     try:
         environments = pool.probe(env.call_deadline_s)
@@ -422,7 +426,8 @@ def worker_reward_specs(cfg) -> list[str]:
     for i, spec in enumerate(cfg.reward.specs()):
         stored = (cfg.reward.files or {}).get(str(spec_file(spec))) if is_file_spec(spec) else None
         if stored is not None:
-            spec = f"{fetch_file(stored.uri, stored.sha256, f'reward.functions[{i}]', cfg.deploy)}:{spec.rpartition(':')[2]}"
+            path = fetch_file(stored.uri, stored.sha256, f"reward.functions[{i}]", cfg.deploy)
+            spec = f"{path}:{spec.rpartition(':')[2]}"
         out.append(absolute_spec(spec))
     return out
 

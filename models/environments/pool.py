@@ -57,7 +57,8 @@ class Channel:
         to_worker_r, self.to_worker = os.pipe()
         self.from_worker, from_worker_w = os.pipe()
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env["PYTHONPATH"] = os.pathsep.join([str(PROJECT_ROOT)]
+                                            + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
         env[PARENT_PID_ENV] = str(os.getpid())
         # a process group of its own, so a kill takes what its tools started too (it still exits with this process)
         self.process = subprocess.Popen([sys.executable, "-m", "models.environments.worker", str(to_worker_r),

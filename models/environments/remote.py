@@ -52,7 +52,8 @@ def episode_of(name: str, row: dict, record: dict) -> Episode:
     if samples:
         first = samples[0]
         episode.prompt_ids, episode.ids = list(first["prompt_ids"]), list(first["completion_ids"])
-        episode.mask, episode.logprobs = list(first["completion_mask"]), [float(x) for x in first["completion_logprobs"]]
+        episode.mask = list(first["completion_mask"])
+        episode.logprobs = [float(x) for x in first["completion_logprobs"]]
     episode.completion = [openai_message(m) for m in list(record.get("messages") or [])[len(messages):]]
     assistant = [m for m in episode.completion if m.get("role") == "assistant"]
     episode.turns = int(record.get("turns") or len(steps))

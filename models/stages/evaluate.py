@@ -37,8 +37,8 @@ def check_policy(path: str, field: str) -> None:
     _, info = from_pretrained(AutoModelForCausalLM, path, field, dtype=torch.float32, output_loading_info=True)
     missing = sorted(set(info.get("missing_keys") or ()) - {"lm_head.weight"})  # tied to the embeddings
     if missing or info.get("mismatched_keys"):
-        raise HandOffError(f"{field}: policy '{path}' loads with newly initialised weights "
-                           f"{missing + sorted(k if isinstance(k, str) else k[0] for k in info.get('mismatched_keys') or ())}")
+        mismatched = sorted(k if isinstance(k, str) else k[0] for k in info.get("mismatched_keys") or ())
+        raise HandOffError(f"{field}: policy '{path}' loads with newly initialised weights {missing + mismatched}")
 
 
 @torch.no_grad()

@@ -29,5 +29,6 @@ def build_stage(cfg: StageRun, me: Dist = SINGLE) -> StageState:
     trainee = kind.build(cfg, cfg.local_path("model"), local_device(cfg.deploy.device, me), me, shard)
     trainee.model.train()
     optimizer, scheduler = make_optimizer(trainee.trainable_parameters(), train.optim)
-    return StageState(trainee, kind, optimizer, scheduler, torch.Generator().manual_seed(cfg.seed + 1_000_003 * me.rank),
+    return StageState(trainee, kind, optimizer, scheduler,
+                      torch.Generator().manual_seed(cfg.seed + 1_000_003 * me.rank),
                       torch.Generator().manual_seed(cfg.seed), me)

@@ -107,7 +107,8 @@ class Labeled:
         return len(self.ids)
 
     def head(self, n: int) -> "Labeled":
-        return Labeled(self.ids[:n], self.prompt_lengths[:n], self.labels[:n], self.source, self.dropped, self.mismatched)
+        return Labeled(self.ids[:n], self.prompt_lengths[:n], self.labels[:n], self.source, self.dropped,
+                       self.mismatched)
 
     def rows(self, indices: list[int]) -> dict:
         """The rows `indices` as a command carries them to every rank, each with its KL sequence: its prompt and the
@@ -216,7 +217,8 @@ class KTO(DPO):
         kl = kl_term(trainee, mine, train, me)
         batch = labeled_batch(mine, trainee.pad_id)
         logps, refs = all_logps(trainee, batch, train.micro_batch_size, me)
-        logps, refs, labels = me.all_gather_cat(logps), me.all_gather_cat(refs), me.all_gather_cat(batch["labels"].long())
+        logps, refs = me.all_gather_cat(logps), me.all_gather_cat(refs)
+        labels = me.all_gather_cat(batch["labels"].long())
         if not me.is_leader:
             return {}, []
         _, stats = kto_loss(logps, refs, labels, kl, train.beta, train.loss_type, train.desirable_weight,

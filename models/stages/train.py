@@ -4,7 +4,8 @@ components/launch/ranks.py). A stage is a `StageKind`: what it trains, its loss 
 metrics; the rest (optimizer, steps, evals, checkpoints, export) is one code path for every stage, and the loop,
 the commands and the checkpoints are an RL run's (models/loop.py).
 
-    sft            the policy (models/policy.Policy, no reference copy), loss on completion tokens (models/losses.sft_loss)
+    sft            the policy (models/policy.Policy, no reference copy), loss on completion tokens
+    (models/losses.sft_loss)
     reward_model   an AutoModelForSequenceClassification with one label (`Scorer`), Bradley-Terry on pairs
                    (models/losses.bradley_terry_loss), each sequence scored at its last real token
     dpo            the policy and its frozen reference on pairs (models/stages/dpo.py, models/losses.dpo_loss)
@@ -222,7 +223,8 @@ class RewardModel(StageKind):
             both = torch.cat([idx, idx + k])
             scores = trainee.scores(batch["tokens"][both], batch["lengths"][both])
             margin = batch["margin"][idx] if "margin" in batch else None
-            return bradley_terry_loss(scores[:len(idx)], scores[len(idx):], margin, cfg.train.center_rewards_coefficient)
+            return bradley_terry_loss(scores[:len(idx)], scores[len(idx):], margin,
+                                      cfg.train.center_rewards_coefficient)
         return torch.ones(k), micro_loss  # the loss is the mean over pairs
 
     def evaluate(self, trainee, cfg, mine, rows, me):
@@ -233,7 +235,8 @@ class RewardModel(StageKind):
         chosen, rejected = [], []
         for mb in equal_passes(me, micro_batches(k, cfg.train.micro_batch_size)):
             idx = torch.arange(k)[mb]
-            scores = trainee.scores(batch["tokens"][torch.cat([idx, idx + k])], batch["lengths"][torch.cat([idx, idx + k])])
+            scores = trainee.scores(batch["tokens"][torch.cat([idx, idx + k])],
+                                    batch["lengths"][torch.cat([idx, idx + k])])
             chosen.append(scores[:len(idx)].double())
             rejected.append(scores[len(idx):].double())
         chosen, rejected = me.all_gather_cat(torch.cat(chosen)[:k]), me.all_gather_cat(torch.cat(rejected)[:k])
@@ -266,7 +269,8 @@ def pair_batch(rows: dict, pad_id: int) -> dict[str, Tensor]:
     tokens, lengths = right_padded(rows["chosen"] + rows["rejected"], pad_id)
     out = {"tokens": tokens, "lengths": lengths, "n": len(rows["chosen"])}
     if "prompt_lengths" in rows:
-        out["prompt_lengths"] = torch.tensor([c for c, _ in rows["prompt_lengths"]] + [r for _, r in rows["prompt_lengths"]],
+        out["prompt_lengths"] = torch.tensor([c for c, _ in rows["prompt_lengths"]]
+                                             + [r for _, r in rows["prompt_lengths"]],
                                              dtype=torch.long)
     if "margin" in rows:
         out["margin"] = torch.tensor(rows["margin"], dtype=torch.float32)

@@ -67,7 +67,8 @@ def sft_rows(n: int, seed: int = 0) -> list[dict]:
     out = []
     for _ in range(n):
         text, value = expression(rng)
-        out.append({"messages": conversation(QUESTION.format(expression=text), text, value), "tools": [CALCULATOR_TOOL]})
+        out.append({"messages": conversation(QUESTION.format(expression=text), text, value),
+                    "tools": [CALCULATOR_TOOL]})
     return out
 
 

@@ -65,7 +65,8 @@ def extract(response: str) -> str:
     return (found[-1] if found else response).strip()
 
 
-def score(prompts: list[str], responses: list[str], answer: list[str], metadata: list[str], task: list[str]) -> list[float]:
+def score(prompts: list[str], responses: list[str], answer: list[str], metadata: list[str],
+          task: list[str]) -> list[float]:
     """Each response scored by its task's `score_answer` (in [0, 1])."""
     import reasoning_gym  # heavy: see items()
 

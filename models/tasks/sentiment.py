@@ -2,8 +2,8 @@
 
 A policy pretrained (by `rlhf models tiny`) on a balanced corpus of positive, negative and neutral reviews starts with a
 mean gold reward near 0; RLHF against the reward model (trained on the gold function) should move it towards +1.
-The gold reward is the sentiment polarity of the response: (#positive - #negative) / (#positive + #negative), in [-1, 1],
-0 for a response with no sentiment word. Everything is generated from a seed: no data set is downloaded.
+The gold reward is the sentiment polarity of the response: (#positive - #negative) / (#positive + #negative), in [-1,
+1], 0 for a response with no sentiment word. Everything is generated from a seed: no data set is downloaded.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ NEUTRAL_VERB = ["see", "know"]
 ADVERBS = ["very", "really", "so", "quite"]
 FUNCTION_WORDS = ["the", "a", "is", "was", "and", "but", "i", "it", "this", "tell", "me", "about", "what", "do",
                   "you", "think", "of", "describe", "review", ":", "."]
-PROMPT_TEMPLATES = ["tell me about the {n} :", "what do you think of the {n} :", "describe the {n} :", "review the {n} :"]
+PROMPT_TEMPLATES = ["tell me about the {n} :", "what do you think of the {n} :", "describe the {n} :",
+                    "review the {n} :"]
 POS_ADJ, NEG_ADJ = POSITIVE[:6], NEGATIVE[:6]
 POS_VERB, NEG_VERB = POSITIVE[6:], NEGATIVE[6:]
 

@@ -75,7 +75,8 @@ def moto_endpoint() -> Iterator[str]:
 @pytest.fixture
 def aws_env(monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
     """Dummy credentials; no endpoint or profile leaking in from the developer's shell."""
-    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "MLFLOW_S3_ENDPOINT_URL", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "MLFLOW_S3_ENDPOINT_URL", "AWS_PROFILE",
+                 "AWS_SESSION_TOKEN"):
         monkeypatch.delenv(name, raising=False)
     for name, value in AWS_ENV.items():
         monkeypatch.setenv(name, value)

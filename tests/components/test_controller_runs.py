@@ -29,7 +29,8 @@ RLHF = str(Path(sys.executable).parent / "rlhf")
 def train_args(tiny_models, **overrides) -> list[str]:
     base = {"deploy.actor.nnodes": 2, "iterations": 12, "model.policy": tiny_models["policy"],
             "model.reward": tiny_models["reward"], "deploy.tracking.system_metrics": "false", **overrides}
-    return [RLHF, "train", "--preset", "tiny", *[arg for key, value in base.items() for arg in ("--set", f"{key}={value}")]]
+    return [RLHF, "train", "--preset", "tiny",
+            *[arg for key, value in base.items() for arg in ("--set", f"{key}={value}")]]
 
 
 def node_group(state: Path, group: int) -> psutil.Process:
@@ -51,7 +52,8 @@ def test_ppo_on_two_node_groups_survives_a_killed_group_resumes_from_its_checkpo
     from mlflow.tracking import MlflowClient
 
     state, metrics = tmp_path / "state", tmp_path / "m.json"
-    proc = subprocess.Popen(train_args(tiny_models, **{"algorithm": "ppo", "checkpoint.every": 4, "run_name": "two-nodes",
+    proc = subprocess.Popen(train_args(tiny_models,
+                                       **{"algorithm": "ppo", "checkpoint.every": 4, "run_name": "two-nodes",
                                                        "deploy.actor.max_restarts": 1, **EVAL_SAMPLED})
                             + ["--metrics-out", str(metrics)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -71,7 +73,8 @@ def test_ppo_on_two_node_groups_survives_a_killed_group_resumes_from_its_checkpo
     text = "".join(lines) + out
     assert proc.returncode == 0, text[-4000:]
     assert "this process controls them, node group 0's rank 0 runs the run" in text
-    assert re.search(rf"actor attempt 1 failed: node group 1 \(pid {killed.pid}\) exited with code -9", text), text[-4000:]
+    assert re.search(rf"actor attempt 1 failed: node group 1 \(pid {killed.pid}\) exited with code -9",
+                     text), text[-4000:]
     assert "restarting every node group from the run's last checkpoint (restart 1 of 1)" in text
     second = text.split("restarting every node group", 1)[1]
     assert "resuming from checkpoint iteration 4" in second

@@ -118,7 +118,8 @@ def test_two_ranks_train_the_reward_model_like_one_and_its_output_carries_its_st
     # the output (the 1-rank run's) carries its statistics and loads as the RL stage loads it
     model_dir = state / "runs/one/model"
     config = json.loads((model_dir / "config.json").read_text())
-    assert (config["reward_mean"], config["reward_std"]) == (one["metrics"]["reward_mean"], one["metrics"]["reward_std"])
+    assert (config["reward_mean"], config["reward_std"]) == (one["metrics"]["reward_mean"],
+                                                             one["metrics"]["reward_std"])
     assert one["model"].endswith("/checkpoints/one/model") and one["files"]["config.json"]
     _, pairs = stage_rows(pin(cfg), str(model_dir), held_out_only=True)
     assert check_reward_model(str(model_dir), pairs, one["metrics"]["eval/accuracy"], "one") == pytest.approx(
@@ -161,17 +162,18 @@ def test_a_lora_stage_exports_its_adapters_merged(state, tiny_models):
     assert latest["iteration"] == 2 and (store / latest["path"] / "trainee" / "adapter_model.safetensors").exists()
     assert result["steps"] == 2
     manifest = json.loads((store / latest["path"] / "state.json").read_text())["state"]
-    assert manifest["export"]["base"]["digest"] == resolve_model("tiny/policy").digest == manifest["models"]["model"]["digest"]
+    assert (manifest["export"]["base"]["digest"] == resolve_model("tiny/policy").digest
+            == manifest["models"]["model"]["digest"])
     out, iteration = export_checkpoint(CheckpointStore.from_uri(str(store)), state / "exported")
     assert iteration == 2 and file_digests(out) == result["files"]
 
 
 def test_kto_on_two_ranks_trains_like_one_and_learns_the_preference(state):
     """KTO (models/stages/kto.py) on the shipped preference pairs, unpaired: on 2 ranks (FSDP2 shards, gloo) and on
-    1, uneven micro-batches, every step's loss to 1e-6 and KL term to 1e-5 (the KL term is the global batch's on any number
-    of ranks) and the held-out metrics alike; what it logs is listed (docs/metrics.md). Trained longer, the held-out
-    implicit reward ranks desirable above undesirable completions (margin 0 before the first step: the policy is its
-    reference) and the held-out loss falls below the untrained one."""
+    1, uneven micro-batches, every step's loss to 1e-6 and KL term to 1e-5 (the KL term is the global batch's on any
+    number of ranks) and the held-out metrics alike; what it logs is listed (docs/metrics.md). Trained longer, the
+    held-out implicit reward ranks desirable above undesirable completions (margin 0 before the first step: the policy
+    is its reference) and the held-out loss falls below the untrained one."""
     from models.stages.kto import KTORun
 
     def config(name, steps, **deploy):

@@ -72,9 +72,11 @@ def local_stack(tmp_path_factory):
     stack.down(state_dir, log=lambda *_: None)
 
 
-def deployment_run(s, name: str, config: dict, deploy: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+def deployment_run(s, name: str, config: dict, deploy: dict | None = None,
+                   check: bool = True) -> subprocess.CompletedProcess:
     """`prefect deployment run NAME --param config=... [--param deploy=...]`, as a user types it."""
-    params = ["--param", f"config={json.dumps(config)}"] + (["--param", f"deploy={json.dumps(deploy)}"] if deploy else [])
+    params = ["--param", f"config={json.dumps(config)}"]
+    params += ["--param", f"deploy={json.dumps(deploy)}"] if deploy else []
     return subprocess.run([PREFECT, "deployment", "run", name, *params],
                           env=s["env"], capture_output=True, text=True, timeout=120, check=check)
 
@@ -190,39 +192,47 @@ def test_a_users_model_data_and_reward_through_the_deployments_keeping_what_the_
                 "deploy": {"reward": {"launch": "in_process"}}}
     patch_path = f"/deployments/{deployment['id']}"
     stack.prefect_post(s["api"], patch_path, {"parameters": operator}, method="PATCH").raise_for_status()
-    walk = {"preset": "none", "iterations": 2, "data": {"prompts": str(user / "math.parquet"), "prompt_key": "question"},
+    walk = {"preset": "none", "iterations": 2,
+            "data": {"prompts": str(user / "math.parquet"), "prompt_key": "question"},
             "generation": {"max_new_tokens": 12}, "model": {"policy": "acme/tiny-qwen", "dtype": "float32"}}
     partials = {  # run name -> (deployment, the user's partial config); walk-rloo's name is the operator's
-        "walk-rloo": ("reinforce/default", {**walk, "reward": {"source": "function", "function": f"{user}/my_rewards.py:exact"},
-                                            "reinforce": {"num_rollouts_per_prompt": 2}, "tracking": {"register_as": "walk-model"}}),
+        "walk-rloo": ("reinforce/default",
+                      {**walk, "reward": {"source": "function", "function": f"{user}/my_rewards.py:exact"},
+                                            "reinforce": {"num_rollouts_per_prompt": 2},
+                                            "tracking": {"register_as": "walk-model"}}),
         "walk-ppo": ("ppo/default", {**walk, "run_name": "walk-ppo", "ppo": {"rollout_batch_size": 8},
                                      "model": {**walk["model"], "reward": "acme/tiny-qwen-rm"}})}
     try:
         before = {d["id"]: d["parameters"] for d in stack.prefect_post(s["api"], "/deployments/filter", {}).json()}
-        started = {name: flow_run_id(deployment_run(s, deployment, partial)) for name, (deployment, partial) in partials.items()}
+        started = {name: flow_run_id(deployment_run(s, deployment, partial))
+                   for name, (deployment, partial) in partials.items()}
         runs = {name: wait_final(s, run_id) for name, run_id in started.items()}
         for name, run in runs.items():
             assert run["state"]["type"] == "COMPLETED", (name, run["state"]["message"])
             after = stack.prefect_get(s['api'], f"/deployments/{run['deployment_id']}").json()
             assert after["parameters"] == before[run["deployment_id"]], name
     finally:
-        stack.prefect_post(s["api"], patch_path, {"parameters": deployment["parameters"]}, method="PATCH").raise_for_status()
+        stack.prefect_post(s["api"], patch_path, {"parameters": deployment["parameters"]},
+                           method="PATCH").raise_for_status()
 
     # what the operator set on reinforce/default, kept
     assert runs["walk-rloo"]["name"] == "walk-rloo"  # the deployment's run_name
     ckpt = s["state_dir"] / "checkpoints" / "walk-rloo"
-    assert [p.parent.name.split("-")[0] for p in sorted(ckpt.glob("iter_*/state.json"), key=lambda p: p.stat().st_mtime)] \
+    assert [p.parent.name.split("-")[0] for p in sorted(ckpt.glob("iter_*/state.json"),
+                                                        key=lambda p: p.stat().st_mtime)] \
         == ["iter_1", "iter_2"]  # every 1
     assert not (s["state_dir"] / "runs" / "walk-rloo" / "logs" / "reward-server.log").exists()  # in process
     client, mrun = mlflow_run(s, "walk-rloo")
     params = mrun.data.params
+    # the operator's batch beside the user's
     assert (params["iterations"], params["checkpoint.every"], params["reinforce.rollout_batch_size"],
-            params["reinforce.num_rollouts_per_prompt"]) == ("2", "1", "8", "2")  # the operator's batch beside the user's
+            params["reinforce.num_rollouts_per_prompt"]) == ("2", "1", "8", "2")
     assert params["deploy.reward.launch"] == "in_process"
     assert [m.value for m in client.get_metric_history(mrun.info.run_id, "episode")] == [16.0, 32.0]  # 8 prompts x 2
 
     for name, run in runs.items():
-        artifacts = stack.prefect_post(s["api"], "/artifacts/filter", {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}).json()
+        artifacts = stack.prefect_post(s["api"], "/artifacts/filter",
+                                       {"artifacts": {"flow_run_id": {"any_": [run["id"]]}}}).json()
         assert [a["data"] for a in artifacts if a["type"] == "progress"] == [100], name
         client, mrun = mlflow_run(s, name)
         assert "objective/gold_reward" not in mrun.data.metrics and "reward" in mrun.data.metrics, name
@@ -249,8 +259,9 @@ def test_reinforce_deployment_starts_no_critic_and_its_reward_server_scores_a_re
     """reinforce/default on builtin:sentiment_target: the reward function reads the rows' `target` column, which
     reaches it through the reward server (the optional `columns` input): every iteration's score from the server
     equals the gold reward, the same function run in the flow run's process on the rows themselves; and the held-out
-    eval (16 prompts, 4 samples each at temperature 1) runs at 0 and 4 (MLflow metrics and tables, a Prefect table artifact).
-    That RLOO learns this reward and the eval rises is tests/models/test_steps.py's (the same run in process)."""
+    eval (16 prompts, 4 samples each at temperature 1) runs at 0 and 4 (MLflow metrics and tables, a Prefect table
+    artifact). That RLOO learns this reward and the eval rises is tests/models/test_steps.py's (the same run in
+    process)."""
     s = local_stack
     proc = deployment_run(s, "reinforce/default", {
         "iterations": 4, "run_name": "e2e-rloo", "data": {"prompts": "builtin:sentiment_target"},
@@ -276,18 +287,21 @@ def test_reinforce_deployment_starts_no_critic_and_its_reward_server_scores_a_re
     assert mrun.data.tags["reward_transport"] == "tokens"  # a reward function decodes the policy's tokens
 
     def history(key):
-        return [(m.step, m.value) for m in sorted(client.get_metric_history(mrun.info.run_id, key), key=lambda m: m.step)]
+        return [(m.step, m.value)
+                for m in sorted(client.get_metric_history(mrun.info.run_id, key), key=lambda m: m.step)]
 
     gold, served = history("objective/gold_reward"), history("rewards/targeted_reward/mean")
     assert [step for step, _ in gold] == [step for step, _ in served] == [1, 2, 3, 4]
-    assert [v for _, v in served] == pytest.approx([v for _, v in gold], abs=1e-6) and 0 < sum(v for _, v in gold) < 4  # neither all 0 nor all 1
+    # neither all 0 nor all 1
+    assert [v for _, v in served] == pytest.approx([v for _, v in gold], abs=1e-6) and 0 < sum(v for _, v in gold) < 4
     evals = history("eval/gold_reward")
     assert [step for step, _ in evals] == [0, 4], evals
     assert [step for step, _ in history("eval/pass_at_4")] == [0, 4]
     assert history("data/rows") == [(0, 200.0)] and history("data/filtered_rows") == [(0, 0.0)]
     tables = {a.path for a in client.list_artifacts(mrun.info.run_id, "tables")}
     assert {"tables/eval_000000.json", "tables/eval_000004.json"} <= tables
-    artifact = stack.prefect_post(s['api'], "/artifacts/latest/filter", {"artifacts": {"key": {"any_": ["eval-e2e-rloo"]}}},
+    artifact = stack.prefect_post(s['api'], "/artifacts/latest/filter",
+                                  {"artifacts": {"key": {"any_": ["eval-e2e-rloo"]}}},
                           timeout=10).json()
     assert artifact and artifact[0]["type"] == "table" and "iteration 4" in artifact[0]["description"], artifact
     assert server_processes(s, str(s["state_dir"])) == []
@@ -343,35 +357,40 @@ def _wait_for(predicate, timeout: float, what: str):
     raise TimeoutError(what)
 
 
-def test_a_two_rank_critic_server_loses_a_rank_the_run_fails_naming_it_and_the_rerun_resumes_and_leaves_nothing(local_stack):
+def test_a_critic_server_losing_a_rank_fails_the_run_naming_it_and_the_rerun_resumes_leaving_nothing(local_stack):
     """ppo/default with deploy.critic.nproc_per_node=2: the critic server's rank 0 serves, rank 1 follows. Rank 1 is
     killed after the first checkpoint (iteration 2): the run fails (DEAD_PROCESS_FAILS_RUN_S) naming the rank and the
-    server that stopped because of it, and no process of the run is left. The same run name then resumes from the checkpoint (its
-    2-rank critic restored): the flow run shows its tasks (the critic server deployed and waited for, one task per
-    iteration it ran, nothing before the checkpoint redone, a checkpoint at 4 and at the last), the same MLflow run
-    continues to iteration 6 with every iteration's metrics once, and no server or rank is left. (That PPO learns
-    across a kill and a resume is tests/components/test_controller_runs.py's; that a 2-rank critic answers and
+    server that stopped because of it, and no process of the run is left. The same run name then resumes from the
+    checkpoint (its 2-rank critic restored): the flow run shows its tasks (the critic server deployed and waited for,
+    one task per iteration it ran, nothing before the checkpoint redone, a checkpoint at 4 and at the last), the same
+    MLflow run continues to iteration 6 with every iteration's metrics once, and no server or rank is left. (That PPO
+    learns across a kill and a resume is tests/components/test_controller_runs.py's; that a 2-rank critic answers and
     restores like one, tests/components/serving/test_critic_ranks.py's.)"""
     s = local_stack
     run_dir = s["state_dir"] / "runs" / "e2e-critic2"
     latest = s["state_dir"] / "checkpoints" / "e2e-critic2" / "latest.json"
-    config, deploy = {"iterations": 6, "run_name": "e2e-critic2", "checkpoint": {"every": 2}}, {"critic": {"nproc_per_node": 2}}
+    config, deploy = {"iterations": 6, "run_name": "e2e-critic2",
+                      "checkpoint": {"every": 2}}, {"critic": {"nproc_per_node": 2}}
     first = flow_run_id(deployment_run(s, "ppo/default", config, deploy))
-    _wait_for(lambda: latest.exists() and (json.loads(latest.read_text())["iteration"] or 0) >= 2, 300, "first checkpoint")
+    _wait_for(lambda: latest.exists() and (json.loads(latest.read_text())["iteration"] or 0) >= 2, 300,
+              "first checkpoint")
     server = _wait_for(lambda: server_processes(s, str(run_dir)), 30, "critic server")[0]
     next(p for p in server.children() if "--follow" in " ".join(p.cmdline())).kill()
     run = wait_final(s, first, timeout=DEAD_PROCESS_FAILS_RUN_S)  # a dead rank fails the run
     assert run["state"]["type"] == "FAILED"
     message = run["state"]["message"] or ""
-    assert re.search(r"critic server .*exited with code 1: .*critic rank 1 \(pid \d+\) exited with code -9", message), message
-    _wait_for(lambda: not critic_followers(s) and not server_processes(s, str(run_dir)), 60, "no process of the run left")
+    assert re.search(r"critic server .*exited with code 1: .*critic rank 1 \(pid \d+\) exited with code -9",
+                     message), message
+    _wait_for(lambda: not critic_followers(s) and not server_processes(s, str(run_dir)), 60,
+              "no process of the run left")
     checkpointed = json.loads(latest.read_text())["iteration"]
     assert checkpointed in (2, 4)
 
     second = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", config, deploy)), timeout=900)
     assert second["state"]["type"] == "COMPLETED", second["state"]
     names = task_names(s, second["id"])
-    assert any(n.startswith("deploy-critic-server") for n in names) and any(n.startswith("wait-until-ready") for n in names)
+    assert any(n.startswith("deploy-critic-server") for n in names) and any(n.startswith("wait-until-ready")
+                                                                            for n in names)
     assert sum(n.startswith("ppo-iteration") for n in names) == 6 - checkpointed  # nothing before the checkpoint redone
     assert sum(n.startswith("checkpoint") for n in names) == (2 if checkpointed == 2 else 1)  # at 4 and the last
     client, mrun = mlflow_run(s, "e2e-critic2")  # the same MLflow run continued
@@ -390,11 +409,11 @@ def test_asynchronous_rollouts_from_the_rollout_server_killed_fail_naming_it_and
     """reinforce/default with rollout.engine=vllm (the rollout server a child of the flow run) and asynchronous rollouts
     (k=1: the next batch is generated while the actor trains). kill -9 of the rollout server mid-pipeline fails the
     run (DEAD_PROCESS_FAILS_RUN_S), naming it with its exit code, and leaves nothing. The rerun resumes from the
-    checkpoint: its server samples with the checkpointed actor (the trainer's logprobs agree with the engine's on the first resumed
-    batch, while the actor had moved away from the base checkpoint the server loads), staleness starts from 0 again
-    (the rerun's log, every iteration it ran), and every iteration, before the kill and after it, trained on the
-    prompt stream's batch of its own number: no prompt skipped, none trained twice (the sample tables, logged every
-    iteration by whichever attempt logged it first, against the stream)."""
+    checkpoint: its server samples with the checkpointed actor (the trainer's logprobs agree with the engine's on the
+    first resumed batch, while the actor had moved away from the base checkpoint the server loads), staleness starts
+    from 0 again (the rerun's log, every iteration it ran), and every iteration, before the kill and after it, trained
+    on the prompt stream's batch of its own number: no prompt skipped, none trained twice (the sample tables, logged
+    every iteration by whichever attempt logged it first, against the stream)."""
     from models.config import from_layers
     from models.data import PromptStream
     from models.loop import read_data
@@ -406,12 +425,14 @@ def test_asynchronous_rollouts_from_the_rollout_server_killed_fail_naming_it_and
               "rollout": {"engine": "vllm", "max_off_policy_steps": 1}}
     deploy = {"rollout": {"threads": 1}}  # 1 thread: the other worker shares the cores
     first = flow_run_id(deployment_run(s, "reinforce/default", config, deploy))
-    _wait_for(lambda: latest.exists() and (json.loads(latest.read_text())["iteration"] or 0) >= 2, 300, "first checkpoint")
+    _wait_for(lambda: latest.exists() and (json.loads(latest.read_text())["iteration"] or 0) >= 2, 300,
+              "first checkpoint")
     server = _wait_for(lambda: stack_processes(s, "components.serving.rollout.main"), 30, "rollout server")[0]
     server.kill()
     run = wait_final(s, first, timeout=DEAD_PROCESS_FAILS_RUN_S)  # a dead rollout server fails the run
     assert run["state"]["type"] == "FAILED"
-    assert re.search(r"rollout server .*\(pid \d+, http://[^)]+\) exited with code -9", run["state"]["message"] or ""), \
+    assert re.search(r"rollout server .*\(pid \d+, http://[^)]+\) exited with code -9", run["state"]["message"]
+                     or ""), \
         run["state"]["message"]
     _wait_for(lambda: not stack_processes(s, "components.serving.rollout.main"), 30, "no rollout server left")
     checkpointed = json.loads(latest.read_text())["iteration"]
@@ -419,7 +440,8 @@ def test_asynchronous_rollouts_from_the_rollout_server_killed_fail_naming_it_and
     logged = max(m.step for m in client.get_metric_history(mrun.info.run_id, "objective/kl"))  # >= checkpointed
 
     # the rerun redoes the iterations after the checkpoint (MLflow keeps the first attempt's steps) and two more
-    rerun = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {**config, "iterations": logged + 2}, deploy)))
+    rerun = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {**config, "iterations": logged + 2},
+                                                     deploy)))
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     # the training run stops its server at the end
     _wait_for(lambda: not stack_processes(s, "components.serving.rollout.main"), 60, "rollout server stopped")
@@ -443,7 +465,8 @@ def test_asynchronous_rollouts_from_the_rollout_server_killed_fail_naming_it_and
     stream = PromptStream(read_data(cfg)[0], cfg.reinforce.rollout_batch_size, cfg.seed)
     expected = [next(stream).prompts for _ in range(logged + 2)]
     for step in range(1, logged + 3):
-        table = json.loads(Path(client.download_artifacts(mrun.info.run_id, f"tables/samples_{step:06d}.json")).read_text())
+        table = json.loads(Path(client.download_artifacts(mrun.info.run_id,
+                                                          f"tables/samples_{step:06d}.json")).read_text())
         logged = [row[table["columns"].index("prompt")] for row in table["data"]]
         assert list(dict.fromkeys(logged)) == expected[step - 1][:len(dict.fromkeys(logged))], step
 
@@ -472,7 +495,7 @@ def critic_followers(s) -> list[psutil.Process]:
     return stack_processes(s, "components.serving.triton.main --follow")
 
 
-def test_ppo_on_two_node_groups_resumes_on_two_ranks_loses_one_resumes_on_one_and_cancelled_leaves_no_critic_server(local_stack):
+def test_ppo_on_two_node_groups_resumes_on_two_ranks_then_one_and_cancelled_leaves_no_critic_server(local_stack):
     """deploy.actor.nnodes=2: the PPO flow run is the run's controller; node group 0's rank 0 runs the run, starts its
     critic server beside it and stops it at the end, its log reaches the flow run's, and the checkpoint holds the
     critic of its own iteration. The same run name then
@@ -481,7 +504,8 @@ def test_ppo_on_two_node_groups_resumes_on_two_ranks_loses_one_resumes_on_one_an
     (with a local critic server), and is cancelled once it has trained there: the run ends CANCELLED and its critic
     server goes with it."""
     s = local_stack
-    config, two = {"iterations": 2, "run_name": "e2e-dist", "checkpoint": {"every": 1}}, {"actor": {"nproc_per_node": 2}}
+    config, two = {"iterations": 2, "run_name": "e2e-dist",
+                   "checkpoint": {"every": 1}}, {"actor": {"nproc_per_node": 2}}
     nodes = {"actor": {"nnodes": 2}}
     run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", config, nodes)))
     assert run["state"]["type"] == "COMPLETED", run["state"]
@@ -513,7 +537,8 @@ def test_ppo_on_two_node_groups_resumes_on_two_ranks_loses_one_resumes_on_one_an
     run = wait_final(s, run_id, timeout=DEAD_PROCESS_FAILS_RUN_S)  # a dead rank fails the run
     assert run["state"]["type"] == "FAILED"
     assert re.search(r"actor rank 1 \(pid \d+\) exited with code -9", run["state"]["message"]), run["state"]["message"]
-    _wait_for(lambda: not actor_followers(s) and not critic_followers(s) and not server_processes(s, str(s["state_dir"] / "runs" / "e2e-dist")),
+    _wait_for(lambda: not actor_followers(s) and not critic_followers(s)
+              and not server_processes(s, str(s["state_dir"] / "runs" / "e2e-dist")),
               60, "no process of the run left")
     said = [log["message"] for log in stack.prefect_post(s['api'], "/logs/filter", {
         "logs": {"flow_run_id": {"any_": [run_id]}}, "limit": 200}, timeout=10).json()]
@@ -525,10 +550,12 @@ def test_ppo_on_two_node_groups_resumes_on_two_ranks_loses_one_resumes_on_one_an
     client, mrun = mlflow_run(s, "e2e-dist")
     logged = max(m.step for m in client.get_metric_history(mrun.info.run_id, "dist/world_size"))  # MLflow keeps these
     run_dir = s["state_dir"] / "runs" / "e2e-dist"
-    run_id = flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": 200}, {"actor": {"nproc_per_node": 1}}))
+    run_id = flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": 200},
+                                        {"actor": {"nproc_per_node": 1}}))
 
     def sizes() -> list[float]:
-        return [m.value for m in sorted(client.get_metric_history(mrun.info.run_id, "dist/world_size"), key=lambda m: m.step)]
+        return [m.value
+                for m in sorted(client.get_metric_history(mrun.info.run_id, "dist/world_size"), key=lambda m: m.step)]
 
     _wait_for(lambda: len(sizes()) > logged, 600, "an iteration of the run resumed on one rank")
     assert server_processes(s, str(run_dir)), "no critic server of the run resumed on one rank"

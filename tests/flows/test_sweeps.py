@@ -1,4 +1,5 @@
-"""Sweeps and experiments end to end through a real local stack of their own (Prefect server, MLflow server, the served deployments:
+"""Sweeps and experiments end to end through a real local stack of their own (Prefect server, MLflow server, the served
+deployments:
 what `rlhf up` starts), driven with `prefect deployment run sweep/default` as a user does; the trials are runs of
 reinforce/default on the tiny default, kept short (2-6 iterations, a 16-prompt held-out eval)."""
 
@@ -29,7 +30,8 @@ BIN = Path(sys.executable).parent
 FINAL = ("COMPLETED", "FAILED", "CANCELLED", "CRASHED")
 EVAL = {"prompts": "builtin:sentiment", "every": 2, "max_prompts": 16}
 CONFIG = {"preset": "tiny", "algorithm": "rloo", "iterations": 2, "eval": EVAL}
-IN_PROCESS = {"reward": {"launch": "in_process"}}  # trials with no reward server: quicker, where the test is not about it
+# trials with no reward server: quicker, where the test is not about it
+IN_PROCESS = {"reward": {"launch": "in_process"}}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,8 @@ def wait_until(predicate, timeout: float, what: str):
 
 
 def wait_final(s, run_id: str, timeout: float = 600) -> dict:
-    return wait_until(lambda: (r := flow_run(s, run_id))["state"]["type"] in FINAL and r, timeout, f"flow run {run_id} final")
+    return wait_until(lambda: (r := flow_run(s, run_id))["state"]["type"] in FINAL and r, timeout,
+                      f"flow run {run_id} final")
 
 
 def trial_runs(s, name: str) -> list[dict]:
@@ -184,7 +187,8 @@ def test_bad_input_is_refused_before_any_trial_starts(sweep_stack):
         "no-eval": ({"space": {"kl.beta": [0.1]}}, {**CONFIG, "eval": {**EVAL, "every": 0}},
                     "sweep.metric: 'eval/reward' is logged by the held-out eval, which this config does not run"),
     }
-    runs = {name: flow_run_id(start_sweep(s, {"name": name, **sweep}, config)) for name, (sweep, config, _) in cases.items()}
+    runs = {name: flow_run_id(start_sweep(s, {"name": name, **sweep}, config))
+            for name, (sweep, config, _) in cases.items()}
     for name, run_id in runs.items():
         state = wait_final(s, run_id, timeout=180)["state"]
         assert state["type"] == "FAILED" and cases[name][2] in state["message"], (name, state)
@@ -198,10 +202,11 @@ GRID = {"name": "grid", "space": {"reinforce.optim.lr": [1e-8, 1e-6, 1e-3]}, "co
 LRS = GRID["space"]["reinforce.optim.lr"]
 
 
-def test_a_3_point_grid_runs_its_trials_at_most_two_at_a_time_as_nested_runs_with_a_table_the_best_trial_and_plots(sweep_stack, tmp_path):
+def test_a_grid_sweep_runs_two_trials_at_a_time_as_nested_runs_with_table_best_trial_and_plots(sweep_stack, tmp_path):
     """Three trials at concurrency 2: the third waits for a slot (what "at most two at a time" needs to show)."""
     s = sweep_stack
-    sweep = wait_final(s, flow_run_id(start_sweep(s, GRID, CONFIG, IN_PROCESS)))  # the sweep's mechanics: no reward server
+    # the sweep's mechanics: no reward server
+    sweep = wait_final(s, flow_run_id(start_sweep(s, GRID, CONFIG, IN_PROCESS)))
     assert sweep["state"]["type"] == "COMPLETED", sweep["state"]
     assert sweep["name"] == "grid"
 
@@ -237,18 +242,21 @@ def test_a_3_point_grid_runs_its_trials_at_most_two_at_a_time_as_nested_runs_wit
         assert last.step == 2 and row["value"] == pytest.approx(last.value, rel=1e-6)
     best = rows[int(parent.data.tags["best.trial"])]  # (two trials may tie)
     assert best["value"] == max(r["value"] for r in rows) > min(r["value"] for r in rows)
-    assert best["reinforce.optim.lr"] == float(parent.data.tags["best.reinforce.optim.lr"]) == 1e-3  # 1e-8 learns nothing
+    # 1e-8 learns nothing
+    assert best["reinforce.optim.lr"] == float(parent.data.tags["best.reinforce.optim.lr"]) == 1e-3
     assert parent.data.metrics["sweep/best_value"] == pytest.approx(best["value"])
     plots = {a.path for a in s["mlflow"].list_artifacts(parent.info.run_id, "plots")}
     assert {"plots/optimization_history.png", "plots/parallel_coordinate.png", "plots/param_importances.png"} <= plots
     png = Path(s["mlflow"].download_artifacts(parent.info.run_id, "plots/param_importances.png", str(tmp_path)))
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    artifact = stack.prefect_post(s['api'], "/artifacts/latest/filter", {"artifacts": {"key": {"any_": ["sweep-grid"]}}},
+    artifact = stack.prefect_post(s['api'], "/artifacts/latest/filter",
+                                  {"artifacts": {"key": {"any_": ["sweep-grid"]}}},
                           timeout=10).json()
     assert artifact[0]["type"] == "table" and len(json.loads(artifact[0]["data"])) == 3, artifact
 
     # `rlhf compare --sweep grid`: every trial's curves side by side
-    assert main(["compare", "--sweep", "grid", "--tracking-uri", s["urls"]["mlflow"], "--out", str(tmp_path / "compare")]) == 0
+    assert main(["compare", "--sweep", "grid", "--tracking-uri", s["urls"]["mlflow"], "--out",
+                 str(tmp_path / "compare")]) == 0
     markdown = (tmp_path / "compare" / "sweep-grid" / "comparison.md").read_text()
     for child, lr in zip(children, LRS):
         assert f"| {child.info.run_name}: reinforce.optim.lr={lr}, complete | {child.info.run_id} |" in markdown
@@ -262,7 +270,8 @@ def test_failed_trials_are_recorded_with_their_reason_and_a_sweep_whose_trials_a
     s = sweep_stack
     sweep = {"name": "fail", "space": {"model.policy": ["/no/such/policy"]}}
     run = wait_final(s, flow_run_id(start_sweep(s, sweep, CONFIG, IN_PROCESS)))
-    assert run["state"]["type"] == "FAILED" and "every trial of sweep fail failed" in run["state"]["message"], run["state"]
+    assert run["state"]["type"] == "FAILED", run["state"]
+    assert "every trial of sweep fail failed" in run["state"]["message"], run["state"]
     trials = study(s, "fail").trials
     assert [t.state.name for t in trials] == ["FAIL"]
     assert "model.policy: model path '/no/such/policy' does not exist" in trials[0].user_attrs["reason"]
@@ -295,13 +304,14 @@ def test_a_trial_that_cannot_learn_is_pruned_at_an_eval_step_cancelled_and_leave
 RESUME = {"name": "resume", "space": {"reinforce.optim.lr": [1e-3, 3e-4]}}
 
 
-def test_a_sweep_killed_mid_way_resumes_keeping_its_finished_trial_and_following_the_running_one_then_a_rerun_starts_no_trial_and_another_space_is_refused(sweep_stack, tmp_path):
+def test_a_killed_sweep_resumes_and_runs_no_trial_twice_and_another_space_is_refused(sweep_stack, tmp_path):
     """The sweep's flow run is killed while its second trial runs; `rlhf sweep` with the same config and sweep (the
     flow in a shell, the trials on the deployments) resumes it: no trial is run again. The finished sweep, run again
     on the deployment, starts no trial; another space under its name is refused."""
     s = sweep_stack
     first = flow_run_id(start_sweep(s, RESUME, CONFIG, IN_PROCESS))
-    wait_until(lambda: [r["name"] for r in trial_runs(s, "resume")] == ["resume-t0", "resume-t1"], 600, "trial 1 started")
+    wait_until(lambda: [r["name"] for r in trial_runs(s, "resume")] == ["resume-t0", "resume-t1"], 600,
+               "trial 1 started")
     assert trial_runs(s, "resume")[0]["state"]["type"] == "COMPLETED"
     for process in wait_until(lambda: stack_processes(s["state_dir"], first), 30, "the sweep's process"):
         process.kill()  # the sweep dies without a word; its trial 1 goes on
@@ -311,7 +321,8 @@ def test_a_sweep_killed_mid_way_resumes_keeping_its_finished_trial_and_following
     config = [f"--set={key}={value}" for key, value in (("preset", "tiny"), ("algorithm", "rloo"), ("iterations", 2),
                                                         ("deploy.reward.launch", "in_process"),
               *((f"eval.{k}", v) for k, v in EVAL.items()))]
-    proc = subprocess.run([str(BIN / "rlhf"), "sweep", *config, "--name", "resume", "--space", "reinforce.optim.lr=[1e-3, 3e-4]",
+    proc = subprocess.run([str(BIN / "rlhf"), "sweep", *config, "--name", "resume", "--space",
+                           "reinforce.optim.lr=[1e-3, 3e-4]",
                            "--poll-s", "1"], env=s["env"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "trial 1 (resume-t1) was left running by an earlier run of the sweep" in proc.stdout + proc.stderr
@@ -334,7 +345,8 @@ def test_a_sweep_killed_mid_way_resumes_keeping_its_finished_trial_and_following
 
     other = wait_final(s, other, timeout=300)
     assert other["state"]["type"] == "FAILED"
-    assert "sweep.name: the study 'resume'" in other["state"]["message"] and "another space" in other["state"]["message"]
+    message = other["state"]["message"]
+    assert "sweep.name: the study 'resume'" in message and "another space" in message
     assert len(trial_runs(s, "resume")) == 2
 
 
@@ -343,7 +355,7 @@ EXPERIMENT = {"name": "exp", "base": CONFIG, "arms": {"rloo": {}, "grpo": {"algo
               "concurrency": 2, "reps": 500, "bootstrap_seed": 3, "poll_s": 1}
 
 
-def test_an_experiment_of_2_arms_x_3_seeds_killed_half_way_resumes_its_report_is_rliables_on_the_mlflow_metrics_and_a_rerun_starts_no_run(sweep_stack, tmp_path):
+def test_a_killed_experiment_resumes_its_report_is_rliables_on_mlflow_and_a_rerun_starts_no_run(sweep_stack, tmp_path):
     """`prefect deployment run experiment/default`, killed once a run has ended; `rlhf experiment --config` resumes
     it (nothing finished is run again); its summary's statistics are what rliable computes from the runs' MLflow
     metrics with the same bootstrap seed; the report is on the parent run and rebuilt by `rlhf experiment report`;
@@ -366,8 +378,10 @@ def test_an_experiment_of_2_arms_x_3_seeds_killed_half_way_resumes_its_report_is
     path = tmp_path / "experiment.yaml"
     path.write_text(json.dumps(EXPERIMENT))  # JSON is YAML
     summary_path = tmp_path / "summary.json"
-    proc = subprocess.run([str(BIN / "rlhf"), "experiment", "--config", str(path), "--set", "deploy.reward.launch=in_process",
-                           "--summary-out", str(summary_path)], env=s["env"], capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([str(BIN / "rlhf"), "experiment", "--config", str(path), "--set",
+                           "deploy.reward.launch=in_process",
+                           "--summary-out", str(summary_path)], env=s["env"], capture_output=True, text=True,
+                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = trial_runs(s, "exp")
     # six flow runs, one per arm x seed, nothing run again (a trial the killed run had asked for but not yet started
@@ -405,7 +419,8 @@ def test_an_experiment_of_2_arms_x_3_seeds_killed_half_way_resumes_its_report_is
 
     parent = summary["mlflow_run_id"]
     assert {"report/report.html", "report/experiment.json"} <= {a.path for a in client.list_artifacts(parent, "report")}
-    artifact = stack.prefect_post(s["api"], "/artifacts/latest/filter", {"artifacts": {"key": {"any_": ["experiment-exp"]}}},
+    artifact = stack.prefect_post(s["api"], "/artifacts/latest/filter",
+                                  {"artifacts": {"key": {"any_": ["experiment-exp"]}}},
                                   timeout=10).json()
     assert artifact[0]["type"] == "markdown" and "## eval/gold_reward (final)" in artifact[0]["data"]
     report = tmp_path / "report.html"

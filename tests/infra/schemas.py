@@ -68,7 +68,8 @@ def validate(obj: dict, versions=KUBERNETES_VERSIONS) -> None:
         except jsonschema.ValidationError as exc:
             raise AssertionError(f"{where}: {exc.message} at {'/'.join(map(str, exc.absolute_path))}") from None
         for template in pod_templates(obj):
-            validate({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "template", **template.get("metadata", {})},
+            validate({"apiVersion": "v1", "kind": "Pod",
+                      "metadata": {"name": "template", **template.get("metadata", {})},
                       "spec": copy.deepcopy(template["spec"])}, versions)
         return
     for kubernetes in versions:

@@ -47,7 +47,8 @@ def test_every_helm_release_is_pinned_to_an_exact_version():
             assert (ADDONS / body["chart"].removeprefix("${path.module}/") / "Chart.yaml").is_file(), name
             continue
         assert re.fullmatch(r"\d+\.\d+\.\d+", _version(body)), f"helm_release {name}: {_version(body)!r} is not pinned"
-    oci = {name: body["repository"] for name, body in releases.items() if body.get("repository", "").startswith("oci://")}
+    oci = {name: body["repository"] for name, body in releases.items()
+           if body.get("repository", "").startswith("oci://")}
     assert oci == {"jobset": "oci://registry.k8s.io/jobset/charts", "lws": "oci://registry.k8s.io/lws/charts",
                    "kueue": "oci://registry.k8s.io/kueue/charts"}
     validation = _one(_blocks(ADDONS, "variable")["chart_versions"]["validation"])
@@ -64,7 +65,8 @@ def test_every_kind_a_run_creates_has_its_controller_installed_at_the_version_it
         chart = CONTROLLERS[kind]
         assert chart in releases, f"{kind} objects are created but chart {chart} is not installed"
         assert file.startswith(f"{chart}-v{versions[chart]}-"), f"{file}: not the schema of {chart} {versions[chart]}"
-    assert "depends_on" in releases["kueue_queues"] and "helm_release.kueue" in str(releases["kueue_queues"]["depends_on"])
+    assert "depends_on" in releases["kueue_queues"]
+    assert "helm_release.kueue" in str(releases["kueue_queues"]["depends_on"])
 
 
 def _queues(max_sizes=(2, 3)) -> list[dict]:
@@ -90,7 +92,8 @@ def test_the_kueue_queues_are_valid_sized_to_the_pools_and_named_as_the_runs_exp
     assert quotas == {"actor": {"cpu": "8", "memory": "32Gi", "nvidia.com/gpu": "2"},
                       "critic": {"cpu": "12", "memory": "48Gi", "nvidia.com/gpu": "3"}}
     (local_queue,) = [o for o in objects if o["kind"] == "LocalQueue"]
-    assert local_queue["metadata"]["name"] == ClusterPlacement().queue == _blocks(ENV_DEV, "variable")["queue_name"]["default"]
+    assert (local_queue["metadata"]["name"] == ClusterPlacement().queue
+            == _blocks(ENV_DEV, "variable")["queue_name"]["default"])
     assert local_queue["spec"]["clusterQueue"] == cluster_queue["metadata"]["name"]
     # Terraform computes the same quotas from the pools' variables and node_types.json
     quota_expr = str(_locals(ADDONS)["quotas"])
@@ -134,7 +137,8 @@ def test_the_cache_volume_is_the_one_every_pod_mounts():
                 _blocks(MODULES / "prefect", "variable")["cache_claim"]["default"],
                 _blocks(ENV_DEV, "variable")["cache_claim_name"]["default"]}
     assert defaults == {"rlhf-cache"}
-    assert ClusterPlacement().cache_mount == _blocks(MODULES / "prefect", "variable")["cache_mount"]["default"] == "/cache"
+    assert (ClusterPlacement().cache_mount == _blocks(MODULES / "prefect", "variable")["cache_mount"]["default"]
+            == "/cache")
     assert ClusterPlacement().state_dir == _blocks(MODULES / "prefect", "variable")["state_dir"]["default"]
     storage_class = cache[("kubernetes_storage_class_v1", "efs")]
     assert storage_class["parameters"]["uid"] == "1000"  # the images' user (docker/actor.Dockerfile)

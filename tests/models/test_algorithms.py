@@ -88,7 +88,8 @@ def test_the_lr_schedules_are_transformers_and_load_its_scheduler_state(schedule
 
 
 # `cfg.algorithm == "ppo"`, `"rloo" != algorithm`, `if algorithm in ("ppo", ...)` (a `for` over names is no comparison)
-NAME_COMPARISON = re.compile(r"""algorithm\w*\s*(==|!=)|(==|!=)\s*[\w.]*algorithm\b|(?<!for )algorithm\s+(not\s+)?in\s+[(\[{]""")
+NAME_COMPARISON = re.compile(r"algorithm\w*\s*(==|!=)|(==|!=)\s*[\w.]*algorithm\b|"
+                             r"(?<!for )algorithm\s+(not\s+)?in\s+[(\[{]")
 
 
 def test_no_code_compares_algorithm_names_outside_the_registry_and_config_validation():

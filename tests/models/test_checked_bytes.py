@@ -25,7 +25,8 @@ def plant_pyc(source_path, evil: str) -> str:
     cache = importlib.util.cache_from_source(str(source_path))
     os.makedirs(os.path.dirname(cache), exist_ok=True)
     code = compile(evil, str(source_path), "exec")
-    header = importlib.util.MAGIC_NUMBER + struct.pack("<III", 0, int(stat.st_mtime) & 0xFFFFFFFF, stat.st_size & 0xFFFFFFFF)
+    header = importlib.util.MAGIC_NUMBER + struct.pack("<III", 0, int(stat.st_mtime) & 0xFFFFFFFF,
+                                                       stat.st_size & 0xFFFFFFFF)
     with open(cache, "wb") as out:
         out.write(header + marshal.dumps(code))
     return cache
@@ -50,6 +51,7 @@ def test_bytes_that_do_not_match_the_stored_digest_are_refused(tmp_path):
     source = tmp_path / "rewards.py"
     source.write_text("def score(prompts, completions):\n    return [0.0 for _ in completions]\n")
     good = hashlib.sha256(source.read_bytes()).hexdigest()
-    assert import_object(f"{source}:score", "reward.function", module_name="digest_ok", sha256=good)([""], ["a"]) == [0.0]
+    assert import_object(f"{source}:score", "reward.function", module_name="digest_ok",
+                         sha256=good)([""], ["a"]) == [0.0]
     with pytest.raises(ValueError, match="reward.function: .* does not match its sha256"):
         import_object(f"{source}:score", "reward.function", module_name="digest_bad", sha256="0" * 64)

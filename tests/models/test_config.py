@@ -53,14 +53,16 @@ def test_what_a_run_trains_names_no_place_and_where_it_runs_is_the_deployment_s(
     deploy = set(fields(DeployConfig))
     assert {"state_dir", "critic.launch", "critic.port", "reward.launch", "rollout.python", "rollout.port",
             "actor.nproc_per_node", "actor.master_port", "tracking.uri", "checkpoint.uri"} <= deploy
-    assert set(RLHFConfig.model_fields) == set(RunConfig.model_fields) | {"deploy", "sources"}  # sources: set by the job
+    # sources: set by the job
+    assert set(RLHFConfig.model_fields) == set(RunConfig.model_fields) | {"deploy", "sources"}
 
 
 def test_a_run_and_its_deployment_compose_and_come_apart():
     run = RunConfig(algorithm="rloo", iterations=3)
     deploy = DeployConfig.model_validate({"critic": {"launch": "in_process"}, "state_dir": "/tmp/x"})
     cfg = RLHFConfig.of(run, deploy)
-    assert (cfg.algorithm, cfg.iterations, cfg.deploy.critic.launch, cfg.deploy.state_dir) == ("rloo", 3, "in_process", "/tmp/x")
+    assert (cfg.algorithm, cfg.iterations, cfg.deploy.critic.launch, cfg.deploy.state_dir) == ("rloo", 3, "in_process",
+                                                                                               "/tmp/x")
     assert (cfg.run.algorithm, cfg.run.iterations) == ("rloo", 3) and "deploy" not in cfg.run.model_dump()
     assert RLHFConfig.of(cfg.run, cfg.deploy) == cfg  # apart and composed again: the same run
 
@@ -181,7 +183,8 @@ def test_unnamed_runs_started_together_get_names_of_their_own():
     ({"critic.launch": "local"}, "launch"),  # where the critic runs is the deployment's: deploy.critic.launch
     ({"deploy.critic.port": 70000}, "port"),
     # a server as a Prefect deployment of its own is gone: what replaces it, named
-    ({"deploy.critic.launch": "deployment"}, r"deploy.critic.launch\n.*launch='deployment' was removed: on a cluster use 'kubernetes'.*else 'local'"),
+    ({"deploy.critic.launch": "deployment"},
+     r"deploy.critic.launch\n.*launch='deployment' was removed: on a cluster use 'kubernetes'.*else 'local'"),
     ({"deploy.reward.launch": "deployment"}, r"deploy.reward.launch\n.*use 'kubernetes'"),
     ({"deploy.rollout.launch": "deployment"}, r"deploy.rollout.launch\n.*use 'kubernetes'"),
     ({"deploy.actor.nproc_per_node": 128}, "rollout_batch_size=64 is smaller than the actor's world size 128"),

@@ -112,7 +112,8 @@ def test_chat_messages_are_rendered_with_the_policys_chat_template(tmp_path, tok
     found = load(tmp_path / "chat.jsonl", templated, key="messages")
     assert found.templated and found.columns == [{"target": "positive"}]
     assert found.prompts == ["system : be kind user : review the cat : assistant :"]
-    assert encode(templated, found.prompts, templated=True) == [templated(found.prompts[0], add_special_tokens=False)["input_ids"]]
+    assert encode(templated, found.prompts,
+                  templated=True) == [templated(found.prompts[0], add_special_tokens=False)["input_ids"]]
 
 
 def test_a_prompt_longer_than_max_prompt_length_errors_is_filtered_or_cut(tmp_path, tokenizer, tiny_models):

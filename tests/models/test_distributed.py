@@ -71,7 +71,8 @@ def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
         rollout = actor.engine.generate(actor.policy.encode_prompts(prompts), k, Sampling.of(cfg.generation),
                                         torch.Generator().manual_seed(5 + r))
         rounds.append({"prompts": prompts, "tokens": rollout.tokens, "prompt_lengths": rollout.prompt_lengths,
-                       "lengths": rollout.lengths, "is_end": rollout.is_end, "sample_logprobs": rollout.sample_logprobs})
+                       "lengths": rollout.lengths, "is_end": rollout.is_end,
+                       "sample_logprobs": rollout.sample_logprobs})
     fixture = {**rounds[0], "rounds": rounds}
     torch.save(fixture, tmp_path / "fixture.pt")
     (tmp_path / "cfg.json").write_text(cfg.model_dump_json())
@@ -193,7 +194,8 @@ def test_splitting_a_minibatch_into_micro_batches_does_not_change_the_step(tiny_
         results.append((stats, {k: v.clone() for k, v in policy.model.state_dict().items()}))
     (one, w_one), (five, w_five) = results
     assert one["steps"] == five["steps"] == 1
-    assert five["loss"] == pytest.approx(one["loss"], rel=1e-5) and five["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+    assert five["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert five["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
     for name in w_one:
         if name.endswith("attn.c_attn.bias"):  # the key bias: zero gradient, see test_two_ranks_update_like_one
             continue

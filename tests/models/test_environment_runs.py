@@ -2,8 +2,8 @@
 state directory), on the tiny chat model: the SFT stage teaches it to call the calculator (the shipped
 builtin:arithmetic_sft conversations), then RLOO against the calculator environment (examples/environments/
 calculator.py, TRL's protocol) raises its task success; a stalled tool and a raising reward function do not stop a
-run; a reasoning-gym task trains and evaluates with pass@k; examples/tools_pipeline.yaml runs sft -> rl -> eval, its eval
-stage playing both policies' episodes."""
+run; a reasoning-gym task trains and evaluates with pass@k; examples/tools_pipeline.yaml runs sft -> rl -> eval, its
+eval stage playing both policies' episodes."""
 
 import itertools
 import json
@@ -155,7 +155,8 @@ def test_the_tools_pipeline_runs_sft_rl_and_an_eval_that_plays_both_policies_epi
     assert metrics["eval/win_rate"] == pytest.approx(float(wins), abs=1e-12)
     for prefix, scores in (("eval/", policy), ("eval/reference/", reference)):
         assert metrics[f"{prefix}success"] == pytest.approx(float((scores >= 1.0).double().mean()), abs=1e-12)
-        assert metrics[f"{prefix}pass_at_2"] == pytest.approx(float((scores.view(4, 2).max(1).values >= 1.0).double().mean()), abs=1e-12)
+        pass_at_2 = float((scores.view(4, 2).max(1).values >= 1.0).double().mean())
+        assert metrics[f"{prefix}pass_at_2"] == pytest.approx(pass_at_2, abs=1e-12)
         assert f"{prefix}tools/call_frequency" in metrics and f"{prefix}env/errors" in metrics
     assert metrics["eval/success_gain"] == pytest.approx(metrics["eval/success"] - metrics["eval/reference/success"])
     assert [name for name in metrics if find(name, "eval") is None] == []  # all in docs/metrics.md's list

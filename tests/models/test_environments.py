@@ -87,7 +87,8 @@ def echo_then_done(context: str) -> str:
 
 
 def config(chat_dir, factory, rewards=(), **environment):
-    return preset("none", **{"model.policy": chat_dir, "data.prompts": "builtin:arithmetic", "reward.source": "function",
+    return preset("none",
+                  **{"model.policy": chat_dir, "data.prompts": "builtin:arithmetic", "reward.source": "function",
                              "environment.factory": factory, "environment.workers": environment.pop("workers", 2),
                              **({"reward.functions": list(rewards)} if rewards else {}),
                              **{f"environment.{k}": v for k, v in environment.items()}})
@@ -238,7 +239,8 @@ def test_limits_end_episodes_as_trl_does(runners, tokenizer):
 
     played = play(runner, tokenizer, always, [{"prompt": "say again"}])
     episode = played.episodes[0]
-    assert (episode.end, episode.turns, episode.rounds, episode.tool_calls) == ("max_turns", 3, 2, 2)  # the 3rd: not run
+    # the 3rd: not run
+    assert (episode.end, episode.turns, episode.rounds, episode.tool_calls) == ("max_turns", 3, 2, 2)
     assert episode_metrics(episode_stats(played.episodes))["env/turn_limit_ratio"] == 1.0
 
     turn = len(tokenizer(call("echo", text="again"), add_special_tokens=False)["input_ids"])
@@ -405,11 +407,13 @@ def test_a_verifiers_rollout_record_is_one_episode_whose_loss_counts_the_model_s
     assert (episode.prompt_ids, episode.ids, episode.mask) == ([1, 2], [3, 4, 9, 9, 5], [1, 1, 0, 0, 1])
     assert episode.logprobs == [-0.5, -0.5, 0.0, 0.0, -0.5]
     assert (episode.turns, episode.tool_calls, episode.end, episode.score, episode.failed) == (2, 1, "stop", 1.0, False)
-    assert episode_rows([episode], ["calc"])[0]["conversation"] == "[assistant calls add] {}\n[tool None] 5\n[assistant] 5"
+    assert episode_rows([episode],
+                        ["calc"])[0]["conversation"] == "[assistant calls add] {}\n[tool None] 5\n[assistant] 5"
     apart = [turn([1, 2], [3, 4]), turn([7, 7], [5])]  # re-rendered text: the second turn does not extend the first
     split = episode_of("calc", {"prompt": prompt}, {**record, "steps": apart, "samples": merge_steps(apart)})
     assert split.failed and "2 token sequences, not one" in split.error and split.score == 0.0
-    failed = episode_of("calc", {"prompt": prompt}, {**record, "error": "ToolError: boom", "samples": merge_steps(steps, True)})
+    failed = episode_of("calc", {"prompt": prompt},
+                        {**record, "error": "ToolError: boom", "samples": merge_steps(steps, True)})
     assert failed.failed and failed.error == "ToolError: boom" and failed.score == 0.0 and set(failed.mask) == {0}
 
 
@@ -478,7 +482,8 @@ def test_gae_skips_the_environment_s_tokens():
     from models.advantages import gae
 
     g = torch.Generator().manual_seed(0)
-    mask = torch.tensor([[0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0]], dtype=torch.float64)
+    mask = torch.tensor([[0, 0, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0]],
+                        dtype=torch.float64)
     rewards = torch.randn(mask.shape, generator=g, dtype=torch.float64) * mask
     values = torch.randn(mask.shape, generator=g, dtype=torch.float64) * mask
     for gamma, lam in ((1.0, 0.95), (0.9, 0.8)):

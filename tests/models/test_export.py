@@ -51,7 +51,8 @@ def test_a_full_fine_tune_exports_its_weights_in_the_runs_dtype_with_tokenizer_a
                            AutoModelForCausalLM.from_pretrained(base).state_dict()["model.embed_tokens.weight"])
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert tokenizer.chat_template == AutoTokenizer.from_pretrained(base).chat_template
-    assert model.generation_config.eos_token_id == AutoModelForCausalLM.from_pretrained(base).generation_config.eos_token_id
+    base_generation = AutoModelForCausalLM.from_pretrained(base).generation_config
+    assert model.generation_config.eos_token_id == base_generation.eos_token_id
     assert model.generation_config.top_p == 0.8
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "what is 2 plus 3?"}],
                                            add_generation_prompt=True, return_tensors="pt", return_dict=True)

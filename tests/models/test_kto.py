@@ -51,7 +51,8 @@ def test_kto_loss_matches_a_float64_reference(loss_type):
     refs = -20 * torch.rand(B, generator=gen, dtype=F64)
     labels = torch.tensor(LABELS)
     loss, stats = kto_loss(logps, refs, labels, torch.tensor(0.7, dtype=F64), 0.3, loss_type, 1.5, 0.8)
-    assert float(loss.detach()) == pytest.approx(reference(logps.tolist(), refs.tolist(), LABELS, 0.7, 0.3, loss_type, 1.5, 0.8),
+    assert float(loss.detach()) == pytest.approx(reference(logps.tolist(), refs.tolist(), LABELS, 0.7, 0.3, loss_type,
+                                                           1.5, 0.8),
                                         rel=1e-12)
     good = [0.3 * (a - b) for a, b, g in zip(logps.tolist(), refs.tolist(), LABELS) if g]
     bad = [0.3 * (a - b) for a, b, g in zip(logps.tolist(), refs.tolist(), LABELS) if not g]

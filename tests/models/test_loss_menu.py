@@ -263,7 +263,8 @@ def test_each_mismatch_correction_weighs_the_loss_as_its_definition_says(gen, mo
 
 def test_the_mismatch_metrics_are_nemo_rl_s(gen):
     """NeMo-RL's ClippedPGLossFn (nemo_rl/algorithms/loss/loss_functions.py L404-427 @7ea279a): token_mult_prob_error
-    the token mean of exp|log p_gen - log p_train|, gen_kl_error the token mean of k3 of (train - gen): exp(d) - 1 - d."""
+    the token mean of exp|log p_gen - log p_train|, gen_kl_error the token mean of k3 of (train - gen): exp(d) - 1 -
+    d."""
     _, old, _, mask = batch(gen)
     engine = old + 0.2 * torch.randn(old.shape, generator=gen, dtype=F64) * mask
     m = mismatch_metrics(old, engine, mask, "token_truncate", None, 2.0)

@@ -60,7 +60,8 @@ def test_ppo_loss_matches_reference():
 def test_ppo_gradient_sign(log_ratio, adv, expect_grad):
     old = torch.tensor([[-1.0]], dtype=torch.float64)
     logp = (old + log_ratio).clone().requires_grad_(True)
-    loss, stats = ppo_policy_loss(logp, old, torch.tensor([[adv]], dtype=torch.float64), torch.ones(1, 1, dtype=torch.float64))
+    loss, stats = ppo_policy_loss(logp, old, torch.tensor([[adv]], dtype=torch.float64),
+                                  torch.ones(1, 1, dtype=torch.float64))
     loss.backward()
     g = logp.grad.item()
     if expect_grad == "zero":
@@ -103,7 +104,8 @@ def test_reinforce_loss_and_entropy():
     one = torch.zeros(1, 3, dtype=torch.float64)
     bonus, _ = policy_objective(one, one, torch.zeros(1), one + 1, Menu(policy_loss="reinforce", entropy_coef=0.1),
                                 entropy=ent)
-    assert aggregate(bonus, torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64), "token-mean", 1).item() == pytest.approx(-0.2)
+    assert aggregate(bonus, torch.tensor([[1.0, 1.0, 0.0]], dtype=torch.float64), "token-mean",
+                     1).item() == pytest.approx(-0.2)
 
 
 def test_explained_variance():
@@ -155,7 +157,8 @@ def test_weights_of_one_change_nothing():
     old = -torch.rand(2, 4, generator=gen)
     logp, adv, mask = old + 0.1, torch.randn(2, 4, generator=gen), torch.ones(2, 4)
     assert torch.equal(tis_weights(old, old, mask, 2.0), torch.ones(2, 4))
-    assert torch.equal(ppo_policy_loss(logp, old, adv, mask, 0.2, torch.ones(2, 4))[0], ppo_policy_loss(logp, old, adv, mask, 0.2)[0])
+    assert torch.equal(ppo_policy_loss(logp, old, adv, mask, 0.2, torch.ones(2, 4))[0],
+                       ppo_policy_loss(logp, old, adv, mask, 0.2)[0])
 
 
 def test_decoupled_ppo_with_stale_rollouts_matches_a_float64_reference(tiny_models):
@@ -212,7 +215,8 @@ def test_decoupled_ppo_with_stale_rollouts_matches_a_float64_reference(tiny_mode
     behaviour_anchored, _ = ppo_policy_loss(theta.detach(), behaviour, token_adv, mask, eps, w)
     assert abs(behaviour_anchored.item() - loss.item()) > 1e-3
     # REINFORCE (RLOO with clip_eps=None, GRPO, REINFORCE++): -logp * A per token, weighted alike
-    reference = sum(min(math.exp(proximal[b, t].item() - behaviour[b, t].item()), cap) * -theta[b, t].item() * adv[b].item()
+    reference = sum(min(math.exp(proximal[b, t].item() - behaviour[b, t].item()), cap) * -theta[b, t].item()
+                    * adv[b].item()
                     for b in range(len(ro)) for t in range(mask.shape[1]) if mask[b, t]) / n
     assert reinforce_loss(theta, adv, mask, w).item() == pytest.approx(reference, rel=1e-12)
 

@@ -25,7 +25,8 @@ def policy(tiny_models):
 def test_generation_stops_at_eos_and_pads(policy, max_new_tokens):
     prompts = sentiment.prompts(32)
     ids = policy.encode_prompts(prompts)
-    ro = NativeEngine.for_policy(policy).generate(ids, 1, Sampling(max_new_tokens=max_new_tokens), torch.Generator().manual_seed(0))
+    ro = NativeEngine.for_policy(policy).generate(ids, 1, Sampling(max_new_tokens=max_new_tokens),
+                                                  torch.Generator().manual_seed(0))
     eos, pad = policy.eos_id, policy.pad_id
     for i, prompt in enumerate(ids):
         row = ro.tokens[i].tolist()
@@ -47,7 +48,8 @@ def test_generation_stops_at_eos_and_pads(policy, max_new_tokens):
 
 def test_sampling_logprobs_match_recomputation(policy):
     ids = policy.encode_prompts(sentiment.prompts(16))
-    ro = NativeEngine.for_policy(policy).generate(ids, 1, Sampling(max_new_tokens=12, temperature=0.7), torch.Generator().manual_seed(3))
+    ro = NativeEngine.for_policy(policy).generate(ids, 1, Sampling(max_new_tokens=12, temperature=0.7),
+                                                  torch.Generator().manual_seed(3))
     with torch.no_grad():
         logp, entropy = policy.logprobs(ro.tokens, ro.lengths, temperature=0.7, with_entropy=True)
     mask = ro.response_mask
@@ -80,7 +82,8 @@ def policy_tokens(pol):
 
 def test_lora_reference_is_base_model_without_copy(tiny_models):
     base = Policy.load(tiny_models["policy"])
-    lora = Policy.load(tiny_models["policy"], LoraConfig(enabled=True, r=4, alpha=8, target_modules=["c_attn", "c_proj"]))
+    lora = Policy.load(tiny_models["policy"],
+                       LoraConfig(enabled=True, r=4, alpha=8, target_modules=["c_attn", "c_proj"]))
     assert lora.reference is None
     trainable = [n for n, p in lora.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
@@ -177,7 +180,8 @@ def test_a_rollout_from_responses_keeps_pad_out_of_the_response_when_pad_is_eos(
     assert ro.response_mask.sum(1).tolist() == [2, 3, 1] and ro.is_end.tolist() == [True, False, True]
     for i, r in enumerate(responses):  # logprobs sit on the response's actions, nowhere else
         p = len(prompts[i])
-        assert ro.sample_logprobs[i, p - 1:p - 1 + len(r)].tolist() == pytest.approx(ro.sample_logprobs[i][ro.response_mask[i] > 0].tolist())
+        on_actions = ro.sample_logprobs[i][ro.response_mask[i] > 0].tolist()
+        assert ro.sample_logprobs[i, p - 1:p - 1 + len(r)].tolist() == pytest.approx(on_actions)
         assert (ro.sample_logprobs[i][ro.response_mask[i] == 0] == 0).all()
     stops = torch.tensor([eos])
     check_samples([[11, eos], [12, 13, 14]], [[-1.0, -1.0], [-1.0] * 3], [True, False], stops, max_new_tokens=3)
@@ -207,7 +211,8 @@ def test_engine_weights_of_lora_are_the_merged_model_and_leave_the_actor_untouch
     peft's merge_and_unload gives; the actor (and its adapters-disabled reference) is not modified."""
     import copy
 
-    lora = Policy.load(tiny_models["policy"], LoraConfig(enabled=True, r=4, alpha=8, target_modules=["c_attn", "c_proj"]))
+    lora = Policy.load(tiny_models["policy"],
+                       LoraConfig(enabled=True, r=4, alpha=8, target_modules=["c_attn", "c_proj"]))
     with torch.no_grad():
         for n, p in lora.model.named_parameters():
             if "lora_B" in n:

@@ -84,7 +84,8 @@ def test_a_flow_runs_parameters_merge_over_its_deployment_s_unless_they_name_ano
     partial = merge_parameters(deployment, {"config": {"iterations": 3}, "deploy": {"actor": {"nproc_per_node": 2}}})
     cfg = from_layers({**partial["config"], "deploy": partial["deploy"]})
     assert (cfg.preset, cfg.reinforce.optim.lr, cfg.iterations) == ("tiny", TINY_LR, 3)
-    assert (cfg.deploy.critic.launch, cfg.deploy.state_dir, cfg.deploy.actor.nproc_per_node) == ("in_process", "/tmp/s", 2)
+    assert (cfg.deploy.critic.launch, cfg.deploy.state_dir, cfg.deploy.actor.nproc_per_node) == ("in_process", "/tmp/s",
+                                                                                                 2)
     own = merge_parameters(deployment, {"config": {"preset": "none", "model": {"policy": "acme/qwen"}},
                                         "deploy": {"placement": "local"}})
     cfg = from_layers({**own["config"], "deploy": own["deploy"]})
@@ -186,7 +187,8 @@ def test_config_describe_all_prints_every_field_with_its_description_and_describ
 
 
 @pytest.mark.parametrize("what, field", [("deploy", "actor.nproc_per_node"), ("pipeline", "dpo.beta"),
-                                         ("sft", "sft.epochs"), ("reward-model", "reward_model.center_rewards_coefficient"),
+                                         ("sft", "sft.epochs"),
+                                         ("reward-model", "reward_model.center_rewards_coefficient"),
                                          ("dpo", "dpo.loss_type"), ("eval", "eval.samples_per_prompt"),
                                          ("sweep", "metric")])
 def test_config_describe_covers_every_config(what, field):

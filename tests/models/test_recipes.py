@@ -12,7 +12,8 @@ from models.config import RLHFConfig, preset
 
 pytestmark = pytest.mark.fast
 
-EXPECTED = {  # (estimator, scale_rewards, policy loss, ratio level, aggregation, eps, eps_high, beta, KL place, estimator)
+# (estimator, scale_rewards, policy loss, ratio level, aggregation, eps, eps_high, beta, KL place, estimator)
+EXPECTED = {
     "ppo": ("gae", "group", "ppo", "token", "token-mean", 0.2, 0.2, 0.01, "reward", "k1"),
     "rloo": ("rloo", "group", "ppo", "token", "token-mean", 0.2, 0.2, 0.01, "reward", "k1"),
     "grpo": ("grpo", "group", "ppo", "token", "seq-mean-token-mean", 0.2, 0.2, 0.04, "loss", "k3"),

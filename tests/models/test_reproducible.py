@@ -27,8 +27,10 @@ RUNS = itertools.count()
 CASES = {  # name: (the run's fields, resumed after iteration k or None: run twice only)
     "rloo": ({"algorithm": "rloo"}, 1),
     "ppo": ({"algorithm": "ppo"}, 2),
-    "grpo-dynamic-sampling": ({"algorithm": "grpo", "loss.dynamic_sampling": True, "data.prompts": "builtin:sentiment_target",
-                               "reward.source": "function", "reward.function": "tests.models.bad_rewards:half_constant_reward"}, 1),
+    "grpo-dynamic-sampling": ({"algorithm": "grpo", "loss.dynamic_sampling": True,
+                               "data.prompts": "builtin:sentiment_target",
+                               "reward.source": "function",
+                               "reward.function": "tests.models.bad_rewards:half_constant_reward"}, 1),
     "rloo-adaptive-kl": ({"algorithm": "rloo", "kl.adaptive": True, "kl.beta": 0.05, "kl.target": 0.5}, 2),
     "ppo-2-ranks": ({"algorithm": "ppo", "deploy.actor.nproc_per_node": 2}, None),
     "rloo-2-ranks": ({"algorithm": "rloo", "deploy.actor.nproc_per_node": 2}, None),
@@ -45,7 +47,8 @@ CASES = {  # name: (the run's fields, resumed after iteration k or None: run twi
 
 
 def run_cfg(tiny_models, tmp_path, **overrides):
-    base = {"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "model.reward": tiny_models["reward"],
+    base = {"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"],
+            "model.reward": tiny_models["reward"],
             "deploy.critic.launch": "in_process", "deploy.reward.launch": "in_process", "seed": 7, "iterations": 3,
             "checkpoint.every": 1, "deploy.tracking.system_metrics": False, "run_name": f"repro-{next(RUNS)}"}
     return preset("tiny", **{**base, **overrides})

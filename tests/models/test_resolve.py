@@ -302,7 +302,8 @@ def test_a_job_resolves_each_source_once_and_what_it_hands_on_resolves_nothing(h
     assert critic.path == policy.path and critic.files == policy.files and critic.details["commit"] == hub["main"]
     received = RLHFConfig.model_validate_json(cfg.model_dump_json())
     assert prepare_run(received) == received and counted == [POLICY]
-    assert received.local_path("model.critic") == str(hub["cache"] / "models--acme--tiny-qwen" / "snapshots" / hub["main"])
+    snapshot = hub["cache"] / "models--acme--tiny-qwen" / "snapshots" / hub["main"]
+    assert received.local_path("model.critic") == str(snapshot)
 
 
 def test_a_pinned_config_loads_where_the_resolver_could_not(hub, tmp_path, monkeypatch):

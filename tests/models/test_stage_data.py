@@ -67,7 +67,8 @@ def test_long_rows_are_cut_or_dropped_and_counted(tokenizer):
     found = load_sequences(resolve_data("builtin:sentiment_sft", "sft.data"), "test", tokenizer, max_length=8)
     assert all(len(ids) <= 8 for ids in found.ids) and found.truncated > 0
     assert all(p < 8 for p in found.prompt_lengths)  # a row whose prompt fills max_length is dropped, not kept
-    pairs = load_pairs(resolve_data("builtin:sentiment_preference", "reward_model.data"), "test", tokenizer, max_length=12)
+    pairs = load_pairs(resolve_data("builtin:sentiment_preference", "reward_model.data"), "test", tokenizer,
+                       max_length=12)
     assert pairs.dropped > 0 and all(max(len(c), len(r)) <= 12 for c, r in zip(pairs.chosen, pairs.rejected))
     assert longest <= 64  # the tiny model's position limit holds every builtin row
 
@@ -92,14 +93,16 @@ def test_bad_rows_are_refused_naming_the_field_and_the_row(tmp_path, tokenizer, 
     with pytest.raises(DataError, match=r"reward_model.data: '.*a.jsonl' lacks the column\(s\) \['prompt', 'chosen', "
                                         r"'rejected'\]"):
         load_pairs(resolve_data(str(tmp_path / "a.jsonl"), "reward_model.data"), "train", tokenizer)
-    (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "p", "chosen": " a", "rejected": " b", "margin": "x"}) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"prompt": "p", "chosen": " a", "rejected": " b", "margin": "x"})
+                                      + "\n")
     with pytest.raises(DataError, match=r"row 0 of .*'margin' must be a number, got 'x'"):
         load_pairs(resolve_data(str(tmp_path / "b.jsonl"), "reward_model.data"), "train", tokenizer)
     talk = [{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}]
     (tmp_path / "c.jsonl").write_text(json.dumps({"messages": talk}) + "\n")
     with pytest.raises(DataError, match=r"row 0 of .*a conversation ending with an assistant turn"):
         load_sequences(resolve_data(str(tmp_path / "c.jsonl"), "sft.data"), "train", chat_tokenizer)
-    (tmp_path / "d.jsonl").write_text(json.dumps({"messages": talk[:1] + [{"role": "assistant", "content": "x"}]}) + "\n")
+    (tmp_path / "d.jsonl").write_text(json.dumps({"messages": talk[:1] + [{"role": "assistant", "content": "x"}]})
+                                      + "\n")
     with pytest.raises(DataError, match=r"holds chat messages, but the tokenizer has no chat template"):
         load_sequences(resolve_data(str(tmp_path / "d.jsonl"), "sft.data"), "train", tokenizer)
     with pytest.raises(DataError, match=r"builtin:sentiment_sft has no split 'validation'"):
@@ -131,7 +134,8 @@ def test_the_rows_digest_is_the_rows_not_the_file(tmp_path):
     datasets.Dataset.from_list(changed).to_json(str(tmp_path / "q.jsonl"))
     assert rows_digest(resolve_data(str(tmp_path / "q.jsonl"), "reward_model.data"), "train") != digest
     datasets.Dataset.from_list(rows[::-1]).to_json(str(tmp_path / "r.jsonl"))
-    assert rows_digest(resolve_data(str(tmp_path / "r.jsonl"), "reward_model.data"), "train") != digest  # order is data too
+    # order is data too
+    assert rows_digest(resolve_data(str(tmp_path / "r.jsonl"), "reward_model.data"), "train") != digest
 
 
 def test_sft_loss_of_the_policy_matches_a_float64_reference(tiny_models, tokenizer):

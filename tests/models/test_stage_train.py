@@ -24,7 +24,8 @@ def test_scores_are_read_at_the_last_real_token_when_pad_is_eos(tiny_models):
         alone = torch.cat([scorer.scores(torch.tensor([r]), torch.tensor([len(r)])) for r in rows])
         inference = reward_model_scores(scorer.model, tokens, lengths)
         scorer.model.config.pad_token_id = eos  # HF's own pooling with pad = EOS
-        naive = scorer.model(input_ids=tokens, attention_mask=(torch.arange(tokens.shape[1]) < lengths[:, None]).long()).logits.squeeze(-1)
+        mask = (torch.arange(tokens.shape[1]) < lengths[:, None]).long()
+        naive = scorer.model(input_ids=tokens, attention_mask=mask).logits.squeeze(-1)
         again = scorer.scores(tokens, lengths)  # whatever pad id the config names, the same scores
     assert torch.allclose(ours, alone, atol=1e-5) and torch.allclose(ours, inference, atol=1e-5)
     assert not torch.allclose(ours, naive, atol=1e-3)  # the pitfall is real on this batch
@@ -48,7 +49,8 @@ def test_the_reward_model_trainer_shards_with_the_actors_mixed_precision_policy(
         scorer = Scorer.load(tiny_models["reward"], None, "bfloat16", torch.device("cpu"), shard=True)
         assert scorer.sharded and {p.dtype for p in scorer.model.parameters()} == {torch.float32}
         seen = []
-        linear = next(m for m in scorer.model.modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D")
+        linear = next(m for m in scorer.model.modules() if isinstance(m, torch.nn.Linear)
+                      or type(m).__name__ == "Conv1D")
         linear.register_forward_pre_hook(lambda module, args: seen.append(module.weight.dtype))
         tokens, lengths = torch.tensor([[5, 17, 30, 42, 8]]), torch.tensor([5])
         scorer.scores(tokens, lengths).sum().backward()

@@ -23,7 +23,8 @@ RUNS = itertools.count()
 def tiny_cfg(tiny_models, tmp_path, **overrides):
     """A run of the embedded default in this process (critic and reward model in process, as `rlhf train`), its own
     name, the module's state directory; what it reads pinned, as a job pins it (models/resolve.py)."""
-    base = {"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"], "model.reward": tiny_models["reward"],
+    base = {"deploy.state_dir": str(tmp_path), "model.policy": tiny_models["policy"],
+            "model.reward": tiny_models["reward"],
             "deploy.critic.launch": "in_process", "deploy.reward.launch": "in_process",
             "deploy.tracking.system_metrics": False, "run_name": f"steps-{next(RUNS)}"}
     return pin(preset("tiny", **{**base, **overrides}))
@@ -80,9 +81,10 @@ def test_on_policy_distillation_closes_half_the_gap_to_a_teacher_trained_by_rl(t
 def test_learns_from_a_reward_model_of_another_tokenizer(tiny_models, tiny_reward_chars, tmp_path, algorithm):
     """model.reward=reward-chars (characters, not the policy's words): rewards go as text (for PPO, through the
     critic's resident reward model; the critic is tiny/critic, which reads the policy's tokens), the scores are
-    reward-chars' own, and both algorithms learn by the margin of test_learns_the_shipped_task. RLOO's 12-iteration run through reward-chars is made once, by
-    tests/flows/test_deployments.py (the same config and seed, scored by a reward server), which asserts its learning
-    and its scores; here RLOO runs 2 iterations in process, for the in-process text path."""
+    reward-chars' own, and both algorithms learn by the margin of test_learns_the_shipped_task. RLOO's 12-iteration run
+    through reward-chars is made once, by tests/flows/test_deployments.py (the same config and seed, scored by a reward
+    server), which asserts its learning and its scores; here RLOO runs 2 iterations in process, for the in-process text
+    path."""
     iterations = 12 if algorithm == "ppo" else 2
     cfg = tiny_cfg(tiny_models, tmp_path, algorithm=algorithm, iterations=iterations, seed=0,
                    **{"model.reward": tiny_reward_chars, "model.critic": tiny_models["critic"]})
@@ -99,14 +101,16 @@ def test_learns_from_a_reward_model_of_another_tokenizer(tiny_models, tiny_rewar
 def test_same_seed_same_first_iteration(tiny_models, tmp_path, algorithm):
     """The same seed gives the same first iteration, another seed another one; PPO and RLOO log the same names for
     the same quantities (TRL's), PPO its critic's besides."""
-    runs = [train_in_process(tiny_cfg(tiny_models, tmp_path, algorithm=algorithm, iterations=1, seed=7))[0] for _ in range(2)]
+    runs = [train_in_process(tiny_cfg(tiny_models, tmp_path, algorithm=algorithm, iterations=1, seed=7))[0]
+            for _ in range(2)]
     other = train_in_process(tiny_cfg(tiny_models, tmp_path, algorithm=algorithm, iterations=1, seed=8))[0]
     keys = [k for k in runs[0] if not k.startswith(NON_DETERMINISTIC)]
     assert {k: runs[0][k] for k in keys} == {k: runs[1][k] for k in keys}
     assert runs[0]["reward"] != other["reward"]
     shared = {"objective/kl", "objective/entropy", "reward", "objective/gold_reward", "objective/rlhf_reward",
               "objective/non_score_reward", "policy/approxkl_avg", "entropy", "loss",
-              "completions/clipped_ratio", "completions/mean_length", "learning_rate", "episode", "time/generate", "time/reference",
+              "completions/clipped_ratio", "completions/mean_length", "learning_rate", "episode", "time/generate",
+              "time/reference",
               "time/train", "step_time"}
     assert shared <= set(runs[0])
     if algorithm == "ppo":
@@ -205,7 +209,8 @@ def test_a_reward_reading_a_column_learns_and_the_held_out_eval_rises_without_ch
     assert_learned([m["objective/gold_reward"] for m in with_eval])
     assert [i for i, _ in evals] == [0, 4, 8, 12]
     first, last = evals[0][1], evals[-1][1]
-    assert {"eval/reward", "eval/gold_reward", "eval/completions/mean_length", "eval/accuracy", "eval/pass_at_4"} <= set(first)
+    assert {"eval/reward", "eval/gold_reward", "eval/completions/mean_length", "eval/accuracy",
+            "eval/pass_at_4"} <= set(first)
     assert first["eval/samples"] == 160  # the test split: 40 held-out prompts x 4 samples
     assert headroom_closed(first["eval/gold_reward"], last["eval/gold_reward"]) >= 0.2, evals
     assert first["eval/accuracy"] == first["eval/reward"] <= first["eval/pass_at_4"]  # 0/1 samples, any of 4 passes
@@ -220,7 +225,8 @@ def test_eval_metrics_against_a_float64_reference():
     passed = sum(any(scores[i * 4:(i + 1) * 4]) for i in range(3)) / 3
     assert m["eval/pass_at_4"] == pytest.approx(passed) == pytest.approx(2 / 3)
     assert m["eval/accuracy"] == pytest.approx(sum(scores) / 12)
-    assert m["eval/gold_reward"] == pytest.approx(sum(gold) / 12) and m["eval/completions/mean_length"] == pytest.approx(30 / 12)
+    assert m["eval/gold_reward"] == pytest.approx(sum(gold) / 12)
+    assert m["eval/completions/mean_length"] == pytest.approx(30 / 12)
     continuous = eval_metrics(torch.tensor([0.5, 1.0]), None, torch.tensor([1.0, 2.0]), k=1)
     assert "eval/accuracy" not in continuous and "eval/gold_reward" not in continuous  # not a 0/1 reward, no gold
 

@@ -213,7 +213,8 @@ def test_trl_s_advantages_and_mismatch_weights_are_ours(tiny_models):
     engine_t = torch.zeros(N, width)
     for i, row in enumerate(engine):
         engine_t[i, :len(row)] = torch.tensor(row)
-    scores = torch.tensor(reward_a(texts), dtype=torch.float32) + 0.5 * torch.tensor(reward_b(texts), dtype=torch.float32)
+    scores = torch.tensor(reward_a(texts), dtype=torch.float32) + 0.5 * torch.tensor(reward_b(texts),
+                                                                                     dtype=torch.float32)
     truncated = torch.tensor([c[-1] != eos for c in completions])
     for scale, (mode, low, high), masked in itertools.product(
             ["group", "batch", "none"], [("token_truncate", 0.7, 1.3), ("token_mask", 0.7, 1.3),

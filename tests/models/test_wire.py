@@ -43,7 +43,8 @@ def test_what_the_ranks_send_comes_back_as_it_was():
         "transposed": torch.arange(6.0).reshape(2, 3).t(), 7: [{"nested": (torch.ones(2, dtype=torch.bool),)}],
         "rng": torch.ByteTensor(list(range(256))), "nan": float("nan"), "inf": float("-inf"),
         "shape": torch.Size([2, 3]), "numpy": (np.float32(0.5), np.int64(-3), np.bool_(True)),
-        "prompts": Batch(["a", "b"], [{"answer": 1}, {"answer": None}], True, [[{"role": "user", "content": "a"}], "b"])}
+        "prompts": Batch(["a", "b"], [{"answer": 1}, {"answer": None}], True,
+                         [[{"role": "user", "content": "a"}], "b"])}
     back = decode(encode(message), "rank 1")
     assert same({**message, "shape": (2, 3), "numpy": (0.5, -3, True), "prompts": None}, {**back, "prompts": None})
     assert back["prompts"] == message["prompts"]
@@ -85,7 +86,8 @@ def malformed() -> dict[str, torch.Tensor]:
     good = encode({"t": torch.arange(4)})
     return {
         "shorter than its header's length field": torch.zeros(3, dtype=torch.uint8),
-        "its header is not JSON": torch.frombuffer(bytearray((4).to_bytes(8, "little") + b"\xff{[x"), dtype=torch.uint8),
+        "its header is not JSON": torch.frombuffer(bytearray((4).to_bytes(8, "little") + b"\xff{[x"),
+                                                   dtype=torch.uint8),
         "needs 32 bytes, 8 are left": torch.cat([good[:-24]]),
         "8 bytes after its last tensor": torch.cat([good, torch.zeros(8, dtype=torch.uint8)]),
         "is not [dtype, shape]": message({"tree": None, "tensors": [["object", [1]]]}),

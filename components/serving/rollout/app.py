@@ -107,27 +107,40 @@ class GenerateRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    prompt_token_ids: list[list[int]] = Field(min_length=1, description="Prompts as token ids, one list per prompt (no padding).")
+    prompt_token_ids: list[list[int]] = Field(min_length=1,
+                                              description="Prompts as token ids, one list per prompt (no padding).")
     n: int = Field(1, ge=1, description="Samples per prompt.")
-    temperature: float = Field(1.0, ge=0, description="Sampling temperature (logprobs are of the tempered distribution); 0 = greedy.")
+    temperature: float = Field(1.0, ge=0,
+                               description="Sampling temperature (logprobs are of the tempered distribution); 0 = "
+                                           "greedy.")
     top_k: int = Field(0, ge=0, description="Keep the k most likely tokens (0 disables).")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus mass (1.0 disables).")
     max_new_tokens: int = Field(16, ge=1, description="Longest response in tokens.")
     stop_token_ids: list[int] = Field(default_factory=list, description="Token ids that end a response (kept in it).")
-    seed: Optional[int] = Field(None, ge=0, description="Seed of this request's sampling: sample j of prompt i uses seed + i * n + j (every sample its own stream).")
-    expected_version: Optional[int] = Field(None, description="Refuse (409) unless the engine holds this weights version.")
-    run: str = Field(min_length=1, description="The caller's run token: refused (409) when the server is bound to another run.")
+    seed: Optional[int] = Field(None, ge=0,
+                                description="Seed of this request's sampling: sample j of prompt i uses seed + i * n + "
+                                            "j (every sample its own stream).")
+    expected_version: Optional[int] = Field(None,
+                                            description="Refuse (409) unless the engine holds this weights version.")
+    run: str = Field(min_length=1,
+                     description="The caller's run token: refused (409) when the server is bound to another run.")
 
 
 class InitRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     run: str = Field(min_length=1, description="The caller's run token (binds an unbound server).")
-    master_address: str = Field(description="Host of the trainer's TCPStore (the trainer is rank 0 of the group): the trainer address this server was started with (--trainer-host), nothing else.")
+    master_address: str = Field(description="Host of the trainer's TCPStore (the trainer is rank 0 of the group): the "
+                                            "trainer address this server was started with (--trainer-host), nothing "
+                                            "else.")
     master_port: int = Field(ge=1, le=65535, description="Port of the trainer's TCPStore.")
     backend: str = Field("gloo", pattern="^(gloo|nccl)$", description="torch.distributed backend of the group.")
-    timeout_s: float = Field(600.0, gt=0, le=3600, description="How long a collective of the group may wait (joining the store: at most 30 s).")
-    world_size: int = Field(2, ge=2, description="The group's size: the trainer and this server's workers (1 + tensor_parallel_size).")
+    timeout_s: float = Field(600.0, gt=0, le=3600,
+                             description="How long a collective of the group may wait (joining the store: at most "
+                                         "30 s).")
+    world_size: int = Field(2, ge=2,
+                            description="The group's size: the trainer and this server's workers (1 + "
+                                        "tensor_parallel_size).")
 
 
 class UpdateRequest(BaseModel):
@@ -230,7 +243,8 @@ class ServedModel:
             if list(shape) != list(self.shapes[name]):
                 raise HTTPException(400, f"shapes: {name} has shape {list(shape)}, the model's is {self.shapes[name]}")
             if dtype not in WIRE_DTYPES:
-                raise HTTPException(400, f"dtype_names: {name} has dtype {dtype}, expected one of {sorted(WIRE_DTYPES)}")
+                raise HTTPException(400,
+                                    f"dtype_names: {name} has dtype {dtype}, expected one of {sorted(WIRE_DTYPES)}")
 
     @property
     def max_upload_bytes(self) -> int:
@@ -266,7 +280,9 @@ class ServedModel:
                                          f"{req.max_new_tokens} exceed max_model_len {self.max_model_len}")
         bad_stop = [t for t in req.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad_stop:
-            raise HTTPException(400, f"stop_token_ids: token id {bad_stop[0]} is outside the vocabulary [0, {self.vocab_size})")
+            raise HTTPException(400,
+                                f"stop_token_ids: token id {bad_stop[0]} is outside the vocabulary [0, "
+                                f"{self.vocab_size})")
         # one SamplingParams per prompt: vLLM seeds sample j of a request with seed + j, so one seed for all prompts
         # would give sample j of every prompt the same random stream (correlated samples across the batch)
         params = [SamplingParams(n=req.n, temperature=req.temperature, top_k=req.top_k or -1, top_p=req.top_p,
@@ -401,7 +417,8 @@ class ServedModel:
             self.llm.collective_rpc("start_weight_update")
             try:
                 self.llm.collective_rpc("update_weights", args=(
-                    {"names": req.names, "dtype_names": req.dtype_names, "shapes": req.shapes, "ready_key": ready_key},))
+                    {"names": req.names, "dtype_names": req.dtype_names, "shapes": req.shapes,
+                     "ready_key": ready_key},))
                 try:
                     digests = expected.result(timeout=self.group_timeout_s)
                 except FutureTimeout:
@@ -474,7 +491,8 @@ class Guard:
         if (scope["method"], scope["path"]) == ("GET", PROOF_PATH):
             challenge = headers.get(CHALLENGE_HEADER.encode(), b"").decode("latin-1")
             status, extra, detail = answer_proof(self.keys, "rollout", challenge)
-            return await _answer(send, scope["path"], status, detail, {k.encode(): v.encode() for k, v in extra.items()})
+            return await _answer(send, scope["path"], status, detail,
+                                 {k.encode(): v.encode() for k, v in extra.items()})
         refused = self.verifier.check(scope["method"], scope["path"],
                                       headers.get(b"authorization", b"").decode("latin-1") or None)
         if refused:
@@ -488,7 +506,8 @@ class Guard:
             limit = self.max_upload if scope["path"] == "/update_weights" else self.max_body
             if int(length) > limit:
                 what = "the model's weights" if scope["path"] == "/update_weights" else "deploy.rollout.max_body_mib"
-                return await _answer(send, scope["path"], 413, f"content-length: {int(length)} bytes exceed this endpoint's limit "
+                return await _answer(send, scope["path"], 413,
+                                     f"content-length: {int(length)} bytes exceed this endpoint's limit "
                                                 f"of {limit} ({what})")
         if not self.in_flight.enter():
             return await _answer(send, scope["path"], 503, f"busy: {self.in_flight.limit} of the run's requests are "
@@ -521,7 +540,8 @@ def build_app(served: ServedModel, secret: str, max_body: int = 32 << 20, body_t
         return served.generate(req)
 
     @app.post("/update_weights")
-    async def update_weights(request: Request, version: int = Query(..., ge=1), run: str = Query(..., min_length=1)) -> dict:
+    async def update_weights(request: Request, version: int = Query(..., ge=1),
+                             run: str = Query(..., min_length=1)) -> dict:
         served.check_update(run, version)  # before reading the body
         if served.tensor_parallel_size > 1:
             raise HTTPException(409, f"update_weights: this server's model is sharded over "

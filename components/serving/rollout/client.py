@@ -3,8 +3,8 @@ torch.distributed group. It is the `RolloutServer` that models/engines/vllm.py s
 
 The server proves it holds the run's secret on every new connection before anything is sent on it, and every request
 is signed with the run's key (components/handshake.py: the secret never crosses the wire; the server refuses
-anyone else); requests carry the run's token (`run`): the server serves the run that first sent it weights and refuses any
-other (409, naming both). Weights go as the server's next version; the server answers with the version it applied.
+anyone else); requests carry the run's token (`run`): the server serves the run that first sent it weights and refuses
+any other (409, naming both). Weights go as the server's next version; the server answers with the version it applied.
 
 Weight transfer (`rollout.vllm.weight_transfer`), one tensor at a time in the actor's Hugging Face names, the tied
 lm_head included:
@@ -99,7 +99,8 @@ class RolloutClient:
 
 
 def weight_bytes(weights: Weights) -> int:
-    return sum(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size() for _, dtype, shape in weights.specs)
+    return sum(torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+               for _, dtype, shape in weights.specs)
 
 
 def safetensors_header(weights: Weights) -> bytes:
@@ -107,9 +108,11 @@ def safetensors_header(weights: Weights) -> bytes:
     entries, offset = {}, 0
     for name, dtype, shape in weights.specs:
         if dtype not in SAFETENSORS_DTYPES:
-            raise ValueError(f"weights: {name} has dtype {dtype}; the transfer sends {sorted(map(str, SAFETENSORS_DTYPES))}")
+            raise ValueError(f"weights: {name} has dtype {dtype}; the transfer sends "
+                             f"{sorted(map(str, SAFETENSORS_DTYPES))}")
         size = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-        entries[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        entries[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                         "data_offsets": [offset, offset + size]}
         offset += size
     header = json.dumps(entries, separators=(",", ":")).encode()
     header += b" " * (-len(header) % 8)
@@ -122,7 +125,8 @@ def safetensors_stream(weights: Weights) -> Iterator[bytes]:
     yield safetensors_header(weights)
     for (name, dtype, shape), tensor in zip(weights.specs, weights.tensors):
         if tensor.dtype != dtype or tuple(tensor.shape) != tuple(shape):
-            raise ValueError(f"weights: {name} came as {tensor.dtype} {tuple(tensor.shape)}, announced as {dtype} {tuple(shape)}")
+            raise ValueError(f"weights: {name} came as {tensor.dtype} {tuple(tensor.shape)}, announced as {dtype} "
+                             f"{tuple(shape)}")
         data = tensor.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy()
         for start in range(0, len(data), CHUNK):
             yield data[start:start + CHUNK].tobytes()

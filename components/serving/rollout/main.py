@@ -60,7 +60,8 @@ def exit_with_parent(poll_s: float = 1.0, grace_s: float = 10.0) -> None:
             time.sleep(poll_s)
         log.error(f"the run process {parent} that started this server is gone: stopping")
         group = os.getpgid(0)
-        target = (lambda sig: os.killpg(group, sig)) if group == os.getpid() else (lambda sig: os.kill(os.getpid(), sig))
+        target = ((lambda sig: os.killpg(group, sig)) if group == os.getpid()
+                  else (lambda sig: os.kill(os.getpid(), sig)))
         target(signal.SIGTERM)
         time.sleep(grace_s)
         target(signal.SIGKILL)
@@ -97,17 +98,24 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--enforce-eager", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs the model is sharded over.")
-    parser.add_argument("--instance", default="", help="Nonce echoed by /health (the launcher checks it reached its own server).")
-    parser.add_argument("--cpu-cores", default=None, help="Cores every thread of this process runs on, e.g. 1 or 2-3,6.")
-    parser.add_argument("--trainer-host", default="127.0.0.1", help="The one address POST /weights/init may name (the trainer's).")
+    parser.add_argument("--instance", default="",
+                        help="Nonce echoed by /health (the launcher checks it reached its own server).")
+    parser.add_argument("--cpu-cores", default=None,
+                        help="Cores every thread of this process runs on, e.g. 1 or 2-3,6.")
+    parser.add_argument("--trainer-host", default="127.0.0.1",
+                        help="The one address POST /weights/init may name (the trainer's).")
     parser.add_argument("--max-request-sequences", type=int, default=4096, help="Cap on prompts x n per /generate.")
-    parser.add_argument("--max-request-tokens", type=int, default=1 << 23, help="Cap on prompts x n x max_new_tokens per /generate.")
-    parser.add_argument("--max-body-mib", type=int, default=32, help="Largest JSON body; a weight upload is bounded by the model's size.")
-    parser.add_argument("--body-timeout-s", type=float, default=60.0, help="An upload that sends nothing for this long is dropped.")
+    parser.add_argument("--max-request-tokens", type=int, default=1 << 23,
+                        help="Cap on prompts x n x max_new_tokens per /generate.")
+    parser.add_argument("--max-body-mib", type=int, default=32,
+                        help="Largest JSON body; a weight upload is bounded by the model's size.")
+    parser.add_argument("--body-timeout-s", type=float, default=60.0,
+                        help="An upload that sends nothing for this long is dropped.")
     parser.add_argument("--max-in-flight", type=int, default=64, help="The run's requests served at once (503 beyond).")
     parser.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
                         help="Open connections at most: one more closes the longest idle one.")
-    parser.add_argument("--idle-s", type=float, default=IDLE_S, help="A connection without a request this long is closed.")
+    parser.add_argument("--idle-s", type=float, default=IDLE_S,
+                        help="A connection without a request this long is closed.")
     args = parser.parse_args(argv)
     if args.cpu_cores:  # before any worker thread starts: the threads started later inherit it
         pin_to_cores(args.cpu_cores)

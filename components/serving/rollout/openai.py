@@ -241,18 +241,21 @@ class OpenAIEndpoints:
                                                   for c in parsed.tool_calls])
             called = bool(message.tool_calls) and out.finish_reason == "stop"
             choices.append(ChatCompletionResponseChoice(
-                index=out.index, message=message, finish_reason="tool_calls" if called else (out.finish_reason or "stop"),
+                index=out.index, message=message,
+                finish_reason="tool_calls" if called else (out.finish_reason or "stop"),
                 stop_reason=out.stop_reason, token_ids=ids if req.return_token_ids else None,
                 logprobs=self.chat_logprobs(ids, out.logprobs, req.top_logprobs, req.return_tokens_as_token_ids)
                 if req.logprobs else None, **extra))
         usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=generated, total_tokens=len(prompt) + generated)
-        answer = ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=self.model_id,
+        answer = ChatCompletionResponse(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()),
+                                        model=self.model_id,
                                         choices=choices, usage=usage,
                                         prompt_token_ids=prompt if req.return_token_ids else None,
                                         weights_version=version)
         return answer.model_dump(), version
 
-    def chat_logprobs(self, ids: list[int], steps, top: Optional[int], as_ids: Optional[bool]) -> ChatCompletionLogProbs:
+    def chat_logprobs(self, ids: list[int], steps, top: Optional[int],
+                      as_ids: Optional[bool]) -> ChatCompletionLogProbs:
         """vLLM's chat logprobs: per sampled token its text, logprob and UTF-8 bytes, and the `top` most likely."""
         def text(token_id, logprob) -> str:
             if as_ids:

@@ -1,10 +1,10 @@
 """The `dist` weight transfer of the rollout server (`rollout.vllm.weight_transfer`): vLLM's own weight-transfer API
 (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`, `finish_weight_update`) with a backend of
 ours registered in its factory: a torch.distributed group (gloo on CPU, NCCL where the engine is on a GPU) of actor
-rank 0 and the engine's workers (one per tensor-parallel shard), which rank 0 broadcasts the tensors to one at a time; each is loaded as it arrives (vLLM's own backends need CUDA
-on both ends and vLLM on the trainer's side, which has none). Tensors come in the actor's Hugging Face names with a
-tied lm_head included (without it vLLM silently keeps the old head). The trainer's side: components/serving/rollout/
-client.py.
+rank 0 and the engine's workers (one per tensor-parallel shard), which rank 0 broadcasts the tensors to one at a time;
+each is loaded as it arrives (vLLM's own backends need CUDA on both ends and vLLM on the trainer's side, which has
+none). Tensors come in the actor's Hugging Face names with a tied lm_head included (without it vLLM silently keeps the
+old head). The trainer's side: components/serving/rollout/client.py.
 
 The group admits the run's processes only: the worker joins the trainer's store with the run's secret (its
 environment: $RLHF_RUN_SECRET or $RLHF_RUN_SECRET_FILE) and proves it, and checks the trainer's proof, before any

@@ -80,7 +80,8 @@ class TritonHTTP:
         self.retries, self.retry_wait_s = retries, retry_wait_s
         self._http = run_client(secret if secret is not None else read_secret(), "triton",
                                 limits=httpx.Limits(max_connections=max_workers + 2),
-                                base_url=f"http://{self.url}", timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
+                                base_url=f"http://{self.url}",
+                                timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
         self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix=name)
         self._pending: set[Future] = set()
         self._pending_lock = threading.Lock()
@@ -101,8 +102,8 @@ class TritonHTTP:
                 raise TimeoutError(f"{what}: no answer from {self.url} within {self.timeout_s:.0f}s") from exc
             except httpx.TransportError as exc:
                 if not idempotent:
-                    raise ServerUnavailable(f"{what}: the connection to {self.url} broke ({type(exc).__name__}: {exc}); "
-                                            f"not retried (the server may have done it)") from exc
+                    raise ServerUnavailable(f"{what}: the connection to {self.url} broke ({type(exc).__name__}: "
+                                            f"{exc}); not retried (the server may have done it)") from exc
                 failure = exc
             else:
                 if response.status_code != 200:
@@ -272,7 +273,8 @@ class RewardClient:
 
     def score_text(self, prompts: list[str], responses: list[str], columns: list[dict] | None = None) -> Tensor | dict:
         if len(prompts) != len(responses) or not prompts:
-            raise CriticInputError(f"responses: expected as many as prompts (> 0), got {len(responses)} and {len(prompts)}")
+            raise CriticInputError(f"responses: expected as many as prompts (> 0), got {len(responses)} and "
+                                   f"{len(prompts)}")
         if self._max_batch is None:
             self._max_batch = int(self._http.model_config(REWARD_TEXT).get("max_batch_size", 0)) or 1 << 30
         inputs = {name: np.array([[s.encode("utf-8")] for s in texts], dtype=np.object_)
@@ -285,7 +287,8 @@ class RewardClient:
         of reward functions {"scores": [B], "function_rewards": [B, F]} (each function's scores)."""
         scores, each = [], []
         for start in range(0, batch, self._max_batch):
-            out = self._http.infer(model, {name: array[start:start + self._max_batch] for name, array in inputs.items()})
+            out = self._http.infer(model,
+                                   {name: array[start:start + self._max_batch] for name, array in inputs.items()})
             scores.append(out["rewards"].reshape(-1))
             if "function_rewards" in out:
                 each.append(out["function_rewards"].reshape(len(scores[-1]), -1))

@@ -4,13 +4,15 @@ that Triton itself does not make, and ServerSpec, the one JSON document a server
 Wire contract (NeMo-Aligner compatible; tokens right-padded, B = batch, L = sequence length):
     critic_infer  (dynamic batching)  tokens int64 [B,L], sequence_lengths int64 [B,1]; NeMo-Aligner's optional
                                       sentences BYTES / add_EOS BOOL are declared and refused by name (REFUSED_INFER)
-                                      -> values float32 [B,L] (+ rewards float32 [B,1] when the reward model is combined)
+                                      -> values float32 [B,L] (+ rewards float32 [B,1] when the reward model is
+                                      combined)
     critic_train  (no batching)       tokens int64 [B,L], returns/prev_values/mask float32 [B,L], or [B,L-1] per
                                       action as NeMo-Aligner's client sends them (models.critic.train_arrays)
                                       -> loss_mean, grad_norm, explained_variance, clipfrac, lr, skipped_steps
                                       float32 [1]; step int64 [1]. At most deploy.critic.max_train_rows rows;
                                       |returns|, |prev_values| <= models.critic.VALUE_BOUND (refused naming the tensor)
-    critic_save   (no batching)       dummy_var int64 [1] -> status int64 [1] (0 = saved), step int64 [1], path bytes [1]
+    critic_save   (no batching)       dummy_var int64 [1] -> status int64 [1] (0 = saved), step int64 [1],
+                                      path bytes [1]
     reward_model  (dynamic batching)  tokens, sequence_lengths (+ optional prompt_lengths int64 [B,1])
                                       -> rewards float32 [B,1]
     reward_text   (dynamic batching)  prompts BYTES [B,1], responses BYTES [B,1] (UTF-8)
@@ -149,7 +151,8 @@ def check_prompt_lengths(prompt_lengths: np.ndarray, lengths: np.ndarray) -> np.
         raise CriticInputError(f"prompt_lengths: expected dtype int64, got {prompt_lengths.dtype}")
     flat = prompt_lengths.reshape(-1)
     if prompt_lengths.shape != (lengths.shape[0], 1) and prompt_lengths.shape != lengths.shape:
-        raise CriticInputError(f"prompt_lengths: expected shape [{lengths.shape[0]}, 1], got {list(prompt_lengths.shape)}")
+        raise CriticInputError(f"prompt_lengths: expected shape [{lengths.shape[0]}, 1], got "
+                               f"{list(prompt_lengths.shape)}")
     if (flat < 0).any() or (flat > lengths).any():
         raise CriticInputError("prompt_lengths: every prompt length must be in [0, sequence_length]")
     return flat
@@ -192,7 +195,8 @@ def _tensor(name: str, dtype, shape, optional: bool = False):
 
 
 def critic_specs(combine_reward: bool, max_batch_size: int, max_queue_delay_us: int) -> list[ModelSpec]:
-    infer_out = [_tensor("values", np.float32, (-1,))] + ([_tensor("rewards", np.float32, (1,))] if combine_reward else [])
+    infer_out = [_tensor("values", np.float32, (-1,))] \
+        + ([_tensor("rewards", np.float32, (1,))] if combine_reward else [])
     return [
         ModelSpec(CRITIC_INFER, [_tensor("tokens", np.int64, (-1,)), _tensor("sequence_lengths", np.int64, (1,)),
                                  _tensor("sentences", bytes, (-1,), optional=True),
@@ -210,7 +214,8 @@ def critic_specs(combine_reward: bool, max_batch_size: int, max_queue_delay_us: 
 def reward_outputs(functions: bool) -> list:
     """`rewards` [B,1]; a server of reward functions also answers `function_rewards` [B,F]: each function's score
     (in reward.functions order), whose weighted sum `rewards` is."""
-    return [_tensor("rewards", np.float32, (1,))] + ([_tensor("function_rewards", np.float32, (-1,))] if functions else [])
+    return [_tensor("rewards", np.float32, (1,))] \
+        + ([_tensor("function_rewards", np.float32, (-1,))] if functions else [])
 
 
 def reward_specs(max_batch_size: int, max_queue_delay_us: int, functions: bool = False) -> list[ModelSpec]:
@@ -222,7 +227,8 @@ def reward_specs(max_batch_size: int, max_queue_delay_us: int, functions: bool =
 
 
 def teacher_spec(max_batch_size: int, max_queue_delay_us: int) -> ModelSpec:
-    return ModelSpec(TEACHER_LOGPROBS, [_tensor("tokens", np.int64, (-1,)), _tensor("sequence_lengths", np.int64, (1,))],
+    return ModelSpec(TEACHER_LOGPROBS,
+                     [_tensor("tokens", np.int64, (-1,)), _tensor("sequence_lengths", np.int64, (1,))],
                      [_tensor("logprobs", np.float32, (-1,))], True, max_batch_size, max_queue_delay_us)
 
 
@@ -251,9 +257,11 @@ class ServerSpec(BaseModel):
     config: RLHFConfig = Field(default_factory=RLHFConfig)
     host: str = Field("127.0.0.1", description="Interface the server's HTTP front binds.")
     port: int = Field(8400, ge=1, le=65535, description="The server's HTTP port.")
-    checkpoint_dir: Optional[str] = Field(None, description="critic: where critic_save writes; a save there is resumed.")
+    checkpoint_dir: Optional[str] = Field(None,
+                                          description="critic: where critic_save writes; a save there is resumed.")
     checkpoint_uri: Optional[str] = Field(None, description="critic: the run's checkpoint store; each save is also "
-                                          f"uploaded to <uri>/{PENDING_PREFIX}/step-<k> for the next checkpoint to adopt.")
+                                          f"uploaded to <uri>/{PENDING_PREFIX}/step-<k> for the next checkpoint to "
+                                          "adopt.")
     restore_iteration: Optional[int] = Field(None, ge=0, description="critic: start from iter_<N>/critic of the "
                                              "store at checkpoint_uri (a fresh node resuming a run).")
     max_batch_size: int = Field(256, ge=1, description="Largest batch Triton accepts and forms by dynamic batching.")

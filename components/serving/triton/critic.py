@@ -112,7 +112,8 @@ def load_critic(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], obj
     > 1), build the critic on every rank, and bind the callables (which tell the other ranks what to run)."""
     cfg = spec.config
     if cfg.critic_carries_reward and not cfg.model.reward:
-        raise ValueError("critic server: combining rewards needs a reward model (model.reward) or critic.combine_reward=false")
+        raise ValueError("critic server: combining rewards needs a reward model (model.reward) or "
+                         "critic.combine_reward=false")
     store = None
     if spec.checkpoint_uri:
         store = CheckpointStore.from_uri(spec.checkpoint_uri, s3_endpoint_url=cfg.deploy.checkpoint.s3_endpoint_url)
@@ -131,7 +132,8 @@ def load_critic(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], obj
              if trainer.reward_model is not None else "not loaded")
     if trainer.warning:
         LOG.warning(trainer.warning)
-    bindings = CriticCallables(trainer, store, cfg.deploy.critic.max_train_rows).bindings(spec.max_batch_size, cfg.deploy.critic.max_queue_delay_us)
+    callables = CriticCallables(trainer, store, cfg.deploy.critic.max_train_rows)
+    bindings = callables.bindings(spec.max_batch_size, cfg.deploy.critic.max_queue_delay_us)
     if trainer.reward_model is not None:
         text = RewardCallables(model=trainer.reward_model, reward_tokenizer=reward_tokenizer,
                                chat_template=cfg.reward.chat_template, lock=trainer.lock)
@@ -162,7 +164,8 @@ def _start_critic_ranks(spec: ServerSpec):
     world = cfg.deploy.critic.nproc_per_node
     log_dir = Path(spec.checkpoint_dir).parent if spec.checkpoint_dir else cfg.resolved_state_dir() / "servers"
     secret = ranks_secret()
-    group = Followers("critic", world, "127.0.0.1", spec.port + 3, [sys.executable, "-m", "components.serving.triton.main", "--follow"],
+    group = Followers("critic", world, "127.0.0.1", spec.port + 3,
+                      [sys.executable, "-m", "components.serving.triton.main", "--follow"],
                       {BACKEND_ENV: cfg.deploy.actor.backend, TIMEOUT_ENV: str(cfg.deploy.actor.collective_timeout_s)},
                       log_dir / "logs", secret, own_group=False)
     me = distributed.Dist(0, world, 0, world)

@@ -111,11 +111,13 @@ class RewardCallables:
                 scores = reward_model_scores(self.model, tokens.to(device), lengths.to(device)).cpu().numpy()
             else:
                 texts = [self._decode(t, ln, p) for (t, ln), p in zip(parts, prompt_parts)]
-                scores, each = self._score_functions([p for ps, _ in texts for p in ps], [r for _, rs in texts for r in rs],
+                scores, each = self._score_functions([p for ps, _ in texts for p in ps],
+                                                     [r for _, rs in texts for r in rs],
                                                      [c for cs in column_parts for c in cs])
         return self._answers([tokens.shape[0] for tokens, _ in parts], scores, each)
 
-    def _decode(self, tokens: np.ndarray, lengths: np.ndarray, prompt_lengths: np.ndarray) -> tuple[list[str], list[str]]:
+    def _decode(self, tokens: np.ndarray, lengths: np.ndarray,
+                prompt_lengths: np.ndarray) -> tuple[list[str], list[str]]:
         """The prompt and response texts of token rows (split at the prompt lengths)."""
         rows = tokens.tolist()
         prompts = [self.tokenizer.decode(r[:p], skip_special_tokens=True) for r, p in zip(rows, prompt_lengths)]
@@ -158,7 +160,8 @@ def load_reward(spec: ServerSpec) -> tuple[list[tuple[ModelSpec, Callable]], obj
         path = cfg.local_path("model.reward")
         callables = RewardCallables(model=load_reward_model(path, cfg.model.dtype, resolve_device(cfg.deploy.device),
                                                             normalize=cfg.reward.normalize),
-                                    reward_tokenizer=load_reward_tokenizer(path), chat_template=cfg.reward.chat_template)
+                                    reward_tokenizer=load_reward_tokenizer(path),
+                                    chat_template=cfg.reward.chat_template)
     else:
         tokenizer = load_reward_tokenizer(cfg.local_path("model.policy"), "model.policy")
         callables = RewardCallables(function=load_reward_functions(cfg.reward, deploy=cfg.deploy), tokenizer=tokenizer)

@@ -82,7 +82,8 @@ def test_models_tiny_is_the_script_that_made_the_shipped_models(tiny_models, tin
         assert manifest["models"][name]["files"]["model.safetensors"]
     shipped_loss, _ = held_out_quality(shipped)
     assert shipped_loss < 1.2
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification, AutoTokenizer
+    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoModelForTokenClassification,
+                              AutoTokenizer)
 
     AutoTokenizer.from_pretrained(out / "policy")
     assert AutoModelForCausalLM.from_pretrained(out / "policy").config.n_layer == 2
@@ -131,7 +132,8 @@ def test_bad_data_fails_the_run_before_any_model_loads(tiny_models, tmp_path, ca
     actor or a server starts (no rank log, no rollout server)."""
     (tmp_path / "rows.jsonl").write_text(json.dumps({"question": "review the cat :", "answer": 1}) + "\n")
     code, err = train_in_process(["--preset", "tiny", "--set", f"data.prompts={tmp_path / 'rows.jsonl'}", "--set",
-                                  f"model.policy={tiny_models['policy']}", "--set", f"model.reward={tiny_models['reward']}"],
+                                  f"model.policy={tiny_models['policy']}", "--set",
+                                  f"model.reward={tiny_models['reward']}"],
                                  tmp_path / "state", capsys)
     assert code != 0
     assert f"data.prompts: '{tmp_path / 'rows.jsonl'}' has no column 'prompt' (the prompt_key); its columns: " \
@@ -217,7 +219,8 @@ def test_rlhf_train_alone_runs_the_tiny_preset_and_a_config_given_names_its_own(
 
 
 def test_a_model_path_that_does_not_exist_fails_fast_naming_the_field(tmp_path):
-    proc = run("train", "--preset", "tiny", "--set", f"model.policy={tmp_path / 'no-such-model'}", "--set", "iterations=1",
+    proc = run("train", "--preset", "tiny", "--set", f"model.policy={tmp_path / 'no-such-model'}", "--set",
+               "iterations=1",
                env={"RLHF_STATE_DIR": str(tmp_path / "state")}, check=False)
     assert proc.returncode == 1
     last = proc.stderr.strip().splitlines()[-1]

@@ -34,7 +34,8 @@ def test_two_rlhf_sft_of_one_run_name_started_together_one_trains_the_other_is_r
     trains and writes its summary; the other is refused before it touches anything, naming the run and its holder."""
     args = ["sft", "--set", f"deploy.state_dir={tmp_path}", "--set", "sft.max_steps=6", "--set", "sft.max_eval_rows=8",
             "--set", "run_name=twice", "--set", "deploy.tracking.system_metrics=false"]
-    procs = [subprocess.Popen([RLHF, *args, "--summary-out", str(tmp_path / f"summary{i}.json")], stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([RLHF, *args, "--summary-out", str(tmp_path / f"summary{i}.json")],
+                              stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
              for i in range(2)]
     outs = [proc.communicate(timeout=600) for proc in procs]
@@ -46,7 +47,8 @@ def test_two_rlhf_sft_of_one_run_name_started_together_one_trains_the_other_is_r
     result = json.loads((tmp_path / f"summary{winner}.json").read_text())
     assert result["steps"] == 6 and result["model"].endswith("/checkpoints/twice/model") and result["job"] == "sft"
     assert [e["step"] for e in result["evals"]] == [0, 6] and "eval/loss" in result["metrics"]
-    assert result["provenance"]["models"]["model"]["source"] == "tiny" and not (tmp_path / f"summary{loser}.json").exists()
+    assert result["provenance"]["models"]["model"]["source"] == "tiny"
+    assert not (tmp_path / f"summary{loser}.json").exists()
 
 
 @pytest.mark.parametrize("args, expected", [

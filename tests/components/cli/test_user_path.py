@@ -130,7 +130,8 @@ def test_a_users_model_data_and_reward_file_train_and_the_model_comes_out(user):
     logged = client.get_logged_model(summary["mlflow_model_id"])
     assert logged.source_run_id == run.info.run_id and logged.status == LoggedModelStatus.READY
     versions = client.search_model_versions("name='tiny-math'")
-    assert [(str(v.version), v.run_id, v.source) for v in versions] == [("1", run.info.run_id, logged.artifact_location)]
+    assert [(str(v.version), v.run_id, v.source) for v in versions] == [("1", run.info.run_id,
+                                                                         logged.artifact_location)]
 
     # `rlhf export` of the last checkpoint (the console script's entry point, in this process): what the run left in
     # its store, and plain transformers loads it

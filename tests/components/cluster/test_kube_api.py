@@ -177,7 +177,8 @@ def _pod(name, index, phase="Running", attempt=0, waiting=None, terminated=None,
         status["conditions"] = [{"type": "PodScheduled", "status": "False", "reason": unschedulable[0],
                                  "message": unschedulable[1]}]
     return {"metadata": {"name": name, "labels": {"batch.kubernetes.io/job-completion-index": str(index),
-                                                  "jobset.sigs.k8s.io/restart-attempt": str(attempt), **(labels or {})}},
+                                                  "jobset.sigs.k8s.io/restart-attempt": str(attempt),
+                                                  **(labels or {})}},
             "status": status}
 
 
@@ -190,7 +191,8 @@ def test_the_jobset_is_created_watched_and_deleted(api):
     nodes = JobSetNodes.for_run(SPEC, _cfg(), "the-runs-secret-for-its-ranks", kube=api.kube,
                                 environ={"RLHF_IMAGE": "unused"}, job="ppo-x7k2q")
     name = SPEC.name
-    suspended = {"conditions": [{"type": "Suspended", "status": "True", "reason": "SuspendedJobs", "message": "jobset is suspended"}]}
+    suspended = {"conditions": [{"type": "Suspended", "status": "True", "reason": "SuspendedJobs",
+                                 "message": "jobset is suspended"}]}
     api.script[("jobsets", name)] = [
         suspended,  # Kueue holds it: its Workload says why
         {"conditions": [], "restarts": 0},  # admitted: the pods wait for a node
@@ -198,7 +200,8 @@ def test_the_jobset_is_created_watched_and_deleted(api):
         {"conditions": [{"type": "Failed", "status": "True", "reason": "ReachedMaxRestarts",
                          "message": "jobset failed due to reaching max number of restarts"}], "restarts": 2}]
     api.workloads = [{"status": {"conditions": [{"type": "QuotaReserved", "status": "False", "reason": "Pending",
-                      "message": "couldn't assign flavors to pod set node: insufficient unused quota for nvidia.com/gpu in flavor actor, 1 more needed"}]}}]
+                      "message": "couldn't assign flavors to pod set node: insufficient unused quota for "
+                                 "nvidia.com/gpu in flavor actor, 1 more needed"}]}}]
     stages = iter([
         [_pod(f"{name}-node-0-0-a", 0, "Running"), _pod(f"{name}-node-0-1-b", 1, "Pending", unschedulable=(
             "Unschedulable", "0/3 nodes are available: 3 node(s) didn't match Pod's node affinity/selector."))],
@@ -243,7 +246,8 @@ def test_the_jobset_is_created_watched_and_deleted(api):
     assert status.phase == "pending" and status.message.startswith("waiting for Kueue admission (queue rlhf)")
     assert "insufficient unused quota for nvidia.com/gpu" in status.message
     (workloads,) = api.sent("GET", "workloads")
-    assert workloads["query"]["labelSelector"] == [f"kueue.x-k8s.io/job-uid={api.objects[('jobsets', name)]['metadata']['uid']}"]
+    uid = api.objects[("jobsets", name)]["metadata"]["uid"]
+    assert workloads["query"]["labelSelector"] == [f"kueue.x-k8s.io/job-uid={uid}"]
 
     current["pods"] = next(stages)
     status = nodes.status()
@@ -274,7 +278,8 @@ def test_the_jobset_is_created_watched_and_deleted(api):
 
 def test_a_cancelled_run_deletes_its_jobset_in_its_finally(api):
     """The controller's shape: start, watch, and whatever happens (here a cancellation), delete."""
-    nodes = JobSetNodes.for_run(SPEC, _cfg(), "the-runs-secret-for-its-ranks", kube=api.kube, environ={}, job="ppo-x7k2q")
+    nodes = JobSetNodes.for_run(SPEC, _cfg(), "the-runs-secret-for-its-ranks", kube=api.kube, environ={},
+                                job="ppo-x7k2q")
     api.script[("jobsets", SPEC.name)] = [{"conditions": [], "restarts": 0}]
     with pytest.raises(KeyboardInterrupt):
         try:
@@ -288,7 +293,8 @@ def test_a_cancelled_run_deletes_its_jobset_in_its_finally(api):
 
 
 def test_the_apis_refusals_name_the_object_and_the_likely_cause(api):
-    nodes = JobSetNodes.for_run(SPEC, _cfg(), "the-runs-secret-for-its-ranks", kube=api.kube, environ={}, job="ppo-x7k2q")
+    nodes = JobSetNodes.for_run(SPEC, _cfg(), "the-runs-secret-for-its-ranks", kube=api.kube, environ={},
+                                job="ppo-x7k2q")
     api.refuse[("POST", "jobsets")] = 404
     with pytest.raises(KubeError, match=r"create JobSet 'rlhf-demo-1a2b3c' in namespace 'rlhf': 404 .*is JobSet "
                                         r"\(sigs.k8s.io/jobset\) installed"):
@@ -337,7 +343,9 @@ def test_servers_are_leader_worker_sets_created_waited_for_and_deleted_with_the_
         return _pod(f"{name}-{i}", i, labels={"leaderworkerset.sigs.k8s.io/name": name,
                                               "leaderworkerset.sigs.k8s.io/group-index": str(i)}, **kw)
 
-    stages = iter([[group(0, phase="Pending", unschedulable=("SchedulingGated", "Scheduling is blocked due to non-empty scheduling gates"))],
+    stages = iter([[group(0, phase="Pending",
+                          unschedulable=("SchedulingGated",
+                                         "Scheduling is blocked due to non-empty scheduling gates"))],
                    [group(0, phase="Pending", waiting={"reason": "ContainerCreating"}), group(1, phase="Pending")],
                    [group(0, ready=False), group(1, ready=False)],  # running, the model still loading
                    [group(0), group(1)]])
@@ -378,16 +386,21 @@ def test_servers_are_leader_worker_sets_created_waited_for_and_deleted_with_the_
 def test_a_server_that_cannot_start_is_named_and_its_objects_are_deleted(api):
     cfg = _cfg(**{"deploy.critic.launch": "kubernetes"})
     probe = ScriptedProbe()
-    server = start_servers("critic", cfg, "s", probe, "demo", kube=api.kube, environ={})  # off a Job: no owner, no policies
+    # off a Job: no owner, no policies
+    server = start_servers("critic", cfg, "s", probe, "demo", kube=api.kube, environ={})
     server.poll_s = 0.01
     name = server.lws
-    api.pods = lambda selector: [_pod(f"{name}-0", 0, "Pending", waiting={"reason": "ImagePullBackOff", "message": "pull access denied"},
+    api.pods = lambda selector: [_pod(f"{name}-0", 0, "Pending",
+                                      waiting={"reason": "ImagePullBackOff", "message": "pull access denied"},
                                       labels={"leaderworkerset.sigs.k8s.io/group-index": "0"})]
-    with pytest.raises(ServerNotReady, match=r"timed out after 1s waiting for critic server replica 0 .*ImagePullBackOff: pull access denied"):
+    with pytest.raises(ServerNotReady,
+                       match=r"timed out after 1s waiting for critic server replica 0 .*ImagePullBackOff: pull access "
+                             r"denied"):
         server.wait_until_ready(1)
     api.pods = lambda selector: [_pod(f"{name}-0", 0, "Running", terminated={"exitCode": 1}, restarts=2,
                                       labels={"leaderworkerset.sigs.k8s.io/group-index": "0"})]
-    with pytest.raises(ServerNotReady, match=r"critic server replica 0 \(pod .*-0, .*\) exited with code 1, restarted 2"):
+    with pytest.raises(ServerNotReady,
+                       match=r"critic server replica 0 \(pod .*-0, .*\) exited with code 1, restarted 2"):
         server.wait_until_ready(5)
     server.stop(2.0)
     assert not [k for k in api.objects if k[0] in ("secrets", "leaderworkersets")]

@@ -60,7 +60,8 @@ def test_a_two_node_ppo_run_with_two_vllm_replicas_writes_every_object_and_each_
     assert kinds == ["JobSet", "LeaderWorkerSet", "LeaderWorkerSet", *["NetworkPolicy"] * 4, *["Secret"] * 3]
     for obj in manifests.values():
         validate(obj)
-        assert obj["metadata"]["namespace"] == "rlhf" and obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "rlhf-flows"
+        assert obj["metadata"]["namespace"] == "rlhf"
+        assert obj["metadata"]["labels"]["app.kubernetes.io/part-of"] == "rlhf-flows"
 
 
 def test_the_jobset_runs_torchrun_on_every_node_and_finds_rank_0_through_its_own_dns(manifests):
@@ -81,9 +82,11 @@ def test_the_jobset_runs_torchrun_on_every_node_and_finds_rank_0_through_its_own
     assert container["args"][9:] == ["--", "-m", "components.runs", "--store", "s3://bucket/rlhf/checkpoints/demo"]
     env = {e["name"]: e for e in container["env"]}
     # what the node command reads to find rank 0: <jobset>-node-0-0.<jobset>, from JobSet's annotations
-    assert env["JOBSET_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.annotations['jobset.sigs.k8s.io/jobset-name']"
+    assert (env["JOBSET_NAME"]["valueFrom"]["fieldRef"]["fieldPath"]
+            == "metadata.annotations['jobset.sigs.k8s.io/jobset-name']")
     assert "MASTER_ADDR" not in env and "hostname" not in json.dumps(js)
-    assert container["resources"]["requests"]["nvidia.com/gpu"] == container["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    resources = container["resources"]
+    assert resources["requests"]["nvidia.com/gpu"] == resources["limits"]["nvidia.com/gpu"] == "2"
     assert pod["nodeSelector"] == {"rlhf/role": "actor"} and pod["serviceAccountName"] == "rlhf-actor"
     assert pod["restartPolicy"] == "Never" and pod["securityContext"]["runAsNonRoot"] is True
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
@@ -101,7 +104,8 @@ def test_the_jobset_runs_torchrun_on_every_node_and_finds_rank_0_through_its_own
     assert name.startswith("rlhf-demo-") and len(f"{name}-node-0-1") <= 63
     # the node groups reach each other through their own run's policy (no namespace-wide rule between pods)
     labels = job["template"]["metadata"]["labels"]
-    ranks = next(p for p in _by_kind(manifests, "NetworkPolicy") if p["metadata"]["name"] == f"rlhf-{labels['rlhf/run']}-run")
+    ranks = next(p for p in _by_kind(manifests, "NetworkPolicy")
+                 if p["metadata"]["name"] == f"rlhf-{labels['rlhf/run']}-run")
     assert ranks["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
     assert {"podSelector": {"matchLabels": {"rlhf/run": labels["rlhf/run"]}}} in ranks["spec"]["egress"][0]["to"]
     assert pod["automountServiceAccountToken"] is True  # node group 0's rank 0 creates the run's servers
@@ -117,7 +121,8 @@ def test_each_server_is_a_leader_worker_set_of_its_replicas_holding_the_runs_sec
         (container,) = template["workerTemplate"]["spec"]["containers"]
         assert container["args"][:4] == ["python", "-m", "components.serving.pod", kind]
         assert container["image"] == IMAGES["RLHF_VLLM_IMAGE" if kind == "rollout" else "RLHF_IMAGE"]
-        assert container["readinessProbe"]["httpGet"]["path"] == ("/health" if kind == "rollout" else "/v2/health/ready")
+        assert container["readinessProbe"]["httpGet"]["path"] == ("/health" if kind == "rollout"
+                                                                  else "/v2/health/ready")
         volume = next(v for v in template["workerTemplate"]["spec"]["volumes"] if v["name"] == "run-secret")
         assert volume["secret"]["secretName"] in secrets
         assert {"name": "RLHF_RUN_SECRET_FILE", "value": "/var/run/rlhf/secret"} in container["env"]
@@ -151,7 +156,8 @@ def test_the_config_a_server_pod_runs_with_is_the_runs_bound_to_the_pod():
     args = server_args("critic", cfg, checkpoint_uri="s3://b/rlhf/checkpoints/demo", restore_iteration=4)
     sent = RLHFConfig.model_validate_json(args[args.index("--config-json") + 1])
     assert sent.critic.optim.lr == 3e-6 and sent.model.policy == "org/policy"
-    assert (sent.deploy.critic.host, sent.deploy.critic.port, sent.deploy.state_dir) == ("0.0.0.0", 8000, "/var/lib/rlhf")
+    assert (sent.deploy.critic.host, sent.deploy.critic.port, sent.deploy.state_dir) == ("0.0.0.0", 8000,
+                                                                                         "/var/lib/rlhf")
     assert args[-4:] == ["--checkpoint-uri", "s3://b/rlhf/checkpoints/demo", "--restore-iteration", "4"]
 
 
@@ -170,7 +176,9 @@ def test_owned_by_the_runs_job_so_a_deleted_flow_run_pod_takes_them_with_it():
 def test_what_a_pod_cannot_have_is_refused_naming_the_field():
     site = Site.of(_cfg().deploy.cluster, {})
     identity = RunIdentity.of("demo", "1")
-    with pytest.raises(ValueError, match=r"deploy.rollout.tensor_parallel_size=2: .* 1 GPUs \(deploy.cluster.servers.gpus_per_node\)"):
+    with pytest.raises(ValueError,
+                       match=r"deploy.rollout.tensor_parallel_size=2: .* 1 GPUs "
+                             r"\(deploy.cluster.servers.gpus_per_node\)"):
         leader_worker_set("rollout", _cfg(**{"deploy.rollout.tensor_parallel_size": 2}), site, identity, ["x"])
     with pytest.raises(ValueError, match=r"deploy.actor.nproc_per_node=4.*deploy.cluster.actor.gpus_per_node=1"):
         jobset(NodeSpec("rlhf-demo", 2, 4, 29500, ["x"]), _cfg().deploy.cluster, site, identity)

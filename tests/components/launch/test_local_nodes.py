@@ -35,8 +35,8 @@ def finished(nodes: LocalNodes, timeout: float = 180):
 
 def test_each_rank_has_a_pods_environment_and_a_failure_no_restart_mends_fails_every_group_at_once(tmp_path):
     """Rank 1 exits with NO_RESTART_EXIT_CODE: the set fails at once (no restart of the 3 allowed), naming node group 1,
-    its exit code and its log; what each rank was given is what a JobSet's pod gets, and the run's secret. (A failure a restart mends
-    restarts every group: tests/components/test_controller_runs.py kills one mid-run.)"""
+    its exit code and its log; what each rank was given is what a JobSet's pod gets, and the run's secret. (A failure a
+    restart mends restarts every group: tests/components/test_controller_runs.py kills one mid-run.)"""
     out, state = tmp_path / "out", tmp_path / "nodes"
     out.mkdir()
     nodes = LocalNodes(spec(out, "no-restart", max_restarts=3), tmp_path / "logs", state, SECRET)
@@ -79,7 +79,8 @@ def test_a_controller_killed_with_sigkill_leaves_no_process_of_its_groups(tmp_pa
     out, state = tmp_path / "out", tmp_path / "nodes"
     out.mkdir()
     repo = str(Path(__file__).resolve().parents[3])
-    controller = subprocess.Popen([sys.executable, "-c", CONTROLLER, str(out), str(tmp_path / "logs"), str(state), repo],
+    controller = subprocess.Popen([sys.executable, "-c", CONTROLLER, str(out), str(tmp_path / "logs"), str(state),
+                                   repo],
                                   stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": repo})
     try:
         assert controller.stdout.readline().strip() == "started"

@@ -93,4 +93,5 @@ def test_a_readiness_wait_says_what_it_waits_for_and_how_long_it_has_waited():
                          report_every_s=0.3)
     assert err.value.reason == "not_listening"
     assert said and all(re.fullmatch(r"waiting for the rollout server replica 1 at http://127\.0\.0\.1:9: nothing "
-                                     r"listening at 127\.0\.0\.1:9 \(refused\) \(\d+ s of 1 s\)", m) for m in said), said
+                                     r"listening at 127\.0\.0\.1:9 \(refused\) \(\d+ s of 1 s\)", m)
+                                     for m in said), said

@@ -38,9 +38,11 @@ def servers(tmp_path_factory):
     urls = {"prefect": f"http://127.0.0.1:{prefect_port}", "mlflow": f"http://127.0.0.1:{mlflow_port}", "env": env,
             "creds": creds, "state": state, "procs": procs}
     try:
-        for (name, url), proc in zip((("prefect", f"{urls['prefect']}/api/health"), ("mlflow", f"{urls['mlflow']}/health")),
+        for (name,
+             url), proc in zip((("prefect", f"{urls['prefect']}/api/health"), ("mlflow", f"{urls['mlflow']}/health")),
                                      procs):
-            assert wait_for(lambda: proc.poll() is not None or stack._healthy(url), 120, poll_s=0.5) and proc.poll() is None, \
+            assert wait_for(lambda: proc.poll() is not None or stack._healthy(url), 120,
+                            poll_s=0.5) and proc.poll() is None, \
                 proc.tail()
         yield urls
     finally:

@@ -54,7 +54,8 @@ def test_a_pipelines_stage_keys_follow_what_each_stage_is_made_from(tmp_path):
                             "sft.micro_batch_size": 3, "sft.eval_every": 2, "checkpoint.keep_last": 5})
     assert keys(untouched, DeployConfig(state_dir=str(tmp_path), actor={"nproc_per_node": 2})) == base
     rl_only = keys(merge(cfg, {"rl.reinforce.optim.lr": 1e-4}))
-    assert (rl_only["sft"], rl_only["reward_model"]) == (base["sft"], base["reward_model"]) and rl_only["rl"] != base["rl"]
+    assert (rl_only["sft"], rl_only["reward_model"]) == (base["sft"], base["reward_model"])
+    assert rl_only["rl"] != base["rl"]
     rows = builtin_rows("sentiment_preference", "train")[:100]
     (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     new_data = keys(merge(cfg, {"reward_model.data": str(tmp_path / "pairs.jsonl"),
@@ -127,7 +128,8 @@ def test_subset_reaches_the_stage_data_and_a_missing_rl_prompts_is_named(tmp_pat
     digests = {subset: prov.data_record(resolve_data(str(folder), "sft.data", subset=subset), "train")["digest"]
                for subset in ("a", "b")}
     assert digests["a"] != digests["b"]
-    with pytest.raises(ValueError, match=r"rl.data.prompts: not set; name the RL stage's prompts .* or rl.preset: tiny"):
+    with pytest.raises(ValueError,
+                       match=r"rl.data.prompts: not set; name the RL stage's prompts .* or rl.preset: tiny"):
         PipelineConfig(base_model="org/x", rl={"algorithm": "rloo"})  # the field defaults: no prompts named
 
 

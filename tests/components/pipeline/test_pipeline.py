@@ -4,8 +4,9 @@ builds every stage; a rerun reuses them all (in Prefect, each stage's task Cache
 changed reuses sft and the reward model; one with other preference data retrains the reward model, rl and eval, not
 sft; --from rebuilds a stage and what follows; a pipeline with a `dpo` section reuses sft and trains DPO, whose
 implicit reward ranks held-out pairs by their gold preference and whose policy beats the SFT policy on the gold
-reward, and one with a `kto` section does the same with KTO; the lineage and provenance are in MLflow; a reward model without its score head stops the pipeline before its
-RL stage. And a stage's own flow (flows/stages.py) runs its steps as tasks."""
+reward, and one with a `kto` section does the same with KTO; the lineage and provenance are in MLflow; a reward model
+without its score head stops the pipeline before its RL stage. And a stage's own flow (flows/stages.py) runs its steps
+as tasks."""
 
 from __future__ import annotations
 
@@ -95,7 +96,8 @@ def test_a_first_run_builds_every_stage(runs):
         assert stages[stage]["model"].startswith("file://") and stages[stage]["model"].endswith("/model")
         assert stages[stage]["key"] and stages[stage]["mlflow_run_id"]
     assert stages["sft"]["metrics"]["eval/loss"] > 0
-    assert 0 <= stages["reward_model"]["metrics"]["eval/accuracy"] <= 1 and stages["reward_model"]["metrics"]["step"] == 30
+    reward_model = stages["reward_model"]["metrics"]
+    assert 0 <= reward_model["eval/accuracy"] <= 1 and reward_model["step"] == 30
     assert {"reward", "objective/gold_reward"} <= set(stages["rl"]["metrics"])
     assert {"eval/win_rate", "eval/reward", "eval/reference/reward", "eval/gold_reward", "eval/reference/gold_reward",
             "eval/gold_win_rate"} <= set(stages["eval"]["metrics"])  # an RL run's held-out eval's names
@@ -139,7 +141,8 @@ def test_from_a_stage_rebuilds_it_and_every_later_one(runs):
     assert cached(runs["from_reward_model"]) == {"sft": True, "reward_model": False, "rl": False, "eval": False}
     assert again["reward_model"]["key"] == first["reward_model"]["key"]  # the same key, built again
     assert again["reward_model"]["mlflow_run_id"] != first["reward_model"]["mlflow_run_id"]  # a fresh run, not a resume
-    assert again["reward_model"]["metrics"]["eval/accuracy"] == pytest.approx(first["reward_model"]["metrics"]["eval/accuracy"], abs=0.02)
+    assert (again["reward_model"]["metrics"]["eval/accuracy"]
+            == pytest.approx(first["reward_model"]["metrics"]["eval/accuracy"], abs=0.02))
 
 
 def test_a_dpo_pipeline_reuses_sft_and_its_policy_learns_the_gold_preference(runs):
@@ -215,12 +218,14 @@ def test_the_lineage_is_in_mlflow(runs):
     versions = {name: client.search_model_versions(f"name = '{name}'") for name in ("tiny-reward-model", "tiny-policy")}
     assert [v.source for v in versions["tiny-reward-model"]] == [changed["reward_model"]["model"]]
     assert [v.source for v in versions["tiny-policy"]] == [changed["rl"]["model"]]
-    assert versions["tiny-policy"][0].tags["upstream.reward"] and not client.search_registered_models("name = 'tiny-sft'")
+    assert versions["tiny-policy"][0].tags["upstream.reward"]
+    assert not client.search_registered_models("name = 'tiny-sft'")
     # each stage's run carries its provenance: the digest (its key), its data and models by content, the code
     built = client.get_run(first["stages"]["reward_model"]["mlflow_run_id"]).data.tags
     assert built["provenance.digest"] == first["stages"]["reward_model"]["key"]
     assert built["provenance.models.model.digest"] == first["stages"]["sft"]["digest"]  # trained from the SFT model
-    assert first["stages"]["reward_model"]["provenance"]["models"]["model"]["digest"] == first["stages"]["sft"]["digest"]
+    assert (first["stages"]["reward_model"]["provenance"]["models"]["model"]["digest"]
+            == first["stages"]["sft"]["digest"])
     assert built["provenance.data.train.digest"] and built["provenance.code.modules"] and built["job"] == "reward_model"
 
 
@@ -255,8 +260,10 @@ def test_prefect_shows_each_stage_as_a_task_and_a_reused_one_cached(runs):
 
 def test_a_stage_flow_runs_its_steps_as_tasks(prefect_server, tmp_path):
     deploy = DeployConfig.model_validate({"state_dir": str(tmp_path), "tracking": {"system_metrics": False}})
-    state = sft(config=SFTRunConfig.model_validate({"run_name": "flow-sft", "sft": {"max_steps": 2, "max_eval_rows": 8}}),
+    state = sft(config=SFTRunConfig.model_validate({"run_name": "flow-sft",
+                                                    "sft": {"max_steps": 2, "max_eval_rows": 8}}),
                 deploy=deploy, return_state=True)
     assert state.is_completed() and state.result()["steps"] == 2
-    assert {"open-run", "sft-steps", "checkpoint", "eval", "export-model"} <= set(task_states(state.state_details.flow_run_id))
+    assert {"open-run", "sft-steps", "checkpoint", "eval",
+            "export-model"} <= set(task_states(state.state_details.flow_run_id))
     assert (tmp_path / "checkpoints" / "flow-sft" / "model" / "model.safetensors").exists()

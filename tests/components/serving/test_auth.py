@@ -32,7 +32,8 @@ def test_secrets_and_the_keys_derived_from_them():
     ka, kb = handshake.RunKeys(a), handshake.RunKeys(b)
     assert ka.server != ka.client and ka.server != kb.server and ka.client != kb.client  # one key per use and run
     challenge = "0" * 32
-    assert ka.proof("triton", challenge) == handshake.RunKeys(a).proof("triton", challenge) != kb.proof("triton", challenge)
+    assert (ka.proof("triton", challenge) == handshake.RunKeys(a).proof("triton", challenge)
+            != kb.proof("triton", challenge))
     assert ka.proof("triton", challenge) != ka.proof("rollout", challenge)  # a proof names the role it answers for
     header = request_headers(a, "POST", "/generate")["authorization"]
     assert header.startswith("RLHF-HMAC ts=") and a not in header and request_headers(a, "POST", "/generate") != \
@@ -174,7 +175,8 @@ def test_a_server_reads_the_secret_from_its_environment_or_a_file(tmp_path):
 def test_no_secret_on_a_server_command_line(tmp_path, monkeypatch):
     secret = new_secret()
     monkeypatch.setenv("RLHF_RUN_SECRET", secret)
-    cfg = pin(RLHFConfig.model_validate({"deploy": {"state_dir": str(tmp_path), "rollout": {"python": "/usr/bin/env"}}}))
+    cfg = pin(RLHFConfig.model_validate({"deploy": {"state_dir": str(tmp_path),
+                                                    "rollout": {"python": "/usr/bin/env"}}}))
     argv = server_argv(ServerSpec(kind="critic", config=cfg)) + rollout_argv(cfg, 1234)
     keys = handshake.RunKeys(secret)
     assert not any(secret in arg or keys.client.hex() in arg or keys.server.hex() in arg for arg in argv)

@@ -45,7 +45,8 @@ def assert_implements(obj, protocol) -> bool:
 
 def ppo_cfg(tiny_models, state_dir, port):
     return prepare_run(preset("tiny", **{
-        "deploy.state_dir": str(state_dir), "model.policy": tiny_models["policy"], "model.reward": tiny_models["reward"],
+        "deploy.state_dir": str(state_dir), "model.policy": tiny_models["policy"],
+        "model.reward": tiny_models["reward"],
         "seed": 3, "ppo.rollout_batch_size": 24, "ppo.minibatch_size": 12, "ppo.epochs": 1,
         "generation.micro_batch_size": 8, "generation.max_new_tokens": 8, "critic.train_batch_size": 12,
         "deploy.critic.port": port, "deploy.critic.max_queue_delay_us": 1000, "deploy.reward.port": port + 10}))
@@ -105,7 +106,8 @@ def raw_values(url, tokens, lengths):
         item = http.InferInput(name, list(array.shape), "INT64")
         item.set_data_from_numpy(np.ascontiguousarray(array))
         items.append(item)
-    out = client.infer("critic_infer", items, headers=request_headers(read_secret(), "POST", "/v2/models/critic_infer/infer"))
+    out = client.infer("critic_infer", items,
+                       headers=request_headers(read_secret(), "POST", "/v2/models/critic_infer/infer"))
     client.close()
     return out.as_numpy("values"), out.as_numpy("rewards")
 

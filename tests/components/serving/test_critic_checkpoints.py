@@ -68,7 +68,8 @@ def test_a_crash_between_critic_save_and_actor_checkpoint_resumes_both_of_one_it
             iterate(cfg, session, state, client, 1)
             checkpoint(session, Leader(cfg, state), client.save())
             iterate(cfg, session, state, client, 1)
-            newer = client.save()  # the critic of iteration 2 reaches the store, then the flow dies before its checkpoint
+            # the critic of iteration 2 reaches the store, then the flow dies before its checkpoint
+            newer = client.save()
         finally:
             client.close()
     session.close("KILLED")
@@ -134,7 +135,8 @@ class _Forbidding(BaseHTTPRequestHandler):
 @pytest.fixture
 def forbidding_endpoint(s3_bucket):
     """An S3 endpoint (a proxy in front of moto) that answers 403 to reads of any iter_1[-<id>]/critic/ object."""
-    handler = type("Handler", (_Forbidding,), {"upstream": s3_bucket[0], "forbidden": re.compile(r"/iter_1(-[^/]+)?/critic/")})
+    handler = type("Handler", (_Forbidding,),
+                   {"upstream": s3_bucket[0], "forbidden": re.compile(r"/iter_1(-[^/]+)?/critic/")})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

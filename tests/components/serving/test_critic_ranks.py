@@ -45,7 +45,8 @@ def critic(tiny_models, directory: Path, ranks: int):
     cfg = pin(preset("tiny", **{"model.reward": tiny_models["reward"], "model.policy": tiny_models["policy"],
                                 "deploy.critic.nproc_per_node": ranks, "critic.train_batch_size": 8,
                                 "critic.micro_batch_size": 4, "deploy.state_dir": str(directory / "state")}))
-    spec = ServerSpec(kind="critic", config=cfg, port=find_free_ports(count=4), checkpoint_dir=str(directory / "critic"),
+    spec = ServerSpec(kind="critic", config=cfg, port=find_free_ports(count=4),
+                      checkpoint_dir=str(directory / "critic"),
                       torch_threads=1)
     return launch(spec, directory / "server.log")
 
@@ -175,8 +176,8 @@ def test_a_critic_carrying_reward_chars_gives_values_from_tokens_and_the_gold_re
     """`tiny/reward-chars` (a character tokenizer, not the policy's) carried by a critic server that reads the policy's
     tokens (the restored server above): critic_infer returns values only, and `reward_text` on held-out texts is
     within 0.1 (mean absolute) of the gold reward (the reward server's `reward_text` is the same callable,
-    RewardCallables.text; a whole run through a reward server of reward-chars learns in tests/flows/test_deployments.py);
-    the flows pick the text transport for it by themselves.
+    RewardCallables.text; a whole run through a reward server of reward-chars learns in
+    tests/flows/test_deployments.py); the flows pick the text transport for it by themselves.
 
     Held out: reviews of the task's corpus and word salads drawn from seeds the build never used. (Seen here: 0.04 on
     the corpus, 0.06 on the mix; the word-level reward model's training MSE of 1e-4 shows the gold reward is learnable.)
@@ -195,7 +196,8 @@ def test_a_critic_carrying_reward_chars_gives_values_from_tokens_and_the_gold_re
     ppo = {"algorithm": "ppo", "model.policy": tiny_models["policy"], "model.reward": tiny_reward_chars}
     assert reward_transport(pin(preset("tiny", **ppo, **{"model.critic": tiny_models["critic"]}))) == "text"
     with pytest.raises(ValueError, match="model.critic: not set, so the critic would be initialised from model.reward"):
-        reward_transport(pin(preset("tiny", **ppo)))  # a critic made from reward-chars could not read the policy's tokens
+        # a critic made from reward-chars could not read the policy's tokens
+        reward_transport(pin(preset("tiny", **ppo)))
     held_out = sentiment.corpus(200, seed=10_001) + _reward_texts(random.Random(10_002), 200)
     prompts, responses = [p for p, _ in held_out], [r for _, r in held_out]
     gold = np.array(sentiment.gold_reward(prompts, responses), dtype=np.float64)

@@ -53,7 +53,8 @@ def test_the_child_gets_its_whole_spec_as_one_json_document(tiny_models, tmp_pat
 
     cfg = preset("tiny", **{"model.reward": tiny_models["reward"], "critic.combine_reward": False,
                             "critic.optim.lr": 0.002, "reward.source": "function",
-                            "reward.function": "models.tasks.sentiment:gold_reward", "model.policy": tiny_models["policy"]})
+                            "reward.function": "models.tasks.sentiment:gold_reward",
+                            "model.policy": tiny_models["policy"]})
     spec = ServerSpec(kind="critic", config=cfg, port=23456, checkpoint_dir=str(tmp_path / "c"))
     argv = server_argv(spec)
     assert argv[:4] == [sys.executable, "-m", "components.serving.triton.main", "--spec"] and len(argv) == 5
@@ -64,7 +65,8 @@ def test_the_child_gets_its_whole_spec_as_one_json_document(tiny_models, tmp_pat
 
 def test_rlhf_serve_flags_map_onto_the_config_tree(tiny_models, tmp_path):
     args = build_parser().parse_args(["serve", "critic", "--reward", tiny_models["reward"], "--no-combine", "--port",
-                                      "23456", "--checkpoint-dir", str(tmp_path / "c"), "--set", "critic.optim.lr=0.002"])
+                                      "23456", "--checkpoint-dir", str(tmp_path / "c"), "--set",
+                                      "critic.optim.lr=0.002"])
     spec = spec_from_args(args)
     assert spec.kind == "critic" and spec.port == 23456 and spec.checkpoint_dir == str(tmp_path / "c")
     assert spec.config.model.reward == tiny_models["reward"] and spec.config.critic.combine_reward is False

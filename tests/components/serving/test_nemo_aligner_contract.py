@@ -45,7 +45,8 @@ TOL = dict(rtol=1e-6, atol=1e-6)  # two processes may pick other GEMM kernels (a
 def critic_argv(tiny, port, checkpoint_dir):
     """`rlhf serve critic` as a user types it; a long queue delay so concurrent critic_infer requests meet in Triton's
     dynamic batcher; 12 rows / batch 4 x 2 epochs = 6 optimizer steps per critic_train."""
-    return [sys.executable, "-m", "components.cli.main", "serve", "critic", "--preset", "tiny", "--model", tiny["critic"],
+    return [sys.executable, "-m", "components.cli.main", "serve", "critic", "--preset", "tiny", "--model",
+            tiny["critic"],
             "--reward", tiny["reward"], "--port", str(port),
             "--checkpoint-dir", str(checkpoint_dir), "--set", f"model.policy={tiny['policy']}",
             "--set", "deploy.critic.max_queue_delay_us=100000",
@@ -188,7 +189,8 @@ def test_per_action_train_is_accepted_and_trains_like_the_token_layout(pair, tin
 
 @pytest.mark.parametrize("case, change, words", [
     ("returns-too-short", {"returns": lambda r: r["returns"][:, :-1]}, ["returns", f"[{B}, {S}]", f"[{B}, {S - 1}]"]),
-    ("mask-too-long", {"mask": lambda r: np.pad(r["mask"], ((0, 0), (0, 2)))}, ["mask", f"[{B}, {S}]", f"[{B}, {S - 1}]"]),
+    ("mask-too-long", {"mask": lambda r: np.pad(r["mask"], ((0, 0), (0, 2)))},
+     ["mask", f"[{B}, {S}]", f"[{B}, {S - 1}]"]),
     ("prev-values-other-layout", {"prev_values": lambda r: np.pad(r["prev_values"], ((0, 0), (0, 1)))},
      ["prev_values", "share one layout", f"[{B}, {S}]", f"[{B}, {S - 1}]"]),
     ("returns-other-batch", {"returns": lambda r: r["returns"][:-1]}, ["returns", f"[{B}, {S - 1}]"]),

@@ -41,8 +41,8 @@ def test_a_conversation_renders_with_the_models_template_and_tools(tok):
     assert "<tool_response>\n5\n</tool_response>" in text
     assert normalize_messages([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "[1]"}}]}]
                               )[0]["tool_calls"][0]["function"]["arguments"] == {}  # not an object: {} as vLLM
-    assert normalize_messages([{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text",
-                                                                                             "text": "b"}]}])[0]["content"] == "a\nb"
+    parts = [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert normalize_messages([{"role": "user", "content": parts}])[0]["content"] == "a\nb"
     with pytest.raises(ChatTemplateError, match=r"messages\[0\]: a message is an object"):
         render(tok, [{"content": "no role"}])
     with pytest.raises(ChatTemplateError, match="add_generation_prompt, continue_final_message"):

@@ -41,7 +41,8 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     state = tmp_path_factory.mktemp("rollout")
-    cfg = pin(from_layers({"model": {"policy": str(model_dir)}, "rollout": {"engine": "vllm", "vllm": {"dtype": "float32"}},
+    cfg = pin(from_layers({"model": {"policy": str(model_dir)},
+                           "rollout": {"engine": "vllm", "vllm": {"dtype": "float32"}},
                            "deploy": {"state_dir": str(state), "rollout": {"port": 0, "threads": 1}}}))
     rollout_python(cfg)  # a missing .venv-vllm fails here, naming `make vllm-venv`
     verifiers_python()  # and a missing .venv-verifiers, naming `make verifiers-venv`
@@ -114,9 +115,11 @@ def test_the_openai_client_reads_models_chat_tool_calls_logprobs_and_token_ids(s
     tokenized = http.post("/tokenize", json={"messages": [{"role": "user", "content": "2 + 3?"}], "tools": TOOLS})
     assert tokenized.status_code == 200, tokenized.text
     assert tokenized.json()["tokens"] == out["prompt_token_ids"] == tok.apply_chat_template(
-        [{"role": "user", "content": "2 + 3?"}], tools=TOOLS, add_generation_prompt=True, tokenize=True, return_dict=False)
+        [{"role": "user", "content": "2 + 3?"}], tools=TOOLS, add_generation_prompt=True, tokenize=True,
+        return_dict=False)
     assert tokenized.json()["count"] == len(out["prompt_token_ids"]) and tokenized.json()["max_model_len"] == 2048
-    assert out["usage"]["prompt_tokens"] == len(out["prompt_token_ids"]) and out["usage"]["completion_tokens"] == len(ids)
+    assert out["usage"]["prompt_tokens"] == len(out["prompt_token_ids"])
+    assert out["usage"]["completion_tokens"] == len(ids)
     assert int(out["header"]) == out["weights_version"]
     status, body = out["refused"]
     assert status == 400 and body["param"] == "tool_choice" and "'required' is not supported" in body["message"]
@@ -138,7 +141,8 @@ def test_a_call_cut_short_is_content_counted_and_the_token_routes_answer(server,
     assert tokens["choices"][0]["token_ids"] == choice["token_ids"]
     assert len(tokens["choices"][0]["logprobs"]["content"]) == 4
     # /inference/v1/generate: token ids in, ids, logprobs and the weights version of each token out
-    generated = http.post("/inference/v1/generate", json={"token_ids": answer["prompt_token_ids"], "return_token_ids": True,
+    generated = http.post("/inference/v1/generate",
+                          json={"token_ids": answer["prompt_token_ids"], "return_token_ids": True,
                                                           "sampling_params": {"max_tokens": 5, "logprobs": 1, "n": 2}})
     assert generated.status_code == 200, generated.text
     body = generated.json()
@@ -152,12 +156,15 @@ def test_a_call_cut_short_is_content_counted_and_the_token_routes_answer(server,
 @pytest.mark.parametrize("path, body, status, param", [
     ("/v1/chat/completions", {"messages": "hi"}, 400, "body.messages"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 64, "max_tokens": 2000}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 64, "max_tokens": 2000}, 400,
+     "max_tokens"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True}, 400, "stream"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "model": "gpt-4"}, 404, "model"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, 400, "chat_template"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, 400,
+     "chat_template"),
     ("/v1/chat/completions/tokens", {"messages": [], "tokens": [5, 100000]}, 400, "tokens"),
-    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"max_tokens": 1}, "output_mode": "text"}, 400, "output_mode"),
+    ("/inference/v1/generate", {"token_ids": [1], "sampling_params": {"max_tokens": 1}, "output_mode": "text"}, 400,
+     "output_mode"),
     ("/tokenize", {"messages": [{"content": "no role"}]}, 400, None),
     # vLLM's own checks (its request models' validators, SamplingParams) raise past pydantic's validation: still 400s
     ("/tokenize", {"messages": [], "add_generation_prompt": True, "continue_final_message": True}, 400,
@@ -350,9 +357,9 @@ def test_a_run_trains_on_a_verifiers_tool_env_through_the_rollout_server(model_d
 
 
 def test_after_a_refit_a_prompt_seen_before_gets_the_new_weights_logprobs(server, http, model_dir):
-    """(Last in this module: it changes the served weights.) The same prompt before and after a refit: after it, the sampled tokens' logprobs are those of an HF forward
-    pass with the new weights (the prefix cache of the old ones is reset and every prompt is salted with the weights
-    version), and the answer names the new version."""
+    """(Last in this module: it changes the served weights.) The same prompt before and after a refit: after it, the
+    sampled tokens' logprobs are those of an HF forward pass with the new weights (the prefix cache of the old ones is
+    reset and every prompt is salted with the weights version), and the answer names the new version."""
     request = {"messages": [{"role": "user", "content": "the same prompt, twice"}], "max_tokens": 12,
                "temperature": 1.0, "seed": 5, "logprobs": True, "return_token_ids": True}
     before = http.post("/v1/chat/completions", json=request)

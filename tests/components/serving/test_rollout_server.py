@@ -51,7 +51,8 @@ def test_the_server_gets_every_core_of_a_cpu_host_unless_told(tiny_models, tmp_p
     assert rollout_env(default)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
 
 
-SERVER_CORE = max(os.sched_getaffinity(0))  # the module's server runs on one core (deploy.rollout.cpu_cores), as in a pod
+# the module's server runs on one core (deploy.rollout.cpu_cores), as in a pod
+SERVER_CORE = max(os.sched_getaffinity(0))
 
 
 def threads_cores(pid: int) -> dict[str, str]:
@@ -135,7 +136,8 @@ def test_generation_contract_shapes_eos_and_n_samples(server, policy):
     # the same seed samples the same tokens
     again = client.generate({"prompt_token_ids": prompts, "n": 4, "max_new_tokens": 6, "stop_token_ids": [eos],
                              "seed": 1})
-    assert [[s["token_ids"] for s in p] for p in again["samples"]] == [[s["token_ids"] for s in p] for p in answer["samples"]]
+    assert [[s["token_ids"] for s in p] for p in again["samples"]] == [[s["token_ids"] for s in p]
+                                                                       for p in answer["samples"]]
     client.close()
 
 
@@ -153,8 +155,9 @@ def test_equal_neighbouring_prompts_keep_k_samples_each(engine, policy, server):
     ids = policy.encode_prompts(["review the cat :", "review the cat :", "review the dog :"])
     rollout = engine.generate(ids, 3, Sampling(max_new_tokens=8), torch.Generator().manual_seed(4))
     seed = int(torch.randint(0, 2**31 - 1, (1,), generator=torch.Generator().manual_seed(4)))
-    direct = RolloutClient(server.url, RUN).generate({"prompt_token_ids": ids, "n": 3, "max_new_tokens": 8, "seed": seed,
-                                                      "stop_token_ids": [int(t) for t in policy.stop_ids]})
+    stop_ids = [int(t) for t in policy.stop_ids]
+    direct = RolloutClient(server.url, RUN).generate({"prompt_token_ids": ids, "n": 3, "max_new_tokens": 8,
+                                                      "seed": seed, "stop_token_ids": stop_ids})
     expected = [s["token_ids"] for per_prompt in direct["samples"] for s in per_prompt]
     got = [rollout.tokens[i, rollout.prompt_lengths[i]:rollout.lengths[i]].tolist() for i in range(len(rollout))]
     assert len(got) == 9 and got == expected
@@ -234,7 +237,8 @@ def test_the_server_serves_one_run_and_issues_the_versions(engine, server, polic
         other.use_dist("127.0.0.1", timeout_s=30)
     same_run = RolloutClient(server.url, RUN)
     with pytest.raises(EngineRequestError, match=rf"409: version: the server holds weights version {engine.version}; "
-                                                 rf"an update makes version {engine.version + 1}, not {engine.version + 2}"):
+                                                 rf"an update makes version {engine.version + 1}, not "
+                                                 rf"{engine.version + 2}"):
         same_run.load_weights(policy.engine_weights(), engine.version + 2)
     assert same_run.version() == engine.version  # nothing applied
     same_run.load_weights(policy.engine_weights(), engine.version + 1)  # a second trainer of this run
@@ -258,7 +262,8 @@ def test_prompts_spread_over_two_replicas_sample_what_one_replica_samples(engine
     finally:
         two.close()
     assert torch.equal(two_rollout.tokens, one_rollout.tokens)
-    assert torch.equal(two_rollout.prompt_lengths, one_rollout.prompt_lengths)  # each prompt's 3 rows together, in order
+    # each prompt's 3 rows together, in order
+    assert torch.equal(two_rollout.prompt_lengths, one_rollout.prompt_lengths)
     torch.testing.assert_close(two_rollout.sample_logprobs, one_rollout.sample_logprobs, rtol=0, atol=1e-4)
     assert two_rollout.versions.tolist() == [engine.version] * 15
 
@@ -337,7 +342,8 @@ def test_a_skipped_refit_is_caught_by_the_mismatch_metric(engine, tiny_models):
         metrics[name] = engine_mismatch(data, settings)
     assert metrics["fresh"]["sampling/sampling_logp_difference/max"] < 1e-3
     assert metrics["stale"]["sampling/sampling_logp_difference/mean"] > 0.05, metrics
-    assert metrics["stale"]["sampling/sampling_logp_difference/max"] > 20 * metrics["fresh"]["sampling/sampling_logp_difference/max"]
+    assert (metrics["stale"]["sampling/sampling_logp_difference/max"]
+            > 20 * metrics["fresh"]["sampling/sampling_logp_difference/max"])
 
 
 def test_lora_weights_reach_the_engine_merged(server, tiny_models):

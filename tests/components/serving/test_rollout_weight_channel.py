@@ -141,6 +141,7 @@ def test_a_tensor_changed_on_the_way_is_refused_by_its_digest_and_the_version_st
 
 
 def test_digests_for_no_update_in_progress_are_refused_naming_the_key(server):
-    response = httpx.post(f"{server.url}/weights/digests", headers=request_headers(server.secret, "POST", "/weights/digests"),
+    response = httpx.post(f"{server.url}/weights/digests",
+                          headers=request_headers(server.secret, "POST", "/weights/digests"),
                           json={"run": RUN, "version": 1, "ready_key": "none", "digests": []}, timeout=30)
     assert response.status_code == 409 and response.json()["detail"].startswith("ready_key: no weight update waits")

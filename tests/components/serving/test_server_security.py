@@ -75,7 +75,8 @@ def servers(tiny_models, tmp_path_factory):
         reward_port = find_free_ports()
     started = {
         "critic": launch(ServerSpec(kind="critic", config=cfg, port=critic_port, torch_threads=1,
-                                    checkpoint_dir=str(root / "critic")), root / "critic.log", wait=False, secret=secret),
+                                    checkpoint_dir=str(root / "critic")), root / "critic.log", wait=False,
+                                    secret=secret),
         "reward": launch(ServerSpec(kind="reward", config=cfg, port=reward_port, torch_threads=1), root / "reward.log",
                          wait=False, secret=secret)}
     try:
@@ -93,7 +94,8 @@ def address(server) -> str:
 
 def tensor(name: str, array: np.ndarray, datatype: str | None = None) -> http.InferInput:
     datatype = datatype or {np.dtype(np.int64): "INT64", np.dtype(np.int32): "INT32", np.dtype(np.float32): "FP32",
-                            np.dtype(np.float64): "FP64", np.dtype(np.bool_): "BOOL", np.dtype(object): "BYTES"}[array.dtype]
+                            np.dtype(np.float64): "FP64", np.dtype(np.bool_): "BOOL",
+                            np.dtype(object): "BYTES"}[array.dtype]
     item = http.InferInput(name, list(array.shape), datatype)
     item.set_data_from_numpy(array)
     return item
@@ -131,7 +133,8 @@ def test_a_stranger_is_refused_on_every_api_but_liveness_and_readiness(servers):
             CRITIC_SAVE, [tensor("dummy_var", np.zeros(1, np.int64))], headers=h)),
         "model config": ("GET", f"/v2/models/{CRITIC_INFER}/config",
                          lambda c, h: c.get_model_config(CRITIC_INFER, headers=h)),
-        "model metadata": ("GET", f"/v2/models/{CRITIC_TRAIN}", lambda c, h: c.get_model_metadata(CRITIC_TRAIN, headers=h)),
+        "model metadata": ("GET", f"/v2/models/{CRITIC_TRAIN}", lambda c,
+                           h: c.get_model_metadata(CRITIC_TRAIN, headers=h)),
         "server metadata": ("GET", "/v2", lambda c, h: c.get_server_metadata(headers=h)),
         "statistics": ("GET", "/v2/models/stats", lambda c, h: c.get_inference_statistics(headers=h)),
     }
@@ -185,7 +188,8 @@ def test_the_admin_apis_are_closed_to_everyone_the_run_included(servers, tmp_pat
                          "input": [{"name": "x", "data_type": "TYPE_INT64", "dims": [1]}],
                          "output": [{"name": "y", "data_type": "TYPE_INT64", "dims": [1]}]})
     load = {"parameters": {"config": config, "file:1/model.py": base64.b64encode(PYTHON_MODEL.encode()).decode()}}
-    admin = [("POST", "/v2/repository/models/evil/load", load), ("POST", f"/v2/repository/models/{CRITIC_TRAIN}/unload", {}),
+    admin = [("POST", "/v2/repository/models/evil/load", load),
+             ("POST", f"/v2/repository/models/{CRITIC_TRAIN}/unload", {}),
              ("POST", "/v2/repository/index", {}), ("GET", "/v2/trace/setting", None),
              ("POST", "/v2/trace/setting", {"trace_file": str(tmp_path / "trace")}), ("GET", "/v2/logging", None),
              ("POST", "/v2/logging", {"log_file": str(tmp_path / "log")}),
@@ -198,7 +202,8 @@ def test_the_admin_apis_are_closed_to_everyone_the_run_included(servers, tmp_pat
                 answer = httpx.request(method, f"{server.url}{path}", json=body, headers=headers, timeout=30)
                 assert answer.status_code == 403 and "closed to every caller" in answer.json()["error"], \
                     (path, headers.keys(), answer.text)
-        models = httpx.get(f"{server.url}/rlhf/models", headers=request_headers(servers["secret"], "GET", "/rlhf/models"),
+        models = httpx.get(f"{server.url}/rlhf/models",
+                           headers=request_headers(servers["secret"], "GET", "/rlhf/models"),
                            timeout=30)
         assert models.status_code == 200 and "evil" not in {m["name"] for m in models.json()}
         assert httpx.get(f"{server.url}/rlhf/models", timeout=30).status_code == 401  # the run's only
@@ -221,7 +226,8 @@ def test_tritonserver_has_no_token_on_its_command_line_and_no_port_of_its_own(se
     for server in (servers["critic"], servers["reward"]):
         triton = tritonserver(server)
         cmdline = open(f"/proc/{triton.pid}/cmdline", "rb").read().decode().split("\0")
-        assert not any(word in arg for arg in cmdline for word in ("restricted", "access-token", "token", *keys)), cmdline
+        assert not any(word in arg for arg in cmdline
+                       for word in ("restricted", "access-token", "token", *keys)), cmdline
         assert not [c for c in triton.net_connections("inet") if c.status == psutil.CONN_LISTEN]
         socket_path = cmdline[cmdline.index("--http-address") + 1].removeprefix("unix:")
         assert stat.S_ISSOCK(os.stat(socket_path).st_mode)
@@ -246,9 +252,9 @@ def test_a_server_started_without_the_runs_secret_refuses_to_start(tiny_models, 
 def test_an_oversized_body_is_refused_and_the_server_keeps_serving(servers):
     host, port = address(servers["critic"]).split(":")
     size = 70 << 20  # over Triton's 64 MB
+    authorization = request_headers(servers["secret"], "POST", infer_path(CRITIC_INFER))["authorization"]
     header = (f"POST /v2/models/{CRITIC_INFER}/infer HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-              f"authorization: {request_headers(servers['secret'], 'POST', infer_path(CRITIC_INFER))['authorization']}\r\n"
-              f"Content-Length: {size}\r\n\r\n").encode()
+              f"authorization: {authorization}\r\nContent-Length: {size}\r\n\r\n").encode()
     answer = b""
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(header)
@@ -273,7 +279,8 @@ def test_returns_of_3e38_are_refused_and_the_critic_stays_finite(servers):
     mask = np.ones(tokens.shape, np.float32)
     raw = http.InferenceServerClient(address(servers["critic"]))
     try:
-        with pytest.raises(InferenceServerException, match=r"CriticInputError: returns: \|values\| must be at most 1e\+06, got 3e\+38"):
+        with pytest.raises(InferenceServerException,
+                           match=r"CriticInputError: returns: \|values\| must be at most 1e\+06, got 3e\+38"):
             raw.infer(CRITIC_TRAIN, [tensor("tokens", tokens), tensor("returns", mask * 3e38),
                                      tensor("prev_values", mask * 0), tensor("mask", mask)],
                       headers=request_headers(servers["secret"], "POST", infer_path(CRITIC_TRAIN)))
@@ -397,7 +404,8 @@ def fuzz(servers, model: str) -> None:
             # Triton's own checks answer 400; an error our callables raise comes back as 500 (PyTriton reports every
             # callable error as a model execution error), its message naming the tensor
             assert exc.status() in ("400", "500"), message
-            if inputs and not any(f"'{n}'" in message or f"{n}:" in message or f"[{n}]" in message or f"'{n}," in message
+            if inputs and not any(f"'{n}'" in message or f"{n}:" in message or f"[{n}]" in message
+                                  or f"'{n}," in message
                        for n in declared + list(inputs)):
                 UNNAMED.append((model, message.splitlines()[0][:300] if message else repr(exc),
                                 {n: (d, a.shape, a.ravel()[:3].tolist()) for n, (d, a) in inputs.items()}))

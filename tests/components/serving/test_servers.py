@@ -251,8 +251,10 @@ def test_save_stop_restart_restores_step_and_weights(servers, tiny_models):
     # restored weights are the saved bytes; a new process may still pick other GEMM kernels (alignment): ulp-level
     np.testing.assert_allclose(after["values"], before["values"], rtol=1e-6, atol=1e-6)
     np.testing.assert_allclose(after["rewards"], before["rewards"], rtol=1e-6, atol=1e-6)
-    again = raw(restarted.url, "critic_train", tokens=tokens, returns=mask * 0.5, prev_values=after["values"], mask=mask)
-    assert int(again["step"][0]) == int(saved["step"][0]) + 2  # resumed from the saved step (8 rows: 1 batch x 2 epochs)
+    again = raw(restarted.url, "critic_train", tokens=tokens, returns=mask * 0.5, prev_values=after["values"],
+                mask=mask)
+    # resumed from the saved step (8 rows: 1 batch x 2 epochs)
+    assert int(again["step"][0]) == int(saved["step"][0]) + 2
 
 
 class _WordTokenizer:

@@ -30,7 +30,8 @@ NON_DETERMINISTIC = ("time/", "throughput/", "step_time")
 def train_args(tiny_models, **overrides) -> list[str]:
     base = {"rollout.engine": "vllm", "deploy.rollout.threads": 1, "model.policy": tiny_models["policy"],
             "model.reward": tiny_models["reward"], **overrides}  # 1 thread: the suite's other worker shares the cores
-    return [RLHF, "train", "--preset", "tiny", *[arg for key, value in base.items() for arg in ("--set", f"{key}={value}")]]
+    return [RLHF, "train", "--preset", "tiny",
+            *[arg for key, value in base.items() for arg in ("--set", f"{key}={value}")]]
 
 
 def rlhf_train(args: list[str], state: Path, timeout: float = 900) -> subprocess.CompletedProcess:
@@ -54,7 +55,8 @@ def test_training_through_the_rollout_server_learns(tiny_models, tmp_path, algor
     mismatch/gen_kl < 1e-3, NeMo-RL's gates), and the run goes on moving the policy (KL > 0)."""
     metrics, evals, state = tmp_path / "m.json", tmp_path / "e.json", tmp_path / "state"
     proc = rlhf_train(train_args(tiny_models, **{
-        "algorithm": algorithm, "deploy.actor.nproc_per_node": ranks, "iterations": 12, "rollout.max_off_policy_steps": k,
+        "algorithm": algorithm, "deploy.actor.nproc_per_node": ranks, "iterations": 12,
+        "rollout.max_off_policy_steps": k,
         "deploy.rollout.replicas": replicas, "run_name": f"k{k}-{algorithm}-{ranks}", **EVAL_SAMPLED})
         + ["--metrics-out", str(metrics), "--eval-out", str(evals)], state)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -68,7 +70,8 @@ def test_training_through_the_rollout_server_learns(tiny_models, tmp_path, algor
     if k:
         assert [m["rollout/staleness_max"] for m in history] == [0.0] + [1.0] * 11
         assert [m["rollout/staleness_mean"] for m in history] == [0.0] + [1.0] * 11
-        assert max(m["sampling/sampling_logp_difference/max"] for m in history[1:]) > 1e-2  # stale: the correction had work to do
+        # stale: the correction had work to do
+        assert max(m["sampling/sampling_logp_difference/max"] for m in history[1:]) > 1e-2
     else:
         assert all(m["rollout/staleness_max"] == 0 and m["sampling/sampling_logp_difference/max"] < 1e-4
                    for m in history), history
@@ -91,7 +94,8 @@ def test_k2_reaches_its_bound_and_a_killed_rollout_replica_fails_the_run_naming_
     seconds it took are printed: within 60 s here), and no process of the run is left."""
     state = tmp_path / "state"
     proc = subprocess.Popen(train_args(tiny_models, **{"algorithm": "rloo", "iterations": 500,
-                                                       "rollout.max_off_policy_steps": 2, "deploy.rollout.replicas": 2}),
+                                                       "rollout.max_off_policy_steps": 2,
+                                                       "deploy.rollout.replicas": 2}),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, HF_HUB_OFFLINE="1", RLHF_STATE_DIR=str(state)))
     try:
@@ -100,7 +104,8 @@ def test_k2_reaches_its_bound_and_a_killed_rollout_replica_fails_the_run_naming_
             line = proc.stdout.readline()
             assert line, "".join(lines[-50:])
             lines.append(line)
-        staleness = [float(line.rsplit("staleness ", 1)[1]) for line in lines if re.search(r"iteration \d+/500\b", line)]
+        staleness = [float(line.rsplit("staleness ", 1)[1]) for line in lines
+                     if re.search(r"iteration \d+/500\b", line)]
         assert staleness == [0.0, 1.0, 2.0], lines[-10:]
         pid = int(next(re.search(r"rollout server replica 1: pid (\d+)", line).group(1) for line in lines
                        if "rollout server starting: " in line))  # every replica's pid, url and log on that line

@@ -70,7 +70,8 @@ QWEN2_RESPONSE_TEMPLATE = {
 
 def byte_alphabet() -> list[str]:
     """GPT-2's printable stand-ins for the 256 bytes, in byte order."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ")
+                                                                                                  + 1))
     chars, extra = [], 0
     for b in range(256):
         if b in keep:

@@ -140,14 +140,16 @@ def test_roundtrip(store_uri, tmp_path: Path) -> None:
     assert same_tree(parts1["actor"], tmp_path / "old" / "actor")
 
     manifest = json.loads(raw_keys_bytes(store_uri, f"{key}/state.json"))
-    assert set(manifest["files"]) == {"actor/config.json", "actor/weights.bin", "actor/sub/notes.txt", "critic/head.bin"}
+    assert set(manifest["files"]) == {"actor/config.json", "actor/weights.bin", "actor/sub/notes.txt",
+                                      "critic/head.bin"}
     assert manifest["iteration"] == 2 and manifest["path"] == key and manifest["created"] and len(manifest["mac"]) == 64
 
 
 def test_s3_multipart_forced_on_small_file(s3_bucket, tmp_path: Path) -> None:
     endpoint, bucket = s3_bucket
     store = CheckpointStore.from_uri(
-        f"s3://{bucket}/mp", s3_endpoint_url=endpoint, multipart_threshold=1024 * 1024, multipart_chunksize=5 * 1024 * 1024
+        f"s3://{bucket}/mp", s3_endpoint_url=endpoint, multipart_threshold=1024 * 1024, multipart_chunksize=5 * 1024
+        * 1024
     )
     parts = make_parts(tmp_path / "src", 3, big=5 * 1024 * 1024 + 65_536)
     key = key_of(store, store.save(7, parts, {"ok": True}))
@@ -281,7 +283,8 @@ def test_a_second_save_of_an_iteration_never_touches_the_first(store_uri, tmp_pa
     assert {k: raw_keys_bytes(store_uri, k) for k in raw_keys(store_uri) if k.startswith(first)} == before
     assert store.list() == [3] and store.load(tmp_path / "out") == {"step": "second"}
     assert store.prune(keep_last=2) == [3]  # the replaced save of iteration 3
-    assert not any(k.startswith(first) for k in raw_keys(store_uri)) and store.load(tmp_path / "again") == {"step": "second"}
+    assert not any(k.startswith(first) for k in raw_keys(store_uri))
+    assert store.load(tmp_path / "again") == {"step": "second"}
 
 
 def test_a_corrupt_latest_checkpoint_falls_back_to_the_previous_good_one(store_uri, tmp_path: Path) -> None:

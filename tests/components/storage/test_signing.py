@@ -168,7 +168,8 @@ def test_a_run_stores_requests_carry_its_run_tagged_credentials_under_irsa(recor
     assumed = [(body.decode(), answer.decode()) for method, _, _, body, answer in seen if b"Action=AssumeRole" in body]
     assert len(assumed) == 1, assumed  # once: botocore renews it only near its expiry
     request, answer = assumed[0]
-    assert f"RoleArn={role.replace(':', '%3A').replace('/', '%2F')}" in request and "RoleSessionName=rlhf-exp-tag" in request
+    assert f"RoleArn={role.replace(':', '%3A').replace('/', '%2F')}" in request
+    assert "RoleSessionName=rlhf-exp-tag" in request
     assert "Tags.member.1.Key=run" in request and "Tags.member.1.Value=exp-tag" in request
     key_id = re.search(r"<AccessKeyId>([^<]+)</AccessKeyId>", answer).group(1)
     s3_requests = [headers for method, path, headers, body, _ in seen if path.startswith(f"/{bucket}")]

@@ -83,7 +83,8 @@ def test_a_corrupted_cached_file_and_a_changed_object_are_fetched_again(stored, 
     for p in POLICY.iterdir():
         (new / p.name).write_bytes(p.read_bytes())
     (new / "generation_config.json").write_text(json.dumps(changed))
-    CheckpointStore.from_uri(f"s3://{stored['bucket']}/models", s3_endpoint_url=stored["endpoint"]).put_dir(new, "policy")
+    CheckpointStore.from_uri(f"s3://{stored['bucket']}/models",
+                             s3_endpoint_url=stored["endpoint"]).put_dir(new, "policy")
     refreshed = resolve_model(stored["uri"], "model.policy", None, stored["deploy"])
     assert json.loads((Path(refreshed.path) / "generation_config.json").read_text())["note"] == "v2"
     assert refreshed.digest != found.digest
@@ -112,7 +113,8 @@ def download(self, uri, name, local):
     return original(self, uri, name, local)
 s3.S3Source.download = download
 Path(started).touch()
-found = resolve_model(uri, "model.policy", None, DeployConfig(checkpoint={"s3_endpoint_url": endpoint}, cache={"dir": cache}))
+deploy = DeployConfig(checkpoint={"s3_endpoint_url": endpoint}, cache={"dir": cache})
+found = resolve_model(uri, "model.policy", None, deploy)
 print(json.dumps({"path": found.path, "digest": found.digest}))
 """
 
@@ -173,7 +175,8 @@ def test_a_pinned_s3_model_is_read_without_listing_s3_and_a_newer_fetch_under_it
     for p in POLICY.iterdir():
         (newer / p.name).write_bytes(p.read_bytes())
     (newer / "config.json").write_text((POLICY / "config.json").read_text().replace("{", '{"note": "newer", ', 1))
-    CheckpointStore.from_uri(f"s3://{stored['bucket']}/models", s3_endpoint_url=stored["endpoint"]).put_dir(newer, "policy")
+    CheckpointStore.from_uri(f"s3://{stored['bucket']}/models",
+                             s3_endpoint_url=stored["endpoint"]).put_dir(newer, "policy")
     assert resolve_model(stored["uri"], "model.policy", None, deploy).path == path  # the other job's fetch
     with pytest.raises(ValueError, match=r"^model.policy: 's3://.*' at .* changed since the job pinned it: "
                                          r"\['config.json'\]"):

@@ -44,7 +44,8 @@ def experiment(**fields) -> ExperimentConfig:
     ({"a": {"kl.beta": -1.0}}, None, "arms.a: kl.beta: Input should be greater than or equal to 0"),
     ({"a": {"no_such_field": 1}}, None, "arms.a: no_such_field: Extra inputs are not permitted"),
     ({"a": {"run_name": "x"}}, None, "arms.a: sets 'run_name', which the sweep sets"),
-    ({"a": {}}, ["eval/rewrad"], "experiment.metrics: 'eval/rewrad' is not a metric an RL run logs (did you mean 'eval/reward'"),
+    ({"a": {}}, ["eval/rewrad"],
+     "experiment.metrics: 'eval/rewrad' is not a metric an RL run logs (did you mean 'eval/reward'"),
     ({"a": {}, "ppo": {"algorithm": "ppo"}}, ["val/explained_variance"],
      "experiment.metrics: 'val/explained_variance' comes from a critic, and rloo has none (arm a)"),
 ])
@@ -86,7 +87,8 @@ def test_the_grid_runs_paired_seeds_seed_by_seed_each_arm_its_own_config_and_dep
     assert space.algorithms == ("rloo", "ppo")  # trials of each go to its own deployment
     assert e.metric_names(config) == ["eval/gold_reward"]  # the shipped task has a gold reward
     trial = trial_config(config, sweep, 3, {"seed": 8, "arm": "ppo"}, "parent")
-    assert (trial.algorithm, trial.seed, trial.kl.beta, trial.iterations, trial.run_name) == ("ppo", 8, 0.02, 4, "exp-t3")
+    assert (trial.algorithm, trial.seed, trial.kl.beta, trial.iterations, trial.run_name) == ("ppo", 8, 0.02, 4,
+                                                                                              "exp-t3")
     assert trial.tracking.parent_run_id == "parent"
     assert trial_config(config, sweep, 0, {"seed": 7, "arm": "rloo"}, "parent").algorithm == "rloo"
 
@@ -178,7 +180,8 @@ def test_profiles_and_curves_are_rliables():
     curves = {"a": rng.random((5, 3)), "b": rng.random((5, 3))}
     got = statistics.curves(curves, [0, 2, 4], 300, 0.95, 4)
     for arm, v in curves.items():
-        assert got["arms"][arm]["value"] == pytest.approx([rm.aggregate_iqm(v[:, j:j + 1]) for j in range(3)], rel=1e-12)
+        assert got["arms"][arm]["value"] == pytest.approx([rm.aggregate_iqm(v[:, j:j + 1]) for j in range(3)],
+                                                          rel=1e-12)
         assert all(lo <= p <= hi for lo, p, hi in zip(got["arms"][arm]["low"], got["arms"][arm]["value"],
                                                        got["arms"][arm]["high"]))
 
@@ -222,8 +225,10 @@ def test_the_report_from_mlflow_is_rliables_on_the_runs_metrics(tmp_path):
     stats = result["statistics"]["eval/gold_reward"]["final"]
     for arm in final:
         assert stats["aggregates"][arm]["iqm"]["value"] == pytest.approx(iqm64(np.repeat(final[arm], 2)), rel=1e-12)
-        assert [stats["aggregates"][arm]["iqm"]["low"], stats["aggregates"][arm]["iqm"]["high"]] == bounds[arm][:, 0].tolist()
-    assert stats["improvement"]["grpo,rloo"]["probability"]["value"] == pytest.approx(poi64(final["grpo"], final["rloo"]))
+        assert [stats["aggregates"][arm]["iqm"]["low"],
+                stats["aggregates"][arm]["iqm"]["high"]] == bounds[arm][:, 0].tolist()
+    assert stats["improvement"]["grpo,rloo"]["probability"]["value"] == pytest.approx(poi64(final["grpo"],
+                                                                                            final["rloo"]))
     auc = result["statistics"]["eval/gold_reward"]["auc"]["scores"]["rloo"]
     assert auc == pytest.approx([statistics.run_scores(curves["rloo", s])["auc"] for s in (0, 1)], rel=1e-12)
     assert result["statistics"]["eval/gold_reward"]["curve"]["steps"] == [0, 2, 4]
@@ -233,19 +238,22 @@ def test_the_report_from_mlflow_is_rliables_on_the_runs_metrics(tmp_path):
     assert set(images) == {"profile_eval_gold_reward.png", "curve_eval_gold_reward.png"}
     assert all(png[:8] == b"\x89PNG\r\n\x1a\n" for png in images.values())
     assert "| rloo |" in md and "grpo over rloo" in md and "`algorithm` rloo -> grpo" in md
-    assert page.count("<table>") >= 5 and page.count("src='data:image/png;base64,") == 2 and "http" not in page.split("<body>")[1]
+    assert page.count("<table>") >= 5 and page.count("src='data:image/png;base64,") == 2
+    assert "http" not in page.split("<body>")[1]
 
     log_report(client, parent, e, result, md, page, images)
     found_id, found_parent, found = find_experiment(client, "rlhf-flows", "exp", uri)
     assert (found_id, found_parent, found) == (experiment_id, parent, e)
     logged = {a.path for a in client.list_artifacts(parent, "report")}
-    assert {"report/report.html", "report/report.md", "report/experiment.json", "report/curve_eval_gold_reward.png"} <= logged
+    assert {"report/report.html", "report/report.md", "report/experiment.json",
+            "report/curve_eval_gold_reward.png"} <= logged
     iqm = client.get_run(parent).data.metrics["experiment/eval/gold_reward/grpo/iqm"]
     assert iqm == pytest.approx(stats["aggregates"]["grpo"]["iqm"]["value"])
 
     # `rlhf experiment report NAME --out FILE`: the same report, rebuilt from MLflow
     out, summary = tmp_path / "report.html", tmp_path / "summary.json"
-    assert main(["experiment", "report", "exp", "--tracking-uri", uri, "--out", str(out), "--summary-out", str(summary)]) == 0
+    assert main(["experiment", "report", "exp", "--tracking-uri", uri, "--out", str(out), "--summary-out",
+                 str(summary)]) == 0
     rebuilt = json.loads(summary.read_text())
     assert rebuilt["statistics"] == json.loads(json.dumps(result["statistics"]))
     assert out.read_text().startswith("<!doctype html>")

@@ -37,7 +37,8 @@ def test_trials_of_a_pipeline_share_its_upstream_stages():
     assert [t.rl.reinforce.optim.lr for t in trials] == [1e-4, 1e-3]
     assert trials[0].sft == trials[1].sft == pipeline.sft and trials[0].eval == pipeline.eval
     upstream = {"sft": str(EMBEDDED_DIR / "policy"), "reward_model": str(EMBEDDED_DIR / "reward")}
-    keys = [{stage: digest(provenance(pin(job_config(stage, trial, DeployConfig(), upstream, trial.tracking.parent_run_id))))
+    keys = [{stage: digest(provenance(pin(job_config(stage, trial, DeployConfig(), upstream,
+                                                     trial.tracking.parent_run_id))))
              for stage in ("sft", "reward_model", "rl")} for trial in trials]
     assert (keys[0]["sft"], keys[0]["reward_model"]) == (keys[1]["sft"], keys[1]["reward_model"])
     assert keys[0]["rl"] != keys[1]["rl"]

@@ -52,27 +52,40 @@ def test_a_range_takes_the_type_of_its_field():
         "reinforce.optim.lr": {"low": 1e-5, "high": 1e-3, "log": True}, "iterations": {"low": 2, "high": 6},
         "kl.estimator": ["k1", "k3"]}))
     assert space.distributions == {"reinforce.optim.lr": FloatDistribution(1e-5, 1e-3, log=True),
-                                   "iterations": IntDistribution(2, 6), "kl.estimator": CategoricalDistribution(["k1", "k3"])}
+                                   "iterations": IntDistribution(2, 6),
+                                   "kl.estimator": CategoricalDistribution(["k1", "k3"])}
     assert space.grid is None
     assert distribution("eval.max_prompts", SweepConfig(name="s", sampler="random", space={
-        "eval.max_prompts": {"low": 8, "high": 32}}).space["eval.max_prompts"]) == IntDistribution(8, 32)  # Optional[int]
+        # Optional[int]
+        "eval.max_prompts": {"low": 8, "high": 32}}).space["eval.max_prompts"]) == IntDistribution(8, 32)
 
 
 @pytest.mark.parametrize("space, sweep, expected", [
-    ({"reinforce.optim.lrr": [1e-3]}, {}, r"'reinforce\.optim\.lrr' is not a config field: reinforce\.optim has no field 'lrr' \(its fields: lr, "),
-    ({"reinfurce.optim.lr": [1e-3]}, {}, r"'reinfurce\.optim\.lr' is not a config field: the config has no field 'reinfurce'"),
+    ({"reinforce.optim.lrr": [1e-3]}, {},
+     r"'reinforce\.optim\.lrr' is not a config field: reinforce\.optim has no field 'lrr' \(its fields: lr, "),
+    ({"reinfurce.optim.lr": [1e-3]}, {},
+     r"'reinfurce\.optim\.lr' is not a config field: the config has no field 'reinfurce'"),
     ({"reinforce.optim": [1]}, {}, r"'reinforce\.optim' is a section, not a field: name one of its fields \(lr, "),
     ({"iterations.every": [1]}, {}, r"'iterations\.every' is not a config field: iterations is a value, not a section"),
     ({"algorithm": ["ppo", "rloo"]}, {}, r"'algorithm' cannot be swept"),
     ({"run_name": ["a"]}, {}, r"'run_name' cannot be swept"),
-    ({"reinforce.optim.lr": [1e-3, -1.0]}, {}, r"the config refuses reinforce\.optim\.lr=-1\.0: reinforce\.optim\.lr: Input should be greater than 0"),
-    ({"reinforce.num_rollouts_per_prompt": [1, 4]}, {}, r"refuses reinforce\.num_rollouts_per_prompt=1: .*must be >= 2"),
-    ({"kl.estimator": ["k1", "k9"]}, {}, r"refuses kl\.estimator='k9': kl\.estimator: Input should be 'k1', 'abs', 'k2', 'k3' or 'k3\+'"),
-    ({"kl.estimator": {"low": 0, "high": 1}}, {"sampler": "tpe"}, r"sweep\.space\['kl\.estimator'\]: a range \{low, high\} needs a numeric field, and kl\.estimator is one of 'k1', 'abs'"),
-    ({"iterations": {"low": 2, "high": 4.5}}, {"sampler": "random"}, r"iterations is an int field, so the range needs whole numbers, got 4\.5"),
-    ({"iterations": {"low": 0, "high": 4}}, {"sampler": "random"}, r"the config refuses iterations=0: iterations: Input should be greater than 0"),
-    ({"eval.every": [2, 0]}, {}, r"sweep\.metric: 'eval/reward' is logged by the held-out eval, .* \(with eval\.every=0\)"),
-    ({"kl.beta": [0.1]}, {"metric": "critic/step"}, r"sweep\.metric: 'critic/step' comes from a critic, and rloo has none"),
+    ({"reinforce.optim.lr": [1e-3, -1.0]}, {},
+     r"the config refuses reinforce\.optim\.lr=-1\.0: reinforce\.optim\.lr: Input should be greater than 0"),
+    ({"reinforce.num_rollouts_per_prompt": [1, 4]}, {},
+     r"refuses reinforce\.num_rollouts_per_prompt=1: .*must be >= 2"),
+    ({"kl.estimator": ["k1", "k9"]}, {},
+     r"refuses kl\.estimator='k9': kl\.estimator: Input should be 'k1', 'abs', 'k2', 'k3' or 'k3\+'"),
+    ({"kl.estimator": {"low": 0, "high": 1}}, {"sampler": "tpe"},
+     r"sweep\.space\['kl\.estimator'\]: a range \{low, high\} needs a numeric field, and kl\.estimator is one of 'k1', "
+     r"'abs'"),
+    ({"iterations": {"low": 2, "high": 4.5}}, {"sampler": "random"},
+     r"iterations is an int field, so the range needs whole numbers, got 4\.5"),
+    ({"iterations": {"low": 0, "high": 4}}, {"sampler": "random"},
+     r"the config refuses iterations=0: iterations: Input should be greater than 0"),
+    ({"eval.every": [2, 0]}, {},
+     r"sweep\.metric: 'eval/reward' is logged by the held-out eval, .* \(with eval\.every=0\)"),
+    ({"kl.beta": [0.1]}, {"metric": "critic/step"},
+     r"sweep\.metric: 'critic/step' comes from a critic, and rloo has none"),
 ])
 def test_bad_spaces_are_refused_naming_the_field(space, sweep, expected):
     assert pytest.raises(SweepError, check_sweep, base(), SweepConfig(name="s", space=space, **sweep)).match(expected)
@@ -85,7 +98,8 @@ def test_a_combination_the_config_refuses_as_a_whole_is_named():
 
 
 def test_a_metric_the_config_cannot_produce_is_refused():
-    assert "set eval.prompts and eval.every > 0 (eval.prompts=None, eval.every=0)" in refused(GRID, RLHFConfig(algorithm="rloo"))
+    assert "set eval.prompts and eval.every > 0 (eval.prompts=None, eval.every=0)" in refused(GRID,
+                                                                                              RLHFConfig(algorithm="rloo"))
     no_gold = RLHFConfig(algorithm="rloo", reward={"gold": None}, data={"prompts": "prompts.txt"})
     assert "reward.gold is None" in refused(GRID, no_gold, metric="objective/gold_reward")
     builtin = base(reward={"gold": None}, data={"prompts": "builtin:sentiment"})  # the shipped task's own gold reward
@@ -115,9 +129,12 @@ def test_a_metric_no_run_logs_is_refused_before_any_trial_starts_naming_the_clos
     ({"space": {}}, "space", "is empty: give at least one dotted config field"),
     ({"space": {"kl.beta": []}}, "space", "'kl.beta' has an empty list of values"),
     ({"space": {"kl.beta": [0.1, 0.1]}}, "space", "'kl.beta' lists a value twice"),
-    ({"space": {"kl.beta": {"low": 0.1, "high": 0.2}}}, "", "sampler 'grid' needs a list of values; a range {low, high} needs sampler 'random' or 'tpe'"),
-    ({"space": {"kl.beta": {"low": 0.2, "high": 0.1}}, "sampler": "tpe"}, "space.kl.beta.range", "needs finite low < high"),
-    ({"space": {"kl.beta": {"low": 0.0, "high": 0.1, "log": True}}, "sampler": "tpe"}, "space.kl.beta.range", "log=true needs low > 0"),
+    ({"space": {"kl.beta": {"low": 0.1, "high": 0.2}}}, "",
+     "sampler 'grid' needs a list of values; a range {low, high} needs sampler 'random' or 'tpe'"),
+    ({"space": {"kl.beta": {"low": 0.2, "high": 0.1}}, "sampler": "tpe"}, "space.kl.beta.range",
+     "needs finite low < high"),
+    ({"space": {"kl.beta": {"low": 0.0, "high": 0.1, "log": True}}, "sampler": "tpe"}, "space.kl.beta.range",
+     "log=true needs low > 0"),
     ({"space": {"kl.beta": [[0.1, 0.2]]}}, "space.kl.beta.values.0.float", "Input should be a valid number"),
     ({"space": GRID, "name": "Lr_KL"}, "name", "String should match pattern"),
     ({"space": GRID, "sampler": "bayes"}, "sampler", "Input should be 'grid', 'random' or 'tpe'"),
@@ -134,9 +151,11 @@ def test_a_trial_config_has_the_values_its_name_and_its_parent_and_nothing_of_wh
     servers pick free ports of their own, so two trials starting together never race for one."""
     sweep = SweepConfig(name="lr-kl", space=GRID)
     cfg = trial_config(base(), sweep, 3, {"reinforce.optim.lr": 3e-4, "kl.beta": 0.1}, "p1")
-    assert (cfg.run_name, cfg.tracking.parent_run_id, cfg.reinforce.optim.lr, cfg.kl.beta) == ("lr-kl-t3", "p1", 3e-4, 0.1)
+    assert (cfg.run_name, cfg.tracking.parent_run_id, cfg.reinforce.optim.lr, cfg.kl.beta) == ("lr-kl-t3", "p1", 3e-4,
+                                                                                               0.1)
     assert "deploy" not in cfg.run.model_dump() and cfg.run.run_name == "lr-kl-t3"
-    assert (cfg.deploy.critic.port, cfg.deploy.reward.port, cfg.deploy.rollout.port, cfg.deploy.actor.master_port) == (None,) * 4
+    assert (cfg.deploy.critic.port, cfg.deploy.reward.port, cfg.deploy.rollout.port,
+            cfg.deploy.actor.master_port) == (None,) * 4
     with pytest.raises(SweepError, match="'deploy.critic.port' is not a config field"):
         check_sweep(base(), SweepConfig(name="ports", space={"deploy.critic.port": [9100, 9200]}))
 
@@ -188,7 +207,8 @@ def test_a_combination_enqueued_by_a_run_that_died_before_asking_for_it_is_faile
 
 def test_random_and_tpe_count_the_kept_trials_toward_sweep_trials(tmp_path):
     config = base(**{"deploy.state_dir": str(tmp_path)})
-    sweep = SweepConfig(name="r", sampler="random", trials=3, space={"reinforce.optim.lr": {"low": 1e-5, "high": 1e-3, "log": True}})
+    sweep = SweepConfig(name="r", sampler="random", trials=3,
+                        space={"reinforce.optim.lr": {"low": 1e-5, "high": 1e-3, "log": True}})
     space = check_sweep(config, sweep)
     study = open_study(config, sweep, space)
     trials = run_plan(study, space, sweep, [TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE])
@@ -200,7 +220,8 @@ def test_a_study_of_the_same_name_with_another_definition_is_refused(tmp_path):
     config, sweep = sweep_in(tmp_path)
     open_study(config, sweep, check_sweep(config, sweep))
     other = sweep.model_copy(update={"space": {"kl.beta": [0.01, 0.1]}})
-    with pytest.raises(SweepError, match=r"sweep\.name: the study 'lr-kl' in sqlite:///.*optuna\.db was started with another space"):
+    with pytest.raises(SweepError, match=r"sweep\.name: the study 'lr-kl' in sqlite:///.*optuna\.db was started with "
+                                         r"another space"):
         open_study(config, other, check_sweep(config, other))
     with pytest.raises(SweepError, match="another config"):
         open_study(base(**{"deploy.state_dir": str(tmp_path)}, iterations=3), sweep, check_sweep(config, sweep))
@@ -215,7 +236,8 @@ def test_the_storage_can_be_any_sqlalchemy_url(tmp_path, monkeypatch):
     config, sweep = sweep_in(tmp_path / "state")
     open_study(config, sweep, check_sweep(config, sweep))
     assert (tmp_path / "env.db").exists()
-    assert optuna.load_study(study_name="lr-kl", storage=f"sqlite:///{tmp_path / 'env.db'}").direction.name == "MAXIMIZE"
+    assert optuna.load_study(study_name="lr-kl",
+                             storage=f"sqlite:///{tmp_path / 'env.db'}").direction.name == "MAXIMIZE"
 
 
 # ------------------------------------------------------------------------------------------------ tracking
@@ -247,7 +269,8 @@ def test_the_parent_run_is_found_again_and_the_table_gets_each_finished_trial_on
         summary = parent.record(study)
     assert (summary["complete"], summary["pruned"], summary["failed"]) == (2, 1, 1)
     assert summary["best"]["trial"] == 1 and summary["best"]["params"] == space.grid[1]
-    assert {"plots/optimization_history.png", "plots/parallel_coordinate.png", "plots/intermediate_values.png"} <= set(summary["plots"])
+    assert {"plots/optimization_history.png", "plots/parallel_coordinate.png",
+            "plots/intermediate_values.png"} <= set(summary["plots"])
     assert summary["comparison"] == "comparison/comparison.png"
 
     again = SweepRun.open(config, sweep)  # a rerun finds the same parent run; the table is not doubled
@@ -255,9 +278,11 @@ def test_the_parent_run_is_found_again_and_the_table_gets_each_finished_trial_on
     again.record(study)
     table = json.loads(Path(client.download_artifacts(parent.run_id, "trials.json", str(tmp_path))).read_text())
     assert [row[0] for row in table["data"]] == [0, 1, 2, 3]
-    assert [row[table["columns"].index("state")] for row in table["data"]] == ["complete", "complete", "pruned", "failed"]
+    states = [row[table["columns"].index("state")] for row in table["data"]]
+    assert states == ["complete", "complete", "pruned", "failed"]
     run = client.get_run(parent.run_id)
-    assert run.data.tags["best.trial"] == "1" and run.data.tags["best.kl.beta"] == "0.1" and run.data.metrics["sweep/best_value"] == 0.9
+    assert run.data.tags["best.trial"] == "1" and run.data.tags["best.kl.beta"] == "0.1"
+    assert run.data.metrics["sweep/best_value"] == 0.9
     pruned = client.get_run(table["data"][2][table["columns"].index("mlflow_run_id")])
     assert pruned.data.tags["sweep.state"] == "pruned" and pruned.info.status == "KILLED"
     assert find_sweep(client, "rlhf-flows", "lr-kl", mlflow_uri)[1:] == (parent.run_id, sweep)  # rlhf compare --sweep
@@ -272,7 +297,8 @@ def test_the_parent_run_is_found_again_and_the_table_gets_each_finished_trial_on
     (["--name", "x", "--space", "kl.inti=[0.01]", "--metric", "reward"], "'kl.inti' is not a config field"),
     (["--name", "x"], "space\n  Field required"),
     (["--name", "x", "--space", "kl.beta"], "--space expects FIELD=VALUES"),
-    (["--name", "x", "--space", "kl.beta=[0.1]", "--concurrency", "two"], "concurrency\n  Input should be a valid integer"),
+    (["--name", "x", "--space", "kl.beta=[0.1]", "--concurrency", "two"],
+     "concurrency\n  Input should be a valid integer"),
 ])
 def test_rlhf_sweep_refuses_bad_input_before_anything_starts(args, expected, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")  # nothing listens there: never asked
@@ -286,7 +312,8 @@ def test_rlhf_sweep_reads_its_section_from_yaml_with_numbers_as_numbers(tmp_path
     from components.cli.main import build_parser
 
     (tmp_path / "sweep.yaml").write_text("name: lr\nspace:\n  reinforce.optim.lr: [1e-5, 3e-4]\nconcurrency: 2\n")
-    args = build_parser().parse_args(["sweep", "--sweep", str(tmp_path / "sweep.yaml"), "--space", "kl.beta={low: 1e-3, high: 1e-1, log: true}",
+    args = build_parser().parse_args(["sweep", "--sweep", str(tmp_path / "sweep.yaml"), "--space",
+                                      "kl.beta={low: 1e-3, high: 1e-1, log: true}",
                                       "--sampler", "tpe", "--concurrency", "3"])
     sweep = load_sweep(args)
     assert sweep.space["reinforce.optim.lr"] == [1e-5, 3e-4] and sweep.space["kl.beta"].log and sweep.concurrency == 3

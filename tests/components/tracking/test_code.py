@@ -55,9 +55,11 @@ def test_a_change_of_code_a_job_runs_changes_the_code_version(project):
     builder imports, in a trainer loaded by its name (models/kinds.py), in a process a job starts (the rollout server,
     a server pod)."""
     before = code.code_digest(project)
-    for module, old, new in (("components/jobs/stages.py", "return {\"stage\": cfg.stage,", "return {\"stage\": cfg.job,"),
+    for module, old, new in (("components/jobs/stages.py", "return {\"stage\": cfg.stage,",
+                              "return {\"stage\": cfg.job,"),
                              ("models/losses.py", "\nfrom ", "\nSCALE = 2\nfrom "),
-                             ("models/stages/kto.py", "1 - torch.sigmoid(beta * ratio)", "1 - torch.sigmoid(2 * beta * ratio)"),
+                             ("models/stages/kto.py", "1 - torch.sigmoid(beta * ratio)",
+                              "1 - torch.sigmoid(2 * beta * ratio)"),
                              ("components/serving/rollout/app.py", "\nfrom ", "\nLIMIT = 1\nfrom "),
                              ("components/serving/pod.py", "\nfrom ", "\nLIMIT = 1\nfrom ")):
         assert edited(project, (module, old, new)) != before, f"an edit of {module} changed no code version"

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.fast  # no server, stack or second process: `make test-
 T0 = 1_700_000_000_000  # ms
 
 
-def make_run(uri: str, name: str, algorithm: str, metrics: dict[str, list[float]], *, start: int, finish: bool = True) -> str:
+def make_run(uri: str, name: str, algorithm: str, metrics: dict[str, list[float]], *, start: int,
+             finish: bool = True) -> str:
     """A run whose step i was logged at start + 2 s * (i + 1); it ends 2 s after its last step."""
     client = MlflowClient(uri)
     experiment_id = get_or_create_experiment(client, "cmp", uri)
@@ -47,9 +48,11 @@ def runs(mlflow_uri: str) -> dict[str, str]:
             start=T0 + 10_000,
         ),
         "rloo-run": make_run(  # no gold reward logged: shown as absent
-            mlflow_uri, "rloo-run", "rloo", {"objective/kl": [0.0, 0.01, 0.03, 0.06], "step_time": [0.5] * 4}, start=T0 + 20_000
+            mlflow_uri, "rloo-run", "rloo", {"objective/kl": [0.0, 0.01, 0.03, 0.06], "step_time": [0.5] * 4}, start=T0
+            + 20_000
         ),
-        "running-rloo": make_run(mlflow_uri, "running-rloo", "rloo", {"objective/kl": [7.0]}, start=T0 + 30_000, finish=False),
+        "running-rloo": make_run(mlflow_uri, "running-rloo", "rloo", {"objective/kl": [7.0]}, start=T0 + 30_000,
+                                 finish=False),
     }
     return ids
 
@@ -80,7 +83,8 @@ def test_compare_latest_finished_run_per_algorithm(mlflow_uri: str, runs: dict[s
 
 
 def test_compare_explicit_run_ids_and_log_comparison(mlflow_uri: str, runs: dict[str, str], tmp_path: Path) -> None:
-    png, md = compare_runs(mlflow_uri, "cmp", [runs["old-ppo"], runs["running-rloo"]], tmp_path, metrics=("objective/kl",))
+    png, md = compare_runs(mlflow_uri, "cmp", [runs["old-ppo"], runs["running-rloo"]], tmp_path,
+                           metrics=("objective/kl",))
     text = md.read_text()
     assert "old-ppo" in text and "running-rloo" in text and "| 9 |" in text and "| 7 |" in text
     assert "rloo-run" not in text

@@ -110,7 +110,8 @@ def test_s3_one_writer_a_stale_lease_taken_over_and_a_lost_lease_stops_writing(s
         with pytest.raises(LeaseLost, match="writes nothing more"):
             lease.check()
         lease.release()  # not ours any more: left in place for its holder
-        assert json.loads(s3.get_object(Bucket=bucket, Key="runs/held/lease.json")["Body"].read())["host"] == "elsewhere"
+        assert json.loads(s3.get_object(Bucket=bucket,
+                                        Key="runs/held/lease.json")["Body"].read())["host"] == "elsewhere"
     finally:
         holder.kill()
         holder.wait()

@@ -1,7 +1,7 @@
-"""A run's checkpoints on S3 (moto server) and tracking in MLflow (sqlite): resume gives the identical model and continues
-the same MLflow run, and the next iteration after resume equals the one the uninterrupted run computes. The run's
-policy is a model on S3 too (stored as a run stores its model): fetched into the machine's cache, checked by digest,
-it trains, and the run's record names where it came from (its ETags and the digest of its files)."""
+"""A run's checkpoints on S3 (moto server) and tracking in MLflow (sqlite): resume gives the identical model and
+continues the same MLflow run, and the next iteration after resume equals the one the uninterrupted run computes. The
+run's policy is a model on S3 too (stored as a run stores its model): fetched into the machine's cache, checked by
+digest, it trains, and the run's record names where it came from (its ETags and the digest of its files)."""
 
 import json
 import uuid
@@ -121,7 +121,8 @@ def test_s3_checkpoint_resume_is_exact_and_continues_the_mlflow_run(cfg):
         expected_logp = state.policy.logprobs(tokens, lengths)[0]
         expected_values, _ = critic.trainer.infer(tokens, lengths)
     saved = {"actor": clone(state.policy.model.state_dict()), "actor_optim": clone(state.optimizer.state_dict()),
-             "critic": clone(critic.trainer.model.state_dict()), "critic_optim": clone(critic.trainer.optimizer.state_dict())}
+             "critic": clone(critic.trainer.model.state_dict()),
+             "critic_optim": clone(critic.trainer.optimizer.state_dict())}
     # the uninterrupted run goes on for one more iteration ...
     continued = run_iterations(cfg, session, state, critic, 1)[0]
     session.log_eval(3, {"eval/reward": 0.5}, [{"prompt": "p", "reward": 0.5}])  # ... and evaluates at its step 3
