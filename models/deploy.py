@@ -80,12 +80,7 @@ class ServerPlacement(Section):
         "host", "port", "max_queue_delay_us", "torch_threads", "ready_timeout_s", "request_timeout_s",
     )
 
-    launch: Launch = Field("local",
-                           description="'in_process' = no server (the model runs in the actor's rank 0); 'local' = a "
-                                       "PyTriton child process of the run (own process group, stopped with it); "
-                                       "'kubernetes' = a LeaderWorkerSet the run creates on its cluster "
-                                       "(deploy.cluster), reached through its pods' DNS names and deleted with the "
-                                       "run.")
+    launch: Launch = Field("local", description="Where the server runs: in_process (no server), local or kubernetes.")
     host: str = Field(
         "127.0.0.1", description="Interface the server binds (and the client connects to for launch=local).")
     port: Optional[int] = Field(
@@ -124,11 +119,7 @@ class RolloutPlacement(Section):
         "max_request_tokens", "max_body_mib", "weight_transfer",
     )
 
-    launch: Literal["local", "kubernetes"] = Field("local",
-                                          description="'local' = a child process of the run (own process group, "
-                                                      "stopped with it); 'kubernetes' = a LeaderWorkerSet of "
-                                                      "`replicas` servers the run creates on its cluster "
-                                                      "(deploy.cluster; the vLLM image), deleted with the run.")
+    launch: Literal["local", "kubernetes"] = Field("local", description="Where the servers run: local or kubernetes.")
     python: str = Field(
         ".venv-vllm/bin/python",
         description="Interpreter of the server's environment (`make vllm-venv`), relative to the project root.")
