@@ -674,8 +674,8 @@ def describe(section=None, prefix: str = "", advanced: bool = True) -> list[tupl
     section = section if section is not None else RLHFConfig()
     rows = []
     for name, field in type(section).model_fields.items():
-        if not advanced and name in getattr(type(section), "advanced", ()):
-            continue
+        if not advanced and (name in getattr(type(section), "advanced", ()) or field.annotation is Sources):
+            continue  # advanced, or the pins a job sets where it starts: not a user's
         value, annotation = getattr(section, name), field.annotation
         nested = value if isinstance(value, BaseModel) else optional_section(annotation)
         if nested is not None:
