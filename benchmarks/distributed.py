@@ -51,8 +51,7 @@ distributed.shutdown()
 
 def build_model(directory: Path) -> int:
     """A GPT-2 of ~24M parameters from config (random weights) with the tiny tokenizer, saved with save_pretrained."""
-    # heavy: only here (ranks: subprocesses)
-    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast
+    from transformers import GPT2Config, GPT2LMHeadModel, PreTrainedTokenizerFast  # heavy: only here (ranks)
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(ensure_tiny_models() / "policy")
     config = GPT2Config(vocab_size=8192, n_positions=256, n_embd=512, n_layer=6, n_head=8,

@@ -46,8 +46,7 @@ def response_template(tokenizer, model_type: Optional[str] = None) -> Optional[d
     if own is not None or model_type is None:
         return own
     try:
-        # optional: `transformers serve`'s table
-        from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
+        from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS  # optional: `serve`'s table
     except ImportError:  # a transformers without the table: only the tokenizer's own
         return None
     return next((t for types, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if model_type in types), None)

@@ -52,8 +52,8 @@ def export_model(trained_dir: str | Path, out_dir: str | Path, base: str | None 
     """Write the model of a checkpoint's trained part `trained_dir` to `out_dir` as a Hugging Face model (see the
     module docstring). `base`: the local directory of the model the job started from, needed to merge a LoRA
     adapter, checked against `base_digest` when given. `out_dir` must not exist or be empty."""
-    # heavy: only an export needs them here
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification,  # heavy: export only
+                              AutoTokenizer)
 
     if task not in TASKS:
         raise ValueError(f"export: unknown task {task!r}; known: {', '.join(TASKS)}")

@@ -75,8 +75,7 @@ class Kube:
     """A namespace of a cluster, as this process's credentials reach it."""
 
     def __init__(self, namespace: Optional[str] = None, config_file: Optional[str] = None):
-        # the client: loaded by a run that talks to a cluster, not by every import
-        from kubernetes import client, config
+        from kubernetes import client, config  # loaded by a run that talks to a cluster, not by every import
 
         configuration = client.Configuration()
         if config_file is None and in_cluster():
