@@ -6,11 +6,8 @@ through a proxy). The pod itself is not run here (no cluster): its server is sta
 
 from __future__ import annotations
 
-import http.client
 import json
 import re
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlparse
 
 import pytest
@@ -28,6 +25,7 @@ from models.algorithms import Backends
 from models.loop import Leader, build_actor, gold_function, load_prompts, prompt_batches
 from models.prepare import prepare_run
 from models.step import train_step
+from tests.s3_proxy import s3_proxy
 
 pytestmark = pytest.mark.slow(2)
 
@@ -94,57 +92,11 @@ def test_a_crash_between_critic_save_and_actor_checkpoint_resumes_both_of_one_it
     resumed.close("FINISHED")
 
 
-class _Forbidding(BaseHTTPRequestHandler):
-    """Forwards S3 requests to the real endpoint, except reads of keys containing `forbidden`: 403 AccessDenied."""
-
-    upstream: str = ""
-    forbidden: re.Pattern = re.compile("^$")
-
-    def _handle(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        if self.forbidden.search(self.path) and self.command in ("GET", "HEAD"):
-            error = b'<?xml version="1.0"?><Error><Code>AccessDenied</Code><Message>Access Denied</Message></Error>'
-            self.send_response(403)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(error) if self.command == "GET" else 0))
-            self.end_headers()
-            if self.command == "GET":
-                self.wfile.write(error)
-            return
-        target = urlparse(self.upstream)
-        conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
-        conn.request(self.command, self.path, body=body or None, headers={k: v for k, v in self.headers.items()})
-        response = conn.getresponse()
-        data = response.read()
-        self.send_response(response.status)
-        for key, value in response.getheaders():
-            if key.lower() not in ("transfer-encoding", "connection", "content-length"):
-                self.send_header(key, value)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-        conn.close()
-
-    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _handle
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def forbidding_endpoint(s3_bucket):
     """An S3 endpoint (a proxy in front of moto) that answers 403 to reads of any iter_1[-<id>]/critic/ object."""
-    handler = type("Handler", (_Forbidding,),
-                   {"upstream": s3_bucket[0], "forbidden": re.compile(r"/iter_1(-[^/]+)?/critic/")})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with s3_proxy(s3_bucket[0], forbidden=r"/iter_1(-[^/]+)?/critic/") as endpoint:
+        yield endpoint
 
 
 def test_a_403_on_the_critic_checkpoint_fails_the_run_naming_the_uri(cfg, forbidding_endpoint, tmp_path):

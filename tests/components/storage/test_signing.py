@@ -5,7 +5,6 @@ endpoint (moto's server, behind a recording proxy that passes every request on).
 from __future__ import annotations
 
 import hashlib
-import http.client
 import json
 import os
 import re
@@ -13,10 +12,7 @@ import socket
 import stat
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import urlparse
 
 import boto3
 import pytest
@@ -25,6 +21,7 @@ from components.storage import signing
 from components.storage.signing import KEY_ARN_ENV, KEY_ENV, KEY_FILE_ENV, Signer, StoreKeyError, store_key
 from components.storage.store import CheckpointStore
 from tests.components.storage.test_checkpoints import FAST, REPO, make_parts
+from tests.s3_proxy import s3_proxy
 
 KEY = "k" * 40
 
@@ -106,49 +103,12 @@ def test_a_signature_binds_the_records_content_the_stores_name_and_the_key() -> 
 
 
 # ------------------------------------------------------------------------------------------- a run's S3 credentials
-class _Recording(BaseHTTPRequestHandler):
-    """Passes every request on to `upstream` (moto's server) and records (method, path, headers, body, answer)."""
-
-    upstream: str
-    seen: list
-
-    def _handle(self):
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        target = urlparse(self.upstream)
-        conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
-        conn.request(self.command, self.path, body=body or None, headers=dict(self.headers.items()))
-        response = conn.getresponse()
-        data = response.read()
-        self.seen.append((self.command, self.path, dict(self.headers.items()), body, data))
-        self.send_response(response.status)
-        for key, value in response.getheaders():
-            if key.lower() not in ("transfer-encoding", "connection", "content-length"):
-                self.send_header(key, value)
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-        conn.close()
-
-    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _handle
-
-    def log_message(self, *args):
-        pass
-
-
 @pytest.fixture
 def recorded(s3_bucket):
     """(endpoint, bucket, requests seen): a recording proxy in front of moto's server."""
     seen: list = []
-    handler = type("Handler", (_Recording,), {"upstream": s3_bucket[0], "seen": seen})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}", s3_bucket[1], seen
-    finally:
-        server.shutdown()
-        server.server_close()
+    with s3_proxy(s3_bucket[0], seen) as endpoint:
+        yield endpoint, s3_bucket[1], seen
 
 
 def test_a_run_stores_requests_carry_its_run_tagged_credentials_under_irsa(recorded, tmp_path: Path,
