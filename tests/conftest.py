@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import uuid
 from pathlib import Path
 
@@ -64,24 +63,17 @@ def pytest_collection_modifyitems(items):
 
 
 def free_port_block(n: int = 3) -> int:
-    """A base port p with p..p+n-1 free on 127.0.0.1 (never the defaults 5000 / 8000-8002)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535 or 4999 <= base <= 5001 or 7998 <= base <= 8003:
-            continue
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free block of ports")
+    """A base port p with p..p+n-1 free on 127.0.0.1, drawn as the runs' own ports are (components/launch/processes.
+    find_free_ports): outside the kernel's ephemeral range, where no outgoing connection or bind(0) of another test
+    takes one between now and its bind (a torchrun rank store listens at --master_port + 1: both must stay free)."""
+    from components.launch.processes import find_free_ports
+
+    return find_free_ports("127.0.0.1", n)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on right now, outside the ephemeral range (free_port_block)."""
+    return free_port_block(1)
 
 
 GOLD_BEST = 1.0  # the shipped task's gold reward (sentiment polarity, and the 0/1 targeted reward) is at most 1

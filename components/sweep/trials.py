@@ -24,6 +24,7 @@ from uuid import UUID
 import optuna
 from optuna.trial import FrozenTrial, TrialState
 from prefect import get_client, get_run_logger
+from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName, FlowRunFilterTags
 from prefect.client.schemas.objects import State
 from prefect.deployments import run_deployment
 from prefect.exceptions import ObjectNotFound
@@ -118,14 +119,29 @@ class Trials:
         """Trials an earlier run of this sweep started and never saw end: their flow runs are followed to the end."""
         for frozen in unfinished:
             trial = optuna.trial.Trial(self.study, frozen._trial_id)  # Optuna's handle of a trial by its storage id
-            if "flow_run_id" not in frozen.user_attrs:
-                self._tell(trial, TrialState.FAIL, reason="a run of the sweep stopped before starting its flow run")
-                continue
-            running = Running(trial, UUID(frozen.user_attrs["flow_run_id"]), frozen.user_attrs["run_name"],
+            flow_run_id = frozen.user_attrs.get("flow_run_id")
+            if flow_run_id is None:  # it died before creating the flow run, or before recording its id
+                flow_run_id = self._flow_run_named(frozen.user_attrs.get("run_name"))
+                if flow_run_id is None:
+                    self._tell(trial, TrialState.FAIL, reason="a run of the sweep stopped before starting its flow run")
+                    continue
+                trial.set_user_attr("flow_run_id", str(flow_run_id))
+            running = Running(trial, UUID(str(flow_run_id)), frozen.user_attrs["run_name"],
                               frozen.user_attrs.get("mlflow_run_id"), dict(frozen.intermediate_values))
             self.running[frozen.number] = running
             self.logger.info(f"trial {frozen.number} ({running.run_name}) was left running by an earlier run of the "
                              f"sweep: following its flow run {running.flow_run_id}")
+
+    def _flow_run_named(self, run_name: Optional[str]) -> Optional[UUID]:
+        """The flow run `start` created for a trial under its name (the trial's run name, tagged with the sweep), if
+        the Prefect API has one: a run of the sweep killed right after creating it never recorded its id, and it
+        runs all the same."""
+        if not run_name:
+            return None
+        with get_client(sync_client=True) as client:
+            runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                name=FlowRunFilterName(any_=[run_name]), tags=FlowRunFilterTags(all_=[f"sweep-{self.sweep.name}"])))
+        return max(runs, key=lambda run: run.created).id if runs else None
 
     def followed(self) -> list[optuna.Trial]:
         return [r.trial for r in self.running.values()]

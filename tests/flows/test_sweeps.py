@@ -384,8 +384,10 @@ def test_a_killed_experiment_resumes_its_report_is_rliables_on_mlflow_and_a_reru
                            timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = trial_runs(s, "exp")
-    # six flow runs, one per arm x seed, nothing run again (a trial the killed run had asked for but not yet started
-    # is run by the resume under the next trial number: the names need not be t0..t5)
+    # six flow runs, one per arm x seed, nothing run again: a trial whose flow run the killed run had created is
+    # followed, even where the kill came before its id was recorded (components/sweep/trials.Trials.follow finds it
+    # by name); one it had asked for but not started is run by the resume under the next trial number (the names
+    # need not be t0..t5)
     assert len(runs) == 6 and len({r["name"] for r in runs}) == 6, [r["name"] for r in runs]
     assert all(r["state"]["type"] == "COMPLETED" for r in runs), [r["state"] for r in runs]
     assert finished <= {r["name"] for r in runs}  # what had finished before the kill was kept, not run again

@@ -21,6 +21,7 @@ from models.config import Sampling, preset
 from models.resolve import pin
 from models.loop import build_actor, load_prompts
 from models.prepare import prepare_run
+from tests.conftest import free_port, free_port_block
 from tests.models.dist_update import ranks_env, update
 
 SCRIPT = Path(__file__).with_name("dist_update.py")
@@ -85,8 +86,9 @@ def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
         torch.set_num_threads(threads)
     env = ranks_env()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(_free_port()), str(SCRIPT), str(tmp_path / "cfg.json"), str(tmp_path / "fixture.pt"),
-                           str(tmp_path / "two.pt")], capture_output=True, text=True, timeout=600, env=env)
+                           str(free_port_block(2)), str(SCRIPT), str(tmp_path / "cfg.json"),
+                           str(tmp_path / "fixture.pt"), str(tmp_path / "two.pt")],
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     two = torch.load(tmp_path / "two.pt", weights_only=False)
     two_nodes = two_node_groups_update(tmp_path) if algorithm == "ppo" else None
@@ -134,7 +136,7 @@ def test_two_ranks_update_like_one(tiny_models, tmp_path, algorithm):
 
 def two_node_groups_update(tmp_path: Path) -> dict:
     """dist_update.py's update on 2 node groups of 1 rank each (LocalNodes: two torchruns over loopback)."""
-    nodes = LocalNodes(NodeSpec("rlhf-update-test", 2, 1, _free_port(), [str(SCRIPT), str(tmp_path / "cfg.json"),
+    nodes = LocalNodes(NodeSpec("rlhf-update-test", 2, 1, free_port_block(2), [str(SCRIPT), str(tmp_path / "cfg.json"),
                                 str(tmp_path / "fixture.pt"), str(tmp_path / "nodes.pt")]), tmp_path / "logs",
                        tmp_path / "nodes", new_secret())
     try:
@@ -152,22 +154,14 @@ def test_a_rollout_failure_on_rank_0_reaches_every_rank(tmp_path):
     the scatter until the process group times out."""
     env = ranks_env()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(_free_port()), str(SCRIPT.with_name("dist_engine_error.py")),
-                           f"http://127.0.0.1:{_free_port()}", str(tmp_path)],
+                           str(free_port_block(2)), str(SCRIPT.with_name("dist_engine_error.py")),
+                           f"http://127.0.0.1:{free_port()}", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0["type"] == "ConnectError", rank0
     assert rank1["type"] == "EngineRequestError", rank1
     assert rank1["message"].startswith("rank 0 could not sample from the rollout server: ConnectError"), rank1
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_splitting_a_minibatch_into_micro_batches_does_not_change_the_step(tiny_models, tmp_path):
@@ -213,7 +207,7 @@ def test_episodes_played_on_rank_0_reach_each_rank_as_one_rank_plays_them(tiny_m
     one = play(chat, distributed.SINGLE)
     env = ranks_env()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(_free_port()), str(Path(__file__).with_name("dist_remote.py")), chat,
+                           str(free_port_block(2)), str(Path(__file__).with_name("dist_remote.py")), chat,
                            str(tmp_path / "two.pt")], capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert one["errors"] == [""] * 6 + ["boom"] * 2 and one["scores"].tolist() == [0, 1, 0, 1, 0, 1, 0, 0]

@@ -12,7 +12,6 @@ a 0.3 % gradient difference allows (measured: grad norm 0.15 %, value loss 0.2 %
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +27,7 @@ from models.loading import checkpoint_activations
 from models.loop import build_actor, load_prompts
 from models.policy import Policy
 from models.prepare import prepare_run
+from tests.conftest import free_port_block
 from tests.models.dist_update import ranks_env, update
 
 SCRIPT = Path(__file__).with_name("dist_update.py")
@@ -98,12 +98,6 @@ def test_checkpointing_a_model_that_cannot_is_refused_naming_the_field():
         checkpoint_activations(nn.Linear(2, 2), "model.critic")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _delta(weights: dict, initial: dict) -> torch.Tensor:
     return torch.cat([(weights[name] - initial[name]).flatten() for name in initial])
 
@@ -136,8 +130,9 @@ def test_bf16_with_checkpointing_updates_like_float32_on_one_and_two_ranks(tiny_
         torch.set_num_threads(threads)
     env = ranks_env()
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-                           str(_free_port()), str(SCRIPT), str(tmp_path / "cfg.json"), str(tmp_path / "fixture.pt"),
-                           str(tmp_path / "two.pt")], capture_output=True, text=True, timeout=600, env=env)
+                           str(free_port_block(2)), str(SCRIPT), str(tmp_path / "cfg.json"),
+                           str(tmp_path / "fixture.pt"), str(tmp_path / "two.pt")],
+                          capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     two = torch.load(tmp_path / "two.pt", weights_only=False)
 

@@ -5,7 +5,6 @@ on the same machine that know the port (tests/models/rank_probe.py)."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,15 +12,10 @@ from pathlib import Path
 import psutil
 
 from components.launch.processes import wait_for
+from tests.conftest import free_port
 from tests.models.dist_update import ranks_env
 
 PROBE = str(Path(__file__).with_name("rank_probe.py"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(tmp_path: Path, name: str, *args, env: dict) -> tuple[subprocess.Popen, Path]:

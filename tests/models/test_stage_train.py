@@ -9,6 +9,7 @@ from models.reward import reward_model_scores
 from models.stages.data import load_pairs, right_padded
 from models.resolve import resolve_data
 from models.stages.train import Scorer
+from tests.conftest import free_port
 
 
 def test_scores_are_read_at_the_last_real_token_when_pad_is_eos(tiny_models):
@@ -37,14 +38,9 @@ def test_the_reward_model_trainer_shards_with_the_actors_mixed_precision_policy(
     sharded with FSDP2 (here over a real one-rank gloo group) keeps float32 master weights and computes its blocks
     in the compute dtype, as the actor does: the weights a block's linear layers compute with are bf16, the
     sharded parameters float32."""
-    import socket
-
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:
         scorer = Scorer.load(tiny_models["reward"], None, "bfloat16", torch.device("cpu"), shard=True)
         assert scorer.sharded and {p.dtype for p in scorer.model.parameters()} == {torch.float32}
