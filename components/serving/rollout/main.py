@@ -29,6 +29,7 @@ os.environ.setdefault("DO_NOT_TRACK", "1")
 import uvicorn
 
 from components.serving.connections import IDLE_S, MAX_CONNECTIONS, allow_open_files, bounded_protocol
+from components.serving.rollout.app import ServedModel, build_app
 from components.serving.rollout.group import SECRET_ENV, SECRET_FILE_ENV, read_secret
 
 log = logging.getLogger("rlhf.rollout_server")
@@ -130,7 +131,6 @@ def main(argv: Optional[list[str]] = None) -> None:
         log.error(f"--port: cannot bind {args.host}:{args.port}: {exc.strerror or exc}")
         raise SystemExit(2) from None
     started = time.perf_counter()
-    from components.serving.rollout.app import ServedModel, build_app  # vLLM's import (~15 CPU-s): after the checks
     served = ServedModel(args.model, args.dtype, args.max_model_len, args.seed, args.enforce_eager,
                          args.gpu_memory_utilization, args.instance, args.trainer_host, args.max_request_sequences,
                          args.max_request_tokens, args.tensor_parallel_size)
