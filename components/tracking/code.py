@@ -13,12 +13,21 @@ pipeline's and sweeps' orchestration, the flows, the benchmarks) is not in it.
 Static, not `sys.modules` after an import: the same code gives the same digest in every process whatever it imported
 before (a pipeline's process has imported more than a job's; a module imported inside a function is there only once
 that function ran), and the digest covers the processes the job starts, which its own process never imports.
+
+Parsing every module takes ~1.5 CPU-s, in every process that builds a job. `job_code_digest(cache)` does it once per
+content of the checkout: the digest is a function of the modules' bytes and of Python's syntax trees alone, so it is
+kept in the cache directory under the sha256 of those bytes and of the Python version (`source_key`, a few ms); any
+edit of any module is another key, so a cached digest is never stale.
 """
 
 from __future__ import annotations
 
 import ast
 import hashlib
+import os
+import re
+import sys
+import tempfile
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
@@ -130,7 +139,36 @@ def code_digest(root: Path = ROOT, roots: tuple[str, ...] = JOB_ENTRY_MODULES + 
     return out.hexdigest()
 
 
-@lru_cache(maxsize=1)
-def job_code_digest() -> str:
-    """The digest of a job's code in this checkout (`code_digest`), computed once per process."""
-    return code_digest()
+def source_key(root: Path = ROOT) -> str:
+    """sha256 over the Python version and the bytes of every project module under `root`, by name: all that
+    `code_digest` is computed from."""
+    out = hashlib.sha256(f"{sys.version_info.major}.{sys.version_info.minor}\n".encode())
+    for name, path in sorted(project_modules(root).items()):
+        data = path.read_bytes()
+        out.update(f"{name}\0{len(data)}\0".encode() + data)
+    return out.hexdigest()
+
+
+@lru_cache(maxsize=4)
+def job_code_digest(cache: Path | None = None) -> str:
+    """The digest of a job's code in this checkout (`code_digest`), computed once per process; with `cache` (a
+    directory), once per content of the checkout: read from, or written to, <cache>/code-digest/<source_key>. A cache
+    that cannot be read or written is passed by (the digest is computed)."""
+    if cache is None:
+        return code_digest()
+    entry = cache / "code-digest" / source_key()
+    try:
+        found = entry.read_text().strip()
+        if re.fullmatch(r"[0-9a-f]{64}", found):
+            return found
+    except OSError:
+        pass
+    value = code_digest()
+    try:  # beside it, then renamed: a reader sees the whole digest or none
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=entry.parent, delete=False) as tmp:
+            tmp.write(value)
+        os.replace(tmp.name, entry)
+    except OSError:
+        pass
+    return value

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from components.tracking.code import ROOT as PACKAGE_ROOT
 from components.tracking.code import job_code_digest
-from models.resolve import Resolved
+from models.resolve import Resolved, cache_root
 from models.stages.data import rows_digest
 
 # the libraries whose versions change what a job computes: the kernels (torch), the model code (transformers), the
@@ -53,7 +53,8 @@ def digest(record: dict) -> str:
 def job_record(cfg, config: dict, models: dict, data: dict, files: dict | None = None,
                code: dict | None = None) -> dict:
     """A job's provenance record (the module docstring) from the parts its kind made."""
-    return {"job": cfg.job, "config": config, "seed": cfg.seed, "code": {**code_version(), **(code or {})},
+    return {"job": cfg.job, "config": config, "seed": cfg.seed,
+            "code": {**code_version(cache_root(cfg.deploy)), **(code or {})},
             "data": data, "models": models, "files": files or {}}
 
 
@@ -69,9 +70,10 @@ def library_versions(names: tuple[str, ...] = LIBRARIES) -> dict[str, str | None
     return out
 
 
-def code_version() -> dict:
-    """{modules: the digest of the code a job runs (components/tracking/code.py), libraries: {name: version}}."""
-    return {"modules": job_code_digest(), "libraries": library_versions()}
+def code_version(cache: Path | None = None) -> dict:
+    """{modules: the digest of the code a job runs (components/tracking/code.py; kept in the cache directory `cache`
+    where given), libraries: {name: version}}."""
+    return {"modules": job_code_digest(cache), "libraries": library_versions()}
 
 
 def vllm_version(python: str | Path) -> str | None:

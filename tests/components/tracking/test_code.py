@@ -79,6 +79,25 @@ def test_a_change_of_code_no_job_imports_changes_no_code_version(project):
                    for m in closure)
 
 
+def test_the_digest_is_kept_per_content_of_the_checkout_and_an_edit_is_another_key(project, tmp_path):
+    """Computed once, then read from the cache directory under the modules' bytes; any edit (a comment too) is another
+    key, so a kept digest is never stale; a cache that cannot be written is passed by."""
+    computed = code.code_digest()
+    cache = tmp_path / "cache"
+    assert code.job_code_digest.__wrapped__(cache) == computed  # computed and kept
+    entry = cache / "code-digest" / code.source_key()
+    assert entry.read_text() == computed
+    entry.write_text("0" * 64)
+    assert code.job_code_digest.__wrapped__(cache) == "0" * 64  # what is kept is what is read
+    before = code.source_key(project)
+    path = project / "models" / "losses.py"
+    path.write_text(path.read_text() + "\n# a comment\n")
+    assert code.source_key(project) != before and code.code_digest(project) == computed
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    assert code.job_code_digest.__wrapped__(blocked) == computed
+
+
 # launched with `python -m` by a job's modules and not a process of a job: the local stack's deployments server
 NOT_A_JOB_PROCESS = {"flows.serve"}
 
