@@ -62,6 +62,21 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: -minutes(item))
 
 
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadfile` with tests/flows/ as one unit: its modules share one local stack (tests/flows/conftest.py), so
+    one worker runs them one after the other and the suite starts one stack, not one per module."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling  # only where xdist schedules
+
+    class PackageStack(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "tests/flows" if scope.startswith("tests/flows/") else scope
+
+    return PackageStack(config, log)
+
+
 def free_port_block(n: int = 3) -> int:
     """A base port p with p..p+n-1 free on 127.0.0.1, drawn as the runs' own ports are (components/launch/processes.
     find_free_ports): outside the kernel's ephemeral range, where no outgoing connection or bind(0) of another test

@@ -16,60 +16,17 @@ from mlflow.tracking import MlflowClient
 
 from components.launch import stack
 from components.launch.flow_runs import flow_run_name
-from components.launch.processes import can_bind
-from tests.conftest import assert_learned, free_port_block
-from tests.hub_cache import build_qwen2, put_in_cache
+from tests.conftest import assert_learned
 
 pytestmark = pytest.mark.slow(16)
 PREFECT = str(Path(sys.executable).parent / "prefect")
 
 
-REWARDS = '''import re
-
-def exact(prompts, responses, answer):
-    out = []
-    for response, solution in zip(responses, answer):
-        numbers = re.findall(r"-?\\d+", response)
-        out.append(1.0 if numbers and numbers[-1] == solution.split("####")[-1].strip() else 0.0)
-    return out
-'''
-
-
 @pytest.fixture(scope="module")
-def local_stack(tmp_path_factory):
-    """The local stack on an empty state directory, as `rlhf up` starts it for a new user whose Hugging Face cache
-    holds their own models: a small Qwen2 with its own BPE tokenizer and chat template as `acme/tiny-qwen`, a reward
-    model of its family as `acme/tiny-qwen-rm` (tests/hub_cache.py); beside it their data (a parquet with question /
-    answer columns) and a reward file outside any package."""
-    import datasets
-
-    state_dir = tmp_path_factory.mktemp("state")
-    user = tmp_path_factory.mktemp("user")
-    cache = user / "hf-cache"
-    put_in_cache(build_qwen2(user / "build" / "policy"), cache, "acme/tiny-qwen")
-    put_in_cache(build_qwen2(user / "build" / "reward", reward=True), cache, "acme/tiny-qwen-rm")
-    rows = [{"question": f"what is {a} plus {b}?", "answer": f"{a} + {b} = {a + b}. #### {a + b}"}
-            for a in range(8) for b in range(8)]
-    datasets.Dataset.from_list(rows).to_parquet(str(user / "math.parquet"))
-    (user / "my_rewards.py").write_text(REWARDS)
-    prefect_port, mlflow_port = free_port_block(1), free_port_block(1)
-    with pytest.MonkeyPatch.context() as mp:
-        # The served deployments look for new runs and for cancellations every second instead of Prefect's default
-        # 10 s: ~20 runs here, each of which would otherwise wait 5 s on average before it starts.
-        mp.setenv("PREFECT_RUNNER_POLL_FREQUENCY", "1")
-        mp.setenv("HF_HUB_CACHE", str(cache))  # the stack's processes (and their children) read this cache
-        urls = stack.up(state_dir, prefect_port, mlflow_port, set_profile=False, log=lambda *_: None)
-    # the prefect CLI prints through Rich, which wraps lines at $COLUMNS (80 without a terminal), e.g. a watched run's
-    # log line after a prefix holding the flow run's random name: text the tests look for could break anywhere
-    env = {**stack.base_env(state_dir, prefect_port, mlflow_port), "COLUMNS": "1000", "HF_HUB_CACHE": str(cache)}
-    # the stack's credentials, as a process that runs on it has them: prefect_post/prefect_get and MLflow's client
-    credentials = stack.client_env(stack.credentials(stack.stack_dir(state_dir)))
-    os.environ.update(credentials)
-    yield {"state_dir": state_dir, "urls": urls, "env": env, "api": env["PREFECT_API_URL"],
-           "ports": (prefect_port, mlflow_port), "user": user}
-    for name in credentials:
-        os.environ.pop(name, None)
-    stack.down(state_dir, log=lambda *_: None)
+def local_stack(flows_stack):
+    """The package's local stack (tests/flows/conftest.py), as a new user whose Hugging Face cache holds their own
+    models has it."""
+    return flows_stack
 
 
 def deployment_run(s, name: str, config: dict, deploy: dict | None = None,
@@ -580,19 +537,3 @@ def test_up_is_idempotent_and_down_frees_ports(local_stack, tmp_path):
     assert pids == {n: (state / f"{n}.pid").read_text() for n in stack.SERVICES}
     status = stack.status(s["state_dir"], log=lambda *_: None)
     assert all(v["running"] for v in status.values())
-
-
-def test_down_stops_everything_and_frees_ports(local_stack):
-    """Runs last in this module: `down` stops exactly what `up` started and the ports can be bound again."""
-    s = local_stack
-    state = stack.stack_dir(s["state_dir"])
-    pids = [int((state / f"{n}.pid").read_text()) for n in stack.SERVICES]
-    stopped = stack.down(s["state_dir"], log=lambda *_: None)
-    assert sorted(stopped) == sorted(stack.SERVICES)
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
-    for port in s["ports"]:
-        assert port not in listening and can_bind("127.0.0.1", port), f"port {port} still bound"
-    assert stack.down(s["state_dir"], log=lambda *_: None) == []
-    # nothing of the stack or of its runs is left: a run's server follows its killed parent within its stop's grace
-    _wait_for(lambda: not stack_processes(s, ""), 30, "no process of the stack or of its runs left")

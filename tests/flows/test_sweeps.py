@@ -1,10 +1,9 @@
-"""Sweeps and experiments end to end through a real local stack of their own (Prefect server, MLflow server, the served
-deployments:
-what `rlhf up` starts), driven with `prefect deployment run sweep/default` as a user does; the trials are runs of
-reinforce/default on the tiny default, kept short (2-6 iterations, a 16-prompt held-out eval)."""
+"""Sweeps and experiments end to end through a real local stack (Prefect server, MLflow server, the served deployments:
+what `rlhf up` starts; the one test_deployments.py's runs use, tests/flows/conftest.py), driven with `prefect
+deployment run sweep/default` as a user does; the trials are runs of reinforce/default on the tiny default, kept short
+(2-6 iterations, a 16-prompt held-out eval)."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -23,7 +22,8 @@ from rliable import metrics as rm
 from components.cli.main import main
 from components.launch import stack
 from components.launch.flow_runs import flow_run_name
-from tests.conftest import free_port_block
+from components.launch.processes import can_bind
+from tests.flows.conftest import stack_processes as every_stack_process
 
 pytestmark = pytest.mark.slow(15)
 BIN = Path(sys.executable).parent
@@ -35,22 +35,11 @@ IN_PROCESS = {"reward": {"launch": "in_process"}}
 
 
 @pytest.fixture(scope="module")
-def sweep_stack(tmp_path_factory, request):
-    state_dir = tmp_path_factory.mktemp("sweep-state")
-    prefect_port, mlflow_port = free_port_block(1), free_port_block(1)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("PREFECT_RUNNER_POLL_FREQUENCY", "1")  # runs start, and cancellations land, within a second
-        urls = stack.up(state_dir, prefect_port, mlflow_port, set_profile=False, log=lambda *_: None)
-    env = {**stack.base_env(state_dir, prefect_port, mlflow_port), "COLUMNS": "1000"}
-    # the stack's credentials, as a process that runs on it has them: prefect_post/prefect_get and MLflow's client
-    credentials = stack.client_env(stack.credentials(stack.stack_dir(state_dir)))
-    os.environ.update(credentials)
-    yield {"state_dir": state_dir, "urls": urls, "env": env, "api": env["PREFECT_API_URL"],
-           "mlflow": MlflowClient(urls["mlflow"]), "storage": f"sqlite:///{state_dir / 'sweeps' / 'optuna.db'}"}
-    for name in credentials:
-        os.environ.pop(name, None)
-    stack.down(state_dir, log=lambda *_: None)
-    assert not stack_processes(state_dir), "a process of the sweep stack outlived `rlhf down`"
+def sweep_stack(flows_stack):
+    """The package's local stack (tests/flows/conftest.py; test_deployments.py's runs are on it too), with an MLflow
+    client and the sweeps' Optuna storage."""
+    return {**flows_stack, "mlflow": MlflowClient(flows_stack["urls"]["mlflow"]),
+            "storage": f"sqlite:///{flows_stack['state_dir'] / 'sweeps' / 'optuna.db'}"}
 
 
 def start_sweep(s, sweep: dict, config: dict = CONFIG, deploy: dict | None = None,
@@ -192,7 +181,7 @@ def test_bad_input_is_refused_before_any_trial_starts(sweep_stack):
     for name, run_id in runs.items():
         state = wait_final(s, run_id, timeout=180)["state"]
         assert state["type"] == "FAILED" and cases[name][2] in state["message"], (name, state)
-    assert flow_runs_of(s, "reinforce") == []  # no trial ever started
+    assert not [name for name in cases if trial_runs(s, name)]  # no trial ever started
     names = optuna.get_all_study_names(s["storage"]) if (s["state_dir"] / "sweeps" / "optuna.db").exists() else []
     assert not set(names) & set(cases)
 
@@ -433,3 +422,20 @@ def test_a_killed_experiment_resumes_its_report_is_rliables_on_mlflow_and_a_reru
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     assert len(trial_runs(s, "exp")) == 6  # no run started
     assert all(not stack_processes(s["state_dir"], r["id"]) for r in runs)
+
+
+def test_down_stops_everything_and_frees_ports(sweep_stack):
+    """Runs last in tests/flows/ (after test_deployments.py and this module's runs): `down` stops exactly what `up`
+    started, the ports can be bound again, and nothing of the stack or of its runs is left."""
+    s = sweep_stack
+    state = stack.stack_dir(s["state_dir"])
+    pids = [int((state / f"{n}.pid").read_text()) for n in stack.SERVICES]
+    stopped = stack.down(s["state_dir"], log=lambda *_: None)
+    assert sorted(stopped) == sorted(stack.SERVICES)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    listening = {c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    for port in s["ports"]:
+        assert port not in listening and can_bind("127.0.0.1", port), f"port {port} still bound"
+    assert stack.down(s["state_dir"], log=lambda *_: None) == []
+    # a run's server follows its killed parent within its stop's grace
+    wait_until(lambda: not every_stack_process(s["state_dir"]), 30, "no process of the stack or of its runs left")
