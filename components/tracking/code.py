@@ -96,14 +96,21 @@ def targets(importer: str, module: str, names: list[str], known: dict[str, Path]
     return ((explicit | implicit) & known.keys()) - {importer}
 
 
-def import_graph(root: Path = ROOT, trees: dict[str, ast.Module] | None = None) -> dict[str, set[str]]:
-    """{module: the project modules it imports} of every project module under `root` (`trees`: theirs, parsed)."""
+def import_graph(root: Path = ROOT) -> dict[str, set[str]]:
+    """{module: the project modules it imports} of every project module under `root`."""
     known = project_modules(root)
-    graph = {name: set() for name in known}
-    for name, path in known.items():
-        for module, names, _, _, _ in imports(path, name, (trees or {}).get(name)):
-            graph[name] |= targets(name, module, names, known)
-    return graph
+    return {name: {target for module, names in parsed(name, str(path), path.read_text())[0]
+                   for target in targets(name, module, list(names), known)}
+            for name, path in known.items()}
+
+
+@lru_cache(maxsize=1024)
+def parsed(name: str, path: str, source: str) -> tuple[tuple[tuple[str, tuple[str, ...]], ...], str]:
+    """(its import statements as (module, names), its `normalised` code) of the module `name` at `path` holding
+    `source`, parsed once per source in a process: a copy of the checkout with one module edited parses that one."""
+    tree = ast.parse(source, path)
+    found = tuple((module, tuple(names)) for module, names, _, _, _ in imports(Path(path), name, tree))
+    return found, normalised(tree)
 
 
 def closure(graph: dict[str, set[str]], roots: tuple[str, ...]) -> set[str]:
@@ -132,10 +139,10 @@ def normalised(tree: ast.Module) -> str:
 
 def code_digest(root: Path = ROOT, roots: tuple[str, ...] = JOB_ENTRY_MODULES + KIND_MODULES) -> str:
     """sha256 over the normalised code of every module in the closure of `roots` under `root`, by name."""
-    trees = {name: ast.parse(path.read_text(), str(path)) for name, path in project_modules(root).items()}
+    known = project_modules(root)
     out = hashlib.sha256()
-    for name in sorted(closure(import_graph(root, trees), roots)):
-        out.update(f"{name}\0{normalised(trees[name])}\n".encode())
+    for name in sorted(closure(import_graph(root), roots)):
+        out.update(f"{name}\0{parsed(name, str(known[name]), known[name].read_text())[1]}\n".encode())
     return out.hexdigest()
 
 

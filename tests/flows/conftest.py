@@ -62,6 +62,18 @@ def flows_stack(tmp_path_factory):
     assert wait_for(lambda: not stack_processes(state_dir), 30), "a process of the stack or its runs outlived `down`"
 
 
+def created_run(s, name: str, parameters: dict) -> str:
+    """The id of a new flow run of deployment `name` (flow/deployment) with `parameters`, created through the API as
+    the UI's Run button does (POST /deployments/{id}/create_flow_run): what `prefect deployment run` sends, without a
+    CLI process (~1.3 CPU-s each). `prefect deployment run` itself, as a user types it, is the walk's, the bad-input
+    checks' and the watch's (test_deployments.py), the sweeps' bad input and the experiment's (test_sweeps.py)."""
+    deployment = stack.prefect_get(s["api"], f"/deployments/name/{name}").json()
+    response = stack.prefect_post(s["api"], f"/deployments/{deployment['id']}/create_flow_run",
+                                  {"parameters": parameters})
+    response.raise_for_status()
+    return response.json()["id"]
+
+
 def stack_processes(state_dir) -> list[psutil.Process]:
     """Live processes whose environment names the stack's state directory, or one inside it (a node group's)."""
     found = []

@@ -17,6 +17,7 @@ from mlflow.tracking import MlflowClient
 from components.launch import stack
 from components.launch.flow_runs import flow_run_name
 from tests.conftest import assert_learned
+from tests.flows.conftest import created_run
 
 pytestmark = pytest.mark.slow(16)
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -36,6 +37,11 @@ def deployment_run(s, name: str, config: dict, deploy: dict | None = None,
     params += ["--param", f"deploy={json.dumps(deploy)}"] if deploy else []
     return subprocess.run([PREFECT, "deployment", "run", name, *params],
                           env=s["env"], capture_output=True, text=True, timeout=120, check=check)
+
+
+def started(s, name: str, config: dict, deploy: dict | None = None) -> str:
+    """The id of a new flow run of deployment `name` with `config` (and `deploy`), created through the API."""
+    return created_run(s, name, {"config": config, **({"deploy": deploy} if deploy else {})})
 
 
 def flow_run_id(proc: subprocess.CompletedProcess) -> str:
@@ -220,12 +226,11 @@ def test_reinforce_deployment_starts_no_critic_and_its_reward_server_scores_a_re
     artifact). That RLOO learns this reward and the eval rises is tests/models/test_steps.py's (the same run in
     process)."""
     s = local_stack
-    proc = deployment_run(s, "reinforce/default", {
+    run_id = started(s, "reinforce/default", {
         "iterations": 4, "run_name": "e2e-rloo", "data": {"prompts": "builtin:sentiment_target"},
         "reward": {"source": "function", "function": TARGETED, "gold": TARGETED},
         "eval": {"prompts": "builtin:sentiment_target", "every": 4, "temperature": 1.0, "samples_per_prompt": 4,
                  "max_prompts": 16}})
-    run_id = flow_run_id(proc)
     # the flow run is a fork of the deployment server's forkserver, named after the run, and what it starts (its
     # reward server) inherits the run's id
     server = _wait_for(lambda: server_processes(s, '"run_name":"e2e-rloo"'), 300, "the run's reward server")[0]
@@ -278,8 +283,8 @@ def test_reinforce_with_a_reward_model_of_another_tokenizer_learns_through_text(
     single-process learning test (tests/models/test_steps.py). (This is the one 12-iteration RLOO run through
     reward-chars: tests/models/test_steps.py runs its first 2 iterations in process.)"""
     s = local_stack
-    run = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {
-        "iterations": 12, "run_name": "e2e-rloo-text", "model": {"reward": "tiny/reward-chars"}})), timeout=900)
+    run = wait_final(s, started(s, "reinforce/default", {
+        "iterations": 12, "run_name": "e2e-rloo-text", "model": {"reward": "tiny/reward-chars"}}), timeout=900)
     assert run["state"]["type"] == "COMPLETED", run["state"]
     client, mrun = mlflow_run(s, "e2e-rloo-text")
     assert mrun.data.tags["reward_transport"] == "text"
@@ -328,7 +333,7 @@ def test_a_critic_server_losing_a_rank_fails_the_run_naming_it_and_the_rerun_res
     latest = s["state_dir"] / "checkpoints" / "e2e-critic2" / "latest.json"
     config, deploy = {"iterations": 6, "run_name": "e2e-critic2",
                       "checkpoint": {"every": 2}}, {"critic": {"nproc_per_node": 2}}
-    first = flow_run_id(deployment_run(s, "ppo/default", config, deploy))
+    first = started(s, "ppo/default", config, deploy)
     _wait_for(lambda: latest.exists() and (json.loads(latest.read_text())["iteration"] or 0) >= 2, 300,
               "first checkpoint")
     server = _wait_for(lambda: server_processes(s, str(run_dir)), 30, "critic server")[0]
@@ -343,7 +348,7 @@ def test_a_critic_server_losing_a_rank_fails_the_run_naming_it_and_the_rerun_res
     checkpointed = json.loads(latest.read_text())["iteration"]
     assert checkpointed in (2, 4)
 
-    second = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", config, deploy)), timeout=900)
+    second = wait_final(s, started(s, "ppo/default", config, deploy), timeout=900)
     assert second["state"]["type"] == "COMPLETED", second["state"]
     names = task_names(s, second["id"])
     assert any(n.startswith("deploy-critic-server") for n in names) and any(n.startswith("wait-until-ready")
@@ -381,7 +386,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_killed_fail_naming_it_and
     config = {"iterations": 200, "run_name": "e2e-vllm", "checkpoint": {"every": 2}, "tracking": {"table_every": 1},
               "rollout": {"engine": "vllm", "max_off_policy_steps": 1}}
     deploy = {"rollout": {"threads": 1}}  # 1 thread: the other worker shares the cores
-    first = flow_run_id(deployment_run(s, "reinforce/default", config, deploy))
+    first = started(s, "reinforce/default", config, deploy)
     _wait_for(lambda: latest.exists() and (json.loads(latest.read_text())["iteration"] or 0) >= 2, 300,
               "first checkpoint")
     server = _wait_for(lambda: stack_processes(s, "components.serving.rollout.main"), 30, "rollout server")[0]
@@ -397,8 +402,8 @@ def test_asynchronous_rollouts_from_the_rollout_server_killed_fail_naming_it_and
     logged = max(m.step for m in client.get_metric_history(mrun.info.run_id, "objective/kl"))  # >= checkpointed
 
     # the rerun redoes the iterations after the checkpoint (MLflow keeps the first attempt's steps) and two more
-    rerun = wait_final(s, flow_run_id(deployment_run(s, "reinforce/default", {**config, "iterations": logged + 2},
-                                                     deploy)))
+    rerun = wait_final(s, started(s, "reinforce/default", {**config, "iterations": logged + 2},
+                                         deploy))
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     # the training run stops its server at the end
     _wait_for(lambda: not stack_processes(s, "components.serving.rollout.main"), 60, "rollout server stopped")
@@ -464,7 +469,7 @@ def test_ppo_on_two_node_groups_resumes_on_two_ranks_then_one_and_cancelled_leav
     config, two = {"iterations": 2, "run_name": "e2e-dist",
                    "checkpoint": {"every": 1}}, {"actor": {"nproc_per_node": 2}}
     nodes = {"actor": {"nnodes": 2}}
-    run = wait_final(s, flow_run_id(deployment_run(s, "ppo/default", config, nodes)))
+    run = wait_final(s, started(s, "ppo/default", config, nodes))
     assert run["state"]["type"] == "COMPLETED", run["state"]
     said = [log["message"] for log in stack.prefect_post(s['api'], "/logs/filter", {
         "logs": {"flow_run_id": {"any_": [run["id"]]}}, "limit": 200}, timeout=10).json()]
@@ -486,7 +491,7 @@ def test_ppo_on_two_node_groups_resumes_on_two_ranks_then_one_and_cancelled_leav
     # the same run name resumes with the same world size, nothing redone (its first iteration is the 3rd), until its
     # rank 1 is killed: the run fails (DEAD_PROCESS_FAILS_RUN_S) naming the rank, and no process of it is left
     latest = ckpt / "latest.json"
-    run_id = flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": 200}, two))
+    run_id = started(s, "ppo/default", {**config, "iterations": 200}, two)
     _wait_for(lambda: (json.loads(latest.read_text())["iteration"] or 0) >= 3, 240, "a checkpoint of the resumed run")
     follower = _wait_for(lambda: actor_followers(s), 30, "actor rank 1")[0]
     assert follower.environ()["RANK"] == "1"
@@ -507,8 +512,7 @@ def test_ppo_on_two_node_groups_resumes_on_two_ranks_then_one_and_cancelled_leav
     client, mrun = mlflow_run(s, "e2e-dist")
     logged = max(m.step for m in client.get_metric_history(mrun.info.run_id, "dist/world_size"))  # MLflow keeps these
     run_dir = s["state_dir"] / "runs" / "e2e-dist"
-    run_id = flow_run_id(deployment_run(s, "ppo/default", {**config, "iterations": 200},
-                                        {"actor": {"nproc_per_node": 1}}))
+    run_id = started(s, "ppo/default", {**config, "iterations": 200}, {"actor": {"nproc_per_node": 1}})
 
     def sizes() -> list[float]:
         return [m.value

@@ -1,6 +1,7 @@
 """Sweeps and experiments end to end through a real local stack (Prefect server, MLflow server, the served deployments:
 what `rlhf up` starts; the one test_deployments.py's runs use, tests/flows/conftest.py), driven with `prefect
-deployment run sweep/default` as a user does; the trials are runs of reinforce/default on the tiny default, kept short
+deployment run sweep/default` as a user does where that is the check (bad input, an experiment), else created through
+the API as the UI's Run button does; the trials are runs of reinforce/default on the tiny default, kept short
 (2-6 iterations, a 16-prompt held-out eval)."""
 
 import json
@@ -23,6 +24,7 @@ from components.cli.main import main
 from components.launch import stack
 from components.launch.flow_runs import flow_run_name
 from components.launch.processes import can_bind
+from tests.flows.conftest import created_run
 from tests.flows.conftest import stack_processes as every_stack_process
 
 pytestmark = pytest.mark.slow(15)
@@ -50,6 +52,12 @@ def start_sweep(s, sweep: dict, config: dict = CONFIG, deploy: dict | None = Non
     params += ["--param", f"deploy={json.dumps(deploy)}"] if deploy else []
     return subprocess.run([str(BIN / "prefect"), "deployment", "run", "sweep/default", *params],
                           env=s["env"], capture_output=True, text=True, timeout=120, check=check)
+
+
+def sweep_run(s, sweep: dict, config: dict = CONFIG, deploy: dict | None = None) -> str:
+    """The id of a new flow run of sweep/default (what `start_sweep` sends), created through the API."""
+    return created_run(s, "sweep/default", {"config": config, "sweep": {"poll_s": 1, **sweep},
+                                            **({"deploy": deploy} if deploy else {})})
 
 
 def flow_run_id(proc: subprocess.CompletedProcess) -> str:
@@ -195,7 +203,7 @@ def test_a_grid_sweep_runs_two_trials_at_a_time_as_nested_runs_with_table_best_t
     """Three trials at concurrency 2: the third waits for a slot (what "at most two at a time" needs to show)."""
     s = sweep_stack
     # the sweep's mechanics: no reward server
-    sweep = wait_final(s, flow_run_id(start_sweep(s, GRID, CONFIG, IN_PROCESS)))
+    sweep = wait_final(s, sweep_run(s, GRID, CONFIG, IN_PROCESS))
     assert sweep["state"]["type"] == "COMPLETED", sweep["state"]
     assert sweep["name"] == "grid"
 
@@ -258,7 +266,7 @@ def test_failed_trials_are_recorded_with_their_reason_and_a_sweep_whose_trials_a
     sweep, every trial of it failed, fails."""
     s = sweep_stack
     sweep = {"name": "fail", "space": {"model.policy": ["/no/such/policy"]}}
-    run = wait_final(s, flow_run_id(start_sweep(s, sweep, CONFIG, IN_PROCESS)))
+    run = wait_final(s, sweep_run(s, sweep, CONFIG, IN_PROCESS))
     assert run["state"]["type"] == "FAILED", run["state"]
     assert "every trial of sweep fail failed" in run["state"]["message"], run["state"]
     trials = study(s, "fail").trials
@@ -276,7 +284,7 @@ def test_a_trial_that_cannot_learn_is_pruned_at_an_eval_step_cancelled_and_leave
     cancelled long before its 6th iteration."""
     s = sweep_stack
     sweep = {"name": "prune", "space": {"reinforce.optim.lr": [1e-3, 1e-8]}, "pruner": "median"}
-    run = wait_final(s, flow_run_id(start_sweep(s, sweep, {**CONFIG, "iterations": 6})))
+    run = wait_final(s, sweep_run(s, sweep, {**CONFIG, "iterations": 6}))
     assert run["state"]["type"] == "COMPLETED", run["state"]
     good, bad = trial_runs(s, "prune")
     assert good["state"]["type"] == "COMPLETED" and bad["state"]["type"] == "CANCELLED", (good["state"], bad["state"])
@@ -298,7 +306,7 @@ def test_a_killed_sweep_resumes_and_runs_no_trial_twice_and_another_space_is_ref
     flow in a shell, the trials on the deployments) resumes it: no trial is run again. The finished sweep, run again
     on the deployment, starts no trial; another space under its name is refused."""
     s = sweep_stack
-    first = flow_run_id(start_sweep(s, RESUME, CONFIG, IN_PROCESS))
+    first = sweep_run(s, RESUME, CONFIG, IN_PROCESS)
     wait_until(lambda: [r["name"] for r in trial_runs(s, "resume")] == ["resume-t0", "resume-t1"], 600,
                "trial 1 started")
     assert trial_runs(s, "resume")[0]["state"]["type"] == "COMPLETED"
@@ -323,8 +331,8 @@ def test_a_killed_sweep_resumes_and_runs_no_trial_twice_and_another_space_is_ref
     assert [c.data.tags["sweep.state"] for c in children] == ["complete", "complete"]
 
     # the finished sweep, run again: no trial; under its name with another space: refused
-    rerun = flow_run_id(start_sweep(s, RESUME, CONFIG, IN_PROCESS))
-    other = flow_run_id(start_sweep(s, {**RESUME, "space": {"kl.beta": [0.01, 0.1]}}, CONFIG, IN_PROCESS))
+    rerun = sweep_run(s, RESUME, CONFIG, IN_PROCESS)
+    other = sweep_run(s, {**RESUME, "space": {"kl.beta": [0.01, 0.1]}}, CONFIG, IN_PROCESS)
     rerun = wait_final(s, rerun, timeout=300)
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     assert len(trial_runs(s, "resume")) == 2  # no new trial

@@ -26,6 +26,7 @@ os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("DO_NOT_TRACK", "1")
 
+import torch
 import uvicorn
 
 from components.serving.connections import IDLE_S, MAX_CONNECTIONS, allow_open_files, bounded_protocol
@@ -130,6 +131,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     except OSError as exc:
         log.error(f"--port: cannot bind {args.host}:{args.port}: {exc.strerror or exc}")
         raise SystemExit(2) from None
+    if args.enforce_eager and not torch.cuda.is_available():
+        # eager on a CPU host means nothing compiled: vLLM still torch.compiles its sampler's helpers (the sampled
+        # token's rank, the random sample) with inductor, i.e. g++ on first use (~15 CPU-s for a server with an
+        # empty cache, ~6 with a warm one; docs/benchmarks.md); dynamo off, they run as the plain torch they trace
+        torch._dynamo.config.disable = True
     started = time.perf_counter()
     served = ServedModel(args.model, args.dtype, args.max_model_len, args.seed, args.enforce_eager,
                          args.gpu_memory_utilization, args.instance, args.trainer_host, args.max_request_sequences,

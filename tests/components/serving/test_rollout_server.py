@@ -66,10 +66,19 @@ def threads_cores(pid: int) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_models, tmp_path_factory):
+def inductor_cache(tmp_path_factory) -> Path:
+    """Where torch's inductor would keep what the module's server compiles (it inherits TORCHINDUCTOR_CACHE_DIR)."""
+    return tmp_path_factory.mktemp("inductor")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_models, tmp_path_factory, inductor_cache):
     cfg = config(tiny_models, tmp_path_factory.mktemp("rollout"), cpu_cores=str(SERVER_CORE))
     rollout_python(cfg)  # a missing .venv-vllm fails here, naming `make vllm-venv`
-    with launch_rollout(cfg, tmp_path_factory.mktemp("logs") / "rollout-server.log") as proc:
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache))
+        launched = launch_rollout(cfg, tmp_path_factory.mktemp("logs") / "rollout-server.log")
+    with launched as proc:
         proc.wait_until_ready(300)
         yield proc
     assert proc.poll() is not None and not proc.group_members()  # stopped, nothing of it left
@@ -643,6 +652,20 @@ server.wait_until_ready(300)
 print(server.pid, flush=True)
 sys.stdin.read()  # until killed
 """
+
+
+def test_an_eager_server_on_a_cpu_host_compiles_nothing(server, policy, inductor_cache):
+    """enforce_eager (the module's server) on a host without a GPU: sampling at temperature 1 with the sampled tokens'
+    logprobs and ranks (what vLLM otherwise compiles with inductor: its random sample and its rank count), after every
+    test above has generated, leaves the inductor cache empty."""
+    engine = connected(server, policy)
+    try:
+        rollout = engine.generate(policy.encode_prompts(sentiment.prompts(4)), 2, Sampling(max_new_tokens=6),
+                                  torch.Generator().manual_seed(0))
+    finally:
+        engine.close()
+    assert rollout.tokens.shape[0] == 8 and bool((rollout.sample_logprobs <= 0).all())
+    assert [p.name for p in inductor_cache.rglob("*") if p.is_file()] == []
 
 
 def test_a_rollout_server_whose_run_is_killed_stops(tiny_models, tmp_path):
