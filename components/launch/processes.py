@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,6 +33,7 @@ import psutil
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 PARENT_PID_ENV = "RLHF_PARENT_PID"  # a child that must not outlive its parent (exit_with_parent) reads it here
+OWN_DIR_ENV = "RLHF_OWN_DIR"  # a directory its parent made for this child alone: the child removes it if orphaned
 T = TypeVar("T")
 
 
@@ -288,6 +290,14 @@ class ServerProcess(ChildProcess):
 
     def __repr__(self) -> str:
         return f"ServerProcess({self.name}, url={self.url}, pid={self.pid}, log={self.log_path})"
+
+
+def remove_own_dir_if_orphaned() -> None:
+    """At a child's exit: the directory its parent made for it alone ($RLHF_OWN_DIR), removed when that parent
+    ($RLHF_PARENT_PID) is gone (killed without stopping us), since no one else will; a living parent removes it."""
+    own, parent = os.environ.get(OWN_DIR_ENV), int(os.environ.get(PARENT_PID_ENV, "0"))
+    if own and parent and os.getppid() != parent:
+        shutil.rmtree(own, ignore_errors=True)
 
 
 def exit_with_parent(grace_s: float = 10.0, poll_s: float = 1.0) -> Optional[threading.Thread]:

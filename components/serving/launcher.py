@@ -41,8 +41,8 @@ from urllib.parse import urlparse
 import httpx
 import torch
 
-from components.launch.processes import (PARENT_PID_ENV, PROJECT_ROOT, Health, Probe, ServerNotReady, ServerProcess,
-                                         free_port, project_env)
+from components.launch.processes import (OWN_DIR_ENV, PARENT_PID_ENV, PROJECT_ROOT, Health, Probe, ServerNotReady,
+                                         ServerProcess, free_port, project_env)
 from components.serving.auth import new_secret, read_secret, secret_env
 from components.serving.triton.contract import ServerSpec
 from components.serving.triton.front import MODELS_PATH
@@ -60,12 +60,13 @@ def connect_host(host: str) -> str:
 
 # ---------------------------------------------------------------- PyTriton critic / reward servers
 
-def child_env(pytriton_home: Path, secret: str, extra: Optional[dict] = None) -> dict[str, str]:
-    """Environment of a server child: own PYTRITON_HOME, the run's secret, this process as the parent it must not
-    outlive, project importable (the child itself puts this interpreter's libpython first on LD_LIBRARY_PATH for
-    Triton: triton/serve.prepare_environment)."""
-    return project_env({"PYTRITON_HOME": str(pytriton_home), **secret_env(secret), PARENT_PID_ENV: str(os.getpid()),
-                        "DO_NOT_TRACK": os.environ.get("DO_NOT_TRACK", "1"), **(extra or {})})
+def child_env(home: Path, secret: str, extra: Optional[dict] = None) -> dict[str, str]:
+    """Environment of a server child: `home` its own (PYTRITON_HOME; the child removes it if this process dies without
+    stopping it), the run's secret, this process as the parent it must not outlive, project importable (the child
+    puts this interpreter's libpython first on LD_LIBRARY_PATH for Triton itself: triton/serve.prepare_environment)."""
+    return project_env({"PYTRITON_HOME": str(home), OWN_DIR_ENV: str(home), **secret_env(secret),
+                        PARENT_PID_ENV: str(os.getpid()), "DO_NOT_TRACK": os.environ.get("DO_NOT_TRACK", "1"),
+                        **(extra or {})})
 
 
 def _model_state(client: httpx.Client, name: str) -> tuple[str, bool]:
@@ -73,9 +74,9 @@ def _model_state(client: httpx.Client, name: str) -> tuple[str, bool]:
 
     With the run's key, the server's repository summary (GET /rlhf/models: Triton's repository index, read by the
     front) names a model whose load failed (state UNAVAILABLE + reason: our servers register a model that cannot load
-    its weights there). PyTriton loads healthy models from outside the repository, so they never appear in it; the
-    model config then tells 'not found' (not bound yet, weights loading) from 'no available versions' (Triton is
-    loading it, or its load failed).
+    its weights there) and a bound model's state (PyTriton writes it into the repository, then loads it). A model not
+    in it yet: the model config tells 'not found' (not bound yet, weights loading) from 'no available versions'
+    (Triton is loading it, or its load failed).
     """
     index = client.get(MODELS_PATH)
     summary = model_state_summary(index.json(), name) if index.status_code == 200 else None

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import psutil
 import torch
 
-from components.launch.processes import can_bind, exit_with_parent, wait_for
+from components.launch.processes import can_bind, exit_with_parent, remove_own_dir_if_orphaned, wait_for
 from components.serving.auth import MissingSecret
 from components.serving.triton.contract import ModelSpec, ServerSpec
 from components.serving.triton.front import INTERNAL_HEADER, Front
@@ -129,7 +129,7 @@ def serve(spec: ServerSpec, load: Callable[[], tuple[list, object]] | None = Non
     if not can_bind(spec.host, spec.port):
         LOG.error("%s server: port %d on %s already in use; choose another --port", kind, spec.port, spec.host)
         return 1
-    from pytriton.triton import Triton, TritonSecurityConfig  # heavy: only a server process starts Triton
+    from pytriton.triton import Triton, TritonLifecyclePolicy, TritonSecurityConfig  # heavy: only a server starts it
     from pytriton.utils.workspace import Workspace  # heavy: as above
 
     def on_signal(signum, _frame):
@@ -152,7 +152,10 @@ def serve(spec: ServerSpec, load: Callable[[], tuple[list, object]] | None = Non
     front = Front(spec.host, spec.port, Path(workspace.path) / "triton.sock", secret, spec.section.auth == "none",
                   token, kind=kind)
     # PyTriton's address for Triton is the front's; Triton itself binds the Unix socket, with no token
-    triton = Triton(config=spec.triton_config(), workspace=workspace,
+    # the models' files written into the workspace's repository, loaded from there by name (with PyTriton's default,
+    # each load uploads them and Triton copies them into a /tmp/folderXXXXXX of its own, left there when a load is cut)
+    in_workspace = TritonLifecyclePolicy(launch_triton_on_startup=True, local_model_store=True)
+    triton = Triton(config=spec.triton_config(), workspace=workspace, triton_lifecycle_policy=in_workspace,
                     security_config=TritonSecurityConfig(access_token=token, restricted_endpoints=[]))
     behind_front(triton, front.triton_socket)
     url = f"http://{spec.host}:{spec.port}"
@@ -200,6 +203,7 @@ def serve(spec: ServerSpec, load: Callable[[], tuple[list, object]] | None = Non
         if group is not None:
             _stop_ranks(group)
         LOG.info("%s server: stopped", kind)
+        remove_own_dir_if_orphaned()  # its home (the workspace, the models' repository) when the run died first
     return code
 
 

@@ -29,7 +29,7 @@ def serve_argv(*args: str) -> list[str]:
 
 def test_child_env_isolates_pytriton_home_and_the_server_puts_this_libpython_first(tmp_path, monkeypatch):
     env = child_env(tmp_path / "home", "the-runs-secret-value", {"EXTRA": "1"})
-    assert env["PYTRITON_HOME"] == str(tmp_path / "home")
+    assert env["PYTRITON_HOME"] == env["RLHF_OWN_DIR"] == str(tmp_path / "home")  # its own, to remove if orphaned
     assert env["RLHF_RUN_SECRET"] == "the-runs-secret-value" and env["EXTRA"] == "1"
     assert env["RLHF_PARENT_PID"] == str(os.getpid())  # the server ends with this process
     assert str(Path(__file__).resolve().parents[3]) in env["PYTHONPATH"].split(":")

@@ -12,7 +12,8 @@ PyTriton servers started as a run starts them):
 - Hypothesis builds malformed tensors for every endpoint (wrong dtypes, ranks, shapes, missing and unknown inputs,
   NaN/Inf/huge values, bad UTF-8): each is refused with an error naming a tensor, and the run's own requests are
   served afterwards;
-- a server whose run is SIGKILLed stops, and leaves nothing behind."""
+- a server whose run is SIGKILLed stops, and leaves nothing behind: no process, not its directory (its workspace,
+  Triton's copies of the models it loaded)."""
 
 from __future__ import annotations
 
@@ -454,11 +455,16 @@ def test_a_server_whose_run_is_killed_stops_and_leaves_nothing(tiny_models, tmp_
     try:
         server = int(parent.stdout.readline())
         assert group_members(server)  # serving: the server and its tritonserver
+        home = Path(psutil.Process(server).environ()["RLHF_OWN_DIR"])  # the directory the run made for it alone
+        # Triton loaded each model from the repository in the server's workspace (no copy of its own in /tmp)
+        assert sorted(path.parent.name for path in home.glob("workspace_*/model-store/*/config.pbtxt")) == \
+            sorted(spec.models)
         os.kill(parent.pid, signal.SIGKILL)  # the run dies without a chance to stop it
         parent.wait()
         assert wait_for(lambda: not group_members(server), 60, poll_s=0.2), [p.name() for p in group_members(server)]
         log = (tmp_path / "reward.log").read_text()
         assert "stop requested" in log or "stopped" in log
+        assert wait_for(lambda: not home.exists(), 30, poll_s=0.2), list(home.rglob("*"))  # its workspace, temp files
     finally:
         parent.kill()
         parent.wait()
