@@ -402,8 +402,7 @@ def test_asynchronous_rollouts_from_the_rollout_server_killed_fail_naming_it_and
     logged = max(m.step for m in client.get_metric_history(mrun.info.run_id, "objective/kl"))  # >= checkpointed
 
     # the rerun redoes the iterations after the checkpoint (MLflow keeps the first attempt's steps) and two more
-    rerun = wait_final(s, started(s, "reinforce/default", {**config, "iterations": logged + 2},
-                                         deploy))
+    rerun = wait_final(s, started(s, "reinforce/default", {**config, "iterations": logged + 2}, deploy))
     assert rerun["state"]["type"] == "COMPLETED", rerun["state"]
     # the training run stops its server at the end
     _wait_for(lambda: not stack_processes(s, "components.serving.rollout.main"), 60, "rollout server stopped")

@@ -13,7 +13,7 @@ PyTriton servers started as a run starts them):
   NaN/Inf/huge values, bad UTF-8): each is refused with an error naming a tensor, and the run's own requests are
   served afterwards;
 - a server whose run is SIGKILLed stops, and leaves nothing behind: no process, not its directory (its workspace,
-  Triton's copies of the models it loaded)."""
+  with the repository Triton loaded its models from)."""
 
 from __future__ import annotations
 
